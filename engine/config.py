@@ -1,0 +1,222 @@
+"""The training config: one typed dataclass that the YAML file, the command line, the job store
+and the studio all share.
+
+    cfg = load_config("run.yaml", overrides=["--lora.r", "8", "--max_steps", "30"])
+    cfg.to_yaml()  # the resolved config, as written to output_dir/config.yaml
+
+An unknown key is an error that names it and lists the valid ones; values are checked in
+`__post_init__` so a bad config fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from engine.errors import ConfigError
+
+METHODS = ("qlora", "lora", "full", "grpo")
+CHECKPOINTING = ("off", "standard", "offload")
+SCHEDULERS = ("cosine", "linear", "constant")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter shape (ignored for full fine-tuning)."""
+
+    r: int = 16  # rank: higher learns more and costs more memory
+    alpha: int = 32  # scaling = alpha / r
+    dropout: float = 0.0  # > 0 turns off the fused LoRA kernels (PEFT's path runs instead)
+    targets: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.r, int) and 1 <= self.r <= 1024, f"lora.r must be 1..1024, got {self.r}")
+        _check(self.alpha > 0, f"lora.alpha must be positive, got {self.alpha}")
+        _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        _check(bool(self.targets), "lora.targets must name at least one module, e.g. q_proj")
+
+
+@dataclass
+class RewardSpec:
+    """One GRPO reward: a built-in `name` (or `custom` with `path`) and its weight."""
+
+    name: str
+    weight: float = 1.0
+    pattern: str | None = None  # format_regex
+    target_length: int | None = None  # length_penalty
+    path: str | None = None  # custom: a Python file defining reward(prompts, completions, answers)
+
+
+@dataclass
+class GrpoSettings:
+    """GRPO settings (method: grpo)."""
+
+    num_generations: int = 8  # completions per prompt; advantages are normalised in each group
+    max_completion_length: int = 256
+    max_prompt_length: int = 512
+    beta: float = 0.04  # KL weight to the reference (adapter disabled); 0 skips the reference pass
+    epsilon: float = 0.2  # ratio clip
+    loss_type: str = "grpo"  # grpo (sequence mean) | dapo | dr_grpo (token level)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="exact_answer")])
+    allow_custom_rewards: bool = False  # custom reward files run inside the job's process
+
+    def __post_init__(self) -> None:
+        self.rewards = [r if isinstance(r, RewardSpec) else _build(RewardSpec, r, "grpo.rewards[]") for r in self.rewards]
+        _check(self.num_generations >= 2, f"grpo.num_generations must be at least 2, got {self.num_generations}")
+        _check(self.max_completion_length >= 1, "grpo.max_completion_length must be positive")
+        _check(self.loss_type in LOSS_TYPES, f"grpo.loss_type must be one of {', '.join(LOSS_TYPES)}")
+        _check(self.beta >= 0 and self.epsilon > 0, "grpo.beta must be >= 0 and grpo.epsilon > 0")
+        _check(self.temperature > 0, "grpo.temperature must be positive")
+        _check(bool(self.rewards), "grpo.rewards must list at least one reward")
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs. The same fields are the YAML keys."""
+
+    model: str = "demo"  # a hub id, a local folder, or `demo` (built in, offline)
+    method: str = "lora"  # qlora | lora | full | grpo
+    dataset: str = "arithmetic_chat"  # a file (jsonl, json, csv, parquet) or a shipped sample name
+    output_dir: str | None = None  # default: KESTREL_HOME/runs/<name>
+    name: str | None = None  # run name; default derived from model and time
+    max_seq_length: int = 1024
+    max_steps: int | None = None  # wins over epochs when both are set
+    epochs: float | None = None  # default 1 when max_steps is not set
+    learning_rate: float = 2e-4
+    batch_size: int = 2
+    grad_accum: int = 1
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    packing: bool = False  # several samples per row, attention kept inside each sample
+    train_on_responses_only: bool = True  # mask prompt tokens out of the loss
+    gradient_checkpointing: str = "standard"  # off | standard | offload (layer inputs in CPU memory)
+    save_steps: int = 100  # 0 saves only at the end
+    seed: int = 42
+    # advanced
+    dtype: str = "auto"  # compute dtype: bf16 where supported, else fp32 on CPU
+    warmup_steps: int = 0
+    lr_scheduler: str = "cosine"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    logging_steps: int = 1
+    dataset_format: str = "auto"  # or messages | sharegpt | alpaca | prompt_completion | text
+    columns: dict[str, str] = field(default_factory=dict)  # role -> column name overrides
+    system_prompt: str | None = None
+    grpo: GrpoSettings = field(default_factory=GrpoSettings)
+
+    def __post_init__(self) -> None:
+        _check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        _check(self.gradient_checkpointing in CHECKPOINTING,
+               f"gradient_checkpointing must be one of {', '.join(CHECKPOINTING)}, got {self.gradient_checkpointing!r}")
+        _check(self.lr_scheduler in SCHEDULERS, f"lr_scheduler must be one of {', '.join(SCHEDULERS)}")
+        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(16 <= self.max_seq_length <= 1_048_576, f"max_seq_length must be 16..1048576, got {self.max_seq_length}")
+        _check(self.max_steps is None or self.max_steps >= 1, f"max_steps must be at least 1, got {self.max_steps}")
+        _check(self.epochs is None or self.epochs > 0, f"epochs must be positive, got {self.epochs}")
+        _check(0 < self.learning_rate < 1, f"learning_rate must be in (0, 1), got {self.learning_rate}")
+        _check(1 <= self.batch_size <= 4096, f"batch_size must be 1..4096, got {self.batch_size}")
+        _check(1 <= self.grad_accum <= 4096, f"grad_accum must be 1..4096, got {self.grad_accum}")
+        _check(self.save_steps >= 0, f"save_steps must be >= 0, got {self.save_steps}")
+        _check(self.warmup_steps >= 0 and self.weight_decay >= 0, "warmup_steps and weight_decay must be >= 0")
+        _check(self.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 turns clipping off)")
+        _check(self.logging_steps >= 1, "logging_steps must be at least 1")
+        _check(bool(str(self.model).strip()), "model must name a hub id, a local folder or `demo`")
+        _check(bool(str(self.dataset).strip()), "dataset must name a file or a sample dataset")
+
+    @property
+    def load_in_4bit(self) -> bool:
+        return self.method == "qlora"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass `cls` from a mapping, naming any unknown key and listing the valid ones."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping of keys to values, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]}; valid keys{' under ' + where if where else ''}: "
+            + ", ".join(sorted(names))
+        )
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        nested = hints[key]
+        if dataclasses.is_dataclass(nested) and isinstance(nested, type):
+            value = value if isinstance(value, nested) else _build(nested, value, f"{where}.{key}".strip("."))
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from exc
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """A validated TrainConfig from a plain mapping (a parsed YAML file, the studio's form)."""
+    return _build(TrainConfig, data, "")
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`["--lora.r", "8", "--packing", "true"]` -> `{"lora": {"r": 8}, "packing": True}`."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        key = args[i]
+        if not key.startswith("--") or i + 1 >= len(args):
+            raise ConfigError(f"overrides must be --key value pairs; could not read {' '.join(args[i:])!r}")
+        value = yaml.safe_load(args[i + 1])
+        node = out
+        parts = key[2:].replace("-", "_").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+        i += 2
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config (or start from defaults when `path` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+    return config_from_dict(_merge(data, parse_overrides(overrides or [])))

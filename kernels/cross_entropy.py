@@ -1,0 +1,351 @@
+"""Fused lm_head + cross-entropy, and per-token log-probs, without ever holding `(N, V)` logits.
+
+Memory argument: hidden is `(N, H)`; full logits would be `(N, V)`, i.e. `V / H` times hidden
+(32x for Llama-3: 128256 / 4096, 2.1 GB in bf16 at N = 8192, 4.2 GB in fp32). Tokens are
+processed in chunks of `c` rows with `c * V ~= N * H`, so one chunk of logits costs about as much
+as hidden itself, and that one `(c, V)` buffer is reused by every chunk.
+
+Per chunk (rows `s:e`), with `x = h[s:e] @ W^T` in the weight dtype (fp32 accumulation):
+
+    z      = cap(x) / T,        cap(x) = c * tanh(x / c)  (Gemma softcap; identity when None)
+    lse    = logsumexp_v z                                 (online, one pass over V in blocks)
+    loss_i = lse_i - z[i, y_i]                             (0 where y_i == ignore_index)
+    dloss_i / dx[i, v] = (softmax(z)[i, v] - [v == y_i]) * (1 - tanh^2(x / c)) / T
+
+The Triton kernel overwrites the chunk's logits in place with that gradient times a scale, then
+    grad_h[s:e] = dx @ W        (c, V) @ (V, H)
+    grad_W     += dx^T @ h[s:e] (V, c) @ (c, H)   skipped when W is frozen (LoRA).
+
+`fused_linear_cross_entropy` ("mean"/"sum") does all of this during forward, with scale
+`1 / num_valid` ("mean", a device tensor: no host sync) or 1 ("sum"); backward only multiplies the
+saved grads by the scalar grad_output. "none" and `chunked_token_logprobs` get a per-token
+grad_output that must weight each row *before* the sum over tokens in grad_W, so they save only
+`lse` `(N,)` in forward and recompute the chunk logits in backward (one extra matmul per chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.dispatch import use_triton
+
+# Vocabulary is swept in blocks of at most this many columns (tests lower it to force the loop).
+_MAX_BLOCK_V = 8192
+# Below this many tokens a chunk turns the matmuls into slow GEMVs that re-read all of W; the extra
+# logits memory of such a floor is small (128 x 256K bf16 = 64 MB). Tests lower it to 1.
+_MIN_CHUNK = 128
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised buffer for outputs the kernels fully overwrite (tests poison it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------- Triton kernel
+@triton.jit
+def _transform(x, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
+    """z = cap(x) * inv_temp and dz/dx, in fp32."""
+    if HAS_SOFTCAP:
+        # tanh(u) = 1 - 2 / (exp(2u) + 1): saturates to +-1 without NaN for large |u|.
+        t = 1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0)
+        z = softcap * t * inv_temp
+        dz_dx = (1.0 - t * t) * inv_temp
+    else:
+        z = x * inv_temp
+        dz_dx = inv_temp + tl.zeros_like(x)
+    return z, dz_dx
+
+
+@triton.jit
+def _ce_chunk_kernel(
+    logits_ptr,  # (rows, V) chunk logits, row stride `stride`; overwritten by the gradient
+    stride,
+    labels_ptr,  # (rows,) int
+    loss_ptr,  # (rows,) fp32 out (only with COMPUTE_LSE)
+    lse_ptr,  # (rows,) fp32: written with COMPUTE_LSE, read otherwise
+    scale_ptr,  # gradient scale: scalar (scale_stride 0) or per row (scale_stride 1), fp32
+    scale_stride,
+    V,
+    ignore_index,
+    softcap,
+    inv_temp,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_LSE: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # grid: (rows,), one program per token row sweeping the vocabulary in BLOCK_V columns.
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride  # int64 offsets: rows * V passes 2^31 at 256K vocab
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    valid = label != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+    if COMPUTE_LSE:
+        m = float("-inf")  # running max
+        d = 0.0  # running sum of exp(z - m)
+        for start in range(0, V, BLOCK_V):
+            mask = start + cols < V
+            x = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            z, _ = _transform(x, softcap, inv_temp, HAS_SOFTCAP)
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(d)
+        x_y = tl.load(row_ptr + tl.where(valid, label, 0)).to(tl.float32)
+        z_y, _ = _transform(x_y, softcap, inv_temp, HAS_SOFTCAP)
+        tl.store(loss_ptr + row, tl.where(valid, lse - z_y, 0.0))
+        tl.store(lse_ptr + row, lse)
+    else:
+        lse = tl.load(lse_ptr + row)
+    if COMPUTE_GRAD:
+        scale = tl.where(valid, tl.load(scale_ptr + row * scale_stride).to(tl.float32), 0.0)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            mask = offs < V
+            x = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            z, dz_dx = _transform(x, softcap, inv_temp, HAS_SOFTCAP)
+            p = tl.exp(z - lse)
+            g = (p - tl.where(offs == label, 1.0, 0.0)) * dz_dx * scale
+            tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- per-chunk op, both backends
+def _ce_chunk_triton(logits, labels, loss, lse, scale, ignore_index, softcap, inv_temp,
+                     compute_lse, compute_grad) -> None:
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    block = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    _ce_chunk_kernel[(rows,)](
+        logits, logits.stride(0), labels, loss, lse, scale, 0 if scale.dim() == 0 else 1,
+        vocab, ignore_index, float(softcap or 1.0), float(inv_temp),
+        HAS_SOFTCAP=softcap is not None, COMPUTE_LSE=compute_lse, COMPUTE_GRAD=compute_grad,
+        BLOCK_V=block, num_warps=16 if block >= 4096 else 4,
+    )
+
+
+def _ce_chunk_torch(logits, labels, loss, lse, scale, ignore_index, softcap, inv_temp,
+                    compute_lse, compute_grad) -> None:
+    """The same contract as the Triton kernel, in fp32 torch over one chunk."""
+    x = logits.float()  # (rows, V)
+    if softcap is not None:
+        t = torch.tanh(x / softcap)
+        z, dz_dx = softcap * inv_temp * t, (1.0 - t * t) * inv_temp
+    else:
+        z, dz_dx = x * inv_temp, None
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long().unsqueeze(1)  # (rows, 1)
+    if compute_lse:
+        lse.copy_(torch.logsumexp(z, dim=1))
+        loss.copy_(torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0))
+    if compute_grad:
+        g = torch.exp(z - lse.unsqueeze(1))  # softmax
+        g.scatter_add_(1, safe, -valid.to(g.dtype).unsqueeze(1))  # - onehot on valid rows
+        g = g * dz_dx if dz_dx is not None else g * inv_temp
+        g *= (scale.float() * valid).unsqueeze(1)  # scalar or per-row scale; 0 on ignored rows
+        logits.copy_(g)
+
+
+def _chunk_size(n: int, h: int, v: int) -> int:
+    """Tokens per chunk so that chunk logits (c * V) cost about as much as hidden (N * H)."""
+    c = max(n * h // max(v, 1), min(_MIN_CHUNK, n), 1)
+    if c >= 256:
+        c -= c % 128  # tile-friendly matmul shapes
+    return min(c, max(n, 1))
+
+
+def _chunked_pass(h, w, labels, loss, lse, scale, gh, gw, opts: dict, compute_lse: bool) -> None:
+    """Sweep the chunks: logits -> CE kernel (loss/lse and/or in-place grad) -> grad matmuls.
+
+    h `(N, H)`, w `(V, H)`, labels `(N,)`; loss, lse `(N,)` fp32; scale scalar or `(N,)` fp32;
+    gh `(N, H)` or None; gw `(V, H)` (accumulated into) or None.
+    """
+    n, hdim = h.shape
+    vocab = w.shape[0]
+    chunk = _chunk_size(n, hdim, vocab)
+    compute_grad = gh is not None or gw is not None
+    op = _ce_chunk_triton if opts["triton"] else _ce_chunk_torch
+    buf = _alloc((min(chunk, n), vocab), w.dtype, w.device)  # reused by all chunks
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        hc = h[s:e].to(w.dtype)
+        logits = buf[: e - s]
+        torch.mm(hc, w.t(), out=logits)
+        op(logits, labels[s:e], loss[s:e], lse[s:e], scale if scale.dim() == 0 else scale[s:e],
+           opts["ignore_index"], opts["softcap"], opts["inv_temp"], compute_lse, compute_grad)
+        if gh is not None:
+            if gh.dtype == logits.dtype:
+                torch.mm(logits, w, out=gh[s:e])
+            else:
+                gh[s:e] = logits @ w
+        if gw is not None:
+            gw.addmm_(logits.t(), hc)
+
+
+# ---------------------------------------------------------------- autograd Functions
+class _FusedLinearCE(torch.autograd.Function):
+    """Scalar loss ("mean"/"sum") whose gradients are computed during forward."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, opts: dict, reduction: str, need_gh: bool, need_gw: bool):
+        n = h.shape[0]
+        loss = _alloc((n,), torch.float32, h.device)
+        lse = _alloc((n,), torch.float32, h.device)
+        if reduction == "mean":
+            num_valid = (labels != opts["ignore_index"]).sum().clamp_(min=1)  # device tensor
+            scale = num_valid.reciprocal().float()
+        else:
+            scale = torch.ones((), dtype=torch.float32, device=h.device)
+        gh = _alloc(h.shape, h.dtype, h.device) if need_gh else None
+        gw = torch.zeros_like(w) if need_gw else None
+        _chunked_pass(h, w, labels, loss, lse, scale, gh, gw, opts, compute_lse=True)
+        ctx.grads = (gh, gw)
+        return loss.sum() * scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_cross_entropy: backward can run only once per forward")
+        gh, gw = ctx.grads
+        ctx.grads = None  # the grads are scaled in place below and handed over, not kept
+        # Always multiply (a 0-d device tensor): testing grad_out == 1 first would sync the host.
+        if gh is not None:
+            gh.mul_(grad_out)
+        if gw is not None:
+            gw.mul_(grad_out)
+        return gh, gw, None, None, None, None, None
+
+
+class _PerTokenCE(torch.autograd.Function):
+    """Per-token loss `(N,)` fp32; backward recomputes chunk logits from the saved `lse`.
+
+    Backward: with g_i = grad_out_i, dx[i, v] = g_i (softmax(z)[i, v] - [v == y_i]) dz/dx, then
+    grad_h = dx @ W and grad_W = dx^T @ h chunk by chunk: g weights each row before the sum
+    over tokens in grad_W, which is why these grads cannot be precomputed in forward.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, labels, opts: dict):
+        loss = _alloc((h.shape[0],), torch.float32, h.device)
+        lse = _alloc((h.shape[0],), torch.float32, h.device)
+        unused = torch.ones((), dtype=torch.float32, device=h.device)
+        _chunked_pass(h, w, labels, loss, lse, unused, None, None, opts, compute_lse=True)
+        ctx.save_for_backward(h, w, labels, lse)
+        ctx.opts = opts
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        h, w, labels, lse = ctx.saved_tensors
+        need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gh = _alloc(h.shape, h.dtype, h.device) if need_gh else None
+        gw = torch.zeros_like(w) if need_gw else None
+        if need_gh or need_gw:
+            row_scale = grad_out.float().contiguous()
+            _chunked_pass(h, w, labels, lse, lse, row_scale, gh, gw, ctx.opts, compute_lse=False)
+        return gh, gw, None, None
+
+
+# ---------------------------------------------------------------- public API
+def _flatten(hidden: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+    if hidden.shape[:-1] != ids.shape:
+        raise ValueError(f"labels shape {tuple(ids.shape)} != hidden leading shape {tuple(hidden.shape[:-1])}")
+    if hidden.shape[-1] != w.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} != lm_head in_features {w.shape[1]}")
+    return hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1).contiguous()
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of `softcap(hidden @ lm_head_weight^T)` against `labels`, chunked.
+
+    hidden `(N, H)` or `(B, T, H)`; lm_head_weight `(V, H)`; labels `(N,)` / `(B, T)`, already
+    shifted by the caller, values in `[0, V)` or `ignore_index`. Returns an fp32 scalar for
+    "mean" (over non-ignored tokens; 0 with zero grads when all are ignored) and "sum", or the
+    per-token losses with hidden's leading shape for "none" (ignored tokens give 0).
+    Peak extra memory: one `(c, V)` chunk of logits (about hidden's size) plus the gradients.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    h, y = _flatten(hidden, lm_head_weight, labels)
+    opts = {"ignore_index": int(ignore_index), "softcap": softcap, "inv_temp": 1.0,
+            "triton": use_triton(hidden, lm_head_weight, labels)}
+    if reduction == "none":
+        return _PerTokenCE.apply(h, lm_head_weight, y, opts).reshape(hidden.shape[:-1])
+    grad_on = torch.is_grad_enabled()
+    return _FusedLinearCE.apply(h, lm_head_weight, y, opts, reduction,
+                                grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """log p(token_ids[i] | hidden[i]) = log_softmax(softcap(hidden @ W^T) / temperature)[token].
+
+    hidden `(N, H)` or `(B, T, H)`; lm_head_weight `(V, H)`; token_ids with hidden's leading
+    shape, values in `[0, V)` (-100 marks padding and gives 0 with no gradient). Returns fp32
+    log-probs with token_ids' shape. Differentiable w.r.t. hidden and (if it requires grad) the
+    weight: d logp_i / dx[i, v] = ([v == t_i] - softmax(z)[i, v]) * cap'(x) / temperature, with
+    the chunk logits recomputed in backward (never stored).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    h, t = _flatten(hidden, lm_head_weight, token_ids)
+    opts = {"ignore_index": -100, "softcap": softcap, "inv_temp": 1.0 / float(temperature),
+            "triton": use_triton(hidden, lm_head_weight, token_ids)}
+    # log p = -(lse - z_t): the per-token cross-entropy, negated.
+    return -_PerTokenCE.apply(h, lm_head_weight, t, opts).reshape(hidden.shape[:-1])
+
+
+# ---------------------------------------------------------------- full-logits references
+def _full_logits(hidden: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = hidden.reshape(-1, hidden.shape[-1]).float() @ w.float().t()  # (N, V) fp32
+    return softcap * torch.tanh(logits / softcap) if softcap is not None else logits
+
+
+def fused_linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Test reference: `F.cross_entropy` on the full fp32 `(N, V)` logits (all-ignored mean -> 0)."""
+    logits = _full_logits(hidden, lm_head_weight, softcap)
+    y = labels.reshape(-1)
+    losses = F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="none")
+    if reduction == "none":
+        return losses.reshape(labels.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (y != ignore_index).sum().clamp(min=1)
+
+
+def token_logprobs_reference(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Test reference: `log_softmax(full fp32 logits / T).gather(token_ids)`."""
+    logp = torch.log_softmax(_full_logits(hidden, lm_head_weight, softcap) / temperature, dim=-1)
+    return logp.gather(1, token_ids.reshape(-1, 1)).reshape(token_ids.shape)

@@ -1,0 +1,396 @@
+"""Fused LoRA projections with hand-written backward passes, over 16-bit or NF4 base weights.
+
+One projection with a frozen base `W (out, in)` and an adapter `A (r, in)`, `B (out, r)`,
+scaling `s`, on `X (M, in)` (all leading dims flattened into M):
+
+    Y = X W^T + s (X A^T) B^T                                   (M, out)
+
+Backward, given dY (M, out), computed rank-first so no (out, in) weight gradient ever forms:
+
+    dYB = s dY B                                                (M, r)
+    dA  = dYB^T X              = s (dY B)^T X                   (r, in)
+    dB  = dY^T (s X A^T)       = s dY^T (X A^T)                 (out, r)
+    dX  = dY W + dYB A         = dY W + s (dY B) A              (M, in)
+
+W gets no gradient; an NF4 W is dequantized just in time (`kernels.nf4.dequantize`) into a
+shared workspace in forward and again in backward, so no 16-bit copy of it is kept. The rank-r
+product `s X A^T` (M, r) is saved: it costs r/in of X and saves a matmul in backward.
+
+Matmuls go to cuBLAS through torch on every device; the Triton parts are the NF4 dequant and the
+GLU of `lora_mlp` (`kernels.glu`). Compute runs in X's dtype (or autocast's, when it is on);
+A and B are cast to it (PEFT keeps them in fp32) and their gradients returned in their own dtype.
+Bias, dropout and DoRA are not supported: `LoRAWeights.from_peft` refuses such layers with a
+reason so the caller keeps PEFT's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from kernels import nf4
+
+Activation = Literal["swiglu", "geglu"]
+_FIELDS = 5  # tensors/values per projection in a flattened autograd argument list
+
+
+@dataclass
+class LoRAWeights:
+    """One LoRA projection. weight: the frozen base, `(out, in)` 16/32-bit, or NF4-packed uint8
+    (a bitsandbytes `Params4bit`) with its `quant_state`; lora_A `(r, in)`; lora_B `(out, r)`;
+    scaling: `lora_alpha / r` (or PEFT's rsLoRA value)."""
+
+    weight: torch.Tensor
+    quant_state: Any | None
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
+
+    def __post_init__(self) -> None:
+        r, in_features = self.lora_A.shape
+        out_features, r_b = self.lora_B.shape
+        if r != r_b:
+            raise ValueError(f"lora_A {tuple(self.lora_A.shape)} and lora_B {tuple(self.lora_B.shape)} ranks differ")
+        base = self.weight.shape if self.quant_state is None else self.quant_state.shape
+        if tuple(base) != (out_features, in_features):
+            raise ValueError(f"base weight {tuple(base)} does not match the adapter ({out_features}, {in_features})")
+
+    @property
+    def in_features(self) -> int:
+        return self.lora_A.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.lora_B.shape[0]
+
+    @classmethod
+    def from_peft(cls, layer: Any, adapter_name: str | None = None) -> tuple[LoRAWeights | None, str]:
+        """Read a PEFT `lora.Linear` / `lora.bnb.Linear4bit` layer. Returns (weights, "") or, when
+        the fused path would not compute what PEFT computes, (None, reason). Duck-typed: no peft
+        import (it pulls in transformers)."""
+        reason = _peft_refusal(layer, adapter_name)
+        if reason:
+            return None, reason
+        name = adapter_name or layer.active_adapters[0]
+        weight = layer.get_base_layer().weight
+        quant_state = getattr(weight, "quant_state", None) if weight.dtype == torch.uint8 else None
+        return cls(weight, quant_state, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])), ""
+
+    def _flat(self) -> tuple[Any, ...]:
+        return (self.weight, self.quant_state, self.lora_A, self.lora_B, self.scaling)
+
+
+def _peft_refusal(layer: Any, adapter_name: str | None) -> str:
+    """Why the fused path cannot stand in for this PEFT layer ("" when it can)."""
+    if not all(hasattr(layer, a) for a in ("lora_A", "lora_B", "scaling", "get_base_layer")):
+        return f"{type(layer).__name__} is not a PEFT LoRA layer"
+    if getattr(layer, "disable_adapters", False):
+        return "adapters are disabled"
+    if getattr(layer, "merged", False):
+        return "adapter is merged into the base weight"
+    active = list(getattr(layer, "active_adapters", []))
+    if len(active) != 1:
+        return f"{len(active)} active adapters (fused path takes exactly one)"
+    name = adapter_name or active[0]
+    if name != active[0]:
+        return f"adapter {name!r} is not the active one ({active[0]!r})"
+    if name not in layer.lora_A or name not in layer.lora_B:
+        return f"adapter {name!r} has no lora_A/lora_B on this layer (not a Linear adapter)"
+    if getattr(layer, "use_dora", {}).get(name, False):
+        return "DoRA"
+    variant = getattr(layer, "lora_variant", {}).get(name)
+    if variant is not None:
+        return f"LoRA variant {type(variant).__name__}"
+    dropout = layer.lora_dropout[name] if name in getattr(layer, "lora_dropout", {}) else None
+    if dropout is not None and not isinstance(dropout, torch.nn.Identity):
+        if not (isinstance(dropout, torch.nn.Dropout) and dropout.p == 0):
+            return f"lora dropout {getattr(dropout, 'p', dropout)} > 0"
+    if getattr(layer, "lora_bias", {}).get(name, False) or layer.lora_B[name].bias is not None:
+        return "lora_B has a bias"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out (Conv1D) layout"
+    return _base_refusal(layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name], layer.scaling[name])
+
+
+def _base_refusal(base: Any, lora_a: Any, lora_b: Any, scaling: Any) -> str:
+    if not isinstance(lora_a, torch.nn.Linear) or not isinstance(lora_b, torch.nn.Linear):
+        return f"adapter modules are {type(lora_a).__name__}/{type(lora_b).__name__}, not Linear"
+    if lora_a.bias is not None:
+        return "lora_A has a bias"
+    if not isinstance(scaling, (int, float)):
+        return f"scaling is a {type(scaling).__name__}, not a number"
+    if getattr(base, "bias", None) is not None:
+        return "base layer has a bias"
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return f"base layer {type(base).__name__} has no 2-D weight"
+    if weight.requires_grad:
+        return "base weight is trainable (the fused backward gives it no gradient)"
+    if weight.dtype == torch.uint8:
+        qs = getattr(weight, "quant_state", None)
+        if qs is None:
+            return "uint8 base weight without a quant_state"
+        if getattr(qs, "quant_type", None) != "nf4":
+            return f"4-bit quant_type {getattr(qs, 'quant_type', None)!r} (only nf4)"
+        expected = (lora_b.weight.shape[0], lora_a.weight.shape[1])
+        return "" if tuple(qs.shape) == expected else f"quant_state shape {tuple(qs.shape)} != {expected}"
+    if not weight.is_floating_point() or weight.element_size() < 2:
+        return f"base weight dtype {weight.dtype} (8-bit and other formats are not supported)"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces: dtype policy, base weight, one projection's forward and backward.
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """X's dtype, or autocast's when autocast is on (the ops inside run with autocast off)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def _base(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The base weight (out, in) in `dtype`: NF4 is dequantized into the shared workspace."""
+    if quant_state is not None:
+        return nf4.dequantize(weight, quant_state, dtype=dtype)
+    return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+def _project(x: torch.Tensor, w: LoRAWeights, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, in) -> y = x W^T + s (x A^T) B^T (M, out), and xa = s x A^T (M, r) for backward."""
+    xa = torch.mm(x, w.lora_A.to(dtype).t()).mul_(w.scaling)  # (M, r)
+    y = torch.mm(x, _base(w.weight, w.quant_state, dtype).t())  # (M, out)
+    return y.addmm_(xa, w.lora_B.to(dtype).t()), xa
+
+
+def _adapter_grads(
+    dy: torch.Tensor, x: torch.Tensor | None, xa: torch.Tensor, w: LoRAWeights, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """dy (M, out) -> dyb = s dY B (M, r), dA = dyb^T x (r, in) (None when x is None: the
+    caller forms it later), dB = dY^T (s x A^T) (out, r)."""
+    dyb = torch.mm(dy, w.lora_B.to(dtype)).mul_(w.scaling)
+    da = None if x is None else torch.mm(dyb.t(), x).to(w.lora_A.dtype)
+    db = torch.mm(dy.t(), xa).to(w.lora_B.dtype)
+    return dyb, da, db
+
+
+def _input_grad(
+    dy: torch.Tensor, dyb: torch.Tensor, w: LoRAWeights, dtype: torch.dtype, dx: torch.Tensor | None
+) -> torch.Tensor:
+    """dX = dY W + dyb A (M, in), accumulated in place into `dx` when one is given."""
+    weight = _base(w.weight, w.quant_state, dtype)  # re-dequantized into the workspace
+    dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
+    return dx.addmm_(dyb, w.lora_A.to(dtype))
+
+
+def _unflatten(args: tuple[Any, ...]) -> list[LoRAWeights]:
+    return [LoRAWeights(*args[i : i + _FIELDS]) for i in range(0, len(args), _FIELDS)]
+
+
+def _save(ctx: Any, ws: list[LoRAWeights] | tuple[LoRAWeights, ...], *saved: torch.Tensor) -> None:
+    """Save `saved`, then each projection's (weight, A, B); quant_state and scaling go on ctx."""
+    ctx.save_for_backward(*saved, *(t for w in ws for t in (w.weight, w.lora_A, w.lora_B)))
+    ctx.meta = [(w.quant_state, w.scaling) for w in ws]
+
+
+def _rebuild(tensors: list[torch.Tensor], meta: list[tuple[Any, float]]) -> list[LoRAWeights]:
+    """Inverse of `_save` for the projections' part of `ctx.saved_tensors`."""
+    return [LoRAWeights(tensors[3 * k], q, tensors[3 * k + 1], tensors[3 * k + 2], s) for k, (q, s) in enumerate(meta)]
+
+
+def _needs(ctx: Any, first: int, k: int) -> tuple[bool, bool]:
+    """needs_input_grad of (lora_A, lora_B) of projection k whose fields start at `first`."""
+    base = first + _FIELDS * k
+    return ctx.needs_input_grad[base + 2], ctx.needs_input_grad[base + 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# lora_linear and lora_qkv: N projections of one input.
+
+
+class _LoRAProjections(torch.autograd.Function):
+    """Y_k = X W_k^T + s_k (X A_k^T) B_k^T for k = 1..N, all from one X (N = 1: a linear;
+    N = 3: Q, K, V). Backward (dY_k (M, out_k)), per projection as in the module docstring, with
+    the N input gradients summed into ONE (M, in) buffer:
+
+        dX = sum_k  dY_k W_k + s_k (dY_k B_k) A_k
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *flat: Any) -> tuple[torch.Tensor, ...]:
+        dtype, lead = _compute_dtype(x), x.shape[:-1]
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
+            outs, xas = [], []
+            for w in _unflatten(flat):
+                y, xa = _project(x2, w, dtype)
+                outs.append(y.view(*lead, w.out_features))
+                xas.append(xa)
+        _save(ctx, _unflatten(flat), x2, *xas)
+        ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        n, dtype = len(ctx.meta), ctx.dtype
+        x2, *rest = ctx.saved_tensors
+        xas, ws = rest[:n], _rebuild(rest[n:], ctx.meta)
+        grads: list[torch.Tensor | None] = [None] * (1 + _FIELDS * n)
+        dx = None
+        with torch.autocast(x2.device.type, enabled=False):
+            for k, (dy, w) in enumerate(zip(dys, ws)):
+                dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, out_k)
+                need_a, need_b = _needs(ctx, 1, k)
+                dyb, da, db = _adapter_grads(dy2, x2 if need_a else None, xas[k], w, dtype)
+                grads[1 + _FIELDS * k + 2] = da
+                grads[1 + _FIELDS * k + 3] = db if need_b else None
+                if ctx.needs_input_grad[0]:
+                    dx = _input_grad(dy2, dyb, w, dtype, dx)
+        if dx is not None:
+            grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        return tuple(grads)
+
+
+def lora_linear(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
+    """x (..., in) -> x W^T + s (x A^T) B^T (..., out); backward by hand (module docstring)."""
+    return _LoRAProjections.apply(x, *w._flat())[0]
+
+
+def lora_qkv(
+    x: torch.Tensor, q: LoRAWeights, k: LoRAWeights, v: LoRAWeights
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., hidden) -> (Q (..., out_q), K (..., out_k), V (..., out_v)) as one autograd
+    Function: backward sums the three dX contributions into one buffer."""
+    return _LoRAProjections.apply(x, *q._flat(), *k._flat(), *v._flat())
+
+
+# ---------------------------------------------------------------------------------------------
+# lora_mlp: down(act(gate(x)) * up(x)) as one Function.
+
+
+def _gelu_tanh_and_grad(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gelu_tanh(e) = 0.5 e (1 + t), t = tanh(c (e + 0.044715 e^3)), c = sqrt(2 / pi);
+    d/de = 0.5 (1 + t) + 0.5 e (1 - t^2) c (1 + 3 * 0.044715 e^2)."""
+    c = 0.7978845608028654
+    t = torch.tanh(c * (e + 0.044715 * e * e * e))
+    act = 0.5 * e * (1.0 + t)
+    grad = 0.5 * (1.0 + t) + 0.5 * e * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * e * e)
+    return act, grad
+
+
+def _silu_and_grad(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(e) = e sig(e); d/de = sig(e) (1 + e (1 - sig(e)))."""
+    sig = torch.sigmoid(e)
+    return e * sig, sig * (1.0 + e * (1.0 - sig))
+
+
+def glu_backward_reference(
+    e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place, for h = act(e) * g: returns (h, de, dg) written over (dh, e, g), where
+    de = dh * g * act'(e) and dg = dh * act(e). Math in fp32, one rounding per output."""
+    ef, gf, dhf = e.float(), g.float(), dh.float()
+    act, grad = _silu_and_grad(ef) if activation == "swiglu" else _gelu_tanh_and_grad(ef)
+    h, de, dg = act * gf, dhf * gf * grad, dhf * act
+    return dh.copy_(h), e.copy_(de), g.copy_(dg)
+
+
+def _glu_forward(e: torch.Tensor, g: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """h = act(e) * g (M, I) through kernels.glu (Triton on CUDA, its reference elsewhere)."""
+    from kernels import glu
+
+    return glu.swiglu(e, g) if activation == "swiglu" else glu.geglu(e, g)
+
+
+def _glu_backward(
+    e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, de, dg) written over (dh, e, g); see `glu_backward_reference`."""
+    return glu_backward_reference(e, g, dh, activation)
+
+
+class _LoRAMLP(torch.autograd.Function):
+    """Y = down(h), h = act(E) * G, E = gate(X), G = up(X); each of gate/up/down a LoRA
+    projection (module docstring). X (M, H), E, G, h (M, I), Y (M, H).
+
+    Forward saves X, E, G and the rank-r products s X A_gate^T, s X A_up^T, s h A_down^T; h is
+    NOT saved (recomputed in backward). Backward, given dY (M, H):
+
+        dYBd = s_d dY B_d                         (M, r)
+        dB_d = dY^T (s_d h A_d^T)                 (H, r)
+        dh   = dY W_d + dYBd A_d                  (M, I)
+        h    = act(E) * G                         (recomputed, written over dh's buffer after)
+        dE   = dh * G * act'(E)                   (written over E)
+        dG   = dh * act(E)                        (written over G)
+        dA_d = dYBd^T h                           (r, I)
+        dEB  = s_g dE B_g,   dA_g = dEB^T X,   dB_g = dE^T (s_g X A_g^T)
+        dGB  = s_u dG B_u,   dA_u = dGB^T X,   dB_u = dG^T (s_u X A_u^T)
+        dX   = dE W_g + dEB A_g + dG W_u + dGB A_u   (accumulated in place into one (M, H))
+
+    act is SiLU (swiglu) or tanh-GELU (geglu). Only one dequantized base weight lives at a
+    time. E and G are overwritten, so backward runs once (retain_graph + a second backward
+    raises).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, activation: Activation, *flat: Any) -> torch.Tensor:
+        gate, up, down = _unflatten(flat)
+        dtype, lead = _compute_dtype(x), x.shape[:-1]
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
+            e, xa_g = _project(x2, gate, dtype)  # (M, I), (M, r)
+            g, xa_u = _project(x2, up, dtype)
+            h = _glu_forward(e, g, activation)
+            y, ha_d = _project(h, down, dtype)  # (M, H), (M, r)
+        _save(ctx, (gate, up, down), x2, e, g, xa_g, xa_u, ha_d)
+        ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
+        ctx.done = False
+        return y.view(*lead, down.out_features)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.done:
+            raise RuntimeError("lora_mlp backward overwrites its saved activations: it runs once")
+        ctx.done = True
+        x2, e, g, xa_g, xa_u, ha_d, *tensors = ctx.saved_tensors
+        gate, up, down = _rebuild(tensors, ctx.meta)
+        dtype, first = ctx.dtype, 2
+        grads: list[torch.Tensor | None] = [None] * (first + _FIELDS * 3)
+        with torch.autocast(x2.device.type, enabled=False):
+            dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, H)
+            dyb, _, db_d = _adapter_grads(dy2, None, ha_d, down, dtype)
+            dh = _input_grad(dy2, dyb, down, dtype, None)  # (M, I)
+            h, de, dg = _glu_backward(e, g, dh, ctx.activation)
+            del dy2, dh
+            need_a, need_b = _needs(ctx, first, 2)
+            grads[first + 2 * _FIELDS + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype) if need_a else None
+            grads[first + 2 * _FIELDS + 3] = db_d if need_b else None
+            del h
+            dx = None
+            for k, (w, d, xa) in enumerate(((gate, de, xa_g), (up, dg, xa_u))):
+                need_a, need_b = _needs(ctx, first, k)
+                dwb, da, db = _adapter_grads(d, x2 if need_a else None, xa, w, dtype)
+                grads[first + _FIELDS * k + 2] = da
+                grads[first + _FIELDS * k + 3] = db if need_b else None
+                if ctx.needs_input_grad[0]:
+                    dx = _input_grad(d, dwb, w, dtype, dx)
+        if dx is not None:
+            grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        return tuple(grads)
+
+
+def lora_mlp(
+    x: torch.Tensor,
+    gate: LoRAWeights,
+    up: LoRAWeights,
+    down: LoRAWeights,
+    activation: Activation = "swiglu",
+) -> torch.Tensor:
+    """x (..., H) -> down(act(gate(x)) * up(x)) (..., H), one autograd Function (see _LoRAMLP)."""
+    if activation not in ("swiglu", "geglu"):
+        raise ValueError(f"activation must be 'swiglu' or 'geglu', got {activation!r}")
+    return _LoRAMLP.apply(x, activation, *gate._flat(), *up._flat(), *down._flat())
