@@ -115,6 +115,7 @@ class TrainConfig:
     dataset_format: str = "auto"  # or messages | sharegpt | alpaca | prompt_completion | text
     columns: dict[str, str] = field(default_factory=dict)  # role -> column name overrides
     system_prompt: str | None = None
+    fast_kernels: bool = True  # false trains through the plain Hugging Face path (for comparison)
     grpo: GrpoSettings = field(default_factory=GrpoSettings)
 
     def __post_init__(self) -> None:

@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import nf4
+from kernels import glu, nf4
+from kernels.dispatch import use_triton
 
 Activation = Literal["swiglu", "geglu"]
 _FIELDS = 5  # tensors/values per projection in a flattened autograd argument list
@@ -272,44 +273,41 @@ def lora_qkv(
 # lora_mlp: down(act(gate(x)) * up(x)) as one Function.
 
 
-def _gelu_tanh_and_grad(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gelu_tanh(e) = 0.5 e (1 + t), t = tanh(c (e + 0.044715 e^3)), c = sqrt(2 / pi);
-    d/de = 0.5 (1 + t) + 0.5 e (1 - t^2) c (1 + 3 * 0.044715 e^2)."""
+def _act_and_grad(e: torch.Tensor, activation: Activation) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(e), act'(e)) in e's dtype (call with fp32).
+    silu(e) = e s, s = sigmoid(e):                silu'(e) = s (1 + e (1 - s))
+    gelu_tanh(e) = e s, s = sigmoid(2z), z = sqrt(2/pi) (e + 0.044715 e^3):
+                                                  gelu_tanh'(e) = s + 2 e s (1 - s) dz/de"""
+    if activation == "swiglu":
+        s = torch.sigmoid(e)
+        return e * s, s * (1.0 + e * (1.0 - s))
     c = 0.7978845608028654
-    t = torch.tanh(c * (e + 0.044715 * e * e * e))
-    act = 0.5 * e * (1.0 + t)
-    grad = 0.5 * (1.0 + t) + 0.5 * e * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * e * e)
-    return act, grad
-
-
-def _silu_and_grad(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """silu(e) = e sig(e); d/de = sig(e) (1 + e (1 - sig(e)))."""
-    sig = torch.sigmoid(e)
-    return e * sig, sig * (1.0 + e * (1.0 - sig))
+    s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
+    return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
 
 
 def glu_backward_reference(
     e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """In place, for h = act(e) * g: returns (h, de, dg) written over (dh, e, g), where
-    de = dh * g * act'(e) and dg = dh * act(e). Math in fp32, one rounding per output."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For h = act(e) * g: de = dh * g * act'(e), dg = dh * act(e), written over (e, g) and
+    returned. fp32 math; act(e) rounded to e's dtype first, as HF (and kernels.glu) do."""
     ef, gf, dhf = e.float(), g.float(), dh.float()
-    act, grad = _silu_and_grad(ef) if activation == "swiglu" else _gelu_tanh_and_grad(ef)
-    h, de, dg = act * gf, dhf * gf * grad, dhf * act
-    return dh.copy_(h), e.copy_(de), g.copy_(dg)
+    act, grad = _act_and_grad(ef, activation)
+    de, dg = dhf * gf * grad, dhf * act.to(e.dtype).float()
+    return e.copy_(de), g.copy_(dg)
 
 
 def _glu_forward(e: torch.Tensor, g: torch.Tensor, activation: Activation) -> torch.Tensor:
     """h = act(e) * g (M, I) through kernels.glu (Triton on CUDA, its reference elsewhere)."""
-    from kernels import glu
-
     return glu.swiglu(e, g) if activation == "swiglu" else glu.geglu(e, g)
 
 
-def _glu_backward(
+def _glu_backward_(
     e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, de, dg) written over (dh, e, g); see `glu_backward_reference`."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(de, dg) written over (e, g): kernels.glu's in-place Triton backward, or the reference."""
+    if use_triton(e, g, dh):
+        return glu.glu_backward(dh, e, g, gelu=activation == "geglu", inplace=True)
     return glu_backward_reference(e, g, dh, activation)
 
 
@@ -322,18 +320,18 @@ class _LoRAMLP(torch.autograd.Function):
 
         dYBd = s_d dY B_d                         (M, r)
         dB_d = dY^T (s_d h A_d^T)                 (H, r)
+        h    = act(E) * G                         (recomputed; freed right after its one use)
+        dA_d = dYBd^T h                           (r, I)
         dh   = dY W_d + dYBd A_d                  (M, I)
-        h    = act(E) * G                         (recomputed, written over dh's buffer after)
         dE   = dh * G * act'(E)                   (written over E)
         dG   = dh * act(E)                        (written over G)
-        dA_d = dYBd^T h                           (r, I)
         dEB  = s_g dE B_g,   dA_g = dEB^T X,   dB_g = dE^T (s_g X A_g^T)
         dGB  = s_u dG B_u,   dA_u = dGB^T X,   dB_u = dG^T (s_u X A_u^T)
         dX   = dE W_g + dEB A_g + dG W_u + dGB A_u   (accumulated in place into one (M, H))
 
     act is SiLU (swiglu) or tanh-GELU (geglu). Only one dequantized base weight lives at a
-    time. E and G are overwritten, so backward runs once (retain_graph + a second backward
-    raises).
+    time, and at most three (M, I) tensors (E, G, then h or dh). E and G are overwritten, so
+    backward runs once (retain_graph and a second backward raises).
     """
 
     @staticmethod
@@ -363,13 +361,15 @@ class _LoRAMLP(torch.autograd.Function):
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, H)
             dyb, _, db_d = _adapter_grads(dy2, None, ha_d, down, dtype)
-            dh = _input_grad(dy2, dyb, down, dtype, None)  # (M, I)
-            h, de, dg = _glu_backward(e, g, dh, ctx.activation)
-            del dy2, dh
             need_a, need_b = _needs(ctx, first, 2)
-            grads[first + 2 * _FIELDS + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype) if need_a else None
+            if need_a:  # h lives only here, so it never coexists with dh
+                h = _glu_forward(e, g, ctx.activation)
+                grads[first + 2 * _FIELDS + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype)
+                del h
             grads[first + 2 * _FIELDS + 3] = db_d if need_b else None
-            del h
+            dh = _input_grad(dy2, dyb, down, dtype, None)  # (M, I)
+            de, dg = _glu_backward_(e, g, dh, ctx.activation)
+            del dy2, dh
             dx = None
             for k, (w, d, xa) in enumerate(((gate, de, xa_g), (up, dg, xa_u))):
                 need_a, need_b = _needs(ctx, first, k)

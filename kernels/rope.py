@@ -247,6 +247,7 @@ def rope_(
         raise ValueError(f"q and k must be 4-D (batch, heads, seq, head_dim), got {q.dim()}-D/{k.dim()}-D")
     if not (non_overlapping(q) and non_overlapping(k)):
         raise ValueError("q and k are written in place and must not have overlapping elements")
+    _tables(q, cos, sin, position_ids)  # shape checks, for both paths
     if not use_triton(q, k, cos, sin):
         return rope_reference_(q, k, cos, sin, position_ids)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):

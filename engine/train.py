@@ -1,0 +1,80 @@
+"""The one entry point every front end calls to train: `run(config, callbacks)`.
+
+It resolves the output folder, writes the resolved config, runs SFT or GRPO, and turns failures
+into a `TrainResult` the caller can show: out-of-memory names what to lower; a failed checkpoint
+write says the previous checkpoint is intact. Running the same config again resumes from the
+latest checkpoint in `output_dir`.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import TrainConfig
+from engine.errors import KestrelError, OutOfMemoryError, oom_message
+from engine.metrics import Callback, CallbackList, JsonlWriter
+from engine.paths import runs_dir
+
+
+@dataclass
+class TrainResult:
+    status: str  # completed | cancelled | interrupted | failed
+    output_dir: str
+    step: int
+    error: str | None = None
+
+
+def default_run_name(config: TrainConfig) -> str:
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(config.model).name or "model").strip("-")
+    return f"{base}-{config.method}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resolve_output_dir(config: TrainConfig) -> Path:
+    """`output_dir` as given, or KESTREL_HOME/runs/<name>; written back into the config."""
+    if not config.output_dir:
+        config.name = config.name or default_run_name(config)
+        config.output_dir = str(runs_dir() / config.name)
+    out = Path(config.output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainResult:
+    """Train as `config` says, reporting to `callbacks`; never raises for a run that failed."""
+    output_dir = resolve_output_dir(config)
+    config.save(output_dir / "config.yaml")
+    cb = CallbackList([JsonlWriter(output_dir / "metrics.jsonl"), *(callbacks or [])])
+    step = 0
+    try:
+        if config.method == "grpo":
+            from engine.grpo import run_grpo
+
+            status, step = run_grpo(config, output_dir, cb)
+        else:
+            from engine.sft import run_sft
+
+            status, step = run_sft(config, output_dir, cb)
+    except torch.OutOfMemoryError:
+        _release_memory()
+        error = str(OutOfMemoryError(oom_message(config.batch_size, config.max_seq_length, config.gradient_checkpointing)))
+        cb.on_end("failed", error)
+        return TrainResult("failed", str(output_dir), step, error)
+    except KestrelError as exc:
+        _release_memory()
+        cb.on_end("failed", str(exc))
+        return TrainResult("failed", str(output_dir), step, str(exc))
+    _release_memory()
+    cb.on_end(status)
+    return TrainResult(status, str(output_dir), step)

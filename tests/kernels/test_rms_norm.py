@@ -1,0 +1,157 @@
+"""rms_norm against Hugging Face's LlamaRMSNorm and Gemma3RMSNorm: forward, dx and dweight,
+through the Triton kernels (the CPU interpreter here, CUDA on the GPU machine) and the torch
+reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from kernels.rms_norm import rms_norm, rms_norm_reference
+
+# Small tests run where the Triton kernels can: CUDA when compiled, the CPU under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+SHAPES = [(3, 37, 96), (2, 5, 123), (1, 1, 64)]
+EPS = 1e-6
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tight: bool | None = None) -> None:
+    """fp32: ~1e-5 relative. bf16: 2e-2 relative plus 1e-2 of the tensor's scale (a few ulp).
+    `tight=False` for fp32 results built from bf16-rounded values."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = expected.float().abs().max().item()
+    tight = expected.dtype == torch.float32 if tight is None else tight
+    torch.testing.assert_close(
+        actual.float(), expected.float(),
+        rtol=1e-5 if tight else 2e-2, atol=(1e-5 if tight else 1e-2) * max(scale, 1.0),
+    )
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("KESTREL_KERNELS", request.param)
+    return request.param
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every new float buffer starts as NaN, so an element a kernel forgets to write shows."""
+    for name in ("empty", "empty_like", "empty_strided"):
+        original = getattr(torch, name)
+
+        def poisoned_alloc(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+
+        monkeypatch.setattr(torch, name, poisoned_alloc)
+
+
+def _hf_module(casting: str, hidden: int, dtype: torch.dtype, device: str = DEVICE) -> torch.nn.Module:
+    module = LlamaRMSNorm(hidden, eps=EPS) if casting == "llama" else Gemma3RMSNorm(hidden, eps=EPS)
+    with torch.no_grad():
+        # Llama weights sit near 1, Gemma3's near 0 (it adds the 1 itself).
+        centre = 1.0 if casting == "llama" else 0.0
+        module.weight.copy_(centre + 0.3 * torch.randn(hidden))
+    return module.to(device=device, dtype=dtype)
+
+
+def _forward_backward(fn, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor):
+    x = x.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    y = fn(x, weight)
+    dx, dw = torch.autograd.grad(y, (x, weight), grad)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_matches_hf_and_reference(backend, poisoned, shape, dtype, casting, offset) -> None:
+    torch.manual_seed(0)
+    hidden = shape[-1]
+    hf = _hf_module(casting, hidden, dtype)
+    x = (2.0 * torch.randn(shape, device=DEVICE)).to(dtype)
+    grad = torch.randn(shape, device=DEVICE).to(dtype)
+
+    def hf_fn(x, w):
+        return torch.func.functional_call(hf, {"weight": w}, (x,))
+
+    ours = _forward_backward(lambda x, w: rms_norm(x, w, EPS, offset, casting), x, hf.weight, grad)
+    ref = _forward_backward(
+        lambda x, w: rms_norm_reference(x, w, EPS, offset, casting), x, hf.weight, grad
+    )
+    expected = _forward_backward(hf_fn, x, hf.weight, grad)
+    for got, want, ref_value in zip(ours, expected, ref):
+        assert torch.isfinite(got).all()
+        assert_close(got, want)
+        assert_close(got, ref_value)
+
+
+def test_llama_promotes_like_hf(backend) -> None:
+    """bf16 activations with an fp32 weight give an fp32 output in HF; so must we."""
+    torch.manual_seed(1)
+    hf = _hf_module("llama", 64, torch.float32)
+    x = torch.randn(2, 3, 64, device=DEVICE).to(torch.bfloat16)
+    y = rms_norm(x, hf.weight, EPS)
+    assert y.dtype == torch.float32
+    assert_close(y, hf(x), tight=False)  # normed was rounded to bf16 on both sides
+
+
+def test_frozen_weight_and_strided_rows(backend, poisoned) -> None:
+    """LoRA case: weight without grad (no dweight pass). x is a column slice (row stride 160)."""
+    torch.manual_seed(2)
+    big = torch.randn(4, 7, 160, device=DEVICE, requires_grad=True)
+    x = big[..., 10:106]
+    weight = 1.0 + 0.1 * torch.randn(96, device=DEVICE)
+    grad = torch.randn(4, 7, 96, device=DEVICE)
+    y = rms_norm(x, weight, EPS)
+    (dx,) = torch.autograd.grad(y, (x,), grad)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = rms_norm_reference(x_ref, weight, EPS)
+    (dx_ref,) = torch.autograd.grad(y_ref, (x_ref,), grad)
+    assert_close(y, y_ref)
+    assert_close(dx, dx_ref)
+
+
+def test_expanded_gradient(backend) -> None:
+    """`.sum()` hands back a gradient with stride 0; the kernel must not read it as rows."""
+    torch.manual_seed(3)
+    x = torch.randn(5, 33, device=DEVICE, requires_grad=True)
+    w = torch.randn(33, device=DEVICE, requires_grad=True)
+    dx, dw = torch.autograd.grad(rms_norm(x, w, EPS).sum(), (x, w))
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    dx_ref, dw_ref = torch.autograd.grad(rms_norm_reference(x_ref, w_ref, EPS).sum(), (x_ref, w_ref))
+    assert_close(dx, dx_ref)
+    assert_close(dw, dw_ref)
+
+
+def test_rejects_bad_arguments() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="casting"):
+        rms_norm(x, torch.ones(8), EPS, casting="t5")
+    with pytest.raises(ValueError, match="weight shape"):
+        rms_norm(x, torch.ones(9), EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+@pytest.mark.parametrize("shape,dtype", [((2, 2048, 4096), torch.bfloat16), ((1, 999, 8192), torch.float32)])
+def test_large_cuda(monkeypatch, casting, offset, shape, dtype) -> None:
+    """LLM shapes on CUDA: many backward programs, each accumulating dweight over many rows."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    torch.manual_seed(4)
+    hf = _hf_module(casting, shape[-1], dtype, "cuda")
+    x = torch.randn(shape, device="cuda").to(dtype)
+    grad = torch.randn(shape, device="cuda").to(dtype)
+    ours = _forward_backward(lambda x, w: rms_norm(x, w, EPS, offset, casting), x, hf.weight, grad)
+
+    def hf_fn(x, w):
+        return torch.func.functional_call(hf, {"weight": w}, (x,))
+
+    expected = _forward_backward(hf_fn, x, hf.weight, grad)
+    for got, want in zip(ours, expected):
+        assert_close(got, want)

@@ -1,0 +1,198 @@
+"""rope_ against Hugging Face's `apply_rotary_pos_emb` on q/k built as HF builds them (leaf ->
+linear -> view -> transpose): rotated values and the gradients of the leaf and both weights,
+GQA, packed position ids, shared tables, aliased gradients, and the in-place contract."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kernels.rope import rope_, rope_reference_
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+# (batch, seq, heads_q, heads_k, head_dim): GQA, odd sizes, a half head_dim that is no power of 2
+SHAPES = [(3, 37, 4, 2, 32), (2, 5, 3, 1, 24), (1, 1, 2, 2, 64)]
+MODEL_DIM = 16
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: ~1e-5 relative. bf16: 2e-2 relative plus 1e-2 of the tensor's scale (a few ulp)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = max(expected.float().abs().max().item(), 1.0)
+    tight = expected.dtype == torch.float32
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=1e-5 if tight else 2e-2,
+                               atol=(1e-5 if tight else 1e-2) * scale)
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("KESTREL_KERNELS", request.param)
+    return request.param
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every new float buffer starts as NaN, so an element a kernel forgets to write shows."""
+    for name in ("empty", "empty_like", "empty_strided"):
+        original = getattr(torch, name)
+
+        def poisoned_alloc(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+
+        monkeypatch.setattr(torch, name, poisoned_alloc)
+
+
+def _rotary(heads_q: int, heads_k: int, head_dim: int) -> LlamaRotaryEmbedding:
+    config = LlamaConfig(hidden_size=heads_q * head_dim, num_attention_heads=heads_q,
+                         num_key_value_heads=heads_k, head_dim=head_dim, max_position_embeddings=64)
+    return LlamaRotaryEmbedding(config).to(DEVICE)
+
+
+class Projections:
+    """Leaf activations and q/k weights; `qk()` builds q, k exactly as HF attention does."""
+
+    def __init__(self, batch: int, seq: int, heads_q: int, heads_k: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        self.shape = (batch, seq, heads_q, heads_k, head_dim)
+        self.x = torch.randn(batch, seq, MODEL_DIM, device=DEVICE).to(dtype)
+        self.wq = (torch.randn(heads_q * head_dim, MODEL_DIM, device=DEVICE) / 4).to(dtype)
+        self.wk = (torch.randn(heads_k * head_dim, MODEL_DIM, device=DEVICE) / 4).to(dtype)
+
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t.detach().clone().requires_grad_() for t in (self.x, self.wq, self.wk))
+
+    def qk(self, x, wq, wk) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, heads_q, heads_k, head_dim = self.shape
+        q = torch.nn.functional.linear(x, wq).view(batch, seq, heads_q, head_dim).transpose(1, 2)
+        k = torch.nn.functional.linear(x, wk).view(batch, seq, heads_k, head_dim).transpose(1, 2)
+        return q, k
+
+    def run(self, rotate, loss=None) -> list[torch.Tensor]:
+        """Rotated q, k and d(loss)/d(x, wq, wk); default loss: a fixed random projection."""
+        leaves = self.leaves()
+        q_out, k_out = rotate(*self.qk(*leaves))
+        if loss is None:
+            gen = torch.Generator(device="cpu").manual_seed(7)
+            gq = torch.randn(q_out.shape, generator=gen).to(q_out)
+            gk = torch.randn(k_out.shape, generator=gen).to(k_out)
+            value = (q_out.float() * gq.float()).sum() + (k_out.float() * gk.float()).sum()
+        else:
+            value = loss(q_out, k_out)
+        return [q_out.detach(), k_out.detach(), *torch.autograd.grad(value, leaves)]
+
+
+def _check_all(proj: Projections, cos, sin, position_ids=None, loss=None) -> None:
+    """Ours vs HF's apply_rotary_pos_emb and vs the reference: values and all three gradients."""
+    cos_g, sin_g = (cos, sin) if position_ids is None else (cos[position_ids], sin[position_ids])
+    expected = proj.run(lambda q, k: apply_rotary_pos_emb(q, k, cos_g, sin_g), loss)
+    reference = proj.run(lambda q, k: rope_reference_(q, k, cos, sin, position_ids), loss)
+    ours = proj.run(lambda q, k: rope_(q, k, cos, sin, position_ids), loss)
+    for got, want, ref in zip(ours, expected, reference):
+        assert torch.isfinite(got).all()
+        assert_close(got, want)
+        assert_close(got, ref)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_hf_with_hf_tables(backend, poisoned, shape, dtype) -> None:
+    torch.manual_seed(0)
+    batch, seq, heads_q, heads_k, head_dim = shape
+    proj = Projections(*shape, dtype)
+    position_ids = torch.arange(seq, device=DEVICE).repeat(batch, 1) + torch.arange(batch, device=DEVICE)[:, None]
+    cos, sin = _rotary(heads_q, heads_k, head_dim)(proj.x, position_ids)  # (batch, seq, head_dim)
+    _check_all(proj, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_position_ids(backend, poisoned, dtype) -> None:
+    """Tables (max_pos, head_dim) indexed by ids that restart inside each packed row."""
+    torch.manual_seed(1)
+    proj = Projections(2, 9, 4, 2, 32, dtype)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]], device=DEVICE)
+    table_ids = torch.arange(16, device=DEVICE)[None]
+    cos, sin = (t[0] for t in _rotary(4, 2, 32)(proj.x, table_ids))  # (16, head_dim)
+    _check_all(proj, cos, sin, position_ids)
+    _check_all(proj, cos, sin, position_ids[1:])  # one id row shared by the batch
+
+
+def test_table_shared_over_batch(backend) -> None:
+    """cos/sin (1, seq, head_dim) broadcast over a batch of 3."""
+    torch.manual_seed(2)
+    proj = Projections(3, 7, 2, 1, 16, torch.float32)
+    cos, sin = _rotary(2, 1, 16)(proj.x, torch.arange(7, device=DEVICE)[None])
+    _check_all(proj, cos, sin)
+
+
+def test_same_gradient_tensor_for_q_and_k(backend, poisoned) -> None:
+    """`q_out + k_out` makes autograd hand one gradient tensor to both: rotating it in place
+    for q would corrupt k's gradient."""
+    torch.manual_seed(3)
+    proj = Projections(2, 5, 2, 2, 16, torch.float32)
+    cos, sin = _rotary(2, 2, 16)(proj.x, torch.arange(5, device=DEVICE)[None])
+    _check_all(proj, cos, sin, loss=lambda q, k: (q + k).pow(2).sum())
+    _check_all(proj, cos, sin, loss=lambda q, k: (q + k).sum())  # expanded, stride-0 gradient
+
+
+def test_in_place_contract(backend) -> None:
+    """Returns the very tensors passed in, bumps their version without grad, refuses leaves."""
+    torch.manual_seed(4)
+    proj = Projections(2, 5, 2, 1, 16, torch.float32)
+    cos, sin = _rotary(2, 1, 16)(proj.x, torch.arange(5, device=DEVICE)[None])
+    with torch.no_grad():
+        q, k = proj.qk(proj.x, proj.wq, proj.wk)
+        versions = (q._version, k._version)
+        q_want, k_want = apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin)
+        q_out, k_out = rope_(q, k, cos, sin)
+    assert q_out is q and k_out is k
+    assert q._version > versions[0] and k._version > versions[1]
+    assert_close(q, q_want)
+    assert_close(k, k_want)
+    leaf = torch.randn(1, 1, 5, 16, device=DEVICE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        rope_(leaf.detach().clone(), leaf, cos[:1], sin[:1])
+
+
+def test_rejects_bad_tables() -> None:
+    q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope_(q, k, torch.randn(1, 4, 16), torch.randn(1, 4, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_large_cuda(monkeypatch, dtype) -> None:
+    """Llama-3-8B attention shape on CUDA against HF."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    torch.manual_seed(5)
+    batch, seq, heads_q, heads_k, head_dim = 2, 2048, 32, 8, 128
+    q = torch.randn(batch, seq, heads_q, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, seq, heads_k, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+    rotary = _rotary(heads_q, heads_k, head_dim).cuda()
+    cos, sin = rotary(q, torch.arange(seq, device="cuda")[None].expand(batch, -1))
+    q_want, k_want = apply_rotary_pos_emb(q, k, cos, sin)
+    rope_(q, k, cos, sin)
+    assert_close(q, q_want)
+    assert_close(k, k_want)
+
+
+@pytest.mark.gpu
+def test_beyond_int32_offsets(monkeypatch) -> None:
+    """q with more than 2^31 elements (4.3 GB in bf16): the last tokens must rotate correctly."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    heads, head_dim = 8, 128
+    seq = 2**31 // (heads * head_dim) + 64
+    q = torch.ones(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.ones(1, 1, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+    position_ids = (torch.arange(seq, device="cuda") % 4096)[None]
+    cos, sin = (t[0] for t in _rotary(heads, 1, head_dim).cuda()(q[:, 0], torch.arange(4096, device="cuda")[None]))
+    tail_q, tail_k = q[:, :, -64:].clone(), k[:, :, -64:].clone()
+    rope_reference_(tail_q, tail_k, cos, sin, position_ids[:, -64:])
+    rope_(q, k, cos, sin, position_ids)
+    assert_close(q[:, :, -64:], tail_q)
+    assert_close(k[:, :, -64:], tail_k)
