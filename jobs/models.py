@@ -29,7 +29,9 @@ ARTIFACT_KINDS = ("adapter", "model", "checkpoint", "log", "metrics", "config", 
 
 
 class Base(DeclarativeBase):
-    pass
+    def as_dict(self) -> dict[str, Any]:
+        """The row's columns as a plain dict (JSON-ready: times are floats)."""
+        return {attr.key: getattr(self, attr.key) for attr in self.__mapper__.column_attrs}
 
 
 class SchemaVersion(Base):
@@ -57,9 +59,6 @@ class Dataset(Base):
     checksum: Mapped[str | None] = mapped_column(String(80))  # sha256 of the file
     token_stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # e.g. {"total", "mean", "max", "p95"}
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {c.name: getattr(self, c.key) for c in self.__mapper__.column_attrs}
 
 
 class Job(Base):
@@ -90,9 +89,6 @@ class Job(Base):
     stop_requested_at: Mapped[float | None] = mapped_column(Float)
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # starts, resumes included
     dataset_id: Mapped[int | None] = mapped_column(ForeignKey("datasets.id", ondelete="SET NULL"))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {c.name: getattr(self, c.key) for c in self.__mapper__.column_attrs}
 
 
 class Metric(Base):
@@ -130,5 +126,3 @@ class Artifact(Base):
     checksum: Mapped[str | None] = mapped_column(String(80))  # sha256 over the file(s)
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {c.name: getattr(self, c.key) for c in self.__mapper__.column_attrs}

@@ -69,8 +69,8 @@ def _ce_chunk_kernel(
     lse_ptr,  # (rows,) fp32: written with COMPUTE_LSE, read otherwise
     scale_ptr,  # gradient scale: scalar (scale_stride 0) or per row (scale_stride 1), fp32
     scale_stride,
-    V,
-    ignore_index,
+    V: tl.constexpr,  # constexpr: one compile per vocab size, and the interpreter (numpy >= 2.4)
+    ignore_index,  # cannot loop to a runtime bound (triton-lang/triton#9171)
     softcap,
     inv_temp,
     HAS_SOFTCAP: tl.constexpr,
@@ -198,7 +198,7 @@ class _FusedLinearCE(torch.autograd.Function):
         lse = _alloc((n,), torch.float32, h.device)
         if reduction == "mean":
             num_valid = (labels != opts["ignore_index"]).sum().clamp_(min=1)  # device tensor
-            scale = num_valid.reciprocal().float()
+            scale = num_valid.float().reciprocal()
         else:
             scale = torch.ones((), dtype=torch.float32, device=h.device)
         gh = _alloc(h.shape, h.dtype, h.device) if need_gh else None
@@ -316,7 +316,9 @@ def chunked_token_logprobs(
 
 # ---------------------------------------------------------------- full-logits references
 def _full_logits(hidden: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = hidden.reshape(-1, hidden.shape[-1]).float() @ w.float().t()  # (N, V) fp32
+    dtype = torch.promote_types(torch.promote_types(hidden.dtype, w.dtype), torch.float32)
+    hidden = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+    logits = hidden @ w.to(dtype).t()  # (N, V) fp32 (fp64 if given fp64)
     return softcap * torch.tanh(logits / softcap) if softcap is not None else logits
 
 

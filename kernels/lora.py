@@ -229,7 +229,9 @@ class _LoRAProjections(torch.autograd.Function):
             outs, xas = [], []
             for w in _unflatten(flat):
                 y, xa = _project(x2, w, dtype)
-                outs.append(y.view(*lead, w.out_features))
+                # A fresh tensor, not a view of y: autograd forbids in-place updates (RoPE) on
+                # views returned by a function with several outputs.
+                outs.append(torch.ops.aten._unsafe_view(y, (*lead, w.out_features)))
                 xas.append(xa)
         _save(ctx, _unflatten(flat), x2, *xas)
         ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape

@@ -11,8 +11,8 @@ rotation by -sin). It writes a fresh gradient buffer (see `_rotate_grad` for why
 Layout: q (batch, heads_q, seq, head_dim), k (batch, heads_k, seq, head_dim), any strides (HF
 hands in transposed views of (batch, seq, heads, head_dim)); nothing is copied. The grid is one
 program per (batch, seq) token, which rotates every head of q and of k for that token, so the
-cos/sin row is read once. All offsets are int64. The backward needs two launches (one per
-autograd node, see `_RoPEQKFunction`).
+cos/sin row is read once. All offsets are int64. The backward is one launch too, except when q
+or k is a partial view of its storage (see `_RoPEQKFunction`).
 """
 
 from __future__ import annotations
@@ -149,8 +149,75 @@ def rope_launch(
     )
 
 
+Geometry = tuple[tuple[int, ...], tuple[int, ...]]  # (shape in memory order, inverse permutation)
+
+
+def _root(t: torch.Tensor) -> tuple[torch.Tensor, Geometry] | None:
+    """The non-view tensor that `t` covers exactly, and how to rebuild `t` from it with `view` +
+    `permute` (whose backward passes are free). None when `t` covers only part of its storage
+    (a slice of a fused QKV projection) or its root is not contiguous.
+
+    HF's q is `linear(x).view(b, s, h, d).transpose(1, 2)`: the root is the linear's output.
+    """
+    root = t if t._base is None else t._base
+    if not root.is_contiguous() or root.numel() != t.numel() or root.storage_offset() != t.storage_offset():
+        return None
+    perm = sorted(range(t.dim()), key=lambda i: t.stride(i), reverse=True)
+    geometry = (tuple(t.shape[i] for i in perm), tuple(perm.index(i) for i in range(t.dim())))
+    rebuilt = _rebuild(root, geometry)
+    if any(rebuilt.stride(i) != t.stride(i) for i in range(t.dim()) if t.shape[i] > 1):
+        return None
+    return root, geometry
+
+
+def _rebuild(root: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+    shape, inverse = geometry
+    return root.view(shape).permute(inverse)
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """q and k through their roots (see `_root`): one launch forward, one backward.
+
+    Working on the roots, which are not views, lets autograd accept an in-place Function with
+    two outputs, and spares the gradient copies autograd adds around in-place updates of views.
+    """
+
+    @staticmethod
+    def forward(ctx, q_root, k_root, q_geometry, k_geometry, cos, sin, position_ids):  # type: ignore[override]
+        rope_launch(_rebuild(q_root, q_geometry), _rebuild(k_root, k_geometry), cos, sin, position_ids)
+        ctx.mark_dirty(q_root, k_root)
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.geometries = (q_geometry, k_geometry)
+        return q_root, k_root
+
+    @staticmethod
+    def backward(ctx, dq_root, dk_root):  # type: ignore[override]
+        """d(input) = rotation of d(output) by -sin, written to fresh buffers: autograd may hand
+        one gradient tensor to several readers (`q_out + k_out` gives both the same), so
+        rotating it in place could corrupt another's gradient. Same traffic either way."""
+        cos, sin, position_ids = ctx.saved_tensors
+        q_geometry, k_geometry = ctx.geometries
+        dq_root, dk_root = dq_root.contiguous(), dk_root.contiguous()  # stride-0 grads of `.sum()`
+        out_q, out_k = dq_root, dk_root
+        rope_launch(
+            _rebuild(dq_root, q_geometry), _rebuild(dk_root, k_geometry), cos, sin, position_ids,
+            backward=True, out_q=_rebuild(out_q, q_geometry), out_k=_rebuild(out_k, k_geometry),
+        )
+        return out_q, out_k, None, None, None, None, None
+
+
+def _rotate_grad(grad: torch.Tensor, ctx) -> torch.Tensor:
+    """General path: d(input) of one tensor into a fresh buffer laid out like the gradient."""
+    if not _is_dense(grad):
+        grad = grad.contiguous()  # e.g. the stride-0 gradient of `.sum()`
+    out = grad
+    cos, sin, position_ids = ctx.saved_tensors
+    rope_launch(grad, None, cos, sin, position_ids, backward=True, out_q=out)
+    return out
+
+
 def _is_dense(t: torch.Tensor) -> bool:
-    """Non-overlapping with no holes, in any dimension order (then empty_like keeps strides)."""
+    """Non-overlapping with no holes, in any dimension order."""
     extent = 1
     for stride, size in sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] != 1):
         if stride != extent:
@@ -159,28 +226,12 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _rotate_grad(grad: torch.Tensor, ctx) -> torch.Tensor:
-    """d(input) = rotation of d(output) by -sin, into a fresh buffer laid out like the gradient.
-
-    Not in place: autograd may hand the same gradient tensor to several nodes (an add of q_out
-    and k_out gives both the very same tensor), and rotating it in place would corrupt the other
-    reader. The fresh buffer costs no extra traffic (one read, one write either way).
-    """
-    if not _is_dense(grad):
-        grad = grad.contiguous()  # e.g. an expanded gradient from `.sum()`
-    out = torch.empty_strided(grad.shape, grad.stride(), dtype=grad.dtype, device=grad.device)
-    cos, sin, position_ids = ctx.saved_tensors
-    rope_launch(grad, None, cos, sin, position_ids, backward=True, out_q=out)
-    return out
-
-
 class _RoPEQKFunction(torch.autograd.Function):
-    """Rotates q AND k in one launch; to autograd it is the in-place update of q only.
-
-    Autograd refuses a Function that modifies a view in place and returns two tensors, and HF's
-    q and k are views (linear -> view -> transpose). So this node marks q dirty, and
-    `_RoPEKFunction`, applied right after, marks the already-rotated k dirty and owns its gradient.
-    """
+    """General path (q or k is a partial view, e.g. of a fused QKV output): rotates q AND k in
+    one launch, but to autograd it is the in-place update of q only. Autograd refuses a
+    Function that updates a view in place and returns two tensors, so `_RoPEKFunction`, applied
+    right after, marks the already-rotated k dirty and owns its gradient (two backward launches,
+    plus the copies autograd makes around in-place updates of views)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, position_ids):  # type: ignore[override]
@@ -241,7 +292,8 @@ def rope_(
     cos, sin: (batch or 1, seq, head_dim) as HF's rotary embedding returns them, or, with
     position_ids (batch or 1, seq), tables (max_pos, head_dim) indexed by those ids (ids may
     restart inside packed rows; they must be < max_pos, which is not checked to avoid a sync).
-    Gradients flow to q and k (rotation by -sin), none to cos/sin (buffers).
+    Gradients flow to q and k (rotation by -sin), none to cos/sin (buffers). Use the returned
+    tensors: with grad enabled they may be new views of q's and k's memory (see `_root`).
     """
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be 4-D (batch, heads, seq, head_dim), got {q.dim()}-D/{k.dim()}-D")
@@ -255,9 +307,14 @@ def rope_(
         torch.autograd.graph.increment_version(q)  # as any in-place op would
         torch.autograd.graph.increment_version(k)
         return q, k
-    if k.is_leaf and k.requires_grad:
-        # Checked before the launch writes k (the second node would only refuse afterwards).
-        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    for t in (q, k):
+        # Checked before the launch writes them (autograd would only refuse afterwards).
+        if (t if t._base is None else t._base).is_leaf and t.requires_grad:
+            raise RuntimeError("rope_ writes q and k in place: they must not be a leaf (or a view of a leaf) that requires grad")
+    q_root, k_root = _root(q), _root(k)
+    if q_root is not None and k_root is not None and q_root[0] is not k_root[0]:
+        q_out, k_out = _RoPEFunction.apply(q_root[0], k_root[0], q_root[1], k_root[1], cos, sin, position_ids)
+        return _rebuild(q_out, q_root[1]), _rebuild(k_out, k_root[1])
     q = _RoPEQKFunction.apply(q, k, cos, sin, position_ids)
     k = _RoPEKFunction.apply(k, cos, sin, position_ids)
     return q, k

@@ -146,13 +146,20 @@ def test_vocab_block_sweep(max_block, monkeypatch) -> None:
 
 
 def test_vocab_256k(backend, monkeypatch) -> None:
+    """Against an fp64 reference: grad_h sums 262144 cancelling fp32 terms (dlogits @ W), an
+    fp32 floor of ~4e-4 that the fp32 full-logits reference shares; loss and grad_W stay tight."""
     monkeypatch.setattr(ce, "_MAX_BLOCK_V", 8192)
-    hidden, weight, labels = make_inputs(n=3, h=8, v=256 * 1024, ignore_frac=0.0)
-    labels[0] = 256 * 1024 - 1  # the last column
-    ours, ref, h_ref, w_ref = run_both(hidden, weight, labels)
-    assert_rel(ours, ref, 1e-5)
-    assert_rel(hidden.grad, h_ref.grad, 1e-5)
-    assert_rel(weight.grad, w_ref.grad, 1e-5)
+    v = 256 * 1024
+    hidden, weight, labels = make_inputs(n=3, h=8, v=v, ignore_frac=0.0)
+    labels[0] = v - 1  # the last column of the last block
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ours = fused_linear_cross_entropy(hidden, weight, labels)
+    ref = fused_linear_cross_entropy_reference(h64, w64, labels)
+    ours.backward()
+    ref.backward()
+    assert_rel(ours, ref, 1e-6)
+    assert_rel(hidden.grad, h64.grad, 2e-3)
+    assert_rel(weight.grad, w64.grad, 1e-6)
 
 
 def test_no_grad_forward_and_single_backward(backend) -> None:

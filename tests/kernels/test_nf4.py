@@ -26,7 +26,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def _assert_equal(got: torch.Tensor, expected: torch.Tensor, backend: str) -> None:
     if backend == "triton" and INTERPRETED and got.dtype == torch.bfloat16:
-        torch.testing.assert_close(got, expected, rtol=2.0**-8, atol=0)  # one bf16 ulp
+        torch.testing.assert_close(got, expected, rtol=2.0**-7, atol=0)  # at most one bf16 ulp
     else:
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 

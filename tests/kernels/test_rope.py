@@ -57,8 +57,11 @@ class Projections:
     """Leaf activations and q/k weights; `qk()` builds q, k exactly as HF attention does."""
 
     def __init__(self, batch: int, seq: int, heads_q: int, heads_k: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, layout: str = "hf") -> None:
         self.shape = (batch, seq, heads_q, heads_k, head_dim)
+        # "hf": transposed views of whole linear outputs; "contiguous": not views at all;
+        # "fused": slices of one QKV projection (partial views: rope_'s general path).
+        self.layout = layout
         self.x = torch.randn(batch, seq, MODEL_DIM, device=DEVICE).to(dtype)
         self.wq = (torch.randn(heads_q * head_dim, MODEL_DIM, device=DEVICE) / 4).to(dtype)
         self.wk = (torch.randn(heads_k * head_dim, MODEL_DIM, device=DEVICE) / 4).to(dtype)
@@ -68,9 +71,14 @@ class Projections:
 
     def qk(self, x, wq, wk) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, heads_q, heads_k, head_dim = self.shape
-        q = torch.nn.functional.linear(x, wq).view(batch, seq, heads_q, head_dim).transpose(1, 2)
-        k = torch.nn.functional.linear(x, wk).view(batch, seq, heads_k, head_dim).transpose(1, 2)
-        return q, k
+        if self.layout == "fused":
+            qk = torch.nn.functional.linear(x, torch.cat([wq, wk]))
+            q, k = qk[..., : heads_q * head_dim], qk[..., heads_q * head_dim :]
+        else:
+            q, k = torch.nn.functional.linear(x, wq), torch.nn.functional.linear(x, wk)
+        q = q.view(batch, seq, heads_q, head_dim).transpose(1, 2)
+        k = k.view(batch, seq, heads_k, head_dim).transpose(1, 2)
+        return (q.contiguous(), k.contiguous()) if self.layout == "contiguous" else (q, k)
 
     def run(self, rotate, loss=None) -> list[torch.Tensor]:
         """Rotated q, k and d(loss)/d(x, wq, wk); default loss: a fixed random projection."""
@@ -109,6 +117,17 @@ def test_matches_hf_with_hf_tables(backend, poisoned, shape, dtype) -> None:
     _check_all(proj, cos, sin)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "fused"])
+def test_other_layouts(backend, poisoned, layout) -> None:
+    """q, k that are not views, and q, k that are slices of one fused QKV output."""
+    torch.manual_seed(6)
+    batch, seq, heads_q, heads_k, head_dim = 2, 7, 4, 2, 16
+    proj = Projections(batch, seq, heads_q, heads_k, head_dim, torch.float32, layout)
+    position_ids = torch.arange(seq, device=DEVICE).repeat(batch, 1) + torch.arange(batch, device=DEVICE)[:, None]
+    cos, sin = _rotary(heads_q, heads_k, head_dim)(proj.x, position_ids)  # (batch, seq, head_dim)
+    _check_all(proj, cos, sin)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_position_ids(backend, poisoned, dtype) -> None:
     """Tables (max_pos, head_dim) indexed by ids that restart inside each packed row."""
@@ -129,11 +148,12 @@ def test_table_shared_over_batch(backend) -> None:
     _check_all(proj, cos, sin)
 
 
-def test_same_gradient_tensor_for_q_and_k(backend, poisoned) -> None:
+@pytest.mark.parametrize("layout", ["hf", "contiguous", "fused"])
+def test_same_gradient_tensor_for_q_and_k(backend, poisoned, layout) -> None:
     """`q_out + k_out` makes autograd hand one gradient tensor to both: rotating it in place
     for q would corrupt k's gradient."""
     torch.manual_seed(3)
-    proj = Projections(2, 5, 2, 2, 16, torch.float32)
+    proj = Projections(2, 5, 2, 2, 16, torch.float32, layout)
     cos, sin = _rotary(2, 2, 16)(proj.x, torch.arange(5, device=DEVICE)[None])
     _check_all(proj, cos, sin, loss=lambda q, k: (q + k).pow(2).sum())
     _check_all(proj, cos, sin, loss=lambda q, k: (q + k).sum())  # expanded, stride-0 gradient
@@ -153,9 +173,21 @@ def test_in_place_contract(backend) -> None:
     assert q._version > versions[0] and k._version > versions[1]
     assert_close(q, q_want)
     assert_close(k, k_want)
+    # With grad: the returned tensors share q's and k's memory and strides (HF layout).
+    q, k = proj.qk(*proj.leaves())
+    q_out, k_out = rope_(q, k, cos, sin)
+    for before, after in ((q, q_out), (k, k_out)):
+        assert after.data_ptr() == before.data_ptr()
+        assert all(after.stride(i) == before.stride(i) for i in range(4) if before.shape[i] > 1)
+    assert torch.equal(q.detach(), q_out.detach())
+    if backend == "triton":  # one autograd node, without the copies of an in-place view update
+        assert type(q_out.grad_fn).__name__ == "PermuteBackward0"
     leaf = torch.randn(1, 1, 5, 16, device=DEVICE, requires_grad=True)
-    with pytest.raises(RuntimeError, match="leaf"):
-        rope_(leaf.detach().clone(), leaf, cos[:1], sin[:1])
+    saved = leaf.detach().clone()
+    for k_in in (leaf, leaf.view(1, 1, 5, 16)):
+        with pytest.raises(RuntimeError, match="leaf"):
+            rope_(torch.zeros(1, 1, 5, 16, device=DEVICE), k_in, cos[:1], sin[:1])
+        assert torch.equal(leaf.detach(), saved)
 
 
 def test_rejects_bad_tables() -> None:

@@ -1,0 +1,318 @@
+"""Kestrel's own forward for decoding, reading the weights of a loaded Hugging Face model.
+
+Nothing is copied: every weight is the model's own tensor (the LoRA bank holds small copies of
+the adapters, see `adapters.py`). One `DecodeModel` covers every registered family; the family
+differences come from `engine.registry.FamilySpec`:
+
+    Llama / Mistral / Qwen2   x -> norm -> attn -> +x -> norm -> SwiGLU MLP -> +x
+    Qwen3                     + RMSNorm over head_dim on q and k before RoPE (QK-norm)
+    Gemma 3                   + QK-norm, (1 + w) norms cast after the scale, embeddings times
+                              sqrt(hidden), sandwich norms around attention and MLP, GeGLU,
+                              sliding-window layers with their own RoPE, final logit softcap
+
+Two entry points, both returning only the last token's logits (B, V) in float32:
+- `prefill(ids, pad, cache, lora)`: the whole (left-padded) prompt at once, SDPA attention,
+  K/V written to cache columns [0, T);
+- `step(tok, col, pad, cache, lora)`: one token per row at cache column `col` (a (1,) device
+  tensor). Fixed shapes, no host reads: the function the generator compiles and graph-captures.
+
+RoPE positions: a row's token at column c has position c - pad[row]; cos/sin come from tables
+built once by the model's own rotary module (so every RoPE scaling variant matches HF).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.decode.adapters import LoraCall, LoraGroup, adapter_names, build_group, is_lora_layer
+from engine.decode.cache import StaticKVCache
+from engine.registry import FamilySpec, family_of
+
+
+class UnsupportedModelError(ValueError):
+    """The model's family has no decode path (see `engine.registry.SUPPORTED`)."""
+
+
+@dataclass
+class Proj:
+    """One linear projection's base: a dense weight, or a module for quantized bases."""
+
+    weight: torch.Tensor | None  # (out, in) for a dense base; None when `module` runs the base
+    bias: torch.Tensor | None
+    module: nn.Module | None  # e.g. bitsandbytes Linear4bit (NF4), called as is
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) if self.module is None else self.module(x)
+
+
+def _proj(module: nn.Module) -> Proj:
+    base = module.base_layer if is_lora_layer(module) else module
+    out = base.out_features
+    if isinstance(base, nn.Linear) and base.weight.is_floating_point():
+        return Proj(weight=base.weight, bias=base.bias, module=None, out_features=out)
+    return Proj(weight=None, bias=None, module=base, out_features=out)
+
+
+@dataclass
+class ProjGroup:
+    """Projections that read the same input (q/k/v, gate/up, o, down, lm_head) and their LoRA."""
+
+    projs: list[Proj]
+    modules: list[nn.Module]  # the HF modules (PEFT layers when LoRA is attached)
+    lora: LoraGroup | None = None
+
+    def __call__(self, x: torch.Tensor, call: LoraCall | None) -> list[torch.Tensor]:
+        outs = [p(x) for p in self.projs]
+        delta = self.lora.delta(x, call) if call is not None and self.lora is not None else None
+        if delta is not None:
+            parts = delta.split([p.out_features for p in self.projs], dim=-1)
+            outs = [o + d for o, d in zip(outs, parts)]
+        return outs
+
+    @property
+    def quantized(self) -> bool:
+        return any(p.module is not None for p in self.projs)
+
+
+def _group(*modules: nn.Module) -> ProjGroup:
+    return ProjGroup([_proj(m) for m in modules], list(modules))
+
+
+@dataclass
+class Norm:
+    weight: torch.Tensor
+    eps: float
+
+
+def _norm(module: nn.Module | None) -> Norm | None:
+    if module is None:
+        return None
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    return Norm(module.weight, float(eps))
+
+
+@dataclass
+class Layer:
+    qkv: ProjGroup
+    o: ProjGroup
+    gate_up: ProjGroup
+    down: ProjGroup
+    act: Callable[[torch.Tensor], torch.Tensor]
+    input_norm: Norm
+    post_attn_norm: Norm
+    pre_ff_norm: Norm | None  # sandwich-norm families only
+    post_ff_norm: Norm | None
+    q_norm: Norm | None  # QK-norm families only
+    k_norm: Norm | None
+    scaling: float
+    window: int | None  # sliding-window size (keys with q_pos - k_pos < window), None = full
+    rope: str  # key into DecodeModel.rope
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecodeModel:
+    """The decode forward over a loaded Hugging Face causal LM (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, max_seq_len: int) -> None:
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        spec = family_of(getattr(lm.config, "model_type", ""))
+        if spec is None:
+            raise UnsupportedModelError(f"no decode path for model type {lm.config.model_type!r}")
+        self.spec: FamilySpec = spec
+        self.config = lm.config
+        stack = lm.model
+        self.embed = stack.embed_tokens
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        self.vocab_size = lm.lm_head.weight.shape[0]
+        self.max_seq_len = max_seq_len
+        self.final_norm = _norm(stack.norm)
+        self.lm_head = _group(lm.lm_head)
+        self.softcap = getattr(lm.config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+        self.attn_softcap = getattr(lm.config, "attn_logit_softcapping", None)
+        self._rope_per_type = hasattr(stack.rotary_emb, "layer_types")  # Gemma 3: local + global RoPE
+        attn0 = stack.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.n_heads = lm.config.num_attention_heads
+        self.n_kv = lm.config.num_key_value_heads
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(stack.layers)]
+        self.rope = self._rope_tables(stack.rotary_emb)
+        self.adapters: list[str] = []
+        self.attach_lora()
+
+    # --- construction ----------------------------------------------------------------------
+
+    def _layer(self, index: int, layer: nn.Module) -> Layer:
+        attn, mlp, cfg = layer.self_attn, layer.mlp, self.config
+        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        return Layer(
+            qkv=_group(attn.q_proj, attn.k_proj, attn.v_proj), o=_group(attn.o_proj),
+            gate_up=_group(mlp.gate_proj, mlp.up_proj), down=_group(mlp.down_proj),
+            act=mlp.act_fn,
+            input_norm=_norm(layer.input_layernorm),
+            post_attn_norm=_norm(layer.post_attention_layernorm),
+            pre_ff_norm=_norm(getattr(layer, "pre_feedforward_layernorm", None)) if self.spec.sandwich_norm else None,
+            post_ff_norm=_norm(getattr(layer, "post_feedforward_layernorm", None)) if self.spec.sandwich_norm else None,
+            q_norm=_norm(attn.q_norm) if self.spec.qk_norm else None,
+            k_norm=_norm(attn.k_norm) if self.spec.qk_norm else None,
+            scaling=float(attn.scaling),
+            window=int(window) if window else None,
+            rope=layer_types[index] if layer_types and self._rope_per_type else "",
+        )
+
+    @torch.no_grad()
+    def _rope_tables(self, rotary: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin (max_seq_len, head_dim) per layer type, from the model's own rotary module."""
+        pos = torch.arange(self.max_seq_len, device=self.device)[None]  # (1, S)
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        tables = {}
+        for key in sorted({layer.rope for layer in self.layers}):
+            cos, sin = rotary(probe, pos, key) if key else rotary(probe, pos)
+            tables[key] = (cos[0].contiguous(), sin[0].contiguous())  # (S, d)
+        return tables
+
+    def attach_lora(self) -> None:
+        """(Re)build the LoRA groups from the PEFT layers now on the model's projections."""
+        groups = [g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        groups.append(self.lm_head)
+        self.adapters = adapter_names([m for g in groups for m in g.modules if is_lora_layer(m)])
+        for g in groups:
+            g.lora = build_group(g.modules, [p.out_features for p in g.projs], self.adapters, self.dtype, self.device)
+
+    def sync_lora(self) -> None:
+        """Copy the current PEFT adapter weights into the groups (in place: graphs stay valid)."""
+        for layer in self.layers:
+            for g in (layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head):
+                if g.lora is not None:
+                    g.lora.sync()
+
+    @property
+    def quantized(self) -> bool:
+        return any(g.quantized for layer in self.layers for g in (layer.qkv, layer.gate_up, layer.down))
+
+    def new_cache(self, batch: int, length: int) -> StaticKVCache:
+        return StaticKVCache(len(self.layers), batch, self.n_kv, length, self.head_dim, self.dtype, self.device)
+
+    # --- math --------------------------------------------------------------------------------
+
+    def _rms(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+        if self.spec.norm_casting == "gemma":  # scale in fp32 by (offset + w), then cast
+            return (xf * (self.spec.norm_offset + norm.weight.float())).type_as(x)
+        return norm.weight * xf.to(x.dtype)  # Llama: cast, then scale
+
+    def _qkv(self, layer: Layer, h: torch.Tensor, pos: torch.Tensor, lora: LoraCall | None):
+        """h (B, T, H), pos (B, T) -> q (B, nh, T, d), k and v (B, nkv, T, d), RoPE applied."""
+        b, t, _ = h.shape
+        q, k, v = layer.qkv(h, lora)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        v = v.view(b, t, self.n_kv, self.head_dim)
+        if layer.q_norm is not None:
+            q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos_t, sin_t = self.rope[layer.rope]
+        cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]  # (B, 1, T, d)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _block(self, layer: Layer, x: torch.Tensor, attn_out: torch.Tensor, lora: LoraCall | None) -> torch.Tensor:
+        """Everything after attention: o_proj, residuals, norms, MLP. attn_out (B, T, nh*d)."""
+        (a,) = layer.o(attn_out, lora)
+        if layer.pre_ff_norm is not None:
+            a = self._rms(a, layer.post_attn_norm)
+        x = x + a
+        h = self._rms(x, layer.pre_ff_norm if layer.pre_ff_norm is not None else layer.post_attn_norm)
+        gate, up = layer.gate_up(h, lora)
+        (h,) = layer.down(layer.act(gate) * up, lora)
+        if layer.post_ff_norm is not None:
+            h = self._rms(h, layer.post_ff_norm)
+        return x + h
+
+    def _logits(self, last: torch.Tensor, lora: LoraCall | None) -> torch.Tensor:
+        """last (B, 1, H) -> (B, V) float32; the softcap in the model dtype, as HF does."""
+        (logits,) = self.lm_head(self._rms(last, self.final_norm), lora)
+        logits = logits[:, 0]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+    def _softcap_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.attn_softcap is None:
+            return scores
+        return torch.tanh(scores / self.attn_softcap) * self.attn_softcap
+
+    # --- entry points ------------------------------------------------------------------------
+
+    def prefill(
+        self, ids: torch.Tensor, pad: torch.Tensor, cache: StaticKVCache, lora: LoraCall | None = None
+    ) -> torch.Tensor:
+        """ids (B, T) left-padded, pad (B,) -> last-token logits (B, V) float32; fills cache[:, :T]."""
+        b, t = ids.shape
+        cols = torch.arange(t, device=ids.device)
+        pos = (cols[None] - pad[:, None]).clamp_min(0)  # (B, T)
+        q_i, k_j = cols[:, None], cols[None]  # (T, 1), (1, T)
+        real = k_j[None] >= pad[:, None, None]  # (B, 1, T): pad columns hide
+        # A pad query attends to itself only, so its row stays finite.
+        base = ((k_j <= q_i) & real) | (k_j == q_i)
+        windows = {layer.window for layer in self.layers}
+        masks = {w: ((base & (q_i - k_j < w)) | (k_j == q_i)) if w else base for w in windows}
+        x = self.embed(ids)  # (B, T, H)
+        rep = self.n_heads // self.n_kv
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms(x, layer.input_norm), pos, lora)
+            cache.write_prefix(i, k, v)
+            k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+            v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+            mask = masks[layer.window][:, None]  # (B, 1, T, T)
+            if self.attn_softcap is None:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
+            else:
+                scores = self._softcap_scores((q @ k.transpose(-1, -2)) * layer.scaling)
+                probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+                out = probs @ v
+            x = self._block(layer, x, out.transpose(1, 2).reshape(b, t, -1), lora)
+        return self._logits(x[:, -1:], lora)
+
+    def step(
+        self,
+        tok: torch.Tensor,
+        col: torch.Tensor,
+        pad: torch.Tensor,
+        cache: StaticKVCache,
+        lora: LoraCall | None = None,
+    ) -> torch.Tensor:
+        """tok (B,) at cache column col ((1,) long) -> logits (B, V) float32. No host reads.
+
+        Attention over the whole cache with a mask; grouped-query heads are folded into the
+        query length, (B, nh, 1, d) -> (B, nkv, G, d), so K and V are read once, never copied.
+        """
+        b = tok.shape[0]
+        keys = torch.arange(cache.length, device=tok.device)[None]  # (1, S)
+        valid = (keys >= pad[:, None]) & (keys <= col)  # (B, S)
+        pos = (col - pad)[:, None]  # (B, 1)
+        x = self.embed(tok[:, None])  # (B, 1, H)
+        group = self.n_heads // self.n_kv
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms(x, layer.input_norm), pos, lora)
+            cache.write_column(i, col, k, v)
+            mask = valid if layer.window is None else valid & (keys > col - layer.window)
+            q = q.reshape(b, self.n_kv, group, self.head_dim)
+            scores = self._softcap_scores(torch.matmul(q, cache.k[i].transpose(-1, -2)).float() * layer.scaling)
+            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))  # (B, nkv, G, S)
+            out = torch.matmul(scores.softmax(-1).to(q.dtype), cache.v[i])  # (B, nkv, G, d)
+            x = self._block(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim), lora)
+        return self._logits(x, lora)

@@ -1,0 +1,50 @@
+"""The real engine with one fault injected, for the end-to-end tests (KESTREL_ENGINE_ENTRY =
+"engine_faults:run_oom" or "engine_faults:run_disk_full"; FAULT_STEP picks the step).
+
+run_oom: the optimizer step FAULT_STEP raises torch's CUDA out-of-memory error, as a GPU would.
+run_disk_full: writing the checkpoint of step FAULT_STEP fails with ENOSPC, as a full disk would.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import engine.sft
+from engine.train import TrainResult, run
+
+
+def run_oom(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
+    fail_at = int(os.environ["FAULT_STEP"])
+    real_step = engine.sft.train_step
+
+    def train_step(s: Any, step: int) -> dict[str, float]:
+        if step + 1 == fail_at:  # `step` counts from 0 here
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real_step(s, step)
+
+    engine.sft.train_step = train_step
+    try:
+        return run(config, callbacks)
+    finally:
+        engine.sft.train_step = real_step
+
+
+def run_disk_full(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
+    target = f"step-{int(os.environ['FAULT_STEP']):06d}.tmp"
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(str(f)).parent.name == target:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+    try:
+        return run(config, callbacks)
+    finally:
+        torch.save = real_save

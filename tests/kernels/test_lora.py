@@ -1,0 +1,195 @@
+"""Fused LoRA (kernels/lora.py) against PEFT itself: outputs and the gradients of x and of every
+lora_A / lora_B, for a linear, Q/K/V and a gated MLP, over 16-bit and NF4 base weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import nf4
+from kernels.lora import LoRAWeights, lora_linear, lora_mlp, lora_qkv
+
+peft = pytest.importorskip("peft")
+
+HIDDEN, Q_OUT, KV_OUT, INTER = 40, 40, 24, 72  # small, not powers of two
+QKV, MLP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+class Block(nn.Module):
+    """The projections of one Llama-like decoder layer, bias-free unless asked."""
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(HIDDEN, Q_OUT, bias=bias)
+        self.k_proj = nn.Linear(HIDDEN, KV_OUT, bias=bias)
+        self.v_proj = nn.Linear(HIDDEN, KV_OUT, bias=bias)
+        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=bias)
+        self.up_proj = nn.Linear(HIDDEN, INTER, bias=bias)
+        self.down_proj = nn.Linear(INTER, HIDDEN, bias=bias)
+
+
+def _peft_block(dtype: torch.dtype = torch.float32, adapter_dtype: torch.dtype | None = None, **cfg) -> nn.Module:
+    torch.manual_seed(0)
+    block = Block(bias=cfg.pop("bias", False)).to(dtype)
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=cfg.pop("lora_dropout", 0.0), target_modules=[*QKV, *MLP], **cfg)
+    block = peft.inject_adapter_in_model(config, block)
+    for name in (*QKV, *MLP):
+        layer = getattr(block, name)
+        nn.init.normal_(layer.lora_B["default"].weight, std=0.2)  # PEFT starts B at 0: make it count
+        if adapter_dtype is not None:
+            layer.lora_A["default"].to(adapter_dtype)
+            layer.lora_B["default"].to(adapter_dtype)
+    return block
+
+
+def _weights(block: nn.Module, names: tuple[str, ...]) -> list[LoRAWeights]:
+    out = []
+    for name in names:
+        w, reason = LoRAWeights.from_peft(getattr(block, name))
+        assert w is not None, reason
+        out.append(w)
+    return out
+
+
+def _adapter_params(block: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
+    layers = [getattr(block, n) for n in names]
+    return [p for l in layers for p in (l.lora_A["default"].weight, l.lora_B["default"].weight)]
+
+
+def _run(fn, x: torch.Tensor, params: list[torch.Tensor], x_grad: bool = True):
+    """Outputs of fn(x) and the gradients of sum_k <out_k, fixed random cotangent_k>."""
+    x = x.detach().clone().requires_grad_(x_grad)
+    outs = fn(x)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    wrt = [x, *params] if x_grad else params
+    return outs, torch.autograd.grad(loss, wrt)
+
+
+def _close(got, expected, tol: float) -> None:
+    """Elementwise, with absolute slack `tol` of each expected tensor's largest magnitude."""
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape
+        scale = e.float().abs().max().item()
+        torch.testing.assert_close(g.float(), e.float(), rtol=tol, atol=tol * scale)
+
+
+def _x(dtype: torch.dtype, shape: tuple[int, ...] = (2, 7, HIDDEN)) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+
+def _check(block: nn.Module, names: tuple[str, ...], ours, reference, x: torch.Tensor, x_grad: bool = True) -> None:
+    """ours(weights) and reference(block) map x to outputs; compare outputs and gradients.
+
+    fp32: against PEFT at 1e-5. 16-bit: PEFT's own run is itself ~1e-2 away from exact, so both
+    ours and PEFT's are compared with an fp32 twin of the block (same bf16-valued weights) at
+    1e-2: ours must be as accurate as the tolerance PEFT's 16-bit path is held to."""
+    params = _adapter_params(block, names)
+    got = _run(ours(_weights(block, names)), x, params, x_grad)
+    expected = _run(reference(block), x, params, x_grad)
+    for g, e in zip((*got[0], *got[1]), (*expected[0], *expected[1])):
+        assert g.dtype == e.dtype
+    if x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"):
+        _close(got[0], expected[0], 1e-5)
+        _close(got[1], expected[1], 1e-5)
+        return
+    twin = copy.deepcopy(block).float()
+    with torch.autocast("cpu", enabled=False):
+        truth = _run(reference(twin), x.float(), _adapter_params(twin, names), x_grad)
+    for result in (got, expected):
+        _close(result[0], truth[0], 1e-2)
+        _close(result[1], truth[1], 1e-2)
+
+
+def _peft_mlp(activation: str):
+    act = F.silu if activation == "swiglu" else (lambda t: F.gelu(t, approximate="tanh"))
+    return lambda b: lambda x: b.down_proj(act(b.gate_proj(x)) * b.up_proj(x))
+
+
+def _peft_qkv(b: nn.Module):
+    return lambda x: (b.q_proj(x), b.k_proj(x), b.v_proj(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_linear_matches_peft(dtype: torch.dtype) -> None:
+    ours = lambda ws: lambda x: lora_linear(x, ws[0])  # noqa: E731
+    _check(_peft_block(dtype), ("q_proj",), ours, lambda b: b.q_proj, _x(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_qkv_matches_peft(dtype: torch.dtype) -> None:
+    ours = lambda ws: lambda x: lora_qkv(x, *ws)  # noqa: E731
+    _check(_peft_block(dtype), QKV, ours, _peft_qkv, _x(dtype))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_mlp_matches_peft(dtype: torch.dtype, activation: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_KERNELS", backend)  # triton: the GLU kernels, interpreted on CPU
+    ours = lambda ws: lambda x: lora_mlp(x, *ws, activation=activation)  # noqa: E731
+    _check(_peft_block(dtype), MLP, ours, _peft_mlp(activation), _x(dtype))
+
+
+def test_fp32_adapters_over_bf16_base() -> None:
+    # PEFT's default keeps adapters in fp32 over a bf16 model; gradients come back in fp32.
+    block = _peft_block(torch.bfloat16, adapter_dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in _adapter_params(block, MLP))
+    ours = lambda ws: lambda x: lora_mlp(x, *ws)  # noqa: E731
+    _check(block, MLP, ours, _peft_mlp("swiglu"), _x(torch.bfloat16))
+
+
+def test_autocast_bf16_matches_peft() -> None:
+    ours = lambda ws: lambda x: lora_qkv(x, *ws)  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _check(_peft_block(torch.float32), QKV, ours, _peft_qkv, _x(torch.float32))
+        (q, _, _) = _weights(_peft_block(torch.float32), QKV)
+        assert lora_linear(_x(torch.float32), q).dtype == torch.bfloat16
+
+
+def test_input_without_grad_still_trains_adapters() -> None:
+    ours = lambda ws: lambda x: lora_mlp(x, *ws)  # noqa: E731
+    _check(_peft_block(), MLP, ours, _peft_mlp("swiglu"), _x(torch.float32), x_grad=False)
+
+
+def test_mlp_backward_runs_once() -> None:
+    block = _peft_block()
+    gate, up, down = _weights(block, MLP)
+    y = lora_mlp(_x(torch.float32).requires_grad_(), gate, up, down)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        y.sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
+@pytest.mark.parametrize(
+    ("cfg", "reason"),
+    [
+        ({"lora_dropout": 0.1}, "dropout"),
+        ({"bias": True}, "base layer has a bias"),
+        ({"use_dora": True}, "DoRA"),
+        ({"lora_bias": True}, "lora_B has a bias"),
+    ],
+)
+def test_from_peft_refuses_unsupported(cfg: dict, reason: str) -> None:
+    w, why = LoRAWeights.from_peft(_peft_block(**cfg).q_proj)
+    assert w is None and reason in why
+
+
+def test_from_peft_refuses_several_adapters_merged_and_plain_modules() -> None:
+    block = _peft_block()
+    layer = block.q_proj
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), block, adapter_name="other")
+    layer.set_adapter(["default", "other"])
+    assert LoRAWeights.from_peft(layer) == (None, "2 active adapters (fused path takes exactly one)")
+    layer.set_adapter("default")
+    assert LoRAWeights.from_peft(layer)[0] is not None
+    layer.merge()
+    assert "merged" in LoRAWeights.from_peft(layer)[1]
+    assert "not a PEFT LoRA layer" in LoRAWeights.from_peft(nn.Linear(4, 4))[1]
