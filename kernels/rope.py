@@ -198,7 +198,7 @@ class _RoPEFunction(torch.autograd.Function):
         cos, sin, position_ids = ctx.saved_tensors
         q_geometry, k_geometry = ctx.geometries
         dq_root, dk_root = dq_root.contiguous(), dk_root.contiguous()  # stride-0 grads of `.sum()`
-        out_q, out_k = dq_root, dk_root
+        out_q, out_k = torch.empty_like(dq_root), torch.empty_like(dk_root)
         rope_launch(
             _rebuild(dq_root, q_geometry), _rebuild(dk_root, k_geometry), cos, sin, position_ids,
             backward=True, out_q=_rebuild(out_q, q_geometry), out_k=_rebuild(out_k, k_geometry),
@@ -210,7 +210,7 @@ def _rotate_grad(grad: torch.Tensor, ctx) -> torch.Tensor:
     """General path: d(input) of one tensor into a fresh buffer laid out like the gradient."""
     if not _is_dense(grad):
         grad = grad.contiguous()  # e.g. the stride-0 gradient of `.sum()`
-    out = grad
+    out = torch.empty_strided(grad.shape, grad.stride(), dtype=grad.dtype, device=grad.device)
     cos, sin, position_ids = ctx.saved_tensors
     rope_launch(grad, None, cos, sin, position_ids, backward=True, out_q=out)
     return out

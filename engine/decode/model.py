@@ -302,7 +302,7 @@ class DecodeModel:
         """
         b = tok.shape[0]
         keys = torch.arange(cache.length, device=tok.device)[None]  # (1, S)
-        valid = (keys >= pad[:, None]) & (keys <= col)  # (B, S)
+        valid = (keys <= col)  # (B, S)
         pos = (col - pad)[:, None]  # (B, 1)
         x = self.embed(tok[:, None])  # (B, 1, H)
         group = self.n_heads // self.n_kv

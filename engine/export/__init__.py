@@ -156,8 +156,10 @@ def export(source: str | Path, format: str, out_dir: str | Path, quant: str | No
         writer = {"adapter": export_adapter, "merged": export_merged, "gguf": export_gguf}[format]
         writer(src, staging.dir, result, report, check, device)
         if not result.passed:
-            raise ExportCheckError(f"the exported {format} failed its check; nothing was kept", result)
+            result.seconds = time.perf_counter() - start
+            raise ExportCheckError(f"the exported {format} failed its check; nothing was kept.\n{result.summary()}", result)
         result.seconds = time.perf_counter() - start
+        result.files = [out / p.name for p in sorted(staging.dir.iterdir())] + [out / "export.json"]
         (staging.dir / "export.json").write_text(json.dumps(result.to_dict(), indent=2))
         result.files = staging.commit()
         report(1.0, "done")

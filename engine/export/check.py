@@ -132,25 +132,43 @@ def _llama(path: Path, **kwargs: Any) -> Any:
     return llama_cpp.Llama(str(path), verbose=False, n_threads=os.cpu_count() or 1, **kwargs)
 
 
+class _VocabModel:
+    """A GGUF file loaded vocabulary-only by llama.cpp (no weights, no context)."""
+
+    def __init__(self, path: Path) -> None:
+        import logging
+
+        import llama_cpp
+        from llama_cpp._internals import LlamaModel
+
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self.model = LlamaModel(path_model=str(path), params=params, verbose=False)
+
+    def __enter__(self) -> Any:
+        return self.model
+
+    def __exit__(self, *exc: Any) -> None:
+        self.model.close()
+
+
 def check_tokenizer(path: Path, tokenizer: Any, texts: tuple[str, ...] = TEST_TEXTS) -> TokenizerCheck:
     """Tokenize `texts` with llama.cpp and Hugging Face: plain text with the tokenizer's own
     BOS/EOS rule (llama.cpp reads it from the GGUF), and chat-rendered prompts as they are."""
-    llm = _llama(path, vocab_only=True)
-    try:
+    with _VocabModel(path) as vocab:
         cases = [(text, True) for text in texts]
         cases += [(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                  add_generation_prompt=True), False) for t in texts[:2]]
         mismatches = []
         for text, add_special in cases:
             hf = tokenizer(text, add_special_tokens=add_special)["input_ids"]
-            ours = llm.tokenize(text.encode(), add_bos=add_special, special=True)
+            ours = vocab.tokenize(text.encode(), add_bos=add_special, special=True)
             if ours != hf:
                 first = next((i for i, (a, b) in enumerate(zip(hf, ours)) if a != b), min(len(hf), len(ours)))
                 mismatches.append(f"{text[:40]!r}: from token {first}, Hugging Face {hf[first:first + 6]}, "
                                   f"llama.cpp {ours[first:first + 6]}")
-        return TokenizerCheck(not mismatches, mismatches)
-    finally:
-        llm.close()
+    return TokenizerCheck(not mismatches, mismatches)
 
 
 def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float = TIE_TOL) -> GGUFCheck:
@@ -199,13 +217,11 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
         llm.close()
 
 
-def _llama_cpp_render(llm: Any, messages: list[dict[str, str]]) -> str | None:
+def _llama_cpp_render(model: Any, messages: list[dict[str, str]]) -> str | None:
     """The prompt llama.cpp's built-in template code writes for the GGUF's template (None: unknown)."""
     import llama_cpp
 
-    template = llama_cpp.llama_model_chat_template(llm.model, None)
-    if not template:
-        return None
+    template = llama_cpp.llama_model_chat_template(model, None)
     chat = (llama_cpp.llama_chat_message * len(messages))(
         *[llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode()) for m in messages]
     )
@@ -220,15 +236,14 @@ def check_template(path: Path, tokenizer: Any, messages: list[dict[str, str]]) -
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    llm = _llama(path, vocab_only=True)
-    try:
-        embedded = llm.metadata.get("tokenizer.chat_template")
+    import llama_cpp
+
+    with _VocabModel(path) as vocab:
+        embedded = llama_cpp.llama_model_chat_template(vocab.model, None)
         if not embedded:
             return {"embedded": False, "jinja_matches": False, "builtin_matches": None}
-        jinja = Jinja2ChatFormatter(embedded, tokenizer.eos_token or "", tokenizer.bos_token or "")(messages=messages).prompt
-        builtin = _llama_cpp_render(llm, messages)
-    finally:
-        llm.close()
+        builtin = _llama_cpp_render(vocab.model, messages)
+    jinja = Jinja2ChatFormatter(embedded.decode(), tokenizer.eos_token or "", tokenizer.bos_token or "")(messages=messages).prompt
     bos = tokenizer.bos_token or ""
     strip = (lambda s: s[len(bos):] if bos and s.startswith(bos) else s)
     return {

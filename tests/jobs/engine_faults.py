@@ -3,12 +3,15 @@
 
 run_oom: the optimizer step FAULT_STEP raises torch's CUDA out-of-memory error, as a GPU would.
 run_disk_full: writing the checkpoint of step FAULT_STEP fails with ENOSPC, as a full disk would.
+run_paced: no fault, but every step takes at least PACE_S seconds, so a test can act mid-run
+however fast the machine is.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +51,18 @@ def run_disk_full(config: Any, callbacks: list[Any] | None = None) -> TrainResul
         return run(config, callbacks)
     finally:
         torch.save = real_save
+
+
+def run_paced(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
+    pace = float(os.environ.get("PACE_S", "0.1"))
+    real_step = engine.sft.train_step
+
+    def train_step(s: Any, step: int) -> dict[str, float]:
+        time.sleep(pace)
+        return real_step(s, step)
+
+    engine.sft.train_step = train_step
+    try:
+        return run(config, callbacks)
+    finally:
+        engine.sft.train_step = real_step

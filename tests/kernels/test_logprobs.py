@@ -15,9 +15,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many chunks, several vocab blocks (1000 = 3 * 256 + 232), NaN-poisoned buffers."""
-    monkeypatch.setattr(ce, "_MIN_CHUNK", 1)
-    monkeypatch.setattr(ce, "_MAX_BLOCK_V", 256)
+    """Five chunks (8 tokens, the last 5), two vocab blocks (1000 = 512 + 488), NaN-poisoned buffers."""
+    monkeypatch.setattr(ce, "_MIN_CHUNK", 8)
+    monkeypatch.setattr(ce, "_MAX_BLOCK_V", 512)
     monkeypatch.setattr(ce, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
 
 

@@ -84,7 +84,10 @@ def _x(dtype: torch.dtype, shape: tuple[int, ...] = (2, 7, HIDDEN)) -> torch.Ten
     return torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
 
 
-def _check(block: nn.Module, names: tuple[str, ...], ours, reference, x: torch.Tensor, x_grad: bool = True) -> None:
+def _check(
+    block: nn.Module, names: tuple[str, ...], ours, reference, x: torch.Tensor,
+    x_grad: bool = True, twin: nn.Module | None = None,
+) -> None:
     """ours(weights) and reference(block) map x to outputs; compare outputs and gradients.
 
     fp32: against PEFT at 1e-5. 16-bit: PEFT's own run is itself ~1e-2 away from exact, so both
@@ -99,7 +102,7 @@ def _check(block: nn.Module, names: tuple[str, ...], ours, reference, x: torch.T
         _close(got[0], expected[0], 1e-5)
         _close(got[1], expected[1], 1e-5)
         return
-    twin = copy.deepcopy(block).float()
+    twin = twin if twin is not None else copy.deepcopy(block).float()
     with torch.autocast("cpu", enabled=False):
         truth = _run(reference(twin), x.float(), _adapter_params(twin, names), x_grad)
     for result in (got, expected):
@@ -182,6 +185,7 @@ def test_from_peft_refuses_unsupported(cfg: dict, reason: str) -> None:
     assert w is None and reason in why
 
 
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`")
 def test_from_peft_refuses_several_adapters_merged_and_plain_modules() -> None:
     block = _peft_block()
     layer = block.q_proj
@@ -193,3 +197,96 @@ def test_from_peft_refuses_several_adapters_merged_and_plain_modules() -> None:
     layer.merge()
     assert "merged" in LoRAWeights.from_peft(layer)[1]
     assert "not a PEFT LoRA layer" in LoRAWeights.from_peft(nn.Linear(4, 4))[1]
+
+
+# --- NF4 base weights -----------------------------------------------------------------------
+
+
+def _nf4_block(dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    """Block with bitsandbytes Linear4bit projections (NF4, double quant), LoRA from PEFT."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    dense = Block().to(dtype)
+    block = nn.Module()
+    for name in (*QKV, *MLP):
+        lin = getattr(dense, name)
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=dtype, quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4")
+        setattr(block, name, q)
+    block = block.to(device)  # quantizes
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[*QKV, *MLP])
+    block = peft.inject_adapter_in_model(config, block)
+    for name in (*QKV, *MLP):
+        nn.init.normal_(getattr(block, name).lora_B["default"].weight, std=0.2)
+    return block
+
+
+def _dense_twin(block: nn.Module) -> nn.Module:
+    """fp32 PEFT block whose base weights are the NF4 weights dequantized (the exact truth)."""
+    twin = _peft_block(torch.float32).to(next(block.parameters()).device)
+    for name in (*QKV, *MLP):
+        src, dst = getattr(block, name), getattr(twin, name)
+        weight = src.get_base_layer().weight
+        dst.get_base_layer().weight.data = nf4.dequantize_reference(weight, weight.quant_state, torch.float32)
+        for part in ("lora_A", "lora_B"):
+            getattr(dst, part)["default"].weight.data = getattr(src, part)["default"].weight.data.float()
+    return twin
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_nf4_base_equals_dequantized_base(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Same math over the same weight values: bit-identical in fp32 (NF4 dequant is exact there).
+    monkeypatch.setenv("KESTREL_KERNELS", backend)
+    block = _nf4_block(torch.float32)
+    packed = _weights(block, MLP)
+    assert all(w.quant_state is not None for w in packed)
+    dense = [LoRAWeights(nf4.dequantize_reference(w.weight, w.quant_state), None, w.lora_A, w.lora_B, w.scaling) for w in packed]
+    params = _adapter_params(block, MLP)
+    for fn in (lambda ws: lambda x: lora_mlp(x, *ws), lambda ws: lambda x: lora_linear(x, ws[0])):
+        got = _run(fn(packed), _x(torch.float32), params)
+        expected = _run(fn(dense), _x(torch.float32), params)
+        for g, e in zip((*got[0], *got[1]), (*expected[0], *expected[1])):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nf4_matches_peft_over_bitsandbytes(dtype: torch.dtype) -> None:
+    block = _nf4_block(dtype)
+    mlp = lambda ws: lambda x: lora_mlp(x, *ws)  # noqa: E731
+    qkv = lambda ws: lambda x: lora_qkv(x, *ws)  # noqa: E731
+    _check(block, MLP, mlp, _peft_mlp("swiglu"), _x(dtype), twin=_dense_twin(block))
+    _check(block, QKV, qkv, _peft_qkv, _x(dtype), twin=_dense_twin(block))
+
+
+def test_nf4_workspace_is_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    block = _nf4_block(torch.float32)
+    gate, up, down = _weights(block, MLP)
+    ptrs: list[int] = []
+    real = nf4.dequantize
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        ptrs.append(out.data_ptr())
+        return out
+
+    monkeypatch.setattr(nf4, "dequantize", spy)
+    nf4.WORKSPACE.clear()
+    for _ in range(2):
+        lora_mlp(_x(torch.float32).requires_grad_(), gate, up, down).sum().backward()
+    # Forward dequantizes gate, up, down; backward down, gate, up: 12 calls, one buffer (the
+    # largest weight is dequantized first, so the buffer never grows).
+    assert len(ptrs) == 12 and len(set(ptrs)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_bitsandbytes_peft_matches_fused(dtype: torch.dtype) -> None:
+    block = _nf4_block(dtype, device="cuda")
+    assert type(block.q_proj).__module__.startswith("peft.tuners.lora")
+    x = _x(dtype, (3, 33, HIDDEN)).cuda()
+    mlp = lambda ws: lambda x: lora_mlp(x, *ws)  # noqa: E731
+    qkv = lambda ws: lambda x: lora_qkv(x, *ws)  # noqa: E731
+    twin = _dense_twin(block)
+    with torch.autocast("cuda", enabled=False):
+        _check(block, MLP, mlp, _peft_mlp("swiglu"), x, twin=twin)
+        _check(block, QKV, qkv, _peft_qkv, x, twin=twin)

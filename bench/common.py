@@ -1,0 +1,94 @@
+"""Helpers shared by the GPU benchmarks: random-init models at real shapes, timing, memory.
+
+Models are random-init from a config at the real shape (weights' values change neither speed nor
+memory) and saved once as bf16 safetensors under /tmp on the GPU machine, then reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu",
+    bos_token_id=128000, eos_token_id=128001,
+)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def llama8b_dir(path: str = "/tmp/kestrel-bench/llama8b", layers: int | None = None) -> Path:
+    """A random-init Llama-3.1-8B-shape model folder (bf16), built on the GPU once and reused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(path if layers is None else f"{path}-{layers}l")
+    if (folder / "config.json").exists():
+        return folder
+    cfg = AutoConfig.for_model("llama", **{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})})
+    cfg.architectures = ["LlamaForCausalLM"]
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    _save_tokenizer(tmp)
+    del model
+    torch.cuda.empty_cache()
+    os.replace(tmp, folder)
+    return folder
+
+
+def _save_tokenizer(folder: Path) -> None:
+    """A stand-in tokenizer (the demo one): benchmarks feed random token ids, never text."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(ROOT / "assets" / "demo").save_pretrained(folder)
+
+
+def random_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).cuda()
+    return ids, ids.clone()
+
+
+def gib(n: float) -> float:
+    return n / float(1 << 30)
+
+
+def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds per call of `fn` on the GPU (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_isolated(script: str, args: list[str], extra_path: str | None = None, timeout: int = 900) -> dict[str, Any]:
+    """Run one benchmark case in its own process (a baseline's patches never leak into ours)."""
+    env = dict(os.environ)
+    if extra_path:
+        env["PYTHONPATH"] = f"{extra_path}:{env.get('PYTHONPATH', '')}"
+    out = Path(f"/tmp/kestrel-bench/result-{time.time_ns()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    proc = subprocess.run([sys.executable, script, *args, "--out", str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": (proc.stderr or proc.stdout)[-2000:], "wall_s": time.time() - started}
+    return json.loads(out.read_text())
