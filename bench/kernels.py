@@ -47,11 +47,13 @@ except ImportError:
     LoRAWeights = lora_mlp = None
 try:
     from liger_kernel.transformers import functional as liger
-except ImportError:
+except Exception as exc:  # noqa: BLE001 - a missing or broken optional baseline only drops a column
+    print(f"liger_kernel unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
     liger = None
 try:
     from cut_cross_entropy import linear_cross_entropy as cce_loss
-except ImportError:
+except Exception as exc:  # noqa: BLE001
+    print(f"cut_cross_entropy unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
     cce_loss = None
 
 DTYPE = torch.bfloat16
@@ -168,7 +170,8 @@ def rms_norm_case(tokens: int) -> Case:
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    inputs = {"x": randn(tokens, S.hidden, requires_grad=True), "w": randn(S.hidden, scale=0.1).add_(1).requires_grad_()}
+    inputs = {"x": randn(tokens, S.hidden, requires_grad=True), "g0": randn(tokens, S.hidden),
+              "w": randn(S.hidden, scale=0.1).add_(1).requires_grad_()}
     impls: dict[str, Step] = {
         "kestrel": lambda s: grad_of(rms_norm(s["x"], s["w"], 1e-6), (s["x"], s["w"]), s["g"]),
         "torch": lambda s: grad_of(eager(s["x"], s["w"], 1e-6), (s["x"], s["w"]), s["g"]),
@@ -178,7 +181,7 @@ def rms_norm_case(tokens: int) -> Case:
     return Case(
         "rms_norm", f"{tokens}x{S.hidden}", inputs, impls,
         bytes_moved=5 * tokens * S.hidden * 2,  # fwd: read x, write y; bwd: read x, dy, write dx
-        prepare=lambda i: {**i, "g": torch.randn_like(i["x"])},  # fresh: Liger writes dx over dy
+        prepare=lambda i: {**i, "g": i["g0"].clone()},  # a copy: Liger writes dx over dy
     )
 
 
@@ -204,12 +207,14 @@ def rope_case(tokens: int) -> Case:
         # so each step has fresh non-leaf q, k to rotate in place.
         q = i["q"].clone().view(batch, seq, S.heads_q, S.head_dim).transpose(1, 2)
         k = i["k"].clone().view(batch, seq, S.heads_k, S.head_dim).transpose(1, 2)
-        g = (torch.randn_like(q.transpose(1, 2)).transpose(1, 2), torch.randn_like(k.transpose(1, 2)).transpose(1, 2))
-        return {**i, "qv": q, "kv": k, "g": g}
+        return {**i, "qv": q, "kv": k, "g": (i["gq0"].clone(), i["gk0"].clone())}
 
     cos, sin = _rope_tables(seq)
     inputs = {"q": randn(batch, seq, S.heads_q * S.head_dim, requires_grad=True),
-              "k": randn(batch, seq, S.heads_k * S.head_dim, requires_grad=True), "cos": cos, "sin": sin}
+              "k": randn(batch, seq, S.heads_k * S.head_dim, requires_grad=True), "cos": cos, "sin": sin,
+              # output gradients laid out as q, k are (as SDPA's backward returns them)
+              "gq0": randn(batch, seq, S.heads_q, S.head_dim).transpose(1, 2),
+              "gk0": randn(batch, seq, S.heads_k, S.head_dim).transpose(1, 2)}
 
     def step(fn):
         return lambda s: grad_of(fn(s["qv"], s["kv"], s["cos"], s["sin"]), (s["q"], s["k"]), s["g"])
@@ -231,10 +236,10 @@ def glu_case(name: str, tokens: int) -> Case:
 
     def prepare(i: dict) -> dict:
         # Fresh non-leaf gate/up (as gate_proj(x), up_proj(x) are) for the in-place backward.
-        return {**i, "av": i["a"] * 1, "bv": i["b"] * 1, "g": torch.randn_like(i["a"])}
+        return {**i, "av": i["a"] * 1, "bv": i["b"] * 1, "g": i["g0"].clone()}
 
     inputs = {"a": randn(tokens, S.intermediate, scale=2.0, requires_grad=True),
-              "b": randn(tokens, S.intermediate, requires_grad=True)}
+              "b": randn(tokens, S.intermediate, requires_grad=True), "g0": randn(tokens, S.intermediate)}
 
     def step(fn):
         return lambda s: grad_of(fn(s["av"], s["bv"]), (s["av"], s["bv"]), s["g"])
@@ -278,7 +283,7 @@ def lora_mlp_case(tokens: int) -> Case | None:
         return None
     names = ("gate", "up", "down")
     shapes = {"gate": (S.intermediate, S.hidden), "up": (S.intermediate, S.hidden), "down": (S.hidden, S.intermediate)}
-    inputs: dict[str, torch.Tensor] = {"x": randn(tokens, S.hidden, requires_grad=True)}
+    inputs: dict[str, torch.Tensor] = {"x": randn(tokens, S.hidden, requires_grad=True), "g0": randn(tokens, S.hidden)}
     for n in names:
         out_f, in_f = shapes[n]
         inputs[f"{n}_w"] = randn(out_f, in_f, scale=in_f ** -0.5)
@@ -299,7 +304,7 @@ def lora_mlp_case(tokens: int) -> Case | None:
         ws = [LoRAWeights(s[f"{n}_w"], None, s[f"{n}_a"], s[f"{n}_b"], scaling) for n in names]
         return lora_mlp(s["x"], *ws, activation="swiglu")
 
-    prepare = lambda i: {**i, "g": torch.randn_like(i["x"])}  # noqa: E731
+    prepare = lambda i: {**i, "g": i["g0"].clone()}  # noqa: E731
     impls = {"kestrel": lambda s: grad_of(ours(s), leaves(s), s["g"]),
              "torch": lambda s: grad_of(eager(s), leaves(s), s["g"])}
     # Frozen base: forward 3 matmuls, backward dX only (3 more): 12 M H I useful FLOPs.
@@ -397,7 +402,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if S.device == "cuda" else "cpu (smoke)",
         "torch": torch.__version__, "shapes": S.__dict__,
         "triton": __import__("triton").__version__,
-        "liger_kernel": getattr(sys.modules.get("liger_kernel"), "__version__", None) if liger else None,
+        "liger_kernel": liger is not None,
         "cut_cross_entropy": cce_loss is not None, "copy_gbs": copy_gbs,
         "missing": [n for n, m in (("liger_kernel", liger), ("cut_cross_entropy", cce_loss),
                                    ("kernels.cross_entropy", fused_linear_cross_entropy),

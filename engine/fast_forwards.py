@@ -38,16 +38,22 @@ def fused_lora_weights(layer: nn.Module) -> Any | None:
 
     None for a plain linear, a merged layer, or adapters disabled (base-only, e.g. the GRPO
     reference pass); None with a one-time notice when PEFT carries something the kernel does not
-    support (dropout > 0, a bias, DoRA, several active adapters).
+    support (dropout > 0, a bias, DoRA, several active adapters). The answer is cached on the
+    layer under the state it depends on, because this runs for every projection of every step.
     """
-    if not hasattr(layer, "lora_A") or getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+    if not hasattr(layer, "lora_A"):
         return None
-    active = getattr(layer, "active_adapters", [])
-    if len(active) != 1:
-        return None
-    weights, reason = kernels.LoRAWeights.from_peft(layer, active[0])
-    if weights is None:
-        _notice_once(f"fused LoRA kernel off for some layers ({reason}); using PEFT's path for them")
+    active = tuple(layer.active_adapters)
+    state = (active, layer.merged, layer.disable_adapters, tuple(layer.scaling.get(a) for a in active))
+    cached = layer.__dict__.get("_kestrel_fused")
+    if cached is not None and cached[0] == state:
+        return cached[1]
+    weights = None
+    if not state[1] and not state[2] and len(state[0]) == 1:
+        weights, reason = kernels.LoRAWeights.from_peft(layer, state[0][0])
+        if weights is None:
+            _notice_once(f"fused LoRA kernel off for some layers ({reason}); using PEFT's path for them")
+    layer.__dict__["_kestrel_fused"] = (state, weights)
     return weights
 
 

@@ -107,7 +107,11 @@ def truncate_metrics(job_id: int, after_step: int) -> int:
 
 def metrics_after(job_id: int, step: int = 0, names: list[str] | None = None,
                   limit: int = 100_000) -> list[MetricPoint]:
-    """Every row with step > `step`, in step order: what a poller asks for every second or two."""
+    """Every row with step > `step`, in step order: what a poller asks for every second or two.
+
+    A resumed run replaces the rows past its checkpoint: when `job.attempts` changes, a poller
+    should read again from 0 (or from the job's current `step`).
+    """
     q = select(Metric.step, Metric.name, Metric.value, Metric.time).where(
         Metric.job_id == job_id, Metric.step > step)
     if names:

@@ -109,7 +109,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
 def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     for key in ("model", "dataset"):
         path = Path(str(data[key])).expanduser()
-        if path.exists():
+        if path.exists() and not (key == "model" and data[key] == "demo"):  # the engine's built-in
             data[key] = str(path.resolve())
     if data.get("output_dir"):
         data["output_dir"] = str(Path(data["output_dir"]).expanduser().resolve())
@@ -244,7 +244,7 @@ def reconcile() -> list[int]:
     """
     for pid, proc in list(_CHILDREN.items()):
         if proc.poll() is not None:  # reaps our own finished workers (no zombies)
-            del _CHILDREN[pid]
+            _CHILDREN.pop(pid, None)
     now = time.time()
     with session() as s:
         running = list(s.scalars(select(Job).where(Job.status == RUNNING)))

@@ -2,8 +2,10 @@
 
 Memory argument: hidden is `(N, H)`; full logits would be `(N, V)`, i.e. `V / H` times hidden
 (32x for Llama-3: 128256 / 4096, 2.1 GB in bf16 at N = 8192, 4.2 GB in fp32). Tokens are
-processed in chunks of `c` rows with `c * V ~= N * H`, so one chunk of logits costs about as much
-as hidden itself, and that one `(c, V)` buffer is reused by every chunk.
+processed in chunks of `C` rows with `C * V ~= N * H`, so one chunk of logits costs about as much
+as hidden itself, and that one `(C, V)` buffer is reused by every chunk (floor: 128 rows, so the
+matmuls stay matmuls). At N = 8192, H = 4096, V = 128256, bf16: C = 256, a 66 MB chunk, and the
+whole op peaks near 1.18 GB, the bf16 grads (1.12 GB) included.
 
 Per chunk (rows `s:e`), with `x = h[s:e] @ W^T` in the weight dtype (fp32 accumulation):
 
@@ -13,8 +15,9 @@ Per chunk (rows `s:e`), with `x = h[s:e] @ W^T` in the weight dtype (fp32 accumu
     dloss_i / dx[i, v] = (softmax(z)[i, v] - [v == y_i]) * (1 - tanh^2(x / c)) / T
 
 The Triton kernel overwrites the chunk's logits in place with that gradient times a scale, then
-    grad_h[s:e] = dx @ W        (c, V) @ (V, H)
-    grad_W     += dx^T @ h[s:e] (V, c) @ (c, H)   skipped when W is frozen (LoRA).
+    grad_h[s:e] = dx @ W        (C, V) @ (V, H)
+    grad_W     += dx^T @ h[s:e] (V, C) @ (C, H)   skipped when W is frozen (LoRA); accumulated
+                                                  in W's dtype (an fp32 copy would cost 2 GB).
 
 `fused_linear_cross_entropy` ("mean"/"sum") does all of this during forward, with scale
 `1 / num_valid` ("mean", a device tensor: no host sync) or 1 ("sum"); backward only multiplies the
@@ -35,7 +38,7 @@ from kernels.dispatch import use_triton
 # Vocabulary is swept in blocks of at most this many columns (tests lower it to force the loop).
 _MAX_BLOCK_V = 8192
 # Below this many tokens a chunk turns the matmuls into slow GEMVs that re-read all of W; the extra
-# logits memory of such a floor is small (128 x 256K bf16 = 64 MB). Tests lower it to 1.
+# logits memory of such a floor is small (128 x 256K bf16 = 64 MB). Tests lower it.
 _MIN_CHUNK = 128
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -46,20 +49,6 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 # ---------------------------------------------------------------- Triton kernel
-@triton.jit
-def _transform(x, softcap, inv_temp, HAS_SOFTCAP: tl.constexpr):
-    """z = cap(x) * inv_temp and dz/dx, in fp32."""
-    if HAS_SOFTCAP:
-        # tanh(u) = 1 - 2 / (exp(2u) + 1): saturates to +-1 without NaN for large |u|.
-        t = 1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0)
-        z = softcap * t * inv_temp
-        dz_dx = (1.0 - t * t) * inv_temp
-    else:
-        z = x * inv_temp
-        dz_dx = inv_temp + tl.zeros_like(x)
-    return z, dz_dx
-
-
 @triton.jit
 def _ce_chunk_kernel(
     logits_ptr,  # (rows, V) chunk logits, row stride `stride`; overwritten by the gradient
@@ -85,19 +74,22 @@ def _ce_chunk_kernel(
     valid = label != ignore_index
     cols = tl.arange(0, BLOCK_V)
     if COMPUTE_LSE:
-        m = float("-inf")  # running max
+        m = float("-inf")  # running max of z
         d = 0.0  # running sum of exp(z - m)
+        z_y = 0.0  # the label's z, picked up in passing (no extra scattered load)
         for start in range(0, V, BLOCK_V):
-            mask = start + cols < V
-            x = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-            z, _ = _transform(x, softcap, inv_temp, HAS_SOFTCAP)
-            z = tl.where(mask, z, float("-inf"))
+            offs = start + cols
+            mask = offs < V
+            x = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                # c * tanh(x / c), tanh(u) = 1 - 2 / (exp(2u) + 1): saturates without NaN
+                x = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+            z = tl.where(mask, x * inv_temp, float("-inf"))
+            z_y += tl.sum(tl.where(offs == label, z, 0.0), axis=0)
             m_new = tl.maximum(m, tl.max(z, axis=0))
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
         lse = m + tl.log(d)
-        x_y = tl.load(row_ptr + tl.where(valid, label, 0)).to(tl.float32)
-        z_y, _ = _transform(x_y, softcap, inv_temp, HAS_SOFTCAP)
         tl.store(loss_ptr + row, tl.where(valid, lse - z_y, 0.0))
         tl.store(lse_ptr + row, lse)
     else:
@@ -108,8 +100,12 @@ def _ce_chunk_kernel(
             offs = start + cols
             mask = offs < V
             x = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            z, dz_dx = _transform(x, softcap, inv_temp, HAS_SOFTCAP)
-            p = tl.exp(z - lse)
+            dz_dx = inv_temp
+            if HAS_SOFTCAP:
+                t = 1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0)
+                x = softcap * t
+                dz_dx = (1.0 - t * t) * inv_temp
+            p = tl.exp(x * inv_temp - lse)
             g = (p - tl.where(offs == label, 1.0, 0.0)) * dz_dx * scale
             tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
@@ -189,7 +185,11 @@ def _chunked_pass(h, w, labels, loss, lse, scale, gh, gw, opts: dict, compute_ls
 
 # ---------------------------------------------------------------- autograd Functions
 class _FusedLinearCE(torch.autograd.Function):
-    """Scalar loss ("mean"/"sum") whose gradients are computed during forward."""
+    """Scalar loss ("mean"/"sum") whose gradients are computed during forward.
+
+    Backward: the grads were computed for grad_out = 1, so the chain rule only scales them:
+    d/dh = grad_out * grad_h, d/dW = grad_out * grad_W, in place (no second (V, H) buffer).
+    """
 
     @staticmethod
     def forward(ctx, h, w, labels, opts: dict, reduction: str, need_gh: bool, need_gw: bool):
@@ -249,6 +249,7 @@ class _PerTokenCE(torch.autograd.Function):
         gw = torch.zeros_like(w) if need_gw else None
         if need_gh or need_gw:
             row_scale = grad_out.float().contiguous()
+            # compute_lse=False: the kernel reads lse and writes no loss (lse fills that slot)
             _chunked_pass(h, w, labels, lse, lse, row_scale, gh, gw, ctx.opts, compute_lse=False)
         return gh, gw, None, None
 
@@ -256,7 +257,7 @@ class _PerTokenCE(torch.autograd.Function):
 # ---------------------------------------------------------------- public API
 def _flatten(hidden: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
     if hidden.shape[:-1] != ids.shape:
-        raise ValueError(f"labels shape {tuple(ids.shape)} != hidden leading shape {tuple(hidden.shape[:-1])}")
+        raise ValueError(f"labels shape {tuple(ids.shape)} != hidden's leading {tuple(hidden.shape[:-1])}")
     if hidden.shape[-1] != w.shape[1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} != lm_head in_features {w.shape[1]}")
     return hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1).contiguous()
@@ -276,7 +277,7 @@ def fused_linear_cross_entropy(
     shifted by the caller, values in `[0, V)` or `ignore_index`. Returns an fp32 scalar for
     "mean" (over non-ignored tokens; 0 with zero grads when all are ignored) and "sum", or the
     per-token losses with hidden's leading shape for "none" (ignored tokens give 0).
-    Peak extra memory: one `(c, V)` chunk of logits (about hidden's size) plus the gradients.
+    Peak extra memory: one `(C, V)` chunk of logits (about hidden's size) plus the gradients.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")

@@ -101,7 +101,8 @@ def glu_backward(
 
     silu'(a) = s (1 + a (1 - s)), s = sigmoid(a);
     gelu_tanh'(a) = s + 2 a s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 a^2), s = sigmoid(2z).
-    With inplace=True, da and db are written over gate's and up's storage (no new memory).
+    With inplace=True, da and db are written over gate's and up's storage (no new memory) and
+    the version counters of gate and up are bumped.
     """
     a, b, dc_rows = as_rows(gate), as_rows(up), as_rows(dc)
     n_rows, n_cols = a.shape
@@ -115,6 +116,12 @@ def glu_backward(
             da, da.stride(0), db, db.stride(0), dc_rows, dc_rows.stride(0),
             a, a.stride(0), b, b.stride(0), n_cols, GELU=gelu, BLOCK=block,
         )
+    if inplace:
+        # gate/up now hold gradients: a later reader that saved them (a retained graph) fails
+        # its version check instead of computing with garbage. Bumped before the views below
+        # are made, so those views stay valid to use with grad mode on.
+        torch.autograd.graph.increment_version(gate)
+        torch.autograd.graph.increment_version(up)
     return da.reshape(gate.shape), db.reshape(up.shape)
 
 
@@ -131,11 +138,6 @@ class _GLUFunction(torch.autograd.Function):
     def backward(ctx, dc):  # type: ignore[override]
         gate, up = ctx.saved_tensors
         da, db = glu_backward(dc, gate, up, ctx.gelu, ctx.inplace)
-        if ctx.inplace:
-            # gate/up now hold gradients: any later reader that saved them (a retained graph)
-            # fails its version check instead of computing with garbage.
-            torch.autograd.graph.increment_version(gate)
-            torch.autograd.graph.increment_version(up)
         return da, db, None, None
 
 

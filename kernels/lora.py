@@ -50,13 +50,13 @@ class LoRAWeights:
     scaling: float
 
     def __post_init__(self) -> None:
-        r, in_features = self.lora_A.shape
-        out_features, r_b = self.lora_B.shape
-        if r != r_b:
-            raise ValueError(f"lora_A {tuple(self.lora_A.shape)} and lora_B {tuple(self.lora_B.shape)} ranks differ")
-        base = self.weight.shape if self.quant_state is None else self.quant_state.shape
-        if tuple(base) != (out_features, in_features):
-            raise ValueError(f"base weight {tuple(base)} does not match the adapter ({out_features}, {in_features})")
+        a_shape, b_shape = tuple(self.lora_A.shape), tuple(self.lora_B.shape)
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+            raise ValueError(f"lora_A {a_shape} and lora_B {b_shape} are not (r, in) and (out, r)")
+        base = tuple(self.weight.shape if self.quant_state is None else self.quant_state.shape)
+        if base != (b_shape[0], a_shape[1]):
+            expected = (b_shape[0], a_shape[1])
+            raise ValueError(f"base weight {base} does not match the adapter's {expected}")
 
     @property
     def in_features(self) -> int:
@@ -67,7 +67,9 @@ class LoRAWeights:
         return self.lora_B.shape[0]
 
     @classmethod
-    def from_peft(cls, layer: Any, adapter_name: str | None = None) -> tuple[LoRAWeights | None, str]:
+    def from_peft(
+        cls, layer: Any, adapter_name: str | None = None
+    ) -> tuple[LoRAWeights | None, str]:
         """Read a PEFT `lora.Linear` / `lora.bnb.Linear4bit` layer. Returns (weights, "") or, when
         the fused path would not compute what PEFT computes, (None, reason). Duck-typed: no peft
         import (it pulls in transformers)."""
@@ -77,7 +79,8 @@ class LoRAWeights:
         name = adapter_name or layer.active_adapters[0]
         weight = layer.get_base_layer().weight
         quant_state = getattr(weight, "quant_state", None) if weight.dtype == torch.uint8 else None
-        return cls(weight, quant_state, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])), ""
+        lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+        return cls(weight, quant_state, lora_a, lora_b, float(layer.scaling[name])), ""
 
     def _flat(self) -> tuple[Any, ...]:
         return (self.weight, self.quant_state, self.lora_A, self.lora_B, self.scaling)
@@ -112,7 +115,8 @@ def _peft_refusal(layer: Any, adapter_name: str | None) -> str:
         return "lora_B has a bias"
     if getattr(layer, "fan_in_fan_out", False):
         return "fan_in_fan_out (Conv1D) layout"
-    return _base_refusal(layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name], layer.scaling[name])
+    base = layer.get_base_layer()
+    return _base_refusal(base, layer.lora_A[name], layer.lora_B[name], layer.scaling[name])
 
 
 def _base_refusal(base: Any, lora_a: Any, lora_b: Any, scaling: Any) -> str:
@@ -136,7 +140,9 @@ def _base_refusal(base: Any, lora_a: Any, lora_b: Any, scaling: Any) -> str:
         if getattr(qs, "quant_type", None) != "nf4":
             return f"4-bit quant_type {getattr(qs, 'quant_type', None)!r} (only nf4)"
         expected = (lora_b.weight.shape[0], lora_a.weight.shape[1])
-        return "" if tuple(qs.shape) == expected else f"quant_state shape {tuple(qs.shape)} != {expected}"
+        if tuple(qs.shape) != expected:
+            return f"quant_state shape {tuple(qs.shape)} != {expected}"
+        return ""
     if not weight.is_floating_point() or weight.element_size() < 2:
         return f"base weight dtype {weight.dtype} (8-bit and other formats are not supported)"
     return ""
@@ -161,7 +167,9 @@ def _base(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.T
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 
-def _project(x: torch.Tensor, w: LoRAWeights, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _project(
+    x: torch.Tensor, w: LoRAWeights, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, in) -> y = x W^T + s (x A^T) B^T (M, out), and xa = s x A^T (M, r) for backward."""
     xa = torch.mm(x, w.lora_A.to(dtype).t()).mul_(w.scaling)  # (M, r)
     y = torch.mm(x, _base(w.weight, w.quant_state, dtype).t())  # (M, out)
@@ -200,7 +208,10 @@ def _save(ctx: Any, ws: list[LoRAWeights] | tuple[LoRAWeights, ...], *saved: tor
 
 def _rebuild(tensors: list[torch.Tensor], meta: list[tuple[Any, float]]) -> list[LoRAWeights]:
     """Inverse of `_save` for the projections' part of `ctx.saved_tensors`."""
-    return [LoRAWeights(tensors[3 * k], q, tensors[3 * k + 1], tensors[3 * k + 2], s) for k, (q, s) in enumerate(meta)]
+    return [
+        LoRAWeights(tensors[3 * k], quant_state, tensors[3 * k + 1], tensors[3 * k + 2], scaling)
+        for k, (quant_state, scaling) in enumerate(meta)
+    ]
 
 
 def _needs(ctx: Any, first: int, k: int) -> tuple[bool, bool]:

@@ -160,7 +160,7 @@ def _root(t: torch.Tensor) -> tuple[torch.Tensor, Geometry] | None:
     HF's q is `linear(x).view(b, s, h, d).transpose(1, 2)`: the root is the linear's output.
     """
     root = t if t._base is None else t._base
-    if not root.is_contiguous() or root.numel() != t.numel() or root.storage_offset() != t.storage_offset():
+    if not root.is_contiguous() or (root.numel(), root.storage_offset()) != (t.numel(), t.storage_offset()):
         return None
     perm = sorted(range(t.dim()), key=lambda i: t.stride(i), reverse=True)
     geometry = (tuple(t.shape[i] for i in perm), tuple(perm.index(i) for i in range(t.dim())))
@@ -310,10 +310,14 @@ def rope_(
     for t in (q, k):
         # Checked before the launch writes them (autograd would only refuse afterwards).
         if (t if t._base is None else t._base).is_leaf and t.requires_grad:
-            raise RuntimeError("rope_ writes q and k in place: they must not be a leaf (or a view of a leaf) that requires grad")
+            raise RuntimeError(
+                "rope_ writes q and k in place: they must not be a leaf (or a view of a leaf) that requires grad"
+            )
     q_root, k_root = _root(q), _root(k)
     if q_root is not None and k_root is not None and q_root[0] is not k_root[0]:
-        q_out, k_out = _RoPEFunction.apply(q_root[0], k_root[0], q_root[1], k_root[1], cos, sin, position_ids)
+        q_out, k_out = _RoPEFunction.apply(
+            q_root[0], k_root[0], q_root[1], k_root[1], cos, sin, position_ids
+        )
         return _rebuild(q_out, q_root[1]), _rebuild(k_out, k_root[1])
     q = _RoPEQKFunction.apply(q, k, cos, sin, position_ids)
     k = _RoPEKFunction.apply(k, cos, sin, position_ids)

@@ -32,10 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import KestrelError
+
 BASE = None  # `adapter=None` selects the base model
 
 
-class AdapterError(ValueError):
+class AdapterError(KestrelError, ValueError):
     """An adapter that cannot be applied unmerged here (DoRA, LoRA bias, unknown name...)."""
 
 

@@ -31,10 +31,11 @@ from torch import nn
 
 from engine.decode.adapters import LoraCall, LoraGroup, adapter_names, build_group, is_lora_layer
 from engine.decode.cache import StaticKVCache
+from engine.errors import KestrelError
 from engine.registry import FamilySpec, family_of
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(KestrelError, ValueError):
     """The model's family has no decode path (see `engine.registry.SUPPORTED`)."""
 
 
@@ -302,7 +303,7 @@ class DecodeModel:
         """
         b = tok.shape[0]
         keys = torch.arange(cache.length, device=tok.device)[None]  # (1, S)
-        valid = (keys <= col)  # (B, S)
+        valid = (keys >= pad[:, None]) & (keys <= col)  # (B, S)
         pos = (col - pad)[:, None]  # (B, 1)
         x = self.embed(tok[:, None])  # (B, 1, H)
         group = self.n_heads // self.n_kv

@@ -69,7 +69,7 @@ class ExportResult:
 def _describe(check: Any) -> str:
     data = asdict(check) if is_dataclass(check) else dict(check)
     keep = {k: v for k, v in data.items() if k not in ("sample", "mismatches", "problems") and v is not None}
-    text = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in keep.items())
+    text = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in keep.items())
     for key in ("problems", "mismatches"):
         if data.get(key):
             text += f"; {key}: {data[key][0]}"

@@ -42,6 +42,7 @@ class ReferenceRun:
     prompt_ids: list[int]
     tokens: list[int]  # greedy continuation, N_NEW tokens
     logits: np.ndarray  # (len(prompt_ids) + N_NEW - 1, vocab) fp32, at every evaluated position
+    rounded: np.ndarray | None = None  # the same with the base weights rounded to 16 bits (see reference_runs)
 
 
 @dataclass
@@ -58,8 +59,16 @@ class GGUFCheck:
 
 @dataclass
 class TokenizerCheck:
-    matches: bool
-    mismatches: list[str] = field(default_factory=list)
+    text_mismatches: list[str] = field(default_factory=list)  # plain text, BOS/EOS as the tokenizer adds them
+    chat_mismatches: list[str] = field(default_factory=list)  # prompts rendered by the chat template
+
+    @property
+    def matches(self) -> bool:
+        return not self.text_mismatches and not self.chat_mismatches
+
+    def cost(self) -> tuple[int, int]:
+        """Chat prompts first: they are what the exported model reads in use."""
+        return len(self.chat_mismatches), len(self.text_mismatches)
 
 
 def prompt_ids(tokenizer: Any, prompts: tuple[str, ...] = PROMPTS) -> list[list[int]]:
@@ -86,8 +95,8 @@ def load_reference(model_dir: Path, adapter_dir: Path | None, device: str | None
         state = {name: tensors.checkpoint.get(name).float() for name in tensors.checkpoint.names()}
         model.load_state_dict(state, strict=False)  # a tied lm_head is not in the checkpoint
         model.tie_weights()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:  # loaded straight onto the device: an 8B model in fp32 never passes through host memory
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map={"": dev})
     model = model.to(dev)
     if adapter_dir is not None:
         from peft import PeftModel
@@ -113,12 +122,30 @@ def greedy(model: Any, ids: list[int], n_new: int = N_NEW) -> ReferenceRun:
     return ReferenceRun(ids, tokens, torch.cat(rows).numpy())
 
 
+@torch.no_grad()
+def full_logits(model: Any, seq: list[int]) -> np.ndarray:
+    """(len(seq), vocab) fp32 logits of one forward pass."""
+    dev = next(model.parameters()).device
+    return model(torch.tensor([seq], device=dev)).logits[0].float().cpu().numpy()
+
+
 def reference_runs(model_dir: Path, adapter_dir: Path | None, tokenizer: Any, device: str | None = None,
-                   tensors: Any = None) -> list[ReferenceRun]:
-    """Greedy runs of the reference model on the default prompts, rendered by the chat template."""
+                   tensors: Any = None, round_to: torch.dtype | None = None) -> list[ReferenceRun]:
+    """Greedy runs of the reference model on the default prompts, rendered by the chat template.
+
+    With `round_to` (a 16-bit dtype), each run also gets `rounded`: the logits after rounding
+    the base weights to that dtype (the adapter kept fp32). That is the error storing the model
+    in 16 bits causes by itself, the yardstick for a merged 16-bit model."""
     model = load_reference(model_dir, adapter_dir, device, tensors)
     try:
-        return [greedy(model, ids) for ids in prompt_ids(tokenizer)]
+        runs = [greedy(model, ids) for ids in prompt_ids(tokenizer)]
+        if round_to is not None and round_to != torch.float32:
+            for name, param in model.named_parameters():
+                if "lora_" not in name:
+                    param.data = param.data.to(round_to).float()
+            for run in runs:
+                run.rounded = full_logits(model, run.prompt_ids + run.tokens[:-1])
+        return runs
     finally:
         del model
 
@@ -153,22 +180,25 @@ class _VocabModel:
         self.model.close()
 
 
+def _mismatch(text: str, hf: list[int], ours: list[int]) -> str:
+    first = next((i for i, (a, b) in enumerate(zip(hf, ours)) if a != b), min(len(hf), len(ours)))
+    return f"{text[:40]!r}: from token {first}, Hugging Face {hf[first:first + 6]}, llama.cpp {ours[first:first + 6]}"
+
+
 def check_tokenizer(path: Path, tokenizer: Any, texts: tuple[str, ...] = TEST_TEXTS) -> TokenizerCheck:
     """Tokenize `texts` with llama.cpp and Hugging Face: plain text with the tokenizer's own
     BOS/EOS rule (llama.cpp reads it from the GGUF), and chat-rendered prompts as they are."""
+    result = TokenizerCheck()
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+             for t in texts]
     with _VocabModel(path) as vocab:
-        cases = [(text, True) for text in texts]
-        cases += [(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                 add_generation_prompt=True), False) for t in texts[:2]]
-        mismatches = []
-        for text, add_special in cases:
-            hf = tokenizer(text, add_special_tokens=add_special)["input_ids"]
-            ours = vocab.tokenize(text.encode(), add_bos=add_special, special=True)
-            if ours != hf:
-                first = next((i for i, (a, b) in enumerate(zip(hf, ours)) if a != b), min(len(hf), len(ours)))
-                mismatches.append(f"{text[:40]!r}: from token {first}, Hugging Face {hf[first:first + 6]}, "
-                                  f"llama.cpp {ours[first:first + 6]}")
-    return TokenizerCheck(not mismatches, mismatches)
+        for items, add_special, out in ((texts, True, result.text_mismatches), (chats, False, result.chat_mismatches)):
+            for text in items:
+                hf = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+                ours = vocab.tokenize(text.encode(), add_bos=add_special, special=True)
+                if ours != hf:
+                    out.append(_mismatch(text, hf, ours))
+    return result
 
 
 def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float = TIE_TOL) -> GGUFCheck:

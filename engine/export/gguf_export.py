@@ -37,25 +37,49 @@ _MESSAGES = [
 ]
 
 
+def _variants(vocab: GGUFVocab) -> list[dict[str, Any]]:
+    if vocab.model == "gpt2":
+        return [{"pre": name} for name in (vocab.pre, *vocab.candidate_pres)]
+    # llama.cpp's SentencePiece tokenizer puts the dummy prefix before every text fragment,
+    # including after each special token; Hugging Face's only before the first one. Which setting
+    # reproduces the chat prompts depends on the template, so both are tried.
+    return [{"add_space_prefix": vocab.add_space_prefix}, {"add_space_prefix": not vocab.add_space_prefix}]
+
+
 def settle_tokenizer(stage: Path, src: ExportSource, vocab: GGUFVocab, tokenizer: Any) -> checks.TokenizerCheck:
-    """Tokenizer check on a vocabulary-only file; for byte-level BPE, try pre-tokenizer names
-    until llama.cpp's tokens equal Hugging Face's. Leaves `vocab.pre` at the one that matched."""
+    """Tokenizer check on a vocabulary-only file, trying llama.cpp's settings (the pre-tokenizer
+    name for byte-level BPE, the space prefix for SentencePiece) until its tokens equal Hugging
+    Face's; leaves `vocab` at the best setting, chat prompts first."""
     probe = stage / ".vocab-probe.gguf"
-    names = [vocab.pre, *vocab.candidate_pres] if vocab.model == "gpt2" else [vocab.pre]
-    first = None
-    for pre in names:
-        vocab.pre = pre
+    best: tuple[checks.TokenizerCheck, dict[str, Any]] | None = None
+    for variant in _variants(vocab):
+        for key, value in variant.items():
+            setattr(vocab, key, value)
         write_gguf(probe, None, src.config, src.family, vocab, "f16", src.name)
         try:
-            result = checks.check_tokenizer(probe, tokenizer)
+            found = checks.check_tokenizer(probe, tokenizer)
         finally:
             probe.unlink()
-        if result.matches:
-            return result
-        first = first or result
-    vocab.pre = names[0]
-    assert first is not None
-    return first
+        if best is None or found.cost() < best[0].cost():
+            best = (found, variant)
+        if found.matches:
+            break
+    assert best is not None
+    for key, value in best[1].items():
+        setattr(vocab, key, value)
+    return best[0]
+
+
+def _tokenizer_passed(found: checks.TokenizerCheck, vocab: GGUFVocab, result: Any) -> bool:
+    """Byte-level BPE must match everywhere. SentencePiece must match on chat prompts; where
+    llama.cpp's space-prefix rule makes plain text differ, that is noted, not failed."""
+    if found.matches:
+        return True
+    if vocab.model == "llama" and not found.chat_mismatches:
+        result.notes.append("llama.cpp adds SentencePiece's leading space differently from Hugging Face for text "
+                            f"outside the chat template, e.g. {found.text_mismatches[0]}")
+        return True
+    return False
 
 
 def _needed_bytes(tensors: ModelTensors, src: ExportSource, base_type: str, quant: str, vocab: GGUFVocab) -> int:
@@ -83,9 +107,11 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
 
     report(0.02, "checking the tokenizer with llama.cpp")
     tok_check = settle_tokenizer(stage, src, vocab, tokenizer)
-    result.checks["tokenizer"] = {"passed": tok_check.matches, "model": vocab.model, "pre": vocab.pre,
-                                  "mismatches": tok_check.mismatches}
-    if not tok_check.matches:
+    passed = _tokenizer_passed(tok_check, vocab, result)
+    result.checks["tokenizer"] = {"passed": passed, "model": vocab.model, "pre": vocab.pre,
+                                  "add_space_prefix": vocab.add_space_prefix,
+                                  "mismatches": tok_check.chat_mismatches + tok_check.text_mismatches}
+    if not passed:
         return  # llama.cpp would read different tokens than the model was trained on
     refs = []
     if check:

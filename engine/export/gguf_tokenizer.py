@@ -101,12 +101,32 @@ def _split_pattern(pre_tokenizer: dict | None) -> tuple[str | None, bool]:
     return regex, byte_level
 
 
+# Texts on which the known split regexes disagree: digit runs, case in contractions, punctuation
+# before letters, runs of newlines and spaces.
+_SPLIT_PROBES = ("12345 67", "IT'S we'LL", "(hello) [x]", "a\n\n  b\r\n", "x   y\t\tz", "\u00e9t\u00e9 \u65e5\u672c")
+
+
+def _splits(regex: str, text: str) -> list[str]:
+    from tokenizers import Regex, pre_tokenizers
+
+    return [piece for piece, _ in pre_tokenizers.Split(Regex(regex), behavior="isolated").pre_tokenize_str(text)]
+
+
 def _guess_pre(tok_json: dict) -> tuple[str, tuple[str, ...]]:
+    """llama.cpp's pre-tokenizer name for the split regex, and the others to try, best first.
+
+    A regex llama.cpp does not know by its text is compared, by how it splits probe texts, with
+    the ones it does know; the closest goes first. The tokenizer check decides."""
     regex, _ = _split_pattern(tok_json.get("pre_tokenizer"))
     name = KNOWN_PRE.get(regex or "")
-    if name is None:  # an unknown regex: the check tries every name llama.cpp has for BPE
+    if name is not None:
+        return name, tuple(n for n in PRE_NAMES if n != name)
+    if regex is None:
         return PRE_NAMES[0], PRE_NAMES[1:]
-    return name, tuple(n for n in PRE_NAMES if n != name)
+    ours = [_splits(regex, t) for t in _SPLIT_PROBES]
+    differing = {known: sum(_splits(r, t) != o for t, o in zip(_SPLIT_PROBES, ours)) for r, known in KNOWN_PRE.items()}
+    ranked = sorted(PRE_NAMES, key=lambda n: differing.get(n, len(_SPLIT_PROBES) + 1))
+    return ranked[0], tuple(ranked[1:])
 
 
 def _is_spm(tok_json: dict) -> bool:

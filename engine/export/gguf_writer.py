@@ -22,6 +22,7 @@ one tensor at a time (fp32 copy + its converted copy), never the model.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,6 +225,7 @@ def write_gguf(path: Path, tensors: ModelTensors | None, config: Any, family: Fa
 
     Returns notes about settings llama.cpp handles differently from Hugging Face.
     """
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # it logs every file it writes at INFO
     writer = gguf.GGUFWriter(path, family.gguf_arch)
     try:
         notes = add_metadata(writer, config, family, name, DIRECT_TYPES[file_type][1])
@@ -245,6 +247,7 @@ def write_gguf(path: Path, tensors: ModelTensors | None, config: Any, family: Fa
             data = _encode(w.contiguous(), p.qtype)
             del w
             writer.write_tensor_data(data)
+            del data  # before the next tensor is read: one tensor in memory at a time
             on_tensor(i + 1, len(plan))
     finally:
         writer.close()

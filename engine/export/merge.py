@@ -22,7 +22,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -140,6 +140,18 @@ class LoraDeltas:
         names = {f"{m}.weight" for m in self.pairs} | set(self.replaced)
         return names | {f"{m}.bias" for m, p in self.pairs.items() if "bias" in p}
 
+    def delta_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of B @ A (or its transpose for embeddings) by base weight name."""
+        shapes = {}
+        for module, pair in self.pairs.items():
+            if "A" in pair and "B" in pair:
+                shapes[f"{module}.weight"] = (pair["B"].shape[0], pair["A"].shape[1])
+            elif "embA" in pair and "embB" in pair:
+                shapes[f"{module}.weight"] = (pair["embA"].shape[1], pair["embB"].shape[0])
+            else:
+                raise KestrelError(f"the adapter's {module} has only one of lora_A / lora_B: the file is incomplete")
+        return shapes
+
     def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (fp32) with this adapter merged in; the tensor itself when untouched."""
         if name in self.replaced:
@@ -174,6 +186,12 @@ class ModelTensors:
                     f"{model_dir} does not have: the adapter was trained on another model"
                 )
             names += [n for n in self.lora.replaced if n not in names]
+            for name, shape in self.lora.delta_shapes().items():
+                if tuple(shape) != self.checkpoint.shape(name):
+                    raise KestrelError(
+                        f"the adapter's {name} is {tuple(shape)} but the base model {model_dir} has "
+                        f"{self.checkpoint.shape(name)}: the adapter was trained on another model"
+                    )
         self._names = [n for n in names if not n.endswith("rotary_emb.inv_freq")]
 
     def names(self) -> list[str]:
@@ -256,7 +274,3 @@ def write_safetensors_shards(tensors: ModelTensors, out_dir: Path, dtype: torch.
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         paths.append(index)
     return paths
-
-
-def iter_names(tensors: ModelTensors) -> Iterator[str]:
-    yield from tensors.names()

@@ -35,7 +35,7 @@ LLAMA3 = ChatFormat(
 )
 GEMMA = ChatFormat(
     "gemma", ("<start_of_turn>", "<end_of_turn>"), ("<end_of_turn>",),
-    "{{- range .Messages }}<start_of_turn>{{ if eq .Role \"assistant\" }}model{{ else }}{{ .Role }}{{ end }}\n"
+    "{{- range .Messages }}<start_of_turn>{{ if eq .Role \"assistant\" }}model{{ else }}user{{ end }}\n"
     "{{ .Content }}<end_of_turn>\n{{ end }}<start_of_turn>model\n",
 )
 MISTRAL = ChatFormat(

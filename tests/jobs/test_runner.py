@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 import jobs
 from engine.errors import ConfigError
 from jobkit import config, job, steps, wait_for, wait_status, wait_step
-from jobs import queries, runner, store
+from jobs import runner, store
 from jobs.models import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, Job, Metric
 
 
@@ -240,3 +240,46 @@ def test_a_crashed_launch_window_is_settled_after_the_heartbeat_goes_stale() -> 
     with store.session(immediate=True) as s:
         s.get(Job, job_id).heartbeat_at = time.time() - runner.STALE_AFTER_S - 1
     assert runner.reconcile() == [job_id] and job(job_id).status == INTERRUPTED
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jobs", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_command_line_interface(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_STEP_S", "0.05")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: demo\ndataset: arithmetic_chat\nmax_steps: 30\nsave_steps: 5\n")
+    submitted = _cli("submit", str(cfg), "--max_steps", "20")  # overrides as in `python -m engine train`
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = int(submitted.stdout)
+    queued = int(_cli("submit", str(cfg), "--max_steps", "3").stdout)
+    listed = json.loads(_cli("list", "--json").stdout)
+    assert [j["id"] for j in listed] == [queued, job_id]
+    assert all({"id", "status", "pid", "step", "total_steps", "error"} <= set(j) for j in listed)
+    followed = _cli("logs", str(job_id), "--follow")  # returns once the job has finished
+    assert followed.returncode == 0 and f"job {job_id} completed" in followed.stdout
+    shown = json.loads(_cli("show", str(job_id), "--json").stdout)
+    assert (shown["status"], shown["step"], shown["total_steps"], shown["error"]) == (COMPLETED, 20, 20, None)
+    assert shown["last_metrics"]["loss"] == pytest.approx(10.0 / 20) and shown["pid"] > 0
+    assert "progress   20/20" in _cli("show", str(job_id)).stdout
+    assert "fake engine: steps 1..20" in _cli("logs", str(job_id)).stdout
+    refused = _cli("cancel", str(job_id))
+    assert refused.returncode == 1 and "already completed" in refused.stderr
+    missing = _cli("show", "999")
+    assert missing.returncode == 1 and "no job with id 999" in missing.stderr
+    assert wait_status(queued).status == COMPLETED  # started by the first job's worker
+    assert _cli("delete", str(queued)).returncode == 0
+    assert [j["id"] for j in json.loads(_cli("list", "--json").stdout)] == [job_id]
+
+
+def test_cli_cancel_wait_and_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_STEP_S", "0.05")
+    job_id = jobs.submit(config(max_steps=60, save_steps=10))
+    wait_step(job_id, 2)
+    stopped = _cli("pause", str(job_id), "--wait")
+    assert stopped.returncode == 0 and stopped.stdout.strip() == INTERRUPTED
+    monkeypatch.setenv("FAKE_STEP_S", "0.005")
+    resumed = _cli("resume", str(job_id))
+    assert resumed.returncode == 0 and resumed.stdout.startswith(f"{job_id} ")
+    assert wait_status(job_id).status == COMPLETED and steps(job_id) == list(range(1, 61))

@@ -13,12 +13,17 @@ N, H, V = 37, 96, 1000  # V is not a multiple of the vocab block (512 below)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """NaN-filled in place of torch.empty: an element the kernels forget to write shows up."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Five chunks (8 tokens, the last 5), two vocab blocks (1000 = 512 + 488), NaN-poisoned buffers."""
+    """Five chunks (8 tokens, the last 5), two vocab blocks (1000 = 512 + 488), NaN buffers."""
     monkeypatch.setattr(ce, "_MIN_CHUNK", 8)
     monkeypatch.setattr(ce, "_MAX_BLOCK_V", 512)
-    monkeypatch.setattr(ce, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    monkeypatch.setattr(ce, "_alloc", poisoned)
 
 
 @pytest.fixture(params=["triton", "torch"])
@@ -55,7 +60,10 @@ def run_both(hidden, weight, labels, reduction="mean", softcap=None, grad_scale=
     h_ref, w_ref = fp32_leaf(hidden), fp32_leaf(weight)
     ours = fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap, reduction=reduction)
     ref = fused_linear_cross_entropy_reference(h_ref, w_ref, labels, softcap=softcap, reduction=reduction)
-    g = torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed)) + 0.5 if reduction == "none" else grad_scale
+    if reduction == "none":  # per-token weights: the gradient must weight each row
+        g = (torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed)) + 0.5).to(ref.device)
+    else:
+        g = grad_scale
     (ours * g).sum().backward()
     (ref * g).sum().backward()
     return ours, ref, h_ref, w_ref
@@ -132,6 +140,17 @@ def test_batched_shape_and_per_token_losses(backend) -> None:
     assert ours.shape == (3, 11)
     assert_rel(ours, ref, 1e-5)
     assert_rel(hidden.grad, h_ref.grad, 1e-5)
+
+
+def test_fp32_hidden_with_bf16_weight(backend) -> None:
+    """Hidden from an fp32 norm, bf16 lm_head: matmuls in bf16, grad_h returned in fp32."""
+    hidden, weight, labels = make_inputs()
+    weight = weight.detach().to(torch.bfloat16).requires_grad_()
+    ours, ref, h_ref, w_ref = run_both(hidden, weight, labels, softcap=5.0)
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
+    assert_rel(ours, ref, 1e-2)
+    assert_rel(hidden.grad, h_ref.grad, 1e-2)
+    assert_rel(weight.grad, w_ref.grad, 1e-2)
 
 
 @pytest.mark.parametrize("max_block", [256, 1024], ids=["multi_block", "one_masked_block"])

@@ -13,12 +13,17 @@ N, H, V = 37, 96, 1000
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """NaN-filled in place of torch.empty: an element the kernels forget to write shows up."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Five chunks (8 tokens, the last 5), two vocab blocks (1000 = 512 + 488), NaN-poisoned buffers."""
+    """Five chunks (8 tokens, the last 5), two vocab blocks (1000 = 512 + 488), NaN buffers."""
     monkeypatch.setattr(ce, "_MIN_CHUNK", 8)
     monkeypatch.setattr(ce, "_MAX_BLOCK_V", 512)
-    monkeypatch.setattr(ce, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    monkeypatch.setattr(ce, "_alloc", poisoned)
 
 
 @pytest.fixture(params=["triton", "torch"])
@@ -53,7 +58,7 @@ def run_both(hidden, weight, ids, temperature=1.0, softcap=None):
     h_ref, w_ref = fp32_leaf(hidden), fp32_leaf(weight)
     ours = chunked_token_logprobs(hidden, weight, ids, temperature=temperature, softcap=softcap)
     ref = token_logprobs_reference(h_ref, w_ref, ids, temperature=temperature, softcap=softcap)
-    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7)).to(ref.device)
     (ours * g).sum().backward()
     (ref * g).sum().backward()
     return ours, ref, h_ref, w_ref

@@ -37,7 +37,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return request.param
 
 
-def _quantize(shape: tuple[int, int], dtype: torch.dtype, nested: bool, seed: int = 0, device: str = "cpu"):
+def _quantize(
+    shape: tuple[int, int], dtype: torch.dtype, nested: bool, seed: int = 0, device: str = "cpu"
+):
     gen = torch.Generator().manual_seed(seed)
     # Rows with different scales so the per-block absmax really varies.
     w = torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen).add(0.1)
@@ -69,7 +71,8 @@ def test_fp32_output_of_bf16_state_is_exact(backend: str) -> None:
     # The kernel's fp32 math (nested absmax, no FMA, table lookup) against the reference.
     packed, state = _quantize((130, 136), torch.bfloat16, nested=True, seed=4)
     expected = nf4.dequantize_reference(packed, state, torch.float32)
-    torch.testing.assert_close(nf4.dequantize(packed, state, dtype=torch.float32), expected, rtol=0, atol=0)
+    got = nf4.dequantize(packed, state, dtype=torch.float32)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def _hand_packed(nibbles: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int]):

@@ -1,0 +1,295 @@
+"""GRPO, read top to bottom: setup, then each step rollout -> reward -> score -> update.
+
+    status, last_step = run_grpo(config, output_dir, callbacks)
+
+1. setup: rewards built first (a misconfigured reward fails before any model loads); seed; load
+   the model patched (NF4 with `grpo.load_in_4bit`); attach LoRA. The reference policy is the same
+   model with its adapter disabled: no second copy of the weights. Prompts tokenized once; one
+   decode `Generator` for the whole run; AdamW, schedule, resume as in SFT.
+2. rollout: a step takes `batch_size * grad_accum` prompts and samples `num_generations`
+   completions for each through the decode path, `batch_size` prompts per decode batch; the
+   decode cache is freed before the update so the two never hold memory together.
+3. reward: every completion scored (weighted sum of the rewards); advantages normalised per group.
+4. score, no grad: reference log-probs with the adapter disabled (beta > 0), and the sampling
+   policy's when a batch feeds several updates (`num_iterations` > 1).
+5. update: rows run in micro-batches of at most `max_seq_length` tokens (one row at least); each
+   micro-batch's loss is scaled by the step's totals, so they sum to the loss of the whole step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
+from engine.config import TrainConfig
+from engine.decode.generate import Generator
+from engine.decode.model import UnsupportedModelError
+from engine.errors import ConfigError
+from engine.grpo.data import PromptRow, load_prompts, prompts_for_step
+from engine.grpo.logprobs import check_lm_head, completion_logprobs, pack_rows
+from engine.grpo.loss import group_advantages, policy_loss
+from engine.grpo.rewards import RewardBatch, RewardSet
+from engine.grpo.rollout import Rollouts, release, rollout
+from engine.loader import load
+from engine.lora import trainable_parameters
+from engine.metrics import Callback, RunInfo, memory_metrics
+from engine.sft import lr_lambda, prepare_model, seed_everything
+
+
+def grpo_setting(config: TrainConfig, name: str, default: Any) -> Any:
+    """`num_iterations` / `load_in_4bit`: proposed for GrpoSettings; their defaults until added."""
+    return getattr(config.grpo, name, default)
+
+
+@dataclass
+class GrpoSession:
+    """Everything a run holds between setup and the end."""
+
+    config: TrainConfig
+    output_dir: Path
+    model: nn.Module
+    tokenizer: Any
+    prompts: list[PromptRow]
+    rewards: RewardSet
+    generator: Generator
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    total_steps: int
+    start_step: int
+    device: torch.device
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.config.batch_size * self.config.grad_accum
+
+
+@dataclass
+class MicroBatch:
+    """Rows updated together: device tensors, plus their no-grad scores once computed."""
+
+    ids: torch.Tensor  # (r, T) prompt + completion, right-padded
+    starts: torch.Tensor  # (r,) first completion column
+    targets: torch.Tensor  # (r, L) completion ids, -100 past the end
+    advantages: torch.Tensor  # (r,)
+    ref: torch.Tensor | None = None  # (r, L) reference log-probs (beta > 0)
+    old: torch.Tensor | None = None  # (r, L) sampling-policy log-probs (num_iterations > 1)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.targets != -100
+
+
+@dataclass
+class StepBatch:
+    """One step's rollouts, their rewards and the micro-batches the update runs over."""
+
+    rollouts: Rollouts
+    rewards: torch.Tensor  # (S,) weighted total
+    parts: dict[str, torch.Tensor]  # reward key -> (S,)
+    micro: list[MicroBatch]
+    completion_tokens: int
+    prompt_tokens: int
+    rollout_s: float
+
+
+# --- 1. setup ---------------------------------------------------------------------------------
+
+
+def _generator(model: nn.Module, tokenizer: Any, max_len: int) -> Generator:
+    try:
+        return Generator(model, tokenizer, max_seq_len=max_len)
+    except UnsupportedModelError as exc:
+        raise ConfigError(f"GRPO samples through the fast decode path, which this model lacks: {exc}") from exc
+
+
+def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
+    g = config.grpo
+    rewards = RewardSet(g.rewards, allow_custom=g.allow_custom_rewards)
+    seed_everything(config.seed)
+    max_len = g.max_prompt_length + g.max_completion_length
+    model, tokenizer = load(config.model, max(config.max_seq_length, max_len),
+                            load_in_4bit=bool(grpo_setting(config, "load_in_4bit", False)),
+                            dtype=config.dtype, patch=config.fast_kernels)
+    device = next(model.parameters()).device
+    prompts, bad, too_long = load_prompts(config, tokenizer, rewards.needs_answers)
+    cb.on_log(f"dataset {config.dataset}: {len(prompts)} prompts, {len(bad)} bad rows skipped"
+              + (f", {too_long} longer than grpo.max_prompt_length skipped" if too_long else ""))
+    if bad:
+        cb.on_log("bad rows: " + "; ".join(f"line {b.line}: {b.reason}" for b in bad[:5]))
+    model = prepare_model(config, model)  # LoRA on a frozen base (GRPO never trains all weights)
+    check_lm_head(model)
+    trainable, total = trainable_parameters(model)
+    cb.on_log(f"model {config.model} (grpo): {trainable:,} of {total:,} parameters trainable, on {device}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
+                                  fused=device.type == "cuda")
+    per_step = config.batch_size * config.grad_accum
+    total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(prompts) / per_step))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
+    start = 0
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is not None:
+        start = load_checkpoint(checkpoint, model, optimizer, scheduler)["step"]
+        cb.on_log(f"resuming from {checkpoint.name} (step {start} of {total_steps})")
+    generator = _generator(model, tokenizer, max_len)
+    return GrpoSession(config, output_dir, model, tokenizer, prompts, rewards, generator, optimizer, scheduler,
+                       total_steps, start, device)
+
+
+# --- 2-4. rollout, reward, score ------------------------------------------------------------
+
+
+def split_rows(widths: list[int], budget: int) -> list[slice]:
+    """Consecutive row slices whose padded size (rows * widest row) stays within `budget` tokens."""
+    out, lo, widest = [], 0, 0
+    for i, w in enumerate(widths):
+        widest_with = max(widest, w)
+        if i > lo and (i - lo + 1) * widest_with > budget:
+            out.append(slice(lo, i))
+            lo, widest_with = i, w
+        widest = widest_with
+    out.append(slice(lo, len(widths)))
+    return out
+
+
+def _micro_batches(s: GrpoSession, ro: Rollouts, advantages: torch.Tensor) -> list[MicroBatch]:
+    widths = [len(p) + len(c) for p, c in zip(ro.prompt_ids, ro.completion_ids)]
+    pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else 0
+    out = []
+    for sl in split_rows(widths, s.config.max_seq_length):
+        ids, starts, targets = pack_rows(ro.prompt_ids[sl], ro.completion_ids[sl], pad, s.device)
+        out.append(MicroBatch(ids, starts, targets, advantages[sl].to(s.device)))
+    return out
+
+
+def collect(s: GrpoSession, step: int) -> StepBatch:
+    """Rollouts for step `step`, scored: rewards, advantages, micro-batches (no grad)."""
+    g, t0 = s.config.grpo, time.perf_counter()
+    rows = prompts_for_step(s.prompts, step, s.prompts_per_step, s.config.seed)
+    adapter = getattr(s.model, "active_adapter", None)
+    ro = Rollouts([], [], [], [])
+    for j in range(0, len(rows), s.config.batch_size):
+        seed = s.config.seed + (step * len(rows) + j) * g.num_generations  # distinct per row and step
+        ro.extend(rollout(s.generator, s.tokenizer, [r.ids for r in rows[j : j + s.config.batch_size]],
+                          g.num_generations, g.max_completion_length, g.temperature, g.top_p, seed, adapter))
+    release(s.generator)
+    repeat = lambda xs: [x for x in xs for _ in range(g.num_generations)]  # noqa: E731
+    batch = RewardBatch(repeat([r.text for r in rows]), ro.texts, repeat([r.answer for r in rows]),
+                        [len(c) for c in ro.completion_ids])
+    total, parts = s.rewards(batch)  # (S,), {key: (S,)}
+    advantages = group_advantages(total, g.num_generations, scale=g.loss_type != "dr_grpo")
+    micro = _micro_batches(s, ro, advantages)
+    score(s, micro)
+    return StepBatch(ro, total, parts, micro, sum(batch.lengths), sum(len(p) for p in ro.prompt_ids),
+                     time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def score(s: GrpoSession, micro: list[MicroBatch]) -> None:
+    """Reference log-probs (adapter disabled) and, for reused batches, the sampling policy's."""
+    g = s.config.grpo
+    reuse = int(grpo_setting(s.config, "num_iterations", 1)) > 1
+    if g.beta == 0 and not reuse:
+        return
+    s.model.eval()  # no-grad passes: nothing to checkpoint
+    try:
+        for mb in micro:
+            if g.beta > 0:
+                with s.model.disable_adapter():
+                    mb.ref = completion_logprobs(s.model, mb.ids, mb.starts, mb.targets, g.temperature)
+            if reuse:
+                mb.old = completion_logprobs(s.model, mb.ids, mb.starts, mb.targets, g.temperature)
+    finally:
+        s.model.train()
+
+
+# --- 5. update --------------------------------------------------------------------------------
+
+
+def update(s: GrpoSession, batch: StepBatch) -> dict[str, float]:
+    """One optimizer step over every micro-batch of `batch`; returns the update's metrics."""
+    g = s.config.grpo
+    num_seq, num_tok = len(batch.rollouts), max(1, batch.completion_tokens)
+    sums = {"loss": torch.zeros((), device=s.device), "kl_sum": 0.0, "clipped": 0.0, "tokens": 0.0}
+    for mb in batch.micro:
+        logp = completion_logprobs(s.model, mb.ids, mb.starts, mb.targets, g.temperature)  # (r, L)
+        old = mb.old if mb.old is not None else logp.detach()  # first update of a batch: ratio 1
+        loss, stats = policy_loss(logp, old, mb.ref, mb.advantages, mb.mask, g.loss_type, g.epsilon, g.beta,
+                                  g.max_completion_length, num_sequences=num_seq, num_tokens=num_tok)
+        loss.backward()
+        sums["loss"] += loss.detach()
+        for key in ("kl_sum", "clipped", "tokens"):
+            sums[key] = sums[key] + stats[key]
+    params = [p for group in s.optimizer.param_groups for p in group["params"]]
+    clip = s.config.max_grad_norm if s.config.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    lr = s.scheduler.get_last_lr()[0]
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    tokens = torch.as_tensor(sums["tokens"]).clamp(min=1)
+    # One host read per step, for the metrics.
+    return {"loss": float(sums["loss"]), "grad_norm": float(grad_norm), "lr": lr,
+            "kl": float(sums["kl_sum"] / tokens), "clip_frac": float(sums["clipped"] / tokens)}
+
+
+def batch_metrics(batch: StepBatch, group_size: int) -> dict[str, float]:
+    """Reward and completion statistics of a step's rollouts."""
+    lengths = [len(c) for c in batch.rollouts.completion_ids]
+    groups = batch.rewards.view(-1, group_size)
+    out = {"reward": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std(correction=0)),
+           "frac_reward_zero_std": float((groups.std(dim=1, correction=0) < 1e-8).float().mean()),
+           "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": float(max(lengths)),
+           "completion_stopped_frac": sum(batch.rollouts.stopped) / len(lengths), "rollout_s": batch.rollout_s}
+    out.update({f"reward/{key}": float(v.mean()) for key, v in batch.parts.items()})
+    return out
+
+
+def train_loop(s: GrpoSession, cb: Callback) -> str:
+    """Steps until done or asked to stop; returns the final status."""
+    iterations = max(1, int(grpo_setting(s.config, "num_iterations", 1)))
+    started, batch = time.perf_counter(), None
+    for step in range(s.start_step, s.total_steps):
+        t0 = time.perf_counter()
+        if batch is None or step % iterations == 0:
+            batch = collect(s, step)
+        t1 = time.perf_counter()
+        raw = update(s, batch)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
+        now, done = time.perf_counter(), step + 1
+        elapsed = now - started
+        metrics = {
+            "step": done, "total_steps": s.total_steps, "epoch": done * s.prompts_per_step / len(s.prompts),
+            **raw, **batch_metrics(batch, s.config.grpo.num_generations), "update_s": now - t1,
+            "tokens_per_s": (batch.prompt_tokens + batch.completion_tokens) / max(now - t0, 1e-9),
+            **memory_metrics(s.device), "elapsed_s": elapsed,
+            "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
+        }
+        if done % s.config.logging_steps == 0 or done == s.total_steps:
+            cb.on_step(metrics)
+        stop = cb.should_stop()
+        if stop or (s.config.save_steps and done % s.config.save_steps == 0 and done < s.total_steps):
+            path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, {"total_steps": s.total_steps})
+            cb.on_checkpoint(done, str(path))
+        if stop:
+            return "cancelled" if stop == "cancel" else "interrupted"
+    return "completed"
+
+
+def run_grpo(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+    """Set up, train and save; returns (status, last step)."""
+    s = setup(config, output_dir, cb)
+    cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
+    status = train_loop(s, cb) if s.start_step < s.total_steps else "completed"
+    if status == "completed":
+        path = save_weights(s.model, output_dir, s.tokenizer)
+        cb.on_log(f"saved {path}")
+    return status, s.total_steps if status == "completed" else s.scheduler.last_epoch

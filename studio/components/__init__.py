@@ -1,0 +1,1 @@
+"""Layout only: each module's `build()` creates its tab's widgets and returns them by name."""

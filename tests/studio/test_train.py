@@ -1,0 +1,131 @@
+"""Train tab handlers: the form is the YAML (shown, downloaded, loaded back), presets, memory
+estimate, and Start with every kind of bad input answered by a message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+import pytest
+import yaml
+
+import jobs
+from engine.config import load_config
+from studio.form import FORM_KEYS
+from studio.handlers import train
+from tests.studio.helpers import error_text, form
+
+
+def test_form_yaml_round_trip(tmp_path: Path) -> None:
+    extra, values = form(max_steps=7, lora__r=4, packing=True, name="my run")
+    out = train.preview(extra, *values)
+    assert out["status"] == ""
+    data = yaml.safe_load(out["yaml"])
+    assert data["max_steps"] == 7 and data["lora"]["r"] == 4 and data["packing"] is True
+    # The download is the same YAML, and the command line reads it to the same config.
+    downloaded = Path(out["download"])
+    assert downloaded.read_text() == out["yaml"] and downloaded.name.startswith("my-run-")
+    assert load_config(downloaded).to_dict() == data
+    back = train.apply_yaml(out["yaml"])
+    assert [back[k] for k in FORM_KEYS] == values
+
+
+def test_keys_without_widgets_survive_the_form() -> None:
+    text = "dataset_format: prompt_completion\ncolumns: {prompt: question, completion: reply}\n" \
+           "grpo: {rewards: [{name: format_regex, pattern: 'x', weight: 0.5}]}\n"
+    filled = train.apply_yaml(text)
+    assert filled["extra"]["columns"] == {"prompt": "question", "completion": "reply"}
+    again = yaml.safe_load(train.preview(filled["extra"], *[filled[k] for k in FORM_KEYS])["yaml"])
+    assert again["columns"] == {"prompt": "question", "completion": "reply"}
+    assert again["grpo"]["rewards"][0]["name"] == "format_regex"
+
+
+def test_load_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("model: demo\nmax_steps: 3\nlearning_rate: 0.01\n")
+    filled = train.load_yaml_file(str(path))
+    assert filled["max_steps"] == 3 and filled["learning_rate"] == 0.01 and filled["model_source"] == "demo"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("bogus_key: 1", "unknown config key bogus_key"),
+    ("lora: {rank: 8}", "unknown config key lora.rank"),
+    ("max_steps: -3", "max_steps must be at least 1"),
+    ("learning_rate: 5", "learning_rate must be in (0, 1)"),
+    ("batch_size: many", "batch_size"),
+    ("[1, 2]", "must be a mapping"),
+    ("a: : b", "not valid YAML"),
+])
+def test_bad_yaml_is_a_message(text: str, words: str) -> None:
+    with pytest.raises(gr.Error) as excinfo:
+        train.apply_yaml(text)
+    assert words in error_text(excinfo)
+
+
+def test_half_typed_values_are_a_notice_not_an_error() -> None:
+    extra, values = form(batch_size=2.5)
+    out = train.preview(extra, *values)
+    assert "whole number" in out["status"] and out["yaml"] is not None
+    extra, values = form(learning_rate=None)
+    assert "must be a number" in train.preview(extra, *values)["status"]
+
+
+def test_presets_change_only_their_keys() -> None:
+    extra, values = form(seed=123)
+    out = train.apply_preset("lora_quality", extra, *values)
+    assert out["lora.r"] == 32 and out["learning_rate"] == 1e-4 and out["seed"] == 123
+    for name in train.PRESETS:
+        assert train.apply_preset(name, extra, *values)["yaml"]
+
+
+def test_vram_estimate_on_cpu_and_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    extra, values = form()
+    assert "No NVIDIA GPU found" in train.preview(extra, *values)["vram"]
+    monkeypatch.setattr(train, "_gpu", lambda: ("NVIDIA Test 1GB", 2**30))
+    assert "fits" in train.preview(extra, *values)["vram"]
+    extra, values = form(batch_size=512, max_seq_length=8192, gradient_checkpointing="off")
+    assert "will not fit" in train.preview(extra, *values)["vram"]
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"model_source": "local", "model": "/no/such/folder"}, "does not exist"),
+    ({"model_source": "hub", "model": "someone/not-cached"}, "offline"),
+    ({"model_source": "hub", "model": ""}, "Enter a model folder"),
+    ({"dataset": "/no/such/data.jsonl"}, "does not exist any more"),
+    ({"method": "qlora"}, "QLoRA needs an NVIDIA GPU"),
+    ({"max_seq_length": 8}, "max_seq_length must be 16"),
+])
+def test_start_refuses_bad_input(changes: dict, words: str) -> None:
+    extra, values = form(**changes)
+    with pytest.raises(gr.Error) as excinfo:
+        train.start_training(extra, *values)
+    assert words in error_text(excinfo)
+    assert jobs.list_jobs() == []
+
+
+def test_local_folder_without_config(tmp_path: Path) -> None:
+    extra, values = form(model_source="local", model=str(tmp_path))
+    with pytest.raises(gr.Error) as excinfo:
+        train.start_training(extra, *values)
+    assert "has no config.json" in error_text(excinfo)
+
+
+def test_start_twice_is_refused(fake_engine: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_STEP_S", "1.0")  # still running when Start is pressed again
+    extra, values = form(max_steps=50)
+    first = train.start_training(extra, *values)
+    assert first["job"] == 1 and "Started job #1" in first["status"]
+    with pytest.raises(gr.Error) as excinfo:
+        train.start_training(extra, *values)
+    assert "already started as job #1" in error_text(excinfo)
+    assert len(jobs.list_jobs()) == 1
+    extra, values = form(max_steps=51)  # a different run is queued behind it
+    second = train.start_training(extra, *values)
+    assert second["job"] == 2 and "Queued job #2" in second["status"]
+
+
+def test_use_dataset_carries_format_and_columns() -> None:
+    state = {"path": "/x/qa.csv", "format": "prompt_completion", "columns": {"prompt": "question"}}
+    out = train.use_dataset(state, {"grpo": {"rewards": []}})
+    assert out["dataset"] == "/x/qa.csv" and out["dataset_format"] == "prompt_completion"
+    assert out["extra"] == {"grpo": {"rewards": []}, "columns": {"prompt": "question"}}
