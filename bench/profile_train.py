@@ -46,8 +46,9 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70)
-    Path(args.out).write_text(table)
-    print(table)
+    by_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70)
+    Path(args.out).write_text(table + "\n\n" + by_cpu)
+    print(table + "\n\n" + by_cpu)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ never change while the cache lives, which is what lets a CUDA graph captured onc
 decode step.
 
 Rows are LEFT-padded: every row of a batch writes the same cache column at each step, so a step
-writes one column (`col`, a 1-element device tensor) and the attention mask, built from each row's
-pad count, hides the pad columns. A row's RoPE position at column `c` is `c - pad[row]`.
+writes one column (`k[i][:, :, col] = k_new`, `col` a 1-element device tensor: no host read) and
+the attention mask, built from each row's pad count, hides the pad columns. A row's RoPE position at column `c` is `c - pad[row]`.
 
 The buffer starts zeroed and every write is finite, so masked columns never hold NaN or Inf
 (a masked probability of exactly 0 times a NaN value would still be NaN).
@@ -48,12 +48,3 @@ class StaticKVCache:
         t = k.shape[2]
         self.k[layer][:, :, :t].copy_(k)
         self.v[layer][:, :, :t].copy_(v)
-
-    def write_column(self, layer: int, col: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Decode: k, v (B, kv_heads, 1, head_dim) -> column `col` ((1,) long, on device).
-
-        An index_put_ with a device index: no host value is read, so nothing synchronizes and
-        the same captured graph serves every column.
-        """
-        self.k[layer][:, :, col] = k
-        self.v[layer][:, :, col] = v

@@ -199,9 +199,13 @@ class Generator:
         cuda = self.backend.device.type == "cuda"
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
         self.compile = (cuda and not self.backend.quantized) if compile is None else compile
-        # Compiled functions live on the object (not module globals): one per Generator.
-        self._step_fn = torch.compile(self._step, fullgraph=True) if self.compile else self._step
+        # Compiled functions live on objects (not module globals): the backend's layer step,
+        # and the sampling/bookkeeping step here.
+        self._emit_fn = self._emit
+        if self.compile:
+            self._compile()
         self._session: _Session | None = None
+        self._busy = False
         self.first_token_s = 0.0  # of the latest request
 
     # --- public API ----------------------------------------------------------------------------
@@ -219,6 +223,13 @@ class Generator:
         """Re-read the model (after LoRA layers were added or removed); drops cached graphs."""
         self.backend = _decode_model(self.model, self.max_seq_len)
         self._session = None
+        if self.compile:
+            self._compile()
+
+    def _compile(self) -> None:
+        if hasattr(self.backend, "compile"):
+            self.backend.compile()
+        self._emit_fn = torch.compile(self._emit, fullgraph=True)
 
     def generate(
         self,
@@ -262,12 +273,22 @@ class Generator:
     # --- the loop ------------------------------------------------------------------------------
 
     def _run(self, prompts, max_new_tokens, sampling, adapter, stop_ids) -> Iterator[_Tracker]:
+        """One request at a time (the session's buffers are shared): see `_decode`."""
+        if self._busy:
+            raise RuntimeError("this Generator is already running a request; serialize calls (one per model)")
+        self._busy = True
+        try:
+            yield from self._decode(prompts, max_new_tokens, sampling, adapter, stop_ids)
+        finally:
+            self._busy = False
+
+    def _decode(self, prompts, max_new_tokens, sampling, adapter, stop_ids) -> Iterator[_Tracker]:
         """Prefill, then pipelined decode; yields the tracker after each chunk reaches the host.
 
         Work runs under no_grad in short blocks, never across a `yield`, so the caller's grad
         mode is untouched between chunks.
         """
-        with torch.no_grad():
+        with torch.no_grad(), _compile_limits():
             req, s, runner = self._prepare(prompts, max_new_tokens, sampling, adapter, stop_ids)
             start = time.perf_counter()
             logits = self.backend.prefill(req.ids, s.pad, s.cache, req.lora)
@@ -283,7 +304,7 @@ class Generator:
             # Keep two chunks queued: the GPU runs one while the host reads the other.
             while len(pending) < 2 and launched < req.max_new:
                 k = min(self.sync_every, req.max_new - launched)
-                with torch.no_grad():
+                with torch.no_grad(), _compile_limits():
                     for _ in range(k):
                         runner()
                     pending.append(s.readback(launched, launched + k))
@@ -293,7 +314,7 @@ class Generator:
             tracker.add(pending.pop(0)())
             yield tracker
 
-    def _prepare(self, prompts, max_new_tokens, sampling, adapter, stop_ids):
+    def _prepare(self, prompts, max_new_tokens, sampling, adapter, stop_ids) -> tuple[_Request, _Session, Callable[[], None]]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         prompts = [[int(t) for t in p] for p in prompts]
@@ -308,7 +329,9 @@ class Generator:
         self._load(s, req, longest)
         return req, s, runner
 
-    def _request(self, s, prompts, max_new, sampling, adapter, stop_ids) -> _Request:
+    def _request(
+        self, s: _Session, prompts: list[list[int]], max_new: int, sampling: Any, adapter: Any, stop_ids: Any
+    ) -> _Request:
         batch, longest, dev = len(prompts), max(len(p) for p in prompts), self.backend.device
         params = _row_params(sampling, batch)
         stops = list(self.stop_ids if stop_ids is None else stop_ids)
@@ -371,38 +394,55 @@ class Generator:
     def _step(self, s: _Session, plan: SamplingPlan, lora: LoraCall | None) -> None:
         logits = self.backend.step(s.tok, s.col, s.pad, s.cache, lora)  # (B, V)
         s.col.add_(1)
-        self._emit(s, logits, plan)
+        self._emit_fn(s, logits, plan)
 
     def _runner(self, s: _Session, req: _Request) -> Callable[[], None]:
         """The callable that runs one decode step for this request's shape of work."""
         key = (req.plan, req.lora_key)
         if key not in s.graphs:
-            step = functools.partial(self._step_fn, s, req.plan, req.lora)
+            step = functools.partial(self._step, s, req.plan, req.lora)
             s.graphs[key] = self._capture(s, step, req) if self.cuda_graphs else step
         return s.graphs[key]
 
     def _capture(self, s: _Session, step: Callable[[], None], req: _Request) -> Callable[[], None]:
-        """Warm up (compiles) on a side stream, then capture one step as a CUDA graph.
+        """Capture one decode step as a CUDA graph; on failure retry uncompiled, then run eagerly.
 
-        Warm-up steps write real columns of the cache and bump counters; `_load` resets all of
-        it before the request runs. On failure, falls back to eager steps with a notice.
+        The warm-up steps write real cache columns and bump counters; `_load` resets all of it
+        before the request runs.
         """
         s.reset(0)
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            return _graph(step)
         except RuntimeError as exc:  # compile or capture failed: correctness first
-            log.warning("decode step not captured as a CUDA graph (%s); running it eagerly", exc)
-            torch.cuda.synchronize()
-            return functools.partial(self._step, s, req.plan, req.lora)
-        return graph.replay
+            if not self.compile:
+                log.warning("decode step not captured as a CUDA graph (%s); running it eagerly", exc)
+                return step
+            log.warning("compiled decode step failed (%s); capturing the eager step instead", exc)
+        self.compile = False
+        self._emit_fn = self._emit
+        if hasattr(self.backend, "compile"):
+            self.backend.compile(False)
+        return self._capture(s, step, req)
+
+
+def _compile_limits() -> Any:
+    """Let the compiled layer recompile per variant (window, adapter mode, shapes) past the default 8."""
+    cfg = torch._dynamo.config
+    return cfg.patch(**{"recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit": 64})
+
+
+def _graph(step: Callable[[], None]) -> Callable[[], None]:
+    """Warm `step` up on a side stream (this is where it compiles), then capture it once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), _compile_limits():
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def _row_params(sampling: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:

@@ -150,6 +150,7 @@ class DecodeModel:
         self.rope = self._rope_tables(stack.rotary_emb)
         self.adapters: list[str] = []
         self.attach_lora()
+        self._layer_fn, self._head_fn = self._layer_step, self._head  # eager until compile()
 
     # --- construction ----------------------------------------------------------------------
 
@@ -245,11 +246,7 @@ class DecodeModel:
 
     def _logits(self, last: torch.Tensor, lora: LoraCall | None) -> torch.Tensor:
         """last (B, 1, H) -> (B, V) float32; the softcap in the model dtype, as HF does."""
-        (logits,) = self.lm_head(self._rms(last, self.final_norm), lora)
-        logits = logits[:, 0]
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.float()
+        return self._head(self._rms(last, self.final_norm), lora)
 
     def _softcap_scores(self, scores: torch.Tensor) -> torch.Tensor:
         if self.attn_softcap is None:
@@ -298,22 +295,64 @@ class DecodeModel:
     ) -> torch.Tensor:
         """tok (B,) at cache column col ((1,) long) -> logits (B, V) float32. No host reads.
 
-        Attention over the whole cache with a mask; grouped-query heads are folded into the
-        query length, (B, nh, 1, d) -> (B, nkv, G, d), so K and V are read once, never copied.
+        Compiled per layer, not as one graph: every layer of a family has the same shapes, so
+        one compiled layer serves all of them and compiling takes seconds, not minutes. Each
+        layer also computes the NEXT layer's input norm, so the residual add and that norm
+        still fuse into one kernel across the layer boundary.
         """
-        b = tok.shape[0]
-        keys = torch.arange(cache.length, device=tok.device)[None]  # (1, S)
-        valid = (keys >= pad[:, None]) & (keys <= col)  # (B, S)
-        pos = (col - pad)[:, None]  # (B, 1)
         x = self.embed(tok[:, None])  # (B, 1, H)
-        group = self.n_heads // self.n_kv
+        h = self._rms(x, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms(x, layer.input_norm), pos, lora)
-            cache.write_column(i, col, k, v)
-            mask = valid if layer.window is None else valid & (keys > col - layer.window)
-            q = q.reshape(b, self.n_kv, group, self.head_dim)
-            scores = self._softcap_scores(torch.matmul(q, cache.k[i].transpose(-1, -2)).float() * layer.scaling)
-            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))  # (B, nkv, G, S)
-            out = torch.matmul(scores.softmax(-1).to(q.dtype), cache.v[i])  # (B, nkv, G, d)
-            x = self._block(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim), lora)
-        return self._logits(x, lora)
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x, h = self._layer_fn(layer, after, x, h, col, pad, cache.k[i], cache.v[i], lora)
+        return self._head_fn(h, lora)
+
+    def _layer_step(
+        self,
+        layer: Layer,
+        after: Norm,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        col: torch.Tensor,
+        pad: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        lora: LoraCall | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, one token per row: x (B, 1, H) residual stream, h = its input norm.
+
+        Returns (x', after(x')). The new K/V go to column `col` of this layer's cache
+        (B, nkv, S, d); attention reads the whole cache under a mask (pad columns, columns after
+        `col`, columns outside a sliding window). Grouped-query heads fold into the query
+        length, (B, nh, 1, d) -> (B, nkv, G, d), so K and V are read once and never copied.
+        """
+        b = x.shape[0]
+        keys = torch.arange(k_cache.shape[2], device=x.device)[None]  # (1, S)
+        valid = (keys >= pad[:, None]) & (keys <= col)  # (B, S)
+        if layer.window is not None:
+            valid = valid & (keys > col - layer.window)
+        q, k, v = self._qkv(layer, h, (col - pad)[:, None], lora)
+        k_cache[:, :, col] = k  # index_put_ with a device index: no host read
+        v_cache[:, :, col] = v
+        q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
+        scores = self._softcap_scores(torch.matmul(q, k_cache.transpose(-1, -2)).float() * layer.scaling)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))  # (B, nkv, G, S)
+        out = torch.matmul(scores.softmax(-1).to(q.dtype), v_cache)  # (B, nkv, G, d)
+        x = self._block(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim), lora)
+        return x, self._rms(x, after)
+
+    def _head(self, h: torch.Tensor, lora: LoraCall | None) -> torch.Tensor:
+        """h (B, 1, H) already normed -> logits (B, V) float32."""
+        (logits,) = self.lm_head(h, lora)
+        logits = logits[:, 0]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+    def compile(self, enabled: bool = True) -> None:
+        """Compile the per-layer step and the head (for CUDA), or go back to eager."""
+        if not enabled:
+            self._layer_fn, self._head_fn = self._layer_step, self._head
+            return
+        self._layer_fn = torch.compile(self._layer_step, fullgraph=True)
+        self._head_fn = torch.compile(self._head, fullgraph=True)

@@ -130,7 +130,7 @@ def export(source: str | Path, format: str, out_dir: str | Path, quant: str | No
     `format`: adapter | merged | gguf. `quant`: for gguf one of QUANT_TYPES (default f16); for
     merged the weights' dtype, one of MERGED_DTYPES (auto keeps the stored 16-bit dtype).
     `check=False` skips the comparison with the Hugging Face model (files are still validated).
-    `device` runs the Hugging Face reference (default: CUDA when present, else CPU).
+    `device`: where merges, casts and the Hugging Face reference run (default: CUDA when present).
     Raises KestrelError on bad input, ExportCheckError when the written files fail their check.
     """
     from engine.export.formats import export_adapter, export_gguf, export_merged

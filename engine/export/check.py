@@ -42,7 +42,7 @@ class ReferenceRun:
     prompt_ids: list[int]
     tokens: list[int]  # greedy continuation, N_NEW tokens
     logits: np.ndarray  # (len(prompt_ids) + N_NEW - 1, vocab) fp32, at every evaluated position
-    rounded: np.ndarray | None = None  # the same with the base weights rounded to 16 bits (see reference_runs)
+    rounded: np.ndarray | None = None  # the same with the merged weights rounded to 16 bits (see reference_runs)
 
 
 @dataclass
@@ -133,13 +133,15 @@ def reference_runs(model_dir: Path, adapter_dir: Path | None, tokenizer: Any, de
                    tensors: Any = None, round_to: torch.dtype | None = None) -> list[ReferenceRun]:
     """Greedy runs of the reference model on the default prompts, rendered by the chat template.
 
-    With `round_to` (a 16-bit dtype), each run also gets `rounded`: the logits after rounding
-    the base weights to that dtype (the adapter kept fp32). That is the error storing the model
-    in 16 bits causes by itself, the yardstick for a merged 16-bit model."""
+    With `round_to` (a 16-bit dtype), each run also gets `rounded`: the logits after PEFT merges
+    the adapter (in fp32) and every weight is rounded to that dtype. That is the error storing
+    the merged model in 16 bits causes by itself, the yardstick for a merged 16-bit export."""
     model = load_reference(model_dir, adapter_dir, device, tensors)
     try:
         runs = [greedy(model, ids) for ids in prompt_ids(tokenizer)]
         if round_to is not None and round_to != torch.float32:
+            if adapter_dir is not None:
+                model.merge_adapter()
             for name, param in model.named_parameters():
                 if "lora_" not in name:
                     param.data = param.data.to(round_to).float()
@@ -220,11 +222,12 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
             llm.reset()
             llm.eval(seq)
             ours = np.asarray(llm.scores[: len(seq)], dtype=np.float32)  # (len(seq), vocab)
-            if not np.isfinite(ours).all():
-                problems.append(f"non-finite logits for prompt {i}")
+            theirs = ref.logits
+            if ours.shape != theirs.shape or not np.isfinite(ours).all():
+                problems.append(f"prompt {i}: llama.cpp gave logits of shape {ours.shape}, the reference "
+                                f"{theirs.shape}, finite: {bool(np.isfinite(ours).all())}")
                 continue
             top = ours.argmax(-1)
-            theirs = ref.logits[:, : ours.shape[1]]
             agree = top == theirs.argmax(-1)
             n_prompt = len(ref.prompt_ids) - 1
             prompt_ok, prompt_n = prompt_ok + int(agree[:n_prompt].sum()), prompt_n + n_prompt
@@ -263,11 +266,10 @@ def _llama_cpp_render(model: Any, messages: list[dict[str, str]]) -> str | None:
 def check_template(path: Path, tokenizer: Any, messages: list[dict[str, str]]) -> dict[str, Any]:
     """Render `messages` with the template embedded in the GGUF (Jinja, as llama-cpp-python and
     `llama-server --jinja` do, and with llama.cpp's built-in formats) and with the tokenizer."""
+    import llama_cpp
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    import llama_cpp
-
     with _VocabModel(path) as vocab:
         embedded = llama_cpp.llama_model_chat_template(vocab.model, None)
         if not embedded:

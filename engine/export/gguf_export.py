@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.export import check as checks
-from engine.export.formats import _quant_notes, gguf_basename, load_tokenizer, n_params
+from engine.export.formats import _quant_notes, compute_device, gguf_basename, load_tokenizer, n_params
 from engine.export.gguf_tokenizer import GGUFVocab, build_vocab
 from engine.export.gguf_writer import gguf_nbytes, write_gguf
 from engine.export.merge import ModelTensors
@@ -96,7 +96,7 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
     from engine.export import check_disk_space
 
     quant = result.quant
-    tensors = ModelTensors(src.model_dir, src.adapter_dir)
+    tensors = ModelTensors(src.model_dir, src.adapter_dir, compute_device(device))
     _quant_notes(src, tensors, result)
     tokenizer = load_tokenizer(src, result)
     chat_format = detect_chat_format(tokenizer.chat_template)

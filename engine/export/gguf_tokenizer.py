@@ -84,21 +84,18 @@ class GGUFVocab:
             writer.add_chat_template(self.chat_template)
 
 
-def _split_pattern(pre_tokenizer: dict | None) -> tuple[str | None, bool]:
-    """(the split regex, whether a byte-level step is present) of a `pre_tokenizer` entry."""
+def _split_regex(pre_tokenizer: dict | None) -> str | None:
+    """The regex that splits text before BPE: a Split step's, or GPT-2's inside a ByteLevel step."""
     if pre_tokenizer is None:
-        return None, False
-    steps = pre_tokenizer.get("pretokenizers", [pre_tokenizer]) if pre_tokenizer["type"] == "Sequence" else [pre_tokenizer]
-    regex, byte_level = None, False
+        return None
+    steps = pre_tokenizer.get("pretokenizers", []) if pre_tokenizer["type"] == "Sequence" else [pre_tokenizer]
     for step in steps:
         if step["type"] == "Split":
             pattern = step.get("pattern", {})
-            regex = regex or pattern.get("Regex") or pattern.get("String")
-        elif step["type"] == "ByteLevel":
-            byte_level = True
-            if step.get("use_regex", True):
-                regex = regex or _GPT2_RE
-    return regex, byte_level
+            return pattern.get("Regex") or pattern.get("String")
+        if step["type"] == "ByteLevel" and step.get("use_regex", True):
+            return _GPT2_RE
+    return None
 
 
 # Texts on which the known split regexes disagree: digit runs, case in contractions, punctuation
@@ -117,7 +114,7 @@ def _guess_pre(tok_json: dict) -> tuple[str, tuple[str, ...]]:
 
     A regex llama.cpp does not know by its text is compared, by how it splits probe texts, with
     the ones it does know; the closest goes first. The tokenizer check decides."""
-    regex, _ = _split_pattern(tok_json.get("pre_tokenizer"))
+    regex = _split_regex(tok_json.get("pre_tokenizer"))
     name = KNOWN_PRE.get(regex or "")
     if name is not None:
         return name, tuple(n for n in PRE_NAMES if n != name)

@@ -200,14 +200,14 @@ def plan_tensors(tensors: ModelTensors, config: Any, family: FamilySpec, file_ty
 
 
 def _encode(w: torch.Tensor, qtype: Any) -> np.ndarray:
-    """`w` (fp32) as the bytes GGUF stores for `qtype`."""
+    """`w` (fp32, any device) as the bytes GGUF stores for `qtype`; cast where `w` is, then copied."""
     if qtype == Q.F32:
-        return w.numpy()
+        return w.cpu().numpy()
     if qtype == Q.F16:
-        return w.to(torch.float16).numpy()
+        return w.to(torch.float16).cpu().numpy()
     if qtype == Q.BF16:
-        return w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    return gguf.quants.quantize(w.numpy(), qtype)
+        return w.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+    return gguf.quants.quantize(w.cpu().numpy(), qtype)
 
 
 def _nbytes(p: PlannedTensor) -> int:

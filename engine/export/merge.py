@@ -155,25 +155,27 @@ class LoraDeltas:
     def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (fp32) with this adapter merged in; the tensor itself when untouched."""
         if name in self.replaced:
-            tensor = self.replaced[name].float()
+            tensor = self.replaced[name].to(tensor.device, torch.float32)
         module, _, leaf = name.rpartition(".")
         pair = self.pairs.get(module)
         if pair is None:
             return tensor
         s = self.scale(module)
-        if leaf == "weight" and "A" in pair:
-            tensor = tensor + s * (pair["B"].float() @ pair["A"].float())  # (out, r) @ (r, in)
-        elif leaf == "weight" and "embA" in pair:
-            tensor = tensor + s * (pair["embB"].float() @ pair["embA"].float()).T  # ((dim, r) @ (r, vocab)).T
-        elif leaf == "bias" and "bias" in pair:
-            tensor = tensor + s * pair["bias"].float()
+        part = {k: v.to(tensor.device, torch.float32) for k, v in pair.items()}
+        if leaf == "weight" and "A" in part:
+            tensor = tensor + s * (part["B"] @ part["A"])  # (out, r) @ (r, in)
+        elif leaf == "weight" and "embA" in part:
+            tensor = tensor + s * (part["embB"] @ part["embA"]).T  # ((dim, r) @ (r, vocab)).T
+        elif leaf == "bias" and "bias" in part:
+            tensor = tensor + s * part["bias"]
         return tensor
 
 
 class ModelTensors:
     """The tensors to export: base checkpoint tensors with the adapter (if any) merged in."""
 
-    def __init__(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
+    def __init__(self, model_dir: Path, adapter_dir: Path | None = None, device: str | torch.device | None = None) -> None:
+        self.device = torch.device(device or "cpu")  # where merges and casts run; results stay there
         self.checkpoint = CheckpointTensors(model_dir)
         self.lora = LoraDeltas(adapter_dir) if adapter_dir is not None else None
         self.dequantized = self.checkpoint.quantized
@@ -208,10 +210,10 @@ class ModelTensors:
         return self.checkpoint.stored_dtype(name)
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor in fp32, adapter merged."""
+        """The tensor in fp32 on `self.device`, adapter merged."""
         if self.lora is not None and name in self.lora.replaced:
-            return self.lora.apply(name, self.lora.replaced[name].float())
-        tensor = self.checkpoint.get(name).float()
+            return self.lora.apply(name, self.lora.replaced[name].to(self.device, torch.float32))
+        tensor = self.checkpoint.get(name).to(self.device).float()
         return self.lora.apply(name, tensor) if self.lora is not None else tensor
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
@@ -252,7 +254,7 @@ def _write_shard(path: Path, names: list[str], tensors: ModelTensors, dtype: tor
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for name in names:
-            data = tensors.get(name).to(dtype).contiguous()
+            data = tensors.get(name).to(dtype).cpu().contiguous()
             f.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
             on_tensor(name)
     return offset

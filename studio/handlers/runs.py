@@ -116,7 +116,7 @@ def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> 
         out["select"] = gr.update(choices=[(_label(j), j.id) for j in job_list],
                                   value=job.id if job else None)
     job_state = (job.id, job.status, job.step) if job else None
-    if force or job_state != seen.get("job"):
+    if force or "job" not in seen or job_state != seen["job"]:
         out["progress"] = progress_text(job)
         out.update(chart_frames(job.id if job else None))
         out["grpo"] = gr.update(visible=bool(job and job.kind == "grpo"))

@@ -209,6 +209,20 @@ def preview(extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
     return _rendered(cfg, cfg.to_dict())
 
 
+def _check_types(data: dict[str, Any]) -> None:
+    """Name the key of a value of the wrong type (`batch_size: many`), which the config's range
+    checks would otherwise report as a bare comparison error."""
+    for key, value in _flatten(data).items():
+        field = FIELD_BY_KEY.get(key)
+        if field is None or value is None:
+            continue
+        numeric = field.kind in ("int", "opt_int", "float", "opt_float")
+        if numeric and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if field.kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
 def _fill(cfg: TrainConfig, status: str) -> dict[str, Any]:
     out = config_to_form(cfg.to_dict())
     out.update(_rendered(cfg, cfg.to_dict(), status))
@@ -224,6 +238,7 @@ def apply_yaml(text: str) -> dict[str, Any]:
         raise ConfigError(S.ERR_YAML.format(error=str(exc).splitlines()[0])) from exc
     if not isinstance(data, dict):
         raise ConfigError(S.ERR_YAML_MAPPING)
+    _check_types(data)
     return _fill(config_from_dict(data), S.TR_YAML_APPLIED)
 
 

@@ -44,7 +44,7 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 def _hf_greedy(model, prompt: list[int], n: int, **kw) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **kw)
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False, **kw)
     return out[0, len(prompt) :].tolist()
 
 

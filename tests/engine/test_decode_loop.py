@@ -220,3 +220,13 @@ def test_generator_stream_matches_generate(demo_tokenizer) -> None:
     full = gen.generate([prompt], max_new_tokens=60).tokens[0]
     text = "".join(gen.stream(prompt, max_new_tokens=60))
     assert text == demo_tokenizer.decode(full, skip_special_tokens=True)
+
+
+def test_one_request_at_a_time() -> None:
+    gen = Generator(MockBackend(), max_seq_len=64, stop_ids=[])
+    running = gen.chunks([[1, 2]], max_new_tokens=20)
+    next(running)
+    with pytest.raises(RuntimeError):
+        gen.generate([[3]])
+    running.close()  # an abandoned stream frees the generator
+    assert gen.generate([[1, 2]], max_new_tokens=5).finish_reasons == ["length"]

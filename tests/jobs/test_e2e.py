@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 import jobs
 from jobkit import config, job, steps, wait_for, wait_status, wait_step
 from jobs import runner, store
-from jobs.models import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, Metric
+from jobs.models import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, Metric
 
 REPORTED = {"loss", "lr", "grad_norm", "tokens_per_s", "epoch", "elapsed_s", "eta_s"}
 SLOW = 600.0  # generous deadlines: a loaded CI machine trains the demo at ~1 step a second
@@ -63,7 +63,8 @@ for chunk in jobs.follow_log(job_id):
 """
 
 
-def test_demo_job_completes_after_its_submitter_is_killed() -> None:
+def test_demo_job_completes_after_its_submitter_is_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PACE_S", "0.2")  # the kill must land mid-run
     supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(cfg=demo(max_steps=16, save_steps=4))],
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
     job_id = int(supervisor.stdout.readline())
@@ -71,6 +72,7 @@ def test_demo_job_completes_after_its_submitter_is_killed() -> None:
     os.killpg(supervisor.pid, signal.SIGKILL)
     supervisor.wait(timeout=30)
     supervisor.stdout.close()
+    assert job(job_id).status == RUNNING
     done = wait_status(job_id, timeout=SLOW)
     assert done.status == COMPLETED and done.pid == worker_pid, jobs.log_tail(job_id)
     assert steps(job_id) == list(range(1, 17)) and _jsonl_steps(done.output_dir) == list(range(1, 17))
@@ -90,6 +92,7 @@ def test_demo_job_completes_after_its_submitter_is_killed() -> None:
 
 
 def test_demo_worker_killed_is_interrupted_and_resume_continues_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PACE_S", "0.2")  # the kill must land mid-run
     job_id = jobs.submit(demo(max_steps=16, save_steps=4))
     pid = wait_step(job_id, 6, timeout=SLOW).pid
     os.kill(pid, signal.SIGKILL)

@@ -71,16 +71,16 @@ def test_cancel_a_queued_job_and_a_running_one(monkeypatch: pytest.MonkeyPatch) 
 
 def test_pause_then_resume_continues_steps_without_duplicates(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_STEP_S", "0.05")
-    job_id = jobs.submit(config(max_steps=40, save_steps=10))
+    job_id = jobs.submit(config(max_steps=80, save_steps=10))
     wait_step(job_id, 3)
     assert jobs.pause(job_id) == "stopping"
     paused = wait_status(job_id, timeout=30)
-    assert paused.status == INTERRUPTED and paused.step < 40
+    assert paused.status == INTERRUPTED and paused.step < 80
     monkeypatch.setenv("FAKE_STEP_S", "0.01")
     jobs.resume(job_id)
     done = wait_status(job_id, COMPLETED)
-    assert done.attempts == 2 and steps(job_id) == list(range(1, 41))
-    assert f"steps {paused.step + 1}..40" in jobs.log_tail(job_id)
+    assert done.attempts == 2 and steps(job_id) == list(range(1, 81))
+    assert f"steps {paused.step + 1}..80" in jobs.log_tail(job_id)
 
 
 def test_two_jobs_on_one_device_run_one_after_the_other() -> None:
@@ -275,11 +275,11 @@ def test_command_line_interface(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 def test_cli_cancel_wait_and_resume(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_STEP_S", "0.05")
-    job_id = jobs.submit(config(max_steps=60, save_steps=10))
+    job_id = jobs.submit(config(max_steps=200, save_steps=10))
     wait_step(job_id, 2)
     stopped = _cli("pause", str(job_id), "--wait")
     assert stopped.returncode == 0 and stopped.stdout.strip() == INTERRUPTED
     monkeypatch.setenv("FAKE_STEP_S", "0.005")
     resumed = _cli("resume", str(job_id))
     assert resumed.returncode == 0 and resumed.stdout.startswith(f"{job_id} ")
-    assert wait_status(job_id).status == COMPLETED and steps(job_id) == list(range(1, 61))
+    assert wait_status(job_id).status == COMPLETED and steps(job_id) == list(range(1, 201))

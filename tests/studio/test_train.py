@@ -90,7 +90,7 @@ def test_vram_estimate_on_cpu_and_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("changes, words", [
     ({"model_source": "local", "model": "/no/such/folder"}, "does not exist"),
     ({"model_source": "hub", "model": "someone/not-cached"}, "offline"),
-    ({"model_source": "hub", "model": ""}, "Enter a model folder"),
+    ({"model_source": "hub", "model": ""}, "model must name a hub id"),
     ({"dataset": "/no/such/data.jsonl"}, "does not exist any more"),
     ({"method": "qlora"}, "QLoRA needs an NVIDIA GPU"),
     ({"max_seq_length": 8}, "max_seq_length must be 16"),

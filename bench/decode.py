@@ -1,0 +1,354 @@
+"""Decode benchmark: Kestrel's decode path against Hugging Face, at Llama-3.1-8B shape in bf16.
+
+    python bench/decode.py --out bench/results/decode.json                      # ~5 min on an H100
+    python bench/decode.py --baseline unsloth --out bench/results/decode_unsloth.json
+    python bench/decode.py --smoke --out /tmp/decode_smoke.json                 # tiny model, any device
+
+Random-init weights at the real shape (speed does not depend on the values), no downloads.
+One run measures, in this order (HF first: attaching LoRA later rewires the model's modules):
+  1. device copy bandwidth (read + write) and the batch-1 bound = bandwidth / bytes read per token
+     (every weight but the untied embedding table, plus the KV cache);
+  2. HF `generate` with its dynamic cache, batch 1 and batch 16;
+  3. HF `generate` with a static cache + torch.compile (its auto-compile), batch 1;
+  4. Kestrel bf16, batch 1 and batch 16; then with an unmerged LoRA adapter (r=16, all seven
+     linears, random non-zero B); then with the base quantized to NF4 (bitsandbytes);
+Unsloth's inference mode needs `import unsloth` before transformers, so it runs in its own
+process (`--baseline unsloth`) and writes its own JSON.
+
+Workload: a 512-token prompt, 256 new tokens, greedy, no stop tokens. Reported per variant:
+first-token latency (prefill + first token), tokens/s over the whole call, decode-only tokens/s,
+and for batch 1 the fraction of the bandwidth bound. Every variant is guarded: a failure is
+recorded in the JSON and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LLAMA_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+)  # fmt: skip
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy, read + write counted."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    sync()
+    return 2 * src.numel() * src.element_size() * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def build_model(smoke: bool, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if smoke:
+        from engine.tiny import tiny_model
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        return tiny_model("llama", 512, seed=0, dtype=dtype).to(device)
+    config = AutoConfig.for_model("llama", **LLAMA_8B)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def bytes_per_step(model: torch.nn.Module, batch: int, context: int) -> int:
+    """What one decode step must read: every weight but an untied embedding table, plus KV."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embed = inner.model.embed_tokens.weight
+    tied = inner.lm_head.weight.data_ptr() == embed.data_ptr()
+    weights = sum(p.numel() * p.element_size() for p in inner.parameters())
+    weights -= 0 if tied else embed.numel() * embed.element_size()
+    cfg = inner.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * batch * context
+    return weights + kv
+
+
+def measure(name: str, batch: int, new: int, run: Callable[[], tuple[float, float, list[int]]], repeats: int) -> dict:
+    """run() -> (total seconds, first-token seconds, row-0 tokens); the best of `repeats` timed runs."""
+    run()  # warm-up: compiles, captures, fills allocator caches
+    best = None
+    for _ in range(repeats):
+        sync()
+        total, first, tokens = run()
+        if best is None or total < best[0]:
+            best = (total, first, tokens)
+    total, first, tokens = best
+    return {
+        "name": name, "batch": batch, "new_tokens": new, "total_s": total, "first_token_ms": first * 1e3,
+        "tokens_per_s": batch * new / total, "decode_tokens_per_s": batch * (new - 1) / (total - first),
+        "tokens_row0": tokens[:32],
+    }
+
+
+def guarded(results: list, name: str, batch: int, fn: Callable[[], dict]) -> None:
+    start = time.perf_counter()
+    try:
+        row = fn()
+    except Exception as exc:  # a benchmark harness records the failure and measures the rest
+        row = {"name": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    row["wall_s"] = round(time.perf_counter() - start, 1)
+    results.append(row)
+    shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "tokens_row0"}
+    print(json.dumps(shown), flush=True)
+
+
+def prompts(batch: int, length: int, vocab: int) -> torch.Tensor:
+    return torch.randint(100, vocab - 100, (batch, length), generator=torch.Generator().manual_seed(batch))
+
+
+# --- Hugging Face -------------------------------------------------------------------------------
+
+
+class _FirstTokenClock:
+    """A `generate` streamer that notes when the first new token reaches the host."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_runner(model, ids: torch.Tensor, new: int, **kw: Any) -> Callable[[], tuple[float, float, list[int]]]:
+    """One `generate` call per run; its streamer times the first token (no second call, so a
+    static cache keeps one shape and compiles once)."""
+    ids = ids.to(model.device)
+    mask = torch.ones_like(ids)
+
+    def run() -> tuple[float, float, list[int]]:
+        clock = _FirstTokenClock()
+        sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=0, streamer=clock, **kw)
+        sync()
+        end = time.perf_counter()
+        return end - start, (clock.first or end) - start, out[0, ids.shape[1] :].tolist()
+
+    return run
+
+
+# --- Kestrel --------------------------------------------------------------------------------------
+
+
+def kestrel_runner(gen, ids: torch.Tensor, new: int, adapter: str | None = None):
+    rows = ids.tolist()
+
+    def run() -> tuple[float, float, list[int]]:
+        sync()
+        out = gen.generate(rows, max_new_tokens=new, adapter=adapter)
+        sync()
+        return out.total_s, out.first_token_s, out.tokens[0]
+
+    return run
+
+
+def attach_lora(model, rank: int = 16):
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_LINEARS, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 1e-3)  # non-zero: the update is really computed and added
+    return peft.eval()
+
+
+def quantize_nf4(model) -> torch.nn.Module:
+    """Replace every linear but lm_head by a bitsandbytes NF4 Linear4bit (double quant, bf16 compute)."""
+    import bitsandbytes as bnb
+
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child_name == "lm_head":
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                  device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                         quant_type="nf4").to(child.weight.device)
+            setattr(parent, child_name, q)
+            del child
+    gc.collect()
+    torch.cuda.empty_cache()
+    return model
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def run_main(args: argparse.Namespace) -> dict:
+    from engine.decode import Generator
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bandwidth = copy_bandwidth(device)
+    model = build_model(args.smoke, device)
+    model.generation_config.eos_token_id = None  # every variant generates the full budget
+    vocab, new, plen = model.config.vocab_size, args.new_tokens, args.prompt_len
+    context = plen + new
+    b1 = bytes_per_step(model, 1, context // 2)  # the KV read grows over the run: its mean
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "copy_bandwidth_GBps": bandwidth / 1e9, "bytes_per_token_b1_GB": b1 / 1e9,
+        "bound_tokens_per_s_b1": bandwidth / b1, "prompt_len": plen, "new_tokens": new, "results": [],
+        "command": " ".join(sys.argv),
+    }
+    results = report["results"]
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
+    ids1, ids16 = prompts(1, plen, vocab), prompts(args.batch, plen, vocab)
+    repeats_hf = 1
+    if not args.skip_hf:
+        guarded(results, "hf_dynamic", 1, lambda: measure("hf_dynamic", 1, new, hf_runner(model, ids1, new), repeats_hf))
+        guarded(results, "hf_dynamic", args.batch,
+                lambda: measure("hf_dynamic", args.batch, new, hf_runner(model, ids16, new), repeats_hf))
+        if device.type == "cuda":
+            guarded(results, "hf_static_compile", 1, lambda: measure(
+                "hf_static_compile", 1, new, hf_runner(model, ids1, new, cache_implementation="static"), 2))
+        torch._dynamo.reset()
+    gen = Generator(model, stop_ids=[], max_seq_len=2 * context)
+    for batch, ids in ((1, ids1), (args.batch, ids16)):
+        guarded(results, "kestrel", batch, lambda: measure("kestrel", batch, new, kestrel_runner(gen, ids, new), 3))
+    del gen
+    if not args.skip_lora:
+        model = attach_lora(model)
+        gen = Generator(model, stop_ids=[], max_seq_len=2 * context)
+        for batch, ids in ((1, ids1), (args.batch, ids16)):
+            guarded(results, "kestrel_lora_r16", batch,
+                    lambda: measure("kestrel_lora_r16", batch, new, kestrel_runner(gen, ids, new, "default"), 3))
+        del gen
+        model = model.unload()  # drop the LoRA layers, keep the base
+    if device.type == "cuda" and not args.skip_nf4:
+        torch._dynamo.reset()
+        held: dict[str, Any] = {}
+
+        def nf4(batch: int, ids: torch.Tensor) -> dict:
+            if "gen" not in held:
+                held["gen"] = Generator(quantize_nf4(model), stop_ids=[], max_seq_len=2 * context)
+            return measure("kestrel_nf4", batch, new, kestrel_runner(held["gen"], ids, new), 3)
+
+        guarded(results, "kestrel_nf4", 1, lambda: nf4(1, ids1))
+        guarded(results, "kestrel_nf4", args.batch, lambda: nf4(args.batch, ids16))
+    summarize(report)
+    return report
+
+
+def run_unsloth(args: argparse.Namespace) -> dict:
+    """Unsloth's inference mode on the same random-init model, saved to a temporary folder."""
+    import unsloth  # noqa: F401  (must come before transformers)
+    from unsloth import FastLanguageModel
+
+    device = torch.device("cuda")
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": [],
+                              "command": " ".join(sys.argv), "unsloth": getattr(unsloth, "__version__", "?")}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as folder:
+        build_model(args.smoke, device).save_pretrained(folder)
+        gc.collect()
+        torch.cuda.empty_cache()
+        model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=2 * (args.prompt_len + args.new_tokens),
+                                                     dtype=torch.bfloat16, load_in_4bit=False)
+    FastLanguageModel.for_inference(model)
+    model.generation_config.eos_token_id = None
+    vocab, new = model.config.vocab_size, args.new_tokens
+    for batch in (1, args.batch):
+        ids = prompts(batch, args.prompt_len, vocab)
+        guarded(report["results"], "unsloth_inference", batch,
+                lambda: measure("unsloth_inference", batch, new, hf_runner(model, ids, new), 1))
+    return report
+
+
+def summarize(report: dict) -> None:
+    """Ratios the targets are stated in, and a markdown table for bench/RESULTS.md."""
+    rows = {(r["name"], r["batch"]): r for r in report["results"] if "error" not in r}
+    bound = report["bound_tokens_per_s_b1"]
+    ratios = {}
+    if ("kestrel", 1) in rows:
+        k1 = rows[("kestrel", 1)]["tokens_per_s"]
+        ratios["kestrel_b1_of_bound"] = k1 / bound
+        ratios["kestrel_b1_decode_of_bound"] = rows[("kestrel", 1)]["decode_tokens_per_s"] / bound
+        for other in ("hf_dynamic", "hf_static_compile", "kestrel_lora_r16", "kestrel_nf4"):
+            if (other, 1) in rows:
+                ratios[f"{other}_b1_over_kestrel"] = rows[(other, 1)]["tokens_per_s"] / k1
+        if ("kestrel", 1) in rows and ("hf_dynamic", 1) in rows:
+            same = rows[("kestrel", 1)]["tokens_row0"] == rows[("hf_dynamic", 1)]["tokens_row0"]
+            ratios["kestrel_matches_hf_first_32_tokens"] = same
+    batch = max((b for _, b in rows), default=1)
+    if ("kestrel", batch) in rows and ("hf_dynamic", batch) in rows:
+        ratios[f"kestrel_b{batch}_over_hf_dynamic"] = rows[("kestrel", batch)]["tokens_per_s"] / rows[("hf_dynamic", batch)]["tokens_per_s"]
+    report["ratios"] = ratios
+    lines = ["| variant | batch | first token ms | tokens/s | decode tokens/s | of bound (b1) |", "|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['batch']} | error: {r['error'][:60]} | | | |")
+            continue
+        frac = f"{r['tokens_per_s'] / bound:.0%}" if r["batch"] == 1 and bound == bound else ""
+        lines.append(f"| {r['name']} | {r['batch']} | {r['first_token_ms']:.1f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['decode_tokens_per_s']:.1f} | {frac} |")
+    report["table"] = "\n".join(lines)
+    print(report["table"])
+    print(json.dumps(ratios, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="where the JSON report goes")
+    p.add_argument("--baseline", choices=["unsloth"], help="measure only this baseline, in this process")
+    p.add_argument("--smoke", action="store_true", help="a tiny Llama instead of the 8B shape (checks the script)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16, help="the rollout batch size (besides batch 1)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-lora", action="store_true")
+    p.add_argument("--skip-nf4", action="store_true")
+    p.add_argument("--tmp", default=None, help="folder for Unsloth's temporary checkpoint (16 GB)")
+    args = p.parse_args()
+    start = time.perf_counter()
+    report = run_unsloth(args) if args.baseline == "unsloth" else run_main(args)
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out} in {report['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()

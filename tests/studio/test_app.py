@@ -1,0 +1,45 @@
+"""`python app.py`: who may reach the studio, and the assembled app (tabs, no outside fonts)."""
+
+from __future__ import annotations
+
+import pytest
+
+import app
+
+
+@pytest.mark.parametrize("argv", [["--host", "0.0.0.0"], ["--share"], ["--host", "192.168.1.5"],
+                                  ["--host", "0.0.0.0", "--auth", "user"], ["--auth", ":pw"], ["--port", "0"]])
+def test_exposed_without_a_login_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        app.parse_args(argv)
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "--auth" in err or "--port" in err
+
+
+@pytest.mark.parametrize("argv, pair", [([], None), (["--host", "localhost"], None),
+                                        (["--host", "0.0.0.0", "--auth", "me:s3:cret"], ("me", "s3:cret")),
+                                        (["--share", "--auth", "a:b"], ("a", "b"))])
+def test_allowed_settings(argv: list[str], pair: tuple[str, str] | None) -> None:
+    args = app.parse_args(argv)
+    assert args.auth_pair == pair
+
+
+def test_environment_keeps_everything_local(kestrel_home, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("GRADIO_ANALYTICS_ENABLED", "GRADIO_TEMP_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    app.configure_environment()
+    import os
+
+    assert os.environ["GRADIO_ANALYTICS_ENABLED"] == "False"
+    assert os.environ["GRADIO_TEMP_DIR"].startswith(str(kestrel_home))
+
+
+def test_app_has_the_five_tabs_and_system_fonts() -> None:
+    from studio.interface import build_app, theme
+
+    config = build_app().get_config_file()
+    tabs = [c["props"].get("label") for c in config["components"] if c["type"] == "tabitem"]
+    assert tabs == ["Datasets", "Train", "Runs", "Chat", "Export"]
+    fonts = theme()._font + theme()._font_mono
+    assert all(isinstance(f, str) for f in fonts)  # system fonts: nothing fetched from a font service

@@ -1,0 +1,137 @@
+"""Chat and Export tab handlers on the real demo model and a LoRA adapter saved like a finished
+run: streaming answers, base and fine-tuned side by side in one batch, exports to download."""
+
+from __future__ import annotations
+
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import gradio as gr
+import pytest
+import torch
+from sqlalchemy import update
+
+import jobs
+from jobs.models import Job
+from jobs.store import reset_engines, session
+from studio.handlers import chat, export
+from studio.models import ModelPool
+from tests.studio.helpers import error_text
+
+SHARED_HOME = True  # the demo model and the run are built once for this module
+GREEDY = dict(system="", temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=6, repetition_penalty=1.0, seed=None)
+
+
+@pytest.fixture(scope="module")
+def finished_run(module_home: Path) -> Iterator[int]:
+    """A completed job whose folder holds a LoRA adapter of the demo model with random weights
+    (a trained adapter's B is not zero: base and fine-tuned answers must differ)."""
+    from engine.checkpoints import save_weights
+    from engine.config import LoraSettings
+    from engine.loader import load
+    from engine.lora import attach_lora
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KESTREL_HOME", str(module_home))
+        reset_engines()
+        job_id = jobs.submit({"model": "demo", "dataset": "arithmetic_chat", "max_steps": 1, "name": "tuned"},
+                             start=False)
+        job = jobs.get_job(job_id)
+        model, tokenizer = load("demo", 256, patch=False)
+        model = attach_lora(model, LoraSettings(r=4, alpha=8))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.5)
+        save_weights(model, Path(job.output_dir), tokenizer)
+        with session(immediate=True) as s:
+            s.execute(update(Job).where(Job.id == job_id).values(status="completed", finished_at=time.time()))
+        reset_engines()
+    yield job_id
+
+
+@pytest.fixture(scope="module")
+def pool() -> ModelPool:
+    return ModelPool(capacity=2)
+
+
+def _last(gen: Iterator[dict]) -> list[dict]:
+    outs = list(gen)
+    assert len(outs) >= 2  # the placeholder first, then streamed pieces
+    return outs
+
+
+def test_choices_list_finished_runs_and_bases(finished_run: int) -> None:
+    values = [v for _, v in chat.target_choices()]
+    assert values == [f"run:{finished_run}", "base:demo"]
+    assert [v for _, v in export.source_choices()] == [f"run:{finished_run}", "base:demo"]
+
+
+def test_chat_streams_and_side_by_side_matches_each_model_alone(finished_run: int, pool: ModelPool) -> None:
+    target = f"run:{finished_run}"
+    outs = _last(chat.respond(pool, "What is 2 + 3?", [], [], "base:demo", False, **GREEDY))
+    assert outs[0]["message"] == "" and outs[0]["left"][-1]["content"].startswith("Loading")
+    base_alone = outs[-1]["left"][-1]["content"]
+    assert outs[-1]["left"][0] == {"role": "user", "content": "What is 2 + 3?"} and base_alone
+    tuned_alone = _last(chat.respond(pool, "What is 2 + 3?", [], [], target, False, **GREEDY))[-1]["left"][-1]["content"]
+    both = _last(chat.respond(pool, "What is 2 + 3?", [], [], target, True, **GREEDY))[-1]
+    assert both["left"][-1]["content"] == base_alone
+    assert both["right"][-1]["content"] == tuned_alone
+    assert tuned_alone != base_alone  # the adapter is applied to its row only
+    # The conversation continues from the panels' histories (Gradio's message dicts).
+    history = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+               {"role": "assistant", "content": [{"type": "text", "text": "hello"}]}]
+    follow = _last(chat.respond(pool, "and 3 + 4?", history, [], "base:demo", False, **GREEDY))[-1]["left"]
+    assert [m["role"] for m in follow] == ["user", "assistant", "user", "assistant"]
+
+
+def test_chat_errors_are_messages(finished_run: int, pool: ModelPool) -> None:
+    cases = [("", "base:demo", False, "Type a message"), ("hi", "base:demo", True, "needs a fine-tuned run"),
+             ("hi", "run:999", False, "no job with id 999")]
+    for message, target, side, words in cases:
+        with pytest.raises(gr.Error) as excinfo:
+            list(chat.respond(pool, message, [], [], target, side, **GREEDY))
+        assert words in error_text(excinfo)
+    with pytest.raises(gr.Error) as excinfo:
+        list(chat.respond(pool, "hi", [], [], "base:demo", False, **{**GREEDY, "top_p": 0.0}))
+    assert "top_p" in error_text(excinfo)
+
+
+def test_describe_target_shows_template_and_panels(finished_run: int) -> None:
+    out = chat.describe_target(f"run:{finished_run}", True)
+    assert "<|im_start|>" in out["template"]
+    assert out["right"]["visible"] is True and out["left"]["label"] == "Base: demo"
+    single = chat.describe_target("base:demo", False)
+    assert single["right"]["visible"] is False
+
+
+def test_export_adapter_zip(finished_run: int, module_home: Path) -> None:
+    outs = list(export.run_export(f"run:{finished_run}", "adapter", None))
+    assert outs[0]["status"].startswith("`░")  # progress first
+    final = outs[-1]
+    archive = Path(final["file"])
+    assert archive.parent == module_home / "exports" and archive.suffix == ".zip"
+    assert "adapter_config.json" in {Path(n).name for n in zipfile.ZipFile(archive).namelist()}
+    assert "Exported" in final["status"]
+
+
+def test_export_gguf_with_modelfile(finished_run: int, module_home: Path) -> None:
+    final = list(export.run_export(f"run:{finished_run}", "gguf", "q8_0"))[-1]
+    gguf = Path(final["file"])
+    assert gguf.suffix == ".gguf" and gguf.read_bytes()[:4] == b"GGUF"
+    assert gguf.parent.parent == module_home / "exports"
+    assert "FROM" in final["modelfile"]
+
+
+def test_export_errors_are_messages(finished_run: int) -> None:
+    queued = jobs.submit({"model": "demo", "dataset": "arithmetic_chat", "max_steps": 1}, start=False)
+    with pytest.raises(gr.Error) as excinfo:
+        list(export.run_export(f"run:{queued}", "gguf", "q4_k_m"))
+    assert "only completed runs" in error_text(excinfo)
+    jobs.cancel(queued)
+    with pytest.raises(gr.Error) as excinfo:
+        list(export.run_export(f"run:{finished_run}", "gguf", "q9_z"))
+    assert "q9_z" in error_text(excinfo)
