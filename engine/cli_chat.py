@@ -76,7 +76,9 @@ def _answer(gen: Any, messages: list[dict[str, str]], max_new: int, sampling: An
     return "".join(pieces)
 
 
-def _interactive(gen: Any, system: list[dict[str, str]], args: argparse.Namespace, sampling: Any, adapter: str | None) -> int:
+def _interactive(
+    gen: Any, system: list[dict[str, str]], args: argparse.Namespace, sampling: Any, adapter: str | None
+) -> int:
     loaded = adapter
     history: list[dict[str, str]] = []
     print(f"Kestrel chat with {args.model}{f' + {loaded}' if loaded else ''}. {HELP}", file=sys.stderr)

@@ -129,11 +129,11 @@ def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
     _on(t["apply_preset"].click, train_h.apply_preset, [t["preset"], t["extra"], *_form(t)], filled)
     _on(t["apply_yaml"].click, train_h.apply_yaml, [t["yaml"]], filled)
     _on(t["load_yaml"].upload, train_h.load_yaml_file, [t["load_yaml"]], filled)
-    started = Outputs([("status", t["status"]), ("job", r["select"])])
+    started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
     _on(t["start"].click, train_h.start_training, [t["extra"], *_form(t)], started, concurrency_limit=1) \
         .success(lambda: gr.Tabs(selected="runs"), None, tabs) \
-        .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"]], runs_out.components)
+        .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"]], runs_out.components)
 
 
 # ---------------------------------------------------------------------------------------------

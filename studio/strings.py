@@ -104,7 +104,7 @@ RU_COMPARE_LOSS = "Loss of the compared runs"
 RU_CONFIG_DIFF = "Settings that differ"
 RU_COLUMNS = ["#", "name", "status", "progress", "ETA", "started"]
 RU_NO_JOBS = "No runs yet. Start one on the Train tab."
-RU_PROGRESS = "#{job} {name}: **{status}** · step {step} / {total} · {eta}{error}"
+RU_PROGRESS = "#{job} {name}: **{status}** · step {step} / {total}{eta}{error}"
 RU_ETA = "ETA {eta}"
 RU_ACTION_DONE = {"pause": "Job #{job}: stopping after its next checkpoint (resumable).",
                   "cancel": "Job #{job}: {result}.", "resume": "Job #{job} queued again; it resumes from its last checkpoint.",

@@ -65,6 +65,19 @@ class LoraCall:
     rows: torch.Tensor | None = None  # (B, n_adapters) in the model dtype, mixed mode only
 
 
+def _expand(u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """u (B, T, R) @ b (out, R)^T -> (B, T, out).
+
+    In a compiled one-token step it is written as a length-R reduction, which the compiler
+    fuses into the kernel that consumes the projection's output (RoPE, SiLU * up, the
+    residual add): one small kernel launch fewer per group, which is most of an unmerged
+    adapter's cost at batch 1. Elsewhere (prefill, eager) a matmul.
+    """
+    if torch.compiler.is_compiling() and u.shape[1] == 1:
+        return (u[..., None, :] * b).sum(-1)
+    return F.linear(u, b)
+
+
 @dataclass
 class _Source:
     lora_a: nn.Module
@@ -91,10 +104,10 @@ class LoraGroup:
             if span is None:
                 return None
             lo, hi = span
-            return F.linear(F.linear(x, self.a[lo:hi]), self.b[:, lo:hi])
+            return _expand(F.linear(x, self.a[lo:hi]), self.b[:, lo:hi])
         u = F.linear(x, self.a)  # (B, T, R)
         gate = call.rows[:, self.owner]  # (B, R)
-        return F.linear(u * gate[:, None, :], self.b)
+        return _expand(u * gate[:, None, :], self.b)
 
     @torch.no_grad()
     def sync(self) -> None:

@@ -7,7 +7,8 @@ decode step.
 
 Rows are LEFT-padded: every row of a batch writes the same cache column at each step, so a step
 writes one column (`k[i][:, :, col] = k_new`, `col` a 1-element device tensor: no host read) and
-the attention mask, built from each row's pad count, hides the pad columns. A row's RoPE position at column `c` is `c - pad[row]`.
+the attention mask, built from each row's pad count, hides the pad columns. A row's RoPE
+position at column `c` is `c - pad[row]`.
 
 The buffer starts zeroed and every write is finite, so masked columns never hold NaN or Inf
 (a masked probability of exactly 0 times a NaN value would still be NaN).

@@ -190,7 +190,8 @@ class Generator:
     ) -> None:
         self.model, self.tokenizer, self.sync_every = model, tokenizer, sync_every
         self.max_seq_len = max_seq_len or _default_max_seq_len(model)
-        self.backend: DecodeBackend = model if isinstance(model, DecodeBackend) else _decode_model(model, self.max_seq_len)
+        is_backend = isinstance(model, DecodeBackend)
+        self.backend: DecodeBackend = model if is_backend else _decode_model(model, self.max_seq_len)
         if stop_ids is None:
             stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None)) if tokenizer else []
         self.stop_ids = list(stop_ids)
@@ -219,8 +220,17 @@ class Generator:
         self.model = load_adapter(self.model, path, name)
         self.rebuild()
 
+    def release(self) -> None:
+        """Free the KV cache and captured graphs (e.g. before a training step). Compiled code is
+        kept, so the next request only re-allocates and re-captures (well under a second)."""
+        if self._busy:
+            raise RuntimeError("cannot release the session while a request is running")
+        self._session = None
+
     def rebuild(self) -> None:
-        """Re-read the model (after LoRA layers were added or removed); drops cached graphs."""
+        """Re-read the model after LoRA layers were added or removed (not after training steps:
+        adapter weights are re-read on every request). Recompiles on CUDA: use `release()`
+        merely to free memory."""
         self.backend = _decode_model(self.model, self.max_seq_len)
         self._session = None
         if self.compile:
@@ -314,7 +324,9 @@ class Generator:
             tracker.add(pending.pop(0)())
             yield tracker
 
-    def _prepare(self, prompts, max_new_tokens, sampling, adapter, stop_ids) -> tuple[_Request, _Session, Callable[[], None]]:
+    def _prepare(
+        self, prompts: Any, max_new_tokens: int, sampling: Any, adapter: Any, stop_ids: Any
+    ) -> tuple[_Request, _Session, Callable[[], None]]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         prompts = [[int(t) for t in p] for p in prompts]

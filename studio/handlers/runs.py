@@ -84,9 +84,9 @@ def progress_text(job: jobs.Job | None) -> str:
         return S.RU_NO_JOBS
     eta = _eta(job, time.time())
     error = f"\n\n⚠️ {html.escape(job.error)}" if job.error else ""
+    eta_text = f" · {S.RU_ETA.format(eta=fmt_duration(eta))}" if eta else ""
     return S.RU_PROGRESS.format(job=job.id, name=html.escape(job.name or ""), status=job.status, step=job.step,
-                                total=job.total_steps or "?", eta=S.RU_ETA.format(eta=fmt_duration(eta)) if eta else "",
-                                error=error)
+                                total=job.total_steps or "?", eta=eta_text, error=error)
 
 
 def _find(job_list: list[jobs.Job], job_id: Any) -> jobs.Job | None:

@@ -37,7 +37,8 @@ def _reference(model, tokenizer, n: int) -> str:
     ids = encode_chat(tokenizer, [{"role": "user", "content": QUESTION}])
     stops = stop_token_ids(tokenizer, model.generation_config)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stops,
+                             pad_token_id=stops[0])
     new = [t for t in out[0, len(ids) :].tolist() if t not in stops]
     return tokenizer.decode(new, skip_special_tokens=True)
 

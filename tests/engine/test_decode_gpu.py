@@ -46,6 +46,10 @@ def test_graphed_adapters_and_sampling_match_eager() -> None:
                dict(sampling=SamplingParams(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.2, seed=4))):
         assert fast.generate(prompts, 40, **kw).tokens == eager.generate(prompts, 40, **kw).tokens, kw
     _assert_graphed(fast)
+    before = fast.generate(prompts, 40, adapter="qv").tokens
+    fast.release()  # frees cache and graphs; the next request re-captures without recompiling
+    assert fast.generate(prompts, 40, adapter="qv").tokens == before
+    _assert_graphed(fast)
 
 
 def test_noise_is_identical_on_cpu_and_gpu() -> None:
@@ -81,6 +85,7 @@ def test_nf4_base_runs_graphed(tmp_path: Path) -> None:
     assert tokens == eager.generate(prompts, 32).tokens  # the graph replays the same kernels
     ids = torch.tensor([prompts[1]], device="cuda")
     with torch.no_grad():
-        ours = fast.backend.prefill(ids, torch.zeros(1, dtype=torch.long, device="cuda"), fast.backend.new_cache(1, 32), None)
+        pad = torch.zeros(1, dtype=torch.long, device="cuda")
+        ours = fast.backend.prefill(ids, pad, fast.backend.new_cache(1, 32), None)
         ref = model(ids).logits[:, -1].float()
     torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))

@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoTokenizer
-from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine.decode.adapters import AdapterError
 from engine.decode.chat import encode_chat, stop_token_ids
@@ -230,3 +235,12 @@ def test_one_request_at_a_time() -> None:
         gen.generate([[3]])
     running.close()  # an abandoned stream frees the generator
     assert gen.generate([[1, 2]], max_new_tokens=5).finish_reasons == ["length"]
+
+
+def test_release_frees_the_session_and_the_next_request_rebuilds_it() -> None:
+    gen = Generator(MockBackend(), max_seq_len=64, stop_ids=[])
+    first = gen.generate(PROMPTS, max_new_tokens=10).tokens
+    assert gen._session is not None
+    gen.release()
+    assert gen._session is None
+    assert gen.generate(PROMPTS, max_new_tokens=10).tokens == first

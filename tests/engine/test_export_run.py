@@ -36,6 +36,7 @@ def test_adapter_merged_and_gguf_give_the_same_answers(trained_run: Path, tmp_pa
     for fmt, extra in (("adapter", []), ("merged", []), ("gguf", ["--quant", "f16"])):
         assert main(["export", str(trained_run), "--format", fmt, "--out", str(tmp_path / fmt), *extra]) == 0
     printed = capsys.readouterr().out
+    print(printed, file=__import__("sys").stderr)
     assert "export gguf f16: passed" in printed and "greedy_identical=True" in printed
     assert f"wrote {tmp_path / 'gguf' / 'demo-lora-f16.gguf'}" in printed
 

@@ -107,8 +107,11 @@ def _wait_text(pg: object, selector: str, part: str, timeout: float = 60_000) ->
                          timeout=timeout)
 
 
-def _wait_value(pg: object, selector: str, prefix: str) -> None:
-    pg.wait_for_function(f"([s, p]) => {VALUE}(s).startsWith(p)", arg=[selector, prefix])  # type: ignore[attr-defined]
+def _choose(pg: object, selector: str, prefix: str) -> None:
+    """Pick the dropdown option whose label starts with `prefix`, as a user would."""
+    pg.locator(f"{selector} input").click()  # type: ignore[attr-defined]
+    pg.get_by_role("option", name=re.compile("^" + re.escape(prefix))).first.click()  # type: ignore[attr-defined]
+    pg.wait_for_function(f"([s, p]) => {VALUE}(s).startsWith(p)", arg=[f"{selector} input", prefix])  # type: ignore[attr-defined]
 
 
 def _ui_step(pg: object) -> int:
@@ -210,9 +213,9 @@ def _follow_steps(pg: object, job_id: int, count: int = 2) -> list[float]:
 def _chat(pg: object) -> None:
     """Side by side: the base model and the run answer the same prompt, streamed."""
     pg.get_by_role("tab", name="Chat").click()  # type: ignore[attr-defined]
-    _wait_value(pg, "#ch-target input", "Run #1")
+    _choose(pg, "#ch-target", "Run #1")
     pg.locator("#ch-side input").check()  # type: ignore[attr-defined]
-    pg.wait_for_function("getComputedStyle(document.querySelector('#ch-right')).display !== 'none'")  # type: ignore[attr-defined]
+    pg.wait_for_function("document.querySelector('#ch-right') !== null")  # type: ignore[attr-defined]
     pg.locator("#ch-max-new input[type=number]").fill("12")  # type: ignore[attr-defined]
     pg.locator("#ch-max-new input[type=number]").press("Enter")  # type: ignore[attr-defined]
     pg.locator("#ch-message textarea").fill("What is 2 + 3?")  # type: ignore[attr-defined]
@@ -230,7 +233,7 @@ def _chat(pg: object) -> None:
 def _export(pg: object, home: Path) -> None:
     """GGUF q4_k_m of the run, the Modelfile shown, the file downloaded through the browser."""
     pg.get_by_role("tab", name="Export").click()  # type: ignore[attr-defined]
-    _wait_value(pg, "#ex-source input", "Run #1")
+    _choose(pg, "#ex-source", "Run #1")
     pg.locator("#ex-start").click()  # type: ignore[attr-defined]
     _wait_text(pg, "#ex-status", "Exported", 180_000)
     assert "FROM" in _text(pg, "#ex-modelfile")
