@@ -36,14 +36,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import gib, llama8b_dir, run_isolated  # noqa: E402
+from bench.common import gib, llama8b_dir, run_isolated
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WORDS = "apple river stone cloud"  # four tokens of the stand-in tokenizer
 CASES = {  # prompt tokens, completion tokens, real sampling?, Kestrel's checkpointing, update rows budget
-    "rollout": dict(prompt=256, completion=1024, sample=True, checkpointing="standard", budget=4096),
+    "rollout": dict(prompt=256, completion=1024, sample=True, checkpointing="offload", budget=4096),
     "long": dict(prompt=512, completion=16384, sample=False, checkpointing="offload", budget=16384 + 512 + 64),
     "smoke": dict(prompt=16, completion=8, sample=True, checkpointing="off", budget=256),
 }
@@ -66,8 +66,9 @@ def fixed_completions(rows: int, length: int, vocab: int, seed: int) -> list[lis
 
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.smoke:
-        from engine.tiny import tiny_model
         from transformers import AutoTokenizer
+
+        from engine.tiny import tiny_model
 
         folder = Path(tempfile.gettempdir()) / "kestrel-bench" / "grpo-smoke"
         if not (folder / "config.json").exists():
@@ -82,8 +83,8 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 
 def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) -> dict[str, Any]:
-    import engine.grpo.trainer as trainer
     from engine.config import config_from_dict
+    from engine.grpo import trainer
     from engine.grpo.rollout import Rollouts
     from engine.metrics import Callback
     from engine.train import run
@@ -92,7 +93,7 @@ def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) ->
     data = work / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": prompt_text(case["prompt"])}) + "\n")
     if not case["sample"]:
-        def fixed_rollout(generator, tokenizer, prompts, num_generations, max_new_tokens, *rest, **kw):  # noqa: ANN001
+        def fixed_rollout(generator, tokenizer, prompts, num_generations, max_new_tokens, *rest, **kw):
             rows = [list(p) for p in prompts for _ in range(num_generations)]
             comps = fixed_completions(len(rows), max_new_tokens, generator.backend.vocab_size, seed=len(rows))
             texts = ["a" * (i % 3) for i in range(len(rows))]

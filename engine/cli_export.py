@@ -58,8 +58,11 @@ class _ProgressLine:
 
 def run_export(args: argparse.Namespace) -> int:
     """Run the export; print the files and checks. Returns the exit code."""
+    from transformers.utils import logging as hf_logging
+
     from engine.export import ExportCheckError, export
 
+    hf_logging.disable_progress_bar()  # the export's own progress line says what is loading
     progress = _ProgressLine()
     try:
         result = export(args.source, args.format, args.out, quant=args.quant, progress=progress,

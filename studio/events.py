@@ -26,6 +26,11 @@ from studio.handlers.train import form_to_config
 from studio.models import ModelPool
 
 C = dict[str, gr.Component]
+# Cheap handlers (milliseconds of work) skip Gradio's queue: a queued event pays a join request
+# and a server-sent-events round trip, which doubled the answer time of a click while a job
+# trained on the same CPU. Heavy or streaming handlers (dataset reading, Start, chat, export)
+# stay queued, where concurrency limits apply.
+LIGHT: dict[str, Any] = {"queue": False, "show_progress": "hidden"}
 
 
 class Outputs:
@@ -100,7 +105,7 @@ def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
     after_open(_on(d["apply_mapping"].click,
                    lambda state, fmt, src, text, *cols: ds_h.apply_mapping(state, fmt, model_name(src, text), *cols),
                    [d["state"], d["format"], *model_in, *[d[f"col_{r}"] for r in roles()]], shown))
-    _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", show_progress="hidden")
+    _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", **LIGHT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,19 +126,18 @@ def _preview_args(t: C) -> tuple[Any, ...]:
 
 
 def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
-    t["model_source"].change(lambda s: gr.update(visible=s != "demo"), t["model_source"], t["model"],
-                             show_progress="hidden")
+    t["model_source"].change(lambda s: gr.update(visible=s != "demo"), t["model_source"], t["model"], **LIGHT)
     fn, inputs, outputs = _preview_args(t)
-    gr.on([t[k].input for k in FORM_KEYS], fn, inputs, outputs, trigger_mode="always_last", show_progress="hidden")
+    gr.on([t[k].input for k in FORM_KEYS], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
     filled = _filled(t)
-    _on(t["apply_preset"].click, train_h.apply_preset, [t["preset"], t["extra"], *_form(t)], filled)
-    _on(t["apply_yaml"].click, train_h.apply_yaml, [t["yaml"]], filled)
+    _on(t["apply_preset"].click, train_h.apply_preset, [t["preset"], t["extra"], *_form(t)], filled, **LIGHT)
+    _on(t["apply_yaml"].click, train_h.apply_yaml, [t["yaml"]], filled, **LIGHT)
     _on(t["load_yaml"].upload, train_h.load_yaml_file, [t["load_yaml"]], filled)
     started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
     _on(t["start"].click, train_h.start_training, [t["extra"], *_form(t)], started, concurrency_limit=1) \
-        .success(lambda: gr.Tabs(selected="runs"), None, tabs) \
-        .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"]], runs_out.components)
+        .success(lambda: gr.Tabs(selected="runs"), None, tabs, **LIGHT) \
+        .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"]], runs_out.components, **LIGHT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,17 +156,17 @@ def _act(action: str, selected: Any, remove_files: bool) -> dict[str, Any]:
 def wire_runs(r: C) -> None:
     out = _runs_outputs(r)
     state_in = [r["select"], r["seen"]]
-    _on(r["timer"].tick, runs_h.refresh, state_in, out, show_progress="hidden", trigger_mode="always_last")
-    _on(r["refresh"].click, runs_h.select_job, state_in, out)
-    _on(r["select"].input, runs_h.select_job, state_in, out)
-    r["table"].select(runs_h.select_row, r["table"], r["select"]) \
-        .then(out.wrap(runs_h.select_job), state_in, out.components)
+    _on(r["timer"].tick, runs_h.refresh, state_in, out, trigger_mode="always_last", **LIGHT)
+    _on(r["refresh"].click, runs_h.select_job, state_in, out, **LIGHT)
+    _on(r["select"].input, runs_h.select_job, state_in, out, **LIGHT)
+    r["table"].select(runs_h.select_row, r["table"], r["select"], **LIGHT) \
+        .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
     notice = Outputs.of(r, "notice")
     for action in ("pause", "resume", "cancel", "delete"):
-        _on(r[action].click, partial(_act, action), [r["select"], r["remove_files"]], notice) \
-            .then(out.wrap(runs_h.select_job), state_in, out.components)
+        _on(r[action].click, partial(_act, action), [r["select"], r["remove_files"]], notice, **LIGHT) \
+            .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
     compare = Outputs.of(r, "compare_loss", "compare_diff")
-    _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare)
+    _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,9 +176,9 @@ def wire_runs(r: C) -> None:
 def wire_chat(ch: C, pool: ModelPool) -> None:
     described = Outputs.of(ch, "template", "left", "right")
     for trigger in (ch["target"].change, ch["side"].change):
-        _on(trigger, chat_h.describe_target, [ch["target"], ch["side"]], described, show_progress="hidden")
+        _on(trigger, chat_h.describe_target, [ch["target"], ch["side"]], described, **LIGHT)
     targets = Outputs.of(ch, "target")
-    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"]], targets)
+    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"]], targets, **LIGHT)
     answer = Outputs.of(ch, "left", "right", "message")
     inputs = [ch[k] for k in ("message", "left", "right", "target", "side", "system", "temperature", "top_p",
                               "top_k", "max_new_tokens", "repetition_penalty", "seed")]
@@ -186,8 +190,8 @@ def wire_chat(ch: C, pool: ModelPool) -> None:
 
 
 def wire_export(ex: C) -> None:
-    _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"))
-    _on(ex["format"].change, ex_h.quant_choices, [ex["format"]], Outputs.of(ex, "quant"), show_progress="hidden")
+    _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)
+    _on(ex["format"].change, ex_h.quant_choices, [ex["format"]], Outputs.of(ex, "quant"), **LIGHT)
     _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["format"], ex["quant"]],
         Outputs.of(ex, "status", "file", "modelfile"), concurrency_limit=1)
 
@@ -219,6 +223,6 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr
 
 def wire_tab_switches(runs_tab: gr.Tab, chat_tab: gr.Tab, export_tab: gr.Tab, r: C, ch: C, ex: C) -> None:
     """Opening a tab refreshes the lists that other tabs (or the command line) may have changed."""
-    _on(runs_tab.select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), show_progress="hidden")
-    _on(chat_tab.select, chat_h.refresh_targets, [ch["target"]], Outputs.of(ch, "target"), show_progress="hidden")
-    _on(export_tab.select, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), show_progress="hidden")
+    _on(runs_tab.select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
+    _on(chat_tab.select, chat_h.refresh_targets, [ch["target"]], Outputs.of(ch, "target"), **LIGHT)
+    _on(export_tab.select, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)

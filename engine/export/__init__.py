@@ -149,6 +149,8 @@ def export(source: str | Path, format: str, out_dir: str | Path, quant: str | No
     start = time.perf_counter()
     src = resolve_source(source)
     out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise KestrelError(f"--out {out} is a file; give a folder to write into")
     result = ExportResult(format=format, out_dir=out, quant=quant, notes=list(src.notes))
     report = progress or (lambda fraction, message: None)
     staging = Staging(out)

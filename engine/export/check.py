@@ -10,8 +10,9 @@ reference generates 32 tokens greedily; llama.cpp then evaluates prompt + those 
 batch (teacher forcing) and its top-1 token is compared at every position. Teacher forcing keeps
 one disagreement from cascading, so agreement is a per-position rate. For a 16-bit file the
 generated tokens must all agree (the greedy output is then identical), except where the
-reference's top two logits are within TIE_TOL: there any rounding picks either, and the position
-is counted as a tie, not a failure.
+reference's top two logits are within TIE_TOL of the logits' standard deviation: there any
+rounding picks either, and the position is counted as a tie, not a failure. (f16 weights and
+activations move logits by about 0.4% of their standard deviation in the demo model.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 N_NEW = 32
-TIE_TOL = 0.05  # logits (fp32 reference): closer top-2 than this is a tie that 16-bit rounding may flip
+TIE_TOL = 0.02  # x logit std: top-2 closer than this is a tie that 16-bit rounding may flip
 PROMPTS = ("What is 12 + 7?", "Reverse the word. apple", "Write one short sentence about rivers.")
 TEST_TEXTS = (
     "Hello world. The quick brown fox jumps over the lazy dog 12345 times!",
@@ -206,8 +207,9 @@ def check_tokenizer(path: Path, tokenizer: Any, texts: tuple[str, ...] = TEST_TE
 def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float = TIE_TOL) -> GGUFCheck:
     """Load `path` with llama.cpp and compare its top-1 tokens with the references'.
 
-    `exact`: every generated position must agree (ties within `tie_tol` excepted); otherwise the
-    agreement is only reported and the file passes when it loads and gives finite logits."""
+    `exact`: every generated position must agree (ties within `tie_tol` x the reference logits'
+    standard deviation excepted); otherwise the agreement is only reported and the file passes
+    when it loads and gives finite logits."""
     longest = max(len(r.prompt_ids) + N_NEW for r in refs)
     try:
         llm = _llama(path, n_ctx=longest + 16, n_batch=longest + 16, logits_all=True)
@@ -229,13 +231,14 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
                 continue
             top = ours.argmax(-1)
             agree = top == theirs.argmax(-1)
+            tol = tie_tol * float(theirs.std())
             n_prompt = len(ref.prompt_ids) - 1
             prompt_ok, prompt_n = prompt_ok + int(agree[:n_prompt].sum()), prompt_n + n_prompt
             gen = agree[n_prompt:]
             gen_ok, gen_n = gen_ok + int(gen.sum()), gen_n + len(gen)
             for pos in np.flatnonzero(~gen) + n_prompt:
                 margin = theirs[pos].max() - theirs[pos, top[pos]]
-                if margin <= tie_tol:
+                if margin <= tol:
                     ties += 1
                 elif exact:
                     problems.append(f"prompt {i}: token {pos - n_prompt} differs ({int(top[pos])} vs "

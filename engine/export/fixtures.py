@@ -5,8 +5,9 @@ tests and the export benchmark (no download).
     folder = save_tiny_model("llama", tok, tmp_path / "llama")
 
 Tokenizer styles: byte-level BPE as GPT-2 (`gpt2`, the demo model's), Llama 3 (`llama3`) and
-Qwen 2 (`qwen2`) split text, and SentencePiece BPE with byte fallback as Mistral (`mistral`, space
-prefix) and Gemma (`gemma`, no prefix) use it, trained with the `sentencepiece` library.
+Qwen 2 (`qwen2`) split text, SentencePiece BPE with byte fallback as Mistral (`mistral`, space
+prefix) and Gemma (`gemma`, no prefix) use it, trained with the `sentencepiece` library, and a
+SentencePiece-style Unigram tokenizer (`unigram`, ChatML template).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ _STYLES: dict[str, tuple[list[str], str | None, str, str | None, str]] = {
                "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", LLAMA3),
     "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", None, MISTRAL),
     "gemma": (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", "<pad>", GEMMA),
+    "unigram": (["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"], "<s>", "<|im_end|>", None, CHATML),
 }
 STYLES = tuple(_STYLES)
 
@@ -90,6 +92,17 @@ def _byte_level(style: str, vocab_size: int) -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    return tok
+
+
+def _unigram(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=_STYLES["unigram"][0], unk_token="<unk>")
     tok.train_from_iterator(corpus(), trainer)
     return tok
 
@@ -140,6 +153,9 @@ def train_tokenizer(style: str, vocab_size: int = 600) -> Any:
         fast = cls(vocab=vocab, merges=merges, **kwargs)
         fast.add_special_tokens({"additional_special_tokens": [AddedToken(s, special=True) for s in specials]})
         fast.add_bos_token = True  # SentencePiece models start every text with BOS
+    elif style == "unigram":
+        fast = PreTrainedTokenizerFast(tokenizer_object=_unigram(vocab_size), bos_token=bos, eos_token=eos,
+                                       unk_token="<unk>")
     else:
         fast = PreTrainedTokenizerFast(tokenizer_object=_byte_level(style, vocab_size), bos_token=bos,
                                        eos_token=eos, pad_token=pad, unk_token=None)
@@ -157,7 +173,7 @@ def decisive(model: torch.nn.Module, logit_std: float = 6.0) -> torch.nn.Module:
     """Scale the final norm so logits spread by about `logit_std`: a random model's top-2 logits are
     otherwise nearly tied, and a tie flips on any rounding (f16 weights), which a test cannot tell
     from a wrong export. Trained models are decisive on their own."""
-    norm = model.get_submodel("model.norm") if hasattr(model, "get_submodel") else model.model.norm
+    norm = model.model.norm
     gemma = "gemma" in model.config.model_type
     with torch.no_grad():
         ids = torch.arange(min(64, model.config.vocab_size)).unsqueeze(0)

@@ -75,7 +75,7 @@ def _tokenizer_passed(found: checks.TokenizerCheck, vocab: GGUFVocab, result: An
     llama.cpp's space-prefix rule makes plain text differ, that is noted, not failed."""
     if found.matches:
         return True
-    if vocab.model == "llama" and not found.chat_mismatches:
+    if vocab.model in ("llama", "t5") and not found.chat_mismatches:
         result.notes.append("llama.cpp adds SentencePiece's leading space differently from Hugging Face for text "
                             f"outside the chat template, e.g. {found.text_mismatches[0]}")
         return True

@@ -1,7 +1,7 @@
 """The tokenizer as llama.cpp reads it from a GGUF file.
 
 A Hugging Face fast tokenizer (its `tokenizer.json`, as `backend_tokenizer.to_str()` gives it, so a
-folder holding only `tokenizer.model` works too) becomes one of two llama.cpp vocabularies:
+folder holding only `tokenizer.model` works too) becomes one of three llama.cpp vocabularies:
 
 - byte-level BPE (`tokenizer.ggml.model = "gpt2"`: GPT-2, Llama 3, Qwen 2/3, the demo model): the
   byte-to-unicode token strings and the merges, plus the name of llama.cpp's pre-tokenizer
@@ -12,6 +12,8 @@ folder holding only `tokenizer.model` works too) becomes one of two llama.cpp vo
   spaces, `<0xNN>` byte tokens, and scores. llama.cpp merges the adjacent pair whose joined piece
   has the highest score, so a piece's score is minus the rank of the first merge that makes it:
   the merge order Hugging Face applies.
+- SentencePiece Unigram (`"t5"`, llama.cpp's Unigram tokenizer, usable with any architecture):
+  pieces and their log-probabilities as scores, and SentencePiece's normalization table.
 
 Special tokens are CONTROL (llama.cpp never produces them from plain text and hides them when
 printing), other added tokens USER_DEFINED, rows of the embedding past the tokenizer UNUSED.
@@ -19,6 +21,7 @@ printing), other added tokens USER_DEFINED, rows of the embedding past the token
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +49,7 @@ PRE_NAMES = ("gpt-2", "llama-bpe", "qwen2", "default")
 class GGUFVocab:
     """Everything under `tokenizer.*` in a GGUF file."""
 
-    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece-style)
+    model: str  # "gpt2" (byte-level BPE), "llama" (SentencePiece-style BPE) or "t5" (Unigram)
     tokens: list[str]
     types: list[int]
     scores: list[float] | None = None
@@ -58,6 +61,7 @@ class GGUFVocab:
     add_eos: bool = False
     add_space_prefix: bool | None = None
     chat_template: str | None = None
+    precompiled_charsmap: bytes | None = None  # Unigram only
 
     def add_to(self, writer: Any) -> None:
         """Write the vocabulary into a `gguf.GGUFWriter` (before its header is written)."""
@@ -80,6 +84,10 @@ class GGUFVocab:
         writer.add_add_eos_token(self.add_eos)
         if self.add_space_prefix is not None:
             writer.add_add_space_prefix(self.add_space_prefix)
+        if self.model == "t5":  # Hugging Face keeps runs of spaces unless its normalizer removes them
+            writer.add_remove_extra_whitespaces(False)
+        if self.precompiled_charsmap:
+            writer.add_precompiled_charsmap(self.precompiled_charsmap)
         if self.chat_template:
             writer.add_chat_template(self.chat_template)
 
@@ -185,6 +193,58 @@ def _adds_bos_eos(tokenizer: Any) -> tuple[bool, bool]:
     return add_bos, add_eos
 
 
+def _token_table(tok_json: dict, vocab_size: int, kind: str) -> tuple[list[str], list[int]]:
+    """Token strings and types for every embedding row, by id; rows past the tokenizer UNUSED."""
+    model = tok_json["model"]
+    if kind == "t5":
+        id_to_text = {i: piece for i, (piece, _) in enumerate(model["vocab"])}
+        unk = model.get("unk_id")
+    else:
+        id_to_text = {i: t for t, i in model["vocab"].items()}
+        unk = model["vocab"].get(model.get("unk_token") or "")
+    added = {a["id"]: a for a in tok_json.get("added_tokens", [])}
+    id_to_text.update({token_id: entry["content"] for token_id, entry in added.items()})
+    n_tok = max(id_to_text) + 1
+    if n_tok > vocab_size:
+        raise KestrelError(
+            f"the tokenizer has {n_tok} tokens but the model's embedding only {vocab_size} rows; "
+            "the tokenizer does not belong to this model"
+        )
+    tokens, types = [], []
+    for token_id in range(vocab_size):
+        text = id_to_text.get(token_id)
+        tokens.append(f"[PAD{token_id}]" if text is None else text)
+        if text is None:
+            types.append(UNUSED)
+        elif token_id in added and token_id != unk:
+            types.append(CONTROL if added[token_id].get("special") else USER_DEFINED)
+        elif kind != "gpt2" and text.startswith("<0x") and len(text) == 6 and text.endswith(">"):
+            types.append(BYTE)
+        else:
+            types.append(UNKNOWN if kind != "gpt2" and token_id == unk else NORMAL)
+    return tokens, types
+
+
+def _kind(tok_json: dict) -> str:
+    model = tok_json["model"]
+    if model["type"] == "Unigram":
+        return "t5"  # llama.cpp's name for its SentencePiece-Unigram tokenizer
+    if model["type"] == "BPE":
+        return "llama" if _is_spm(tok_json) else "gpt2"
+    raise KestrelError(
+        f"GGUF export supports BPE (byte-level or SentencePiece-style) and Unigram tokenizers; this one is {model['type']}"
+    )
+
+
+def _charsmap(tok_json: dict) -> bytes | None:
+    """SentencePiece's normalization table, which llama.cpp's Unigram tokenizer applies."""
+    norm = tok_json.get("normalizer") or {}
+    for step in norm.get("normalizers", [norm]):
+        if step.get("type") == "Precompiled" and step.get("precompiled_charsmap"):
+            return base64.b64decode(step["precompiled_charsmap"])
+    return None
+
+
 def build_vocab(tokenizer: Any, vocab_size: int, chat_template: str | None,
                 eot_texts: tuple[str, ...] = ()) -> GGUFVocab:
     """The GGUF vocabulary of a Hugging Face fast tokenizer, padded to the model's `vocab_size` rows.
@@ -194,50 +254,21 @@ def build_vocab(tokenizer: Any, vocab_size: int, chat_template: str | None,
     if not getattr(tokenizer, "is_fast", False):
         raise KestrelError("GGUF export needs a fast tokenizer (tokenizer.json); this one is a slow tokenizer")
     tok_json = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = tok_json["model"]
-    if model["type"] != "BPE":
-        raise KestrelError(
-            f"GGUF export supports BPE tokenizers (byte-level or SentencePiece-style); this one is {model['type']}"
-        )
-    id_to_text: dict[int, str] = {i: t for t, i in model["vocab"].items()}
-    added = {a["id"]: a for a in tok_json.get("added_tokens", [])}
-    for token_id, entry in added.items():
-        id_to_text[token_id] = entry["content"]
-    n_tok = max(id_to_text) + 1
-    if n_tok > vocab_size:
-        raise KestrelError(
-            f"the tokenizer has {n_tok} tokens but the model's embedding only {vocab_size} rows; "
-            "the tokenizer does not belong to this model"
-        )
-    spm = _is_spm(tok_json)
-    tokens, types = [], []
-    for token_id in range(vocab_size):
-        text = id_to_text.get(token_id)
-        if text is None:
-            tokens.append(f"[PAD{token_id}]")
-            types.append(UNUSED)
-            continue
-        tokens.append(text)
-        if token_id in added:
-            types.append(CONTROL if added[token_id].get("special") else USER_DEFINED)
-        elif spm and text.startswith("<0x") and len(text) == 6 and text.endswith(">"):
-            types.append(BYTE)
-        else:
-            types.append(NORMAL)
-    if spm and model.get("unk_token") in model["vocab"]:
-        types[model["vocab"][model["unk_token"]]] = UNKNOWN
-    merges = _merge_strings(model.get("merges", []))
+    kind = _kind(tok_json)
+    tokens, types = _token_table(tok_json, vocab_size, kind)
     add_bos, add_eos = _adds_bos_eos(tokenizer)
-    vocab = GGUFVocab(
-        model="llama" if spm else "gpt2", tokens=tokens, types=types,
-        special_ids=_special_ids(tokenizer, eot_texts), add_bos=add_bos, add_eos=add_eos,
-        chat_template=chat_template,
-    )
-    if spm:
-        vocab.scores = _spm_scores(model["vocab"], merges, vocab_size)
+    vocab = GGUFVocab(model=kind, tokens=tokens, types=types, special_ids=_special_ids(tokenizer, eot_texts),
+                      add_bos=add_bos, add_eos=add_eos, chat_template=chat_template, add_space_prefix=False)
+    model = tok_json["model"]
+    if kind == "gpt2":
+        vocab.merges = _merge_strings(model.get("merges", []))
+        vocab.pre, vocab.candidate_pres = _guess_pre(tok_json)
+    elif kind == "llama":
+        vocab.scores = _spm_scores(model["vocab"], _merge_strings(model.get("merges", [])), vocab_size)
         vocab.add_space_prefix = _adds_prefix_space(tok_json)
     else:
-        vocab.merges = merges
-        vocab.pre, vocab.candidate_pres = _guess_pre(tok_json)
-        vocab.add_space_prefix = False
+        scores = [float(score) for _, score in model["vocab"]]
+        vocab.scores = scores + [0.0] * (vocab_size - len(scores))
+        vocab.add_space_prefix = _adds_prefix_space(tok_json)
+        vocab.precompiled_charsmap = _charsmap(tok_json)
     return vocab

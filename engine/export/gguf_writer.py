@@ -123,6 +123,23 @@ def _add_rope(writer: Any, config: Any, family: FamilySpec) -> list[str]:
     return notes
 
 
+def _gemma3_metadata(writer: Any, config: Any) -> list[str]:
+    """Gemma 3's sliding window; notes where llama.cpp's fixed choices differ from the config."""
+    notes = []
+    writer.add_sliding_window(int(config.sliding_window))
+    types = getattr(config, "layer_types", None)
+    layout = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(config.num_hidden_layers)]
+    if types is not None and list(types) != layout:
+        notes.append("llama.cpp uses Gemma 3's 5-local-1-global attention layout; this model's layer_types differ")
+    if getattr(config, "final_logit_softcapping", None):  # llama.cpp applies it (tanh cap), as Hugging Face does
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    expected = config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62 else _head_dim(config)
+    if scalar is not None and scalar != expected:
+        notes.append(f"llama.cpp scales Gemma 3 attention by 1/sqrt({expected}); this model by 1/sqrt({scalar})")
+    return notes
+
+
 def add_metadata(writer: Any, config: Any, family: FamilySpec, name: str, file_type: Any) -> list[str]:
     """Architecture keys llama.cpp reads for `family`; returns notes for the export's result."""
     writer.add_name(name)
@@ -140,13 +157,7 @@ def add_metadata(writer: Any, config: Any, family: FamilySpec, name: str, file_t
     writer.add_vocab_size(int(config.vocab_size))
     notes = _add_rope(writer, config, family)
     if family.gguf_arch == "gemma3":
-        writer.add_sliding_window(int(config.sliding_window))
-        types = getattr(config, "layer_types", None)
-        expected = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(config.num_hidden_layers)]
-        if types is not None and list(types) != expected:
-            notes.append("llama.cpp uses Gemma 3's 5-local-1-global attention layout; this model's layer_types differ")
-        if getattr(config, "final_logit_softcapping", None):
-            writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+        notes += _gemma3_metadata(writer, config)
     elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         notes.append(f"llama.cpp's {family.gguf_arch} attends to the whole context; this model's sliding "
                      f"window ({config.sliding_window}) matters only past that many tokens")

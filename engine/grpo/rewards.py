@@ -28,10 +28,11 @@ import json
 import math
 import numbers
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

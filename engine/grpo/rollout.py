@@ -13,8 +13,9 @@ start of every request, so each step samples from the weights the previous step 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from engine.decode.generate import Generator
 from engine.decode.sampling import SamplingParams

@@ -180,7 +180,7 @@ def collect(s: GrpoSession, step: int) -> StepBatch:
         ro.extend(rollout(s.generator, s.tokenizer, [r.ids for r in rows[j : j + s.config.batch_size]],
                           g.num_generations, g.max_completion_length, g.temperature, g.top_p, seed, adapter))
     release(s.generator)
-    repeat = lambda xs: [x for x in xs for _ in range(g.num_generations)]  # noqa: E731
+    repeat = lambda xs: [x for x in xs for _ in range(g.num_generations)]
     batch = RewardBatch(repeat([r.text for r in rows]), ro.texts, repeat([r.answer for r in rows]),
                         [len(c) for c in ro.completion_ids])
     total, parts = s.rewards(batch)  # (S,), {key: (S,)}

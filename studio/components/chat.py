@@ -33,7 +33,7 @@ def build() -> dict[str, gr.Component]:
             c["max_new_tokens"] = gr.Slider(1, 2048, value=256, step=1, label="max new tokens",
                                             elem_id="ch-max-new")
             c["repetition_penalty"] = gr.Slider(0.8, 2.0, value=1.0, step=0.05, label="repetition penalty")
-            c["seed"] = gr.Number(label="seed (empty = random)", precision=0, value=None)
+            c["seed"] = gr.Textbox(label="seed (empty = random)", value="")
     with gr.Accordion(S.CH_TEMPLATE, open=False):
         c["template"] = gr.Code(language="jinja2", interactive=False)
     return c

@@ -89,7 +89,10 @@ def _prompt_ids(tokenizer: Any, system: str, history: list[dict[str, str]], max_
 def _sampling(temperature: float, top_p: float, top_k: float, repetition_penalty: float, seed: Any) -> Any:
     from engine.decode import SamplingParams
 
-    seed_value = int(seed) if seed not in (None, "") else None
+    text = str(seed if seed is not None else "").strip()
+    if text and not text.lstrip("-").isdigit():
+        raise KestrelError(f"seed must be a whole number or empty, got {text!r}")
+    seed_value = int(text) if text else None
     return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k or 0),
                           repetition_penalty=float(repetition_penalty), seed=seed_value)
 

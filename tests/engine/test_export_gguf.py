@@ -110,6 +110,15 @@ def test_llama_cpp_tokenizes_like_hugging_face(family: str, family_dir, tokenize
         assert not found.text_mismatches, found.text_mismatches
 
 
+def test_unigram_tokenizer_exports_and_matches(tokenizers: dict, tmp_path: Path) -> None:
+    folder = save_tiny_model("qwen3", tokenizers["unigram"], tmp_path / "unigram")
+    result = export(folder, "gguf", tmp_path / "out", quant="f16")
+    assert result.passed and result.checks["tokenizer"]["model"] == "t5"
+    assert result.checks["gguf_f16"].greedy_identical
+    # chat prompts match exactly; llama.cpp's leading-space rule on plain text is noted
+    assert result.checks["tokenizer"]["add_space_prefix"] is False and any("leading space" in n for n in result.notes)
+
+
 def test_unknown_split_regex_settles_on_the_pre_tokenizer_that_matches(tokenizers: dict, family_dir, tmp_path: Path) -> None:
     from tokenizers import Regex, pre_tokenizers
 

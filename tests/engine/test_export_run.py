@@ -3,6 +3,7 @@ command line: the adapter, the merged model and a GGUF file all give the same an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,12 @@ def test_adapter_merged_and_gguf_give_the_same_answers(trained_run: Path, tmp_pa
     for fmt, extra in (("adapter", []), ("merged", []), ("gguf", ["--quant", "f16"])):
         assert main(["export", str(trained_run), "--format", fmt, "--out", str(tmp_path / fmt), *extra]) == 0
     printed = capsys.readouterr().out
-    print(printed, file=__import__("sys").stderr)
-    assert "export gguf f16: passed" in printed and "greedy_identical=True" in printed
-    assert f"wrote {tmp_path / 'gguf' / 'demo-lora-f16.gguf'}" in printed
+    assert "export gguf f16: passed" in printed and f"wrote {tmp_path / 'gguf' / 'demo-lora-f16.gguf'}" in printed
+    f16 = json.loads((tmp_path / "gguf" / "export.json").read_text())["checks"]["gguf_f16"]
+    # Every generated token agrees, except where the fp32 reference's top two logits are within
+    # TIE_TOL x their std (a model trained for 25 steps may have one): f16 rounding picks either.
+    n = 3 * checks.N_NEW
+    assert f16["passed"] and round(f16["top1_agreement"] * n) + f16["ties"] == n, f16
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "adapter")
     base_dir = resolve_source("demo").model_dir

@@ -119,31 +119,38 @@ def _ui_step(pg: object) -> int:
     return int(found.group(1)) if found else -1
 
 
-def _timed(pg: object, act: object, done: str, arg: object = None) -> float:
-    """Milliseconds from an action to the page showing its answer (`done`: a JS predicate)."""
-    start = time.perf_counter()
-    act()  # type: ignore[operator]
-    pg.wait_for_function(done, arg=arg, timeout=10_000, polling=10)  # type: ignore[attr-defined]
-    return (time.perf_counter() - start) * 1000
+# Sets an input's value as typing does, then resolves with the milliseconds until the page
+# shows the answer: timed inside the page, so the test harness's own latency is not counted.
+TIMED_INPUT = """async ([input, value, target, expect]) => {
+  const el = document.querySelector(input), out = document.querySelector(target);
+  const before = out.innerText;
+  const answered = () => expect ? out.innerText.includes(expect) : out.innerText !== before;
+  const t0 = performance.now();
+  const done = new Promise(resolve => {
+    const obs = new MutationObserver(() => { if (answered()) { obs.disconnect(); resolve(performance.now() - t0); } });
+    obs.observe(out, {subtree: true, childList: true, characterData: true});
+    setTimeout(() => { obs.disconnect(); resolve(1e9); }, 10000);
+  });
+  el.value = value;
+  el.dispatchEvent(new Event("input", {bubbles: true}));
+  return await done;
+}"""
 
 
-def responsiveness(pg: object, rounds: int = 10) -> list[float]:
-    """Answer times of 2 x `rounds` actions: the token preview of another row (Datasets tab) and
-    a new max_seq_length (Train tab: YAML and memory estimate recomputed on the server)."""
-    times = []
+def responsiveness(pg: object, rounds: int = 10) -> dict[str, list[float]]:
+    """Answer times (ms) of `rounds` actions of two kinds: the token preview of another row
+    (Datasets tab) and a new max_seq_length (Train tab: YAML and memory estimate redone)."""
+    times: dict[str, list[float]] = {"token_preview": [], "train_form": []}
     pg.get_by_role("tab", name="Datasets").click()  # type: ignore[attr-defined]
-    row = pg.locator("#ds-row input")  # type: ignore[attr-defined]
     for i in range(rounds):
-        line = 20 + i
-        times.append(_timed(pg, lambda line=line: row.fill(str(line)),
-                            f"n => {TEXT}('#ds-token-summary').includes('Line ' + n + ':')", line))
+        line = str(20 + i)
+        times["token_preview"].append(pg.evaluate(  # type: ignore[attr-defined]
+            TIMED_INPUT, ["#ds-row input", line, "#ds-token-summary", f"Line {line}:"]))
     pg.get_by_role("tab", name="Train").click()  # type: ignore[attr-defined]
-    seq = pg.locator("#tr-max-seq-length input")  # type: ignore[attr-defined]
     for i in range(rounds):
-        before = _text(pg, "#tr-vram")
-        times.append(_timed(pg, lambda i=i: seq.fill(str(2048 * (i + 1))),
-                            f"b => {TEXT}('#tr-vram') !== b", before))
-    seq.fill("128")
+        times["train_form"].append(pg.evaluate(  # type: ignore[attr-defined]
+            TIMED_INPUT, ["#tr-max-seq-length input", str(2048 * (i + 1)), "#tr-vram", ""]))
+    pg.locator("#tr-max-seq-length input").fill("128")  # type: ignore[attr-defined]
     return times
 
 
@@ -167,9 +174,10 @@ def test_full_flow(page: object, server: str, module_home: Path) -> None:
     job = wait_for(lambda: jobs.list_jobs(), what="the job in the store")[0]
     assert job.config["max_steps"] == 10 and job.config["dataset"].endswith("datasets/arithmetic_chat.jsonl")
     # 3. While it trains: every action answers quickly.
-    times = responsiveness(pg)
+    by_kind = responsiveness(pg)
     measured_while = jobs.get_job(job.id).status
-    (ARTIFACTS / "responsiveness.json").write_text(json.dumps({"ms": times, "job_status": measured_while}))
+    (ARTIFACTS / "responsiveness.json").write_text(json.dumps({"ms": by_kind, "job_status": measured_while}))
+    times = sorted(t for kind in by_kind.values() for t in kind)
     # 4. The Runs tab follows the store: charts and step at most 2 s behind.
     pg.get_by_role("tab", name="Runs").click()
     lags = _follow_steps(pg, job.id)
@@ -189,8 +197,8 @@ def test_full_flow(page: object, server: str, module_home: Path) -> None:
     assert pg.hosts <= {urlparse(server).netloc}, f"requests left 127.0.0.1: {pg.hosts}"
     # Asserted last, so a slow machine still produces every screenshot above.
     assert measured_while == "running", "the job had finished before responsiveness was measured"
-    p95 = sorted(times)[int(0.95 * (len(times) - 1))]
-    assert p95 <= P95_LIMIT_MS, f"95th percentile {p95:.0f} ms over {P95_LIMIT_MS:.0f} ms: {sorted(times)}"
+    p95 = times[int(0.95 * (len(times) - 1))]
+    assert p95 <= P95_LIMIT_MS, f"95th percentile {p95:.0f} ms over {P95_LIMIT_MS:.0f} ms: {by_kind}"
     assert max(lags) <= 2.0, f"the UI showed steps up to {max(lags):.2f} s after the store had them"
 
 
@@ -216,6 +224,7 @@ def _chat(pg: object) -> None:
     _choose(pg, "#ch-target", "Run #1")
     pg.locator("#ch-side input").check()  # type: ignore[attr-defined]
     pg.wait_for_function("document.querySelector('#ch-right') !== null")  # type: ignore[attr-defined]
+    pg.get_by_text("Sampling", exact=True).click()  # open the accordion that holds the sliders
     pg.locator("#ch-max-new input[type=number]").fill("12")  # type: ignore[attr-defined]
     pg.locator("#ch-max-new input[type=number]").press("Enter")  # type: ignore[attr-defined]
     pg.locator("#ch-message textarea").fill("What is 2 + 3?")  # type: ignore[attr-defined]
