@@ -170,7 +170,7 @@ def main() -> None:
     results["machine"] = _machine()
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--work", str(args.work), "--quant", args.quant, "--child", mode]
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
         results[f"{mode}_{args.quant}"] = json.loads(done.stdout.strip().splitlines()[-1])
         print(mode, json.dumps(results[f"{mode}_{args.quant}"], indent=1), file=sys.stderr)
     args.out.write_text(json.dumps(results, indent=2))

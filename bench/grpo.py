@@ -61,7 +61,8 @@ def reward_value(text: str) -> float:
 
 def fixed_completions(rows: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(16, vocab, (rows, length), generator=g).tolist()  # no stop tokens
+    # Below 16 and from 128000 up (Llama 3's special tokens) are left out: no row ends early.
+    return torch.randint(16, min(vocab, 128000), (rows, length), generator=g).tolist()
 
 
 def _model_dir(args: argparse.Namespace) -> Path:

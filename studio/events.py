@@ -136,7 +136,7 @@ def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
     started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
     _on(t["start"].click, train_h.start_training, [t["extra"], *_form(t)], started, concurrency_limit=1) \
-        .success(lambda: gr.Tabs(selected="runs"), None, tabs, **LIGHT) \
+        .success(lambda: (gr.Tabs(selected="runs"), gr.Timer(active=True)), None, [tabs, r["timer"]], **LIGHT) \
         .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"]], runs_out.components, **LIGHT)
 
 
@@ -221,8 +221,15 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr
     return outputs.wrap(load), [r["seen"]], outputs.components
 
 
-def wire_tab_switches(runs_tab: gr.Tab, chat_tab: gr.Tab, export_tab: gr.Tab, r: C, ch: C, ex: C) -> None:
-    """Opening a tab refreshes the lists that other tabs (or the command line) may have changed."""
-    _on(runs_tab.select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
-    _on(chat_tab.select, chat_h.refresh_targets, [ch["target"]], Outputs.of(ch, "target"), **LIGHT)
-    _on(export_tab.select, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)
+def wire_tab_switches(tabs: dict[str, gr.Tab], r: C, ch: C, ex: C) -> None:
+    """Opening a tab refreshes the lists that other tabs (or the command line) may have changed.
+    The Runs tab polls only while it is shown: a browser on another tab costs the server nothing."""
+    runs_out = _runs_outputs(r)
+    for name, tab in tabs.items():
+        if name != "runs":
+            tab.select(lambda: gr.Timer(active=False), None, r["timer"], **LIGHT)
+    tabs["runs"].select(lambda: gr.Timer(active=True), None, r["timer"], **LIGHT) \
+        .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"]], runs_out.components, **LIGHT)
+    _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
+    _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"]], Outputs.of(ch, "target"), **LIGHT)
+    _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)

@@ -39,12 +39,13 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
     """The studio as a gr.Blocks, not yet launched."""
     settings = settings or StudioSettings()
     pool = ModelPool(settings.loaded_models)
-    with gr.Blocks(title=S.TITLE, analytics_enabled=False) as app:
+    # delete_cache: Gradio's copies of uploads and downloads older than a day go, checked hourly.
+    with gr.Blocks(title=S.TITLE, analytics_enabled=False, delete_cache=(3600, 86400)) as app:
         gr.Markdown(f"## {S.TITLE}\n{S.SUBTITLE}")
         with gr.Tabs() as tabs:
-            with gr.Tab(S.TAB_DATASETS, id="datasets"):
+            with gr.Tab(S.TAB_DATASETS, id="datasets") as datasets_tab:
                 d = datasets.build()
-            with gr.Tab(S.TAB_TRAIN, id="train"):
+            with gr.Tab(S.TAB_TRAIN, id="train") as train_tab:
                 t = train.build()
             with gr.Tab(S.TAB_RUNS, id="runs") as runs_tab:
                 r = runs.build()
@@ -57,6 +58,7 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
         events.wire_runs(r)
         events.wire_chat(ch, pool)
         events.wire_export(ex)
-        events.wire_tab_switches(runs_tab, chat_tab, export_tab, r, ch, ex)
+        events.wire_tab_switches({"datasets": datasets_tab, "train": train_tab, "runs": runs_tab,
+                                  "chat": chat_tab, "export": export_tab}, r, ch, ex)
         app.load(*events.on_load(d, t, r, ch, ex))
     return app

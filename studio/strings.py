@@ -177,3 +177,15 @@ PRESET_NAMES = {
     "full_small": "Full fine-tune: models up to about 1B",
     "grpo": "GRPO: reward-driven training on the arithmetic prompts",
 }
+ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."
+ERR_SEED = "The seed must be a whole number, or empty for a random one; got {value!r}."
+ERR_HUB_ID = "{model!r} is not a valid hub id ({error})."
+ERR_TOKENIZER = "Could not load the tokenizer of {model!r}: {error}"
+ERR_NO_TOKEN_COUNTS = " (no token counts: {error})"
+ERR_EXPORT_NOT_DONE = "Run #{job} is {status}; only completed runs can be exported."
+ERR_UNKNOWN_ACTION = "Unknown action {action!r}."
+ERR_WHOLE = "{field} must be a whole number, got {value!r}."
+ERR_YAML_NUMBER = "{key} must be a number, got {value!r}."
+ERR_YAML_BOOL = "{key} must be true or false, got {value!r}."
+ERR_READ_FILE = "Could not read {name}: {error}"
+ERR_PRESET = "Unknown preset {preset!r}."

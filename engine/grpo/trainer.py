@@ -180,8 +180,8 @@ def collect(s: GrpoSession, step: int) -> StepBatch:
         ro.extend(rollout(s.generator, s.tokenizer, [r.ids for r in rows[j : j + s.config.batch_size]],
                           g.num_generations, g.max_completion_length, g.temperature, g.top_p, seed, adapter))
     release(s.generator)
-    repeat = lambda xs: [x for x in xs for _ in range(g.num_generations)]
-    batch = RewardBatch(repeat([r.text for r in rows]), ro.texts, repeat([r.answer for r in rows]),
+    per_row = [r for r in rows for _ in range(g.num_generations)]  # (S,) the prompt of each row
+    batch = RewardBatch([r.text for r in per_row], ro.texts, [r.answer for r in per_row],
                         [len(c) for c in ro.completion_ids])
     total, parts = s.rewards(batch)  # (S,), {key: (S,)}
     advantages = group_advantages(total, g.num_generations, scale=g.loss_type != "dr_grpo")

@@ -18,6 +18,6 @@ def build() -> dict[str, gr.Component]:
         c["quant"] = gr.Dropdown(label=S.EX_QUANT, choices=[], elem_id="ex-quant")
     c["start"] = gr.Button(S.EX_START, variant="primary", elem_id="ex-start")
     c["status"] = gr.Markdown(elem_id="ex-status")
-    c["file"] = gr.File(label=S.EX_FILE, interactive=False, elem_id="ex-file")
+    c["file"] = gr.File(label=S.EX_FILE, file_count="multiple", interactive=False, elem_id="ex-file")
     c["modelfile"] = gr.Code(label=S.EX_MODELFILE, language="dockerfile", interactive=False, elem_id="ex-modelfile")
     return c

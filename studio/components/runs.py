@@ -16,7 +16,9 @@ def _chart(key: str) -> gr.LinePlot:
 
 
 def build() -> dict[str, gr.Component]:
-    c: dict[str, gr.Component] = {"seen": gr.State({}), "timer": gr.Timer(POLL_S), "started": gr.State(None)}
+    # The timer runs only while this tab is shown (studio.events switches it with the tabs).
+    c: dict[str, gr.Component] = {"seen": gr.State({}), "timer": gr.Timer(POLL_S, active=False),
+                                  "started": gr.State(None)}
     c["table"] = gr.Dataframe(label=S.RU_TABLE, headers=S.RU_COLUMNS, interactive=False, max_height=260,
                               elem_id="ru-table")
     with gr.Row():

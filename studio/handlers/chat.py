@@ -58,7 +58,7 @@ def resolve_target(target: str) -> tuple[str, str | None, str, str]:
         return base, str(adapter), label, base
     if (model := _model_dir(job)) is not None:
         return str(model), None, label, base
-    raise KestrelError(f"run #{job.id} has no saved adapter or model (status {job.status})")
+    raise KestrelError(S.ERR_RUN_NO_WEIGHTS.format(job=job.id, status=job.status))
 
 
 def _text(content: Any) -> str:
@@ -91,7 +91,7 @@ def _sampling(temperature: float, top_p: float, top_k: float, repetition_penalty
 
     text = str(seed if seed is not None else "").strip()
     if text and not text.lstrip("-").isdigit():
-        raise KestrelError(f"seed must be a whole number or empty, got {text!r}")
+        raise KestrelError(S.ERR_SEED.format(value=text))
     seed_value = int(text) if text else None
     return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k or 0),
                           repetition_penalty=float(repetition_penalty), seed=seed_value)

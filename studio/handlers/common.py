@@ -80,7 +80,7 @@ def _cached_hub_file(repo_id: str, filename: str) -> str | None:
     try:
         found = try_to_load_from_cache(repo_id, filename)
     except HFValidationError as exc:
-        raise KestrelError(f"{repo_id!r} is not a valid hub id: {exc}") from exc
+        raise KestrelError(S.ERR_HUB_ID.format(model=repo_id, error=exc)) from exc
     return found if isinstance(found, str) else None
 
 
@@ -139,7 +139,7 @@ def _tokenizer(model: str) -> Any:
     try:
         return load_tokenizer(path, 1 << 20)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not load the tokenizer of {model!r}: {exc}") from exc
+        raise ModelLoadError(S.ERR_TOKENIZER.format(model=model, error=exc)) from exc
 
 
 def fmt_duration(seconds: float | None) -> str:

@@ -11,6 +11,7 @@ tab's state is a plain dict `{"path", "name", "format", "columns"}` kept in `gr.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ def conversations(state: dict[str, Any]) -> tuple[str, list, list]:
 
 
 def _cell(value: Any) -> str:
-    text = value if isinstance(value, str) else repr(value)
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= MAX_CELL else text[:MAX_CELL] + "…"
 
 
@@ -127,8 +128,8 @@ def token_lengths(convs: list, tokenizer: Any) -> list[int]:
 
 
 def histogram_frame(lengths: list[int], bins: int = 20) -> pd.DataFrame:
-    """Rows per token-length bucket between the shortest and the longest row; `tokens` is each
-    bucket's upper edge."""
+    """Rows per token-length bucket, from the shortest to the longest row; `tokens` labels each
+    bucket with its range ("24-31")."""
     if not lengths:
         return pd.DataFrame({"tokens": [], "rows": []})
     lo, hi = min(lengths), max(lengths)
@@ -136,7 +137,15 @@ def histogram_frame(lengths: list[int], bins: int = 20) -> pd.DataFrame:
     counts = [0] * math.ceil((hi - lo + 1) / width)
     for n in lengths:
         counts[(n - lo) // width] += 1
-    return pd.DataFrame({"tokens": [lo + (i + 1) * width - 1 for i in range(len(counts))], "rows": counts})
+    starts = [lo + i * width for i in range(len(counts))]
+    labels = [str(a) if width == 1 else f"{a}-{a + width - 1}" for a in starts]
+    return pd.DataFrame({"tokens": labels, "rows": counts})
+
+
+def histogram_update(lengths: list[int]) -> dict[str, Any]:
+    """The bar chart's update: buckets in length order (not alphabetical)."""
+    frame = histogram_frame(lengths)
+    return gr.update(value=frame, sort=list(frame["tokens"]))
 
 
 def _stats(lengths: list[int]) -> dict[str, float]:
@@ -182,7 +191,7 @@ def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = 
     state = {"path": path, "name": name, "format": fmt, "columns": columns}
     out: dict[str, Any] = {"state": state, "preview": preview_frame(rows, path.endswith(".csv")),
                            "report": pd.DataFrame({"line": [], "reason": []}),
-                           "histogram": histogram_frame([]), "row": gr.update()}
+                           "histogram": histogram_update([]), "row": gr.update()}
     try:
         found, good, bad = conversations(state)
     except DatasetError as exc:
@@ -200,13 +209,13 @@ def _analysis(state: dict[str, Any], rows: list, good: list, bad: list, model: s
     """Token statistics, histogram, validation report; registers the dataset in the job store."""
     import jobs
 
-    note, stats, hist = "", {"mean": 0, "p95": 0, "max": 0}, histogram_frame([])
+    note, stats, hist = "", {"mean": 0, "p95": 0, "max": 0}, histogram_update([])
     try:
         lengths = token_lengths(good[:HIST_ROWS], tokenizer_for(model))
-        stats, hist = _stats(lengths), histogram_frame(lengths)
+        stats, hist = _stats(lengths), histogram_update(lengths)
         note = S.DS_HIST_NOTE.format(n=HIST_ROWS) if len(good) > HIST_ROWS else ""
     except KestrelError as exc:  # a model whose tokenizer cannot load: the rest still helps
-        note = f" (no token counts: {exc})"
+        note = S.ERR_NO_TOKEN_COUNTS.format(error=exc)
     jobs.add_dataset(state["path"], name=state["name"], format=state["format"], rows=len(good),
                      token_stats=stats if stats.get("max") else None)
     summary = S.DS_SUMMARY.format(name=state["name"], format=state["format"], rows=len(rows), good=len(good),

@@ -61,7 +61,7 @@ def _source(value: str) -> tuple[str, str]:
         raise KestrelError(S.EX_NO_RUNS)
     job = jobs.get_job(int(rest))
     if job.status != "completed":
-        raise KestrelError(f"run #{job.id} is {job.status}; only completed runs can be exported")
+        raise KestrelError(S.ERR_EXPORT_NOT_DONE.format(job=job.id, status=job.status))
     return job.output_dir, f"job-{job.id}"
 
 
@@ -74,20 +74,20 @@ def _folder_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _download(result: Any, fmt: str, out: Path) -> tuple[str | None, str]:
-    """(file to offer, extra note) for an export result."""
+def _download(result: Any, fmt: str, out: Path) -> tuple[list[str], str]:
+    """(files to offer, extra note) for an export result: the GGUF and its Modelfile, or a zip
+    of the adapter / merged folder (a merged model too large to zip stays a folder)."""
     if fmt == "gguf":
-        gguf = next((p for p in result.files if Path(p).suffix == ".gguf"), None)
-        return (str(gguf) if gguf else None), ""
+        keep = [p for p in result.files if Path(p).suffix == ".gguf" or Path(p).name == "Modelfile"]
+        return sorted((str(p) for p in keep), key=lambda p: not p.endswith(".gguf")), ""
     if fmt == "merged" and _folder_size(out) > ZIP_LIMIT:
-        return None, S.EX_FOLDER_ONLY.format(size=_folder_size(out) / 2**30, out=out)
-    archive = shutil.make_archive(str(out), "zip", root_dir=out)
-    return archive, ""
+        return [], S.EX_FOLDER_ONLY.format(size=_folder_size(out) / 2**30, out=out)
+    return [shutil.make_archive(str(out), "zip", root_dir=out)], ""
 
 
 @user_errors
 def run_export(source: str, fmt: str, quant: str | None) -> Iterator[dict[str, Any]]:
-    """Export and relay progress. Outputs: status, file (download path), modelfile (text)."""
+    """Export and relay progress. Outputs: status, file (paths to download), modelfile (text)."""
     from engine.export import export
 
     path, stem = _source(source)
@@ -117,5 +117,5 @@ def run_export(source: str, fmt: str, quant: str | None) -> Iterator[dict[str, A
     modelfile = out / "Modelfile"
     status = S.EX_DONE.format(seconds=result.seconds, out=out) + (f"\n\n{note}" if note else "")
     notes = "".join(f"\n- {html.escape(n)}" for n in result.notes)
-    yield {"status": status + notes, "file": download,
+    yield {"status": status + notes, "file": download or None,
            "modelfile": modelfile.read_text() if modelfile.is_file() else ""}

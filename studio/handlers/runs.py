@@ -75,8 +75,12 @@ def chart_frames(job_id: int | None) -> dict[str, pd.DataFrame]:
     points = jobs.metric_series(job_id, None, CHART_POINTS) if job_id is not None else []
     frame = pd.DataFrame([(p.step, p.value, p.name) for p in points], columns=["step", "value", "name"])
     frame = frame[frame["value"].map(lambda v: not math.isnan(v))] if len(frame) else frame
-    return {f"chart_{key}": frame[frame["name"].map(lambda n, pats=pats: _matches(n, pats))].reset_index(drop=True)
-            for key, pats in CHART_SERIES.items()}
+    out = {f"chart_{key}": frame[frame["name"].map(lambda n, pats=pats: _matches(n, pats))].reset_index(drop=True)
+           for key, pats in CHART_SERIES.items()}
+    memory = out["chart_memory"]
+    if len(memory) and not memory["value"].any():  # a CPU run reports 0 GiB: nothing to draw
+        out["chart_memory"] = memory.iloc[0:0]
+    return out
 
 
 def progress_text(job: jobs.Job | None) -> str:
@@ -155,7 +159,7 @@ def act(action: str, selected: Any, remove_files: bool = False) -> str:
     elif action == "delete":
         jobs.delete(job_id, remove_files=bool(remove_files))
     else:
-        raise KestrelError(f"unknown action {action!r}")
+        raise KestrelError(S.ERR_UNKNOWN_ACTION.format(action=action))
     return S.RU_ACTION_DONE[action].format(job=job_id)
 
 

@@ -92,7 +92,7 @@ def _convert(key: str, value: Any) -> Any:
             raise ConfigError(S.ERR_NUMBER.format(field=label, value=value)) from None
         if kind.endswith("int"):
             if not number.is_integer():
-                raise ConfigError(f"{label} must be a whole number, got {value!r}")
+                raise ConfigError(S.ERR_WHOLE.format(field=label, value=value))
             return int(number)
         return number
     if kind == "bool":
@@ -218,9 +218,9 @@ def _check_types(data: dict[str, Any]) -> None:
             continue
         numeric = field.kind in ("int", "opt_int", "float", "opt_float")
         if numeric and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
+            raise ConfigError(S.ERR_YAML_NUMBER.format(key=key, value=value))
         if field.kind == "bool" and not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
+            raise ConfigError(S.ERR_YAML_BOOL.format(key=key, value=value))
 
 
 def _fill(cfg: TrainConfig, status: str) -> dict[str, Any]:
@@ -250,7 +250,7 @@ def load_yaml_file(path: str | None) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"could not read {Path(path).name}: {exc}") from exc
+        raise ConfigError(S.ERR_READ_FILE.format(name=Path(path).name, error=exc)) from exc
     return apply_yaml(text)
 
 
@@ -258,7 +258,7 @@ def load_yaml_file(path: str | None) -> dict[str, Any]:
 def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
     """Put a preset's values over the current form (or over the defaults if it does not parse)."""
     if preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}")
+        raise ConfigError(S.ERR_PRESET.format(preset=preset))
     try:
         base = config_from_dict(form_to_config(_values(args), extra)).to_dict()
     except KestrelError:

@@ -3,6 +3,7 @@ run: streaming answers, base and fine-tuned side by side in one batch, exports t
 
 from __future__ import annotations
 
+import threading
 import time
 import zipfile
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import jobs
 from jobs.models import Job
 from jobs.store import reset_engines, session
 from studio.handlers import chat, export
-from studio.models import ModelPool
+from studio.models import LoadedModel, ModelPool, stream_rows
 from tests.studio.helpers import error_text
 
 SHARED_HOME = True  # the demo model and the run are built once for this module
@@ -88,6 +89,38 @@ def test_chat_streams_and_side_by_side_matches_each_model_alone(finished_run: in
     assert [m["role"] for m in follow] == ["user", "assistant", "user", "assistant"]
 
 
+def test_stop_ends_an_endless_decode() -> None:
+    """The producer thread checks Stop between chunks: a decode that would never end stops."""
+    from engine.decode import TokenChunk
+
+    class EndlessGenerator:
+        stop_ids: list[int] = []
+
+        def chunks(self, prompts: list, max_new: int, sampling: object, adapter: list) -> Iterator[TokenChunk]:
+            while True:
+                yield TokenChunk([[5]], [False])
+
+    class Tokenizer:
+        def decode(self, ids: list[int], **_: object) -> str:
+            return "x" * len(ids)
+
+    loaded = LoadedModel("endless", EndlessGenerator(), Tokenizer(), 64)
+    rows = stream_rows(loaded, [[1]], [None], 10, None, threading.Event())
+    assert next(rows) == ["x"]
+    rows.close()
+    assert loaded.lock.acquire(timeout=10), "the decode thread did not stop"
+
+
+def test_closing_the_answer_frees_the_model(finished_run: int, pool: ModelPool) -> None:
+    stream = chat.respond(pool, "Count to a hundred.", [], [], "base:demo", False, **{**GREEDY, "max_new_tokens": 400})
+    next(stream), next(stream)  # the placeholder, then the first piece
+    stream.close()  # what Gradio does when Stop is pressed or the tab goes away
+    loaded = pool.get("demo")
+    assert loaded.lock.acquire(timeout=30), "the decode thread kept the model after Stop"
+    loaded.lock.release()
+    assert _last(chat.respond(pool, "hi", [], [], "base:demo", False, **GREEDY))[-1]["left"][-1]["content"]
+
+
 def test_chat_errors_are_messages(finished_run: int, pool: ModelPool) -> None:
     cases = [("", "base:demo", False, "Type a message"), ("hi", "base:demo", True, "needs a fine-tuned run"),
              ("hi", "run:999", False, "no job with id 999")]
@@ -112,7 +145,7 @@ def test_export_adapter_zip(finished_run: int, module_home: Path) -> None:
     outs = list(export.run_export(f"run:{finished_run}", "adapter", None))
     assert outs[0]["status"].startswith("`░")  # progress first
     final = outs[-1]
-    archive = Path(final["file"])
+    archive = Path(final["file"][0])
     assert archive.parent == module_home / "exports" and archive.suffix == ".zip"
     assert "adapter_config.json" in {Path(n).name for n in zipfile.ZipFile(archive).namelist()}
     assert "Exported" in final["status"]
@@ -120,7 +153,8 @@ def test_export_adapter_zip(finished_run: int, module_home: Path) -> None:
 
 def test_export_gguf_with_modelfile(finished_run: int, module_home: Path) -> None:
     final = list(export.run_export(f"run:{finished_run}", "gguf", "q8_0"))[-1]
-    gguf = Path(final["file"])
+    gguf, modelfile = map(Path, final["file"])
+    assert modelfile.name == "Modelfile" and modelfile.read_text() == final["modelfile"]
     assert gguf.suffix == ".gguf" and gguf.read_bytes()[:4] == b"GGUF"
     assert gguf.parent.parent == module_home / "exports"
     assert "FROM" in final["modelfile"]

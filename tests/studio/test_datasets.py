@@ -28,7 +28,9 @@ def test_sample_dataset_one_click(kestrel_home: Path) -> None:
     assert out["format"]["value"] == "messages"
     assert len(out["preview"]) == 10 and out["preview"]["line"].tolist()[:2] == [1, 2]
     assert out["report"].empty
-    assert out["histogram"]["rows"].sum() == 800  # every row measured
+    hist = out["histogram"]["value"]
+    assert hist["rows"].sum() == 800  # every row measured
+    assert out["histogram"]["sort"] == list(hist["tokens"]) and hist["tokens"].iloc[0].startswith("2")
     assert out["col_messages"]["visible"] and not out["col_prompt"]["visible"]
     assert "800 usable" in out["summary"]
     registered = jobs.list_datasets()
@@ -58,6 +60,13 @@ def test_unknown_columns_then_mapping(tmp_path: Path) -> None:
     assert mapped["state"]["format"] == "prompt_completion"
     assert mapped["state"]["columns"] == {"prompt": "question", "completion": "reply"}
     assert mapped["report"].empty and "2 usable" in mapped["summary"]
+
+
+def test_histogram_buckets_in_length_order() -> None:
+    frame = ds.histogram_frame([3, 5, 40, 41, 100], bins=4)
+    assert list(frame["tokens"]) == ["3-27", "28-52", "53-77", "78-102"]
+    assert list(frame["rows"]) == [2, 2, 0, 1]
+    assert list(ds.histogram_frame([7, 7, 8])["tokens"]) == ["7", "8"]
 
 
 def test_token_preview_marks_trained_masked_and_cut() -> None:

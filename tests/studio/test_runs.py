@@ -87,3 +87,10 @@ def test_compare_overlays_loss_and_lists_differences(fake_engine: None) -> None:
 def test_no_jobs_yet() -> None:
     out = runs.refresh(None, {})
     assert out["table"].empty and "No runs yet" in out["progress"] and out["chart_loss"].empty
+
+
+def test_clicking_a_table_row_selects_its_job() -> None:
+    import pandas as pd
+
+    table = pd.DataFrame([[5, "a"], [7, "b"]], columns=["#", "name"])
+    assert runs.select_row(table, gr.SelectData(None, {"index": [1, 3], "value": "b", "selected": True})) == 7
