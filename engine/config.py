@@ -11,6 +11,8 @@ An unknown key is an error that names it and lists the valid ones; values are ch
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -169,11 +171,36 @@ def _build(cls: type, data: Any, where: str) -> Any:
         nested = hints[key]
         if dataclasses.is_dataclass(nested) and isinstance(nested, type):
             value = value if isinstance(value, nested) else _build(nested, value, f"{where}.{key}".strip("."))
+        else:
+            _check_type(f"{where}.{key}".strip("."), nested, value)
         kwargs[key] = value
     try:
         return cls(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"{where or 'config'}: {exc}") from exc
+
+
+_SCALARS = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}
+
+
+def _check_type(key: str, hint: Any, value: Any) -> None:
+    """Refuse a value of the wrong kind for a scalar field, naming the key (`batch_size: many`)."""
+    origin = typing.get_origin(hint)
+    if origin is not None and origin not in (typing.Union, types.UnionType):
+        return  # containers (list, dict) are checked by the field's own validation
+    args = typing.get_args(hint) or (hint,)
+    options = [a for a in args if a is not type(None)]
+    if value is None and len(options) < len(args):
+        return
+    scalars = [t for t in options if t in _SCALARS]
+    if not scalars or len(scalars) != len(options):
+        return
+    ok = any(
+        isinstance(value, t) and not (t in (int, float) and isinstance(value, bool)) or (t is float and type(value) is int)
+        for t in scalars
+    )
+    if not ok:
+        raise ConfigError(f"{key} must be {' or '.join(_SCALARS[t] for t in scalars)}, got {value!r}")
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:

@@ -14,6 +14,13 @@
    policy's when a batch feeds several updates (`num_iterations` > 1).
 5. update: rows run in micro-batches of at most `max_seq_length` tokens (one row at least); each
    micro-batch's loss is scaled by the step's totals, so they sum to the loss of the whole step.
+
+Metrics per step, besides SFT's (step, total_steps, epoch, loss, lr, grad_norm, memory, elapsed_s,
+eta_s): `reward`, `reward_std` (over the step's completions), `reward/<name>` (each reward's mean,
+unweighted), `frac_reward_zero_std` (groups with no signal), `kl` (k3, per completion token),
+`clip_frac` (completion tokens whose gradient the clip removed), `completion_len_mean/_max`,
+`completion_stopped_frac` (rows that ended with a stop token), `rollout_s`, `update_s`, and
+`tokens_per_s` (prompt + completion tokens of the step's rows per second of the whole step).
 """
 
 from __future__ import annotations

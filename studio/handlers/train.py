@@ -277,6 +277,19 @@ def use_dataset(ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -
     return {"dataset": ds_state["path"], "dataset_format": ds_state.get("format") or "auto", "extra": extra}
 
 
+def pick_dataset(path: str, ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """A dataset chosen in the form's dropdown: the Datasets tab's format and column mapping
+    when it is the one open there, else auto-detection (another file's mapping would not fit).
+    Outputs: dataset_format, extra."""
+    if ds_state and ds_state.get("path") == path:
+        out = use_dataset(ds_state, extra)
+        out.pop("dataset")
+        return out
+    extra = copy.deepcopy(extra or {})
+    extra["columns"] = {}
+    return {"dataset_format": "auto", "extra": extra}
+
+
 def _comparable(data: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(data)
     out.pop("output_dir", None)

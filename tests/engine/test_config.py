@@ -26,6 +26,8 @@ def test_yaml_round_trip_and_overrides(tmp_path) -> None:
         ({"learning_rate": 3}, "learning_rate must be in (0, 1)"),
         ({"lora": {"dropout": 1.5}}, "lora.dropout must be in [0, 1)"),
         ({"lora": "big"}, "lora must be a mapping"),
+        ({"batch_size": "many"}, "batch_size must be a whole number, got 'many'"),
+        ({"packing": "yes"}, "packing must be true or false, got 'yes'"),
     ],
 )
 def test_bad_configs_name_the_problem(data: dict, needle: str) -> None:

@@ -16,7 +16,7 @@ from engine.lora import attach_lora
 
 
 def _policy(model_dir: str, randomise: bool = True, seed: int = 0):
-    model, tok = load(model_dir, 128, dtype="fp32")
+    model, tok = load(model_dir, 128, dtype="fp32", device="cpu")  # the math, in fp32, on any machine
     for p in model.parameters():
         p.requires_grad_(False)
     model = attach_lora(model, LoraSettings(r=4, alpha=8))

@@ -38,7 +38,7 @@ def _grpo(model: str, out: Path, dataset: str, **kw) -> dict:
     grpo = dict(num_generations=4, max_completion_length=8, max_prompt_length=48, beta=0.04, temperature=1.0)
     grpo.update(kw.pop("grpo", {}))
     base = dict(model=model, method="grpo", dataset=dataset, output_dir=str(out), max_seq_length=256, batch_size=2,
-                max_steps=4, learning_rate=2e-3, save_steps=0, seed=0, gradient_checkpointing="off",
+                max_steps=4, learning_rate=2e-3, save_steps=0, seed=0, gradient_checkpointing="off", dtype="fp32",
                 lr_scheduler="constant", grpo=grpo, lora={"r": 8, "alpha": 16})
     return {**base, **kw}
 
@@ -58,7 +58,7 @@ def test_demo_task_reward_rises_after_a_short_sft(tmp_path: Path, one_thread) ->
                 f.write(json.dumps({"messages": msgs}) + "\n")
     warm = run(config_from_dict(dict(model="demo", method="full", dataset=str(sft), output_dir=str(tmp_path / "sft"),
                                      max_seq_length=64, batch_size=16, max_steps=60, learning_rate=1e-3, save_steps=0,
-                                     seed=0, gradient_checkpointing="off", lr_scheduler="constant")))
+                                     seed=0, gradient_checkpointing="off", lr_scheduler="constant", dtype="fp32")))
     assert warm.status == "completed"
     cfg = _grpo(str(tmp_path / "sft" / "model"), tmp_path / "grpo", str(prompts), batch_size=4, max_steps=32,
                 grpo=dict(num_generations=8, max_completion_length=16))
@@ -158,3 +158,13 @@ def test_prompt_datasets(demo_tokenizer, tmp_path: Path) -> None:
     path.write_text(json.dumps({"text": "nothing usable"}) + "\n")
     with pytest.raises(DatasetError, match="none of its 1 rows is a usable GRPO prompt"):
         load_prompts(cfg, demo_tokenizer, needs_answers=False)
+
+
+def test_demo_configs_parse() -> None:
+    from engine.config import load_config
+    from engine.paths import ASSETS
+
+    sft, grpo = (load_config(ASSETS / "configs" / f"demo_{name}.yaml") for name in ("sft", "grpo"))
+    assert (sft.method, grpo.method) == ("full", "grpo")
+    assert grpo.model == str(sft.output_dir) + "/model"  # step 2 starts where step 1 saved
+    assert [r.name for r in grpo.grpo.rewards] == ["exact_answer"]

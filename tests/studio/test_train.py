@@ -129,3 +129,11 @@ def test_use_dataset_carries_format_and_columns() -> None:
     out = train.use_dataset(state, {"grpo": {"rewards": []}})
     assert out["dataset"] == "/x/qa.csv" and out["dataset_format"] == "prompt_completion"
     assert out["extra"] == {"grpo": {"rewards": []}, "columns": {"prompt": "question"}}
+
+
+def test_picking_another_dataset_drops_the_old_mapping() -> None:
+    state = {"path": "/x/qa.csv", "format": "prompt_completion", "columns": {"prompt": "question"}}
+    same = train.pick_dataset("/x/qa.csv", state, {})
+    assert same == {"dataset_format": "prompt_completion", "extra": {"columns": {"prompt": "question"}}}
+    other = train.pick_dataset("/x/chat.jsonl", state, {"columns": {"prompt": "question"}, "grpo": {}})
+    assert other == {"dataset_format": "auto", "extra": {"columns": {}, "grpo": {}}}
