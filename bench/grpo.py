@@ -26,6 +26,7 @@ from ../shared/gpu/make-site.sh on PYTHONPATH).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -108,7 +109,8 @@ def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) ->
             steps.append(dict(metrics))
 
     cfg = config_from_dict(dict(
-        model=str(folder), method="grpo", dataset=str(data), output_dir=str(work / "run"), max_seq_length=case["budget"],
+        model=str(folder), method="grpo", dataset=str(data), output_dir=str(work / "run"),
+        max_seq_length=case["budget"],
         batch_size=1, max_steps=args.steps, learning_rate=LR, save_steps=0, seed=0, lr_scheduler="constant",
         gradient_checkpointing=case["checkpointing"], lora={"r": 16, "alpha": 16, "dropout": 0.0, "targets": TARGETS},
         grpo=dict(num_generations=G, max_completion_length=case["completion"], max_prompt_length=case["prompt"] + 64,
@@ -120,9 +122,10 @@ def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) ->
     result = run(cfg, [Record()])
     if result.status != "completed":
         raise RuntimeError(f"kestrel run {result.status}: {result.error}")
-    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:])]
+    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)]
     return {
-        "step_times": [steps[0]["elapsed_s"], *times], "s_per_step": statistics.median(times or [steps[0]["elapsed_s"]]),
+        "step_times": [steps[0]["elapsed_s"], *times],
+        "s_per_step": statistics.median(times or [steps[0]["elapsed_s"]]),
         "rollout_s": statistics.median([m["rollout_s"] for m in steps[1:]] or [steps[0]["rollout_s"]]),
         "update_s": statistics.median([m["update_s"] for m in steps[1:]] or [steps[0]["update_s"]]),
         "completion_len_mean": statistics.mean(m["completion_len_mean"] for m in steps),
@@ -139,8 +142,10 @@ def _trl_model(folder: Path, smoke: bool):
 
     kw: dict[str, Any] = dict(dtype=torch.bfloat16 if not smoke else torch.float32, attn_implementation="sdpa")
     if not smoke:
-        kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                       bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
         kw["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(folder, **kw)
     for p in model.parameters():
@@ -197,7 +202,7 @@ def run_trl(args: argparse.Namespace, case: dict[str, Any], folder: Path) -> dic
     start = time.perf_counter()
     trainer.train()
     edges = [start, *stamps]
-    times = [b - a for a, b in zip(edges, edges[1:])]
+    times = [b - a for a, b in itertools.pairwise(edges)]
     return {"step_times": times, "s_per_step": statistics.median(times[1:] or times),
             "completion_len_mean": statistics.mean(lengths) if lengths else None, "checkpointing": "standard"}
 
@@ -261,7 +266,8 @@ def main() -> None:
             res.setdefault("impl", impl)
             res.setdefault("case", case)
             results.append(res)
-            print(json.dumps({k: v for k, v in res.items() if k != "error"} | ({"error": res["error"][-400:]} if "error" in res else {})), flush=True)
+            shown = {**res, "error": res["error"][-400:]} if "error" in res else res
+            print(json.dumps(shown), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(_table(results))
 

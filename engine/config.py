@@ -75,6 +75,8 @@ class GrpoSettings:
     top_p: float = 1.0
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="exact_answer")])
     allow_custom_rewards: bool = False  # custom reward files run inside the job's process
+    num_iterations: int = 1  # policy updates per batch of rollouts (ratio clipping matters when > 1)
+    load_in_4bit: bool = False  # NF4 base (QLoRA-style GRPO); needs CUDA
 
     def __post_init__(self) -> None:
         self.rewards = [r if isinstance(r, RewardSpec) else _build(RewardSpec, r, "grpo.rewards[]") for r in self.rewards]
@@ -141,7 +143,7 @@ class TrainConfig:
 
     @property
     def load_in_4bit(self) -> bool:
-        return self.method == "qlora"
+        return self.method == "qlora" or (self.method == "grpo" and self.grpo.load_in_4bit)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -208,6 +210,17 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     return _build(TrainConfig, data, "")
 
 
+def _coerce_number(value: Any) -> Any:
+    """YAML 1.1 reads `2e-3` as text; a command-line value that is a number becomes one."""
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                continue
+    return value
+
+
 def parse_overrides(args: list[str]) -> dict[str, Any]:
     """`["--lora.r", "8", "--packing", "true"]` -> `{"lora": {"r": 8}, "packing": True}`."""
     out: dict[str, Any] = {}
@@ -216,7 +229,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         key = args[i]
         if not key.startswith("--") or i + 1 >= len(args):
             raise ConfigError(f"overrides must be --key value pairs; could not read {' '.join(args[i:])!r}")
-        value = yaml.safe_load(args[i + 1])
+        value = _coerce_number(yaml.safe_load(args[i + 1]))
         node = out
         parts = key[2:].replace("-", "_").split(".")
         for part in parts[:-1]:

@@ -45,7 +45,8 @@ def _messages(row: dict[str, Any], columns: dict[str, str]) -> tuple[list[dict[s
         raise ValueError("needs a `prompt` (text or messages) or a `messages` list")
     msgs = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+        ok = isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+        if not ok or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i} needs a role (system, user, assistant) and text content")
         msgs.append({"role": m["role"], "content": m["content"]})
     answer = None
@@ -56,7 +57,9 @@ def _messages(row: dict[str, Any], columns: dict[str, str]) -> tuple[list[dict[s
     return msgs, answer
 
 
-def load_prompts(config: TrainConfig, tokenizer: Any, needs_answers: bool) -> tuple[list[PromptRow], list[RowIssue], int]:
+def load_prompts(
+    config: TrainConfig, tokenizer: Any, needs_answers: bool
+) -> tuple[list[PromptRow], list[RowIssue], int]:
     """The usable prompts, the bad rows (line, reason) and how many were too long."""
     path, rows = read_rows(config.dataset)
     columns = dict(config.columns)

@@ -231,7 +231,7 @@ def _check_scores(key: str, scores: Any, n: int) -> torch.Tensor:
     if hasattr(scores, "tolist"):  # a numpy array or a tensor
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)) or len(scores) != n:
-        got = f"{type(scores).__name__} of length {len(scores)}" if hasattr(scores, "__len__") else type(scores).__name__
+        got = type(scores).__name__ + (f" of length {len(scores)}" if hasattr(scores, "__len__") else "")
         raise RewardError(f"reward {key} must return a list of {n} numbers (one per completion), got {got}")
     ok = [isinstance(s, numbers.Real) and math.isfinite(s) for s in scores]
     if not all(ok):

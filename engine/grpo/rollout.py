@@ -69,4 +69,4 @@ def rollout(
 def release(generator: Generator) -> None:
     """Free the decode session (its KV cache and captured graphs) before the update runs, so the
     cache and the training activations never hold memory at the same time."""
-    generator.rebuild()
+    generator.release()

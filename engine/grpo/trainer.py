@@ -17,10 +17,11 @@
 
 Metrics per step, besides SFT's (step, total_steps, epoch, loss, lr, grad_norm, memory, elapsed_s,
 eta_s): `reward`, `reward_std` (over the step's completions), `reward/<name>` (each reward's mean,
-unweighted), `frac_reward_zero_std` (groups with no signal), `kl` (k3, per completion token),
-`clip_frac` (completion tokens whose gradient the clip removed), `completion_len_mean/_max`,
-`completion_stopped_frac` (rows that ended with a stop token), `rollout_s`, `update_s`, and
-`tokens_per_s` (prompt + completion tokens of the step's rows per second of the whole step).
+unweighted), `frac_reward_zero_std` (groups with no signal), `kl` (k3, per completion token; only
+with beta > 0), `clip_frac` (completion tokens whose gradient the clip removed),
+`completion_len_mean/_max`, `completion_stopped_frac` (rows that ended with a stop token),
+`rollout_s`, `update_s`, and `tokens_per_s` (prompt + completion tokens of the step's rows per
+second of the whole step).
 """
 
 from __future__ import annotations
@@ -242,9 +243,12 @@ def update(s: GrpoSession, batch: StepBatch) -> dict[str, float]:
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
     tokens = torch.as_tensor(sums["tokens"]).clamp(min=1)
-    # One host read per step, for the metrics.
-    return {"loss": float(sums["loss"]), "grad_norm": float(grad_norm), "lr": lr,
-            "kl": float(sums["kl_sum"] / tokens), "clip_frac": float(sums["clipped"] / tokens)}
+    # One host read per step, for the metrics. No reference pass when beta == 0: no `kl` to report.
+    out = {"loss": float(sums["loss"]), "grad_norm": float(grad_norm), "lr": lr,
+           "clip_frac": float(sums["clipped"] / tokens)}
+    if g.beta > 0:
+        out["kl"] = float(sums["kl_sum"] / tokens)
+    return out
 
 
 def batch_metrics(batch: StepBatch, group_size: int) -> dict[str, float]:
@@ -284,7 +288,8 @@ def train_loop(s: GrpoSession, cb: Callback) -> str:
             cb.on_step(metrics)
         stop = cb.should_stop()
         if stop or (s.config.save_steps and done % s.config.save_steps == 0 and done < s.total_steps):
-            path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, {"total_steps": s.total_steps})
+            state = {"total_steps": s.total_steps}
+            path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, state)
             cb.on_checkpoint(done, str(path))
         if stop:
             return "cancelled" if stop == "cancel" else "interrupted"
