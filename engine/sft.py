@@ -165,23 +165,37 @@ def train_loop(s: Session, cb: Callback) -> str:
             **memory_metrics(s.device), "elapsed_s": elapsed,
             "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
         }
-        if done % s.config.logging_steps == 0 or done == s.total_steps:
-            cb.on_step(metrics)
-        stop = cb.should_stop()
-        if stop or (s.config.save_steps and done % s.config.save_steps == 0 and done < s.total_steps):
-            path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, {"total_steps": s.total_steps})
-            cb.on_checkpoint(done, str(path))
+        stop = end_of_step(s, cb, done, metrics)
         if stop:
-            return "cancelled" if stop == "cancel" else "interrupted"
+            return stop
     return "completed"
 
 
-def run_sft(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
-    """Set up, train and save; returns (status, last step)."""
-    s = setup(config, output_dir, cb)
+def end_of_step(s: Any, cb: Callback, done: int, metrics: dict[str, float]) -> str | None:
+    """Shared by SFT and GRPO: report the step, checkpoint when due or asked to stop, and return
+    the final status (cancelled / interrupted) when the run must end here."""
+    if done % s.config.logging_steps == 0 or done == s.total_steps:
+        cb.on_step(metrics)
+    stop = cb.should_stop()
+    if stop or (s.config.save_steps and done % s.config.save_steps == 0 and done < s.total_steps):
+        path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, {"total_steps": s.total_steps})
+        cb.on_checkpoint(done, str(path))
+    if stop:
+        return "cancelled" if stop == "cancel" else "interrupted"
+    return None
+
+
+def run_recipe(setup_fn: Any, loop_fn: Any, config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+    """Set up, train and save (SFT and GRPO alike); returns (status, last step)."""
+    s = setup_fn(config, output_dir, cb)
     cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
-    status = train_loop(s, cb) if s.start_step < s.total_steps else "completed"
+    status = loop_fn(s, cb) if s.start_step < s.total_steps else "completed"
     if status == "completed":
         path = save_weights(s.model, output_dir, s.tokenizer)
         cb.on_log(f"saved {path}")
     return status, s.total_steps if status == "completed" else s.scheduler.last_epoch
+
+
+def run_sft(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+    """Set up, train and save; returns (status, last step)."""
+    return run_recipe(setup, train_loop, config, output_dir, cb)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
+from engine.checkpoints import latest_checkpoint, load_checkpoint
 from engine.config import TrainConfig
 from engine.decode.generate import Generator
 from engine.decode.model import UnsupportedModelError
@@ -47,13 +47,8 @@ from engine.grpo.rewards import RewardBatch, RewardSet
 from engine.grpo.rollout import Rollouts, release, rollout
 from engine.loader import load
 from engine.lora import trainable_parameters
-from engine.metrics import Callback, RunInfo, memory_metrics
-from engine.sft import lr_lambda, prepare_model, seed_everything
-
-
-def grpo_setting(config: TrainConfig, name: str, default: Any) -> Any:
-    """`num_iterations` / `load_in_4bit`: proposed for GrpoSettings; their defaults until added."""
-    return getattr(config.grpo, name, default)
+from engine.metrics import Callback, memory_metrics
+from engine.sft import end_of_step, lr_lambda, prepare_model, run_recipe, seed_everything
 
 
 @dataclass
@@ -123,7 +118,7 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
     seed_everything(config.seed)
     max_len = g.max_prompt_length + g.max_completion_length
     model, tokenizer = load(config.model, max(config.max_seq_length, max_len),
-                            load_in_4bit=bool(grpo_setting(config, "load_in_4bit", False)),
+                            load_in_4bit=config.grpo.load_in_4bit,
                             dtype=config.dtype, patch=config.fast_kernels)
     device = next(model.parameters()).device
     prompts, bad, too_long = load_prompts(config, tokenizer, rewards.needs_answers)
@@ -203,7 +198,7 @@ def collect(s: GrpoSession, step: int) -> StepBatch:
 def score(s: GrpoSession, micro: list[MicroBatch]) -> None:
     """Reference log-probs (adapter disabled) and, for reused batches, the sampling policy's."""
     g = s.config.grpo
-    reuse = int(grpo_setting(s.config, "num_iterations", 1)) > 1
+    reuse = s.config.grpo.num_iterations > 1
     if g.beta == 0 and not reuse:
         return
     s.model.eval()  # no-grad passes: nothing to checkpoint
@@ -265,7 +260,7 @@ def batch_metrics(batch: StepBatch, group_size: int) -> dict[str, float]:
 
 def train_loop(s: GrpoSession, cb: Callback) -> str:
     """Steps until done or asked to stop; returns the final status."""
-    iterations = max(1, int(grpo_setting(s.config, "num_iterations", 1)))
+    iterations = max(1, s.config.grpo.num_iterations)
     started, batch = time.perf_counter(), None
     for step in range(s.start_step, s.total_steps):
         t0 = time.perf_counter()
@@ -284,24 +279,12 @@ def train_loop(s: GrpoSession, cb: Callback) -> str:
             **memory_metrics(s.device), "elapsed_s": elapsed,
             "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
         }
-        if done % s.config.logging_steps == 0 or done == s.total_steps:
-            cb.on_step(metrics)
-        stop = cb.should_stop()
-        if stop or (s.config.save_steps and done % s.config.save_steps == 0 and done < s.total_steps):
-            state = {"total_steps": s.total_steps}
-            path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, state)
-            cb.on_checkpoint(done, str(path))
+        stop = end_of_step(s, cb, done, metrics)
         if stop:
-            return "cancelled" if stop == "cancel" else "interrupted"
+            return stop
     return "completed"
 
 
 def run_grpo(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
     """Set up, train and save; returns (status, last step)."""
-    s = setup(config, output_dir, cb)
-    cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
-    status = train_loop(s, cb) if s.start_step < s.total_steps else "completed"
-    if status == "completed":
-        path = save_weights(s.model, output_dir, s.tokenizer)
-        cb.on_log(f"saved {path}")
-    return status, s.total_steps if status == "completed" else s.scheduler.last_epoch
+    return run_recipe(setup, train_loop, config, output_dir, cb)
