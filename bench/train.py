@@ -5,7 +5,15 @@ the same random batch, LoRA r=16 on all 7 linears, AdamW, gradient checkpointing
 
     python bench/train.py --all --out results.json                 # every implementation
     python bench/train.py --impl kestrel --out one.json             # one, in this process
-    options: --method qlora|lora  --batch 2 --seq 2048 --steps 10 --checkpointing standard|offload
+    options: --method qlora|lora  --batch 2 --seq 2048 --steps 10 --checkpointing off|standard|offload
+             --memory-cap-gib 80 (cap this process's GPU memory, e.g. to stand for an 80 GB card)
+
+Model FLOPs utilisation (MFU) counts useful work only, as `../shared/docs/targets.md` defines it:
+4N FLOPs a token for the frozen base's matrix products (forward 2N, input gradients 2N; N = the
+weights of every linear layer and the LM head) plus causal attention, 6 * layers * hidden * T
+(forward: QK^T and AV over T/2 keys on average, 2 * hidden * T; backward twice that); recomputation by
+checkpointing does not count. It is reported against the dense bf16 peak of the GPU (989 TFLOP/s
+on H100/H200 SXM) and against the bf16 matrix-product rate measured in the same process.
 
 Baselines need their packages on PYTHONPATH: pass --anchors DIR (Unsloth, Liger-Kernel).
 """
@@ -22,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import LLAMA_8B, gib, llama8b_dir, random_batch, run_isolated  # noqa: E402
+from bench.common import LLAMA_8B, cuda_time, gib, llama8b_dir, random_batch, run_isolated  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -45,8 +53,9 @@ def _hf_model(folder: Path, args: argparse.Namespace):
     model.config.use_cache = False
     for p in model.parameters():
         p.requires_grad_(False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
+    if args.checkpointing != "off":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, bias="none"))
 
 
@@ -67,7 +76,7 @@ def build(impl: str, folder: Path, args: argparse.Namespace):
         )
         return FastLanguageModel.get_peft_model(
             model, r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, bias="none",
-            use_gradient_checkpointing="unsloth" if args.checkpointing == "offload" else True,
+            use_gradient_checkpointing={"offload": "unsloth", "standard": True, "off": False}[args.checkpointing],
         )
     from engine.checkpointing import set_gradient_checkpointing
     from engine.config import LoraSettings
@@ -82,8 +91,32 @@ def build(impl: str, folder: Path, args: argparse.Namespace):
     return model
 
 
+SPEC_PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
+
+
+def useful_flops_per_token(seq: int, cfg: dict = LLAMA_8B) -> float:
+    """4N for the frozen base's products plus causal attention (forward + backward) at length `seq`."""
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    n = L * (h * q + 2 * h * kv + q * h + 3 * h * i) + cfg["vocab_size"] * h
+    attention = 3 * L * 2 * q * seq  # forward 2 * q_dim * T per token (T/2 keys, 2 products), x3 with backward
+    return 4 * n + attention
+
+
+def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
+    """The bf16 matrix-product rate this GPU reaches now (n x n x n, cuBLAS)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    seconds = cuda_time(lambda: a @ b, warmup=5, iters=iters)
+    return 2 * n**3 / seconds / 1e12
+
+
 def measure(impl: str, args: argparse.Namespace) -> dict:
     folder = llama8b_dir()
+    if args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * (1 << 30) / total))
     torch.cuda.reset_peak_memory_stats()
     model = build(impl, folder, args)
     model.train()
@@ -108,7 +141,11 @@ def measure(impl: str, args: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = args.batch * args.seq * args.steps
+    achieved = tokens / elapsed * useful_flops_per_token(args.seq) / 1e12
+    peak_now = matmul_tflops()
     return {
+        "useful_tflops": achieved, "mfu_vs_spec": achieved / SPEC_PEAK_TFLOPS,
+        "matmul_tflops_measured": peak_now, "mfu_vs_measured": achieved / peak_now,
         "impl": impl, "method": args.method, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "checkpointing": args.checkpointing, "tokens_per_s": tokens / elapsed, "s_per_step": elapsed / args.steps,
         "peak_gib": gib(torch.cuda.max_memory_allocated()), "reserved_gib": gib(torch.cuda.max_memory_reserved()),
@@ -127,7 +164,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--checkpointing", default="standard", choices=["standard", "offload"])
+    ap.add_argument("--checkpointing", default="standard", choices=["off", "standard", "offload"])
+    ap.add_argument("--memory-cap-gib", type=float, default=0.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not args.all:
@@ -135,7 +173,8 @@ def main() -> None:
         return
     llama8b_dir()
     common = ["--method", args.method, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--warmup", str(args.warmup), "--checkpointing", args.checkpointing]
+              "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
+              "--memory-cap-gib", str(args.memory_cap_gib)]
     results = []
     for impl in args.impls.split(","):
         extra = args.anchors if impl in ("liger", "unsloth") else None
@@ -144,12 +183,13 @@ def main() -> None:
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    print("| impl | tokens/s | peak GiB | s/step |\n|---|---|---|---|")
+    print("| impl | tokens/s | peak GiB | s/step | MFU (spec) | MFU (measured peak) |\n|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['impl']} | error | | |")
+            print(f"| {r['impl']} | error | | | | |")
         else:
-            print(f"| {r['impl']} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {r['s_per_step']:.3f} |")
+            print(f"| {r['impl']} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {r['s_per_step']:.3f} "
+                  f"| {r['mfu_vs_spec']:.1%} | {r['mfu_vs_measured']:.1%} |")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainRe
     output_dir = resolve_output_dir(config)
     config.save(output_dir / "config.yaml")
     cb = CallbackList([JsonlWriter(output_dir / "metrics.jsonl"), *(callbacks or [])])
-    step = 0
+    step, error = 0, None
     try:
         if config.method == "grpo":
             from engine.grpo import run_grpo
@@ -67,14 +67,12 @@ def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainRe
 
             status, step = run_sft(config, output_dir, cb)
     except torch.OutOfMemoryError:
-        _release_memory()
+        status = "failed"
         error = str(OutOfMemoryError(oom_message(config.batch_size, config.max_seq_length, config.gradient_checkpointing)))
-        cb.on_end("failed", error)
-        return TrainResult("failed", str(output_dir), step, error)
     except KestrelError as exc:
-        _release_memory()
-        cb.on_end("failed", str(exc))
-        return TrainResult("failed", str(output_dir), step, str(exc))
+        status, error = "failed", str(exc)
+    # Outside the except block: the traceback (and the frames holding the model) is gone, so
+    # collecting here really gives the GPU memory back.
     _release_memory()
-    cb.on_end(status)
-    return TrainResult(status, str(output_dir), step)
+    cb.on_end(status, error)
+    return TrainResult(status, str(output_dir), step, error)
