@@ -96,7 +96,11 @@ def rms_norm_forward(
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
     out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    # Allocated in x's shape and launched on its row view, so y is not itself a view: a view
+    # returned from an autograd Function has an internal, grad-less `_base`, which code that
+    # follows `_base` to the storage root (rope_) would take for the real tensor.
+    y_full = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y = y_full.view(n_rows, n_cols)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0:
         block, warps = block_and_warps(n_cols)
@@ -105,7 +109,7 @@ def rms_norm_forward(
             n_cols, eps, offset,
             GEMMA=gemma, BLOCK=block, num_warps=warps,
         )
-    return y.view(x.shape), x_rows, rstd
+    return y_full, x_rows, rstd
 
 
 def rms_norm_backward(

@@ -160,6 +160,10 @@ def _root(t: torch.Tensor) -> tuple[torch.Tensor, Geometry] | None:
     HF's q is `linear(x).view(b, s, h, d).transpose(1, 2)`: the root is the linear's output.
     """
     root = t if t._base is None else t._base
+    if root.requires_grad != t.requires_grad:
+        # t is a view made inside an autograd Function: its gradient flows through t's own node,
+        # not through `_base`, so the root must not be used.
+        return None
     if not root.is_contiguous() or (root.numel(), root.storage_offset()) != (t.numel(), t.storage_offset()):
         return None
     perm = sorted(range(t.dim()), key=lambda i: t.stride(i), reverse=True)
@@ -309,7 +313,8 @@ def rope_(
         return q, k
     for t in (q, k):
         # Checked before the launch writes them (autograd would only refuse afterwards).
-        if (t if t._base is None else t._base).is_leaf and t.requires_grad:
+        base = t if t._base is None else t._base
+        if base.is_leaf and base.requires_grad:
             raise RuntimeError(
                 "rope_ writes q and k in place: they must not be a leaf (or a view of a leaf) that requires grad"
             )

@@ -190,6 +190,33 @@ def test_in_place_contract(backend) -> None:
         assert torch.equal(leaf.detach(), saved)
 
 
+def test_q_k_after_qk_norm_keep_their_gradient(backend: str) -> None:
+    """Found on the GPU (Qwen3: QK-norm -> transpose -> rope_): the Triton RMSNorm's output must
+    be a tensor rope_ may rotate in place, and the gradient must reach the norm's input and weight."""
+    from kernels.rms_norm import rms_norm
+
+    rotary = _rotary(2, 1, 16)
+    cos, sin = rotary(torch.zeros(1, device=DEVICE), torch.arange(5, device=DEVICE).unsqueeze(0))
+    xq = torch.randn(1, 5, 2, 16, device=DEVICE, requires_grad=True)
+    xk = torch.randn(1, 5, 1, 16, device=DEVICE, requires_grad=True)
+    w = torch.rand(16, device=DEVICE, requires_grad=True)
+    q_out, k_out = rope_(rms_norm(xq, w, 1e-6).transpose(1, 2), rms_norm(xk, w, 1e-6).transpose(1, 2), cos, sin)
+    q_want, k_want = apply_rotary_pos_emb(
+        rope_reference_norm(xq, w).transpose(1, 2), rope_reference_norm(xk, w).transpose(1, 2), cos, sin
+    )
+    assert_close(q_out, q_want)
+    assert_close(k_out, k_want)
+    gq, gk = torch.randn_like(q_want), torch.randn_like(k_want)
+    want = torch.autograd.grad((q_want * gq).sum() + (k_want * gk).sum(), (xq, xk, w))
+    got = torch.autograd.grad((q_out * gq).sum() + (k_out * gk).sum(), (xq, xk, w))
+    for g, expected in zip(got, want):
+        assert_close(g, expected)
+
+
+def rope_reference_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
 def test_rejects_bad_tables() -> None:
     q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16)
     with pytest.raises(ValueError, match="cos/sin"):
