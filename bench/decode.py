@@ -1,24 +1,31 @@
-"""Decode benchmark: Kestrel's decode path against Hugging Face, at Llama-3.1-8B shape in bf16.
+"""Decode benchmark: Kestrel's decode path against Hugging Face and Unsloth, Llama-3.1-8B shape, bf16.
 
-    python bench/decode.py --out bench/results/decode.json                      # ~5 min on an H100
-    python bench/decode.py --baseline unsloth --out bench/results/decode_unsloth.json
-    python bench/decode.py --smoke --out /tmp/decode_smoke.json                 # tiny model, any device
+    python bench/decode.py --out $OUT/decode.json                        # HF + Kestrel, ~6 min
+    python bench/decode.py --baseline unsloth --out $OUT/decode.json     # + Unsloth, in its own process
+    python bench/decode.py --smoke --out /tmp/decode_smoke.json          # tiny model, any device
 
 Random-init weights at the real shape (speed does not depend on the values), no downloads.
 One run measures, in this order (HF first: attaching LoRA later rewires the model's modules):
+  0. with `--baseline unsloth`: Unsloth's inference mode (`FastLanguageModel.for_inference`) in a
+     child process (`import unsloth` must precede transformers, and its patches must not leak
+     into ours), `--anchors` (default `.gpu-anchors`) prepended to its PYTHONPATH; its rows are
+     merged into this report, its failure recorded as an error row;
   1. device copy bandwidth (read + write) and the batch-1 bound = bandwidth / bytes read per token
      (every weight but the untied embedding table, plus the KV cache);
-  2. HF `generate` with its dynamic cache, batch 1 and batch 16;
+  2. HF `generate` with its dynamic cache, batch 1 and `--batch`;
   3. HF `generate` with a static cache + torch.compile (its auto-compile), batch 1;
-  4. Kestrel bf16, batch 1 and batch 16; then with an unmerged LoRA adapter (r=16, all seven
-     linears, random non-zero B); then with the base quantized to NF4 (bitsandbytes);
-Unsloth's inference mode needs `import unsloth` before transformers, so it runs in its own
-process (`--baseline unsloth`) and writes its own JSON.
+  4. Kestrel bf16 (fused q/k/v and gate/up products), batch 1 and `--batch`, then the same with
+     separate products (`fuse=False`, the previous path) at batch 1;
+  5. the same two with an unmerged LoRA adapter (r=16, all seven linears, random non-zero B);
+  6. Kestrel with the base quantized to NF4 (bitsandbytes; never fused).
 
 Workload: a 512-token prompt, 256 new tokens, greedy, no stop tokens. Reported per variant:
 first-token latency (prefill + first token), tokens/s over the whole call, decode-only tokens/s,
-and for batch 1 the fraction of the bandwidth bound. Every variant is guarded: a failure is
-recorded in the JSON and the run goes on.
+for batch 1 the fraction of the bandwidth bound, and for Kestrel the GPU memory building its
+generator added (`generator_added_GB`: RoPE tables and the LoRA bank; fusing re-points the
+weights into one buffer per group and copies none, so this stays near zero).
+Every variant is guarded: a failure becomes an error row and the run goes on; the JSON is
+rewritten after every row, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,16 +129,37 @@ def measure(name: str, batch: int, new: int, run: Callable[[], tuple[float, floa
     }
 
 
-def guarded(results: list, name: str, batch: int, fn: Callable[[], dict]) -> None:
+class Report:
+    """The JSON report, rewritten to `out` after every row (a run cut short keeps its rows)."""
+
+    def __init__(self, out: Path, header: dict[str, Any]) -> None:
+        self.out, self.data = out, {**header, "results": []}
+        self.write()
+
+    @property
+    def results(self) -> list[dict]:
+        return self.data["results"]
+
+    def add(self, row: dict) -> None:
+        self.results.append(row)
+        shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "tokens_row0"}
+        print(json.dumps(shown), flush=True)
+        self.write()
+
+    def write(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.data, indent=1))
+
+
+def guarded(report: Report, name: str, batch: int, fn: Callable[[], dict]) -> None:
+    """Run one variant; a failure becomes an error row and the run goes on."""
     start = time.perf_counter()
     try:
         row = fn()
-    except Exception as exc:  # a benchmark harness records the failure and measures the rest
+    except Exception as exc:  # noqa: BLE001 - a benchmark harness records the failure and measures the rest
         row = {"name": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     row["wall_s"] = round(time.perf_counter() - start, 1)
-    results.append(row)
-    shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "tokens_row0"}
-    print(json.dumps(shown), flush=True)
+    report.add(row)
 
 
 def prompts(batch: int, length: int, vocab: int) -> torch.Tensor:
@@ -188,6 +219,37 @@ def kestrel_runner(gen, ids: torch.Tensor, new: int, adapter: str | None = None)
     return run
 
 
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def measure_kestrel(report: Report, model, name: str, batches: list[tuple[int, torch.Tensor]], new: int,
+                    context: int, adapter: str | None = None, fuse: bool | None = None) -> None:
+    """One generator on `model`, measured at each (batch, ids); closed afterwards (weights unfused)."""
+    from engine.decode import Generator
+
+    held: dict[str, Any] = {}
+
+    def one(batch: int, ids: torch.Tensor) -> dict:
+        if "gen" not in held:
+            before = allocated()
+            held["gen"] = Generator(model, stop_ids=[], max_seq_len=2 * context, fuse=fuse)
+            held["added"] = (allocated() - before) / 1e9
+        gen = held["gen"]
+        row = measure(name, batch, new, kestrel_runner(gen, ids, new, adapter), 3)
+        fused = getattr(gen.backend, "fused_groups", 0)
+        return {**row, "fused_groups": fused, "generator_added_GB": held["added"]}
+
+    for batch, ids in batches:
+        guarded(report, name, batch, lambda batch=batch, ids=ids: one(batch, ids))
+    if "gen" in held:
+        held["gen"].close()
+    held.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def attach_lora(model, rank: int = 16):
     from peft import LoraConfig, get_peft_model
 
@@ -222,69 +284,96 @@ def quantize_nf4(model) -> torch.nn.Module:
 # --- the run --------------------------------------------------------------------------------------
 
 
-def run_main(args: argparse.Namespace) -> dict:
-    from engine.decode import Generator
+def run_hf(report: Report, model, ids1: torch.Tensor, ids_b: torch.Tensor, batch: int, new: int) -> None:
+    """HF `generate`: dynamic cache at batch 1 and `batch`; static cache + compile at batch 1 (CUDA)."""
+    for b, ids in ((1, ids1), (batch, ids_b)):  # nothing to compile: a short warm-up
+        guarded(report, "hf_dynamic", b, lambda b=b, ids=ids: measure(
+            "hf_dynamic", b, new, hf_runner(model, ids, new), 1, hf_runner(model, ids, 8)))
+    if torch.cuda.is_available():
+        guarded(report, "hf_static_compile", 1, lambda: measure(
+            "hf_static_compile", 1, new, hf_runner(model, ids1, new, cache_implementation="static"), 2))
+    torch._dynamo.reset()
 
+
+def run_main(args: argparse.Namespace) -> Report:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    child = run_unsloth_child(args) if args.baseline == "unsloth" else None  # before we take the GPU
     bandwidth = copy_bandwidth(device)
     model = build_model(args.smoke, device)
     model.generation_config.eos_token_id = None  # every variant generates the full budget
     vocab, new, plen = model.config.vocab_size, args.new_tokens, args.prompt_len
     context = plen + new
     b1 = bytes_per_step(model, 1, context // 2)  # the KV read grows over the run: its mean
-    report: dict[str, Any] = {
+    report = Report(args.out, {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "copy_bandwidth_GBps": bandwidth / 1e9, "bytes_per_token_b1_GB": b1 / 1e9,
-        "bound_tokens_per_s_b1": bandwidth / b1, "prompt_len": plen, "new_tokens": new, "results": [],
+        "bound_tokens_per_s_b1": bandwidth / b1, "prompt_len": plen, "new_tokens": new,
         "command": " ".join(sys.argv),
-    }
-    results = report["results"]
-    print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
-    ids1, ids16 = prompts(1, plen, vocab), prompts(args.batch, plen, vocab)
-    repeats_hf = 1
+    })
+    print(json.dumps({k: v for k, v in report.data.items() if k != "results"}), flush=True)
+    if child is not None:
+        report.data["unsloth"] = child.get("unsloth", "?")
+        for row in child.get("results") or [{"name": "unsloth_inference", "batch": 1, "error": "no rows"}]:
+            report.add(row)
+    ids1, ids_b = prompts(1, plen, vocab), prompts(args.batch, plen, vocab)
+    both = [(1, ids1), (args.batch, ids_b)]
     if not args.skip_hf:
-        for batch, ids in ((1, ids1), (args.batch, ids16)):  # nothing to compile: a short warm-up
-            guarded(results, "hf_dynamic", batch, lambda: measure(
-                "hf_dynamic", batch, new, hf_runner(model, ids, new), repeats_hf, hf_runner(model, ids, 8)))
-        if device.type == "cuda":
-            guarded(results, "hf_static_compile", 1, lambda: measure(
-                "hf_static_compile", 1, new, hf_runner(model, ids1, new, cache_implementation="static"), 2))
-        torch._dynamo.reset()
-    gen = Generator(model, stop_ids=[], max_seq_len=2 * context)
-    for batch, ids in ((1, ids1), (args.batch, ids16)):
-        guarded(results, "kestrel", batch, lambda: measure("kestrel", batch, new, kestrel_runner(gen, ids, new), 3))
-    del gen
+        run_hf(report, model, ids1, ids_b, args.batch, new)
+    measure_kestrel(report, model, "kestrel", both, new, context)
+    if not args.skip_separate:
+        measure_kestrel(report, model, "kestrel_separate", both[:1], new, context, fuse=False)
     if not args.skip_lora:
         model = attach_lora(model)
-        gen = Generator(model, stop_ids=[], max_seq_len=2 * context)
-        for batch, ids in ((1, ids1), (args.batch, ids16)):
-            guarded(results, "kestrel_lora_r16", batch,
-                    lambda: measure("kestrel_lora_r16", batch, new, kestrel_runner(gen, ids, new, "default"), 3))
-        del gen
+        measure_kestrel(report, model, "kestrel_lora_r16", both, new, context, adapter="default")
+        if not args.skip_separate:
+            measure_kestrel(report, model, "kestrel_lora_r16_separate", both[:1], new, context, "default", False)
         model = model.unload()  # drop the LoRA layers, keep the base
     if device.type == "cuda" and not args.skip_nf4:
         torch._dynamo.reset()
-        held: dict[str, Any] = {}
-
-        def nf4(batch: int, ids: torch.Tensor) -> dict:
-            if "gen" not in held:
-                held["gen"] = Generator(quantize_nf4(model), stop_ids=[], max_seq_len=2 * context)
-            return measure("kestrel_nf4", batch, new, kestrel_runner(held["gen"], ids, new), 3)
-
-        guarded(results, "kestrel_nf4", 1, lambda: nf4(1, ids1))
-        guarded(results, "kestrel_nf4", args.batch, lambda: nf4(args.batch, ids16))
-    summarize(report)
+        try:
+            model = quantize_nf4(model)
+        except Exception as exc:  # noqa: BLE001 - bitsandbytes missing or broken: an error row, the report survives
+            report.add({"name": "kestrel_nf4", "batch": 1, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+        else:
+            measure_kestrel(report, model, "kestrel_nf4", both, new, context)
+    summarize(report.data)
     return report
 
 
-def run_unsloth(args: argparse.Namespace) -> dict:
+def run_unsloth_child(args: argparse.Namespace) -> dict:
+    """This script with `--only unsloth` in its own process, the anchors first on PYTHONPATH.
+
+    Returns the child's report; on a crash or a timeout, the rows it had written plus an error.
+    """
+    out = Path(tempfile.gettempdir()) / f"kestrel-decode-unsloth-{time.time_ns()}.json"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--only", "unsloth", "--out", str(out),
+            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)]
+    argv += (["--smoke"] if args.smoke else []) + (["--tmp", args.tmp] if args.tmp else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (args.anchors, os.environ.get("PYTHONPATH")) if p)}
+    print(f"unsloth baseline in its own process (PYTHONPATH starts with {args.anchors}) ...", flush=True)
+    error = None
+    try:
+        proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=args.child_timeout, check=False)
+        if proc.returncode != 0:
+            error = f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {args.child_timeout} s"
+    child = json.loads(out.read_text()) if out.is_file() else {}
+    out.unlink(missing_ok=True)
+    if error is not None:
+        child.setdefault("results", []).append({"name": "unsloth_inference", "batch": 0, "error": error})
+    return child
+
+
+def run_unsloth(args: argparse.Namespace) -> Report:
     """Unsloth's inference mode on the same random-init model, saved to a temporary folder."""
-    import unsloth  # noqa: F401  (must come before transformers)
+    import unsloth  # must come before transformers
     from unsloth import FastLanguageModel
 
     device = torch.device("cuda")
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": [],
-                              "command": " ".join(sys.argv), "unsloth": getattr(unsloth, "__version__", "?")}
+    report = Report(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "command": " ".join(sys.argv), "unsloth": getattr(unsloth, "__version__", "?")})
     with tempfile.TemporaryDirectory(dir=args.tmp) as folder:
         build_model(args.smoke, device).save_pretrained(folder)
         gc.collect()
@@ -296,8 +385,9 @@ def run_unsloth(args: argparse.Namespace) -> dict:
     vocab, new = model.config.vocab_size, args.new_tokens
     for batch in (1, args.batch):
         ids = prompts(batch, args.prompt_len, vocab)
-        guarded(report["results"], "unsloth_inference", batch,
-                lambda: measure("unsloth_inference", batch, new, hf_runner(model, ids, new), 1, hf_runner(model, ids, 8)))
+        run, warm = hf_runner(model, ids, new), hf_runner(model, ids, 8)
+        guarded(report, "unsloth_inference", batch,
+                lambda batch=batch, run=run, warm=warm: measure("unsloth_inference", batch, new, run, 1, warm))
     return report
 
 
@@ -305,55 +395,68 @@ def summarize(report: dict) -> None:
     """Ratios the targets are stated in, and a markdown table for bench/RESULTS.md."""
     rows = {(r["name"], r["batch"]): r for r in report["results"] if "error" not in r}
     bound = report["bound_tokens_per_s_b1"]
-    ratios = {}
+    ratios: dict[str, Any] = {}
     if ("kestrel", 1) in rows:
         k1 = rows[("kestrel", 1)]["tokens_per_s"]
         ratios["kestrel_b1_of_bound"] = k1 / bound
         ratios["kestrel_b1_decode_of_bound"] = rows[("kestrel", 1)]["decode_tokens_per_s"] / bound
-        for other in ("hf_dynamic", "hf_static_compile", "kestrel_lora_r16", "kestrel_nf4"):
+        for other in ("hf_dynamic", "hf_static_compile", "unsloth_inference", "kestrel_separate", "kestrel_lora_r16",
+                      "kestrel_lora_r16_separate", "kestrel_nf4"):
             if (other, 1) in rows:
                 ratios[f"{other}_b1_over_kestrel"] = rows[(other, 1)]["tokens_per_s"] / k1
-        if ("kestrel", 1) in rows and ("hf_dynamic", 1) in rows:
+        if ("hf_dynamic", 1) in rows:
             same = rows[("kestrel", 1)]["tokens_row0"] == rows[("hf_dynamic", 1)]["tokens_row0"]
             ratios["kestrel_matches_hf_first_32_tokens"] = same
+    if ("kestrel_lora_r16_separate", 1) in rows and ("kestrel_separate", 1) in rows:
+        ratios["lora_separate_over_base_separate_b1"] = (
+            rows[("kestrel_lora_r16_separate", 1)]["tokens_per_s"] / rows[("kestrel_separate", 1)]["tokens_per_s"])
     batch = max((b for _, b in rows), default=1)
-    if ("kestrel", batch) in rows and ("hf_dynamic", batch) in rows:
-        ours, theirs = rows[("kestrel", batch)]["tokens_per_s"], rows[("hf_dynamic", batch)]["tokens_per_s"]
-        ratios[f"kestrel_b{batch}_over_hf_dynamic"] = ours / theirs
+    for other in ("hf_dynamic", "unsloth_inference"):
+        if ("kestrel", batch) in rows and (other, batch) in rows:
+            ours, theirs = rows[("kestrel", batch)]["tokens_per_s"], rows[(other, batch)]["tokens_per_s"]
+            ratios[f"kestrel_b{batch}_over_{other}"] = ours / theirs
     report["ratios"] = ratios
-    lines = ["| variant | batch | first token ms | tokens/s | decode tokens/s | of bound (b1) |",
-             "|---|---|---|---|---|---|"]
-    for r in report["results"]:
-        if "error" in r:
-            lines.append(f"| {r['name']} | {r['batch']} | error: {r['error'][:60]} | | | |")
-            continue
-        frac = f"{r['tokens_per_s'] / bound:.0%}" if r["batch"] == 1 and bound == bound else ""
-        lines.append(f"| {r['name']} | {r['batch']} | {r['first_token_ms']:.1f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['decode_tokens_per_s']:.1f} | {frac} |")
-    report["table"] = "\n".join(lines)
+    report["table"] = table(report["results"], bound)
     print(report["table"])
     print(json.dumps(ratios, indent=1))
+
+
+def table(results: list[dict], bound: float) -> str:
+    """A markdown table of the rows (errors included), for bench/RESULTS.md."""
+    lines = ["| variant | batch | first token ms | tokens/s | decode tokens/s | of bound (b1) |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['batch']} | error: {str(r['error'])[:60]} | | | |")
+            continue
+        frac = f"{r['tokens_per_s'] / bound:.0%}" if r["batch"] == 1 and math.isfinite(bound) else ""
+        lines.append(f"| {r['name']} | {r['batch']} | {r['first_token_ms']:.1f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['decode_tokens_per_s']:.1f} | {frac} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="where the JSON report goes")
-    p.add_argument("--baseline", choices=["unsloth"], help="measure only this baseline, in this process")
+    p.add_argument("--baseline", choices=["unsloth"], help="also measure this baseline, in its own process")
+    p.add_argument("--only", choices=["unsloth"], help="measure only this baseline, in this process (the child)")
+    p.add_argument("--anchors", default=str(ROOT / ".gpu-anchors"), help="baseline packages for the child")
+    p.add_argument("--child-timeout", type=int, default=480, help="seconds the baseline process may take")
     p.add_argument("--smoke", action="store_true", help="a tiny Llama instead of the 8B shape (checks the script)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=16, help="the rollout batch size (besides batch 1)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-separate", action="store_true", help="skip the fuse=False comparison rows")
     p.add_argument("--skip-lora", action="store_true")
     p.add_argument("--skip-nf4", action="store_true")
     p.add_argument("--tmp", default=None, help="folder for Unsloth's temporary checkpoint (16 GB)")
     args = p.parse_args()
     start = time.perf_counter()
-    report = run_unsloth(args) if args.baseline == "unsloth" else run_main(args)
-    report["wall_s"] = round(time.perf_counter() - start, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out} in {report['wall_s']} s")
+    report = run_unsloth(args) if args.only == "unsloth" else run_main(args)
+    report.data["wall_s"] = round(time.perf_counter() - start, 1)
+    report.write()
+    print(f"wrote {args.out} in {report.data['wall_s']} s")
 
 
 if __name__ == "__main__":

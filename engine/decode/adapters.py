@@ -7,7 +7,9 @@ gate/up, o, down, lm_head), and each group's adapters are held concatenated alon
     B: (sum_out, R)    block-diagonal over the members, pre-scaled by alpha / r
     owner: (R,)        the adapter each rank row belongs to
 
-so one small matmul computes the low-rank input of q, k and v at once, and one more their updates:
+so one small matmul computes the low-rank input of q, k and v at once, and one more their updates
+(on a fused 16-bit base the A rows sit in the base's buffer and the shrink joins the base
+product, see `projections.py`):
 
     uniform (every row uses adapter i):  delta = (x A_i^T) B_i^T     A_i, B_i: adapter i's span
     mixed (row b chooses its adapter):   delta = ((x A^T) * g) B^T,  g[b, j] = rows[b, owner[j]]
@@ -97,17 +99,26 @@ class LoraGroup:
     spans: dict[int, tuple[int, int]]  # adapter index -> its rank rows [lo, hi)
     sources: list[_Source] = field(default_factory=list)
 
+    def span(self, call: LoraCall) -> tuple[int, int] | None:
+        """The rank rows [lo, hi) a call reads: its adapter's (uniform), all (mixed), None = skip."""
+        if call.index is not None:
+            return self.spans.get(call.index)
+        return 0, self.a.shape[0]
+
+    def expand(self, u: torch.Tensor, call: LoraCall, lo: int, hi: int) -> torch.Tensor:
+        """u (B, T, hi - lo) = x A[lo:hi]^T -> the update (B, T, sum_out)."""
+        if call.index is not None:
+            return _expand(u, self.b[:, lo:hi])
+        gate = call.rows[:, self.owner]  # (B, R): 1 where row b uses the rank row's adapter
+        return _expand(u * gate[:, None, :], self.b)
+
     def delta(self, x: torch.Tensor, call: LoraCall) -> torch.Tensor | None:
         """x (B, T, in) -> (B, T, sum_out), or None when the chosen adapter skips this group."""
-        if call.index is not None:
-            span = self.spans.get(call.index)
-            if span is None:
-                return None
-            lo, hi = span
-            return _expand(F.linear(x, self.a[lo:hi]), self.b[:, lo:hi])
-        u = F.linear(x, self.a)  # (B, T, R)
-        gate = call.rows[:, self.owner]  # (B, R)
-        return _expand(u * gate[:, None, :], self.b)
+        span = self.span(call)
+        if span is None:
+            return None
+        lo, hi = span
+        return self.expand(F.linear(x, self.a[lo:hi]), call, lo, hi)  # shrink: (B, T, hi - lo)
 
     @torch.no_grad()
     def sync(self) -> None:

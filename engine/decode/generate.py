@@ -174,7 +174,9 @@ class Generator:
     `model`: a Hugging Face causal LM of a registered family (a PeftModel too), or any
     `DecodeBackend`. `stop_ids` default to the tokenizer's EOS and end-of-turn ids.
     `compile` / `cuda_graphs` default to on for CUDA (compile off for quantized bases, whose
-    ops run eagerly inside the graph), off on the CPU.
+    ops run eagerly inside the graph), off on the CPU. `fuse`: q/k/v and gate/up as one product
+    each, their weights re-pointed into one buffer (no copy; see `fused.py`): None = where safe
+    (frozen base or eval mode), False = never. `close()` undoes it.
     """
 
     def __init__(
@@ -187,11 +189,12 @@ class Generator:
         compile: bool | None = None,
         cuda_graphs: bool | None = None,
         sync_every: int = 16,
+        fuse: bool | None = None,
     ) -> None:
-        self.model, self.tokenizer, self.sync_every = model, tokenizer, sync_every
+        self.model, self.tokenizer, self.sync_every, self.fuse = model, tokenizer, sync_every, fuse
         self.max_seq_len = max_seq_len or _default_max_seq_len(model)
         is_backend = isinstance(model, DecodeBackend)
-        self.backend: DecodeBackend = model if is_backend else _decode_model(model, self.max_seq_len)
+        self.backend: DecodeBackend = model if is_backend else _decode_model(model, self.max_seq_len, fuse)
         if stop_ids is None:
             stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None)) if tokenizer else []
         self.stop_ids = list(stop_ids)
@@ -227,11 +230,21 @@ class Generator:
             raise RuntimeError("cannot release the session while a request is running")
         self._session = None
 
+    def close(self) -> None:
+        """`release()`, and give the model's projections separate storage back (undo the fused
+        buffers: e.g. before full fine-tuning, or saving a raw state dict with safetensors). The
+        generator stays usable: its next request fuses again where allowed."""
+        self.release()
+        unfuse = getattr(self.backend, "unfuse", None)
+        if unfuse is not None:
+            unfuse()
+
     def rebuild(self) -> None:
         """Re-read the model after LoRA layers were added or removed (not after training steps:
         adapter weights are re-read on every request). Recompiles on CUDA: use `release()`
         merely to free memory."""
-        self.backend = _decode_model(self.model, self.max_seq_len)
+        self.close()  # the old backend's buffers go before the new one allocates its own
+        self.backend = _decode_model(self.model, self.max_seq_len, self.fuse)
         self._session = None
         if self.compile:
             self._compile()
@@ -335,6 +348,9 @@ class Generator:
             raise ValueError(f"prompt of {longest} tokens does not fit max_seq_len={self.max_seq_len}")
         max_new = max(1, min(max_new_tokens, self.max_seq_len - longest))
         length = _cache_length(longest + max_new, self.max_seq_len, self.backend.device.type == "cuda")
+        refresh = getattr(self.backend, "refresh", None)  # fused weights re-bound if replaced
+        if refresh is not None and refresh():
+            self._session = None  # captured graphs read the old buffers
         s = self._session_for(batch, length)
         req = self._request(s, prompts, max_new, sampling, adapter, stop_ids)
         runner = self._runner(s, req)
@@ -475,7 +491,7 @@ def _default_max_seq_len(model: Any) -> int:
     return int(min(getattr(getattr(inner, "config", None), "max_position_embeddings", 4096) or 4096, 8192))
 
 
-def _decode_model(model: Any, max_seq_len: int) -> DecodeBackend:
+def _decode_model(model: Any, max_seq_len: int, fuse: bool | None) -> DecodeBackend:
     from engine.decode.model import DecodeModel
 
-    return DecodeModel(model, max_seq_len)
+    return DecodeModel(model, max_seq_len, fuse)

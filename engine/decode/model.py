@@ -1,8 +1,11 @@
 """Kestrel's own forward for decoding, reading the weights of a loaded Hugging Face model.
 
 Nothing is copied: every weight is the model's own tensor (the LoRA bank holds small copies of
-the adapters, see `adapters.py`). One `DecodeModel` covers every registered family; the family
-differences come from `engine.registry.FamilySpec`:
+the adapters, see `adapters.py`). Where safe, each layer's q/k/v and gate/up weights are
+re-pointed into one buffer per group, so each group runs as one product (`fused.py`,
+`projections.py`; `fuse=False` keeps them separate; `unfuse()` gives the model separate storage
+back). One `DecodeModel` covers every registered family; the family differences come from
+`engine.registry.FamilySpec`:
 
     Llama / Mistral / Qwen2   x -> norm -> attn -> +x -> norm -> SwiGLU MLP -> +x
     Qwen3                     + RMSNorm over head_dim on q and k before RoPE (QK-norm)
@@ -29,60 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.decode.adapters import LoraCall, LoraGroup, adapter_names, build_group, is_lora_layer
+from engine.decode.adapters import LoraCall, adapter_names, build_group, is_lora_layer
 from engine.decode.cache import StaticKVCache
+from engine.decode.fused import fuse_allowed, tied_parameters
+from engine.decode.projections import ProjGroup, base_module, make_group
 from engine.errors import KestrelError
 from engine.registry import FamilySpec, family_of
 
 
 class UnsupportedModelError(KestrelError, ValueError):
     """The model's family has no decode path (see `engine.registry.SUPPORTED`)."""
-
-
-@dataclass
-class Proj:
-    """One linear projection's base: a dense weight, or a module for quantized bases."""
-
-    weight: torch.Tensor | None  # (out, in) for a dense base; None when `module` runs the base
-    bias: torch.Tensor | None
-    module: nn.Module | None  # e.g. bitsandbytes Linear4bit (NF4), called as is
-    out_features: int
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) if self.module is None else self.module(x)
-
-
-def _proj(module: nn.Module) -> Proj:
-    base = module.base_layer if is_lora_layer(module) else module
-    out = base.out_features
-    if isinstance(base, nn.Linear) and base.weight.is_floating_point():
-        return Proj(weight=base.weight, bias=base.bias, module=None, out_features=out)
-    return Proj(weight=None, bias=None, module=base, out_features=out)
-
-
-@dataclass
-class ProjGroup:
-    """Projections that read the same input (q/k/v, gate/up, o, down, lm_head) and their LoRA."""
-
-    projs: list[Proj]
-    modules: list[nn.Module]  # the HF modules (PEFT layers when LoRA is attached)
-    lora: LoraGroup | None = None
-
-    def __call__(self, x: torch.Tensor, call: LoraCall | None) -> list[torch.Tensor]:
-        outs = [p(x) for p in self.projs]
-        delta = self.lora.delta(x, call) if call is not None and self.lora is not None else None
-        if delta is not None:
-            parts = delta.split([p.out_features for p in self.projs], dim=-1)
-            outs = [o + d for o, d in zip(outs, parts)]
-        return outs
-
-    @property
-    def quantized(self) -> bool:
-        return any(p.module is not None for p in self.projs)
-
-
-def _group(*modules: nn.Module) -> ProjGroup:
-    return ProjGroup([_proj(m) for m in modules], list(modules))
 
 
 @dataclass
@@ -124,7 +83,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class DecodeModel:
     """The decode forward over a loaded Hugging Face causal LM (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, max_seq_len: int) -> None:
+    def __init__(self, model: nn.Module, max_seq_len: int, fuse: bool | None = None) -> None:
+        """`fuse`: None = where safe (frozen base or eval mode, see fused.py), True/False force."""
+        self.model, self.fuse_setting = model, fuse
+        self._unfused_by_request = False
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         spec = family_of(getattr(lm.config, "model_type", ""))
         if spec is None:
@@ -138,7 +100,7 @@ class DecodeModel:
         self.vocab_size = lm.lm_head.weight.shape[0]
         self.max_seq_len = max_seq_len
         self.final_norm = _norm(stack.norm)
-        self.lm_head = _group(lm.lm_head)
+        self.lm_head = make_group(lm.lm_head)
         self.softcap = getattr(lm.config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
         self.attn_softcap = getattr(lm.config, "attn_logit_softcapping", None)
         self._rope_per_type = hasattr(stack.rotary_emb, "layer_types")  # Gemma 3: local + global RoPE
@@ -159,8 +121,8 @@ class DecodeModel:
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
         layer_types = getattr(cfg, "layer_types", None)
         return Layer(
-            qkv=_group(attn.q_proj, attn.k_proj, attn.v_proj), o=_group(attn.o_proj),
-            gate_up=_group(mlp.gate_proj, mlp.up_proj), down=_group(mlp.down_proj),
+            qkv=make_group(attn.q_proj, attn.k_proj, attn.v_proj), o=make_group(attn.o_proj),
+            gate_up=make_group(mlp.gate_proj, mlp.up_proj), down=make_group(mlp.down_proj),
             act=mlp.act_fn,
             input_norm=_norm(layer.input_layernorm),
             post_attn_norm=_norm(layer.post_attention_layernorm),
@@ -184,20 +146,67 @@ class DecodeModel:
             tables[key] = (cos[0].contiguous(), sin[0].contiguous())  # (S, d)
         return tables
 
+    @property
+    def groups(self) -> list[ProjGroup]:
+        """Every projection group: per layer q/k/v, o, gate/up, down; then lm_head."""
+        return [g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
     def attach_lora(self) -> None:
-        """(Re)build the LoRA groups from the PEFT layers now on the model's projections."""
-        groups = [g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        groups.append(self.lm_head)
+        """(Re)build the LoRA groups from the PEFT layers now on the model's projections, then fuse."""
+        self.unfuse()
+        groups = self.groups
         self.adapters = adapter_names([m for g in groups for m in g.modules if is_lora_layer(m)])
         for g in groups:
-            g.lora = build_group(g.modules, [p.out_features for p in g.projs], self.adapters, self.dtype, self.device)
+            g.lora = build_group(g.modules, g.sizes, self.adapters, self.dtype, self.device)
+        self.fuse()
 
     def sync_lora(self) -> None:
         """Copy the current PEFT adapter weights into the groups (in place: graphs stay valid)."""
+        for g in self.groups:
+            if g.lora is not None:
+                g.lora.sync()
+
+    # --- fused projections (fused.py) --------------------------------------------------------
+
+    @torch.no_grad()
+    def fuse(self) -> int:
+        """Fuse every layer's groups where allowed; returns how many groups are fused."""
+        self._unfused_by_request = False
+        if self.fuse_setting is False:
+            return 0
+        tied = tied_parameters(self.model)
         for layer in self.layers:
-            for g in (layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head):
-                if g.lora is not None:
-                    g.lora.sync()
+            fused = [
+                g.fuse(self.dtype, tied)
+                for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                if g.fused is None and fuse_allowed([base_module(m) for m in g.modules], self.model, self.fuse_setting)
+            ]
+            if any(fused):
+                _return_freed_memory(self.device)
+        return self.fused_groups
+
+    @property
+    def fused_groups(self) -> int:
+        return sum(g.fused is not None for g in self.groups)
+
+    def unfuse(self) -> None:
+        """Separate products again; the model's projections get their own storage back."""
+        self._unfused_by_request = True
+        if not self.fused_groups:
+            return
+        for layer in self.layers:
+            for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                g.unfuse()
+            _return_freed_memory(self.device)
+
+    def refresh(self) -> bool:
+        """Before a request: re-fuse after `unfuse()`, re-bind replaced weights. True when the
+        groups' layout changed (captured graphs read the old buffers: recapture)."""
+        if self._unfused_by_request:
+            self.fuse()
+            return True
+        repaired = [g.repair() for g in self.groups]  # every group, not up to the first failure
+        return not all(repaired)
 
     @property
     def quantized(self) -> bool:
@@ -356,3 +365,9 @@ class DecodeModel:
             return
         self._layer_fn = torch.compile(self._layer_step, fullgraph=True)
         self._head_fn = torch.compile(self._head, fullgraph=True)
+
+
+def _return_freed_memory(device: torch.device) -> None:
+    """Give the blocks freed by (un)fusing back to the driver: the new buffers cannot reuse them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

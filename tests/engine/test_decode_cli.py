@@ -6,23 +6,15 @@ import argparse
 import io
 from pathlib import Path
 
-import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from engine.cli_chat import add_chat_parser
 from engine.decode import encode_chat, stop_token_ids
 from engine.loader import load
+from tests.engine.test_decode_hf import _one_thread  # noqa: F401  (autouse: one CPU thread)
 
 QUESTION = "What is 2 + 3? 🎉"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _chat(argv: list[str]) -> int:
