@@ -18,6 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kernels
+from engine.attention import VARLEN_KWARG, layer_window, varlen_attention
 from engine.registry import FamilySpec
 
 log = logging.getLogger("kestrel")
@@ -89,6 +90,8 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """Attention with QK-norm, in-place RoPE and fused LoRA QKV; varlen when the model forward says so."""
+
     def forward(
         self: nn.Module,
         hidden_states: torch.Tensor,
@@ -106,12 +109,16 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, d)
         cos, sin = position_embeddings
         q, k = kernels.rope_(q, k, cos, sin)
+        varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
+        if varlen is not None:
+            return self.o_proj(varlen_attention(q, k, v, varlen, self.scaling)), None
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         eager = sys.modules[type(self).__module__].eager_attention_forward
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-        if getattr(self, "sliding_window", None) is not None:
-            kwargs["sliding_window"] = self.sliding_window
+        window = layer_window(spec, self.config, self.layer_idx)
+        if window is not None:  # flash / flex read the window from here (Mistral's included)
+            kwargs["sliding_window"] = window
         out, weights = interface(
             self, q, k, v, attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,

@@ -6,9 +6,11 @@ the existing module instances (the loaded weights stay where they are) and recor
 rebinding in a `PatchHandle`, whose `undo()` restores the original forwards exactly.
 
 Levels patched, as Unsloth does: RMSNorm (layer norms, final norm, QK-norms), attention (QK-norm,
-in-place RoPE, fused LoRA QKV), MLP (fused GLU, fused LoRA MLP), decoder layer (in-place
-residuals when no gradient is needed), the causal-LM head (loss from hidden states in chunks:
-the `[tokens, vocab]` logits never exist in training) and PEFT's LoRA linears (fused LoRA).
+in-place RoPE, fused LoRA QKV, varlen attention for packed rows), MLP (fused GLU, fused LoRA
+MLP), decoder layer (in-place residuals when no gradient is needed), the decoder stack (rotary
+tables and the attention layout once per forward, `engine.model_forward`), the causal-LM head
+(loss from hidden states in chunks: the `[tokens, vocab]` logits never exist in training) and
+PEFT's LoRA linears (fused LoRA).
 Nothing here edits source text; no `exec` or `eval`.
 """
 
@@ -22,6 +24,8 @@ from typing import Any, Callable
 from torch import nn
 
 from engine import fast_forwards as ff
+from engine.attention import VarlenMode
+from engine.model_forward import make_model_forward
 from engine.registry import FamilySpec, family_of
 
 log = logging.getLogger("kestrel")
@@ -35,8 +39,12 @@ class PatchFlags:
     attention: bool = True  # QK-norm + in-place RoPE (+ fused LoRA QKV when LoRA is attached)
     mlp: bool = True  # fused GLU (+ fused LoRA MLP when LoRA is attached)
     decoder_layer: bool = True
+    model: bool = True  # the decoder stack: rotary + attention layout once per forward
     causal_lm: bool = True  # chunked loss from hidden states
     lora: bool = True  # PEFT LoRA linears through the fused LoRA kernel
+    # Packed rows: "auto" runs torch's varlen kernel on CUDA in fp16/bf16 (needs `attention` and
+    # `model`), "off" always uses HF's block mask, "reference" a slow SDPA loop (tests, debugging).
+    varlen: VarlenMode = "auto"
 
 
 @dataclass
@@ -102,6 +110,10 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
     if flags.decoder_layer:
         for layer in _modules_named(model, spec.decoder_layer_class):
             handle.rebind(layer, ff.make_decoder_layer_forward(spec))
+    if flags.model:
+        forward = make_model_forward(spec, flags.varlen if flags.attention else "off")
+        for stack in _modules_named(model, spec.model_class):
+            handle.rebind(stack, forward)
     if flags.causal_lm:
         for head in _modules_named(model, spec.causal_lm_class):
             handle.rebind(head, ff.make_causal_lm_forward(spec))

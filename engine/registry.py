@@ -29,6 +29,11 @@ class FamilySpec:
     sandwich_norm: bool = False  # extra norms after attention and after the MLP (Gemma 3)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden) (Gemma)
     logit_softcap_attr: str | None = None  # config attribute holding the final logit softcap
+    # Which layers use config.sliding_window: none, all (Mistral, when the window is set) or
+    # those config.layer_types marks "sliding_attention" (Qwen2/3, Gemma 3).
+    sliding_layers: Literal["none", "all", "by_layer_type"] = "none"
+    rope_per_layer_type: bool = False  # separate rotary tables for sliding and full layers (Gemma 3)
+    attn_softcap_attr: str | None = None  # config attribute of an attention-logit softcap, if any
     gguf_arch: str = "llama"  # llama.cpp's architecture name
     gguf_permute_qk: bool = False  # Llama-style Q/K row permutation for llama.cpp's RoPE
 
@@ -55,6 +60,7 @@ FAMILIES: dict[str, FamilySpec] = {
             attention_class="MistralAttention",
             mlp_class="MistralMLP",
             norm_class="MistralRMSNorm",
+            sliding_layers="all",
             gguf_arch="llama",
             gguf_permute_qk=True,
         ),
@@ -66,6 +72,7 @@ FAMILIES: dict[str, FamilySpec] = {
             attention_class="Qwen2Attention",
             mlp_class="Qwen2MLP",
             norm_class="Qwen2RMSNorm",
+            sliding_layers="by_layer_type",
             gguf_arch="qwen2",
         ),
         FamilySpec(
@@ -76,6 +83,7 @@ FAMILIES: dict[str, FamilySpec] = {
             attention_class="Qwen3Attention",
             mlp_class="Qwen3MLP",
             norm_class="Qwen3RMSNorm",
+            sliding_layers="by_layer_type",
             qk_norm=True,
             gguf_arch="qwen3",
         ),
@@ -94,6 +102,9 @@ FAMILIES: dict[str, FamilySpec] = {
             sandwich_norm=True,
             embed_scale=True,
             logit_softcap_attr="final_logit_softcapping",
+            sliding_layers="by_layer_type",
+            rope_per_layer_type=True,
+            attn_softcap_attr="attn_logit_softcapping",
             gguf_arch="gemma3",
         ),
     )

@@ -49,9 +49,10 @@ def test_patched_logits_and_loss_match_hf(family: str) -> None:
     ids, labels = _batch()
     with torch.no_grad():
         ref_logits = ref(input_ids=ids).logits
-        fast_logits = fast(input_ids=ids).logits
+        fast_logits = fast(input_ids=ids).logits  # the config's use_cache=True: HF's stack forward
         torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-4, atol=1e-4)
-        fast_loss = fast(input_ids=ids, labels=labels).loss
+        torch.testing.assert_close(fast(input_ids=ids, use_cache=False).logits, ref_logits, rtol=1e-4, atol=1e-4)
+        fast_loss = fast(input_ids=ids, labels=labels, use_cache=False).loss
         ref_loss = ref(input_ids=ids, labels=labels).loss
     torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_loss, _hf_loss(ref_logits, labels), rtol=1e-5, atol=1e-5)
@@ -68,7 +69,7 @@ def test_patched_lora_gradients_match_hf(family: str) -> None:
     ids, labels = _batch(1)
     ref.train(), fast.train()
     ref(input_ids=ids, labels=labels).loss.backward()
-    fast(input_ids=ids, labels=labels).loss.backward()
+    fast(input_ids=ids, labels=labels, use_cache=False).loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     fast_grads = {n: p.grad for n, p in fast.named_parameters() if p.requires_grad}
     assert ref_grads.keys() == fast_grads.keys() and len(ref_grads) > 0
@@ -83,19 +84,27 @@ def test_undo_restores_every_forward() -> None:
     with torch.no_grad():
         before = model(input_ids=ids).logits
     patch_model(model)
-    assert any("forward" in m.__dict__ for m in model.modules())
+    patched = {type(m).__name__ for m in model.modules() if "forward" in m.__dict__}
+    assert {"Qwen3Model", "Qwen3Attention", "Qwen3ForCausalLM"} <= patched
     unpatch_model(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
+    assert model.model.forward.__func__ is type(model.model).forward
     assert getattr(model, "kestrel_patch", None) is None
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, before, rtol=0, atol=0)
 
 
 def test_flags_choose_what_is_patched() -> None:
     model = tiny_model("llama", VOCAB)
-    handle = patch_model(model, PatchFlags(attention=False, mlp=False, decoder_layer=False, causal_lm=False))
+    handle = patch_model(model, PatchFlags(attention=False, mlp=False, decoder_layer=False, model=False, causal_lm=False))
     patched = {type(m).__name__ for m in model.modules() if "forward" in m.__dict__}
     assert patched == {"LlamaRMSNorm"} and handle.count == 2 * 2 + 1
+    handle.undo()
+    del model.kestrel_patch
+    handle = patch_model(model, PatchFlags(rms_norm=False, attention=False, mlp=False, decoder_layer=False, causal_lm=False))
+    patched = {type(m).__name__ for m in model.modules() if "forward" in m.__dict__}
+    assert patched == {"LlamaModel"} and handle.count == 1
 
 
 def test_unknown_family_is_left_alone(caplog: pytest.LogCaptureFixture) -> None:
