@@ -360,7 +360,8 @@ class _LoRAMLP(torch.autograd.Function):
         _save(ctx, (gate, up, down), x2, e, g, xa_g, xa_u, ha_d)
         ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
         ctx.done = False
-        return y.view(*lead, down.out_features)
+        # Not a view of y: a view made inside a Function cannot be updated in place downstream.
+        return torch.ops.aten._unsafe_view(y, (*lead, down.out_features))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
