@@ -29,7 +29,7 @@ _PASSTHROUGH = frozenset({"num_items_in_batch"})
 # Keywords read here to decide whether to delegate, and not passed on.
 _CHECKED = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
 
-LayerInputs = tuple[Any, "attn.VarlenCall | None"]  # (HF attention mask or None, varlen call or None)
+LayerInputs = tuple[Any, attn.VarlenCall | None]  # (HF attention mask or None, varlen call or None)
 
 
 def _use_cache(model: nn.Module, use_cache: bool | None) -> bool:
