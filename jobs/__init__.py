@@ -8,6 +8,8 @@ The studio and scripts call this API; `python -m jobs` is the command line over 
     jobs.metrics_after(job_id, step=10)     # rows past step 10, for cheap polling
     jobs.metric_series(job_id, ["loss"], max_points=500)
     jobs.cancel(job_id); jobs.pause(job_id); jobs.resume(job_id); jobs.delete(job_id)
+    export_id = jobs.submit({"kind": "export", "source": job_id, "format": "gguf", "quant": "q4_k_m"})
+    jobs.get_job(export_id).step, .stage     # percent done and what it is doing; files: list_artifacts
 """
 
 from jobs.models import FINISHED, STATUSES, Artifact, Dataset, Job, Metric

@@ -1,6 +1,8 @@
 """The jobs command line (a fixed interface: scripts and the docs rely on it).
 
     python -m jobs submit CONFIG.yaml [--device cpu] [--max_steps 30 ...]   # prints the new id
+    python -m jobs submit EXPORT.yaml [--quant q8_0]   # kind: export (see jobs/export_job.py)
+    python -m jobs export RUN_OR_JOB_ID --format gguf --quant q4_k_m   # prints the export's id
     python -m jobs list [--json] [--status running]
     python -m jobs show ID [--json]        # status, pid, progress, last metrics, error
     python -m jobs cancel ID [--wait]      # or: pause ID (ends `interrupted`)
@@ -17,21 +19,32 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from engine.config import load_config
+import yaml
+
+from engine.config import load_config, parse_overrides
 from engine.errors import ConfigError, KestrelError
-from jobs import queries, runner
+from engine.export import FORMATS
+from jobs import export_job, queries, runner
 from jobs.models import Job
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs", description="Kestrel's background training jobs.")
+    p = argparse.ArgumentParser(prog="python -m jobs", description="Kestrel's background training and export jobs.")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("submit", help="queue a training config; prints the job id")
-    s.add_argument("config", help="a YAML config (python -m engine train takes the same file)")
-    s.add_argument("--device", help="pin the job to a device (cpu, cuda:1); default: the first free one")
-    s.add_argument("--no-start", action="store_true", help="queue only; the next scheduler pass starts it")
+    s = sub.add_parser("submit", help="queue a training or export config; prints the job id")
+    s.add_argument("config", help="a YAML config (python -m engine train takes the same file), "
+                                  "or an export config (kind: export)")
+    _queue_options(s)
+    e = sub.add_parser("export", help="queue an export of a finished run; prints the job id")
+    e.add_argument("source", help="a finished run's job id or folder, an adapter or model folder, or demo")
+    e.add_argument("--format", default="gguf", choices=FORMATS, help="what to write (default gguf)")
+    e.add_argument("--quant", help="gguf: quantization type (default f16); merged: auto, bf16, f16 or f32")
+    e.add_argument("--out", dest="output_dir", help="the folder to write into (default under KESTREL_HOME/exports)")
+    e.add_argument("--no-check", action="store_true", help="skip the comparison with the Hugging Face model")
+    _queue_options(e)
     ls = sub.add_parser("list", help="all jobs, newest first")
     ls.add_argument("--json", action="store_true")
     ls.add_argument("--status", help="only jobs in this status")
@@ -56,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _queue_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="pin the job to a device (cpu, cuda:1); default: the first free one")
+    p.add_argument("--no-start", action="store_true", help="queue only; the next scheduler pass starts it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     if extra and args.command != "submit":
@@ -74,7 +92,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _submit(args: argparse.Namespace, overrides: list[str]) -> int:
-    config = load_config(args.config, overrides)
+    raw = _peek(args.config)
+    if export_job.is_export_config(raw):
+        config: Any = {**raw, **parse_overrides(overrides)}
+    else:
+        config = load_config(args.config, overrides)
+    print(runner.submit(config, device=args.device, start=not args.no_start))
+    return 0
+
+
+def _peek(path: str) -> Any:
+    """The YAML file's content, to tell an export config from a training one; None when it cannot
+    be read (load_config then says why)."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _export(args: argparse.Namespace, _: list[str]) -> int:
+    config = {"kind": "export", "source": args.source, "format": args.format, "quant": args.quant,
+              "output_dir": args.output_dir, "check": not args.no_check}
     print(runner.submit(config, device=args.device, start=not args.no_start))
     return 0
 
@@ -105,7 +143,8 @@ def _show(args: argparse.Namespace, _: list[str]) -> int:
         f"status     {s['status']}" + (f"  (stop requested: {s['stop_request']})" if s["stop_request"] else ""),
         f"pid        {s['pid'] or '-'}   device {s['device'] or '-'}",
         f"progress   {s['step']}/{s['total_steps'] or '?'}"
-        + (f"  ({100 * s['progress']:.0f}%)" if s["progress"] is not None else ""),
+        + (f"  ({100 * s['progress']:.0f}%)" if s["progress"] is not None else "")
+        + (f"  {s['stage']}" if s["stage"] else ""),
         f"created    {_when(s['created_at'])}   started {_when(s['started_at'])}   "
         f"finished {_when(s['finished_at'])}",
         f"output     {s['output_dir']}",
@@ -155,7 +194,7 @@ def _delete(args: argparse.Namespace, _: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Any] = {"submit": _submit, "list": _list, "show": _show, "cancel": _stop,
+COMMANDS: dict[str, Any] = {"submit": _submit, "export": _export, "list": _list, "show": _show, "cancel": _stop,
                             "pause": _stop, "resume": _resume, "logs": _logs, "delete": _delete}
 
 

@@ -1,8 +1,9 @@
 """The job store's tables: datasets, jobs, per-step metrics, artifacts and the schema version.
 
 Times are UNIX seconds (float, UTC): they compare directly in SQL (`heartbeat_at < now - 6`)
-and need no time-zone handling. A job's config is the plain dict of `engine.config.TrainConfig`
-stored as JSON, so `config_from_dict(job.config)` rebuilds it exactly.
+and need no time-zone handling. A training job's config is the plain dict of
+`engine.config.TrainConfig` stored as JSON, so `config_from_dict(job.config)` rebuilds it exactly;
+an export job's is the dict of `jobs.export_job.ExportConfig`.
 
 Bump `SCHEMA_VERSION` whenever a table changes; `jobs.store` upgrades an older database in place
 (new tables, columns and indexes are added; explicit steps go in `store.MIGRATIONS`).
@@ -16,7 +17,7 @@ from typing import Any
 from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: jobs.stage (what an export is doing now)
 
 # Job states. Only `running` has a live worker; `interrupted` and `cancelled` can be resumed.
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED = (
@@ -24,8 +25,10 @@ QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED = (
 STATUSES = (QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED)
 FINISHED = (COMPLETED, FAILED, CANCELLED, INTERRUPTED)
 RESUMABLE = (INTERRUPTED, CANCELLED, FAILED)
-KINDS = ("sft", "grpo", "export")
-ARTIFACT_KINDS = ("adapter", "model", "checkpoint", "log", "metrics", "config", "gguf")
+EXPORT = "export"
+KINDS = ("sft", "grpo", EXPORT)
+ARTIFACT_KINDS = ("adapter", "model", "checkpoint", "log", "metrics", "config", "gguf", "modelfile", "report",
+                  "archive")
 
 
 class Base(DeclarativeBase):
@@ -82,8 +85,11 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text)
     output_dir: Mapped[str] = mapped_column(Text)
     log_path: Mapped[str | None] = mapped_column(Text)
+    # Training: optimizer steps. Export: percent done (total_steps 100), with `stage` saying what
+    # it is doing now ("writing f16 GGUF"), so every progress display works for both kinds.
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer)
+    stage: Mapped[str | None] = mapped_column(String(200))
     # "cancel" or "pause", written by whoever asks; the worker polls it at each step boundary.
     stop_request: Mapped[str | None] = mapped_column(String(10))
     stop_requested_at: Mapped[float | None] = mapped_column(Float)

@@ -37,12 +37,14 @@ def _point(step: int, name: str, value: float | None, at: float) -> MetricPoint:
 # Jobs
 
 
-def list_jobs(status: str | None = None, limit: int | None = None) -> list[Job]:
+def list_jobs(status: str | None = None, limit: int | None = None, kind: str | None = None) -> list[Job]:
     """Jobs, newest first, as detached rows (their columns stay readable after the session)."""
     with session() as s:
         q = select(Job).order_by(Job.id.desc())
         if status:
             q = q.where(Job.status == status)
+        if kind:
+            q = q.where(Job.kind == kind)
         if limit:
             q = q.limit(limit)
         return list(s.scalars(q))
@@ -60,7 +62,7 @@ def job_summary(job: Job, with_metrics: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": job.id, "name": job.name, "kind": job.kind, "status": job.status, "pid": job.pid,
         "device": job.device, "step": job.step, "total_steps": total,
-        "progress": (job.step / total) if total else None, "error": job.error,
+        "progress": (job.step / total) if total else None, "stage": job.stage, "error": job.error,
         "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
         "heartbeat_at": job.heartbeat_at, "output_dir": job.output_dir, "log_path": job.log_path,
         "stop_request": job.stop_request, "attempts": job.attempts,
@@ -76,11 +78,13 @@ def job_summary(job: Job, with_metrics: bool = False) -> dict[str, Any]:
 # Metrics
 
 
-def write_metrics(job_id: int, rows: list[tuple[int, str, float]], at: float | None = None) -> None:
+def write_metrics(job_id: int, rows: list[tuple[int, str, float]], at: float | None = None,
+                  stage: str | None = None) -> None:
     """Store (step, name, value) rows and advance the job's step, in one transaction.
 
     Readers therefore never see a step with only some of its metrics, nor `job.step` ahead of
     the metrics. A row that exists is overwritten (upsert), so a retried batch cannot duplicate.
+    `stage` (an export's "writing f16 GGUF") is stored on the job in the same transaction.
     """
     if not rows:
         return
@@ -94,7 +98,8 @@ def write_metrics(job_id: int, rows: list[tuple[int, str, float]], at: float | N
     with session(immediate=True) as s:
         s.execute(stmt)
         s.execute(update(Job).where(Job.id == job_id, Job.step < top).values(step=top))
-        s.execute(update(Job).where(Job.id == job_id).values(heartbeat_at=at))
+        s.execute(update(Job).where(Job.id == job_id).values(
+            heartbeat_at=at, **({"stage": stage[:200]} if stage is not None else {})))
 
 
 def truncate_metrics(job_id: int, after_step: int) -> int:

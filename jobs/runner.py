@@ -1,12 +1,20 @@
 """Starting, stopping and supervising jobs: the public API the studio and the command line call.
 
     job_id = submit({"model": "demo", "dataset": "arithmetic_chat", "max_steps": 20})
+    export_id = submit({"kind": "export", "source": job_id, "format": "gguf", "quant": "q4_k_m"})
     cancel(job_id); resume(job_id); wait(job_id)
 
 Every job runs in its own worker process (`python -m jobs.worker ID`), in a new session, so it
 keeps running when the studio, the terminal or whatever started it goes away; its stdout and
-stderr go to `<output_dir>/job.log`, never to a pipe someone must drain. One training job per
-device at a time (KESTREL_JOBS_PER_DEVICE), the CPU when there is no GPU.
+stderr go to `<output_dir>/job.log`, never to a pipe someone must drain.
+
+Two lanes, each first in, first out:
+- training (sft, grpo): one job per device at a time (KESTREL_JOBS_PER_DEVICE), the CPU when
+  there is no GPU;
+- export: one export at a time (KESTREL_EXPORT_SLOTS), whatever training runs. An export is
+  minutes of work that a user waits for, so it never queues behind a training run of hours:
+  it takes a GPU no training job holds, else the CPU, unless its config pins a device.
+Jobs on the CPU run at lower priority (`jobs.worker.lower_priority`).
 
 There is no daemon. `schedule()` starts queued jobs on free devices and is called by `submit`,
 `resume`, every command-line command, the studio's poll (`list_jobs`/`get_job`) and each worker
@@ -35,9 +43,9 @@ from sqlalchemy import select, update
 from engine.config import TrainConfig, config_from_dict
 from engine.errors import ConfigError
 from engine.paths import kestrel_home, runs_dir
-from jobs import queries
-from jobs.models import (CANCELLED, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact, Job,
-                         Metric)
+from jobs import export_job, queries
+from jobs.models import (CANCELLED, EXPORT, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact,
+                         Job, Metric)
 from jobs.store import JobError, claim_next, remove_job_files, require_job, session
 
 HEARTBEAT_S = 2.0  # the worker's heartbeat period
@@ -75,24 +83,31 @@ def available_devices() -> list[str]:
 
 def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, start: bool = True,
            dataset_id: int | None = None) -> int:
-    """Validate `config` (a ConfigError names any bad key), queue it, start it if a device is free.
+    """Validate `config` (a ConfigError names any bad key), queue it, start it if it can start.
 
-    Relative file paths in the config are made absolute here, since the worker runs elsewhere.
-    `device` pins the job ("cpu", "cuda:1"); None takes the first free device.
+    A training config (TrainConfig or its dict) makes an sft or grpo job; an export config
+    (`kind: export`, see `jobs.export_job`) an export job. Relative file paths in the config are
+    made absolute here, since the worker runs elsewhere. `device` pins the job ("cpu",
+    "cuda:1"); None takes the first free device (an export: see `_export_device` in jobs.store).
     """
-    cfg = config if isinstance(config, TrainConfig) else config_from_dict(dict(config))
+    if export_job.is_export_config(config):
+        prepared = export_job.prepare(dict(config))  # type: ignore[arg-type]
+        kind, name, data, root = EXPORT, prepared.name, prepared.config, export_job.exports_root()
+        device = device or prepared.device
+    else:
+        cfg = config if isinstance(config, TrainConfig) else config_from_dict(dict(config))
+        kind = "grpo" if cfg.method == "grpo" else "sft"
+        name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
+        data, root = _absolute_paths(cfg.to_dict()), runs_dir()
     if device is not None and device != "cpu" and device not in available_devices():
         raise ConfigError(f"device {device!r} is not available; choose one of "
                           f"{', '.join(available_devices() + ['cpu'])}")
-    data = _absolute_paths(cfg.to_dict())
-    name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
     with session(immediate=True) as s:
-        job = Job(name=name, kind="grpo" if cfg.method == "grpo" else "sft", config=data,
-                  status=QUEUED, requested_device=device, output_dir="", step=0, attempts=0,
-                  queued_at=time.time(), dataset_id=dataset_id)
+        job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",
+                  step=0, attempts=0, queued_at=time.time(), dataset_id=dataset_id)
         s.add(job)
         s.flush()  # assigns the id that names the default folder
-        out = Path(data["output_dir"]) if data.get("output_dir") else runs_dir() / f"job-{job.id}-{_slug(name)}"
+        out = Path(data["output_dir"]) if data.get("output_dir") else root / f"job-{job.id}-{_slug(name)}"
         clash = s.scalar(select(Job.id).where(Job.output_dir == str(out), Job.status.in_((QUEUED, RUNNING))))
         if clash is not None:
             raise ConfigError(f"output_dir {out} is in use by job {clash}; choose another output_dir")
@@ -125,7 +140,8 @@ def _slug(text: str) -> str:
 
 def cancel(job_id: int) -> str:
     """Cancel a job. Queued: `cancelled` at once. Running: the request is stored and the worker
-    stops at its next step boundary after a checkpoint (returns "stopping")."""
+    stops at its next step boundary after a checkpoint, an export at its next progress report
+    with no partial file left (returns "stopping")."""
     return _request_stop(job_id, "cancel")
 
 
@@ -152,7 +168,8 @@ def _request_stop(job_id: int, kind: str) -> str:
 
 def resume(job_id: int, start: bool = True) -> int:
     """Queue an interrupted, cancelled or failed job again. The engine resumes from the last
-    checkpoint in the job's output_dir; its metrics past that step are replaced, not repeated."""
+    checkpoint in the job's output_dir; its metrics past that step are replaced, not repeated.
+    An export runs again from the start."""
     with session(immediate=True) as s:
         job = require_job(s, job_id)
         if job.status not in RESUMABLE:
@@ -189,8 +206,9 @@ def schedule() -> list[int]:
     """Reconcile, then start queued jobs while devices are free; returns the started ids."""
     reconcile()
     slots = int(os.environ.get("KESTREL_JOBS_PER_DEVICE") or 1)
+    export_slots = int(os.environ.get("KESTREL_EXPORT_SLOTS") or 1)
     started = []
-    while (claim := claim_next(available_devices(), slots)) is not None:
+    while (claim := claim_next(available_devices(), slots, export_slots)) is not None:
         _launch(*claim)
         started.append(claim[0])
     return started
@@ -272,9 +290,9 @@ def _lost_status(job: Job, killed: bool) -> tuple[str, str | None]:
         return (CANCELLED if job.stop_request == "cancel" else INTERRUPTED), note
     if job.stop_request == "cancel":
         return CANCELLED, None
+    again = "runs the export again" if job.kind == EXPORT else "continues from the last checkpoint"
     return INTERRUPTED, (f"the worker process (pid {job.pid}) ended without reporting a result "
-                         f"(killed, or the machine restarted); `python -m jobs resume {job.id}` "
-                         "continues from the last checkpoint")
+                         f"(killed, or the machine restarted); `python -m jobs resume {job.id}` {again}")
 
 
 def _finish_lost(job_id: int, heartbeat_at: float | None, pid: int | None, status: str,
@@ -353,10 +371,10 @@ def _refresh() -> None:
         schedule()
 
 
-def list_jobs(status: str | None = None, limit: int | None = None) -> list[Job]:
+def list_jobs(status: str | None = None, limit: int | None = None, kind: str | None = None) -> list[Job]:
     """Jobs, newest first, after settling lost jobs and starting queued ones (throttled)."""
     _refresh()
-    return queries.list_jobs(status, limit)
+    return queries.list_jobs(status, limit, kind)
 
 
 def get_job(job_id: int) -> Job:

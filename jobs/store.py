@@ -23,17 +23,18 @@ import shutil
 import sqlite3
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, inspect, select, update
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, select, update
 from sqlalchemy.orm import Session
 
 from engine.errors import KestrelError
 from engine.paths import kestrel_home
-from jobs.models import QUEUED, RUNNING, SCHEMA_VERSION, Base, Job, SchemaVersion
+from jobs.models import EXPORT, QUEUED, RUNNING, SCHEMA_VERSION, Base, Job, SchemaVersion
 
 BUSY_TIMEOUT_S = 30.0
 
@@ -218,35 +219,49 @@ def require_job(s: Session, job_id: int) -> Job:
     return job
 
 
-def claim_next(auto_devices: list[str], slots: int = 1) -> tuple[int, str] | None:
-    """Mark the oldest queued job that fits a free device as running; returns (job id, device).
+def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -> tuple[int, str] | None:
+    """Mark the oldest queued job that can start now as running; returns (job id, device).
 
     Inside one BEGIN IMMEDIATE transaction, so two schedulers (the studio and a finishing worker)
-    never both start a job on one device. A job that asked for a device waits for that device;
-    one that did not takes the first free device of `auto_devices`.
+    never both start a job on one device. Two lanes, counted apart (see `jobs.runner`):
+    training jobs take `slots` per device; a job that asked for a device waits for that device,
+    one that did not takes the first free device of `auto_devices`. Export jobs take one of
+    `export_slots`, whatever training runs, on their requested device or `_export_device`.
     """
     now = time.time()
     with session(immediate=True) as s:
-        busy = dict(s.execute(select(Job.device, func.count()).where(Job.status == RUNNING)
-                              .group_by(Job.device)).tuples().all())
+        running = s.execute(select(Job.kind, Job.device).where(Job.status == RUNNING)).tuples().all()
+        busy = Counter(device for kind, device in running if kind != EXPORT)
+        exporting = sum(1 for kind, _ in running if kind == EXPORT)
 
         def free(device: str) -> bool:
-            return busy.get(device, 0) < slots
+            return busy[device] < slots
 
         queued = s.scalars(select(Job).where(Job.status == QUEUED).order_by(Job.queued_at, Job.id))
         for job in queued:
-            wanted = job.requested_device
-            device = wanted if wanted else next((d for d in auto_devices if free(d)), None)
-            if device is None or not free(device):
-                continue
+            if job.kind == EXPORT:
+                if exporting >= export_slots:
+                    continue
+                device: str | None = job.requested_device or _export_device(auto_devices, busy)
+            else:
+                wanted = job.requested_device
+                device = wanted if wanted else next((d for d in auto_devices if free(d)), None)
+                if device is None or not free(device):
+                    continue
             claimed = s.execute(
                 update(Job).where(Job.id == job.id, Job.status == QUEUED).values(
                     status=RUNNING, device=device, pid=None, started_at=now, heartbeat_at=now,
                     finished_at=None, error=None, attempts=Job.attempts + 1)
             ).rowcount
             if claimed == 1:
-                return job.id, device
+                return job.id, str(device)
     return None
+
+
+def _export_device(auto_devices: list[str], training: Counter[str]) -> str:
+    """An idle GPU (merges run tens of times faster there), else the CPU: an export never shares
+    a GPU with a training job, whose memory it could exhaust."""
+    return next((d for d in auto_devices if d != "cpu" and not training[d]), "cpu")
 
 
 def remove_job_files(output_dir: str) -> None:

@@ -1,14 +1,16 @@
 """The process that runs one job: `python -m jobs.worker JOB_ID` (started by `jobs.runner`).
 
 It claims nothing itself: the scheduler has already marked the job running on a device and set
-CUDA_VISIBLE_DEVICES. The worker records its pid, beats a heartbeat every HEARTBEAT_S on a
-thread, runs the engine with `DbCallback` (metrics in batches, stop requests polled at each step
-boundary), writes the final status, records the artifacts, then starts the next queued job so
-the queue drains with no studio or terminal open.
+CUDA_VISIBLE_DEVICES. On the CPU it first lowers its own priority (`lower_priority`), so the
+studio stays responsive on a small machine. It records its pid, beats a heartbeat every
+HEARTBEAT_S on a thread, runs the job, writes the final status, records the artifacts, then
+starts the next queued job so the queue drains with no studio or terminal open.
 
-The engine is reached through one function named by ENGINE_ENTRY ("module:function", called as
-`fn(config, callbacks=[...])` and returning an object with `status`, `error`); tests point
-KESTREL_ENGINE_ENTRY at a stand-in.
+A training job runs the engine with `DbCallback` (metrics in batches, stop requests polled at
+each step boundary). The engine is reached through one function named by ENGINE_ENTRY
+("module:function", called as `fn(config, callbacks=[...])` and returning an object with
+`status`, `error`); tests point KESTREL_ENGINE_ENTRY at a stand-in. An export job runs
+`jobs.export_job.run`, the engine's `engine.export.export` with a progress hook.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from sqlalchemy import select, update
 
 from engine.config import config_from_dict
 from engine.errors import KestrelError
-from jobs import queries
-from jobs.models import CANCELLED, COMPLETED, FAILED, INTERRUPTED, RUNNING, Job
+from jobs import export_job, queries
+from jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, INTERRUPTED, RUNNING, Job
 from jobs.runner import HEARTBEAT_S, schedule
 from jobs.store import session
 
@@ -38,6 +40,7 @@ ENGINE_ENTRY = "engine.train:run"
 FLUSH_EVERY_S = 1.0  # metrics reach the store at most this late (charts stay < 2 s behind)
 STOP_POLL_S = 0.2  # should_stop reads the store at most this often
 RESULT_STATUSES = (COMPLETED, CANCELLED, INTERRUPTED, FAILED)
+CPU_NICE = 10  # added niceness of a job on the CPU (0 normal .. 19 lowest)
 
 
 def resolve_entry() -> Callable[..., Any]:
@@ -149,32 +152,51 @@ class Heartbeat(threading.Thread):
                 print(f"[jobs] heartbeat failed: {exc}", flush=True)
 
 
-def _register(job_id: int, pid: int) -> dict[str, Any] | None:
-    """Record our pid on the job; None when the job is not ours to run (it was settled or
-    another worker holds it)."""
+def _register(job_id: int, pid: int) -> Job | None:
+    """Record our pid on the job and return it; None when the job is not ours to run (it was
+    settled or another worker holds it)."""
     with session(immediate=True) as s:
         job = s.get(Job, job_id)
         if job is None or job.status != RUNNING or job.pid not in (None, pid):
             return None
         job.pid, job.heartbeat_at = pid, time.time()
-        return dict(job.config)
+        return job
 
 
-def _run_engine(config: dict[str, Any], callback: DbCallback) -> tuple[str, str | None]:
-    """Run the engine; returns (status, error). Errors become `failed` with a message the user
-    can act on (a KestrelError's own text: out of memory says what to lower)."""
+def _guarded(work: Callable[[], tuple[str, str | None]]) -> tuple[str, str | None]:
+    """Run the job's work; returns (status, error). Errors become `failed` with a message the
+    user can act on (a KestrelError's own text: out of memory says what to lower)."""
     try:
-        result = resolve_entry()(config_from_dict(config), callbacks=[callback])
+        status, error = work()
     except KestrelError as exc:
         traceback.print_exc()
         return FAILED, str(exc)
     except Exception as exc:  # noqa: BLE001 - any engine crash must end as `failed`, not hang
         traceback.print_exc()
         return FAILED, f"{type(exc).__name__}: {exc} (the job log has the traceback)"
-    status = getattr(result, "status", COMPLETED)
     if status not in RESULT_STATUSES:
         return FAILED, f"the engine returned an unknown status {status!r}"
-    return status, getattr(result, "error", None)
+    return status, error
+
+
+def _train(job_id: int, pid: int, config: dict[str, Any]) -> tuple[str, str | None]:
+    """Run the training engine with a DbCallback, then record what it left in its folder."""
+    callback = DbCallback(job_id, pid, save_steps=int(config.get("save_steps") or 0))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(callback, "terminated", True))
+
+    def engine() -> tuple[str, str | None]:
+        result = resolve_entry()(config_from_dict(config), callbacks=[callback])
+        return getattr(result, "status", COMPLETED), getattr(result, "error", None)
+
+    status, error = _guarded(engine)
+    try:
+        callback.close()
+        record_outputs(job_id, config["output_dir"])
+    except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the run's result
+        print(f"[jobs] could not record outputs: {exc}", flush=True)
+    if status == INTERRUPTED and error is None and callback.terminated:
+        error = "stopped by SIGTERM; resume continues from the last checkpoint"
+    return status, error
 
 
 def record_outputs(job_id: int, output_dir: str) -> None:
@@ -206,23 +228,18 @@ def _artifact_kind(path: Path) -> str | None:
 def run_job(job_id: int) -> int:
     """Run one claimed job to its end; returns the process exit code."""
     pid = os.getpid()
-    config = _register(job_id, pid)
-    if config is None:
+    job = _register(job_id, pid)
+    if job is None:
         print(f"[jobs] job {job_id} is not waiting for this worker (pid {pid}); exiting", flush=True)
         return 2
-    callback = DbCallback(job_id, pid, save_steps=int(config.get("save_steps") or 0))
-    signal.signal(signal.SIGTERM, lambda *_: setattr(callback, "terminated", True))
     heartbeat = Heartbeat(job_id, pid)
     heartbeat.start()
     try:
-        status, error = _run_engine(config, callback)
-        try:
-            callback.close()
-            record_outputs(job_id, config["output_dir"])
-        except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the run's result
-            print(f"[jobs] could not record outputs: {exc}", flush=True)
-        if status == INTERRUPTED and error is None and callback.terminated:
-            error = "stopped by SIGTERM; resume continues from the last checkpoint"
+        if job.kind == EXPORT:
+            status, error = _guarded(lambda: export_job.run(job_id, dict(job.config), job.device or "cpu"))
+            _record_log(job)
+        else:
+            status, error = _train(job_id, pid, dict(job.config))
     finally:
         heartbeat.stopped.set()
     with session(immediate=True) as s:
@@ -233,11 +250,37 @@ def run_job(job_id: int) -> int:
     return 0 if status != FAILED else 1
 
 
+def _record_log(job: Job) -> None:
+    """An export's log as an artifact (training's is found in its folder by record_outputs), and
+    no rows of files that are gone."""
+    try:
+        if job.log_path and Path(job.log_path).is_file():
+            queries.record_artifact(job.id, "log", job.log_path)
+        queries.prune_artifacts(job.id)
+    except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the job's result
+        print(f"[jobs] could not record the log: {exc}", flush=True)
+
+
+def lower_priority(device: str | None) -> bool:
+    """Renice a job on the CPU by CPU_NICE, so the studio (and the desktop) stay responsive on a
+    small machine while it trains or exports; True when done. Called before any thread starts:
+    Linux niceness belongs to each thread, and a new thread inherits its creator's."""
+    if device != "cpu":
+        return False
+    try:
+        os.nice(CPU_NICE)
+    except (AttributeError, OSError) as exc:  # no os.nice (Windows) or not permitted: run as is
+        print(f"[jobs] could not lower the priority: {exc}", flush=True)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not args[0].isdigit():
         print("usage: python -m jobs.worker JOB_ID", file=sys.stderr)
         return 2
+    lower_priority(os.environ.get("KESTREL_JOB_DEVICE"))
     code = run_job(int(args[0]))
     try:
         schedule()  # the device is free: start whatever waits for it
