@@ -145,7 +145,14 @@ EX_FILE = "Download"
 EX_MODELFILE = "Ollama Modelfile (save beside the .gguf, then `ollama create NAME -f Modelfile`)"
 EX_DONE = "Exported in {seconds:.1f} s to `{out}`."
 EX_NO_RUNS = "No finished run to export yet."
-EX_FOLDER_ONLY = "The merged model is {size:.1f} GiB: too large to zip for the browser; it is in `{out}`."
+EX_FOLDER_ONLY = "The export is {size:.1f} GiB: too large to zip for the browser; it is in `{out}`."
+EX_QUEUED = "Export #{job} is queued: it starts when the export before it ends."
+EX_FAILED = "Export #{job} failed: {error}"
+EX_STOPPED = "Export #{job} was {status} before it finished; nothing was kept."
+EX_RECENT = "Recent exports (they go on when this page or the studio closes)"
+EX_RECENT_NONE = "No exports yet."
+EX_RECENT_COLUMNS = ["#", "export", "status", "download"]
+EX_IN_FOLDER = "in `{out}`"
 
 # --- errors (user-facing; never a traceback) -------------------------------------------------
 ERR_EXTENSION = "{name}: unsupported file type. Upload one of {allowed}."
@@ -182,7 +189,6 @@ ERR_SEED = "The seed must be a whole number, or empty for a random one; got {val
 ERR_HUB_ID = "{model!r} is not a valid hub id ({error})."
 ERR_TOKENIZER = "Could not load the tokenizer of {model!r}: {error}"
 ERR_NO_TOKEN_COUNTS = " (no token counts: {error})"
-ERR_EXPORT_NOT_DONE = "Run #{job} is {status}; only completed runs can be exported."
 ERR_UNKNOWN_ACTION = "Unknown action {action!r}."
 ERR_WHOLE = "{field} must be a whole number, got {value!r}."
 ERR_YAML_NUMBER = "{key} must be a number, got {value!r}."

@@ -1,13 +1,18 @@
-"""Export tab layout: run, format, quantization, Export, progress, download and Modelfile."""
+"""Export tab layout: run, format, quantization, Export, progress, download and Modelfile, then
+the recent export jobs, re-read from the store every RECENT_EVERY_S."""
 
 from __future__ import annotations
 
 import gradio as gr
 
 from studio import strings as S
+from studio.handlers import export as ex_h
+
+RECENT_EVERY_S = 2.0  # exports run for minutes: a list two seconds behind is live enough
 
 
 def build() -> dict[str, gr.Component]:
+    """The tab's components by name (events.py wires source, format, quant, start and the outputs)."""
     c: dict[str, gr.Component] = {}
     with gr.Row():
         c["source"] = gr.Dropdown(label=S.EX_RUN, choices=[], scale=3, elem_id="ex-source")
@@ -20,4 +25,9 @@ def build() -> dict[str, gr.Component]:
     c["status"] = gr.Markdown(elem_id="ex-status")
     c["file"] = gr.File(label=S.EX_FILE, file_count="multiple", interactive=False, elem_id="ex-file")
     c["modelfile"] = gr.Code(label=S.EX_MODELFILE, language="dockerfile", interactive=False, elem_id="ex-modelfile")
+    # A value computed by a handler (on page load, then on each tick) is Gradio's declarative
+    # polling: the list needs no event wiring, and a reopened page or a restarted studio shows
+    # the exports still running and the finished ones' files.
+    c["recent_timer"] = gr.Timer(RECENT_EVERY_S)
+    c["recent"] = gr.Markdown(value=ex_h.recent_exports, every=c["recent_timer"], elem_id="ex-recent")
     return c

@@ -1,24 +1,19 @@
-"""Chat and Export tab handlers on the real demo model and a LoRA adapter saved like a finished
-run: streaming answers, base and fine-tuned side by side in one batch, exports to download."""
+"""Chat tab handlers on the real demo model and a LoRA adapter saved like a finished run:
+streaming answers, base and fine-tuned side by side in one batch. (The Export tab, whose
+source list is checked here too, has its own tests in test_export.py.)"""
 
 from __future__ import annotations
 
 import threading
-import time
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
 import pytest
-import torch
-from sqlalchemy import update
 
-import jobs
-from jobs.models import Job
-from jobs.store import reset_engines, session
 from studio.handlers import chat, export
 from studio.models import LoadedModel, ModelPool, stream_rows
+from tests.jobs.exportkit import finished_run_in
 from tests.studio.helpers import error_text
 
 SHARED_HOME = True  # the demo model and the run are built once for this module
@@ -26,32 +21,10 @@ GREEDY = dict(system="", temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=6, 
 
 
 @pytest.fixture(scope="module")
-def finished_run(module_home: Path) -> Iterator[int]:
+def finished_run(module_home: Path) -> int:
     """A completed job whose folder holds a LoRA adapter of the demo model with random weights
     (a trained adapter's B is not zero: base and fine-tuned answers must differ)."""
-    from engine.checkpoints import save_weights
-    from engine.config import LoraSettings
-    from engine.loader import load
-    from engine.lora import attach_lora
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KESTREL_HOME", str(module_home))
-        reset_engines()
-        job_id = jobs.submit({"model": "demo", "dataset": "arithmetic_chat", "max_steps": 1, "name": "tuned"},
-                             start=False)
-        job = jobs.get_job(job_id)
-        model, tokenizer = load("demo", 256, patch=False)
-        model = attach_lora(model, LoraSettings(r=4, alpha=8))
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.5)
-        save_weights(model, Path(job.output_dir), tokenizer)
-        with session(immediate=True) as s:
-            s.execute(update(Job).where(Job.id == job_id).values(status="completed", finished_at=time.time()))
-        reset_engines()
-    yield job_id
+    return finished_run_in(module_home)
 
 
 @pytest.fixture(scope="module")
@@ -139,33 +112,3 @@ def test_describe_target_shows_template_and_panels(finished_run: int) -> None:
     assert out["right"]["visible"] is True and out["left"]["label"] == "Base: demo"
     single = chat.describe_target("base:demo", False)
     assert single["right"]["visible"] is False
-
-
-def test_export_adapter_zip(finished_run: int, module_home: Path) -> None:
-    outs = list(export.run_export(f"run:{finished_run}", "adapter", None))
-    assert outs[0]["status"].startswith("`░")  # progress first
-    final = outs[-1]
-    archive = Path(final["file"][0])
-    assert archive.parent == module_home / "exports" and archive.suffix == ".zip"
-    assert "adapter_config.json" in {Path(n).name for n in zipfile.ZipFile(archive).namelist()}
-    assert "Exported" in final["status"]
-
-
-def test_export_gguf_with_modelfile(finished_run: int, module_home: Path) -> None:
-    final = list(export.run_export(f"run:{finished_run}", "gguf", "q8_0"))[-1]
-    gguf, modelfile = map(Path, final["file"])
-    assert modelfile.name == "Modelfile" and modelfile.read_text() == final["modelfile"]
-    assert gguf.suffix == ".gguf" and gguf.read_bytes()[:4] == b"GGUF"
-    assert gguf.parent.parent == module_home / "exports"
-    assert "FROM" in final["modelfile"]
-
-
-def test_export_errors_are_messages(finished_run: int) -> None:
-    queued = jobs.submit({"model": "demo", "dataset": "arithmetic_chat", "max_steps": 1}, start=False)
-    with pytest.raises(gr.Error) as excinfo:
-        list(export.run_export(f"run:{queued}", "gguf", "q4_k_m"))
-    assert "only completed runs" in error_text(excinfo)
-    jobs.cancel(queued)
-    with pytest.raises(gr.Error) as excinfo:
-        list(export.run_export(f"run:{finished_run}", "gguf", "q9_z"))
-    assert "q9_z" in error_text(excinfo)
