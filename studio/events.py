@@ -224,14 +224,21 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr
     return outputs.wrap(load), [r["seen"]], outputs.components
 
 
+def _timers_for(tab: str) -> tuple[gr.Timer, gr.Timer]:
+    """(Runs polling, Export's recent list) switched on only on their own tab."""
+    return gr.Timer(active=tab == "runs"), gr.Timer(active=tab == "export")
+
+
 def wire_tab_switches(tabs: dict[str, gr.Tab], r: C, ch: C, ex: C) -> None:
     """Opening a tab refreshes the lists that other tabs (or the command line) may have changed.
-    The Runs tab polls only while it is shown: a browser on another tab costs the server nothing."""
+    The Runs tab and Export's list of recent exports poll only while their tab is shown: a browser
+    on another tab costs the server nothing."""
     runs_out = _runs_outputs(r)
+    timers = [r["timer"], ex["recent_timer"]]
     for name, tab in tabs.items():
         if name != "runs":
-            tab.select(lambda: gr.Timer(active=False), None, r["timer"], **LIGHT)
-    tabs["runs"].select(lambda: gr.Timer(active=True), None, r["timer"], **LIGHT) \
+            tab.select(partial(_timers_for, name), None, timers, **LIGHT)
+    tabs["runs"].select(partial(_timers_for, "runs"), None, timers, **LIGHT) \
         .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"]], runs_out.components, **LIGHT)
     _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
     _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"]], Outputs.of(ch, "target"), **LIGHT)

@@ -28,6 +28,7 @@ def build() -> dict[str, gr.Component]:
     # A value computed by a handler (on page load, then on each tick) is Gradio's declarative
     # polling: the list needs no event wiring, and a reopened page or a restarted studio shows
     # the exports still running and the finished ones' files.
-    c["recent_timer"] = gr.Timer(RECENT_EVERY_S)
+    # Ticks only while the Export tab is shown (studio.events switches it with the tabs).
+    c["recent_timer"] = gr.Timer(RECENT_EVERY_S, active=False)
     c["recent"] = gr.Markdown(value=ex_h.recent_exports, every=c["recent_timer"], elem_id="ex-recent")
     return c

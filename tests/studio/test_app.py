@@ -43,3 +43,16 @@ def test_app_has_the_five_tabs_and_system_fonts() -> None:
     assert tabs == ["Datasets", "Train", "Runs", "Chat", "Export"]
     fonts = theme()._font + theme()._font_mono
     assert all(isinstance(f, str) for f in fonts)  # system fonts: nothing fetched from a font service
+
+
+def test_polling_timers_start_off_and_follow_their_tab() -> None:
+    """A browser parked on another tab must not poll the store (twenty open tabs would)."""
+    from studio.events import _timers_for
+    from studio.interface import build_app
+
+    config = build_app().get_config_file()
+    timers = [c for c in config["components"] if c["type"] == "timer"]
+    assert len(timers) >= 2 and not any(t["props"].get("active") for t in timers)
+    for tab, want in (("runs", (True, False)), ("export", (False, True)), ("train", (False, False))):
+        runs_timer, export_timer = _timers_for(tab)
+        assert (runs_timer.active, export_timer.active) == want
