@@ -1,7 +1,7 @@
 """Decode benchmark: Kestrel's decode path against Hugging Face and Unsloth, Llama-3.1-8B shape, bf16.
 
-    python bench/decode.py --out $OUT/decode.json                        # HF + Kestrel, ~6 min
-    python bench/decode.py --baseline unsloth --out $OUT/decode.json     # + Unsloth, in its own process
+    python bench/decode.py --out $OUT/decode.json                        # HF + Kestrel, ~2.5 min (H200)
+    python bench/decode.py --baseline unsloth --out $OUT/decode.json     # + Unsloth in its own process, ~3.5 min
     python bench/decode.py --smoke --out /tmp/decode_smoke.json          # tiny model, any device
 
 Random-init weights at the real shape (speed does not depend on the values), no downloads.
@@ -349,7 +349,8 @@ def run_unsloth_child(args: argparse.Namespace) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--only", "unsloth", "--out", str(out),
             "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)]
     argv += (["--smoke"] if args.smoke else []) + (["--tmp", args.tmp] if args.tmp else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (args.anchors, os.environ.get("PYTHONPATH")) if p)}
+    env = {"HF_HUB_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1", **os.environ,
+           "PYTHONPATH": os.pathsep.join(p for p in (args.anchors, os.environ.get("PYTHONPATH")) if p)}
     print(f"unsloth baseline in its own process (PYTHONPATH starts with {args.anchors}) ...", flush=True)
     error = None
     try:
@@ -369,6 +370,7 @@ def run_unsloth_child(args: argparse.Namespace) -> dict:
 def run_unsloth(args: argparse.Namespace) -> Report:
     """Unsloth's inference mode on the same random-init model, saved to a temporary folder."""
     import unsloth  # must come before transformers
+    from transformers import AutoTokenizer
     from unsloth import FastLanguageModel
 
     device = torch.device("cuda")
@@ -376,6 +378,8 @@ def run_unsloth(args: argparse.Namespace) -> Report:
                                "command": " ".join(sys.argv), "unsloth": getattr(unsloth, "__version__", "?")})
     with tempfile.TemporaryDirectory(dir=args.tmp) as folder:
         build_model(args.smoke, device).save_pretrained(folder)
+        # Unsloth loads a tokenizer beside the weights; ids are fed directly, so the demo one does.
+        AutoTokenizer.from_pretrained(ROOT / "assets" / "demo").save_pretrained(folder)
         gc.collect()
         torch.cuda.empty_cache()
         model, _ = FastLanguageModel.from_pretrained(folder, max_seq_length=2 * (args.prompt_len + args.new_tokens),
@@ -427,7 +431,8 @@ def table(results: list[dict], bound: float) -> str:
              "|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['batch']} | error: {str(r['error'])[:60]} | | | |")
+            error = " ".join(str(r["error"]).split())[-80:]  # one line: the end says most
+            lines.append(f"| {r['name']} | {r['batch']} | error: {error} | | | |")
             continue
         frac = f"{r['tokens_per_s'] / bound:.0%}" if r["batch"] == 1 and math.isfinite(bound) else ""
         lines.append(f"| {r['name']} | {r['batch']} | {r['first_token_ms']:.1f} | {r['tokens_per_s']:.1f} | "
