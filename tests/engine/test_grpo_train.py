@@ -1,5 +1,6 @@
-"""GRPO runs end to end on the CPU: the demo task's reward rises, metrics, resume, reused
-batches, prompt datasets and configuration errors."""
+"""GRPO runs end to end on the CPU: the reward picks the verified answer, metrics, resume, reused
+batches, prompt datasets and configuration errors. The shipped demo (demo_sft.yaml, then
+demo_grpo.yaml) is tested in test_demo_learns.py."""
 
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ def _grpo(model: str, out: Path, dataset: str, **kw) -> dict:
     return {**base, **kw}
 
 
-def test_demo_task_reward_rises_after_a_short_sft(tmp_path: Path, one_thread) -> None:
+def test_reward_picks_the_verified_answer_among_equal_guesses(tmp_path: Path, one_thread) -> None:
     """Demo model, demo prompts, exact-answer reward. The SFT data gives every question its right
     answer and two near misses, so SFT settles at about 1/3 right (the answers are single tokens,
-    a fixed point of maximum likelihood, not a lucky moment of training); GRPO must then find the
-    verified one. Fixed seeds; the margin is about half the rise this run shows."""
+    a fixed point of maximum likelihood, not a lucky moment of training); only the reward can then
+    find the verified one. Fixed seeds; the margin is about half the rise this run shows (0.29 over
+    the first 8 steps, 0.61 over the last 8)."""
     rows = [json.loads(line) for line in (SAMPLE_DATASETS / "arithmetic_prompts.jsonl").read_text().splitlines()[:16]]
     prompts, sft = tmp_path / "prompts.jsonl", tmp_path / "sft.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
