@@ -42,6 +42,9 @@ class LoraSettings:
     alpha: int = 32  # scaling = alpha / r
     dropout: float = 0.0  # > 0 turns off the fused LoRA kernels (PEFT's path runs instead)
     targets: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
+    # Start from a trained adapter (a PEFT folder, or a run folder holding adapter/): e.g. GRPO
+    # after a LoRA SFT. Its own r/alpha/targets apply; the settings above are then ignored.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.r, int) and 1 <= self.r <= 1024, f"lora.r must be 1..1024, got {self.r}")

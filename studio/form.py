@@ -33,6 +33,7 @@ FIELDS: tuple[Field, ...] = (
     Field("name", "opt_text", "advanced"),
     Field("lora.dropout", "float", "advanced", step=0.05),
     Field("lora.targets", "multi", "advanced", tuple(ALL_LINEAR)),
+    Field("lora.init_from", "opt_text", "advanced"),
     Field("packing", "bool", "advanced"),
     Field("train_on_responses_only", "bool", "advanced"),
     Field("save_steps", "int", "advanced", step=10),

@@ -76,7 +76,8 @@ FIELD_LABELS = {
     "max_seq_length": "Max sequence length (tokens)", "max_steps": "Max steps (empty: use epochs)",
     "epochs": "Epochs", "learning_rate": "Learning rate", "batch_size": "Batch size",
     "grad_accum": "Gradient accumulation", "lora.r": "LoRA rank r", "lora.alpha": "LoRA alpha",
-    "lora.dropout": "LoRA dropout", "lora.targets": "LoRA target modules", "packing": "Packing",
+    "lora.dropout": "LoRA dropout", "lora.targets": "LoRA target modules",
+    "lora.init_from": "Start from adapter (optional: a LoRA run's folder, e.g. for GRPO after SFT)", "packing": "Packing",
     "train_on_responses_only": "Train on responses only", "gradient_checkpointing": "Gradient checkpointing",
     "save_steps": "Save every N steps (0: only at the end)", "seed": "Seed", "dtype": "Compute dtype",
     "warmup_steps": "Warmup steps", "lr_scheduler": "LR schedule", "weight_decay": "Weight decay",
@@ -182,7 +183,7 @@ PRESET_NAMES = {
     "lora_quality": "LoRA 16-bit: higher rank, careful learning rate",
     "long_context": "Long context: offloaded checkpointing, batch 1",
     "full_small": "Full fine-tune: models up to about 1B",
-    "grpo": "GRPO: reward-driven training on the arithmetic prompts",
+    "grpo": "GRPO on the arithmetic prompts (set Model to a finished demo run's model folder first)",
 }
 ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."
 ERR_SEED = "The seed must be a whole number, or empty for a random one; got {value!r}."

@@ -24,16 +24,21 @@ import yaml
 from engine.config import TrainConfig, config_from_dict
 from engine.errors import ConfigError, DatasetError, KestrelError
 from engine.estimate import GIB, detect_gpu, estimate_training_memory, shape_from_config, verdict
-from engine.paths import resolve_dataset_path
+from engine.paths import ASSETS, resolve_dataset_path
 from studio import files
 from studio import strings as S
 from studio.form import FIELD_BY_KEY, FORM_KEYS
 from studio.handlers.common import DEMO, check_model, is_local, model_config, user_errors
 
+def _shipped(name: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A config from assets/configs/ as a preset: the shipped demo YAML is the one source of these
+    values (tests/engine/test_demo_learns.py proves they learn). The studio picks the output folder."""
+    data = yaml.safe_load((ASSETS / "configs" / name).read_text())
+    return {k: v for k, v in data.items() if k not in ("output_dir", *drop)} | {"epochs": None}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    "demo": {"model": "demo", "method": "lora", "dataset": "arithmetic_chat", "max_steps": 30, "epochs": None,
-             "batch_size": 2, "grad_accum": 1, "max_seq_length": 256, "learning_rate": 1e-3,
-             "lora": {"r": 8, "alpha": 16}, "save_steps": 0, "gradient_checkpointing": "off"},
+    "demo": _shipped("demo_sft.yaml"),
     "qlora_8b": {"method": "qlora", "max_seq_length": 2048, "batch_size": 2, "grad_accum": 4,
                  "learning_rate": 2e-4, "lora": {"r": 16, "alpha": 32}, "gradient_checkpointing": "standard",
                  "max_steps": None, "epochs": 1},
@@ -41,8 +46,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "long_context": {"max_seq_length": 16384, "batch_size": 1, "grad_accum": 8,
                      "gradient_checkpointing": "offload", "packing": False},
     "full_small": {"method": "full", "learning_rate": 2e-5, "batch_size": 4, "weight_decay": 0.01},
-    "grpo": {"method": "grpo", "dataset": "arithmetic_prompts", "learning_rate": 5e-6, "max_steps": 100,
-             "epochs": None, "grpo": {"num_generations": 8, "max_completion_length": 128, "beta": 0.04}},
+    # The model stays what the form holds: GRPO starts from the user's SFT result (for the demo, the
+    # `model/` folder of a finished run of the demo preset).
+    "grpo": _shipped("demo_grpo.yaml", drop=("model",)),
 }
 
 

@@ -18,7 +18,7 @@ def test_yaml_round_trip_and_overrides(tmp_path) -> None:
     "data, needle",
     [
         ({"learning_rat": 1e-4}, "unknown config key learning_rat; valid keys: batch_size"),
-        ({"lora": {"rank": 8}}, "unknown config key lora.rank; valid keys under lora: alpha, dropout, r, targets"),
+        ({"lora": {"rank": 8}}, "unknown config key lora.rank; valid keys under lora: alpha, dropout, init_from, r, targets"),
         ({"grpo": {"rewards": [{"nam": "x"}]}}, "unknown config key grpo.rewards[].nam"),
         ({"method": "dpo"}, "method must be one of qlora, lora, full, grpo"),
         ({"gradient_checkpointing": "yes"}, "gradient_checkpointing must be one of off, standard, offload"),
