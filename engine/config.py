@@ -89,6 +89,14 @@ class GrpoSettings:
         _check(self.beta >= 0 and self.epsilon > 0, "grpo.beta must be >= 0 and grpo.epsilon > 0")
         _check(self.temperature > 0, "grpo.temperature must be positive")
         _check(bool(self.rewards), "grpo.rewards must list at least one reward")
+        for spec in self.rewards:  # refused when the run is configured, not minutes later in the job
+            _check(spec.name != "custom" or self.allow_custom_rewards, custom_reward_refusal(spec.path))
+
+
+def custom_reward_refusal(path: str | None) -> str:
+    """Why a custom reward is refused without `grpo.allow_custom_rewards: true`."""
+    return (f"grpo.rewards: the custom reward {path!r} is Python code that would run inside the training "
+            "process with your permissions. Set `grpo.allow_custom_rewards: true` to allow it.")
 
 
 @dataclass

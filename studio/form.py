@@ -14,7 +14,7 @@ from engine.config import ALL_LINEAR, CHECKPOINTING, DTYPES, LOSS_TYPES, SCHEDUL
 @dataclass(frozen=True)
 class Field:
     key: str  # dotted TrainConfig key
-    kind: str  # int | float | opt_int | opt_float | bool | choice | text | opt_text | multi
+    kind: str  # int | float | opt_int | opt_float | bool | choice | text | opt_text | multi | rewards
     section: str  # main | advanced | grpo
     choices: tuple[str, ...] = ()
     step: float | None = None  # the Number widget's step
@@ -57,7 +57,12 @@ FIELDS: tuple[Field, ...] = (
     Field("grpo.loss_type", "choice", "grpo", LOSS_TYPES),
     Field("grpo.temperature", "float", "grpo", step=0.1),
     Field("grpo.top_p", "float", "grpo", step=0.05),
+    Field("grpo.rewards", "rewards", "grpo"),
+    Field("grpo.allow_custom_rewards", "bool", "grpo"),
 )
+
+# The columns of the GRPO rewards table: one row per `engine.config.RewardSpec`.
+REWARD_COLUMNS = ("name", "weight", "pattern", "target_length", "path")
 
 # Widgets laid out by hand (they need more than one widget or dynamic choices), then the fields.
 HEAD_KEYS = ("model_source", "model", "method", "dataset")

@@ -77,6 +77,8 @@ FIELD_LABELS = {
     "epochs": "Epochs", "learning_rate": "Learning rate", "batch_size": "Batch size",
     "grad_accum": "Gradient accumulation", "lora.r": "LoRA rank r", "lora.alpha": "LoRA alpha",
     "lora.dropout": "LoRA dropout", "lora.targets": "LoRA target modules",
+    "grpo.rewards": "Rewards (one per row; the weighted sum is the reward)",
+    "grpo.allow_custom_rewards": "Allow custom reward code (runs inside the training job's process)",
     "lora.init_from": "Start from adapter (optional: a LoRA run's folder, e.g. for GRPO after SFT)", "packing": "Packing",
     "train_on_responses_only": "Train on responses only", "gradient_checkpointing": "Gradient checkpointing",
     "save_steps": "Save every N steps (0: only at the end)", "seed": "Seed", "dtype": "Compute dtype",
@@ -185,6 +187,14 @@ PRESET_NAMES = {
     "full_small": "Full fine-tune: models up to about 1B",
     "grpo": "GRPO on the arithmetic prompts (set Model to a finished demo run's model folder first)",
 }
+TR_REWARDS_INFO = (
+    "**Rewards.** `exact_answer`: the completion's final number (or `\\boxed{}` value, or `<answer>` tag) "
+    "equals the dataset's `answer` column. `format_regex`: 1 when `pattern` matches. `length_penalty`: 0 up "
+    "to `target_length` tokens, then down to -1. `json_valid`: 1 when the completion is valid JSON. "
+    "`custom`: `path` to a Python file defining `reward(prompts, completions, answers)`; it runs with your "
+    "permissions inside the training job's process, so it needs the box above ticked."
+)
+ERR_REWARD_ROW = "Rewards table, row {row}: {problem}."
 ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."
 ERR_SEED = "The seed must be a whole number, or empty for a random one; got {value!r}."
 ERR_HUB_ID = "{model!r} is not a valid hub id ({error})."

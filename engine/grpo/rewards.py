@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from engine.config import RewardSpec
+from engine.config import RewardSpec, custom_reward_refusal
 from engine.errors import ConfigError, KestrelError
 
 BUILTINS = ("exact_answer", "format_regex", "length_penalty", "json_valid", "custom")
@@ -175,10 +175,7 @@ def json_valid(batch: RewardBatch) -> list[float]:
 def load_custom_reward(path: str | None, allowed: bool) -> RewardFn:
     """`reward(prompts, completions, answers)` from the Python file at `path` (importlib, no exec)."""
     if not allowed:
-        raise ConfigError(
-            f"grpo.rewards: the custom reward {path!r} is Python code that would run inside the training "
-            "process with your permissions. Set `grpo.allow_custom_rewards: true` to allow it."
-        )
+        raise ConfigError(custom_reward_refusal(path))
     if not path:
         raise ConfigError("grpo.rewards: a custom reward needs `path`, a Python file defining reward(...)")
     file = Path(path).expanduser().resolve()

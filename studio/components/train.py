@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from studio import strings as S
-from studio.form import FIELDS, Field
+from studio.form import FIELDS, REWARD_COLUMNS, Field
 
 
 def _widget(field: Field) -> gr.Component:
@@ -18,6 +18,10 @@ def _widget(field: Field) -> gr.Component:
         return gr.Dropdown(label=label, choices=list(field.choices), elem_id=eid)
     if field.kind == "multi":
         return gr.CheckboxGroup(label=label, choices=list(field.choices), elem_id=eid)
+    if field.kind == "rewards":
+        return gr.Dataframe(label=label, headers=list(REWARD_COLUMNS), datatype=["str", "number", "str", "number", "str"],
+                            column_count=len(REWARD_COLUMNS), column_limits=(len(REWARD_COLUMNS), len(REWARD_COLUMNS)),
+                            row_count=1, interactive=True, elem_id=eid)
     if field.kind in ("text", "opt_text"):
         return gr.Textbox(label=label, elem_id=eid)
     precision = 0 if field.kind.endswith("int") else None
@@ -53,6 +57,7 @@ def build() -> dict[str, gr.Component]:
         _fields(c, "advanced")
     with gr.Accordion(S.TR_GRPO, open=False):
         _fields(c, "grpo")
+        gr.Markdown(S.TR_REWARDS_INFO)
     with gr.Row():
         c["start"] = gr.Button(S.TR_START, variant="primary", elem_id="tr-start")
     c["status"] = gr.Markdown(elem_id="tr-status")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from engine.estimate import GIB, detect_gpu, estimate_training_memory, shape_fro
 from engine.paths import ASSETS, resolve_dataset_path
 from studio import files
 from studio import strings as S
-from studio.form import FIELD_BY_KEY, FORM_KEYS
+from studio.form import FIELD_BY_KEY, FORM_KEYS, REWARD_COLUMNS
 from studio.handlers.common import DEMO, check_model, is_local, model_config, user_errors
 
 def _shipped(name: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -83,10 +84,56 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _blank(cell: Any) -> bool:
+    return cell is None or (isinstance(cell, float) and math.isnan(cell)) or str(cell).strip() == ""
+
+
+def _table_rows(value: Any) -> list[list[Any]]:
+    """A Dataframe widget's value (a DataFrame, {"data": rows} or rows) as a list of rows."""
+    if hasattr(value, "values") and hasattr(value, "columns"):
+        return value.values.tolist()
+    if isinstance(value, dict):
+        return list(value.get("data") or [])
+    return list(value or [])
+
+
+def rewards_from_table(value: Any) -> list[dict[str, Any]]:
+    """The rewards table -> `grpo.rewards` (RewardSpec dicts). Empty rows are skipped; a weight
+    or target length that is not a number is a ConfigError naming the row."""
+    specs = []
+    for row_number, row in enumerate(_table_rows(value), 1):
+        cells = dict(zip(REWARD_COLUMNS, row))
+        if _blank(cells.get("name")):
+            continue
+        spec: dict[str, Any] = {"name": str(cells["name"]).strip()}
+        for column, kind in (("weight", float), ("target_length", int)):
+            if not _blank(cells.get(column)):
+                try:
+                    number = float(cells[column])
+                    if kind is int and not number.is_integer():
+                        raise ValueError
+                except (TypeError, ValueError):
+                    problem = f"{column} {cells[column]!r} is not a {'whole ' if kind is int else ''}number"
+                    raise ConfigError(S.ERR_REWARD_ROW.format(row=row_number, problem=problem)) from None
+                spec[column] = kind(number)
+        for column in ("pattern", "path"):
+            if not _blank(cells.get(column)):
+                spec[column] = str(cells[column])
+        specs.append(spec)
+    return specs
+
+
+def rewards_to_table(rewards: list[dict[str, Any]] | None) -> list[list[Any]]:
+    """`grpo.rewards` -> rows of the rewards table (one per reward, REWARD_COLUMNS order)."""
+    return [[r.get(c) if r.get(c) is not None else "" for c in REWARD_COLUMNS] for r in rewards or []]
+
+
 def _convert(key: str, value: Any) -> Any:
     """A widget's value as the config wants it; ConfigError for a number that is not one."""
     kind = FIELD_BY_KEY[key].kind
     label = S.FIELD_LABELS.get(key, key)
+    if kind == "rewards":
+        return rewards_from_table(value)
     if kind in ("opt_int", "opt_float", "opt_text") and (value is None or str(value).strip() == ""):
         return None
     if kind in ("int", "opt_int", "float", "opt_float"):
@@ -128,7 +175,10 @@ def config_to_form(config: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"model_source": source, "model": "" if source == DEMO else model}
     for key in FORM_KEYS[2:]:
         value = flat.get(key)
-        out[key] = list(value) if isinstance(value, list) else value
+        if key in FIELD_BY_KEY and FIELD_BY_KEY[key].kind == "rewards":
+            out[key] = rewards_to_table(value)
+        else:
+            out[key] = list(value) if isinstance(value, list) else value
     extra: dict[str, Any] = {}
     for key, value in flat.items():
         if key not in FORM_KEYS:

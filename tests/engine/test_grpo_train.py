@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import config_from_dict
-from engine.errors import DatasetError
+from engine.errors import ConfigError, DatasetError
 from engine.grpo.data import load_prompts, prompts_for_step
 from engine.metrics import Callback
 from engine.paths import SAMPLE_DATASETS
@@ -131,8 +131,10 @@ def test_reused_batches_take_clipped_steps(tiny_model_dir, tmp_path: Path, one_t
 def test_custom_reward_needs_the_opt_in(tmp_path: Path) -> None:
     (tmp_path / "r.py").write_text("def reward(p, c, a):\n    return [0.0] * len(c)\n")
     cfg = _grpo("demo", tmp_path / "c", "arithmetic_prompts", grpo=dict(rewards=[{"name": "custom", "path": str(tmp_path / "r.py")}]))
-    result = run(config_from_dict(cfg))
-    assert result.status == "failed" and "allow_custom_rewards: true" in result.error
+    with pytest.raises(ConfigError, match="allow_custom_rewards: true"):  # refused before any job starts
+        config_from_dict(cfg)
+    cfg["grpo"]["allow_custom_rewards"] = True
+    assert config_from_dict(cfg).grpo.allow_custom_rewards
 
 
 def test_prompt_datasets(demo_tokenizer, tmp_path: Path) -> None:

@@ -35,9 +35,34 @@ def test_keys_without_widgets_survive_the_form() -> None:
            "grpo: {rewards: [{name: format_regex, pattern: 'x', weight: 0.5}]}\n"
     filled = train.apply_yaml(text)
     assert filled["extra"]["columns"] == {"prompt": "question", "completion": "reply"}
+    assert filled["grpo.rewards"] == [["format_regex", 0.5, "x", "", ""]]  # shown in the rewards table
     again = yaml.safe_load(train.preview(filled["extra"], *[filled[k] for k in FORM_KEYS])["yaml"])
     assert again["columns"] == {"prompt": "question", "completion": "reply"}
     assert again["grpo"]["rewards"][0]["name"] == "format_regex"
+
+
+def test_grpo_rewards_are_chosen_in_the_form() -> None:
+    """The GRPO section's rewards table: rows become `grpo.rewards`, blank rows and cells drop out,
+    pandas' NaN for an empty number cell is blank, and a custom reward needs the opt-in box."""
+    import pandas as pd
+
+    table = pd.DataFrame([["exact_answer", 2, None, None, None], ["length_penalty", 0.5, "", 12, ""],
+                          ["", None, None, None, None], ["format_regex", None, r"<answer>\d+</answer>", None, None]],
+                         columns=["name", "weight", "pattern", "target_length", "path"])
+    extra, values = form(method="grpo", dataset="arithmetic_prompts", **{"grpo__rewards": table})
+    out = train.preview(extra, *values)
+    assert out["status"] == "", out["status"]
+    rewards = yaml.safe_load(out["yaml"])["grpo"]["rewards"]
+    assert [(r["name"], r["weight"]) for r in rewards] == [("exact_answer", 2.0), ("length_penalty", 0.5),
+                                                            ("format_regex", 1.0)]
+    assert rewards[1]["target_length"] == 12 and rewards[2]["pattern"] == r"<answer>\d+</answer>"
+    extra, values = form(method="grpo", **{"grpo__rewards": [["length_penalty", 1, "", 7.5, ""]]})
+    assert "row 1: target_length 7.5 is not a whole number" in train.preview(extra, *values)["status"]
+    extra, values = form(method="grpo", dataset="arithmetic_prompts",
+                         **{"grpo__rewards": [["custom", 1, "", "", "/tmp/reward.py"]]})
+    with pytest.raises(gr.Error) as excinfo:
+        train.start_training(extra, *values)
+    assert "allow_custom_rewards" in error_text(excinfo)
 
 
 def test_load_yaml_file(tmp_path: Path) -> None:
