@@ -1,0 +1,97 @@
+"""Matrix-vector product for a one-row decode step: y = W x (+ b), read at copy bandwidth.
+
+At batch 1 every projection of a decode step is a matrix-vector product, and the step's time
+is the bytes of W over memory bandwidth. cuBLAS picks tile shapes made for matrices (8-row
+output tiles of a 64-128-column MMA) and, for the long or narrow shapes, split-K with a second
+reduction kernel. Measured on an H200 at the Llama-3.1-8B shapes (bf16, weights rotated so L2
+holds none; bench/RESULTS.md):
+
+    (out, in)        cuBLAS            this kernel
+    6144 x 4096      15.3 us  3.3 TB/s  14.1 us  3.6 TB/s   q/k/v
+    4096 x 4096      12.6 us  2.7 TB/s   9.9 us  3.4 TB/s   o          (cuBLAS: split-K + reduce)
+    28672 x 4096     56.9 us  4.1 TB/s  54.4 us  4.3 TB/s   gate/up
+    4096 x 14336     31.5 us  3.7 TB/s  28.6 us  4.1 TB/s   down       (cuBLAS: split-K + reduce)
+    128256 x 4096   248.3 us  4.2 TB/s 231.4 us  4.5 TB/s   lm_head
+
+Layout: W (N, K) with unit column stride and any row stride (a row slice of a fused q/k/v
+buffer is fine); x: one row (..., K), contiguous; y: (..., N) in x's dtype. Grid: cdiv(N,
+BLOCK_N) programs. Each owns BLOCK_N = 2 rows and walks K in BLOCK_K = 2048 columns with 2
+warps: 64 elements (eight 16-byte loads) of W per thread per step, an fp32 (BLOCK_N, BLOCK_K)
+accumulator reduced once at the end, no split-K. In a sweep of 30 block shapes (2-16 rows,
+512-2048 columns, 1-8 warps, 1 or 3 stages, early or late reduction) it was the fastest on all
+five shapes, with 3 pipeline stages for the long K of `down` and 1 elsewhere (0.2-0.4 us apart).
+Accumulation is fp32 (fp32 weights too: no TF32).
+
+Rejected: computing the product's input inside it (residual add + RMSNorm, or act(gate) * up),
+which would remove the small kernels between products: every program re-reads the input
+vectors, and at 2-row tiles those L2 reads cost more than the kernel they save (gate/up with
+the norm inside: 79.5 us against 54.4 + an inductor norm of about 2.5).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.dispatch import use_triton
+
+_BLOCK_N, _BLOCK_K, _WARPS = 2, 2048, 2
+_INTERPRETED_BLOCK_N = 32  # the interpreter runs programs one by one: fewer, larger ones
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, BIAS, Y, N, stride_w,
+    K: tl.constexpr,  # constexpr: Triton's interpreter cannot loop to a run-time bound (numpy >= 2.4)
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = W + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        x = tl.load(X + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """True when the kernel takes this product: one row of x, unit column strides, one dtype,
+    and the Triton kernels chosen (`kernels.dispatch`: CUDA tensors, or forced)."""
+    return (
+        x.numel() == x.shape[-1] and x.is_contiguous() and weight.dim() == 2 and weight.stride(1) == 1
+        and x.dtype == weight.dtype and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))
+        and use_triton(x, weight)
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) holding one row, weight (N, K), bias (N,) or None -> (..., N). No checks."""
+    n, k = weight.shape
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    block_n = _INTERPRETED_BLOCK_N if interpreted else _BLOCK_N
+    block_k = min(_BLOCK_K, max(16, triton.next_power_of_2(k)))
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y if bias is None else bias, y, n, weight.stride(0),  # y: a placeholder never read
+        K=k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_WARPS,
+        num_stages=3 if k >= 8192 else 1,
+    )
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); a one-row x runs the Triton kernel where `gemv_applies`."""
+    if gemv_applies(x, weight, bias):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

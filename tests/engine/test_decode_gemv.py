@@ -1,0 +1,61 @@
+"""The one-row decode step with its products on the Triton matrix-vector kernel (kernels/gemv.py),
+run through Triton's interpreter on the CPU (KESTREL_KERNELS=triton), fp32: greedy tokens must
+be Hugging Face's, with fused q/k/v + gate/up, q/k/v biases, a tied lm_head and adapters whose A
+rows ride in the fused products. Batches of several rows keep F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.gemv
+from engine.decode.generate import Generator
+from tests.engine.test_decode_hf import _hf_greedy, _model, _one_thread, _prompt, _with_adapters  # noqa: F401
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """KESTREL_KERNELS=triton, and every kernel launch's weight shape recorded."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    calls: list[tuple[int, int]] = []
+    launch = kernels.gemv.gemv
+
+    def gemv(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return launch(x, weight, bias)
+
+    monkeypatch.setattr(kernels.gemv, "gemv", gemv)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_row_greedy_matches_hf(family: str, counted: list[tuple[int, int]]) -> None:
+    model = _model(family)
+    gen = Generator(model, max_seq_len=128, stop_ids=[])
+    assert gen.backend.fused_groups > 0
+    prompt = _prompt(11, seed=4)
+    assert gen.generate([prompt], max_new_tokens=12).tokens[0] == _hf_greedy(model, prompt, 12)
+    per_step = 4 * len(gen.backend.layers) + 1  # q/k/v, o, gate/up, down per layer; lm_head
+    # every decode step (the first token comes from prefill), plus prefill's lm_head on its last token
+    assert len(counted) == 11 * per_step + 1
+
+
+def test_one_row_adapters_match_cublas_path(counted: list[tuple[int, int]], monkeypatch) -> None:
+    peft = _with_adapters(_model("qwen2"))
+    gen = Generator(peft, max_seq_len=128, stop_ids=[])
+    prompt = [_prompt(9, seed=6)]
+    ours = {a: gen.generate(prompt, 8, adapter=a).tokens for a in ("default", "qv", None)}
+    assert counted
+    monkeypatch.setenv("KESTREL_KERNELS", "torch")
+    ref = Generator(peft, max_seq_len=128, stop_ids=[])
+    for adapter, tokens in ours.items():
+        assert tokens == ref.generate(prompt, 8, adapter=adapter).tokens, adapter
+
+
+def test_batched_rows_keep_linear(counted: list[tuple[int, int]]) -> None:
+    model = _model("llama")
+    gen = Generator(model, max_seq_len=128, stop_ids=[])
+    prompts = [_prompt(7, seed=1), _prompt(10, seed=2)]
+    out = gen.generate(prompts, max_new_tokens=6).tokens
+    assert not counted
+    assert out[1] == _hf_greedy(model, prompts[1], 6)
