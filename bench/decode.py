@@ -14,8 +14,10 @@ One run measures, in this order (HF first: attaching LoRA later rewires the mode
      (every weight but the untied embedding table, plus the KV cache);
   2. HF `generate` with its dynamic cache, batch 1 and `--batch`;
   3. HF `generate` with a static cache + torch.compile (its auto-compile), batch 1;
-  4. Kestrel bf16 (fused q/k/v and gate/up products), batch 1 and `--batch`, then the same with
-     separate products (`fuse=False`, the previous path) at batch 1;
+  4. Kestrel bf16 (fused q/k/v and gate/up products; batch 1 through the Triton matrix-vector
+     kernel, kernels/gemv.py), batch 1 and `--batch`, then the same with separate products
+     (`fuse=False`) at batch 1; with `--no-triton` first also batch 1 with cuBLAS products
+     (`kestrel_cublas`, the session-2 path);
   5. the same two with an unmerged LoRA adapter (r=16, all seven linears, random non-zero B);
   6. Kestrel with the base quantized to NF4 (bitsandbytes; never fused).
 
@@ -25,7 +27,8 @@ for batch 1 the fraction of the bandwidth bound, and for Kestrel the GPU memory 
 generator added (`generator_added_GB`: RoPE tables and the LoRA bank; fusing re-points the
 weights into one buffer per group and copies none, so this stays near zero).
 Every variant is guarded: a failure becomes an error row and the run goes on; the JSON is
-rewritten after every row, so a run cut short keeps what it measured.
+rewritten after every row, so a run cut short keeps what it measured. `--profile DIR` adds, for
+each Kestrel variant at batch 1, kernel time per token by kernel name (`profile_<name>.txt`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 from typing import Any, Callable
 
 import torch
@@ -224,8 +228,11 @@ def allocated() -> int:
 
 
 def measure_kestrel(report: Report, model, name: str, batches: list[tuple[int, torch.Tensor]], new: int,
-                    context: int, adapter: str | None = None, fuse: bool | None = None) -> None:
-    """One generator on `model`, measured at each (batch, ids); closed afterwards (weights unfused)."""
+                    context: int, adapter: str | None = None, fuse: bool | None = None,
+                    profile: Path | None = None) -> None:
+    """One generator on `model`, measured at each (batch, ids); closed afterwards (weights unfused).
+
+    `profile`: a folder; batch 1 then also gets a per-token kernel table (`profile_kernels`)."""
     from engine.decode import Generator
 
     held: dict[str, Any] = {}
@@ -238,7 +245,10 @@ def measure_kestrel(report: Report, model, name: str, batches: list[tuple[int, t
         gen = held["gen"]
         row = measure(name, batch, new, kestrel_runner(gen, ids, new, adapter), 3)
         fused = getattr(gen.backend, "fused_groups", 0)
-        return {**row, "fused_groups": fused, "generator_added_GB": held["added"]}
+        row = {**row, "fused_groups": fused, "generator_added_GB": held["added"], "compiled": gen.compile}
+        if profile is not None and batch == 1:
+            row["profile_top"] = profile_kernels(gen, ids, adapter, profile / f"profile_{name}.txt")
+        return row
 
     for batch, ids in batches:
         guarded(report, name, batch, lambda batch=batch, ids=ids: one(batch, ids))
@@ -248,6 +258,27 @@ def measure_kestrel(report: Report, model, name: str, batches: list[tuple[int, t
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def profile_kernels(gen, ids: torch.Tensor, adapter: str | None, out: Path, new: int = 64) -> list[str]:
+    """Kernel time per decode token by kernel name (graph replays included), from one request of
+    `new` tokens; the whole table goes to `out`, the top 12 lines are returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return ["no CUDA: nothing profiled"]
+    gen.generate(ids.tolist(), max_new_tokens=new, adapter=adapter)  # same session: no capture inside
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gen.generate(ids.tolist(), max_new_tokens=new, adapter=adapter)
+        sync()
+    rows = sorted(((e.device_time_total / new, e.count / new, e.key) for e in prof.key_averages()
+                   if e.device_time_total > 0), reverse=True)
+    total = sum(r[0] for r in rows)
+    lines = [f"{us:9.1f} us/token {calls:7.1f} calls/token  {key[:110]}" for us, calls, key in rows]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"kernel time {total:.1f} us/token (prefill included, over {new} tokens)\n" + "\n".join(lines))
+    return [f"total {total:.1f} us/token"] + lines[:12]
 
 
 def attach_lora(model, rank: int = 16):
@@ -319,12 +350,17 @@ def run_main(args: argparse.Namespace) -> Report:
     both = [(1, ids1), (args.batch, ids_b)]
     if not args.skip_hf:
         run_hf(report, model, ids1, ids_b, args.batch, new)
-    measure_kestrel(report, model, "kestrel", both, new, context)
+    if args.no_triton:  # every product through cuBLAS (the session-2 path), the rest as always
+        torch._dynamo.reset()  # compiled code does not guard on the environment
+        with mock.patch.dict(os.environ, {"KESTREL_KERNELS": "torch"}):
+            measure_kestrel(report, model, "kestrel_cublas", both[:1], new, context, profile=args.profile)
+        torch._dynamo.reset()
+    measure_kestrel(report, model, "kestrel", both, new, context, profile=args.profile)
     if not args.skip_separate:
         measure_kestrel(report, model, "kestrel_separate", both[:1], new, context, fuse=False)
     if not args.skip_lora:
         model = attach_lora(model)
-        measure_kestrel(report, model, "kestrel_lora_r16", both, new, context, adapter="default")
+        measure_kestrel(report, model, "kestrel_lora_r16", both, new, context, adapter="default", profile=args.profile)
         if not args.skip_separate:
             measure_kestrel(report, model, "kestrel_lora_r16_separate", both[:1], new, context, "default", False)
         model = model.unload()  # drop the LoRA layers, keep the base
@@ -404,8 +440,8 @@ def summarize(report: dict) -> None:
         k1 = rows[("kestrel", 1)]["tokens_per_s"]
         ratios["kestrel_b1_of_bound"] = k1 / bound
         ratios["kestrel_b1_decode_of_bound"] = rows[("kestrel", 1)]["decode_tokens_per_s"] / bound
-        for other in ("hf_dynamic", "hf_static_compile", "unsloth_inference", "kestrel_separate", "kestrel_lora_r16",
-                      "kestrel_lora_r16_separate", "kestrel_nf4"):
+        for other in ("hf_dynamic", "hf_static_compile", "unsloth_inference", "kestrel_cublas", "kestrel_separate",
+                      "kestrel_lora_r16", "kestrel_lora_r16_separate", "kestrel_nf4"):
             if (other, 1) in rows:
                 ratios[f"{other}_b1_over_kestrel"] = rows[(other, 1)]["tokens_per_s"] / k1
         if ("hf_dynamic", 1) in rows:
@@ -456,6 +492,9 @@ def main() -> None:
     p.add_argument("--skip-lora", action="store_true")
     p.add_argument("--skip-nf4", action="store_true")
     p.add_argument("--tmp", default=None, help="folder for Unsloth's temporary checkpoint (16 GB)")
+    p.add_argument("--no-triton", action="store_true",
+                   help="also measure batch 1 with cuBLAS products (KESTREL_KERNELS=torch), the previous path")
+    p.add_argument("--profile", type=Path, default=None, help="folder for per-token kernel tables (batch 1)")
     args = p.parse_args()
     start = time.perf_counter()
     report = run_unsloth(args) if args.only == "unsloth" else run_main(args)
