@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "studio"
 SHARED_HOME = True
 P95_LIMIT_MS = 300.0
-STEPS = 20  # tiny (batch 2 x 128 tokens), yet long enough to reload and watch steps on a fast CPU
+STEPS = 120  # the demo preset (full fine-tune, batch 32 x 64 tokens): long enough to reload and watch steps
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
               pytest.mark.skipif(not Path(CHROMIUM).exists(),
@@ -143,7 +143,7 @@ def _expected_estimate(max_seq_length: int) -> str:
     from engine.config import TrainConfig
     from studio.handlers import train
 
-    data = {**TrainConfig().to_dict(), **train.PRESETS["demo"], "max_seq_length": max_seq_length, "batch_size": 2}
+    data = {**TrainConfig().to_dict(), **train.PRESETS["demo"], "max_seq_length": max_seq_length, "batch_size": 32}
     return re.search(r"about [\d.]+ GiB", train.vram_text(data)).group(0)
 
 
@@ -162,7 +162,7 @@ def responsiveness(pg: object, rounds: int = 10) -> dict[str, list[float]]:
         value = 4096 * (i + 1)
         times["train_form"].append(pg.evaluate(  # type: ignore[attr-defined]
             TIMED_INPUT, ["#tr-max-seq-length input", str(value), "#tr-vram", _expected_estimate(value)]))
-    pg.locator("#tr-max-seq-length input").fill("128")  # type: ignore[attr-defined]
+    pg.locator("#tr-max-seq-length input").fill("64")  # type: ignore[attr-defined]
     return times
 
 
@@ -178,7 +178,7 @@ def test_full_flow(page: object, server: str, module_home: Path) -> None:
     shot(pg, "01-dataset")
     # 2. Train: the form already points at the upload; tiny settings; Start switches to Runs.
     pg.get_by_role("tab", name="Train").click()
-    for field, value in (("max-steps", str(STEPS)), ("batch-size", "2"), ("max-seq-length", "128")):
+    for field, value in (("max-steps", str(STEPS)), ("batch-size", "32"), ("max-seq-length", "64")):
         pg.locator(f"#tr-{field} input").fill(value)
     shot(pg, "02-train")
     pg.locator("#tr-start").click()
