@@ -3,12 +3,12 @@
 Three layouts, as in Unsloth's model-level patch:
 
 - plain causal (no padding, no packing): no mask at all, SDPA runs with `is_causal`;
-- padded batches, and everything the varlen path cannot run: the mask Hugging Face itself builds
+- everything the varlen path cannot run (CPU, fp32, a mask with holes): the mask Hugging Face itself builds
   (its own `create_causal_mask` / `create_sliding_window_causal_mask`, so the math is HF's);
-- packed rows (several samples in a row, `position_ids` restarting) on CUDA in fp16/bf16:
-  variable-length attention (`torch.nn.attention.varlen.varlen_attn`) over the samples laid end
-  to end, so no (B, 1, T, T) block mask is ever built. Sliding-window layers on rows longer than
-  the window use the same kernel with one "sample" per row and a window.
+- packed rows (several samples in a row, `position_ids` restarting) and padded rows on CUDA in
+  fp16/bf16: variable-length attention (`torch.nn.attention.varlen.varlen_attn`) over the samples
+  (and runs of padding) laid end to end, so no (B, 1, T, T) mask is ever built. Sliding-window
+  layers on rows longer than the window use the same kernel with one "sample" per row and a window.
 
 The varlen function is a parameter (`VarlenFn`), never a global: `reference_varlen_attn` computes
 the same thing with a loop of SDPA calls and runs on a CPU, so tests check the whole varlen path
@@ -84,6 +84,29 @@ def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
     return starts
+
+
+def segment_starts(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """(B, T) bool on the host: where a sample, or the run of right padding, begins. None unless
+    every row is real tokens then padding (as `engine.data.collate` pads): with a hole HF lets
+    tokens see across it, and with left padding the last pad position's output predicts the
+    first real token in the loss, so only HF's own mask reproduces HF there.
+
+    Right padding as its own segment is exact: the real tokens attend causally among themselves,
+    as HF's mask allows, and the pad positions' outputs (which differ from HF's) only predict
+    ignored labels. One host copy: the starts and the check travel together.
+    """
+    starts = sample_starts(position_ids.expand(batch, -1)) if position_ids is not None else None
+    if attention_mask is None:
+        return None if starts is None else starts.cpu()
+    mask = attention_mask.bool()
+    edges = torch.ones_like(mask)
+    edges[:, 1:] = mask[:, 1:] != mask[:, :-1]
+    starts = edges if starts is None else starts | edges
+    rises = torch.zeros_like(mask)
+    rises[:, 1:] = mask[:, 1:] & ~mask[:, :-1]  # a real token after a pad: a hole or left padding
+    starts, rises = torch.stack([starts, rises]).cpu()
+    return None if bool(rises.any()) else starts
 
 
 def samples_from_starts(starts: torch.Tensor, device: torch.device) -> Samples:

@@ -5,8 +5,8 @@ level: embeddings, position ids, rotary tables and the attention layout are comp
 forward, then every decoder layer is called through its `__call__` (so Hugging Face gradient
 checkpointing, which `engine.checkpointing` hooks into, keeps working), then the final norm.
 
-The attention layout (`engine.attention`) is where this differs from HF: packed rows on CUDA in
-16-bit run the varlen kernel instead of a (B, 1, T, T) block mask. Everything else uses the very
+The attention layout (`engine.attention`) is where this differs from HF: packed and padded rows
+on CUDA in 16-bit run the varlen kernel instead of a (B, 1, T, T) mask. Everything else uses the very
 masks HF builds. Any call this forward does not handle (a cache, `use_cache`, attention or
 hidden-state outputs, a prepared 4-D mask, unknown keywords...) goes to the original class
 forward unchanged.
@@ -88,12 +88,13 @@ def attention_inputs(
     dropout = model.training and getattr(model.config, "attention_dropout", 0.0) > 0
     fn = attn.varlen_backend(mode, embeds.device, embeds.dtype, dropout)
     padded, packed, samples, hf_positions = attention_mask is not None, False, None, position_ids
-    if fn is not None and not padded and position_ids is not None:
-        starts = attn.sample_starts(position_ids.expand(b, -1)).cpu()  # (B, T) the one host sync
-        packed = bool(starts[:, 1:].any())
+    starts = attn.segment_starts(attention_mask, position_ids, b) if fn is not None else None  # the one host sync
+    if starts is not None:
+        packed = bool(starts[:, 1:].any())  # samples or runs of padding inside the rows
+        padded = False  # padding, if any, is a segment of its own now
         if packed:
             samples = attn.samples_from_starts(starts, embeds.device)
-        else:
+        elif position_ids is not None:
             hf_positions = None  # HF would find no packing either; spares its own sync
     out: dict[int | None, LayerInputs] = {}
     for window in dict.fromkeys(windows):

@@ -49,6 +49,16 @@ def _batch(case: str) -> dict[str, torch.Tensor]:
         mask[1, 12:] = 0
         labels[1, 12:] = -100
         batch["attention_mask"] = mask
+    if case == "left_padded":
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        labels[0, :5] = -100
+        batch["attention_mask"] = mask
+    if case == "holed":  # real tokens on both sides of a zero: HF's mask lets them see across it
+        mask = torch.ones_like(ids)
+        mask[1, 6:9] = 0
+        labels[1, 6:9] = -100
+        batch["attention_mask"] = mask
     if case == "packed":  # samples of 11 + 8 and 4 + 15 tokens; the first label of each masked
         cuts = [(0, 11), (0, 4)]
         batch["position_ids"] = torch.stack([torch.cat([torch.arange(c), torch.arange(t - c)]) for _, c in cuts])
@@ -79,7 +89,8 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 CASES = [
     (family, case, mode)
     for family in SUPPORTED
-    for case, mode in [("plain", "off"), ("padded", "reference"), ("packed", "off"), ("packed", "reference"),
+    for case, mode in [("plain", "off"), ("padded", "off"), ("padded", "reference"), ("left_padded", "reference"),
+                       ("holed", "reference"), ("packed", "off"), ("packed", "reference"),
                        ("long", "off"), ("long", "reference")]
     if case != "long" or family in OVERRIDES
 ]
@@ -111,7 +122,9 @@ def test_logits_loss_and_lora_grads_match_hf(family: str, case: str, mode: str, 
         if p.requires_grad:
             torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
     assert counts["model"] == 2  # the logits and the loss forward, neither delegated
-    uses_varlen = mode == "reference" and case in ("packed", "long")
+    # Right-padded rows run as segments (real tokens, then padding) through varlen; left padding
+    # and a mask with a hole take HF's mask.
+    uses_varlen = mode == "reference" and case in ("packed", "long", "padded")
     assert (counts["varlen"] > 0) == uses_varlen
 
 

@@ -1,7 +1,8 @@
 """The real varlen kernel (torch.nn.attention.varlen) against the unpatched HF model, bf16 on CUDA.
 
 LoRA attached (the training path: fused LoRA QKV, in-place RoPE, varlen). Packed rows on every family, sliding windows small enough to matter (Gemma 3, Mistral, Qwen2),
-and an unpacked row longer than the window (the per-row varlen path). bf16 is judged against an
+an unpacked row longer than the window (the per-row varlen path), and right-padded rows (the real
+tokens and the padding as segments). bf16 is judged against an
 fp32 run of the same weights: the patched model may not be much further from it than HF's own
 bf16 run is.
 """
@@ -20,6 +21,16 @@ from tests.engine.test_model_forward import OVERRIDES, _base
 from tests.engine.test_patching import VOCAB, _lora
 
 pytestmark = pytest.mark.gpu
+
+
+def _padded() -> dict[str, torch.Tensor]:
+    """(2, 64) right-padded rows of 64 and 37 real tokens (as engine.data.collate pads)."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, 64), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 37:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids.cuda(), "labels": labels.cuda(), "attention_mask": mask.cuda()}
 
 
 def _packed(long_row: bool) -> dict[str, torch.Tensor]:
@@ -48,10 +59,10 @@ def _err(a: torch.Tensor, truth: torch.Tensor) -> float:
     return float((a - truth).abs().max() / truth.abs().max().clamp(min=1e-6))
 
 
-@pytest.mark.parametrize("long_row", [False, True], ids=["packed", "long-row"])
+@pytest.mark.parametrize("layout", ["packed", "long-row", "padded"])
 @pytest.mark.parametrize("family", SUPPORTED)
-def test_varlen_matches_hf_in_bf16(family: str, long_row: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if long_row and family not in OVERRIDES:
+def test_varlen_matches_hf_in_bf16(family: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if layout == "long-row" and family not in OVERRIDES:
         pytest.skip("no sliding layers: an unpacked row takes SDPA's is_causal path")
     calls = []
     real = torch_varlen.varlen_attn
@@ -66,10 +77,13 @@ def test_varlen_matches_hf_in_bf16(family: str, long_row: bool, monkeypatch: pyt
     fast = copy.deepcopy(hf)
     patch_model(fast)
     assert patch_lora_layers(fast) > 0  # fused LoRA QKV feeds the varlen kernel, as in training
-    batch = _packed(long_row)
+    batch = _padded() if layout == "padded" else _packed(layout == "long-row")
     want_logits, want_loss, want_grads = _run(truth, batch)
     hf_logits, hf_loss, hf_grads = _run(hf, batch)
     fast_logits, fast_loss, fast_grads = _run(fast, batch)
+    if layout == "padded":  # pad positions' outputs are nobody's business (their labels are ignored)
+        keep = batch["attention_mask"].bool()
+        want_logits, hf_logits, fast_logits = want_logits[keep], hf_logits[keep], fast_logits[keep]
     assert calls, "the varlen kernel never ran"
     assert _err(fast_logits, want_logits) <= 2 * _err(hf_logits, want_logits) + 1e-2
     assert abs(float(fast_loss - want_loss)) <= 2 * abs(float(hf_loss - want_loss)) + 1e-2

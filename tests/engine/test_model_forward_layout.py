@@ -138,7 +138,7 @@ def test_varlen_attention_without_enable_gqa_repeats_kv() -> None:
 
 
 def test_attention_inputs_per_window() -> None:
-    """One layout per window size: varlen for packed rows, HF masks for padded ones."""
+    """One layout per window size: varlen for packed and right-padded rows, HF masks for left padding."""
     model = tiny_model("gemma3_text", VOCAB, sliding_window=4, layer_types=["sliding_attention", "full_attention"]).model
     embeds = torch.zeros(2, 10, 128)
     positions = _positions([6, 4], [10])
@@ -146,7 +146,14 @@ def test_attention_inputs_per_window() -> None:
     assert packed.keys() == {4, None}
     assert all(mask is None and call.samples.cu_seqlens.tolist() == [0, 6, 10, 20] for mask, call in packed.values())
     assert packed[4][1].window == (3, 0) and packed[None][1].window == (-1, 0)
-    padded = attention_inputs(model, "reference", [4, None], embeds, torch.ones(2, 10, dtype=torch.long), positions)
-    assert all(call is None for _, call in padded.values())
+    right = torch.ones(2, 10, dtype=torch.long)
+    right[1, 7:] = 0  # row 1: 7 real tokens, then padding (a segment of its own)
+    plain = torch.arange(10).unsqueeze(0)
+    padded = attention_inputs(model, "reference", [4, None], embeds, right, plain)
+    assert all(mask is None and call.samples.cu_seqlens.tolist() == [0, 10, 17, 20] for mask, call in padded.values())
+    both = attention_inputs(model, "reference", [4, None], embeds, right, positions)  # packed and padded
+    assert all(call.samples.cu_seqlens.tolist() == [0, 6, 10, 17, 20] for _, call in both.values())
+    left = right.flip(1)  # left padding (or a hole) keeps HF's own masks
+    assert all(call is None for _, call in attention_inputs(model, "reference", [4, None], embeds, left, plain).values())
     off = attention_inputs(model, "off", [4, None], embeds, None, positions)
     assert all(call is None and mask.shape == (2, 1, 10, 10) for mask, call in off.values())  # HF's block masks
