@@ -86,7 +86,9 @@ def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def segment_starts(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+def segment_starts(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int
+) -> torch.Tensor | None:
     """(B, T) bool on the host: where a sample, or the run of right padding, begins. None unless
     every row is real tokens then padding (as `engine.data.collate` pads): with a hole HF lets
     tokens see across it, and with left padding the last pad position's output predicts the

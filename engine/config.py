@@ -82,7 +82,8 @@ class GrpoSettings:
     load_in_4bit: bool = False  # NF4 base (QLoRA-style GRPO); needs CUDA
 
     def __post_init__(self) -> None:
-        self.rewards = [r if isinstance(r, RewardSpec) else _build(RewardSpec, r, "grpo.rewards[]") for r in self.rewards]
+        self.rewards = [r if isinstance(r, RewardSpec) else build_checked(RewardSpec, r, "grpo.rewards[]")
+                        for r in self.rewards]
         _check(self.num_generations >= 2, f"grpo.num_generations must be at least 2, got {self.num_generations}")
         _check(self.max_completion_length >= 1, "grpo.max_completion_length must be positive")
         _check(self.loss_type in LOSS_TYPES, f"grpo.loss_type must be one of {', '.join(LOSS_TYPES)}")
@@ -166,7 +167,7 @@ class TrainConfig:
         Path(path).write_text(self.to_yaml())
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
+def build_checked(cls: type, data: Any, where: str) -> Any:
     """Build dataclass `cls` from a mapping, naming any unknown key and listing the valid ones."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'} must be a mapping of keys to values, got {type(data).__name__}")
@@ -183,7 +184,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     for key, value in data.items():
         nested = hints[key]
         if dataclasses.is_dataclass(nested) and isinstance(nested, type):
-            value = value if isinstance(value, nested) else _build(nested, value, f"{where}.{key}".strip("."))
+            value = value if isinstance(value, nested) else build_checked(nested, value, f"{where}.{key}".strip("."))
         else:
             _check_type(f"{where}.{key}".strip("."), nested, value)
         kwargs[key] = value
@@ -218,7 +219,7 @@ def _check_type(key: str, hint: Any, value: Any) -> None:
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     """A validated TrainConfig from a plain mapping (a parsed YAML file, the studio's form)."""
-    return _build(TrainConfig, data, "")
+    return build_checked(TrainConfig, data, "")
 
 
 def _coerce_number(value: Any) -> Any:

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import select, update
 
-from engine.config import _build  # the validated dataclass builder that names unknown keys
+from engine.config import build_checked  # the validated dataclass builder that names unknown keys
 from engine.errors import ConfigError, KestrelError
 from engine.export import FORMATS, MERGED_DTYPES, QUANT_TYPES
 from engine.paths import kestrel_home
@@ -95,7 +95,7 @@ def prepare(data: dict[str, Any]) -> Prepared:
     and becomes absolute, since the worker runs elsewhere. What is inside it is the engine's to
     judge: an unusable folder makes the job fail with the engine's message.
     """
-    cfg: ExportConfig = _build(ExportConfig, dict(data), "")
+    cfg: ExportConfig = build_checked(ExportConfig, dict(data), "")
     if cfg.kind != EXPORT:
         raise ConfigError(f"kind must be {EXPORT} for an export config, got {cfg.kind!r}")
     fmt = cfg.format.lower()
