@@ -119,6 +119,19 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> Session:
     return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device)
 
 
+def optimizer_step(s: Session) -> tuple[torch.Tensor, float]:
+    """Clip the accumulated gradients (max_grad_norm; 0 = no clipping), step the optimizer and the
+    schedule, clear the gradients. Returns (grad norm before clipping, the lr this step used)."""
+    params = [p for g in s.optimizer.param_groups for p in g["params"]]
+    clip = s.config.max_grad_norm if s.config.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    lr = s.scheduler.get_last_lr()[0]
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
 def train_step(s: Session, step: int) -> dict[str, float]:
     """One optimizer step over `grad_accum` micro-batches; returns its metrics."""
     accum = s.config.grad_accum
@@ -136,13 +149,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
         )
         out.loss.backward()
         total_loss += out.loss.detach()
-    params = [p for g in s.optimizer.param_groups for p in g["params"]]
-    clip = s.config.max_grad_norm if s.config.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    lr = s.scheduler.get_last_lr()[0]
-    s.optimizer.step()
-    s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
+    grad_norm, lr = optimizer_step(s)
     tokens = sum(b.tokens for b in batches)
     return {"loss": float(total_loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
             "epoch": (step + 1) * accum / len(s.plan)}

@@ -48,7 +48,7 @@ from engine.grpo.rollout import Rollouts, release, rollout
 from engine.loader import load
 from engine.lora import trainable_parameters
 from engine.metrics import Callback, memory_metrics
-from engine.sft import end_of_step, lr_lambda, prepare_model, run_recipe, seed_everything
+from engine.sft import end_of_step, lr_lambda, optimizer_step, prepare_model, run_recipe, seed_everything
 
 
 @dataclass
@@ -230,13 +230,7 @@ def update(s: GrpoSession, batch: StepBatch) -> dict[str, float]:
         sums["loss"] += loss.detach()
         for key in ("kl_sum", "clipped", "tokens"):
             sums[key] = sums[key] + stats[key]
-    params = [p for group in s.optimizer.param_groups for p in group["params"]]
-    clip = s.config.max_grad_norm if s.config.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    lr = s.scheduler.get_last_lr()[0]
-    s.optimizer.step()
-    s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
+    grad_norm, lr = optimizer_step(s)
     tokens = torch.as_tensor(sums["tokens"]).clamp(min=1)
     # One host read per step, for the metrics. No reference pass when beta == 0: no `kl` to report.
     out = {"loss": float(sums["loss"]), "grad_norm": float(grad_norm), "lr": lr,

@@ -13,9 +13,9 @@ import torch
 from engine.config import config_from_dict
 from engine.errors import ConfigError, DatasetError
 from engine.grpo.data import load_prompts, prompts_for_step
-from engine.metrics import Callback
 from engine.paths import SAMPLE_DATASETS
 from engine.train import run
+from tests.engine.test_train import StopAt
 
 STEP_KEYS = ("step", "total_steps", "epoch", "elapsed_s", "eta_s", "loss", "lr", "grad_norm", "tokens_per_s",
              "reward", "reward_std", "kl", "clip_frac", "completion_len_mean", "completion_len_max",
@@ -72,16 +72,6 @@ def test_reward_picks_the_verified_answer_among_equal_guesses(tmp_path: Path, on
     assert last > first + 0.15, rewards
     assert (tmp_path / "grpo" / "adapter" / "adapter_config.json").is_file()
 
-
-class StopAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step, self.seen = step, 0
-
-    def on_step(self, metrics: dict) -> None:
-        self.seen = int(metrics["step"])
-
-    def should_stop(self):
-        return "pause" if self.seen == self.step else None
 
 
 def test_metrics_and_resume_reproduce_the_straight_run(tiny_model_dir, tmp_path: Path, one_thread) -> None:

@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import update
 
-from jobs import queries, runner, store
-from jobs.models import CANCELLED, QUEUED, RUNNING, Job
+from jobs import runner, store
+from tests.jobs.jobkit import stop_workers
 
 HERE = Path(__file__).resolve().parent
 # The helpers (jobkit) and the fake engine import by bare name, in the tests and in the workers
@@ -35,22 +33,6 @@ def kestrel_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     monkeypatch.setattr(runner, "_last_refresh", 0.0)
     store.reset_engines()
     yield home
-    _stop_everything()
+    stop_workers()
     store.reset_engines()
 
-
-def _stop_everything() -> None:
-    """Cancel what is queued (so no finishing worker starts it), then kill what still runs."""
-    with store.session(immediate=True) as s:
-        s.execute(update(Job).where(Job.status == QUEUED).values(status=CANCELLED))
-    for job in queries.list_jobs(status=RUNNING):
-        if job.pid:
-            try:
-                os.killpg(job.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    for proc in list(runner._CHILDREN.values()):
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-    runner._CHILDREN.clear()

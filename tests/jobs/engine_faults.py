@@ -21,13 +21,12 @@ import engine.sft
 from engine.train import TrainResult, run
 
 
-def run_oom(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
-    fail_at = int(os.environ["FAULT_STEP"])
+def _run_with_step_hook(hook: Any, config: Any, callbacks: list[Any] | None) -> TrainResult:
+    """`run` with `hook(step)` called before every SFT step (`step` counts from 0)."""
     real_step = engine.sft.train_step
 
     def train_step(s: Any, step: int) -> dict[str, float]:
-        if step + 1 == fail_at:  # `step` counts from 0 here
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        hook(step)
         return real_step(s, step)
 
     engine.sft.train_step = train_step
@@ -35,6 +34,16 @@ def run_oom(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
         return run(config, callbacks)
     finally:
         engine.sft.train_step = real_step
+
+
+def run_oom(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
+    fail_at = int(os.environ["FAULT_STEP"])
+
+    def hook(step: int) -> None:
+        if step + 1 == fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    return _run_with_step_hook(hook, config, callbacks)
 
 
 def run_disk_full(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
@@ -55,14 +64,4 @@ def run_disk_full(config: Any, callbacks: list[Any] | None = None) -> TrainResul
 
 def run_paced(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
     pace = float(os.environ.get("PACE_S", "0.1"))
-    real_step = engine.sft.train_step
-
-    def train_step(s: Any, step: int) -> dict[str, float]:
-        time.sleep(pace)
-        return real_step(s, step)
-
-    engine.sft.train_step = train_step
-    try:
-        return run(config, callbacks)
-    finally:
-        engine.sft.train_step = real_step
+    return _run_with_step_hook(lambda step: time.sleep(pace), config, callbacks)

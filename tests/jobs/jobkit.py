@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from jobs import queries, runner
-from jobs.models import FINISHED, Job, Metric
+from jobs.models import CANCELLED, FINISHED, QUEUED, RUNNING, Job, Metric
 from jobs.store import session
 
 
@@ -21,8 +23,8 @@ def config(**overrides: Any) -> dict[str, Any]:
     return base
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, poll_s: float = 0.05,
-             what: str = "condition") -> Any:
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition", *,
+             poll_s: float = 0.05) -> Any:
     """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -47,12 +49,12 @@ def wait_status(job_id: int, statuses: tuple[str, ...] | str = FINISHED, timeout
         j = job(job_id)
         return j if j.status in wanted else None
 
-    return wait_for(done, timeout, 0.1, f"job {job_id} to be {'/'.join(wanted)} (is {job(job_id).status})")
+    return wait_for(done, timeout, f"job {job_id} to be {'/'.join(wanted)} (is {job(job_id).status})", poll_s=0.1)
 
 
 def wait_step(job_id: int, step: int, timeout: float = 60.0) -> Job:
-    return wait_for(lambda: (j := job(job_id)).step >= step and j, timeout, 0.02,
-                    f"job {job_id} to reach step {step}")
+    return wait_for(lambda: (j := job(job_id)).step >= step and j, timeout, f"job {job_id} to reach step {step}",
+                    poll_s=0.02)
 
 
 def steps(job_id: int, name: str = "loss") -> list[int]:
@@ -60,3 +62,21 @@ def steps(job_id: int, name: str = "loss") -> list[int]:
     with session() as s:
         return list(s.scalars(select(Metric.step).where(Metric.job_id == job_id, Metric.name == name)
                               .order_by(Metric.step)))
+
+
+def stop_workers() -> None:
+    """Cancel what is queued (so no finishing worker starts it), then kill what still runs (only
+    the workers of this test's KESTREL_HOME)."""
+    with session(immediate=True) as s:
+        s.execute(update(Job).where(Job.status == QUEUED).values(status=CANCELLED))
+    for job in queries.list_jobs(status=RUNNING):
+        if job.pid:
+            try:
+                os.killpg(job.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for proc in list(runner._CHILDREN.values()):
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+    runner._CHILDREN.clear()

@@ -175,7 +175,7 @@ def test_a_running_export_stops_on_cancel_leaving_no_partial_file(lora_dir: Path
     job_id = jobs.submit(export_config(str(lora_dir)))
     # Freeze the worker mid-export so the cancel lands before it can finish, however fast it is.
     pid = wait_for(lambda: (j := job(job_id)).status == RUNNING and 1 <= j.step < 60 and j.pid,
-                   SLOW, 0.01, "the export to be under way")
+                   SLOW, "the export to be under way", poll_s=0.01)
     os.kill(pid, signal.SIGSTOP)
     try:
         assert jobs.cancel(job_id) == "stopping"

@@ -11,6 +11,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from kernels.glu import geglu, geglu_reference, swiglu, swiglu_reference
+from tests.kernels.tolerance import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 SHAPES = [(3, 37, 96), (2, 5, 123), (1, 1, 64)]
@@ -22,34 +23,6 @@ OPS = {
 # The interpreter evaluates sigmoid with NumPy, which warns when exp(-a) overflows to inf for a
 # very negative a (the result, 0, is right; CUDA gives the same).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """fp32: ~1e-5 relative. bf16: 2e-2 relative plus 1e-2 of the tensor's scale (a few ulp)."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    scale = max(expected.float().abs().max().item(), 1.0)
-    tight = expected.dtype == torch.float32
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=1e-5 if tight else 2e-2,
-                               atol=(1e-5 if tight else 1e-2) * scale)
-
-
-@pytest.fixture(params=["triton", "torch"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("KESTREL_KERNELS", request.param)
-    return request.param
-
-
-@pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every new float buffer starts as NaN, so an element a kernel forgets to write shows."""
-    for name in ("empty", "empty_like", "empty_strided"):
-        original = getattr(torch, name)
-
-        def poisoned_alloc(*args, _original=original, **kwargs):
-            out = _original(*args, **kwargs)
-            return out.fill_(float("nan")) if out.is_floating_point() else out
-
-        monkeypatch.setattr(torch, name, poisoned_alloc)
 
 
 def _inputs(shape, dtype, seed=0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

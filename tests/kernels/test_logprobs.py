@@ -26,12 +26,6 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ce, "_alloc", poisoned)
 
 
-@pytest.fixture(params=["triton", "torch"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("KESTREL_KERNELS", request.param)
-    return request.param
-
-
 def make_inputs(n=N, h=H, v=V, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()

@@ -31,12 +31,6 @@ def _assert_equal(got: torch.Tensor, expected: torch.Tensor, backend: str) -> No
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("KESTREL_KERNELS", request.param)
-    return request.param
-
-
 def _quantize(
     shape: tuple[int, int], dtype: torch.dtype, nested: bool, seed: int = 0, device: str = "cpu"
 ):

@@ -12,42 +12,12 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from kernels.rms_norm import rms_norm, rms_norm_reference
+from tests.kernels.tolerance import assert_close
 
 # Small tests run where the Triton kernels can: CUDA when compiled, the CPU under the interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 SHAPES = [(3, 37, 96), (2, 5, 123), (1, 1, 64)]
 EPS = 1e-6
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tight: bool | None = None) -> None:
-    """fp32: ~1e-5 relative. bf16: 2e-2 relative plus 1e-2 of the tensor's scale (a few ulp).
-    `tight=False` for fp32 results built from bf16-rounded values."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    scale = expected.float().abs().max().item()
-    tight = expected.dtype == torch.float32 if tight is None else tight
-    torch.testing.assert_close(
-        actual.float(), expected.float(),
-        rtol=1e-5 if tight else 2e-2, atol=(1e-5 if tight else 1e-2) * max(scale, 1.0),
-    )
-
-
-@pytest.fixture(params=["triton", "torch"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("KESTREL_KERNELS", request.param)
-    return request.param
-
-
-@pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every new float buffer starts as NaN, so an element a kernel forgets to write shows."""
-    for name in ("empty", "empty_like", "empty_strided"):
-        original = getattr(torch, name)
-
-        def poisoned_alloc(*args, _original=original, **kwargs):
-            out = _original(*args, **kwargs)
-            return out.fill_(float("nan")) if out.is_floating_point() else out
-
-        monkeypatch.setattr(torch, name, poisoned_alloc)
 
 
 def _hf_module(casting: str, hidden: int, dtype: torch.dtype, device: str = DEVICE) -> torch.nn.Module:

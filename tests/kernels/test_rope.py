@@ -12,39 +12,12 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kernels.rope import rope_, rope_reference_
+from tests.kernels.tolerance import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # (batch, seq, heads_q, heads_k, head_dim): GQA, odd sizes, a half head_dim that is no power of 2
 SHAPES = [(3, 37, 4, 2, 32), (2, 5, 3, 1, 24), (1, 1, 2, 2, 64)]
 MODEL_DIM = 16
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """fp32: ~1e-5 relative. bf16: 2e-2 relative plus 1e-2 of the tensor's scale (a few ulp)."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    scale = max(expected.float().abs().max().item(), 1.0)
-    tight = expected.dtype == torch.float32
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=1e-5 if tight else 2e-2,
-                               atol=(1e-5 if tight else 1e-2) * scale)
-
-
-@pytest.fixture(params=["triton", "torch"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("KESTREL_KERNELS", request.param)
-    return request.param
-
-
-@pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every new float buffer starts as NaN, so an element a kernel forgets to write shows."""
-    for name in ("empty", "empty_like", "empty_strided"):
-        original = getattr(torch, name)
-
-        def poisoned_alloc(*args, _original=original, **kwargs):
-            out = _original(*args, **kwargs)
-            return out.fill_(float("nan")) if out.is_floating_point() else out
-
-        monkeypatch.setattr(torch, name, poisoned_alloc)
 
 
 def _rotary(heads_q: int, heads_k: int, head_dim: int) -> LlamaRotaryEmbedding:

@@ -5,15 +5,13 @@ workers afterwards. `fake_engine` swaps in tests/jobs/fake_engine.py for fast, m
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import update
 
-from jobs import queries, runner, store
-from jobs.models import CANCELLED, QUEUED, RUNNING, Job
+from jobs import runner, store
+from tests.jobs.jobkit import stop_workers
 
 JOBS_TESTS = Path(__file__).resolve().parent.parent / "jobs"
 
@@ -46,19 +44,3 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_STEP_S", "0.05")
     monkeypatch.delenv("FAKE_FAIL", raising=False)
 
-
-def stop_workers() -> None:
-    """Cancel what is queued, then kill what still runs (only the workers of this home)."""
-    with store.session(immediate=True) as s:
-        s.execute(update(Job).where(Job.status == QUEUED).values(status=CANCELLED))
-    for job in queries.list_jobs(status=RUNNING):
-        if job.pid:
-            try:
-                os.killpg(job.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    for proc in list(runner._CHILDREN.values()):
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-    runner._CHILDREN.clear()

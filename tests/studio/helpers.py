@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
 
 from studio.form import FORM_KEYS
 from studio.handlers import train
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
+from tests.jobs.jobkit import wait_for  # noqa: F401  (the studio tests poll the same way)
 
 
 def form(**changes: Any) -> tuple[dict[str, Any], list[Any]]:
