@@ -105,18 +105,26 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> Session:
     model = prepare_model(config, model)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}): {trainable:,} of {total:,} parameters trainable, on {device}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=device.type == "cuda"
-    )
     total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(plan) / config.grad_accum))
+    optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
+    return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device)
+
+
+def optimizer_and_resume(
+    config: TrainConfig, model: nn.Module, total_steps: int, output_dir: Path, cb: Callback
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, int]:
+    """AdamW over the trainable parameters and the lr schedule, restored (with the model) from the
+    latest checkpoint in `output_dir` when there is one. Returns them and the step to start at."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = next(iter(params)).device.type == "cuda" if params else False
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
     start = 0
     checkpoint = latest_checkpoint(output_dir)
     if checkpoint is not None:
         start = load_checkpoint(checkpoint, model, optimizer, scheduler)["step"]
         cb.on_log(f"resuming from {checkpoint.name} (step {start} of {total_steps})")
-    return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device)
+    return optimizer, scheduler, start
 
 
 def optimizer_step(s: Session) -> tuple[torch.Tensor, float]:

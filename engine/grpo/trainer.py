@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoints import latest_checkpoint, load_checkpoint
 from engine.config import TrainConfig
 from engine.decode.generate import Generator
 from engine.decode.model import UnsupportedModelError
@@ -48,7 +47,8 @@ from engine.grpo.rollout import Rollouts, release, rollout
 from engine.loader import load
 from engine.lora import trainable_parameters
 from engine.metrics import Callback, memory_metrics
-from engine.sft import end_of_step, lr_lambda, optimizer_step, prepare_model, run_recipe, seed_everything
+from engine.sft import (end_of_step, optimizer_and_resume, optimizer_step, prepare_model, run_recipe,
+                        seed_everything)
 
 
 @dataclass
@@ -130,17 +130,9 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
     check_lm_head(model)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} (grpo): {trainable:,} of {total:,} parameters trainable, on {device}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
-                                  fused=device.type == "cuda")
     per_step = config.batch_size * config.grad_accum
     total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(prompts) / per_step))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
-    start = 0
-    checkpoint = latest_checkpoint(output_dir)
-    if checkpoint is not None:
-        start = load_checkpoint(checkpoint, model, optimizer, scheduler)["step"]
-        cb.on_log(f"resuming from {checkpoint.name} (step {start} of {total_steps})")
+    optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
     generator = _generator(model, tokenizer, max_len)
     return GrpoSession(config, output_dir, model, tokenizer, prompts, rewards, generator, optimizer, scheduler,
                        total_steps, start, device)
