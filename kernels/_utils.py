@@ -51,7 +51,7 @@ def non_overlapping(t: torch.Tensor) -> bool:
     dimensions below it.
     """
     dims = sorted(
-        ((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] != 1),
+        ((stride, size) for stride, size in zip(t.stride(), t.shape) if size != 1),
         key=lambda sd: sd[0],
     )
     extent = 1

@@ -44,13 +44,8 @@ _INTERPRETED_BLOCK_N = 32  # the interpreter runs programs one by one: fewer, la
 
 
 @triton.jit
-def _gemv_kernel(
-    X, W, BIAS, Y, N, stride_w,
-    K: tl.constexpr,  # constexpr: Triton's interpreter cannot loop to a run-time bound (numpy >= 2.4)
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+def dot_rows(X, W, rows, row_ok, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N,) float32: W[rows] @ x for the vector x at X, K columns in BLOCK_K steps."""
     w_rows = W + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -59,7 +54,18 @@ def _gemv_kernel(
         x = tl.load(X + cols, mask=col_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, BIAS, Y, N, stride_w,
+    K: tl.constexpr,  # constexpr: Triton's interpreter cannot loop to a run-time bound (numpy >= 2.4)
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    y = dot_rows(X, W, rows, row_ok, stride_w, K, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)

@@ -6,8 +6,17 @@
     gemma:  y = (n * (offset + w.float())).to(x.dtype)      (Gemma3RMSNorm, offset = 1)
 
 Layout: x (..., hidden) is viewed as rows (n_rows, hidden) with any row stride and unit column
-stride; the forward grid is one program per row. Only x and the fp32 rstd (4 bytes a row) are
-kept for the backward pass; n is recomputed there.
+stride. Both kernels work on (ROWS, BLOCK) tiles: BLOCK = next_pow2(hidden) columns and
+ROWS = max(1, _TILE // BLOCK) rows, so a tile holds at least _TILE elements whatever the width
+(hidden 4096: one row; QK-norm rows of head_dim 128: 32 rows).
+
+- forward, grid (cdiv(n_rows, ROWS),): one tile per program. Only x and the fp32 rstd (4 bytes
+  a row) are kept for the backward; n is recomputed there.
+- backward, persistent grid of _BWD_WARPS_PER_SM warps' worth of programs per SM: each walks
+  ROWS_PER_PROGRAM consecutive rows tile by tile, with the loads of the next _BWD_STAGES - 1
+  tiles in flight (Triton's loop pipeliner copies them to shared memory with cp.async), and
+  keeps its share of dw in fp32 registers; one (hidden,) fp32 row per program is written and
+  the host sums those few rows. Nothing of x's size is written besides dx.
 """
 
 from __future__ import annotations
@@ -23,30 +32,41 @@ from kernels.dispatch import use_triton
 
 Casting = Literal["llama", "gemma"]
 
-# Backward programs per SM: several resident programs hide the load latency of the row loop.
-_BWD_PROGRAMS_PER_SM = 4
+# Elements per (ROWS, BLOCK) tile: 8 KB of bf16 per load, 16 elements per thread at 8 warps,
+# the per-program size at which Triton's row kernels (and Liger's) reach copy bandwidth.
+_TILE = 4096
+# Backward occupancy, in warps per SM. The kernel needs 100-125 registers a thread (ptxas,
+# sm_90, bf16 or fp32, either casting) whatever the width, since a tile is ~16 elements a
+# thread; 16 warps of that fill the 64K-register file. Hidden 4096 (8 warps): two programs
+# per SM, all resident at once (one wave), each with two tiles' loads in flight: 64 KB of x
+# and dy per SM, over twice what an H100/H200 needs to cover DRAM latency. Shared memory for
+# the pipeline, 32 KB per program at 4096, is not the limit.
+_BWD_WARPS_PER_SM = 16
+# Tiles in the loop pipeline: the current one plus two whose loads are in flight.
+_BWD_STAGES = 3
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
     Y, y_row_stride, X, x_row_stride, W, RSTD,
-    n_cols, eps, offset,
-    GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+    n_rows, n_cols, eps, offset,
+    GEMMA: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # grid: (n_rows,); one row of `n_cols` per program, int64 row offsets.
-    row = tl.program_id(0).to(tl.int64)
+    # grid: (cdiv(n_rows, ROWS),); one (ROWS, BLOCK) tile per program, int64 row offsets.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    normed = x * rstd
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (ROWS,)
+    normed = x * rstd[:, None]
     if not GEMMA:
         # Llama rounds the normalised value to the input dtype before the weight multiply.
         normed = normed.to(X.dtype.element_ty).to(tl.float32)
-    y = normed * (offset + w)
-    tl.store(Y + row * y_row_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+    y = normed * (offset + w)[None, :]
+    tl.store(Y + rows[:, None] * y_row_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -54,35 +74,51 @@ def _rms_norm_bwd_kernel(
     DX, dx_row_stride, DY, dy_row_stride, X, x_row_stride, W, RSTD, DW_PARTIAL,
     n_rows, n_cols, offset,
     ROWS_PER_PROGRAM: tl.constexpr, GEMMA: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # grid: (programs,); each program walks ROWS_PER_PROGRAM consecutive rows (masked past
-    # n_rows) and keeps its share of dw in registers, written once to DW_PARTIAL[program, :]
-    # and summed on the host side.
+    # grid: (programs,); program p owns rows [p * ROWS_PER_PROGRAM, (p + 1) * ROWS_PER_PROGRAM)
+    # (masked past n_rows), walked ROWS at a time. Its dw share stays in registers and is
+    # written once, to DW_PARTIAL[p, :].
     pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * ROWS_PER_PROGRAM
+    first = pid.to(tl.int64) * ROWS_PER_PROGRAM
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
-    scale = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    dw_acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, ROWS_PER_PROGRAM):
-        row = row_start + i
-        mask = col_mask & (row < n_rows)
-        x = tl.load(X + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=row < n_rows, other=0.0)
+    scale = (tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset)[None, :]
+    dw_acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    for start in tl.range(0, ROWS_PER_PROGRAM, ROWS, num_stages=NUM_STAGES):
+        rows = first + start + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)[:, None]
         normed = x * rstd
         dn = dy * scale
-        # dx = rstd * (dn - n * mean(dn * n))
-        dx = rstd * (dn - normed * (tl.sum(dn * normed, axis=0) / n_cols))
-        tl.store(DX + row * dx_row_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        # dx = rstd * (dn - n * mean(dn * n)); masked rows and columns give 0 and are not stored.
+        dx = rstd * (dn - normed * (tl.sum(dn * normed, axis=1) / n_cols)[:, None])
+        tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            if GEMMA:
-                dw_acc += dy * normed
-            else:
-                dw_acc += dy * normed.to(X.dtype.element_ty).to(tl.float32)
+            if not GEMMA:
+                normed = normed.to(X.dtype.element_ty).to(tl.float32)
+            dw_acc += dy * normed
     if COMPUTE_DW:
-        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+        dw = tl.sum(dw_acc, axis=0)
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
+
+
+def _tile(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK, ROWS, num_warps) of the (ROWS, BLOCK) tile for rows of `n_cols`."""
+    block, _ = block_and_warps(n_cols)
+    rows = max(1, _TILE // block)
+    return block, rows, block_and_warps(rows * block)[1]
+
+
+def _round_up_coarse(n: int) -> int:
+    """`n` rounded up to three significant bits (4, 5, 6, 7 times a power of two): a trip count
+    that is a compile-time constant takes few distinct values (a handful per octave of n_rows),
+    while the programs it leads to stay within 80% of the target."""
+    step = 1 << max(0, n.bit_length() - 3)
+    return triton.cdiv(n, step) * step
 
 
 def rms_norm_forward(
@@ -103,11 +139,11 @@ def rms_norm_forward(
     y = y_full.view(n_rows, n_cols)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows > 0:
-        block, warps = block_and_warps(n_cols)
-        _rms_norm_fwd_kernel[(n_rows,)](
+        block, rows, warps = _tile(n_cols)
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
             y, y.stride(0), x_rows, x_rows.stride(0), weight.contiguous(), rstd,
-            n_cols, eps, offset,
-            GEMMA=gemma, BLOCK=block, num_warps=warps,
+            n_rows, n_cols, eps, offset,
+            GEMMA=gemma, ROWS=rows, BLOCK=block, num_warps=warps,
         )
     return y_full, x_rows, rstd
 
@@ -122,27 +158,30 @@ def rms_norm_backward(
         dn = dy * s
         dx = rstd * (dn - n * sum(dn * n) / hidden)       (derivative through rstd included)
         dw = sum over rows of dy * n  (llama: n rounded to x.dtype first, as HF's graph sees it)
+    dw is summed per program in fp32 registers, then over the programs' (programs, hidden) fp32
+    partials here.
     """
     dy_rows = as_rows(dy)
     n_rows, n_cols = x_rows.shape
     dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
-    # The trip count is a power of two and a compile-time constant: at most ~17 compiled
-    # variants whatever the sequence lengths (and Triton's CPU interpreter, under NumPy 2,
-    # cannot loop to a runtime bound).
-    target = _BWD_PROGRAMS_PER_SM * sm_count(x_rows.device)
-    rows_per_program = triton.next_power_of_2(triton.cdiv(max(n_rows, 1), target))
-    programs = triton.cdiv(max(n_rows, 1), rows_per_program)
+    block, rows, warps = _tile(n_cols)
+    tiles = triton.cdiv(n_rows, rows)
+    target = max(1, _BWD_WARPS_PER_SM // warps) * sm_count(x_rows.device)
+    # The trip count is a compile-time constant (Triton's CPU interpreter, under NumPy 2, cannot
+    # loop to a runtime bound), coarsely rounded so it takes few values.
+    tiles_per_program = _round_up_coarse(triton.cdiv(max(tiles, 1), target))
+    programs = triton.cdiv(max(tiles, 1), tiles_per_program)
     dw_partial = (
         torch.empty((programs, n_cols), dtype=torch.float32, device=x_rows.device)
         if compute_dw else rstd  # placeholder pointer, never touched when COMPUTE_DW is False
     )
     if n_rows > 0:
-        block, warps = block_and_warps(n_cols)
         _rms_norm_bwd_kernel[(programs,)](
             dx, dx.stride(0), dy_rows, dy_rows.stride(0), x_rows, x_rows.stride(0),
             weight.contiguous(), rstd, dw_partial,
             n_rows, n_cols, offset,
-            ROWS_PER_PROGRAM=rows_per_program, GEMMA=gemma, COMPUTE_DW=compute_dw, BLOCK=block, num_warps=warps,
+            ROWS_PER_PROGRAM=tiles_per_program * rows, GEMMA=gemma, COMPUTE_DW=compute_dw,
+            ROWS=rows, BLOCK=block, NUM_STAGES=_BWD_STAGES, num_warps=warps,
         )
     if not compute_dw:
         return dx, None

@@ -18,6 +18,8 @@ Two entry points, both returning only the last token's logits (B, V) in float32:
   K/V written to cache columns [0, T);
 - `step(tok, col, pad, cache, lora)`: one token per row at cache column `col` (a (1,) device
   tensor). Fixed shapes, no host reads: the function the generator compiles and graph-captures.
+  Attention reads the cache in one kernel (`kernels/decode_attention.py`); batch 1 without an
+  adapter runs `fast_layer.py`'s five launches a layer where the family allows.
 
 RoPE positions: a row's token at column c has position c - pad[row]; cos/sin come from tables
 built once by the model's own rotary module (so every RoPE scaling variant matches HF).
@@ -32,12 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.decode import fast_layer
 from engine.decode.adapters import LoraCall, adapter_names, build_group, is_lora_layer
 from engine.decode.cache import StaticKVCache
 from engine.decode.fused import fuse_allowed, tied_parameters
 from engine.decode.projections import ProjGroup, base_module, make_group
 from engine.errors import KestrelError
 from engine.registry import FamilySpec, family_of
+from kernels.decode_attention import decode_attention
 
 
 class UnsupportedModelError(KestrelError, ValueError):
@@ -112,7 +116,9 @@ class DecodeModel:
         self.rope = self._rope_tables(stack.rotary_emb)
         self.adapters: list[str] = []
         self.attach_lora()
-        self._layer_fn, self._head_fn = self._layer_step, self._head  # eager until compile()
+        self._counter_buf: torch.Tensor | None = None
+        self._sums_buf: torch.Tensor | None = None
+        self.compile(False)  # eager until compile()
 
     # --- construction ----------------------------------------------------------------------
 
@@ -304,50 +310,57 @@ class DecodeModel:
     ) -> torch.Tensor:
         """tok (B,) at cache column col ((1,) long) -> logits (B, V) float32. No host reads.
 
-        Compiled per layer, not as one graph: every layer of a family has the same shapes, so
-        one compiled layer serves all of them and compiling takes seconds, not minutes. Each
-        layer also computes the NEXT layer's input norm, so the residual add and that norm
-        still fuse into one kernel across the layer boundary.
+        Batch 1 on CUDA with no adapter in the call runs `fast_layer` (five launches a layer)
+        where the family allows. Otherwise each layer is compiled in two parts around the
+        attention kernel, not as one graph: every layer of a family has the same shapes, so one
+        compiled part serves all of them and compiling takes seconds, not minutes. Each layer
+        also computes the NEXT layer's input norm, so the residual add and that norm still fuse
+        into one kernel across the layer boundary.
         """
         x = self.embed(tok[:, None])  # (B, 1, H)
+        counters, sums = self._scratch(tok.shape[0] * self.n_kv, 2 * len(self.layers) + 1)
+        if fast_layer.applies(self, tok.shape[0], lora):
+            return self._head_fn(fast_layer.forward(self, x, col, pad, cache, counters, sums), lora)
         h = self._rms(x, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x, h = self._layer_fn(layer, after, x, h, col, pad, cache.k[i], cache.v[i], lora)
+            q = self._pre_fn(layer, h, col, pad, cache.k[i], cache.v[i], lora)
+            out = decode_attention(q, cache.k[i], cache.v[i], col, pad, layer.scaling, layer.window,
+                                   self.attn_softcap, counters)
+            x, h = self._post_fn(layer, after, x, out, lora)
         return self._head_fn(h, lora)
 
-    def _layer_step(
+    def _scratch(self, counters: int, sums: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 zeros the attention kernel counts on, float32 norm sums for `fast_layer`),
+        kept on the model so a captured graph reads the same ones on every replay."""
+        if self._counter_buf is None or self._counter_buf.numel() < counters:
+            self._counter_buf = torch.zeros(max(counters, 64), dtype=torch.int32, device=self.device)
+        if self._sums_buf is None or self._sums_buf.numel() != sums:
+            self._sums_buf = torch.zeros(sums, dtype=torch.float32, device=self.device)
+        return self._counter_buf[:counters], self._sums_buf
+
+    def _pre_attention(
         self,
         layer: Layer,
-        after: Norm,
-        x: torch.Tensor,
         h: torch.Tensor,
         col: torch.Tensor,
         pad: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         lora: LoraCall | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer, one token per row: x (B, 1, H) residual stream, h = its input norm.
-
-        Returns (x', after(x')). The new K/V go to column `col` of this layer's cache
-        (B, nkv, S, d); attention reads the whole cache under a mask (pad columns, columns after
-        `col`, columns outside a sliding window). Grouped-query heads fold into the query
-        length, (B, nh, 1, d) -> (B, nkv, G, d), so K and V are read once and never copied.
-        """
-        b = x.shape[0]
-        keys = torch.arange(k_cache.shape[2], device=x.device)[None]  # (1, S)
-        valid = (keys >= pad[:, None]) & (keys <= col)  # (B, S)
-        if layer.window is not None:
-            valid = valid & (keys > col - layer.window)
+    ) -> torch.Tensor:
+        """h (B, 1, H) the layer's input norm -> q (B, nh, d), RoPE applied; the step's K and V
+        go to column `col` of this layer's cache (B, nkv, S, d)."""
         q, k, v = self._qkv(layer, h, (col - pad)[:, None], lora)
         k_cache[:, :, col] = k  # index_put_ with a device index: no host read
         v_cache[:, :, col] = v
-        q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
-        scores = self._softcap_scores(torch.matmul(q, k_cache.transpose(-1, -2)).float() * layer.scaling)
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))  # (B, nkv, G, S)
-        out = torch.matmul(scores.softmax(-1).to(q.dtype), v_cache)  # (B, nkv, G, d)
-        x = self._block(layer, x, out.reshape(b, 1, self.n_heads * self.head_dim), lora)
+        return q[:, :, 0]
+
+    def _post_attention(
+        self, layer: Layer, after: Norm, x: torch.Tensor, out: torch.Tensor, lora: LoraCall | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, 1, H) residual stream, out (B, nh, d) attention -> (x', after(x'))."""
+        x = self._block(layer, x, out.reshape(x.shape[0], 1, self.n_heads * self.head_dim), lora)
         return x, self._rms(x, after)
 
     def _head(self, h: torch.Tensor, lora: LoraCall | None) -> torch.Tensor:
@@ -361,9 +374,10 @@ class DecodeModel:
     def compile(self, enabled: bool = True) -> None:
         """Compile the per-layer step and the head (for CUDA), or go back to eager."""
         if not enabled:
-            self._layer_fn, self._head_fn = self._layer_step, self._head
+            self._pre_fn, self._post_fn, self._head_fn = self._pre_attention, self._post_attention, self._head
             return
-        self._layer_fn = torch.compile(self._layer_step, fullgraph=True)
+        self._pre_fn = torch.compile(self._pre_attention, fullgraph=True)
+        self._post_fn = torch.compile(self._post_attention, fullgraph=True)
         self._head_fn = torch.compile(self._head, fullgraph=True)
 
 

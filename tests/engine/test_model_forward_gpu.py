@@ -10,6 +10,7 @@ bf16 run is.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -89,4 +90,8 @@ def test_varlen_matches_hf_in_bf16(family: str, layout: str, monkeypatch: pytest
     assert abs(float(fast_loss - want_loss)) <= 2 * abs(float(hf_loss - want_loss)) + 1e-2
     assert fast_grads.keys() == want_grads.keys()
     for name, want in want_grads.items():
-        assert _err(fast_grads[name], want) <= 2 * _err(hf_grads[name], want) + 2e-2, name
+        assert fast_grads[name].isfinite().all(), name
+        hf_err = _err(hf_grads[name], want)
+        # HF's bf16 SDPA path gives NaN gradients on right-padded sliding-window rows (Mistral,
+        # seen on an H200); then only the absolute bound applies.
+        assert _err(fast_grads[name], want) <= (2 * hf_err if math.isfinite(hf_err) else 0.0) + 2e-2, name

@@ -15,8 +15,10 @@ from kernels.rope import rope_, rope_reference_
 from tests.kernels.tolerance import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-# (batch, seq, heads_q, heads_k, head_dim): GQA, odd sizes, a half head_dim that is no power of 2
-SHAPES = [(3, 37, 4, 2, 32), (2, 5, 3, 1, 24), (1, 1, 2, 2, 64)]
+# (batch, seq, heads_q, heads_k, head_dim): GQA, odd sizes, a half head_dim that is no power of 2;
+# small heads run several tokens a program (masked past seq), Llama-sized heads one token a
+# program, with an exact tile (32 + 8 heads of 128) and a masked one (24 q heads).
+SHAPES = [(3, 37, 4, 2, 32), (2, 5, 3, 1, 24), (1, 1, 2, 2, 64), (1, 3, 32, 8, 128), (2, 3, 24, 8, 128)]
 MODEL_DIM = 16
 
 
@@ -130,6 +132,48 @@ def test_same_gradient_tensor_for_q_and_k(backend, poisoned, layout) -> None:
     cos, sin = _rotary(2, 2, 16)(proj.x, torch.arange(5, device=DEVICE)[None])
     _check_all(proj, cos, sin, loss=lambda q, k: (q + k).pow(2).sum())
     _check_all(proj, cos, sin, loss=lambda q, k: (q + k).sum())  # expanded, stride-0 gradient
+
+
+@pytest.mark.parametrize("layout", ["hf", "contiguous", "fused"])
+def test_inplace_backward_gradients(backend, poisoned, layout) -> None:
+    """inplace_backward=True gives HF's gradients with fresh, aliased (`q + k`) and expanded
+    (`.sum()`) output gradients; GQA heads."""
+    torch.manual_seed(7)
+    proj = Projections(2, 5, 4, 2, 16, torch.float32, layout)
+    cos, sin = _rotary(4, 2, 16)(proj.x, torch.arange(5, device=DEVICE)[None])
+    for loss in (None, lambda q, k: (q + q).pow(2).sum() + k.sum(), lambda q, k: q.sum() + k.sum()):
+        expected = proj.run(lambda q, k: apply_rotary_pos_emb(q, k, cos, sin), loss)
+        ours = proj.run(lambda q, k: rope_(q, k, cos, sin, inplace_backward=True), loss)
+        for got, want in zip(ours, expected):
+            assert_close(got, want)
+    same_heads = Projections(2, 5, 2, 2, 16, torch.float32, layout)
+    cos, sin = _rotary(2, 2, 16)(same_heads.x, torch.arange(5, device=DEVICE)[None])
+    expected = same_heads.run(lambda q, k: apply_rotary_pos_emb(q, k, cos, sin), lambda q, k: (q + k).pow(2).sum())
+    ours = same_heads.run(lambda q, k: rope_(q, k, cos, sin, inplace_backward=True), lambda q, k: (q + k).pow(2).sum())
+    for got, want in zip(ours, expected):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("layout", ["hf", "fused"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_inplace_backward_overwrites_only_when_asked(backend, layout, inplace) -> None:
+    """The caller's output gradients are left alone by default (and on the general, fused
+    path); with inplace_backward=True on the one-launch path they become d(loss)/d(q, k)."""
+    torch.manual_seed(8)
+    proj = Projections(2, 5, 4, 2, 16, torch.float32, layout)
+    cos, sin = _rotary(4, 2, 16)(proj.x, torch.arange(5, device=DEVICE)[None])
+    leaves = proj.leaves()
+    q_out, k_out = rope_(*proj.qk(*leaves), cos, sin, inplace_backward=inplace)
+    grads = torch.randn_like(q_out), torch.randn_like(k_out)  # laid out like q_out, k_out
+    saved = tuple(g.clone() for g in grads)
+    torch.autograd.grad((q_out, k_out), leaves, grads)
+    if backend == "triton" and inplace and layout == "hf":
+        q_ref, k_ref = (t.detach().clone().requires_grad_() for t in proj.qk(proj.x, proj.wq, proj.wk))
+        want = torch.autograd.grad(apply_rotary_pos_emb(q_ref, k_ref, cos, sin), (q_ref, k_ref), saved)
+    else:
+        want = saved
+    for got, expected in zip(grads, want):
+        assert_close(got, expected)
 
 
 def test_in_place_contract(backend) -> None:

@@ -1,0 +1,108 @@
+"""Batch-1 decode kernels at the Llama-3.1-8B shapes, each timed alone: the plain matrix-vector
+product (kernels/gemv.py) against the same product with its epilogue (kernels/gemv_fused.py),
+over a few rows-per-program settings, and the decode attention kernel against the
+matmul-softmax-matmul reference. Weights rotate over copies so L2 never holds them (as in a real
+step, where 15 GB stream by); each figure is a CUDA graph of many launches, per launch.
+
+    python bench/decode_kernels.py --out decode_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import kernels.gemv_fused as gf
+from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.gemv import gemv
+
+HIDDEN, INTER, HEADS, KV, D = 4096, 14336, 32, 8, 128
+COPIES, LAUNCHES = 8, 64
+
+
+def timed(fn: Callable[[int], object]) -> float:
+    """us per launch of fn(i) over LAUNCHES launches captured in one CUDA graph."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(LAUNCHES):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * LAUNCHES)
+
+
+def weights(n: int, k: int) -> list[torch.Tensor]:
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(COPIES)]
+
+
+def products(rows: list[dict]) -> None:
+    x = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    m_in = torch.randn(INTER, device="cuda", dtype=torch.bfloat16)
+    nw = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    sums = torch.zeros(COPIES, device="cuda")
+    qkv, o, gu, down = (weights(n, k) for n, k in [((HEADS + 2 * KV) * D, HIDDEN), (HIDDEN, HIDDEN),
+                                                   (2 * INTER, HIDDEN), (HIDDEN, INTER)])
+    cache = torch.zeros(2, 1, KV, 768, D, device="cuda", dtype=torch.bfloat16)
+    cos = torch.randn(768, D, device="cuda", dtype=torch.bfloat16)
+    col, pad = torch.tensor([600], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+    c = COPIES
+    for name, w, inp in [("qkv", qkv, x), ("o", o, x), ("gate_up", gu, x), ("down", down, m_in)]:
+        rows.append({"kernel": "gemv", "shape": name, "us": timed(lambda i, w=w, inp=inp: gemv(inp, w[i % c]))})
+    for p in (1, 2, 4):
+        gf._PAIR_ROWS = p
+        norm = (sums[:1], 1e-5)
+        rows.append({"kernel": "qkv_rope_cache", "rows": 2 * p, "us": timed(
+            lambda i: gf.qkv_rope_cache(x, qkv[i % c], None, cos, cos, col, pad, cache[0], cache[1], HEADS, norm))})
+        rows.append({"kernel": "glu", "rows": 2 * p, "us": timed(lambda i: gf.glu(x, gu[i % c], INTER, norm=norm))})
+    gf._PAIR_ROWS = 1
+    for r in (2, 4, 8, 16):
+        gf._RESIDUAL_ROWS = r
+        for name, w, inp in [("o", o, x), ("down", down, m_in)]:
+            rows.append({"kernel": "residual", "shape": name, "rows": r, "us": timed(
+                lambda i, w=w, inp=inp: gf.residual(inp, w[i % c], x, nw, sums[i % c:i % c + 1]))})
+    gf._RESIDUAL_ROWS = 8
+
+
+def attention(rows: list[dict]) -> None:
+    for batch in (1, 16):
+        q = torch.randn(batch, HEADS, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, KV, 768, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        col, pad = torch.tensor([600], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
+        counters = torch.zeros(batch * KV, dtype=torch.int32, device="cuda")
+        ref = decode_attention_reference(q, k, v, col, pad, D**-0.5)
+        out = decode_attention(q, k, v, col, pad, D**-0.5, counters=counters)
+        err = float((out.float() - ref.float()).abs().max())
+        rows.append({"kernel": "decode_attention", "batch": batch, "max_err_vs_reference": err, "us": timed(
+            lambda i: decode_attention(q, k, v, col, pad, D**-0.5, counters=counters))})
+        rows.append({"kernel": "attention_reference_eager", "batch": batch, "us": timed(
+            lambda i: decode_attention_reference(q, k, v, col, pad, D**-0.5))})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    rows: list[dict] = []
+    products(rows)
+    attention(rows)
+    for r in rows:
+        print(json.dumps(r))
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
