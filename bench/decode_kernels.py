@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-import kernels.gemv_fused as gf
-from kernels.decode_attention import decode_attention, decode_attention_reference
-from kernels.gemv import gemv
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # before bench/kernels.py shadows the package
+
+import kernels.decode_attention as da  # noqa: E402
+import kernels.gemv_fused as gf  # noqa: E402
+from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from kernels.gemv import _gemv_kernel, gemv  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV, D = 4096, 14336, 32, 8, 128
 COPIES, LAUNCHES = 8, 64
@@ -61,19 +65,35 @@ def products(rows: list[dict]) -> None:
     c = COPIES
     for name, w, inp in [("qkv", qkv, x), ("o", o, x), ("gate_up", gu, x), ("down", down, m_in)]:
         rows.append({"kernel": "gemv", "shape": name, "us": timed(lambda i, w=w, inp=inp: gemv(inp, w[i % c]))})
-    for p in (1, 2, 4):
-        gf._PAIR_ROWS = p
-        norm = (sums[:1], 1e-5)
-        rows.append({"kernel": "qkv_rope_cache", "rows": 2 * p, "us": timed(
+    norm = (sums[:1], 1e-5)
+    for p, bk in [(1, 2048), (2, 1024), (4, 512), (1, 1024)]:
+        gf._PAIR_ROWS, gf._BLOCK_K = p, bk
+        rows.append({"kernel": "qkv_rope_cache", "rows": 2 * p, "block_k": bk, "us": timed(
             lambda i: gf.qkv_rope_cache(x, qkv[i % c], None, cos, cos, col, pad, cache[0], cache[1], HEADS, norm))})
-        rows.append({"kernel": "glu", "rows": 2 * p, "us": timed(lambda i: gf.glu(x, gu[i % c], INTER, norm=norm))})
-    gf._PAIR_ROWS = 1
-    for r in (2, 4, 8, 16):
-        gf._RESIDUAL_ROWS = r
+        rows.append({"kernel": "glu", "rows": 2 * p, "block_k": bk,
+                     "us": timed(lambda i: gf.glu(x, gu[i % c], INTER, norm=norm))})
+    gf._PAIR_ROWS, gf._BLOCK_K = 1, 2048
+    for r, bk in [(2, 2048), (4, 1024), (8, 512), (16, 256)]:
+        gf._RESIDUAL_ROWS, gf._BLOCK_K = r, bk
         for name, w, inp in [("o", o, x), ("down", down, m_in)]:
-            rows.append({"kernel": "residual", "shape": name, "rows": r, "us": timed(
+            rows.append({"kernel": "residual", "shape": name, "rows": r, "block_k": bk, "us": timed(
                 lambda i, w=w, inp=inp: gf.residual(inp, w[i % c], x, nw, sums[i % c:i % c + 1]))})
-    gf._RESIDUAL_ROWS = 8
+    gf._RESIDUAL_ROWS, gf._BLOCK_K = 8, 2048
+
+
+def registers() -> list[dict]:
+    """Registers and spills of every compiled variant (Triton's own record)."""
+    out = []
+    for fn in (_gemv_kernel, gf._qkv_rope_cache_kernel, gf._glu_kernel, gf._residual_kernel,
+               da._decode_attention_kernel):
+        try:
+            for cache in fn.device_caches.values():
+                for kernel in cache[0].values():
+                    out.append({"kernel": fn.__name__, "n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
+                                "warps": kernel.metadata.num_warps})
+        except Exception as exc:  # noqa: BLE001 - Triton internals move between versions
+            out.append({"kernel": getattr(fn, "__name__", "?"), "error": repr(exc)[:200]})
+    return out
 
 
 def attention(rows: list[dict]) -> None:
@@ -84,10 +104,15 @@ def attention(rows: list[dict]) -> None:
         col, pad = torch.tensor([600], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
         counters = torch.zeros(batch * KV, dtype=torch.int32, device="cuda")
         ref = decode_attention_reference(q, k, v, col, pad, D**-0.5)
-        out = decode_attention(q, k, v, col, pad, D**-0.5, counters=counters)
-        err = float((out.float() - ref.float()).abs().max())
-        rows.append({"kernel": "decode_attention", "batch": batch, "max_err_vs_reference": err, "us": timed(
-            lambda i: decode_attention(q, k, v, col, pad, D**-0.5, counters=counters))})
+        for block_s, target, warps in [(64, 256, 4), (32, 256, 4), (64, 128, 4), (64, 64, 4), (128, 64, 4),
+                                       (64, 256, 2), (32, 512, 2)]:
+            da._BLOCK_S, da._TARGET_PROGRAMS, da._WARPS = block_s, target, warps
+            out = decode_attention(q, k, v, col, pad, D**-0.5, counters=counters)
+            err = float((out.float() - ref.float()).abs().max())
+            rows.append({"kernel": "decode_attention", "batch": batch, "block_s": block_s, "target": target,
+                         "warps": warps, "splits": da.splits_for(batch * KV, 768, 4 * D)[0], "max_err": err,
+                         "us": timed(lambda i: decode_attention(q, k, v, col, pad, D**-0.5, counters=counters))})
+        da._BLOCK_S, da._TARGET_PROGRAMS, da._WARPS = 64, 256, 4
         rows.append({"kernel": "attention_reference_eager", "batch": batch, "us": timed(
             lambda i: decode_attention_reference(q, k, v, col, pad, D**-0.5))})
 
@@ -99,9 +124,11 @@ def main() -> None:
     rows: list[dict] = []
     products(rows)
     attention(rows)
-    for r in rows:
+    regs = registers()
+    for r in rows + regs:
         print(json.dumps(r))
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": rows}, indent=1))
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": rows, "registers": regs},
+                                   indent=1))
 
 
 if __name__ == "__main__":

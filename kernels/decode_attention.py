@@ -50,6 +50,7 @@ from kernels.dispatch import use_triton
 _BLOCK_S = 64
 _TARGET_PROGRAMS = 256  # enough CTAs to spread a ~1-3 MB cache read over an H100/H200's SMs
 _MERGE_ELEMENTS = 16384  # float32 partials one merging program loads at once (64 a thread)
+_WARPS = 4
 
 
 @triton.jit
@@ -88,6 +89,9 @@ def _decode_attention_kernel(
             ok = (keys >= lo) & (keys <= col)
             kt = tl.load(k_base + keys.to(tl.int64)[None, :] * k_ss + d[:, None],
                          mask=ok[None, :] & (d < D)[:, None], other=0.0).to(tl.float32)  # (BLOCK_D, BLOCK_S)
+            # V's load issued with K's, before the first product: one memory round trip, not two
+            v = tl.load(v_base + keys.to(tl.int64)[:, None] * v_ss + d[None, :],
+                        mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)  # (BLOCK_S, BLOCK_D)
             s = tl.dot(q, kt, input_precision=PRECISION) * scale  # (BLOCK_G, BLOCK_S)
             if HAS_SOFTCAP:
                 s = softcap * _tanh(s / softcap)
@@ -97,8 +101,6 @@ def _decode_attention_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + keys.to(tl.int64)[:, None] * v_ss + d[None, :],
-                        mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)  # (BLOCK_S, BLOCK_D)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m = m_new
     part = (bh * N_SPLITS + split).to(tl.int64)
@@ -197,7 +199,7 @@ def decode_attention(
         N_KV=nkv, G=group, D=d, N_SPLITS=n_splits, CHUNK=chunk,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_S=_BLOCK_S, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_SP=triton.next_power_of_2(n_splits), BLOCK_GM=triton.next_power_of_2(group), num_warps=4,
+        BLOCK_SP=triton.next_power_of_2(n_splits), BLOCK_GM=triton.next_power_of_2(group), num_warps=_WARPS,
     )
     return out
 

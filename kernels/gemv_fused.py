@@ -37,11 +37,16 @@ import triton.language as tl
 
 from kernels.gemv import dot_rows
 
-_BLOCK_K, _WARPS = 2048, 2
-# Rows per program. The matrix-vector kernel's sweep (gemv.py) found 2 rows fastest and 4-16
-# within 0.2-0.4 us; `residual` takes more rows to make fewer atomic adds on its one sum.
+# Rows per program and columns per step, from `bench/decode_kernels.py` on an H200 (8B shapes,
+# us per launch; the plain gemv: q/k/v 13.4, o 9.7, gate/up 53.6, down 28.6):
+#   qkv_rope_cache  2 rows x 2048: 17.4   2 x 1024: 15.0   4 x 1024: 15.0   8 x 512: 16.5
+#   glu             2 rows x 2048: 61.9   2 x 1024: 54.1   4 x 1024: 55.6   8 x 512: 62.1
+#   residual o      2 x 2048: 10.7   4 x 1024: 10.1   8 x 512: 29.0   16 x 256: 23.2
+#   residual down   2 x 2048: 35.7   4 x 1024: 29.1   8 x 512: 93.3   16 x 256: 78.2
+# (fewer, fatter programs starve the memory system at 2 warps; no variant spilled registers).
+_BLOCK_K, _WARPS = 1024, 2
 _PAIR_ROWS = 1  # (j, j + d/2) pairs, (gate, up) pairs: 2 rows a program
-_RESIDUAL_ROWS = 8
+_RESIDUAL_ROWS = 4
 
 
 def _block_k(k: int) -> int:

@@ -42,8 +42,11 @@ _TILE = 4096
 # and dy per SM, over twice what an H100/H200 needs to cover DRAM latency. Shared memory for
 # the pipeline, 32 KB per program at 4096, is not the limit.
 _BWD_WARPS_PER_SM = 16
-# Tiles in the loop pipeline: the current one plus two whose loads are in flight.
+# Tiles in the loop pipeline: the current one plus two whose loads are in flight, fewer when
+# the in-flight tiles of x and dy would pass _BWD_SMEM_BYTES of shared memory (hidden 16384 in
+# fp32, 32768 in bf16): 128 KB leaves room for the reduction scratch on an A100 (164 KB) too.
 _BWD_STAGES = 3
+_BWD_SMEM_BYTES = 128 * 1024
 
 
 @triton.jit
@@ -111,6 +114,14 @@ def _tile(n_cols: int) -> tuple[int, int, int]:
     block, _ = block_and_warps(n_cols)
     rows = max(1, _TILE // block)
     return block, rows, block_and_warps(rows * block)[1]
+
+
+def _bwd_stages(tile_bytes: int) -> int:
+    """Pipeline depth for a (ROWS, BLOCK) tile of x plus dy of `tile_bytes` (see _BWD_STAGES)."""
+    stages = _BWD_STAGES
+    while stages > 1 and (stages - 1) * tile_bytes > _BWD_SMEM_BYTES:
+        stages -= 1
+    return stages
 
 
 def _round_up_coarse(n: int) -> int:
@@ -181,7 +192,8 @@ def rms_norm_backward(
             weight.contiguous(), rstd, dw_partial,
             n_rows, n_cols, offset,
             ROWS_PER_PROGRAM=tiles_per_program * rows, GEMMA=gemma, COMPUTE_DW=compute_dw,
-            ROWS=rows, BLOCK=block, NUM_STAGES=_BWD_STAGES, num_warps=warps,
+            ROWS=rows, BLOCK=block, num_warps=warps,
+            NUM_STAGES=_bwd_stages(rows * block * (x_rows.element_size() + dy_rows.element_size())),
         )
     if not compute_dw:
         return dx, None

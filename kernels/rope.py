@@ -6,17 +6,18 @@ With x = [x1, x2] split at half = head_dim / 2, and cos = [c1, c2], sin = [s1, s
     backward:  dx1 = dy1 * c1 + dy2 * s2     dx2 = dy2 * c2 - dy1 * s1
 
 The backward is the transpose of the forward (for HF's tables, where c1 == c2 and s1 == s2, a
-rotation by -sin). It rotates the incoming gradient in place when no one else can read it (see
-`_grad_buffers`), else into a fresh buffer. Either way each gradient element is read once and
-written once: in place saves memory, not time.
+rotation by -sin). It overwrites the incoming gradient when that is known to be safe (a copy it
+made itself, or the caller's promise, `rope_(..., inplace_backward=True)`; see `_grad_buffers`)
+and writes a fresh buffer otherwise. Either way each gradient element is read once and written
+once: in place saves memory, not time.
 
 Layout: q (batch, heads_q, seq, head_dim), k (batch, heads_k, seq, head_dim), any strides (HF
 hands in transposed views of (batch, seq, heads, head_dim)); nothing is copied. cos/sin hold one
-(head_dim,) row per token. Grid (cdiv(seq, TOKENS), batch): a program rotates TOKENS consecutive
-tokens of one sequence, every head of q and of k, so each cos/sin row is read once; all its
-loads (q and k, both halves) are issued before its first store. Head counts and head_dim are
-compile-time constants, so an exact tile (power-of-two heads and half) has no masks. Token and
-head offsets are int64 (a q of 2^31 elements is real), offsets within a head int32.
+(head_dim,) row per token. Grid (batch * cdiv(seq, TOKENS),): a program rotates TOKENS
+consecutive tokens of one sequence, every head of q and of k, so each cos/sin row is read once;
+all its loads (q and k, both halves) are issued before its first store. Head counts and head_dim
+are compile-time constants, so an exact tile (power-of-two heads and half) has no masks. Token
+and head offsets are int64 (a q of 2^31 elements is real), offsets within a head int32.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from kernels.dispatch import use_triton
 # tokens at a time for small heads. Llama-3-8B (32 + 8 heads of 128) gets one token (5120
 # elements, 40 a thread at 4 warps), the tile Liger-Kernel's RoPE runs at copy bandwidth with.
 _TILE = 4096
-_MAX_ELEMENTS_AT_4_WARPS = 8192  # above this, 8 warps keep ~40 elements (~80 registers) a thread
+# Up to this many elements a program (64 a thread), 4 warps; above it, 8. Llama-3-8B's 5120 at 4
+# warps compile to 56-64 registers (ptxas, sm_90): eight programs, 80 KB of loads, per SM.
+_MAX_ELEMENTS_AT_4_WARPS = 8192
 
 
 @triton.jit
@@ -93,11 +96,13 @@ def _rope_kernel(
     HAS_POS: tl.constexpr, BACKWARD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # grid: (cdiv(seq_len, TOKENS), batch). Reads Q/K, writes OQ/OK (the same tensors in place).
-    # Masked lanes load garbage that only ever reaches masked stores: no `other` needed.
+    # grid: (batch * cdiv(seq_len, TOKENS),), sequence blocks fastest. Reads Q/K, writes OQ/OK
+    # (the same tensors in place). Masked lanes load garbage that only reaches masked stores.
     MASK_TOKENS: tl.constexpr = TOKENS > 1  # with one token a program the grid is exact
-    b = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    seq_blocks = tl.cdiv(seq_len, TOKENS)
+    pid = tl.program_id(0)
+    b = (pid // seq_blocks).to(tl.int64)
+    s = (pid % seq_blocks) * TOKENS + tl.arange(0, TOKENS)
     tok_mask = s < seq_len
     s = s.to(tl.int64)
     if HAS_POS:
@@ -192,13 +197,14 @@ def rope_launch(
     batch, heads_q, seq, head_dim = q.shape
     if batch * seq == 0:
         return
-    config = _config(min(triton.next_power_of_2(seq), _TILE), heads_q, 0 if k is None else k.shape[1], head_dim)
+    heads_k = 0 if k is None else k.shape[1]
+    config = _config(min(triton.next_power_of_2(seq), _TILE), heads_q, heads_k, head_dim)
     k = q if k is None else k  # with HEADS_K = 0 the kernel never touches it
     out_q = q if out_q is None else out_q
     out_k = k if out_k is None else out_k
     cos, sin, cs_sb, pos = tables
     pos_strides = (0, 0) if pos is None else (pos.stride(0) if pos.shape[0] > 1 else 0, pos.stride(1))
-    _rope_kernel[(triton.cdiv(seq, config["TOKENS"]), batch)](
+    _rope_kernel[(batch * triton.cdiv(seq, config["TOKENS"]),)](
         q, out_q, *q.stride(), k, out_k, *k.stride(),
         cos, sin, cs_sb, cos.stride(1), cos.stride(2), cos if pos is None else pos, *pos_strides,
         seq, HAS_POS=pos is not None, BACKWARD=backward, **config,
@@ -269,7 +275,9 @@ class _RoPEFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_root, k_root, views, cos, sin, batch_stride, position_ids, promised):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, q_root, k_root, views, cos, sin, batch_stride, position_ids, promised
+    ):
         q, k = views
         rope_launch(q, k, _Tables(cos, sin, batch_stride, position_ids))
         ctx.mark_dirty(q_root, k_root)

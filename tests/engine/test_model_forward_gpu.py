@@ -92,6 +92,8 @@ def test_varlen_matches_hf_in_bf16(family: str, layout: str, monkeypatch: pytest
     for name, want in want_grads.items():
         assert fast_grads[name].isfinite().all(), name
         hf_err = _err(hf_grads[name], want)
-        # HF's bf16 SDPA path gives NaN gradients on right-padded sliding-window rows (Mistral,
-        # seen on an H200); then only the absolute bound applies.
-        assert _err(fast_grads[name], want) <= (2 * hf_err if math.isfinite(hf_err) else 0.0) + 2e-2, name
+        # HF's bf16 SDPA path gives NaN gradients on right-padded sliding-window rows (Mistral and
+        # Gemma 3, seen on an H200); then an absolute bound of bf16 size applies (measured there:
+        # 0.011 for Mistral, 0.024 for Gemma 3's 8 layers of sandwich norms).
+        bound = 2 * hf_err + 2e-2 if math.isfinite(hf_err) else 3e-2
+        assert _err(fast_grads[name], want) <= bound, name

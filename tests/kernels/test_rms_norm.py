@@ -11,12 +11,13 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kernels.rms_norm import rms_norm, rms_norm_reference
+from kernels.rms_norm import _round_up_coarse, rms_norm, rms_norm_reference
 from tests.kernels.tolerance import assert_close
 
 # Small tests run where the Triton kernels can: CUDA when compiled, the CPU under the interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-SHAPES = [(3, 37, 96), (2, 5, 123), (1, 1, 64)]
+# Narrow rows go many to a tile (hidden 96: 32 rows); hidden 4100 is one row a tile (BLOCK 8192).
+SHAPES = [(3, 37, 96), (2, 5, 123), (1, 1, 64), (2, 3, 4100)]
 EPS = 1e-6
 
 
@@ -97,6 +98,29 @@ def test_expanded_gradient(backend) -> None:
     dx_ref, dw_ref = torch.autograd.grad(rms_norm_reference(x_ref, w_ref, EPS).sum(), (x_ref, w_ref))
     assert_close(dx, dx_ref)
     assert_close(dw, dw_ref)
+
+
+@pytest.mark.parametrize("n_rows,hidden", [(1000, 64), (37, 4100)])
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_backward_walks_every_row(backend, poisoned, n_rows, hidden, casting, offset) -> None:
+    """Backward programs that each walk several tiles, the last partly past the end (the
+    interpreter counts 4 SMs: 8 programs of 2 tiles of 64 rows, or 4 programs of 10 rows)."""
+    torch.manual_seed(5)
+    x = torch.randn(n_rows, hidden, device=DEVICE)
+    w = (1.0 - offset) + 0.3 * torch.randn(hidden, device=DEVICE)
+    grad = torch.randn(n_rows, hidden, device=DEVICE)
+    ours = _forward_backward(lambda x, w: rms_norm(x, w, EPS, offset, casting), x, w, grad)
+    ref = _forward_backward(lambda x, w: rms_norm_reference(x, w, EPS, offset, casting), x, w, grad)
+    for got, want in zip(ours, ref):
+        assert torch.isfinite(got).all()
+        assert_close(got, want)
+
+
+def test_round_up_coarse() -> None:
+    """Trip counts: never below n, at most 25% above, few distinct values."""
+    values = [_round_up_coarse(n) for n in range(1, 4097)]
+    assert all(n <= v <= max(n, 1.25 * n) for n, v in zip(range(1, 4097), values))
+    assert len(set(values)) <= 8 + 4 * 12  # 1..8, then four values per octave up to 4096
 
 
 def test_rejects_bad_arguments() -> None:

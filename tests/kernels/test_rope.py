@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.rope import rope_, rope_reference_
+from kernels.rope import _grad_buffers, rope_, rope_reference_
 from tests.kernels.tolerance import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -136,22 +136,22 @@ def test_same_gradient_tensor_for_q_and_k(backend, poisoned, layout) -> None:
 
 @pytest.mark.parametrize("layout", ["hf", "contiguous", "fused"])
 def test_inplace_backward_gradients(backend, poisoned, layout) -> None:
-    """inplace_backward=True gives HF's gradients with fresh, aliased (`q + k`) and expanded
-    (`.sum()`) output gradients; GQA heads."""
+    """inplace_backward=True gives HF's gradients with fresh, expanded (`.sum()`) and shared
+    (`q + k`: one tensor for both) output gradients."""
     torch.manual_seed(7)
-    proj = Projections(2, 5, 4, 2, 16, torch.float32, layout)
-    cos, sin = _rotary(4, 2, 16)(proj.x, torch.arange(5, device=DEVICE)[None])
-    for loss in (None, lambda q, k: (q + q).pow(2).sum() + k.sum(), lambda q, k: q.sum() + k.sum()):
+    cases = [
+        ((4, 2), None),
+        ((4, 2), lambda q, k: (q + q).pow(2).sum() + k.sum()),
+        ((4, 2), lambda q, k: q.sum() + k.sum()),
+        ((2, 2), lambda q, k: (q + k).pow(2).sum()),
+    ]
+    for (heads_q, heads_k), loss in cases:
+        proj = Projections(2, 5, heads_q, heads_k, 16, torch.float32, layout)
+        cos, sin = _rotary(heads_q, heads_k, 16)(proj.x, torch.arange(5, device=DEVICE)[None])
         expected = proj.run(lambda q, k: apply_rotary_pos_emb(q, k, cos, sin), loss)
         ours = proj.run(lambda q, k: rope_(q, k, cos, sin, inplace_backward=True), loss)
         for got, want in zip(ours, expected):
             assert_close(got, want)
-    same_heads = Projections(2, 5, 2, 2, 16, torch.float32, layout)
-    cos, sin = _rotary(2, 2, 16)(same_heads.x, torch.arange(5, device=DEVICE)[None])
-    expected = same_heads.run(lambda q, k: apply_rotary_pos_emb(q, k, cos, sin), lambda q, k: (q + k).pow(2).sum())
-    ours = same_heads.run(lambda q, k: rope_(q, k, cos, sin, inplace_backward=True), lambda q, k: (q + k).pow(2).sum())
-    for got, want in zip(ours, expected):
-        assert_close(got, want)
 
 
 @pytest.mark.parametrize("layout", ["hf", "fused"])
@@ -174,6 +174,24 @@ def test_inplace_backward_overwrites_only_when_asked(backend, layout, inplace) -
         want = saved
     for got, expected in zip(grads, want):
         assert_close(got, expected)
+
+
+def test_grad_buffers_policy() -> None:
+    """Which root gradients the backward overwrites: its own copies always, the caller's only
+    when promised and not sharing memory, none under create_graph (grad mode on)."""
+    a, b = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    expanded = torch.randn(1, 1, 32).expand(2, 5, 32)
+    with torch.no_grad():
+        for promised, want in ((False, (False, False)), (True, (True, True))):
+            dq, dk, out_q, out_k = _grad_buffers(a, b, promised)
+            assert dq is a and dk is b and (out_q is a, out_k is b) == want
+        dq, dk, out_q, out_k = _grad_buffers(a, a, True)  # `q + k`: one tensor for both
+        assert out_q is not a and out_k is not a
+        dq, dk, out_q, out_k = _grad_buffers(expanded, b, False)
+        assert out_q is dq and dq.is_contiguous() and out_k is not b
+    with torch.enable_grad():
+        dq, _, out_q, out_k = _grad_buffers(expanded, b, True)
+        assert out_q is not dq and out_k is not b
 
 
 def test_in_place_contract(backend) -> None:
