@@ -58,17 +58,27 @@ def dot_rows(X, W, rows, row_ok, stride_w, K: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def rstd_from(SS, eps, N: tl.constexpr, HAS_NORM: tl.constexpr):
+    """1 / sqrt(SS / N + eps) for the sum of squares at SS of an N-vector; 1 without a norm."""
+    if HAS_NORM:
+        return 1.0 / tl.sqrt(tl.load(SS) / N + eps)
+    return 1.0
+
+
+@triton.jit
 def _gemv_kernel(
-    X, W, BIAS, Y, N, stride_w,
+    X, W, BIAS, Y, SS, N, stride_w, eps,
     K: tl.constexpr,  # constexpr: Triton's interpreter cannot loop to a run-time bound (numpy >= 2.4)
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    y = dot_rows(X, W, rows, row_ok, stride_w, K, BLOCK_N, BLOCK_K)
+    y = dot_rows(X, W, rows, row_ok, stride_w, K, BLOCK_N, BLOCK_K) * rstd_from(SS, eps, K, HAS_NORM)
     if HAS_BIAS:
         y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+    # rounded to x's dtype first: a float32 output holds exactly what a 16-bit product would
+    y = y.to(X.dtype.element_ty).to(Y.dtype.element_ty)
+    tl.store(Y + rows, y, mask=row_ok)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -81,17 +91,28 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) holding one row, weight (N, K), bias (N,) or None -> (..., N). No checks."""
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x (..., K) holding one row, weight (N, K), bias (N,) or None -> (..., N). No checks.
+
+    norm = (ss, eps): x is w * v of an RMSNorm whose sum of squares ss ((1,) float32) is given,
+    and the product is scaled by rsqrt(ss / K + eps) (see `kernels/gemv_fused.py`).
+    out_dtype: float32 to widen the x-dtype-rounded result in the same launch."""
     n, k = weight.shape
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    y = torch.empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype, device=x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_n = _INTERPRETED_BLOCK_N if interpreted else _BLOCK_N
     block_k = min(_BLOCK_K, max(16, triton.next_power_of_2(k)))
+    ss, eps = norm if norm is not None else (y, 0.0)  # y: a placeholder never read
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, y if bias is None else bias, y, n, weight.stride(0),  # y: a placeholder never read
-        K=k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_WARPS,
-        num_stages=3 if k >= 8192 else 1,
+        x, weight, y if bias is None else bias, y, ss, n, weight.stride(0), float(eps),
+        K=k, HAS_BIAS=bias is not None, HAS_NORM=norm is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=_WARPS, num_stages=3 if k >= 8192 else 1,
     )
     return y
 

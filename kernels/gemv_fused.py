@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import dot_rows
+from kernels.gemv import dot_rows, rstd_from
 
 # Rows per program and columns per step, from `bench/decode_kernels.py` on an H200 (8B shapes,
 # us per launch; the plain gemv: q/k/v 13.4, o 9.7, gate/up 53.6, down 28.6):
@@ -76,14 +76,6 @@ def _dot_pair(X, W, row_a, row_b, stride_w, K: tl.constexpr, BLOCK_P: tl.constex
 
 
 @triton.jit
-def _rstd(SS, eps, N: tl.constexpr, HAS_NORM: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) from the sum of squares at SS; 1 without a norm."""
-    if HAS_NORM:
-        return 1.0 / tl.sqrt(tl.load(SS) / N + eps)
-    return 1.0
-
-
-@triton.jit
 def _qkv_rope_cache_kernel(
     X, W, BIAS, Q_OUT, K_CACHE, V_CACHE, COS, SIN, COL, PAD, SS,
     stride_w, k_sh, k_ss, v_sh, v_ss, cos_ss, eps,
@@ -97,7 +89,7 @@ def _qkv_rope_cache_kernel(
     j0 = (pid % per_head) * BLOCK_P
     j = j0 + tl.arange(0, BLOCK_P)
     y1, y2 = _dot_pair(X, W, head * D + j0, head * D + half + j0, stride_w, K, BLOCK_P, BLOCK_K)
-    rstd = _rstd(SS, eps, K, HAS_NORM)
+    rstd = rstd_from(SS, eps, K, HAS_NORM)
     y1, y2 = y1 * rstd, y2 * rstd
     if HAS_BIAS:
         y1 += tl.load(BIAS + head * D + j).to(tl.float32)
@@ -127,7 +119,7 @@ def _glu_kernel(
 ):
     first = tl.program_id(0) * BLOCK_P  # BLOCK_P divides INTER
     gate, up = _dot_pair(X, W, first, first + INTER, stride_w, K, BLOCK_P, BLOCK_K)
-    rstd = _rstd(SS, eps, K, HAS_NORM)
+    rstd = rstd_from(SS, eps, K, HAS_NORM)
     gate, up = gate * rstd, up * rstd
     if GELU:  # tanh approximation: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
@@ -152,6 +144,39 @@ def _residual_kernel(
     w = tl.load(NORM_W + rows, mask=ok, other=0.0).to(tl.float32)
     tl.store(U_OUT + rows, (w * xf).to(U_OUT.dtype.element_ty), mask=ok)
     tl.atomic_add(SS, tl.sum(xf * xf, axis=0), sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _embed_start_kernel(
+    TOK, EMBED, NORM_W, X_OUT, U_OUT, SUMS, stride_e, N: tl.constexpr, N_SUMS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_SUMS: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(EMBED + tl.load(TOK).to(tl.int64) * stride_e + cols, mask=ok, other=0.0)
+    tl.store(X_OUT + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    w = tl.load(NORM_W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(U_OUT + cols, (w * xf).to(U_OUT.dtype.element_ty), mask=ok)
+    slots = tl.arange(0, BLOCK_SUMS)
+    first = tl.sum(xf * xf, axis=0)
+    tl.store(SUMS + slots, tl.where(slots == 0, first, 0.0), mask=slots < N_SUMS)
+
+
+def embed_start(
+    tok: torch.Tensor, embed: torch.Tensor, norm_weight: torch.Tensor, sums: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """tok (1,) int64; embed (V, N); norm_weight (N,); sums (S,) float32 -> x = embed[tok] and
+    u = norm_weight * x, each (N,), with sums[0] = sum(x^2) and every other slot zeroed: the
+    step's start in one launch (the first RMSNorm begun, the step's sums ready for `residual`)."""
+    n = embed.shape[1]
+    x = torch.empty(n, dtype=embed.dtype, device=embed.device)
+    u = torch.empty_like(x)
+    _embed_start_kernel[(1,)](
+        tok, embed, norm_weight, x, u, sums, embed.stride(0), N=n, N_SUMS=sums.numel(),
+        BLOCK=triton.next_power_of_2(n), BLOCK_SUMS=triton.next_power_of_2(sums.numel()), num_warps=4,
+    )
+    return x, u
 
 
 def _norm_args(norm: tuple[torch.Tensor, float] | None, like: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -11,7 +11,9 @@ small op rides in the epilogue of the product before it (`kernels/gemv_fused.py`
     m             <- glu(u; ss')                 that norm finished, gate/up product, SiLU(gate) * up
     x, u; ss''    <- residual(m; x)              down product, + residual, the NEXT layer's norm begun
 
-An RMSNorm is split across a launch boundary: `residual` writes u = w * x and adds sum(x^2) into
+The step starts with one launch (`embed_start`: the embedding row, the first norm begun, the
+step's sums zeroed) and ends with lm_head's product, which finishes the final norm and writes
+float32 logits. An RMSNorm is split across a launch boundary: `residual` writes u = w * x and adds sum(x^2) into
 a float32 slot; the consumer scales its float32 product sums by rsqrt(ss / H + eps).
 
 When (`applies`): a CUDA (or forced-Triton) model, one row, no adapter in this call, q/k/v and
@@ -31,7 +33,8 @@ import torch
 
 from kernels.decode_attention import decode_attention
 from kernels.dispatch import use_triton
-from kernels.gemv_fused import glu, qkv_rope_cache, residual
+from kernels.gemv import gemv
+from kernels.gemv_fused import embed_start, glu, qkv_rope_cache, residual
 
 if TYPE_CHECKING:
     from engine.decode.cache import StaticKVCache
@@ -45,7 +48,10 @@ def applies(model: DecodeModel, batch: int, lora: object | None) -> bool:
         return False
     if spec.qk_norm or spec.sandwich_norm or spec.norm_casting != "llama" or model.attn_softcap is not None:
         return False
-    if spec.activation != "swiglu":
+    if spec.activation != "swiglu" or spec.embed_scale or spec.logit_softcap_attr:
+        return False
+    head = model.lm_head
+    if head.lora is not None or head.fused is not None or head.projs[0].weight is None:
         return False
     return all(_layer_fits(layer, model.dtype) for layer in model.layers)
 
@@ -62,29 +68,25 @@ def _layer_fits(layer: Layer, dtype: torch.dtype) -> bool:
 
 def forward(
     model: DecodeModel,
-    x: torch.Tensor,
+    tok: torch.Tensor,
     col: torch.Tensor,
     pad: torch.Tensor,
     cache: StaticKVCache,
     counters: torch.Tensor,
     sums: torch.Tensor,
 ) -> torch.Tensor:
-    """x (1, 1, H) the embedded token -> the final norm of the last layer's output, (1, 1, H).
+    """tok (1,) -> last-token logits (1, V) float32; K/V of the step written to cache column col.
 
     counters: int32 zeros, at least n_kv (the attention's; every launch leaves them zero).
-    sums: float32, 2 * layers + 1 (one sum of squares per RMSNorm), zeroed here.
+    sums: float32, 2 * layers + 1 (one sum of squares per RMSNorm), zeroed by `embed_start`.
     """
-    sums.zero_()
-    x = x.view(-1)
-    first = model.layers[0].input_norm
-    u = first.weight * x  # the first norm's halves by hand, like `residual` (kernels/gemv_fused.py)
-    torch.sum(x.float().square(), dim=0, keepdim=True, out=sums[:1])
+    x, u = embed_start(tok, model.embed.weight, model.layers[0].input_norm.weight, sums)
     for i, layer in enumerate(model.layers):
         after = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.final_norm
         x, u = layer_step(model, layer, after, x, u, col, pad, cache.k[i], cache.v[i], counters, sums[2 * i : 2 * i + 3])
-    last = model.final_norm
-    rstd = torch.rsqrt(sums[-1:] / x.numel() + last.eps)
-    return (u.float() * rstd).to(x.dtype).view(1, 1, -1)
+    (head,) = model.lm_head.projs
+    logits = gemv(u, head.weight, head.bias, norm=(sums[-1:], model.final_norm.eps), out_dtype=torch.float32)
+    return logits.view(1, -1)
 
 
 def layer_step(

@@ -317,10 +317,10 @@ class DecodeModel:
         also computes the NEXT layer's input norm, so the residual add and that norm still fuse
         into one kernel across the layer boundary.
         """
-        x = self.embed(tok[:, None])  # (B, 1, H)
         counters, sums = self._scratch(tok.shape[0] * self.n_kv, 2 * len(self.layers) + 1)
         if fast_layer.applies(self, tok.shape[0], lora):
-            return self._head_fn(fast_layer.forward(self, x, col, pad, cache, counters, sums), lora)
+            return fast_layer.forward(self, tok, col, pad, cache, counters, sums)
+        x = self.embed(tok[:, None])  # (B, 1, H)
         h = self._rms(x, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm

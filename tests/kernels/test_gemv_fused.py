@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gemv_fused import glu, qkv_rope_cache, residual
+from kernels.gemv_fused import embed_start, glu, qkv_rope_cache, residual
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -128,3 +128,24 @@ def test_cuda_8b_shapes_many_launches() -> None:
     for x, m in outs:
         _close(x, xr)
         _close(m, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embed_start_and_normed_head(dtype: torch.dtype, poisoned) -> None:
+    """embed_start's (x, u, sums) then gemv's `norm` with float32 output = lm_head(RMSNorm(E[tok]))."""
+    from kernels.gemv import gemv
+
+    gen = torch.Generator().manual_seed(3)
+    emb = torch.randn(11, 40, generator=gen, dtype=torch.float64)
+    nw = torch.randn(40, generator=gen, dtype=torch.float64)
+    head = torch.randn(13, 40, generator=gen, dtype=torch.float64) / 40**0.5
+    sums = torch.full((7,), 5.0, dtype=torch.float32, device=DEVICE)
+    dev = lambda t: t.to(DEVICE, dtype)  # noqa: E731
+    x, u = embed_start(torch.tensor([4], device=DEVICE), dev(emb), dev(nw), sums)
+    _close(x, emb[4])
+    _close(u, nw * emb[4])
+    assert float(sums[0]) == pytest.approx(float(x.double().pow(2).sum()), rel=1e-5) and not sums[1:].any()
+    logits = gemv(u, dev(head), norm=(sums[:1], 1e-6), out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    h = nw * emb[4] * torch.rsqrt(emb[4].pow(2).mean() + 1e-6)
+    _close(logits.to(dtype), head @ h)
