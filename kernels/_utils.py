@@ -1,5 +1,11 @@
 """Small host-side helpers shared by the Triton launchers: block sizes, warps, 2-D row views,
-and the memory checks that make in-place writes safe. Nothing here launches a kernel or syncs."""
+and the memory checks that make in-place writes safe. Nothing here launches a kernel or syncs.
+
+Host cost matters at small shapes, where a launch is bound by Python rather than by the GPU:
+whatever depends only on shapes, strides and dtypes is a pure function cached with
+`functools.lru_cache` (keys are `torch.Size` / stride tuples, hashed in C), and `cdiv` /
+`next_pow2` are plain integer arithmetic (Triton 3.6's `triton.cdiv` and
+`triton.next_power_of_2` are constexpr functions costing ~1.5 us a call on the host)."""
 
 from __future__ import annotations
 
@@ -13,10 +19,21 @@ import triton
 MAX_FUSED_SIZE = 65536
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, b > 0 (as `triton.cdiv`)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n for n >= 1, and 0 for n = 0 (as `triton.next_power_of_2`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+@functools.lru_cache(maxsize=None)
 def block_and_warps(n_cols: int) -> tuple[int, int]:
     """Power-of-two block covering `n_cols` and a warp count that keeps about 8-16 elements per
     thread, the range where these memory-bound kernels reach copy bandwidth."""
-    block = triton.next_power_of_2(n_cols)
+    block = next_pow2(n_cols)
     if block > MAX_FUSED_SIZE:
         raise ValueError(f"rows of {n_cols} columns exceed the fused limit of {MAX_FUSED_SIZE}")
     if block >= 32768:
@@ -26,6 +43,34 @@ def block_and_warps(n_cols: int) -> tuple[int, int]:
     if block >= 2048:
         return block, 8
     return block, 4
+
+
+@functools.lru_cache(maxsize=1024)
+def row_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> int | None:
+    """Row stride of a tensor of `shape` and `stride` read as rows (prod(shape[:-1]), shape[-1])
+    in place, or None when it cannot be: when `as_rows` would copy (leading dimensions that do
+    not merge into one stride, a last stride other than 1, overlapping rows) or there are no
+    elements. Whatever the stride of a single row, it is reported as shape[-1]."""
+    if len(shape) == 0 or 0 in shape:
+        return None
+    n = shape[-1]
+    if n > 1 and stride[-1] != 1:
+        return None
+    step = None  # the stride of the merged leading dimensions, from the innermost one up
+    for size, st in zip(reversed(shape[:-1]), reversed(stride[:-1])):
+        if size == 1:
+            continue
+        if step is not None and st != step:
+            return None
+        step = st * size
+        if step // size < n:  # rows overlap (an `expand`)
+            return None
+    return n if step is None else step // _last_size(shape[:-1])
+
+
+def _last_size(leading: tuple[int, ...]) -> int:
+    """Size of the innermost leading dimension that is not 1."""
+    return next(size for size in reversed(leading) if size != 1)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -76,11 +76,21 @@ def _dot_pair(X, W, row_a, row_b, stride_w, K: tl.constexpr, BLOCK_P: tl.constex
 
 
 @triton.jit
+def _lora_delta(LB, stride_b, LT, rows, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(len(rows),) float32: sum_r B[rows, r] t[r], an unmerged adapter's update of those rows."""
+    r = tl.arange(0, BLOCK_R)
+    t = tl.load(LT + r, mask=r < R, other=0.0).to(tl.float32)
+    b = tl.load(LB + rows.to(tl.int64)[:, None] * stride_b + r[None, :], mask=(r < R)[None, :], other=0.0)
+    return tl.sum(b.to(tl.float32) * t[None, :], axis=1)
+
+
+@triton.jit
 def _qkv_rope_cache_kernel(
-    X, W, BIAS, Q_OUT, K_CACHE, V_CACHE, COS, SIN, COL, PAD, SS,
-    stride_w, k_sh, k_ss, v_sh, v_ss, cos_ss, eps,
+    X, W, BIAS, Q_OUT, K_CACHE, V_CACHE, COS, SIN, COL, PAD, SS, LB, LT,
+    stride_w, k_sh, k_ss, v_sh, v_ss, cos_ss, eps, stride_b,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     half: tl.constexpr = D // 2
     per_head: tl.constexpr = half // BLOCK_P
@@ -94,6 +104,9 @@ def _qkv_rope_cache_kernel(
     if HAS_BIAS:
         y1 += tl.load(BIAS + head * D + j).to(tl.float32)
         y2 += tl.load(BIAS + head * D + half + j).to(tl.float32)
+    if R > 0:
+        y1 += _lora_delta(LB, stride_b, LT, head * D + j, R, BLOCK_R)
+        y2 += _lora_delta(LB, stride_b, LT, head * D + half + j, R, BLOCK_R)
     col = tl.load(COL)
     if head < N_HEADS + N_KV:  # q or k: rotate
         cs = (col - tl.load(PAD)).to(tl.int64) * cos_ss
@@ -114,13 +127,18 @@ def _qkv_rope_cache_kernel(
 
 @triton.jit
 def _glu_kernel(
-    X, W, OUT, SS, stride_w, eps, INTER: tl.constexpr, K: tl.constexpr,
-    GELU: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    X, W, OUT, SS, LB, LT, stride_w, eps, stride_b, INTER: tl.constexpr, K: tl.constexpr,
+    GELU: tl.constexpr, HAS_NORM: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     first = tl.program_id(0) * BLOCK_P  # BLOCK_P divides INTER
     gate, up = _dot_pair(X, W, first, first + INTER, stride_w, K, BLOCK_P, BLOCK_K)
     rstd = rstd_from(SS, eps, K, HAS_NORM)
     gate, up = gate * rstd, up * rstd
+    if R > 0:
+        rows = first + tl.arange(0, BLOCK_P)
+        gate += _lora_delta(LB, stride_b, LT, rows, R, BLOCK_R)
+        up += _lora_delta(LB, stride_b, LT, rows + INTER, R, BLOCK_R)
     if GELU:  # tanh approximation: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
@@ -131,12 +149,15 @@ def _glu_kernel(
 
 @triton.jit
 def _residual_kernel(
-    A, W, RES, X_OUT, NORM_W, U_OUT, SS, stride_w,
-    N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A, W, RES, X_OUT, NORM_W, U_OUT, SS, LB, LT, stride_w, stride_b,
+    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
     y = dot_rows(A, W, rows, ok, stride_w, K, BLOCK_N, BLOCK_K)
+    if R > 0:
+        y += _lora_delta(LB, stride_b, LT, tl.where(ok, rows, 0), R, BLOCK_R)
     y = y.to(X_OUT.dtype.element_ty).to(tl.float32)  # the product's own rounding, as unfused
     x = (tl.load(RES + rows, mask=ok, other=0.0).to(tl.float32) + y).to(X_OUT.dtype.element_ty)
     tl.store(X_OUT + rows, x, mask=ok)
@@ -183,6 +204,17 @@ def _norm_args(norm: tuple[torch.Tensor, float] | None, like: torch.Tensor) -> t
     return (like, 0.0) if norm is None else norm
 
 
+def _lora_args(lora: tuple[torch.Tensor, torch.Tensor] | None, like: torch.Tensor) -> tuple:
+    """(B, t, stride_b, R, BLOCK_R) for the kernels; R = 0 (placeholders never read) without one."""
+    if lora is None:
+        return like, like, 0, 0, 1
+    b, t = lora
+    r = t.numel()
+    if b.stride(1) != 1 or b.shape[1] != r:
+        raise ValueError(f"adapter B {tuple(b.shape)} (unit column stride) does not match {r} rank values")
+    return b, t, b.stride(0), r, triton.next_power_of_2(r)
+
+
 def qkv_rope_cache(
     u: torch.Tensor,
     weight: torch.Tensor,
@@ -195,12 +227,15 @@ def qkv_rope_cache(
     v_cache: torch.Tensor,
     n_heads: int,
     norm: tuple[torch.Tensor, float] | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """u (K,) one row; weight ((n_heads + 2 n_kv) d, K) rows q|k|v; cos, sin (S, d);
     col (1,), pad (1,) int64; k_cache, v_cache (1, n_kv, S, d) -> q (n_heads, d), RoPE applied.
     K and V of the step land in cache column col (K rotated). `norm` = (ss, eps): the input is
     w * x of an RMSNorm whose sum of squares ss ((1,) float32) `residual` accumulated, and the
-    product is scaled by rsqrt(ss / K + eps) before the bias."""
+    product is scaled by rsqrt(ss / K + eps) before the bias. `lora` = (B, t): an unmerged
+    adapter, B (rows, r) pre-scaled and t = A h (r,) its shrink; row n gains sum_r B[n, r] t[r]
+    before RoPE."""
     n_kv, d = k_cache.shape[1], k_cache.shape[3]
     k = weight.shape[1]
     if weight.shape[0] != (n_heads + 2 * n_kv) * d or d % 2 or u.numel() != k:
@@ -211,10 +246,12 @@ def qkv_rope_cache(
     while half % block_p:
         block_p //= 2
     ss, eps = _norm_args(norm, u)
+    lb, lt, stride_b, r, block_r = _lora_args(lora, u)
     _qkv_rope_cache_kernel[((n_heads + 2 * n_kv) * (half // block_p),)](
-        u, weight, weight if bias is None else bias, q, k_cache, v_cache, cos, sin, col, pad, ss,
+        u, weight, weight if bias is None else bias, q, k_cache, v_cache, cos, sin, col, pad, ss, lb, lt,
         weight.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), cos.stride(0),
-        float(eps), N_HEADS=n_heads, N_KV=n_kv, D=d, K=k, HAS_BIAS=bias is not None, HAS_NORM=norm is not None,
+        float(eps), stride_b, N_HEADS=n_heads, N_KV=n_kv, D=d, K=k, HAS_BIAS=bias is not None,
+        HAS_NORM=norm is not None, R=r, BLOCK_R=block_r,
         BLOCK_P=block_p, BLOCK_K=_block_k(k), num_warps=_WARPS, num_stages=_stages(k),
     )
     return q
@@ -226,17 +263,21 @@ def glu(
     inter: int,
     gelu: bool = False,
     norm: tuple[torch.Tensor, float] | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """u (K,) one row; weight (>= 2 inter, K) rows gate | up -> act(gate) * up, (inter,).
-    act: SiLU, or tanh-approximate GELU with `gelu`; `norm` as in `qkv_rope_cache`."""
+    act: SiLU, or tanh-approximate GELU with `gelu`; `norm`, `lora` (B with 2 inter rows) as in
+    `qkv_rope_cache`."""
     k = weight.shape[1]
     out = torch.empty(inter, dtype=u.dtype, device=u.device)
     block_p = 32 if _interpreted() else _PAIR_ROWS
     while inter % block_p:
         block_p //= 2
     ss, eps = _norm_args(norm, u)
+    lb, lt, stride_b, r, block_r = _lora_args(lora, u)
     _glu_kernel[(triton.cdiv(inter, block_p),)](
-        u, weight, out, ss, weight.stride(0), float(eps), INTER=inter, K=k, GELU=gelu, HAS_NORM=norm is not None,
+        u, weight, out, ss, lb, lt, weight.stride(0), float(eps), stride_b, INTER=inter, K=k, GELU=gelu,
+        HAS_NORM=norm is not None, R=r, BLOCK_R=block_r,
         BLOCK_P=block_p, BLOCK_K=_block_k(k), num_warps=_WARPS, num_stages=_stages(k),
     )
     return out
@@ -248,16 +289,19 @@ def residual(
     res: torch.Tensor,
     norm_weight: torch.Tensor,
     ss: torch.Tensor,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """a (K,) one row; weight (N, K); res, norm_weight (N,); ss (1,) float32, zero before the
     launch -> x' = res + W a and u = norm_weight * x', each (N,); ss += sum(x'^2).
-    The next product finishes the RMSNorm: rsqrt(ss / N + eps) W' u = W' RMSNorm(x')."""
+    The next product finishes the RMSNorm: rsqrt(ss / N + eps) W' u = W' RMSNorm(x').
+    `lora` as in `qkv_rope_cache` (added to W a before the residual)."""
     n, k = weight.shape
     x = torch.empty(n, dtype=res.dtype, device=res.device)
     u = torch.empty_like(x)
     block_n = 32 if _interpreted() else _RESIDUAL_ROWS
+    lb, lt, stride_b, r, block_r = _lora_args(lora, a)
     _residual_kernel[(triton.cdiv(n, block_n),)](
-        a, weight, res, x, norm_weight, u, ss, weight.stride(0),
-        N=n, K=k, BLOCK_N=block_n, BLOCK_K=_block_k(k), num_warps=_WARPS, num_stages=_stages(k),
+        a, weight, res, x, norm_weight, u, ss, lb, lt, weight.stride(0), stride_b,
+        N=n, K=k, R=r, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=_block_k(k), num_warps=_WARPS, num_stages=_stages(k),
     )
     return x, u

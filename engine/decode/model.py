@@ -310,8 +310,8 @@ class DecodeModel:
     ) -> torch.Tensor:
         """tok (B,) at cache column col ((1,) long) -> logits (B, V) float32. No host reads.
 
-        Batch 1 on CUDA with no adapter in the call runs `fast_layer` (five launches a layer)
-        where the family allows. Otherwise each layer is compiled in two parts around the
+        Batch 1 on CUDA with at most one adapter runs `fast_layer` (five launches a layer, plus a
+        shrink per adapted group) where the family allows. Otherwise each layer is compiled in two parts around the
         attention kernel, not as one graph: every layer of a family has the same shapes, so one
         compiled part serves all of them and compiling takes seconds, not minutes. Each layer
         also computes the NEXT layer's input norm, so the residual add and that norm still fuse
@@ -319,7 +319,7 @@ class DecodeModel:
         """
         counters, sums = self._scratch(tok.shape[0] * self.n_kv, 2 * len(self.layers) + 1)
         if fast_layer.applies(self, tok.shape[0], lora):
-            return fast_layer.forward(self, tok, col, pad, cache, counters, sums)
+            return fast_layer.forward(self, tok, col, pad, cache, counters, sums, lora)
         x = self.embed(tok[:, None])  # (B, 1, H)
         h = self._rms(x, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 _M32 = 0xFFFFFFFF
 
@@ -162,15 +163,32 @@ def filter_logits(scaled: torch.Tensor, plan: SamplingPlan, st: SamplingState) -
     return out
 
 
+def argmax_last(x: torch.Tensor, chunks: int = 64) -> torch.Tensor:
+    """x (B, V) -> (B,) long: the first index of each row's maximum, as `argmax(-1)`.
+
+    In two stages for a large V: compiled, a one-row argmax over 128K logits is one program on
+    one SM (23-33 us a token on an H200, bench/RESULTS.md); as `chunks` per-chunk maxima, then
+    the first chunk holding the overall maximum, it spreads over `chunks` programs.
+    """
+    b, v = x.shape
+    if v < 16 * chunks * 8:
+        return x.argmax(-1)
+    width = -(-v // chunks)
+    padded = F.pad(x, (0, width * chunks - v), value=float("-inf")).view(b, chunks, width)
+    best, where = padded.max(-1)  # (B, chunks): first maximum inside each chunk
+    chunk = best.argmax(-1)  # (B,): the first chunk holding the row's maximum
+    return chunk * width + where.gather(-1, chunk[:, None])[:, 0]
+
+
 def sample(logits: torch.Tensor, plan: SamplingPlan, st: SamplingState, step: torch.Tensor) -> torch.Tensor:
     """logits (B, V) float32 -> next tokens (B,) long. Rows with temperature 0 take the argmax."""
     if plan.penalty:
         logits = apply_repetition_penalty(logits, st.seen, st.penalty)
-    greedy = logits.argmax(-1)
+    greedy = argmax_last(logits)
     if not plan.sample:
         return greedy
     temperature = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
     probs = filter_logits(logits / temperature[:, None], plan, st).softmax(-1)
     race = -torch.log(uniform_noise(st.seed, step, logits.shape[-1]))  # Exp(1) per token
-    drawn = (probs / race).argmax(-1)
+    drawn = argmax_last(probs / race)
     return torch.where(st.temperature > 0, drawn, greedy)

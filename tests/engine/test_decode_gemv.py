@@ -1,6 +1,6 @@
 """The one-row decode step on the Triton kernels, run through Triton's interpreter on the CPU
 (KESTREL_KERNELS=triton), fp32: greedy tokens must be Hugging Face's. Llama-style families take
-the five-launch layer (engine/decode/fast_layer.py: products with RoPE, cache writes, residual
+the five-launch layer (with an adapter: plus one shrink launch a group) (engine/decode/fast_layer.py: products with RoPE, cache writes, residual
 adds, norms and SiLU * up in their epilogues; kernels/gemv_fused.py); QK-norm families and
 adapter calls take the general step with its products on the matrix-vector kernel
 (kernels/gemv.py), with fused q/k/v + gate/up, q/k/v biases, a tied lm_head and adapters whose
@@ -76,7 +76,8 @@ def test_one_row_adapters_match_cublas_path(counted: list[tuple[int, int]], fast
     prompt = [_prompt(9, seed=6)]
     ours = {a: gen.generate(prompt, 8, adapter=a).tokens for a in ("default", "qv", None)}
     assert counted
-    assert len(fast_layers) == 7 * len(gen.backend.layers)  # the base call (adapter None) only
+    # base and both adapters (one adapter a call) run the fast layers; the shrinks on gemv
+    assert len(fast_layers) == 3 * 7 * len(gen.backend.layers)
     monkeypatch.setenv("KESTREL_KERNELS", "torch")
     ref = Generator(peft, max_seq_len=128, stop_ids=[])
     for adapter, tokens in ours.items():

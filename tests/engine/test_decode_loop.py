@@ -244,3 +244,20 @@ def test_release_frees_the_session_and_the_next_request_rebuilds_it() -> None:
     gen.release()
     assert gen._session is None
     assert gen.generate(PROMPTS, max_new_tokens=10).tokens == first
+
+
+def test_two_stage_argmax_matches_argmax() -> None:
+    """argmax_last = argmax(-1) on a 128K vocabulary: ties go to the first index, also across
+    chunk borders; a maximum in the last, partial chunk; rows of -inf but one entry."""
+    from engine.decode.sampling import argmax_last
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 128_257, generator=gen)
+    x[1, 70_000] = x[1, 3] = 99.0  # a tie: the first index wins
+    x[2, 128_256] = 99.0  # in the padded last chunk
+    x[3] = float("-inf")
+    x[3, 77] = 0.0
+    x[4, 2004] = x[4, 2005] = 50.0  # a tie on a chunk border (chunk width 2005)
+    assert argmax_last(x).tolist() == x.argmax(-1).tolist() == [int(x[0].argmax()), 3, 128_256, 77, 2004]
+    small = torch.randn(3, 100, generator=gen)
+    assert argmax_last(small).tolist() == small.argmax(-1).tolist()
