@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 # A row wider than this would not fit one program's registers (Triton caps a block at 2^20
 # elements; 64K columns is already far past any hidden size in use).
@@ -47,30 +46,28 @@ def block_and_warps(n_cols: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=1024)
 def row_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> int | None:
-    """Row stride of a tensor of `shape` and `stride` read as rows (prod(shape[:-1]), shape[-1])
-    in place, or None when it cannot be: when `as_rows` would copy (leading dimensions that do
-    not merge into one stride, a last stride other than 1, overlapping rows) or there are no
-    elements. Whatever the stride of a single row, it is reported as shape[-1]."""
+    """The row stride `as_rows` gives a tensor of this `shape` and `stride` when it is a view,
+    i.e. when its elements can be read in place as rows (prod(shape[:-1]), shape[-1]); None when
+    `as_rows` would copy (leading dimensions that do not merge into one stride, a last stride
+    other than 1, rows that overlap) or there are no elements. A single row reports shape[-1]."""
     if len(shape) == 0 or 0 in shape:
         return None
     n = shape[-1]
     if n > 1 and stride[-1] != 1:
         return None
-    step = None  # the stride of the merged leading dimensions, from the innermost one up
+    rows = None  # stride of the innermost leading dimension of size > 1; the others must chain
+    expected = 0
     for size, st in zip(reversed(shape[:-1]), reversed(stride[:-1])):
         if size == 1:
             continue
-        if step is not None and st != step:
+        if rows is None:
+            rows = st
+        elif st != expected:
             return None
-        step = st * size
-        if step // size < n:  # rows overlap (an `expand`)
-            return None
-    return n if step is None else step // _last_size(shape[:-1])
-
-
-def _last_size(leading: tuple[int, ...]) -> int:
-    """Size of the innermost leading dimension that is not 1."""
-    return next(size for size in reversed(leading) if size != 1)
+        expected = st * size
+    if rows is None:
+        return n
+    return rows if rows >= n else None
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -90,20 +87,31 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def non_overlapping(t: torch.Tensor) -> bool:
     """True when no two elements of `t` share a memory location, so a kernel may write `t` in
-    place (holes are fine: a slice of a fused QKV projection qualifies, an `expand` does not).
+    place (holes are fine: a slice of a fused QKV projection qualifies, an `expand` does not)."""
+    return layout_non_overlapping(t.shape, t.stride())
 
-    Sufficient test: sorted by stride, each dimension must step past the whole extent of the
-    dimensions below it.
-    """
-    dims = sorted(
-        ((stride, size) for stride, size in zip(t.stride(), t.shape) if size != 1),
-        key=lambda sd: sd[0],
-    )
+
+@functools.lru_cache(maxsize=1024)
+def layout_non_overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """`non_overlapping` on a shape and its strides. Sufficient test: sorted by stride, each
+    dimension must step past the whole extent of the dimensions below it."""
+    dims = sorted((st, size) for st, size in zip(stride, shape) if size != 1)
     extent = 1
-    for stride, size in dims:
-        if stride < extent:
+    for st, size in dims:
+        if st < extent:
             return False
-        extent = stride * size
+        extent = st * size
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def layout_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Non-overlapping with no holes, in any dimension order, for a shape and its strides."""
+    extent = 1
+    for st, size in sorted((st, size) for st, size in zip(stride, shape) if size != 1):
+        if st != extent:
+            return False
+        extent *= size
     return True
 
 

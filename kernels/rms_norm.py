@@ -17,17 +17,23 @@ ROWS = max(1, _TILE // BLOCK) rows, so a tile holds at least _TILE elements what
   tiles in flight (Triton's loop pipeliner copies them to shared memory with cp.async), and
   keeps its share of dw in fp32 registers; one (hidden,) fp32 row per program is written and
   the host sums those few rows. Nothing of x's size is written besides dx.
+
+Host side, what bounds small shapes: launch parameters are lru-cached per shape, strides and
+dtypes (`_fwd_plan`, `_bwd_plan`, `row_stride`); x and dy are read in place as rows (no reshape
+view) whenever their strides allow, and dx is allocated in dy's shape (no view to return).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+import math
+from typing import Literal, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import as_rows, block_and_warps, sm_count
+from kernels._utils import as_rows, block_and_warps, cdiv, row_stride, sm_count
 from kernels.dispatch import use_triton
 
 Casting = Literal["llama", "gemma"]
@@ -51,11 +57,11 @@ _BWD_SMEM_BYTES = 128 * 1024
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    Y, y_row_stride, X, x_row_stride, W, RSTD,
-    n_rows, n_cols, eps, offset,
+    Y, X, W, RSTD, eps, offset, y_row_stride, x_row_stride, n_rows, n_cols,
     GEMMA: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # grid: (cdiv(n_rows, ROWS),); one (ROWS, BLOCK) tile per program, int64 row offsets.
+    # Arguments: pointers, per-call floats, then what `_fwd_plan` fixes for a shape.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     row_mask = rows < n_rows
@@ -74,8 +80,8 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DX, dx_row_stride, DY, dy_row_stride, X, x_row_stride, W, RSTD, DW_PARTIAL,
-    n_rows, n_cols, offset,
+    DX, DY, X, W, RSTD, DW_PARTIAL, offset, dx_row_stride, dy_row_stride, x_row_stride,
+    n_rows, n_cols,
     ROWS_PER_PROGRAM: tl.constexpr, GEMMA: tl.constexpr, COMPUTE_DW: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -109,6 +115,7 @@ def _rms_norm_bwd_kernel(
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
 
 
+@functools.lru_cache(maxsize=None)
 def _tile(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK, ROWS, num_warps) of the (ROWS, BLOCK) tile for rows of `n_cols`."""
     block, _ = block_and_warps(n_cols)
@@ -129,7 +136,34 @@ def _round_up_coarse(n: int) -> int:
     that is a compile-time constant takes few distinct values (a handful per octave of n_rows),
     while the programs it leads to stay within 80% of the target."""
     step = 1 << max(0, n.bit_length() - 3)
-    return triton.cdiv(n, step) * step
+    return cdiv(n, step) * step
+
+
+class _FwdPlan(NamedTuple):
+    """The forward launch for one shape, stride set and dtype pair (see `_fwd_plan`)."""
+
+    n_rows: int
+    out_dtype: torch.dtype
+    row_stride: int | None  # x read in place as rows at this stride; None: `as_rows` copies
+    grid: tuple[int] | None  # None: no rows, no launch
+    tail: tuple  # n_rows, n_cols, GEMMA, ROWS, BLOCK: the kernel's last arguments
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=512)
+def _fwd_plan(
+    shape: torch.Size, stride: tuple[int, ...], x_dtype: torch.dtype, w_dtype: torch.dtype, gemma: bool
+) -> _FwdPlan:
+    """Everything the forward derives from x's shape, strides and the dtypes; cached, so a
+    repeated shape costs one lookup and a new shape or stride gets its own plan."""
+    n_cols = shape[-1]
+    n_rows = math.prod(shape[:-1])
+    out_dtype = x_dtype if gemma else torch.promote_types(x_dtype, w_dtype)
+    if n_rows == 0:
+        return _FwdPlan(n_rows, out_dtype, row_stride(shape, stride), None, (), 0)
+    block, rows, warps = _tile(n_cols)
+    return _FwdPlan(n_rows, out_dtype, row_stride(shape, stride), (cdiv(n_rows, rows),),
+                    (n_rows, n_cols, gemma, rows, block), warps)
 
 
 def rms_norm_forward(
@@ -137,33 +171,52 @@ def rms_norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. x (..., hidden), weight (hidden,).
 
-    Returns y (x.shape; dtype x.dtype for gemma, promote(x, w) for llama as in HF), the 2-D view
-    x_rows (n_rows, hidden) and rstd (n_rows,) fp32.
+    Returns y (x.shape; dtype x.dtype for gemma, promote(x, w) for llama as in HF), x_rows and
+    rstd (n_rows,) fp32. x_rows is what the backward reads: x itself when its rows can be read
+    in place (any row stride, see `row_stride`), else `as_rows(x)`, a (n_rows, hidden) copy.
     """
-    x_rows = as_rows(x)
-    n_rows, n_cols = x_rows.shape
-    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
-    # Allocated in x's shape and launched on its row view, so y is not itself a view: a view
-    # returned from an autograd Function has an internal, grad-less `_base`, which code that
-    # follows `_base` to the storage root (rope_) would take for the real tensor.
-    y_full = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    y = y_full.view(n_rows, n_cols)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_rows > 0:
-        block, rows, warps = _tile(n_cols)
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
-            y, y.stride(0), x_rows, x_rows.stride(0), weight.contiguous(), rstd,
-            n_rows, n_cols, eps, offset,
-            GEMMA=gemma, ROWS=rows, BLOCK=block, num_warps=warps,
+    plan = _fwd_plan(x.shape, x.stride(), x.dtype, weight.dtype, gemma)
+    x_rows, x_row_stride = x, plan.row_stride
+    if x_row_stride is None:
+        x_rows = as_rows(x)
+        x_row_stride = x_rows.stride(0)
+    # Allocated in x's shape (rows of stride hidden), not as a view: a view returned from an
+    # autograd Function has an internal, grad-less `_base`, which code that follows `_base` to
+    # the storage root (rope_) would take for the real tensor.
+    y = torch.empty(x.shape, dtype=plan.out_dtype, device=x.device)
+    rstd = torch.empty(plan.n_rows, dtype=torch.float32, device=x.device)
+    if plan.grid is not None:
+        _rms_norm_fwd_kernel[plan.grid](
+            y, x_rows, weight if weight.is_contiguous() else weight.contiguous(), rstd, eps, offset,
+            x.shape[-1], x_row_stride, *plan.tail, num_warps=plan.num_warps,
         )
-    return y_full, x_rows, rstd
+    return y, x_rows, rstd
+
+
+@functools.lru_cache(maxsize=512)
+def _bwd_plan(
+    n_rows: int, n_cols: int, x_dtype: torch.dtype, dy_dtype: torch.dtype, device: torch.device,
+    gemma: bool, compute_dw: bool,
+) -> tuple[int, tuple, int]:
+    """(programs, the kernel's last arguments from n_rows on, num_warps) of the backward: a
+    persistent grid of _BWD_WARPS_PER_SM warps' worth of programs per SM (see module docstring).
+    The trip count is a compile-time constant (Triton's CPU interpreter, under NumPy 2, cannot
+    loop to a runtime bound), coarsely rounded so it takes few values."""
+    block, rows, warps = _tile(n_cols)
+    tiles = max(cdiv(n_rows, rows), 1)
+    target = max(1, _BWD_WARPS_PER_SM // warps) * sm_count(device)
+    tiles_per_program = _round_up_coarse(cdiv(tiles, target))
+    stages = _bwd_stages(rows * block * (x_dtype.itemsize + dy_dtype.itemsize))
+    tail = (n_rows, n_cols, tiles_per_program * rows, gemma, compute_dw, rows, block, stages)
+    return cdiv(tiles, tiles_per_program), tail, warps
 
 
 def rms_norm_backward(
     dy: torch.Tensor, x_rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
     offset: float, gemma: bool, compute_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the backward kernel. dy (..., hidden) -> dx (n_rows, hidden), dw (hidden,) or None.
+    """Launch the backward kernel. dy (..., hidden), x_rows as `rms_norm_forward` returned it
+    -> dx (dy's shape, x's dtype), dw (hidden,) or None.
 
     With s = offset + w and n = x * rstd (fp32):
         dn = dy * s
@@ -172,28 +225,25 @@ def rms_norm_backward(
     dw is summed per program in fp32 registers, then over the programs' (programs, hidden) fp32
     partials here.
     """
-    dy_rows = as_rows(dy)
-    n_rows, n_cols = x_rows.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
-    block, rows, warps = _tile(n_cols)
-    tiles = triton.cdiv(n_rows, rows)
-    target = max(1, _BWD_WARPS_PER_SM // warps) * sm_count(x_rows.device)
-    # The trip count is a compile-time constant (Triton's CPU interpreter, under NumPy 2, cannot
-    # loop to a runtime bound), coarsely rounded so it takes few values.
-    tiles_per_program = _round_up_coarse(triton.cdiv(max(tiles, 1), target))
-    programs = triton.cdiv(max(tiles, 1), tiles_per_program)
+    n_rows, n_cols = rstd.shape[0], x_rows.shape[-1]
+    x_row_stride = row_stride(x_rows.shape, x_rows.stride())
+    if x_row_stride is None:  # no rows (x_rows is row-readable by construction otherwise)
+        x_rows = as_rows(x_rows)
+        x_row_stride = x_rows.stride(0)
+    dy_rows, dy_row_stride = dy, row_stride(dy.shape, dy.stride())
+    if dy_row_stride is None:  # e.g. the stride-0 gradient of `.sum()`: copied
+        dy_rows = as_rows(dy)
+        dy_row_stride = dy_rows.stride(0)
+    programs, tail, warps = _bwd_plan(n_rows, n_cols, x_rows.dtype, dy.dtype, x_rows.device, gemma, compute_dw)
+    dx = torch.empty(dy.shape, dtype=x_rows.dtype, device=x_rows.device)  # rows of stride n_cols
     dw_partial = (
         torch.empty((programs, n_cols), dtype=torch.float32, device=x_rows.device)
         if compute_dw else rstd  # placeholder pointer, never touched when COMPUTE_DW is False
     )
     if n_rows > 0:
         _rms_norm_bwd_kernel[(programs,)](
-            dx, dx.stride(0), dy_rows, dy_rows.stride(0), x_rows, x_rows.stride(0),
-            weight.contiguous(), rstd, dw_partial,
-            n_rows, n_cols, offset,
-            ROWS_PER_PROGRAM=tiles_per_program * rows, GEMMA=gemma, COMPUTE_DW=compute_dw,
-            ROWS=rows, BLOCK=block, num_warps=warps,
-            NUM_STAGES=_bwd_stages(rows * block * (x_rows.element_size() + dy_rows.element_size())),
+            dx, dy_rows, x_rows, weight if weight.is_contiguous() else weight.contiguous(), rstd,
+            dw_partial, offset, n_cols, dy_row_stride, x_row_stride, *tail, num_warps=warps,
         )
     if not compute_dw:
         return dx, None
@@ -203,13 +253,13 @@ def rms_norm_backward(
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """Autograd wrapper: saves x (as its 2-D row view), weight and rstd; nothing else."""
+    """Autograd wrapper: saves x (or its row copy, see `rms_norm_forward`), weight and rstd."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset, gemma):  # type: ignore[override]
         y, x_rows, rstd = rms_norm_forward(x, weight, eps, offset, gemma)
         ctx.save_for_backward(x_rows, weight, rstd)
-        ctx.offset, ctx.gemma, ctx.x_shape = offset, gemma, x.shape
+        ctx.offset, ctx.gemma = offset, gemma
         return y
 
     @staticmethod
@@ -218,7 +268,7 @@ class _RMSNormFunction(torch.autograd.Function):
         dx, dw = rms_norm_backward(
             dy, x_rows, weight, rstd, ctx.offset, ctx.gemma, ctx.needs_input_grad[1]
         )
-        return dx.view(ctx.x_shape), dw, None, None, None
+        return dx, dw, None, None, None
 
 
 def rms_norm_reference(

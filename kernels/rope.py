@@ -18,6 +18,11 @@ consecutive tokens of one sequence, every head of q and of k, so each cos/sin ro
 all its loads (q and k, both halves) are issued before its first store. Head counts and head_dim
 are compile-time constants, so an exact tile (power-of-two heads and half) has no masks. Token
 and head offsets are int64 (a q of 2^31 elements is real), offsets within a head int32.
+
+Host side, what bounds small shapes: all that depends on shapes and strides alone (the checks,
+the tables' strides, grid, runtime ints and constexprs, how q and k are rebuilt from their roots)
+comes from lru-cached pure functions (`_plan`, `_launch`, `_geometry`), so a call is a few cache
+lookups, the autograd Function and one launch, given the roots' pointers and the views' strides.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import non_overlapping
+from kernels._utils import cdiv, layout_dense, layout_non_overlapping, next_pow2
 from kernels.dispatch import use_triton
 
 # Elements a program moves (q and k, both halves, TOKENS tokens): at least this many, a few
@@ -88,16 +93,15 @@ def _cos_sin(COS, SIN, cs_row, cs_sd, tok_mask, HALF: tl.constexpr, BLOCK_D: tl.
 
 @triton.jit
 def _rope_kernel(
-    Q, OQ, q_sb, q_sh, q_ss, q_sd,
-    K, OK, k_sb, k_sh, k_ss, k_sd,
-    COS, SIN, cs_sb, cs_ss, cs_sd, POS, pos_sb, pos_ss,
-    seq_len,
+    Q, OQ, K, OK, COS, SIN, POS,
+    q_sb, q_sh, q_ss, q_sd, k_sb, k_sh, k_ss, k_sd, cs_sb, cs_ss, cs_sd, pos_sb, pos_ss, seq_len,
     HEADS_Q: tl.constexpr, HEADS_K: tl.constexpr, HALF: tl.constexpr, TOKENS: tl.constexpr,
-    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_POS: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     # grid: (batch * cdiv(seq_len, TOKENS),), sequence blocks fastest. Reads Q/K, writes OQ/OK
     # (the same tensors in place). Masked lanes load garbage that only reaches masked stores.
+    # Pointers first, then the runtime ints, then the constexprs (the order `_Launch` packs).
     MASK_TOKENS: tl.constexpr = TOKENS > 1  # with one token a program the grid is exact
     seq_blocks = tl.cdiv(seq_len, TOKENS)
     pid = tl.program_id(0)
@@ -130,85 +134,124 @@ def _rope_kernel(
         tl.store(OK + k_lo + HALF * k_sd, y2.to(OK.dtype.element_ty), mask=k_mask)
 
 
-class _Tables(NamedTuple):
-    """cos/sin as 3-D (1 or batch, rows, head_dim), one stride set, unit last stride; the batch
-    stride the kernel uses (0 when one table serves the batch, or when position ids index it);
-    the position ids (batch or 1, seq), or None."""
+def _table_strides(
+    q_shape: torch.Size, cos_shape: torch.Size, cos_stride: tuple[int, ...], sin_shape: torch.Size,
+    pos_shape: torch.Size | None, pos_stride: tuple[int, ...] | None,
+) -> tuple[tuple[int, int, int, int, int], bool]:
+    """Validate cos/sin (and position ids) against q (batch, heads, seq, head_dim); return the
+    kernel's table ints (cs_sb, cs_ss, cs_sd, pos_sb, pos_ss) and whether ids index the tables.
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    batch_stride: int
-    position_ids: torch.Tensor | None
-
-
-def _tables(
-    q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None
-) -> _Tables:
-    """Validate cos/sin (and position ids) against q and put them in the kernel's form."""
-    batch, _, seq, head_dim = q.shape
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    cos/sin are read as 3-D (1 or batch, rows, head_dim): cs_sb is 0 when one table serves the
+    batch or when position ids pick the rows; likewise pos_sb for one id row shared by the batch.
+    """
+    batch, _, seq, head_dim = q_shape
+    if cos_shape != sin_shape:
+        raise ValueError(f"cos {tuple(cos_shape)} and sin {tuple(sin_shape)} differ")
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        # One stride set serves both tables; they are small, a copy costs nothing.
-        cos, sin = cos.contiguous(), sin.contiguous()
-    if position_ids is not None:
-        if cos.dim() == 3 and cos.shape[0] == 1:
-            cos, sin = cos[0], sin[0]
-        if cos.dim() != 2 or cos.shape[1] != head_dim:
+    if pos_shape is not None:
+        if len(cos_shape) == 3 and cos_shape[0] == 1:
+            cos_shape, cos_stride = cos_shape[1:], cos_stride[1:]
+        if len(cos_shape) != 2 or cos_shape[1] != head_dim:
             raise ValueError(f"with position_ids, cos/sin must be (max_pos, {head_dim}), got "
-                             f"{tuple(cos.shape)}")
-        if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch):
-            raise ValueError(f"position_ids must be ({batch} or 1, {seq}), got {tuple(position_ids.shape)}")
-        return _Tables(cos[None], sin[None], 0, position_ids)
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]
-    if cos.dim() != 3 or cos.shape[1:] != (seq, head_dim) or cos.shape[0] not in (1, batch):
-        raise ValueError(f"cos/sin must be ({batch} or 1, {seq}, {head_dim}), got {tuple(cos.shape)}")
-    return _Tables(cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0, None)
+                             f"{tuple(cos_shape)}")
+        if len(pos_shape) != 2 or pos_shape[1] != seq or pos_shape[0] not in (1, batch):
+            raise ValueError(f"position_ids must be ({batch} or 1, {seq}), got {tuple(pos_shape)}")
+        pos_sb = pos_stride[0] if pos_shape[0] > 1 else 0
+        return (0, cos_stride[0], cos_stride[1], pos_sb, pos_stride[1]), True
+    if len(cos_shape) == 2:
+        cos_shape, cos_stride = (1, *cos_shape), (0, *cos_stride)
+    if len(cos_shape) != 3 or tuple(cos_shape[1:]) != (seq, head_dim) or cos_shape[0] not in (1, batch):
+        raise ValueError(f"cos/sin must be ({batch} or 1, {seq}, {head_dim}), got {tuple(cos_shape)}")
+    return (cos_stride[0] if cos_shape[0] > 1 else 0, cos_stride[1], cos_stride[2], 0, 0), False
 
 
-@functools.lru_cache(maxsize=None)
-def _config(seq_block: int, heads_q: int, heads_k: int, head_dim: int) -> dict:
-    """Compile-time sizes, TOKENS and num_warps of the kernel (see _TILE). seq_block:
-    next_pow2(seq), capped at _TILE, so short sequences get short tiles and the cache stays small."""
+def _config(seq_block: int, heads_q: int, heads_k: int, head_dim: int) -> tuple[int, ...] | None:
+    """(HALF, TOKENS, BLOCK_HQ, BLOCK_HK, BLOCK_D, num_warps) of the kernel (see _TILE), or None
+    when a token holds nothing to rotate. seq_block: next_pow2(seq), capped at _TILE, so short
+    sequences get short tiles."""
     half = head_dim // 2
-    block_d = triton.next_power_of_2(half)
-    block_hq = triton.next_power_of_2(heads_q)
-    block_hk = triton.next_power_of_2(heads_k) if heads_k else 0
+    block_d = next_pow2(half)
+    block_hq = next_pow2(heads_q)
+    block_hk = next_pow2(heads_k) if heads_k else 0
     per_token = 2 * block_d * (block_hq + block_hk)
+    if per_token == 0:
+        return None
     tokens = min(1 << (max(1, _TILE // per_token).bit_length() - 1), seq_block)
     warps = 4 if tokens * per_token <= _MAX_ELEMENTS_AT_4_WARPS else 8
-    return dict(HEADS_Q=heads_q, HEADS_K=heads_k, HALF=half, TOKENS=tokens, BLOCK_HQ=block_hq,
-                BLOCK_HK=max(block_hk, 1), BLOCK_D=block_d, num_warps=warps)
+    return half, tokens, block_hq, max(block_hk, 1), block_d, warps
 
 
-def rope_launch(
-    q: torch.Tensor, k: torch.Tensor | None, tables: _Tables, backward: bool = False,
-    out_q: torch.Tensor | None = None, out_k: torch.Tensor | None = None,
+class _Launch(NamedTuple):
+    """A launch of `_rope_kernel` less its tensors: the grid; the runtime ints then constexprs
+    in the kernel's order, ending in BACKWARD=False (`forward`) or True (`backward`); num_warps."""
+
+    grid: tuple[int]
+    forward: tuple
+    backward: tuple
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=512)
+def _launch(
+    q_shape: torch.Size, q_stride: tuple[int, ...], heads_k: int, k_stride: tuple[int, ...] | None,
+    tables: tuple[int, ...], has_pos: bool,
+) -> _Launch | None:
+    """The launch rotating q (batch, heads_q, seq, head_dim) of strides `q_stride` and, when
+    heads_k > 0, k (batch, heads_k, seq, head_dim) of strides `k_stride`; None when there is
+    nothing to rotate. The output buffers must have their input's strides."""
+    batch, heads_q, seq, head_dim = q_shape
+    config = _config(min(next_pow2(seq), _TILE), heads_q, heads_k, head_dim) if batch * seq else None
+    if config is None:
+        return None
+    half, tokens, block_hq, block_hk, block_d, warps = config
+    ints = (*q_stride, *(q_stride if k_stride is None else k_stride), *tables, seq)
+    head = (*ints, heads_q, heads_k, half, tokens, has_pos, block_hq, block_hk, block_d)
+    return _Launch((batch * cdiv(seq, tokens),), (*head, False), (*head, True), warps)
+
+
+def _run(
+    launch: _Launch | None, backward: bool, q: torch.Tensor, out_q: torch.Tensor, k: torch.Tensor,
+    out_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None,
 ) -> None:
-    """Rotate q and k (k may be None) in one launch; backward=True rotates the other way.
+    """Launch `launch` on these tensors. Only their data pointers and dtypes are read: the
+    strides are the launch's, so a tensor may be the root of the view they describe (same
+    storage offset). With HEADS_K = 0, k and out_k are never touched."""
+    if launch is not None:
+        _rope_kernel[launch.grid](
+            q, out_q, k, out_k, cos, sin, cos if position_ids is None else position_ids,
+            *(launch.backward if backward else launch.forward), num_warps=launch.num_warps,
+        )
 
-    q (batch, heads_q, seq, head_dim), k (batch, heads_k, seq, head_dim), any strides, checked
-    against each other and the tables by the caller. Writes in place unless out_q / out_k are
-    given, which must have their input's strides.
-    """
-    batch, heads_q, seq, head_dim = q.shape
-    if batch * seq == 0:
-        return
-    heads_k = 0 if k is None else k.shape[1]
-    config = _config(min(triton.next_power_of_2(seq), _TILE), heads_q, heads_k, head_dim)
-    k = q if k is None else k  # with HEADS_K = 0 the kernel never touches it
-    out_q = q if out_q is None else out_q
-    out_k = k if out_k is None else out_k
-    cos, sin, cs_sb, pos = tables
-    pos_strides = (0, 0) if pos is None else (pos.stride(0) if pos.shape[0] > 1 else 0, pos.stride(1))
-    _rope_kernel[(batch * triton.cdiv(seq, config["TOKENS"]),)](
-        q, out_q, *q.stride(), k, out_k, *k.stride(),
-        cos, sin, cs_sb, cos.stride(1), cos.stride(2), cos if pos is None else pos, *pos_strides,
-        seq, HAS_POS=pos is not None, BACKWARD=backward, **config,
-    )
+
+class _Plan(NamedTuple):
+    """What `rope_` derives from shapes and strides alone (see `_plan`)."""
+
+    copy_tables: bool  # cos/sin must be made contiguous to share one unit-last-dim stride set
+    tables: tuple[int, int, int, int, int]  # cs_sb, cs_ss, cs_sd, pos_sb, pos_ss
+    has_pos: bool
+    launch: _Launch | None  # q with k, at the caller's strides
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(
+    q_shape: torch.Size, q_stride: tuple[int, ...], k_shape: torch.Size, k_stride: tuple[int, ...],
+    cos_shape: torch.Size, cos_stride: tuple[int, ...], sin_shape: torch.Size, sin_stride: tuple[int, ...],
+    pos_shape: torch.Size | None, pos_stride: tuple[int, ...] | None,
+) -> _Plan:
+    """Check q, k, cos, sin and position ids (ValueError, for both backends) and derive the
+    launch, from their shapes and strides only: cached, so a repeated geometry costs one lookup
+    and a new one (another seq length, another stride) gets its own plan."""
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        raise ValueError(
+            f"q and k must be 4-D (batch, heads, seq, head_dim), got {len(q_shape)}-D/{len(k_shape)}-D")
+    if k_shape[0] != q_shape[0] or k_shape[2:] != q_shape[2:]:
+        raise ValueError(f"q {tuple(q_shape)} and k {tuple(k_shape)} disagree on batch/seq/head_dim")
+    if not (layout_non_overlapping(q_shape, q_stride) and layout_non_overlapping(k_shape, k_stride)):
+        raise ValueError("q and k are written in place and must not have overlapping elements")
+    tables, has_pos = _table_strides(q_shape, cos_shape, cos_stride, sin_shape, pos_shape, pos_stride)
+    copy_tables = cos_stride[-1] != 1 or sin_stride != cos_stride
+    return _Plan(copy_tables, tables, has_pos, _launch(q_shape, q_stride, k_shape[1], k_stride, tables, has_pos))
 
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...]]  # (shape in memory order, inverse permutation)
@@ -219,25 +262,32 @@ def _root(t: torch.Tensor) -> tuple[torch.Tensor, Geometry] | None:
     `permute` (whose backward passes are free). None when `t` covers only part of its storage
     (a slice of a fused QKV projection) or its root is not contiguous.
 
-    HF's q is `linear(x).view(b, s, h, d).transpose(1, 2)`: the root is the linear's output.
-    Checked on the strides alone: no view is made here.
+    HF's q is `linear(x).view(b, s, h, d).transpose(1, 2)`: the root is the linear's output, at
+    the same storage offset (so the same data pointer). No view is made here.
     """
     root = t if t._base is None else t._base
     if root.requires_grad != t.requires_grad:
         # t is a view made inside an autograd Function: its gradient flows through t's own node,
         # not through `_base`, so the root must not be used.
         return None
-    if not root.is_contiguous() or (root.numel(), root.storage_offset()) != (t.numel(), t.storage_offset()):
+    if not root.is_contiguous() or root.numel() != t.numel() or root.storage_offset() != t.storage_offset():
         return None
-    strides = t.stride()
-    perm = sorted(range(t.dim()), key=strides.__getitem__, reverse=True)
-    shape = tuple(t.shape[i] for i in perm)
-    expected = 1  # `root.view(shape)` is contiguous: walk its strides from the last dimension
-    for i, size in zip(reversed(perm), reversed(shape)):
+    geometry = _geometry(t.shape, t.stride())
+    return None if geometry is None else (root, geometry)
+
+
+@functools.lru_cache(maxsize=512)
+def _geometry(shape: torch.Size, strides: tuple[int, ...]) -> Geometry | None:
+    """How a tensor of `shape` and `strides` is rebuilt from a contiguous root of as many
+    elements (see `_root`), or None when its strides are no permutation of a contiguous layout."""
+    perm = sorted(range(len(shape)), key=strides.__getitem__, reverse=True)
+    mem_shape = tuple(shape[i] for i in perm)
+    expected = 1  # `root.view(mem_shape)` is contiguous: walk its strides from the last dimension
+    for i, size in zip(reversed(perm), reversed(mem_shape)):
         if size > 1 and strides[i] != expected:
             return None
         expected *= size
-    return root, (shape, tuple(perm.index(i) for i in range(t.dim())))
+    return mem_shape, tuple(perm.index(i) for i in range(len(shape)))
 
 
 def _rebuild(root: torch.Tensor, geometry: Geometry) -> torch.Tensor:
@@ -256,13 +306,16 @@ def _grad_buffers(
     it (`inplace_backward`) and dq and dk do not share memory (`q_out + k_out` hands both the
     same tensor). Never under create_graph (grad mode on in a backward), where they may be saved.
     """
-    copied = (not dq.is_contiguous(), not dk.is_contiguous())
-    dq, dk = dq.contiguous(), dk.contiguous()
+    copied_q, copied_k = not dq.is_contiguous(), not dk.is_contiguous()
+    if copied_q:
+        dq = dq.contiguous()
+    if copied_k:
+        dk = dk.contiguous()
     if torch.is_grad_enabled():
         return dq, dk, torch.empty_like(dq), torch.empty_like(dk)
     promised = promised and dq.untyped_storage().data_ptr() != dk.untyped_storage().data_ptr()
-    out_q = dq if copied[0] or promised else torch.empty_like(dq)
-    out_k = dk if copied[1] or promised else torch.empty_like(dk)
+    out_q = dq if copied_q or promised else torch.empty_like(dq)
+    out_k = dk if copied_k or promised else torch.empty_like(dk)
     return dq, dk, out_q, out_k
 
 
@@ -271,19 +324,19 @@ class _RoPEFunction(torch.autograd.Function):
 
     Working on the roots, which are not views, lets autograd accept an in-place Function with
     two outputs, and spares the gradient copies autograd adds around in-place updates of views.
-    `views` holds the caller's q and k (views of the roots), read for their strides only.
+    The launches take the roots' pointers with the caller's q and k strides (`plan.launch`);
+    the root gradients, made contiguous, have the roots' layout, so the same launch serves.
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, q_root, k_root, views, cos, sin, batch_stride, position_ids, promised
-    ):
-        q, k = views
-        rope_launch(q, k, _Tables(cos, sin, batch_stride, position_ids))
+    def forward(ctx, q_root, k_root, rest):  # type: ignore[override]
+        """rest = (cos, sin, position_ids, plan, promised): one argument, as each argument of
+        `apply` costs host time; saved all the same (in-place changes are still caught)."""
+        cos, sin, position_ids, plan, promised = rest
+        _run(plan.launch, False, q_root, q_root, k_root, k_root, cos, sin, position_ids)
         ctx.mark_dirty(q_root, k_root)
         ctx.save_for_backward(cos, sin, position_ids)
-        ctx.layouts = ((q.shape, q.stride()), (k.shape, k.stride()))
-        ctx.batch_stride, ctx.promised = batch_stride, promised
+        ctx.plan, ctx.promised = plan, promised
         return q_root, k_root
 
     @staticmethod
@@ -291,15 +344,9 @@ class _RoPEFunction(torch.autograd.Function):
         """d(input) = d(output) rotated by -sin (module docstring), one launch for dq and dk,
         written over the incoming gradients when `_grad_buffers` allows it."""
         cos, sin, position_ids = ctx.saved_tensors
-        (q_shape, q_strides), (k_shape, k_strides) = ctx.layouts
-        dq_root, dk_root, out_q, out_k = _grad_buffers(dq_root, dk_root, ctx.promised)
-        rope_launch(
-            dq_root.as_strided(q_shape, q_strides), dk_root.as_strided(k_shape, k_strides),
-            _Tables(cos, sin, ctx.batch_stride, position_ids), backward=True,
-            out_q=None if out_q is dq_root else out_q.as_strided(q_shape, q_strides),
-            out_k=None if out_k is dk_root else out_k.as_strided(k_shape, k_strides),
-        )
-        return out_q, out_k, None, None, None, None, None, None
+        dq, dk, out_q, out_k = _grad_buffers(dq_root, dk_root, ctx.promised)
+        _run(ctx.plan.launch, True, dq, out_q, dk, out_k, cos, sin, position_ids)
+        return out_q, out_k, None
 
 
 def _rotate_grad(grad: torch.Tensor, ctx) -> torch.Tensor:
@@ -307,25 +354,15 @@ def _rotate_grad(grad: torch.Tensor, ctx) -> torch.Tensor:
     (dq and dk reach two Functions here, so whether they alias cannot be checked), else into a
     fresh buffer laid out like the gradient."""
     cos, sin, position_ids = ctx.saved_tensors
-    tables = _Tables(cos, sin, ctx.batch_stride, position_ids)
-    if not _is_dense(grad):
+    in_place = False
+    if not layout_dense(grad.shape, grad.stride()):
         grad = grad.contiguous()  # e.g. the stride-0 gradient of `.sum()`
-        if not torch.is_grad_enabled():
-            rope_launch(grad, None, tables, backward=True)
-            return grad
-    out = torch.empty_strided(grad.shape, grad.stride(), dtype=grad.dtype, device=grad.device)
-    rope_launch(grad, None, tables, backward=True, out_q=out)
+        in_place = not torch.is_grad_enabled()
+    out = grad if in_place else torch.empty_strided(
+        grad.shape, grad.stride(), dtype=grad.dtype, device=grad.device)
+    launch = _launch(grad.shape, grad.stride(), 0, None, ctx.plan.tables, ctx.plan.has_pos)
+    _run(launch, True, grad, out, grad, grad, cos, sin, position_ids)
     return out
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """Non-overlapping with no holes, in any dimension order."""
-    extent = 1
-    for stride, size in sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] != 1):
-        if stride != extent:
-            return False
-        extent *= size
-    return True
 
 
 class _RoPEQKFunction(torch.autograd.Function):
@@ -336,11 +373,11 @@ class _RoPEQKFunction(torch.autograd.Function):
     plus the copies autograd makes around in-place updates of views)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, batch_stride, position_ids):  # type: ignore[override]
-        rope_launch(q, k, _Tables(cos, sin, batch_stride, position_ids))
+    def forward(ctx, q, k, cos, sin, position_ids, plan):  # type: ignore[override]
+        _run(plan.launch, False, q, q, k, k, cos, sin, position_ids)
         ctx.mark_dirty(q)
         ctx.save_for_backward(cos, sin, position_ids)
-        ctx.batch_stride = batch_stride
+        ctx.plan = plan
         return q
 
     @staticmethod
@@ -352,10 +389,10 @@ class _RoPEKFunction(torch.autograd.Function):
     """Records for autograd the in-place rotation of k done by `_RoPEQKFunction`'s launch."""
 
     @staticmethod
-    def forward(ctx, k, cos, sin, batch_stride, position_ids):  # type: ignore[override]
+    def forward(ctx, k, cos, sin, position_ids, plan):  # type: ignore[override]
         ctx.mark_dirty(k)
         ctx.save_for_backward(cos, sin, position_ids)
-        ctx.batch_stride = batch_stride
+        ctx.plan = plan
         return k
 
     @staticmethod
@@ -407,20 +444,33 @@ def rope_(
     (`q + x`). Gradients that share memory (from `q + k`) are detected and kept. It applies when
     q and k are whole views of their storage (HF's layout); it is ignored on the Torch path.
     """
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be 4-D (batch, heads, seq, head_dim), got {q.dim()}-D/{k.dim()}-D")
-    if k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch/seq/head_dim")
-    if not (non_overlapping(q) and non_overlapping(k)):
-        raise ValueError("q and k are written in place and must not have overlapping elements")
-    tables = _tables(q, cos, sin, position_ids)  # shape checks, for both paths
+    plan = _plan_of(q, k, cos, sin, position_ids)
     if not use_triton(q, k, cos, sin):
         return rope_reference_(q, k, cos, sin, position_ids)
+    if plan.copy_tables:
+        # One stride set serves both tables; they are small, a copy costs nothing.
+        cos, sin = cos.contiguous(), sin.contiguous()
+        plan = _plan_of(q, k, cos, sin, position_ids)  # with the copies' strides
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        rope_launch(q, k, tables)
-        torch.autograd.graph.increment_version(q)  # as any in-place op would
-        torch.autograd.graph.increment_version(k)
+        _run(plan.launch, False, q, q, k, k, cos, sin, position_ids)
+        torch.autograd.graph.increment_version((q, k))  # as any in-place op would
         return q, k
+    return _apply(q, k, cos, sin, position_ids, plan, inplace_backward)
+
+
+def _plan_of(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor | None
+) -> _Plan:
+    return _plan(q.shape, q.stride(), k.shape, k.stride(), cos.shape, cos.stride(), sin.shape,
+                 sin.stride(), None if pos is None else pos.shape, None if pos is None else pos.stride())
+
+
+def _apply(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    position_ids: torch.Tensor | None, plan: _Plan, inplace_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_ under autograd: one Function on the roots of q and k when both are whole views of
+    their own storage (HF's layout), else the general pair of Functions."""
     for t in (q, k):
         # Checked before the launch writes them (autograd would only refuse afterwards).
         base = t if t._base is None else t._base
@@ -430,8 +480,9 @@ def rope_(
             )
     q_root, k_root = _root(q), _root(k)
     if q_root is not None and k_root is not None and q_root[0] is not k_root[0]:
-        q_out, k_out = _RoPEFunction.apply(q_root[0], k_root[0], (q, k), *tables, inplace_backward)
+        rest = (cos, sin, position_ids, plan, inplace_backward)
+        q_out, k_out = _RoPEFunction.apply(q_root[0], k_root[0], rest)
         return _rebuild(q_out, q_root[1]), _rebuild(k_out, k_root[1])
-    q = _RoPEQKFunction.apply(q, k, *tables)
-    k = _RoPEKFunction.apply(k, *tables)
+    q = _RoPEQKFunction.apply(q, k, cos, sin, position_ids, plan)
+    k = _RoPEKFunction.apply(k, cos, sin, position_ids, plan)
     return q, k

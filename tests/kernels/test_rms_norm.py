@@ -8,9 +8,11 @@ import os
 
 import pytest
 import torch
+import triton
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from kernels._utils import as_rows, cdiv, next_pow2, row_stride
 from kernels.rms_norm import _round_up_coarse, rms_norm, rms_norm_reference
 from tests.kernels.tolerance import assert_close
 
@@ -121,6 +123,46 @@ def test_round_up_coarse() -> None:
     values = [_round_up_coarse(n) for n in range(1, 4097)]
     assert all(n <= v <= max(n, 1.25 * n) for n, v in zip(range(1, 4097), values))
     assert len(set(values)) <= 8 + 4 * 12  # 1..8, then four values per octave up to 4096
+
+
+def test_plans_follow_shape_and_strides(backend, poisoned) -> None:
+    """Launch parameters are cached per shape, strides and dtypes: one shape as contiguous rows,
+    as rows of stride 160 (a column slice) and as a transposed view (copied to rows), with a
+    dense and then an expanded gradient, and a new row count, back to back, against the reference."""
+    torch.manual_seed(6)
+    big = torch.randn(4, 7, 160, device=DEVICE)
+    w = 1.0 + 0.1 * torch.randn(96, device=DEVICE)
+    dense = big[..., :96].contiguous()
+    transposed = dense.transpose(0, 1).contiguous().transpose(0, 1)  # rows that do not merge
+    layouts = [dense, big[..., 10:106], transposed, big[:3, ..., :96].contiguous(), dense]
+    for x in layouts:
+        for loss in (lambda y: (y * y).sum(), lambda y: y.sum()):  # dense, then stride-0 gradient
+            got = _forward_backward(lambda x, w: loss(rms_norm(x, w, EPS)), x, w, torch.ones(()))
+            want = _forward_backward(lambda x, w: loss(rms_norm_reference(x, w, EPS)), x, w, torch.ones(()))
+            for g, expected in zip(got, want):
+                assert_close(g, expected)
+
+
+def test_row_stride_matches_as_rows() -> None:
+    """`row_stride` (cached, from shape and strides) is None exactly where `as_rows` copies, and
+    otherwise the row stride of its view."""
+    base = torch.zeros(6, 4, 10)
+    cases = [base, base[..., :8], base[:, 1:3, 2:9], base.transpose(0, 1), base[:, :1], base[:1, :1],
+             base[:, :, :1], base[::2], base[:, ::2, :8], base.permute(2, 0, 1), base[0, 0],
+             torch.zeros(1, 10).expand(5, 10), torch.zeros(3, 1, 10).expand(3, 4, 10), base[:0],
+             torch.zeros(200).as_strided((4, 1, 3, 8), (48, 1000, 16, 1)), base.view(-1)[::2]]
+    for t in cases:
+        rows = as_rows(t)
+        viewed = rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        got = row_stride(t.shape, t.stride())
+        assert (got is not None) == (viewed and t.numel() > 0), (t.shape, t.stride())
+        if got is not None and rows.shape[0] > 1:
+            assert got == rows.stride(0), (t.shape, t.stride())
+
+
+def test_integer_helpers_match_triton() -> None:
+    assert all(next_pow2(n) == triton.next_power_of_2(n) for n in range(0, 5000))
+    assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in range(1, 40))
 
 
 def test_rejects_bad_arguments() -> None:

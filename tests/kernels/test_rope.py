@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.rope import _grad_buffers, rope_, rope_reference_
+from kernels.rope import _grad_buffers, _plan_of, rope_, rope_reference_
 from tests.kernels.tolerance import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -250,6 +250,34 @@ def test_q_k_after_qk_norm_keep_their_gradient(backend: str) -> None:
 
 def rope_reference_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_plans_follow_shape_and_strides(backend, poisoned) -> None:
+    """Launch parameters are cached per geometry (`_plan`): one shape in several layouts, then
+    another sequence length, back to back, each against HF, with and without grad; the same
+    geometry gets the same plan, other strides or tables another."""
+    torch.manual_seed(10)
+    for seq, layout in [(5, "hf"), (5, "contiguous"), (5, "fused"), (9, "hf"), (5, "hf")]:
+        proj = Projections(2, seq, 4, 2, 16, torch.float32, layout)
+        cos, sin = _rotary(4, 2, 16)(proj.x, torch.arange(seq, device=DEVICE)[None])
+        _check_all(proj, cos, sin)
+        with torch.no_grad():
+            q, k = proj.qk(proj.x, proj.wq, proj.wk)
+            want = apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin)
+            rope_(q, k, cos, sin)
+        assert_close(q, want[0])
+        assert_close(k, want[1])
+    q = torch.zeros(2, 4, 5, 16)
+    k = torch.zeros(2, 2, 5, 16)
+    cos = torch.zeros(1, 5, 16)
+    plan = _plan_of(q, k, cos, cos, None)
+    assert _plan_of(q.clone(), k.clone(), cos.clone(), cos.clone(), None) is plan
+    q_t = torch.zeros(2, 5, 4, 16).transpose(1, 2)  # same shape, other strides
+    assert _plan_of(q_t, k, cos, cos, None).launch != plan.launch
+    per_batch = torch.zeros(2, 5, 16)  # one table per sequence: a batch stride of 80
+    assert _plan_of(q, k, per_batch, per_batch, None).tables[0] == 80 and plan.tables[0] == 0
+    wide = torch.zeros(1, 5, 32)[..., :16]  # cos/sin rows of stride 32, as a slice gives
+    assert _plan_of(q, k, wide, wide, None).launch != plan.launch
 
 
 def test_rejects_bad_tables() -> None:
