@@ -81,6 +81,17 @@ def _gemv_kernel(
     tl.store(Y + rows, y, mask=row_ok)
 
 
+def interpreted() -> bool:
+    """True under Triton's CPU interpreter, which runs programs one by one: fewer, larger ones."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def k_launch(k: int, block_k: int = _BLOCK_K) -> dict[str, int]:
+    """BLOCK_K and num_stages for a K-column walk: at most `block_k` columns a step, 3 pipeline
+    stages for long K (`down`'s 14336) and 1 elsewhere (the sweep in the module docstring)."""
+    return {"BLOCK_K": min(block_k, max(16, triton.next_power_of_2(k))), "num_stages": 3 if k >= 8192 else 1}
+
+
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """True when the kernel takes this product: one row of x, unit column strides, one dtype,
     and the Triton kernels chosen (`kernels.dispatch`: CUDA tensors, or forced)."""
@@ -105,14 +116,12 @@ def gemv(
     out_dtype: float32 to widen the x-dtype-rounded result in the same launch."""
     n, k = weight.shape
     y = torch.empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype, device=x.device)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    block_n = _INTERPRETED_BLOCK_N if interpreted else _BLOCK_N
-    block_k = min(_BLOCK_K, max(16, triton.next_power_of_2(k)))
+    block_n = _INTERPRETED_BLOCK_N if interpreted() else _BLOCK_N
     ss, eps = norm if norm is not None else (y, 0.0)  # y: a placeholder never read
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y if bias is None else bias, y, ss, n, weight.stride(0), float(eps),
-        K=k, HAS_BIAS=bias is not None, HAS_NORM=norm is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=_WARPS, num_stages=3 if k >= 8192 else 1,
+        K=k, HAS_BIAS=bias is not None, HAS_NORM=norm is not None, BLOCK_N=block_n,
+        num_warps=_WARPS, **k_launch(k),
     )
     return y
 

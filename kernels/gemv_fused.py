@@ -29,13 +29,12 @@ are fine). No host synchronisation: `col` and `pad` are device tensors.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import dot_rows, rstd_from
+from kernels.gemv import dot_rows, interpreted, k_launch, rstd_from
 
 # Rows per program and columns per step, from `bench/decode_kernels.py` on an H200 (8B shapes,
 # us per launch; the plain gemv: q/k/v 13.4, o 9.7, gate/up 53.6, down 28.6):
@@ -49,16 +48,12 @@ _PAIR_ROWS = 1  # (j, j + d/2) pairs, (gate, up) pairs: 2 rows a program
 _RESIDUAL_ROWS = 4
 
 
-def _block_k(k: int) -> int:
-    return min(_BLOCK_K, max(16, triton.next_power_of_2(k)))
-
-
-def _stages(k: int) -> int:
-    return 3 if k >= 8192 else 1
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def _pair_rows(n: int) -> int:
+    """Row pairs a program takes: _PAIR_ROWS (32 interpreted), halved until it divides n."""
+    block_p = 32 if interpreted() else _PAIR_ROWS
+    while n % block_p:
+        block_p //= 2
+    return block_p
 
 
 @triton.jit
@@ -242,9 +237,7 @@ def qkv_rope_cache(
         raise ValueError(f"q/k/v weight {tuple(weight.shape)} does not match {n_heads}+2x{n_kv} heads of {d}")
     q = torch.empty((n_heads, d), dtype=u.dtype, device=u.device)
     half = d // 2
-    block_p = 32 if _interpreted() else _PAIR_ROWS
-    while half % block_p:
-        block_p //= 2
+    block_p = _pair_rows(half)
     ss, eps = _norm_args(norm, u)
     lb, lt, stride_b, r, block_r = _lora_args(lora, u)
     _qkv_rope_cache_kernel[((n_heads + 2 * n_kv) * (half // block_p),)](
@@ -252,7 +245,7 @@ def qkv_rope_cache(
         weight.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), cos.stride(0),
         float(eps), stride_b, N_HEADS=n_heads, N_KV=n_kv, D=d, K=k, HAS_BIAS=bias is not None,
         HAS_NORM=norm is not None, R=r, BLOCK_R=block_r,
-        BLOCK_P=block_p, BLOCK_K=_block_k(k), num_warps=_WARPS, num_stages=_stages(k),
+        BLOCK_P=block_p, num_warps=_WARPS, **k_launch(k, _BLOCK_K),
     )
     return q
 
@@ -270,15 +263,13 @@ def glu(
     `qkv_rope_cache`."""
     k = weight.shape[1]
     out = torch.empty(inter, dtype=u.dtype, device=u.device)
-    block_p = 32 if _interpreted() else _PAIR_ROWS
-    while inter % block_p:
-        block_p //= 2
+    block_p = _pair_rows(inter)
     ss, eps = _norm_args(norm, u)
     lb, lt, stride_b, r, block_r = _lora_args(lora, u)
     _glu_kernel[(triton.cdiv(inter, block_p),)](
         u, weight, out, ss, lb, lt, weight.stride(0), float(eps), stride_b, INTER=inter, K=k, GELU=gelu,
         HAS_NORM=norm is not None, R=r, BLOCK_R=block_r,
-        BLOCK_P=block_p, BLOCK_K=_block_k(k), num_warps=_WARPS, num_stages=_stages(k),
+        BLOCK_P=block_p, num_warps=_WARPS, **k_launch(k, _BLOCK_K),
     )
     return out
 
@@ -298,10 +289,10 @@ def residual(
     n, k = weight.shape
     x = torch.empty(n, dtype=res.dtype, device=res.device)
     u = torch.empty_like(x)
-    block_n = 32 if _interpreted() else _RESIDUAL_ROWS
+    block_n = 32 if interpreted() else _RESIDUAL_ROWS
     lb, lt, stride_b, r, block_r = _lora_args(lora, a)
     _residual_kernel[(triton.cdiv(n, block_n),)](
         a, weight, res, x, norm_weight, u, ss, lb, lt, weight.stride(0), stride_b,
-        N=n, K=k, R=r, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=_block_k(k), num_warps=_WARPS, num_stages=_stages(k),
+        N=n, K=k, R=r, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=_WARPS, **k_launch(k, _BLOCK_K),
     )
     return x, u
