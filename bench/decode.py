@@ -357,11 +357,17 @@ def run_main(args: argparse.Namespace) -> Report:
             measure_kestrel(report, model, "kestrel_cublas", both[:1], new, context, profile=args.profile)
         torch._dynamo.reset()
     measure_kestrel(report, model, "kestrel", both, new, context, profile=args.profile)
+    if args.pdl_ablation:  # the same step without programmatic dependent launches, batch 1
+        with mock.patch.dict(os.environ, {"KESTREL_PDL": "0"}):
+            measure_kestrel(report, model, "kestrel_no_pdl", both[:1], new, context)
     if not args.skip_separate:
         measure_kestrel(report, model, "kestrel_separate", both[:1], new, context, fuse=False)
     if not args.skip_lora:
         model = attach_lora(model)
         measure_kestrel(report, model, "kestrel_lora_r16", both, new, context, adapter="default", profile=args.profile)
+        if args.pdl_ablation:
+            with mock.patch.dict(os.environ, {"KESTREL_PDL": "0"}):
+                measure_kestrel(report, model, "kestrel_lora_r16_no_pdl", both[:1], new, context, adapter="default")
         if not args.skip_separate:
             measure_kestrel(report, model, "kestrel_lora_r16_separate", both[:1], new, context, "default", False)
         model = model.unload()  # drop the LoRA layers, keep the base
@@ -446,6 +452,8 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-separate", action="store_true", help="skip the fuse=False comparison rows")
     p.add_argument("--skip-lora", action="store_true")
+    p.add_argument("--pdl-ablation", action="store_true",
+                   help="also measure batch 1 with KESTREL_PDL=0 (no programmatic dependent launch)")
     p.add_argument("--skip-nf4", action="store_true")
     p.add_argument("--tmp", default=None, help="folder for Unsloth's temporary checkpoint (16 GB)")
     p.add_argument("--no-triton", action="store_true",

@@ -78,7 +78,28 @@ def products(rows: list[dict]) -> None:
         for name, w, inp in [("o", o, x), ("down", down, m_in)]:
             rows.append({"kernel": "residual", "shape": name, "rows": r, "block_k": bk, "us": timed(
                 lambda i, w=w, inp=inp: gf.residual(inp, w[i % c], x, nw, sums[i % c:i % c + 1]))})
-    gf._RESIDUAL_ROWS, gf._BLOCK_K = 8, 2048
+    gf._PAIR_ROWS, gf._RESIDUAL_ROWS, gf._BLOCK_K = 1, 4, 1024  # the measured defaults
+    adapter_epilogues(rows, x, m_in, nw, sums, gu, down)
+
+
+def adapter_epilogues(rows: list[dict], x, m_in, nw, sums, gu, down, r: int = 16) -> None:
+    """An r=16 adapter's epilogues: the consumer's B t (t summed from partial sums) and the
+    producer's partial sums of the next A h, by the number of slots the atomics spread over."""
+    c = COPIES
+    norm = (sums[:1], 1e-5)
+    b_gu = torch.randn(2 * INTER, r, device="cuda", dtype=torch.bfloat16) * 0.01
+    b_down = torch.randn(HIDDEN, r, device="cuda", dtype=torch.bfloat16) * 0.01
+    a_down = torch.randn(r, INTER, device="cuda", dtype=torch.bfloat16) * 0.01
+    a_next = torch.randn(r, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.01
+    for slots, ahead in ((1, 1), (4, 4), (16, 16), (64, 64), (4, 16)):  # (read, written) by glu
+        t = torch.zeros(2, ahead, r, device="cuda")
+        rows.append({"kernel": "glu+adapter", "slots": slots, "slots_ahead": ahead, "us": timed(
+            lambda i: gf.glu(x, gu[i % c], INTER, norm=norm, lora=(b_gu, t[0, :slots]), ahead=(a_down, t[1])))})
+        if slots != ahead:
+            continue
+        rows.append({"kernel": "residual+adapter", "shape": "down", "slots": slots, "us": timed(
+            lambda i: gf.residual(m_in, down[i % c], x, nw, sums[i % c:i % c + 1], lora=(b_down, t[1]),
+                                  ahead=(a_next, t[0])))})
 
 
 def registers() -> list[dict]:

@@ -17,12 +17,15 @@ def summarize(report: dict) -> None:
         ratios["kestrel_b1_of_bound"] = k1 / bound
         ratios["kestrel_b1_decode_of_bound"] = rows[("kestrel", 1)]["decode_tokens_per_s"] / bound
         for other in ("hf_dynamic", "hf_static_compile", "unsloth_inference", "kestrel_cublas", "kestrel_separate",
-                      "kestrel_lora_r16", "kestrel_lora_r16_separate", "kestrel_nf4"):
+                      "kestrel_no_pdl", "kestrel_lora_r16", "kestrel_lora_r16_separate", "kestrel_nf4"):
             if (other, 1) in rows:
                 ratios[f"{other}_b1_over_kestrel"] = rows[(other, 1)]["tokens_per_s"] / k1
         if ("hf_dynamic", 1) in rows:
             same = rows[("kestrel", 1)]["tokens_row0"] == rows[("hf_dynamic", 1)]["tokens_row0"]
             ratios["kestrel_matches_hf_first_32_tokens"] = same
+        if ("kestrel_lora_r16", 1) in rows:  # the adapter target is stated on decode speed
+            ratios["lora_b1_decode_over_kestrel_decode"] = (
+                rows[("kestrel_lora_r16", 1)]["decode_tokens_per_s"] / rows[("kestrel", 1)]["decode_tokens_per_s"])
     if ("kestrel_lora_r16_separate", 1) in rows and ("kestrel_separate", 1) in rows:
         ratios["lora_separate_over_base_separate_b1"] = (
             rows[("kestrel_lora_r16_separate", 1)]["tokens_per_s"] / rows[("kestrel_separate", 1)]["tokens_per_s"])

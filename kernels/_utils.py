@@ -10,6 +10,7 @@ whatever depends only on shapes, strides and dtypes is a pure function cached wi
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -126,3 +127,27 @@ def sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pdl(device: torch.device) -> bool:
+    """True when launches on `device` use Programmatic Dependent Launch (Hopper and later, not
+    interpreted, `KESTREL_PDL` not "0"): a kernel launched with it may start while the previous
+    one drains, loads what cannot depend on it (weights), then waits (`griddepcontrol.wait`)
+    for that launch's writes before reading its outputs. Read on each call, like `dispatch`.
+    Off inside torch.compile: the compiler launches traced user kernels its own way."""
+    if torch.compiler.is_compiling():
+        return False
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("KESTREL_PDL") == "0":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_launch(use: bool) -> dict:
+    """Launch keywords for a kernel with a `PDL` constexpr: Triton's `launch_pdl` only when on
+    (the keyword is left out otherwise, for launchers that do not know it)."""
+    return {"PDL": True, "launch_pdl": True} if use else {"PDL": False}

@@ -44,8 +44,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from kernels._utils import pdl, pdl_launch
 from kernels.dispatch import use_triton
+from kernels.gemv import pdl_start
 
 _BLOCK_S = 64
 _TARGET_PROGRAMS = 256  # enough CTAs to spread a ~1-3 MB cache read over an H100/H200's SMs
@@ -61,8 +64,11 @@ def _decode_attention_kernel(
     N_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SP: tl.constexpr, BLOCK_GM: tl.constexpr,
+    BLOCK_SP: tl.constexpr, BLOCK_GM: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
+    if PDL:
+        gdc_wait()  # q and the step's cache column come from the previous launch
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // N_KV
@@ -200,6 +206,7 @@ def decode_attention(
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_S=_BLOCK_S, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_SP=triton.next_power_of_2(n_splits), BLOCK_GM=triton.next_power_of_2(group), num_warps=_WARPS,
+        **pdl_launch(pdl(q.device)),
     )
     return out
 

@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels._utils import pdl, pdl_launch
 from kernels.dispatch import use_triton
 
 _BLOCK_N, _BLOCK_K, _WARPS = 2, 2048, 2
@@ -44,17 +46,37 @@ _INTERPRETED_BLOCK_N = 32  # the interpreter runs programs one by one: fewer, la
 
 
 @triton.jit
-def dot_rows(X, W, rows, row_ok, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(BLOCK_N,) float32: W[rows] @ x for the vector x at X, K columns in BLOCK_K steps."""
+def dot_rows(X, W, rows, row_ok, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PDL: tl.constexpr = False):
+    """(BLOCK_N,) float32: W[rows] @ x for the vector x at X, K columns in BLOCK_K steps.
+
+    PDL (the launch is a programmatic dependent one): the first W tile is loaded, then the
+    program waits for the previous launch (`griddepcontrol.wait`) before it reads x, which that
+    launch wrote. W never depends on it, so its first bytes stream while the previous kernel's
+    last programs finish. Whatever the caller reads or writes after this returns is ordered
+    after the previous launch too."""
     w_rows = W + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    cols = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+    x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         x = tl.load(X + cols, mask=col_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First thing a PDL-launched kernel does: let the NEXT launch be scheduled as soon as every
+    program of this one has started (it still waits for this one's writes before reading)."""
+    if PDL:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -70,10 +92,12 @@ def _gemv_kernel(
     X, W, BIAS, Y, SS, N, stride_w, eps,
     K: tl.constexpr,  # constexpr: Triton's interpreter cannot loop to a run-time bound (numpy >= 2.4)
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    y = dot_rows(X, W, rows, row_ok, stride_w, K, BLOCK_N, BLOCK_K) * rstd_from(SS, eps, K, HAS_NORM)
+    y = dot_rows(X, W, rows, row_ok, stride_w, K, BLOCK_N, BLOCK_K, PDL) * rstd_from(SS, eps, K, HAS_NORM)
     if HAS_BIAS:
         y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
     # rounded to x's dtype first: a float32 output holds exactly what a 16-bit product would
@@ -86,10 +110,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def k_launch(k: int, block_k: int = _BLOCK_K) -> dict[str, int]:
-    """BLOCK_K and num_stages for a K-column walk: at most `block_k` columns a step, 3 pipeline
-    stages for long K (`down`'s 14336) and 1 elsewhere (the sweep in the module docstring)."""
-    return {"BLOCK_K": min(block_k, max(16, triton.next_power_of_2(k))), "num_stages": 3 if k >= 8192 else 1}
+def k_launch(k: int, block_k: int = _BLOCK_K, device: torch.device | None = None) -> dict:
+    """Launch options of a K-column walk: BLOCK_K (at most `block_k` columns a step), 3 pipeline
+    stages for long K (`down`'s 14336) and 1 elsewhere (the sweep in the module docstring), and
+    Programmatic Dependent Launch where `device` supports it (`kernels._utils.pdl`): the kernel's
+    PDL constexpr and Triton's `launch_pdl` together."""
+    use = device is not None and pdl(device)
+    return {"BLOCK_K": min(block_k, max(16, triton.next_power_of_2(k))), "num_stages": 3 if k >= 8192 else 1,
+            **pdl_launch(use)}
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -121,7 +149,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y if bias is None else bias, y, ss, n, weight.stride(0), float(eps),
         K=k, HAS_BIAS=bias is not None, HAS_NORM=norm is not None, BLOCK_N=block_n,
-        num_warps=_WARPS, **k_launch(k),
+        num_warps=_WARPS, **k_launch(k, device=x.device),
     )
     return y
 

@@ -22,19 +22,27 @@ gate/up fused into one buffer each (fused.py), plain dense o and down without bi
 family without QK-norm, sandwich norms, Gemma's norm casting or attention softcapping (Llama,
 Mistral, Qwen2). Everything else takes `DecodeModel`'s general step: same math, rounded to the
 model dtype between the small ops, where these kernels round once (so the two agree to bf16
-rounding, not bit for bit). An unmerged adapter adds one small launch per group it targets, the
-shrink t = A h (its A rows sit after the base rows in the fused buffer), and the product's
-epilogue adds B t to its rows; the shrink cannot share the product's launch because every
-output row needs all of t.
+rounding, not bit for bit).
+
+An unmerged adapter (one for the call) adds B t to each adapted product's rows in its epilogue,
+t = A h its low-rank input. t needs all of h, so the product that consumes h cannot compute it;
+the launch that PRODUCES h does, the way the norms' sums are split: each of its programs adds
+A[:, its rows] h[its rows] into float32 partial sums (`ahead` in `kernels/gemv_fused.py`,
+spread over _SLOTS rows so the atomics do not queue on one address), and the consumer sums
+them (scaled by its norm's rsqrt). `residual` does it for the next q/k/v or gate/up, `glu` for
+down. Two shrinks keep a small launch of their own: o's (its input is the attention's output)
+and the first layer's q/k/v (`embed_start` is one program). `embed_start` zeroes the sums.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.decode_attention import decode_attention
+from kernels._utils import next_pow2
 from kernels.dispatch import use_triton
 from kernels.gemv import gemv
 from kernels.gemv_fused import embed_start, glu, qkv_rope_cache, residual
@@ -64,9 +72,6 @@ def applies(model: DecodeModel, batch: int, lora: LoraCall | None) -> bool:
 def _layer_fits(layer: Layer, dtype: torch.dtype, lora: LoraCall | None) -> bool:
     if layer.qkv.fused is None or layer.gate_up.fused is None:
         return False
-    for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
-        if _span(group, lora) is not None and group.fused is None:
-            return False  # the shrink reads the adapter's A rows from the fused buffer
     for group in (layer.o, layer.down):
         (proj,) = group.projs
         if proj.weight is None or proj.bias is not None or proj.weight.dtype != dtype or proj.weight.stride(1) != 1:
@@ -78,15 +83,58 @@ def _span(group: ProjGroup, lora: LoraCall | None) -> tuple[int, int] | None:
     return None if lora is None or group.lora is None else group.lora.span(lora)
 
 
-def _shrink(group: ProjGroup, lora: LoraCall | None, u: torch.Tensor, norm: tuple[torch.Tensor, float] | None):
-    """(B, t) for the kernels' `lora` argument, or None: t = A_span h (r,), one small launch,
-    h = the group's normed input (finished from `norm` as the products do); B pre-scaled."""
-    span = _span(group, lora)
-    if span is None:
-        return None
-    lo, hi = span
-    fused = group.fused
-    return group.lora.b[:, lo:hi], gemv(u, fused.weight[fused.n + lo : fused.n + hi], norm=norm)
+_GROUPS = 4  # q/k/v, o, gate/up, down
+# Rows of partial sums each group's producer spreads its atomics over: q/k/v's and gate/up's come
+# from `residual` (1,024 programs at 8B), down's from `glu` (14,336 programs, one row each); o's
+# t is one launch's output. Every consumer program reads all its group's rows, so fewer is
+# cheaper there. Measured on an H200 (`bench/decode_kernels.py`, glu with an r=16 adapter, us
+# per launch, plain glu 52.5): 1 slot 68.4, 4: 69.1, 16: 57.8, 64: 59.5.
+_SLOTS = (4, 1, 4, 16)
+_ROWS = max(_SLOTS)  # rows allocated per group
+
+
+@dataclass(frozen=True)
+class _Adapted:
+    """One group's adapter for this call: A (r, in) and pre-scaled B (out, r), column spans of
+    the group's bank, and T (slots, width) float32, its partial sums of A h."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    t: torch.Tensor
+
+
+def scratch_floats(model: DecodeModel) -> int:
+    """float32 scratch a step needs: a sum of squares per RMSNorm, then (for a model with
+    adapters) _ROWS x width partial sums per layer and group, width the widest adapter span."""
+    n_layers = len(model.layers)
+    width = _width(model)
+    return _norm_floats(n_layers) + (n_layers * _GROUPS * _ROWS * width if width else 0)
+
+
+def _norm_floats(n_layers: int) -> int:
+    return -(-(2 * n_layers + 1) // 32) * 32  # the partial sums start on a 128-byte line
+
+
+def _width(model: DecodeModel) -> int:
+    spans = [hi - lo for layer in model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
+             if g.lora is not None for lo, hi in g.lora.spans.values()]
+    return next_pow2(max(spans)) if spans else 0
+
+
+def _adapted(model: DecodeModel, lora: LoraCall | None, partials: torch.Tensor | None) -> list[list]:
+    """Per layer, per group (q/k/v, o, gate/up, down): its `_Adapted` for this call, or None."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        row = []
+        for g, group in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
+            span = _span(group, lora)
+            if span is None:
+                row.append(None)
+                continue
+            lo, hi = span
+            row.append(_Adapted(group.lora.a[lo:hi], group.lora.b[:, lo:hi], partials[i, g, : _SLOTS[g]]))
+        out.append(row)
+    return out
 
 
 def forward(
@@ -96,22 +144,42 @@ def forward(
     pad: torch.Tensor,
     cache: StaticKVCache,
     counters: torch.Tensor,
-    sums: torch.Tensor,
+    scratch: torch.Tensor,
     lora: LoraCall | None = None,
 ) -> torch.Tensor:
     """tok (1,) -> last-token logits (1, V) float32; K/V of the step written to cache column col.
 
     counters: int32 zeros, at least n_kv (the attention's; every launch leaves them zero).
-    sums: float32, 2 * layers + 1 (one sum of squares per RMSNorm), zeroed by `embed_start`.
+    scratch: float32, `scratch_floats(model)`, zeroed here (by `embed_start`): the norms' sums
+    of squares, then the adapters' partial sums.
     """
-    x, u = embed_start(tok, model.embed.weight, model.layers[0].input_norm.weight, sums)
+    n_layers = len(model.layers)
+    sums = scratch[: 2 * n_layers + 1]
+    partials, adapted = None, [[None] * _GROUPS] * n_layers
+    if lora is not None and _width(model):
+        width = _width(model)
+        partials = scratch[_norm_floats(n_layers) :].view(n_layers, _GROUPS, _ROWS, width)
+        adapted = _adapted(model, lora, partials)
+    x, u = embed_start(tok, model.embed.weight, model.layers[0].input_norm.weight, sums, partials)
+    first = adapted[0][0]
+    t0 = None if first is None else gemv(u, first.a, out_dtype=torch.float32)  # scaled by the consumer
     for i, layer in enumerate(model.layers):
-        after = model.layers[i + 1].input_norm if i + 1 < len(model.layers) else model.final_norm
+        last = i + 1 == n_layers
+        after = model.final_norm if last else model.layers[i + 1].input_norm
         x, u = layer_step(model, layer, after, x, u, col, pad, cache.k[i], cache.v[i], counters,
-                          sums[2 * i : 2 * i + 3], lora)
+                          sums[2 * i : 2 * i + 3], adapted[i], None if last else adapted[i + 1][0], t0)
+        t0 = None
     (head,) = model.lm_head.projs
     logits = gemv(u, head.weight, head.bias, norm=(sums[-1:], model.final_norm.eps), out_dtype=torch.float32)
     return logits.view(1, -1)
+
+
+def _consume(ad: _Adapted | None, t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if ad is None else (ad.b, ad.t if t is None else t)
+
+
+def _produce(ad: _Adapted | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if ad is None else (ad.a, ad.t)
 
 
 def layer_step(
@@ -126,21 +194,26 @@ def layer_step(
     v_cache: torch.Tensor,
     counters: torch.Tensor,
     sums: torch.Tensor,
-    lora: LoraCall | None = None,
+    adapted: list = (None,) * _GROUPS,
+    next_qkv: _Adapted | None = None,
+    qkv_t: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (H,) residual stream, u = w_in * x and sums[0] = sum(x^2) (its input norm in halves)
     -> (x', w_after * x'), with sums[2] = sum(x'^2); sums[1] takes the post-attention norm's.
-    An adapter call adds one shrink launch per group it targets (`_shrink`)."""
+    adapted: this layer's groups' adapters (`_adapted`); next_qkv: the next layer's q/k/v one,
+    whose partial sums this layer's last launch adds; qkv_t: q/k/v's t when no launch before
+    produced its partial sums (the first layer)."""
+    ad_qkv, ad_o, ad_gu, ad_down = adapted
     fused = layer.qkv.fused
     cos, sin = model.rope[layer.rope]
-    norm_in = (sums[0:1], layer.input_norm.eps)
     q = qkv_rope_cache(u, fused.base, fused.base_bias, cos, sin, col, pad, k_cache, v_cache, model.n_heads,
-                       norm=norm_in, lora=_shrink(layer.qkv, lora, u, norm_in))
+                       norm=(sums[0:1], layer.input_norm.eps), lora=_consume(ad_qkv, qkv_t))
     a = decode_attention(q[None], k_cache, v_cache, col, pad, layer.scaling, layer.window, counters=counters)
     a = a.view(-1)
+    t_o = None if ad_o is None else gemv(a, ad_o.a, out_dtype=torch.float32)
     x, u = residual(a, layer.o.projs[0].weight, x, layer.post_attn_norm.weight, sums[1:2],
-                    lora=_shrink(layer.o, lora, a, None))
-    norm_mid = (sums[1:2], layer.post_attn_norm.eps)
-    m = glu(u, layer.gate_up.fused.base, layer.gate_up.sizes[0], norm=norm_mid,
-            lora=_shrink(layer.gate_up, lora, u, norm_mid))
-    return residual(m, layer.down.projs[0].weight, x, after.weight, sums[2:3], lora=_shrink(layer.down, lora, m, None))
+                    lora=_consume(ad_o, t_o), ahead=_produce(ad_gu))
+    m = glu(u, layer.gate_up.fused.base, layer.gate_up.sizes[0], norm=(sums[1:2], layer.post_attn_norm.eps),
+            lora=_consume(ad_gu), ahead=_produce(ad_down))
+    return residual(m, layer.down.projs[0].weight, x, after.weight, sums[2:3], lora=_consume(ad_down),
+                    ahead=_produce(next_qkv))

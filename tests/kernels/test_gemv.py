@@ -84,3 +84,27 @@ def test_torch_backend_never_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     w, x = torch.randn(8, 16).to(DEVICE), torch.randn(1, 16).to(DEVICE)
     assert not gemv_applies(x, w, None)
     torch.testing.assert_close(linear(x, w), F.linear(x, w))
+
+
+def test_programmatic_dependent_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDL only on a Hopper-or-later CUDA device, never interpreted, never with KESTREL_PDL=0; the
+    launch keywords carry Triton's `launch_pdl` only when on."""
+    from kernels import _utils
+    from kernels.gemv import k_launch
+
+    assert not _utils.pdl(torch.device("cpu"))
+    assert k_launch(4096, device=torch.device("cpu")) == {"BLOCK_K": 2048, "num_stages": 1, "PDL": False}
+    assert _utils.pdl_launch(True) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(_utils, "_cuda_capability", lambda index: 9)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("KESTREL_PDL", raising=False)
+    assert _utils.pdl(cuda)
+    monkeypatch.setenv("KESTREL_PDL", "0")
+    assert not _utils.pdl(cuda)
+    monkeypatch.delenv("KESTREL_PDL")
+    monkeypatch.setattr(_utils, "_cuda_capability", lambda index: 8)  # Ampere: no griddepcontrol
+    assert not _utils.pdl(cuda)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_utils, "_cuda_capability", lambda index: 9)
+    assert not _utils.pdl(cuda)

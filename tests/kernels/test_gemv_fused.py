@@ -2,8 +2,9 @@
 RoPE'd q, the K/V cache writes (and nothing else of the cache touched), biases, GQA head
 counts, SiLU and tanh-GELU gates, an intermediate size that is no multiple of any block, the
 residual add with the RMSNorm split across launches (residual's u and sum of squares, finished
-by the next product's `norm`), weights that are row slices of a larger buffer, and poisoned
-outputs. On CUDA the 8B shapes run many times in a row."""
+by the next product's `norm`), an unmerged adapter's shrink split the same way (the producing
+launch's partial sums of A h, `ahead`, consumed with `lora`), weights that are row slices of a
+larger buffer, and poisoned outputs. On CUDA the 8B shapes run many times in a row."""
 
 from __future__ import annotations
 
@@ -107,6 +108,62 @@ def test_residual_then_normed_product(n: int, k: int, dtype: torch.dtype, poison
     _close(m, F.silu(w_next[:5] @ h) * (w_next[5:] @ h))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,inter,r,slots", [(50, 72, 37, 3, 4), (64, 40, 96, 8, 1), (33, 2500, 20, 5, 16)])
+def test_adapter_shrinks_across_launches(n: int, k: int, inter: int, r: int, slots: int, dtype: torch.dtype,
+                                         poisoned) -> None:
+    """residual (o + adapter, then the gate/up adapter's partial sums) -> glu (adapter finished
+    with the norm's rsqrt, then down's partial sums) -> residual (down + adapter) equals the
+    float64 layer half with every adapter applied: y = W h + B (A h)."""
+    gen = torch.Generator().manual_seed(n + r)
+    rnd = lambda *shape, s=1.0: torch.randn(*shape, generator=gen, dtype=torch.float64) * s  # noqa: E731
+    w_o, w_gu, w_down = rnd(n, k, s=k**-0.5), rnd(2 * inter, n, s=n**-0.5), rnd(n, inter, s=inter**-0.5)
+    a_o, a_gu, a_down = rnd(r, k, s=k**-0.5), rnd(r + 2, n, s=n**-0.5), rnd(r, inter, s=inter**-0.5)
+    b_o, b_gu, b_down = rnd(n, r, s=0.3), rnd(2 * inter, r + 2, s=0.3), rnd(n, r, s=0.3)
+    a, res, nw, nw2 = rnd(k), rnd(n), rnd(n), rnd(n)
+    dev = lambda t: t.to(DEVICE, dtype)  # noqa: E731
+    sums = torch.full((2,), 3.0, dtype=torch.float32, device=DEVICE).zero_()
+    parts = torch.full((2, slots, 16), 9.0, dtype=torch.float32, device=DEVICE).zero_()
+    t_o = (dev(a_o) @ dev(a)).float()  # o's shrink as its own launch would give it, (r,)
+    x, u = residual(dev(a), dev(w_o), dev(res), dev(nw), sums[0:1], lora=(dev(b_o), t_o),
+                    ahead=(dev(a_gu), parts[0, :, : r + 2]))
+    m = glu(u, dev(w_gu), inter, norm=(sums[0:1], 1e-6), lora=(dev(b_gu), parts[0]), ahead=(dev(a_down), parts[1]))
+    x2, _ = residual(m, dev(w_down), x, dev(nw2), sums[1:2], lora=(dev(b_down), parts[1]))
+    xr = res + w_o @ a + b_o @ (a_o @ a)
+    h = nw * xr * torch.rsqrt(xr.pow(2).mean() + 1e-6)
+    gu = w_gu @ h + b_gu @ (a_gu @ h)
+    mr = F.silu(gu[:inter]) * gu[inter:]
+    _close(x, xr)
+    _close(m, mr)
+    _close(x2, xr + w_down @ mr + b_down @ (a_down @ mr))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_adapter_from_partial_sums(dtype: torch.dtype, poisoned) -> None:
+    """residual's partial sums of the next q/k/v adapter's A u, consumed by qkv_rope_cache with
+    the norm: q = RoPE(W h + B A h), h = RMSNorm(x')."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv, d, n, k, r = 2, 1, 8, 32, 24, 6
+    rows = (heads + 2 * kv) * d
+    w, w_qkv = torch.randn(n, k, generator=gen, dtype=torch.float64), torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    lora_a, lora_b = torch.randn(r, n, generator=gen, dtype=torch.float64), torch.randn(rows, r, generator=gen, dtype=torch.float64)
+    a, res, nw = (torch.randn(s, generator=gen, dtype=torch.float64) for s in (k, n, n))
+    cos, sin = _tables(8, d)
+    dev = lambda t: t.to(DEVICE, dtype)  # noqa: E731
+    ss = torch.zeros(1, dtype=torch.float32, device=DEVICE)
+    parts = torch.zeros(4, 8, dtype=torch.float32, device=DEVICE)
+    cache = torch.zeros(2, 1, kv, 8, d, dtype=dtype, device=DEVICE)
+    _, u = residual(dev(a) / k, dev(w), dev(res), dev(nw), ss, ahead=(dev(lora_a) / n, parts))
+    q = qkv_rope_cache(u, dev(w_qkv) / n, None, dev(cos), dev(sin), torch.tensor([5], device=DEVICE),
+                       torch.tensor([1], device=DEVICE), cache[0], cache[1], heads, norm=(ss, 1e-5),
+                       lora=(dev(lora_b), parts))
+    xr = res + w @ a / k
+    h = nw * xr * torch.rsqrt(xr.pow(2).mean() + 1e-5)
+    y = w_qkv @ h / n + lora_b @ (lora_a @ h / n)
+    qr = y[: heads * d].view(heads, d)
+    _close(q, qr * cos[4] + _rotate_half(qr) * sin[4])
+
+
 @pytest.mark.gpu
 def test_cuda_8b_shapes_many_launches() -> None:
     torch.manual_seed(0)
@@ -149,3 +206,35 @@ def test_embed_start_and_normed_head(dtype: torch.dtype, poisoned) -> None:
     assert logits.dtype == torch.float32
     h = nw * emb[4] * torch.rsqrt(emb[4].pow(2).mean() + 1e-6)
     _close(logits.to(dtype), head @ h)
+
+
+@pytest.mark.gpu
+def test_cuda_8b_shapes_adapter_partial_sums_many_launches() -> None:
+    """r = 16 adapters at the 8B shapes, back to back (programmatic dependent launches where the
+    GPU has them): 14,336 glu programs adding into 16 slots, every launch's sums exact."""
+    torch.manual_seed(1)
+    dev, bf = "cuda", torch.bfloat16
+    hidden, inter, r, slots, n = 4096, 14336, 16, 16, 100
+    w_o = torch.randn(hidden, hidden, device=dev, dtype=bf) * hidden**-0.5
+    w_gu = torch.randn(2 * inter, hidden, device=dev, dtype=bf) * hidden**-0.5
+    a_gu, a_down = (torch.randn(r, k, device=dev, dtype=bf) * k**-0.5 for k in (hidden, inter))
+    b_gu = torch.randn(2 * inter, r, device=dev, dtype=bf) * 0.1
+    a, res = torch.randn(hidden, device=dev, dtype=bf), torch.randn(hidden, device=dev, dtype=bf)
+    nw = torch.rand(hidden, device=dev, dtype=bf) + 0.5
+    sums = torch.zeros(n, dtype=torch.float32, device=dev)
+    parts = torch.zeros(n, 2, slots, r, dtype=torch.float32, device=dev)
+    outs = []
+    for i in range(n):
+        x, u = residual(a, w_o, res, nw, sums[i : i + 1], ahead=(a_gu, parts[i, 0]))
+        m = glu(u, w_gu, inter, norm=(sums[i : i + 1], 1e-5), lora=(b_gu, parts[i, 0]), ahead=(a_down, parts[i, 1]))
+        outs.append((u, m))
+    torch.cuda.synchronize()
+    u0, m0 = outs[0]
+    xr = res.double() + w_o.double() @ a.double()
+    hr = nw.double() * xr * torch.rsqrt(xr.pow(2).mean() + 1e-5)
+    gu = w_gu.double() @ hr + b_gu.double() @ (a_gu.double() @ hr)
+    _close(m0, F.silu(gu[:inter]) * gu[inter:])
+    for i, (u, m) in enumerate(outs):
+        _close(parts[i, 0].sum(0), a_gu.double() @ u0.double())
+        _close(parts[i, 1].sum(0), a_down.double() @ m.double())
+        torch.testing.assert_close(m, m0, rtol=0, atol=float(m0.abs().max()) * 2e-2)
