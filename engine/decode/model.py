@@ -42,6 +42,9 @@ from engine.decode.projections import ProjGroup, base_module, make_group
 from engine.errors import KestrelError
 from engine.registry import FamilySpec, family_of
 from kernels.decode_attention import decode_attention
+from kernels.dispatch import use_triton
+from kernels.rms_norm import rms_norm
+from kernels.rope import rope_
 
 
 class UnsupportedModelError(KestrelError, ValueError):
@@ -223,40 +226,52 @@ class DecodeModel:
 
     # --- math --------------------------------------------------------------------------------
 
-    def _rms(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    def _rms(self, x: torch.Tensor, norm: Norm, kernel: bool = False) -> torch.Tensor:
+        """HF's RMSNorm of the family, op for op; `kernel`: as one `kernels.rms_norm` launch (the
+        same math; eager prefill only, where each of the eight ops is a launch the host pays)."""
+        if kernel:
+            gemma = self.spec.norm_casting == "gemma"
+            return rms_norm(x, norm.weight, norm.eps, self.spec.norm_offset if gemma else 0.0,
+                            "gemma" if gemma else "llama")
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
         if self.spec.norm_casting == "gemma":  # scale in fp32 by (offset + w), then cast
             return (xf * (self.spec.norm_offset + norm.weight.float())).type_as(x)
         return norm.weight * xf.to(x.dtype)  # Llama: cast, then scale
 
-    def _qkv(self, layer: Layer, h: torch.Tensor, pos: torch.Tensor, lora: LoraCall | None):
-        """h (B, T, H), pos (B, T) -> q (B, nh, T, d), k and v (B, nkv, T, d), RoPE applied."""
+    def _qkv(self, layer: Layer, h: torch.Tensor, pos: torch.Tensor, lora: LoraCall | None, kernels: bool = False):
+        """h (B, T, H), pos (B, T) -> q (B, nh, T, d), k and v (B, nkv, T, d), RoPE applied.
+        `kernels`: QK-norms and RoPE as Triton launches (`_rms`), RoPE in place on the product."""
         b, t, _ = h.shape
         q, k, v = layer.qkv(h, lora)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
         v = v.view(b, t, self.n_kv, self.head_dim)
         if layer.q_norm is not None:
-            q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
+            q, k = self._rms(q, layer.q_norm, kernels), self._rms(k, layer.k_norm, kernels)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos_t, sin_t = self.rope[layer.rope]
+        if kernels:
+            q, k = rope_(q, k, cos_t, sin_t, pos)
+            return q, k, v
         cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]  # (B, 1, T, d)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
 
-    def _block(self, layer: Layer, x: torch.Tensor, attn_out: torch.Tensor, lora: LoraCall | None) -> torch.Tensor:
-        """Everything after attention: o_proj, residuals, norms, MLP. attn_out (B, T, nh*d)."""
+    def _block(self, layer: Layer, x: torch.Tensor, attn_out: torch.Tensor, lora: LoraCall | None,
+               kernels: bool = False) -> torch.Tensor:
+        """Everything after attention: o_proj, residuals, norms, MLP. attn_out (B, T, nh*d).
+        `kernels`: norms as Triton launches (`_rms`)."""
         (a,) = layer.o(attn_out, lora)
         if layer.pre_ff_norm is not None:
-            a = self._rms(a, layer.post_attn_norm)
+            a = self._rms(a, layer.post_attn_norm, kernels)
         x = x + a
-        h = self._rms(x, layer.pre_ff_norm if layer.pre_ff_norm is not None else layer.post_attn_norm)
+        h = self._rms(x, layer.pre_ff_norm if layer.pre_ff_norm is not None else layer.post_attn_norm, kernels)
         gate, up = layer.gate_up(h, lora)
         (h,) = layer.down(layer.act(gate) * up, lora)
         if layer.post_ff_norm is not None:
-            h = self._rms(h, layer.post_ff_norm)
+            h = self._rms(h, layer.post_ff_norm, kernels)
         return x + h
 
     def _logits(self, last: torch.Tensor, lora: LoraCall | None) -> torch.Tensor:
@@ -285,8 +300,9 @@ class DecodeModel:
         masks = {w: ((base & (q_i - k_j < w)) | (k_j == q_i)) if w else base for w in windows}
         x = self.embed(ids)  # (B, T, H)
         rep = self.n_heads // self.n_kv
+        fast = use_triton(x)  # eager and host-bound: norms and RoPE one launch each on CUDA
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, self._rms(x, layer.input_norm), pos, lora)
+            q, k, v = self._qkv(layer, self._rms(x, layer.input_norm, fast), pos, lora, fast)
             cache.write_prefix(i, k, v)
             k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
@@ -297,7 +313,7 @@ class DecodeModel:
                 scores = self._softcap_scores((q @ k.transpose(-1, -2)) * layer.scaling)
                 probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
                 out = probs @ v
-            x = self._block(layer, x, out.transpose(1, 2).reshape(b, t, -1), lora)
+            x = self._block(layer, x, out.transpose(1, 2).reshape(b, t, -1), lora, fast)
         return self._logits(x[:, -1:], lora)
 
     def step(

@@ -70,16 +70,24 @@ def test_greedy_matches_hf_generate(family: str) -> None:
     assert out.finish_reasons == ["length"]
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("family", SUPPORTED)
-def test_prefill_logits_match_hf(family: str) -> None:
+def test_prefill_logits_match_hf(family: str, kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill's last logits and the cache it writes; with KESTREL_KERNELS=triton its norms and
+    RoPE run as the Triton kernels (interpreted here), as on CUDA. Two left-padded rows."""
+    monkeypatch.setenv("KESTREL_KERNELS", kernels)
     model = _model(family)
     gen = Generator(model, max_seq_len=128, stop_ids=[])
-    ids = torch.tensor([_prompt(19, seed=2)])
-    cache = gen.backend.new_cache(1, 64)
+    ids = torch.tensor([_prompt(19, seed=2), [0] * 4 + _prompt(15, seed=3)])
+    cache = gen.backend.new_cache(2, 64)
     with torch.no_grad():
-        ours = gen.backend.prefill(ids, torch.zeros(1, dtype=torch.long), cache, None)
-        ref = model(ids).logits[:, -1].float()
+        ours = gen.backend.prefill(ids, torch.tensor([0, 4]), cache, None)
+        ref = torch.cat([model(ids[:1]).logits[:, -1], model(ids[1:, 4:]).logits[:, -1]]).float()
+        monkeypatch.setenv("KESTREL_KERNELS", "torch")
+        plain = gen.backend.new_cache(2, 64)
+        gen.backend.prefill(ids, torch.tensor([0, 4]), plain, None)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.buffer[..., :19, :], plain.buffer[..., :19, :], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
