@@ -88,7 +88,8 @@ _GROUPS = 4  # q/k/v, o, gate/up, down
 # from `residual` (1,024 programs at 8B), down's from `glu` (14,336 programs, one row each); o's
 # t is one launch's output. Every consumer program reads all its group's rows, so fewer is
 # cheaper there. Measured on an H200 (`bench/decode_kernels.py`, glu with an r=16 adapter, us
-# per launch, plain glu 52.5): 1 slot 68.4, 4: 69.1, 16: 57.8, 64: 59.5.
+# per launch, plain glu 52.5; slots read / written): 1/1 68.5, 4/4 69.2, 16/16 57.7, 64/64
+# 59.5, 4/16 57.3 (down's residual: 45.8 at 1 slot, 29.2-29.3 at 4-64, plain 27.9).
 _SLOTS = (4, 1, 4, 16)
 _ROWS = max(_SLOTS)  # rows allocated per group
 
