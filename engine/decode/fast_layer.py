@@ -31,7 +31,8 @@ A[:, its rows] h[its rows] into float32 partial sums (`ahead` in `kernels/gemv_f
 spread over _SLOTS rows so the atomics do not queue on one address), and the consumer sums
 them (scaled by its norm's rsqrt). `residual` does it for the next q/k/v or gate/up, `glu` for
 down. Two shrinks keep a small launch of their own: o's (its input is the attention's output)
-and the first layer's q/k/v (`embed_start` is one program). `embed_start` zeroes the sums.
+and the first layer's q/k/v (one `embed_start` program holds the whole embedding row).
+`embed_start` zeroes the sums at the start of the step.
 """
 
 from __future__ import annotations

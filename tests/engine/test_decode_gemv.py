@@ -1,10 +1,11 @@
 """The one-row decode step on the Triton kernels, run through Triton's interpreter on the CPU
 (KESTREL_KERNELS=triton), fp32: greedy tokens must be Hugging Face's. Llama-style families take
-the five-launch layer (with an adapter: plus one shrink launch a group) (engine/decode/fast_layer.py: products with RoPE, cache writes, residual
-adds, norms and SiLU * up in their epilogues; kernels/gemv_fused.py); QK-norm families and
-adapter calls take the general step with its products on the matrix-vector kernel
-(kernels/gemv.py), with fused q/k/v + gate/up, q/k/v biases, a tied lm_head and adapters whose
-A rows ride in the fused products. Batches of several rows keep F.linear."""
+the five-launch layer (engine/decode/fast_layer.py: products with RoPE, cache writes, residual
+adds, norms and SiLU * up in their epilogues, an adapter's shrink as partial sums of the launch
+before; kernels/gemv_fused.py), with or without one adapter; QK-norm families take the general
+step with its products on the matrix-vector kernel (kernels/gemv.py), with fused q/k/v +
+gate/up, q/k/v biases, a tied lm_head and adapters whose A rows ride in the fused products.
+Batches of several rows keep F.linear."""
 
 from __future__ import annotations
 
