@@ -21,6 +21,12 @@ side, where each program holds finished output rows:
     needs the whole of x' and no program has it; this moves that reduction across the launch
     boundary instead of into a kernel of its own. The caller zeroes the sums once per step.
 
+An unmerged adapter's shrink t = A h is split the same way (`ahead` on the launch that writes h:
+each program adds A[:, its rows] h[its rows] into float32 partial sums over a few slots; `lora` on
+the consumer: t = rsqrt(...) * sum of the slots, then B t joins its rows). On Hopper and later
+every launch here is a programmatic dependent one (`kernels._utils.pdl`): the weights' first tile
+and B's rows are loaded before waiting for the previous launch, everything it wrote after.
+
 All products accumulate in float32 and round once (the unfused path rounds the product, then
 each small op, to the model dtype: results agree to the dtype's rounding, not bit for bit).
 Inputs: one row, contiguous; weights (N, K) with unit column stride (row slices of a fused buffer
