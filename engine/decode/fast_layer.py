@@ -158,9 +158,8 @@ def forward(
     n_layers = len(model.layers)
     sums = scratch[: 2 * n_layers + 1]
     partials, adapted = None, [[None] * _GROUPS] * n_layers
-    if lora is not None and _width(model):
-        width = _width(model)
-        partials = scratch[_norm_floats(n_layers) :].view(n_layers, _GROUPS, _ROWS, width)
+    if lora is not None and scratch.numel() > _norm_floats(n_layers):  # the model has adapters
+        partials = scratch[_norm_floats(n_layers) :].view(n_layers, _GROUPS, _ROWS, -1)
         adapted = _adapted(model, lora, partials)
     x, u = embed_start(tok, model.embed.weight, model.layers[0].input_norm.weight, sums, partials)
     first = adapted[0][0]

@@ -333,7 +333,7 @@ class DecodeModel:
         also computes the NEXT layer's input norm, so the residual add and that norm still fuse
         into one kernel across the layer boundary.
         """
-        counters, scratch = self._scratch(tok.shape[0] * self.n_kv, fast_layer.scratch_floats(self))
+        counters, scratch = self._scratch(tok.shape[0] * self.n_kv)
         if fast_layer.applies(self, tok.shape[0], lora):
             return fast_layer.forward(self, tok, col, pad, cache, counters, scratch, lora)
         x = self.embed(tok[:, None])  # (B, 1, H)
@@ -346,15 +346,15 @@ class DecodeModel:
             x, h = self._post_fn(layer, after, x, out, lora)
         return self._head_fn(h, lora)
 
-    def _scratch(self, counters: int, sums: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scratch(self, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 zeros the attention kernel counts on, float32 scratch for `fast_layer`: norm
         sums and adapter partial sums), kept on the model so a captured graph reads the same
         ones on every replay (their sizes are fixed for a model: its adapters are attached
         when it is built)."""
         if self._counter_buf is None or self._counter_buf.numel() < counters:
             self._counter_buf = torch.zeros(max(counters, 64), dtype=torch.int32, device=self.device)
-        if self._sums_buf is None or self._sums_buf.numel() != sums:
-            self._sums_buf = torch.zeros(sums, dtype=torch.float32, device=self.device)
+        if self._sums_buf is None:
+            self._sums_buf = torch.zeros(fast_layer.scratch_floats(self), dtype=torch.float32, device=self.device)
         return self._counter_buf[:counters], self._sums_buf
 
     def _pre_attention(
