@@ -1,12 +1,24 @@
-"""Where a training step's GPU time goes: torch.profiler over a few steps of one implementation.
+"""Where a training step's time goes: GPU kernel time by kind, and GPU idle time by its cause.
 
-    python bench/profile_train.py --impl kestrel --method qlora --out prof.txt
+    python bench/profile_train.py --impl kestrel --method qlora --out prof.txt [--trace t.json]
+
+Runs three warm-up steps, then profiles two. Reports, per step:
+- wall time, GPU busy time (union of kernel intervals) and the idle rest;
+- kernel time and launch count by kind (matrix products, NF4 dequantization, attention, loss,
+  norms/RoPE/GLU, copies, other), from the kernels' names;
+- the idle gaps (>= 20 us) summed by the Python frame of ours (engine/, kernels/) or the op that
+  launched the kernel which ended the gap: what the host was doing while the GPU waited.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
+import re
 import sys
+import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -17,6 +29,103 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from bench.common import LLAMA_8B, llama8b_dir, random_batch  # noqa: E402
 from bench.train import build  # noqa: E402
 
+KINDS = [  # (kind, pattern over the lower-cased kernel name); first match wins
+    ("dequant", r"dequant|nf4|kgemm_4bit"),
+    ("attention", r"flash|fmha|attention|attn"),
+    ("loss", r"cross_entropy|_ce_|logsumexp|flce"),
+    ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|matmul|sm90|sm100"),
+    ("copy", r"memcpy|memset|copy|cat_|fill"),
+    ("triton", r"triton|_kernel$"),
+]
+GAP_US = 20.0
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, pat in KINDS if re.search(pat, low)), "other")
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _ours(frame: str) -> bool:
+    return ("engine/" in frame or "kernels/" in frame or "bench/" in frame) and "profile_train" not in frame
+
+
+def analyse(trace: dict, steps: int) -> str:
+    events = trace["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "python_function") and "dur" in e]
+    cpu.sort(key=lambda e: e["ts"])
+    kernels.sort(key=lambda e: e["ts"])
+    lines = []
+    start, end = kernels[0]["ts"], max(e["ts"] + e["dur"] for e in kernels)
+    busy = merge([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    busy_us = sum(e - s for s, e in busy)
+    lines.append(f"per step: GPU span {(end - start) / steps / 1e3:.1f} ms, busy {busy_us / steps / 1e3:.1f} ms, "
+                 f"idle {(end - start - busy_us) / steps / 1e3:.1f} ms, kernels {len(kernels) / steps:.0f}")
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_kind[kind_of(e["name"])][0] += e["dur"]
+        by_kind[kind_of(e["name"])][1] += 1
+        by_name[e["name"][:90]][0] += e["dur"]
+        by_name[e["name"][:90]][1] += 1
+    lines.append("\nkernel time by kind (ms/step, launches/step):")
+    for k, (t, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {k:10s} {t / steps / 1e3:8.2f} ms  {n / steps:6.0f}")
+    lines.append("\ntop kernels (ms/step, launches/step):")
+    for k, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]:
+        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.0f}  {k}")
+    lines.append(f"\nGPU idle gaps >= {GAP_US:.0f} us by what launched the kernel after the gap (ms/step, count/step):")
+    queries = []  # (launch ts, launch tid, gap us)
+    starts = [k["ts"] for k in kernels]
+    for (_, e0), (s1, _) in zip(busy, busy[1:]):
+        if s1 - e0 >= GAP_US:
+            nxt = kernels[min(bisect.bisect_left(starts, s1), len(kernels) - 1)]
+            launch = launches.get(nxt["args"].get("correlation"))
+            queries.append((launch["ts"], launch.get("tid"), s1 - e0) if launch else (None, None, s1 - e0))
+    gaps: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for where, gap in zip(_frames_at(cpu, queries), (q[2] for q in queries)):
+        gaps[where][0] += gap
+        gaps[where][1] += 1
+    for k, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:25]:
+        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
+    return "\n".join(lines)
+
+
+def _frames_at(cpu: list[dict], queries: list[tuple]) -> list[str]:
+    """For each (ts, tid, _): the innermost frame of ours (else the innermost op) open at ts on
+    that thread. One sweep over the host events (sorted by start), a stack of open ones per thread."""
+    order = sorted(range(len(queries)), key=lambda i: queries[i][0] if queries[i][0] is not None else -1)
+    out = ["?"] * len(queries)
+    stacks: dict = defaultdict(list)
+    j = 0
+    for i in order:
+        ts, tid, _ = queries[i]
+        if ts is None:
+            continue
+        while j < len(cpu) and cpu[j]["ts"] <= ts:
+            e = cpu[j]
+            st = stacks[e.get("tid")]
+            while st and st[-1]["ts"] + st[-1]["dur"] < e["ts"]:
+                st.pop()
+            st.append(e)
+            j += 1
+        open_ = [e for e in stacks[tid] if e["ts"] + e["dur"] >= ts]
+        ours = [e for e in open_ if e.get("cat") == "python_function" and _ours(e["name"])]
+        pick = ours[-1] if ours else (open_[-1] if open_ else None)
+        out[i] = pick["name"][-100:] if pick else "?"
+    return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -25,7 +134,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--checkpointing", default="standard")
-    ap.add_argument("--rows", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--stack", action="store_true", help="record Python frames (slower host)")
+    ap.add_argument("--trace", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model = build(args.impl, llama8b_dir(), args)
@@ -41,14 +152,16 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stack) as prof:
+        for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70)
-    by_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70)
-    Path(args.out).write_text(table + "\n\n" + by_cpu)
-    print(table + "\n\n" + by_cpu)
+    trace_path = args.trace or tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(trace_path)
+    report = f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}\n"
+    report += analyse(json.loads(Path(trace_path).read_text()), args.steps)
+    Path(args.out).write_text(report)
+    print(report, flush=True)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,22 @@ longer grows with the number of layers, which is what lets long contexts fit.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+# True while a checkpointed layer is re-run for its backward: its output's values are thrown
+# away (only its graph is used), which the decoder layer forward uses to skip the MLP's last
+# product (`kernels.lora_mlp(discard_output=True)`). A context variable: backward runs on
+# autograd's own thread.
+_RECOMPUTING = contextvars.ContextVar("kestrel_recomputing", default=False)
+
+
+def recomputing() -> bool:
+    """Whether the code running now is a checkpointed layer's recompute for backward."""
+    return _RECOMPUTING.get()
 
 
 class LayerCheckpoint(torch.autograd.Function):
@@ -23,8 +35,8 @@ class LayerCheckpoint(torch.autograd.Function):
     backward recomputes the layer from x.
 
     Backward: x is brought back (copied to the device when offloaded), the layer is re-run with
-    autograd on, and `torch.autograd.backward(y, dy)` accumulates the parameter gradients and
-    gives dx.
+    autograd on (`recomputing()` is True meanwhile: y's values are not used, only its graph),
+    and `torch.autograd.backward(y, dy)` accumulates the parameter gradients and gives dx.
     """
 
     @staticmethod
@@ -44,8 +56,12 @@ class LayerCheckpoint(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, torch.Tensor]:
         hidden = ctx.saved_input.to(ctx.device, non_blocking=True).detach().requires_grad_(True)
         ctx.saved_input = None
-        with torch.enable_grad():
-            out = ctx.run(hidden)
+        token = _RECOMPUTING.set(True)
+        try:
+            with torch.enable_grad():
+                out = ctx.run(hidden)
+        finally:
+            _RECOMPUTING.reset(token)
         torch.autograd.backward(out, grad_out)
         return None, None, hidden.grad
 

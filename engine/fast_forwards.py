@@ -18,6 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kernels
+from engine import checkpointing
 from engine.attention import VARLEN_KWARG, layer_window, varlen_attention
 from engine.registry import FamilySpec
 
@@ -146,13 +147,28 @@ def mlp_activation_matches(mlp: nn.Module, spec: FamilySpec) -> bool:
 def make_mlp_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
     glu = kernels.swiglu if spec.activation == "swiglu" else kernels.geglu
 
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: nn.Module, x: torch.Tensor, discard_output: bool = False) -> torch.Tensor:
+        """discard_output: the caller uses only the output's graph, not its values (see
+        `kernels.lora_mlp`); honoured by the fused LoRA path, ignored by the others."""
         fused = [fused_lora_weights(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         if all(w is not None for w in fused):
-            return kernels.lora_mlp(x, *fused, activation=spec.activation)
+            return kernels.lora_mlp(x, *fused, activation=spec.activation, discard_output=discard_output)
         return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
 
+    forward.takes_discard_output = True  # type: ignore[attr-defined]
     return forward
+
+
+def _mlp(layer: nn.Module, h: torch.Tensor, spec: FamilySpec) -> torch.Tensor:
+    """layer.mlp(h). In a checkpoint's recompute the layer's output values are thrown away, so
+    when the MLP's output goes straight into the residual sum (no post-MLP norm, whose backward
+    would need them) our MLP forward is told it may skip its last product."""
+    discard = (
+        not spec.sandwich_norm
+        and getattr(layer.mlp.forward, "takes_discard_output", False)
+        and checkpointing.recomputing()
+    )
+    return layer.mlp(h, discard_output=True) if discard else layer.mlp(h)
 
 
 # --- Decoder layer ---------------------------------------------------------------------------
@@ -192,7 +208,7 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         h = _residual_add(residual, h)
         residual = h
         h = self.pre_feedforward_layernorm(h) if spec.sandwich_norm else self.post_attention_layernorm(h)
-        h = self.mlp(h)
+        h = _mlp(self, h, spec)
         if spec.sandwich_norm:
             h = self.post_feedforward_layernorm(h)
         return _residual_add(residual, h)

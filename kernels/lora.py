@@ -16,6 +16,11 @@ W gets no gradient; an NF4 W is dequantized just in time (`kernels.nf4.dequantiz
 shared workspace in forward and again in backward, so no 16-bit copy of it is kept. The rank-r
 product `s X A^T` (M, r) is saved: it costs r/in of X and saves a matmul in backward.
 
+Projections of one input (Q/K/V; gate/up) share one shrink product X [A_1; ...; A_n]^T and one
+dA product dYB^T X, and their input gradients meet in one buffer. Where the base product is
+compute-bound, the adapter term is written first and the base product accumulated onto it
+(cuBLAS reads it in the epilogue) rather than added in a second pass over the output.
+
 Matmuls go to cuBLAS through torch on every device; the Triton parts are the NF4 dequant and the
 GLU of `lora_mlp` (`kernels.glu`). Compute runs in X's dtype (or autocast's, when it is on);
 A and B are cast to it (PEFT keeps them in fp32) and their gradients returned in their own dtype.
@@ -149,7 +154,14 @@ def _base_refusal(base: Any, lora_a: Any, lora_b: Any, scaling: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared pieces: dtype policy, base weight, one projection's forward and backward.
+# Shared pieces: dtype policy, base weight, a group of projections' forward and backward.
+
+# A base product at least this large (out * in) is compute-bound: the adapter's expansion is
+# written into the output first and the base product accumulated onto it (cuBLAS reads it in
+# the epilogue, nearly free), instead of a second read-and-write pass over the output after.
+# Measured on an H100 at 4,096 tokens (bench/lora_layouts.py): 14336 x 4096 forward 712 us vs
+# 768, 4096 x 4096 237 vs 243; at 1024 x 4096 (k, v) the pass after is faster (92 vs 100 us).
+_ADAPTER_FIRST_MIN = 1 << 23
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -167,33 +179,74 @@ def _base(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.T
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 
-def _project(
-    x: torch.Tensor, w: LoRAWeights, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, in) -> y = x W^T + s (x A^T) B^T (M, out), and xa = s x A^T (M, r) for backward."""
-    xa = torch.mm(x, w.lora_A.to(dtype).t()).mul_(w.scaling)  # (M, r)
-    y = torch.mm(x, _base(w.weight, w.quant_state, dtype).t())  # (M, out)
-    return y.addmm_(xa, w.lora_B.to(dtype).t()), xa
+def _stacked_a(ws: list[LoRAWeights], dtype: torch.dtype) -> torch.Tensor:
+    """[A_1; ...; A_n] (n r, in) in `dtype`: one shrink product for projections of one input."""
+    if len(ws) == 1:
+        return ws[0].lora_A.to(dtype)
+    return torch.cat([w.lora_A for w in ws]).to(dtype)
 
 
-def _adapter_grads(
-    dy: torch.Tensor, x: torch.Tensor | None, xa: torch.Tensor, w: LoRAWeights, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """dy (M, out) -> dyb = s dY B (M, r), dA = dyb^T x (r, in) (None when x is None: the
-    caller forms it later), dB = dY^T (s x A^T) (out, r)."""
-    dyb = torch.mm(dy, w.lora_B.to(dtype)).mul_(w.scaling)
-    da = None if x is None else torch.mm(dyb.t(), x).to(w.lora_A.dtype)
-    db = torch.mm(dy.t(), xa).to(w.lora_B.dtype)
-    return dyb, da, db
+def _spans(ws: list[LoRAWeights]) -> list[slice]:
+    """Column span of projection k in a group's stacked rank-r products (ranks may differ)."""
+    ends = [0]
+    for w in ws:
+        ends.append(ends[-1] + w.lora_A.shape[0])
+    return [slice(a, b) for a, b in zip(ends, ends[1:])]
 
 
-def _input_grad(
-    dy: torch.Tensor, dyb: torch.Tensor, w: LoRAWeights, dtype: torch.dtype, dx: torch.Tensor | None
-) -> torch.Tensor:
-    """dX = dY W + dyb A (M, in), accumulated in place into `dx` when one is given."""
-    weight = _base(w.weight, w.quant_state, dtype)  # re-dequantized into the workspace
-    dx = torch.mm(dy, weight) if dx is None else dx.addmm_(dy, weight)
-    return dx.addmm_(dyb, w.lora_A.to(dtype))
+def _scale_columns_(t: torch.Tensor, ws: list[LoRAWeights]) -> torch.Tensor:
+    """Scale t's column block k (projection k's rank columns) by s_k, in place."""
+    if all(w.scaling == ws[0].scaling for w in ws):
+        return t.mul_(ws[0].scaling)
+    for span, w in zip(_spans(ws), ws):
+        t[:, span].mul_(w.scaling)
+    return t
+
+
+def _shrink(x: torch.Tensor, ws: list[LoRAWeights], a: torch.Tensor) -> torch.Tensor:
+    """x (M, in), a = [A_1; ...; A_n] -> xa = [s_1 x A_1^T | ... | s_n x A_n^T] (M, n r)."""
+    return _scale_columns_(torch.mm(x, a.t()), ws)
+
+
+def _expand(x: torch.Tensor, xa: torch.Tensor, w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
+    """y = x W^T + xa B^T (M, out) for x (M, in) and this projection's xa (M, r)."""
+    b, base = w.lora_B.to(dtype), _base(w.weight, w.quant_state, dtype)
+    if w.out_features * w.in_features >= _ADAPTER_FIRST_MIN:
+        return torch.mm(xa, b.t()).addmm_(x, base.t())
+    return torch.mm(x, base.t()).addmm_(xa, b.t())
+
+
+def _group_backward(
+    ctx: Any, first: int, dys: list[torch.Tensor], x: torch.Tensor | None, xa: torch.Tensor,
+    a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
+) -> torch.Tensor | None:
+    """Backward of y_k = x W_k^T + s_k (x A_k^T) B_k^T, k = 1..n, given dy_k (M, out_k);
+    xa = [s_k x A_k^T]_k (M, n r), a = [A_k]_k (n r, in). Writes dA_k, dB_k into `grads` (the
+    fields of projection k start at first + _FIELDS k) and returns dX (None if not needed):
+
+        dyb  = [s_k dy_k B_k]_k                   (M, n r)
+        dA   = dyb^T x                            (n r, in), one product for the group
+        dB_k = dy_k^T xa_k                        (out_k, r)
+        dX   = dyb a + sum_k dy_k W_k             (M, in), the base products accumulated onto
+                                                  the adapter term in their epilogues
+    """
+    spans = _spans(ws)
+    parts = [torch.mm(dy, w.lora_B.to(dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
+    dyb = _scale_columns_(parts[0] if len(parts) == 1 else torch.cat(parts, 1), ws)
+    need_a = [_needs(ctx, first, k)[0] for k in range(len(ws))]
+    if x is not None and any(need_a):
+        da = torch.mm(dyb.t(), x).to(ws[0].lora_A.dtype)  # (n r, in)
+        for k in range(len(ws)):
+            grads[first + _FIELDS * k + 2] = da[spans[k]] if need_a[k] else None
+    for k, (dy, w) in enumerate(zip(dys, ws)):
+        if _needs(ctx, first, k)[1]:
+            grads[first + _FIELDS * k + 3] = torch.mm(dy.t(), xa[:, spans[k]]).to(w.lora_B.dtype)
+    if not ctx.needs_input_grad[0]:
+        return None
+    dx = torch.mm(dyb, a)
+    for dy, w in zip(dys, ws):
+        dx.addmm_(dy, _base(w.weight, w.quant_state, dtype))  # re-dequantized into the workspace
+    return dx
 
 
 def _unflatten(args: tuple[Any, ...]) -> list[LoRAWeights]:
@@ -226,44 +279,38 @@ def _needs(ctx: Any, first: int, k: int) -> tuple[bool, bool]:
 
 class _LoRAProjections(torch.autograd.Function):
     """Y_k = X W_k^T + s_k (X A_k^T) B_k^T for k = 1..N, all from one X (N = 1: a linear;
-    N = 3: Q, K, V). Backward (dY_k (M, out_k)), per projection as in the module docstring, with
-    the N input gradients summed into ONE (M, in) buffer:
+    N = 3: Q, K, V). One shrink product X [A_1; ...; A_N]^T serves all N. Backward
+    (`_group_backward`, dY_k (M, out_k)): one dA product for the group, and the N input
+    gradients summed into ONE (M, in) buffer:
 
         dX = sum_k  dY_k W_k + s_k (dY_k B_k) A_k
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *flat: Any) -> tuple[torch.Tensor, ...]:
-        dtype, lead = _compute_dtype(x), x.shape[:-1]
+        dtype, lead, ws = _compute_dtype(x), x.shape[:-1], _unflatten(flat)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
-            outs, xas = [], []
-            for w in _unflatten(flat):
-                y, xa = _project(x2, w, dtype)
+            a = _stacked_a(ws, dtype)  # (N r, in)
+            xa = _shrink(x2, ws, a)  # (M, N r)
+            outs = []
+            for span, w in zip(_spans(ws), ws):
+                y = _expand(x2, xa[:, span], w, dtype)
                 # A fresh tensor, not a view of y: autograd forbids in-place updates (RoPE) on
                 # views returned by a function with several outputs.
                 outs.append(torch.ops.aten._unsafe_view(y, (*lead, w.out_features)))
-                xas.append(xa)
-        _save(ctx, _unflatten(flat), x2, *xas)
+        _save(ctx, ws, x2, xa, a)
         ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        n, dtype = len(ctx.meta), ctx.dtype
-        x2, *rest = ctx.saved_tensors
-        xas, ws = rest[:n], _rebuild(rest[n:], ctx.meta)
-        grads: list[torch.Tensor | None] = [None] * (1 + _FIELDS * n)
-        dx = None
+        x2, xa, a, *rest = ctx.saved_tensors
+        ws, dtype = _rebuild(rest, ctx.meta), ctx.dtype
+        grads: list[torch.Tensor | None] = [None] * (1 + _FIELDS * len(ws))
         with torch.autocast(x2.device.type, enabled=False):
-            for k, (dy, w) in enumerate(zip(dys, ws)):
-                dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, out_k)
-                need_a, need_b = _needs(ctx, 1, k)
-                dyb, da, db = _adapter_grads(dy2, x2 if need_a else None, xas[k], w, dtype)
-                grads[1 + _FIELDS * k + 2] = da
-                grads[1 + _FIELDS * k + 3] = db if need_b else None
-                if ctx.needs_input_grad[0]:
-                    dx = _input_grad(dy2, dyb, w, dtype, dx)
+            dy2 = [dy.reshape(-1, dy.shape[-1]).to(dtype) for dy in dys]  # (M, out_k)
+            dx = _group_backward(ctx, 1, dy2, x2, xa, a, ws, dtype, grads)
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
@@ -278,7 +325,8 @@ def lora_qkv(
     x: torch.Tensor, q: LoRAWeights, k: LoRAWeights, v: LoRAWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (..., hidden) -> (Q (..., out_q), K (..., out_k), V (..., out_v)) as one autograd
-    Function: backward sums the three dX contributions into one buffer."""
+    Function: one shrink product for the three, backward sums the three dX contributions into
+    one buffer."""
     return _LoRAProjections.apply(x, *q._flat(), *k._flat(), *v._flat())
 
 
@@ -328,8 +376,9 @@ class _LoRAMLP(torch.autograd.Function):
     """Y = down(h), h = act(E) * G, E = gate(X), G = up(X); each of gate/up/down a LoRA
     projection (module docstring). X (M, H), E, G, h (M, I), Y (M, H).
 
-    Forward saves X, E, G and the rank-r products s X A_gate^T, s X A_up^T, s h A_down^T; h is
-    NOT saved (recomputed in backward). Backward, given dY (M, H):
+    Forward saves X, E, G and the rank-r products [s_g X A_g^T | s_u X A_u^T] (one shrink
+    product for gate and up) and s_d h A_d^T; h is NOT saved (recomputed in backward) unless
+    `discard` is set. Backward, given dY (M, H):
 
         dYBd = s_d dY B_d                         (M, r)
         dB_d = dY^T (s_d h A_d^T)                 (H, r)
@@ -338,28 +387,41 @@ class _LoRAMLP(torch.autograd.Function):
         dh   = dY W_d + dYBd A_d                  (M, I)
         dE   = dh * G * act'(E)                   (written over E)
         dG   = dh * act(E)                        (written over G)
-        dEB  = s_g dE B_g,   dA_g = dEB^T X,   dB_g = dE^T (s_g X A_g^T)
-        dGB  = s_u dG B_u,   dA_u = dGB^T X,   dB_u = dG^T (s_u X A_u^T)
-        dX   = dE W_g + dEB A_g + dG W_u + dGB A_u   (accumulated in place into one (M, H))
+        [dA_g; dA_u] = [s_g dE B_g | s_u dG B_u]^T X           (one product)
+        dB_g = dE^T (s_g X A_g^T),   dB_u = dG^T (s_u X A_u^T)
+        dX   = [s_g dE B_g | s_u dG B_u] [A_g; A_u] + dE W_g + dG W_u   (one (M, H) buffer)
 
     act is SiLU (swiglu) or tanh-GELU (geglu). Only one dequantized base weight lives at a
     time, and at most three (M, I) tensors (E, G, then h or dh). E and G are overwritten, so
     backward runs once (retain_graph and a second backward raises).
+
+    `discard`: the caller throws Y's values away and only back-propagates through it (a
+    checkpointed layer's recompute, where Y goes straight into the residual sum). Then the down
+    product is skipped, Y's values are unspecified, and h is kept for backward instead of
+    recomputed (backward frees it before dh exists, so the peak is unchanged).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, activation: Activation, *flat: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, activation: Activation, discard: bool, *flat: Any
+    ) -> torch.Tensor:
         gate, up, down = _unflatten(flat)
-        dtype, lead = _compute_dtype(x), x.shape[:-1]
+        dtype, lead, (sg, su) = _compute_dtype(x), x.shape[:-1], _spans([gate, up])
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
-            e, xa_g = _project(x2, gate, dtype)  # (M, I), (M, r)
-            g, xa_u = _project(x2, up, dtype)
+            a_gu = _stacked_a([gate, up], dtype)  # (2r, H)
+            xa_gu = _shrink(x2, [gate, up], a_gu)  # (M, 2r)
+            e = _expand(x2, xa_gu[:, sg], gate, dtype)  # (M, I)
+            g = _expand(x2, xa_gu[:, su], up, dtype)
             h = _glu_forward(e, g, activation)
-            y, ha_d = _project(h, down, dtype)  # (M, H), (M, r)
-        _save(ctx, (gate, up, down), x2, e, g, xa_g, xa_u, ha_d)
+            ha_d = _shrink(h, [down], down.lora_A.to(dtype))  # (M, r)
+            if discard:
+                y = torch.empty((x2.shape[0], down.out_features), dtype=dtype, device=x.device)
+            else:
+                y = _expand(h, ha_d, down, dtype)  # (M, H)
+        _save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d)
         ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
-        ctx.done = False
+        ctx.h, ctx.done = (h if discard else None), False
         # Not a view of y: a view made inside a Function cannot be updated in place downstream.
         return torch.ops.aten._unsafe_view(y, (*lead, down.out_features))
 
@@ -368,33 +430,37 @@ class _LoRAMLP(torch.autograd.Function):
         if ctx.done:
             raise RuntimeError("lora_mlp backward overwrites its saved activations: it runs once")
         ctx.done = True
-        x2, e, g, xa_g, xa_u, ha_d, *tensors = ctx.saved_tensors
+        x2, e, g, xa_gu, a_gu, ha_d, *tensors = ctx.saved_tensors
         gate, up, down = _rebuild(tensors, ctx.meta)
-        dtype, first = ctx.dtype, 2
+        dtype, first = ctx.dtype, 3
         grads: list[torch.Tensor | None] = [None] * (first + _FIELDS * 3)
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, H)
-            dyb, _, db_d = _adapter_grads(dy2, None, ha_d, down, dtype)
-            need_a, need_b = _needs(ctx, first, 2)
-            if need_a:  # h lives only here, so it never coexists with dh
-                h = _glu_forward(e, g, ctx.activation)
-                grads[first + 2 * _FIELDS + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype)
-                del h
-            grads[first + 2 * _FIELDS + 3] = db_d if need_b else None
-            dh = _input_grad(dy2, dyb, down, dtype, None)  # (M, I)
+            dh = _down_backward(ctx, dy2, e, g, ha_d, down, dtype, grads, first + 2 * _FIELDS)
             de, dg = _glu_backward_(e, g, dh, ctx.activation)
             del dy2, dh
-            dx = None
-            for k, (w, d, xa) in enumerate(((gate, de, xa_g), (up, dg, xa_u))):
-                need_a, need_b = _needs(ctx, first, k)
-                dwb, da, db = _adapter_grads(d, x2 if need_a else None, xa, w, dtype)
-                grads[first + _FIELDS * k + 2] = da
-                grads[first + _FIELDS * k + 3] = db if need_b else None
-                if ctx.needs_input_grad[0]:
-                    dx = _input_grad(d, dwb, w, dtype, dx)
+            dx = _group_backward(ctx, first, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
+
+
+def _down_backward(
+    ctx: Any, dy: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ha: torch.Tensor,
+    down: LoRAWeights, dtype: torch.dtype, grads: list[torch.Tensor | None], at: int,
+) -> torch.Tensor:
+    """The down projection's backward (`_LoRAMLP`): writes dA_d, dB_d at grads[at + 2, at + 3]
+    and returns dh = dYBd A_d + dY W_d (M, I), the base product accumulated in its epilogue."""
+    dyb = torch.mm(dy, down.lora_B.to(dtype)).mul_(down.scaling)  # (M, r)
+    if ctx.needs_input_grad[at + 3]:
+        grads[at + 3] = torch.mm(dy.t(), ha).to(down.lora_B.dtype)
+    if ctx.needs_input_grad[at + 2]:  # h lives only here, so it never coexists with dh
+        h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation)
+        grads[at + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype)
+        del h
+    ctx.h = None
+    a = down.lora_A.to(dtype)
+    return torch.mm(dyb, a).addmm_(dy, _base(down.weight, down.quant_state, dtype))
 
 
 def lora_mlp(
@@ -403,8 +469,11 @@ def lora_mlp(
     up: LoRAWeights,
     down: LoRAWeights,
     activation: Activation = "swiglu",
+    discard_output: bool = False,
 ) -> torch.Tensor:
-    """x (..., H) -> down(act(gate(x)) * up(x)) (..., H), one autograd Function (see _LoRAMLP)."""
+    """x (..., H) -> down(act(gate(x)) * up(x)) (..., H), one autograd Function (see _LoRAMLP).
+    discard_output=True: the output's VALUES are unspecified (the down product is skipped) and
+    only its gradient path is real; for a checkpoint's recompute whose output is thrown away."""
     if activation not in ("swiglu", "geglu"):
         raise ValueError(f"activation must be 'swiglu' or 'geglu', got {activation!r}")
-    return _LoRAMLP.apply(x, activation, *gate._flat(), *up._flat(), *down._flat())
+    return _LoRAMLP.apply(x, activation, discard_output, *gate._flat(), *up._flat(), *down._flat())

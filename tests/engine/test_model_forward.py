@@ -128,9 +128,21 @@ def test_logits_loss_and_lora_grads_match_hf(family: str, case: str, mode: str, 
     assert (counts["varlen"] > 0) == uses_varlen
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
-def test_checkpointed_packed_training_matches_hf(family: str) -> None:
-    """Layers called through __call__: HF checkpointing (our reentrant function) still recomputes them."""
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_checkpointed_packed_training_matches_hf(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers called through __call__: HF checkpointing (our reentrant function) still recomputes
+    them. In the recompute the fused MLP skips its down product where the MLP output goes
+    straight into the residual sum (every family but Gemma's sandwich norms)."""
+    import kernels
+
+    discards: list[bool] = []
+    real = kernels.lora_mlp
+
+    def spy(*args: Any, discard_output: bool = False, **kwargs: Any) -> torch.Tensor:
+        discards.append(discard_output)
+        return real(*args, discard_output=discard_output, **kwargs)
+
+    monkeypatch.setattr(kernels, "lora_mlp", spy)
     base = _base(family, seed=9)
     ref = _lora(copy.deepcopy(base), seed=10)
     patch_model(base, PatchFlags(varlen="reference"))
@@ -145,6 +157,10 @@ def test_checkpointed_packed_training_matches_hf(family: str) -> None:
     for name, p in fast.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+    layers = fast.config.num_hidden_layers
+    sandwich = family.startswith("gemma")
+    # forward under no_grad (kept), then one recompute per layer (discarded unless sandwich)
+    assert discards == [False] * layers + [not sandwich] * layers
 
 
 def _four_d_mask(t: int) -> torch.Tensor:

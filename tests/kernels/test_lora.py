@@ -310,3 +310,56 @@ def test_cuda_bitsandbytes_peft_matches_fused(dtype: torch.dtype) -> None:
     twin = _dense_twin(block)
     _check(block, MLP, mlp, _peft_mlp("swiglu"), x, twin=twin)
     _check(block, QKV, qkv, _peft_qkv, x, twin=twin)
+
+
+@pytest.fixture(params=["after", "first"])
+def adapter_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of adding the adapter term: after the base product (small weights, as at these
+    test shapes) and first, with the base product accumulated onto it (large weights)."""
+    import kernels.lora as lora_module
+
+    if request.param == "first":
+        monkeypatch.setattr(lora_module, "_ADAPTER_FIRST_MIN", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_adapter_orders_match_peft(dtype: torch.dtype, adapter_order: str) -> None:
+    block = _peft_block(dtype)
+    _check(block, QKV, lambda ws: lambda x: lora_qkv(x, *ws), _peft_qkv, _x(dtype))
+    _check(block, MLP, lambda ws: lambda x: lora_mlp(x, *ws), _peft_mlp("swiglu"), _x(dtype))
+
+
+def test_group_with_different_ranks_and_scalings_matches_peft(adapter_order: str) -> None:
+    # rank_pattern / alpha_pattern give one input's projections different ranks and scalings:
+    # the stacked shrink product and the one dA product must split them back exactly.
+    block = _peft_block(rank_pattern={"k_proj": 4, "up_proj": 12}, alpha_pattern={"v_proj": 5, "gate_proj": 3})
+    scalings = {n: getattr(block, n).scaling["default"] for n in (*QKV, *MLP)}
+    assert len({scalings[n] for n in QKV}) == 3 and len({scalings[n] for n in MLP[:2]}) == 2
+    assert getattr(block, "k_proj").lora_A["default"].weight.shape[0] == 4
+    _check(block, QKV, lambda ws: lambda x: lora_qkv(x, *ws), _peft_qkv, _x(torch.float32))
+    _check(block, MLP, lambda ws: lambda x: lora_mlp(x, *ws), _peft_mlp("swiglu"), _x(torch.float32))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_discarded_mlp_output_keeps_every_gradient(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checkpoint's recompute throws the MLP output's values away: the down product is skipped
+    # and h is kept for backward, yet x's and every adapter's gradient are those of PEFT's MLP.
+    import kernels.lora as lora_module
+
+    monkeypatch.setenv("KESTREL_KERNELS", backend)
+    block = _peft_block()
+    params = _adapter_params(block, MLP)
+    expected = _run(_peft_mlp("swiglu")(block), _x(torch.float32), params)
+    calls = {"expand": 0, "glu": 0}
+    for name in calls:
+        real = getattr(lora_module, f"_{name}" if name == "expand" else "_glu_forward")
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(lora_module, f"_{name}" if name == "expand" else "_glu_forward", counted)
+    got = _run(lambda x: lora_mlp(x, *_weights(block, MLP), discard_output=True), _x(torch.float32), params)
+    assert calls == {"expand": 2, "glu": 1}  # gate and up only; h computed once, not again in backward
+    _close(got[1], expected[1], 1e-5)
