@@ -127,6 +127,26 @@ def _frames_at(cpu: list[dict], queries: list[tuple]) -> list[str]:
     return out
 
 
+def host_profile(step, steps: int) -> str:
+    """cProfile over `steps` steps: the host functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(60)
+    print(out.getvalue()[:6000], flush=True)
+    return out.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", default="kestrel")
@@ -137,6 +157,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--stack", action="store_true", help="record Python frames (slower host)")
     ap.add_argument("--trace", default="")
+    ap.add_argument("--host", action="store_true", help="cProfile the host side instead (where Python time goes)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model = build(args.impl, llama8b_dir(), args)
@@ -152,6 +173,9 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if args.host:
+        Path(args.out).write_text(host_profile(step, args.steps))
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stack) as prof:
         for _ in range(args.steps):
             step()

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels._launch import launch
 from kernels.dispatch import use_triton
 
 # Vocabulary is swept in blocks of at most this many columns (tests lower it to force the loop).
@@ -117,11 +118,10 @@ def _ce_chunk_triton(logits, labels, loss, lse, scale, ignore_index, softcap, in
     if rows == 0:
         return
     block = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
-    _ce_chunk_kernel[(rows,)](
-        logits, logits.stride(0), labels, loss, lse, scale, 0 if scale.dim() == 0 else 1,
-        vocab, ignore_index, float(softcap or 1.0), float(inv_temp),
-        HAS_SOFTCAP=softcap is not None, COMPUTE_LSE=compute_lse, COMPUTE_GRAD=compute_grad,
-        BLOCK_V=block, num_warps=16 if block >= 4096 else 4,
+    launch(
+        _ce_chunk_kernel, (rows,), logits, logits.stride(0), labels, loss, lse, scale,
+        0 if scale.dim() == 0 else 1, vocab, ignore_index, float(softcap or 1.0), float(inv_temp),
+        softcap is not None, compute_lse, compute_grad, block, num_warps=16 if block >= 4096 else 4,
     )
 
 

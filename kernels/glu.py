@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._launch import launch
 from kernels._utils import as_rows
 from kernels.dispatch import use_triton
 
@@ -86,9 +87,7 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tenso
     c = torch.empty((n_rows, n_cols), dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     if c.numel() > 0:
         grid, block = _grid(n_rows, n_cols)
-        _glu_fwd_kernel[grid](
-            c, c.stride(0), a, a.stride(0), b, b.stride(0), n_cols, GELU=gelu, BLOCK=block
-        )
+        launch(_glu_fwd_kernel, grid, c, c.stride(0), a, a.stride(0), b, b.stride(0), n_cols, gelu, block)
     return c.view(gate.shape)
 
 
@@ -112,9 +111,9 @@ def glu_backward(
         da, db = torch.empty_like(a), torch.empty_like(b)
     if a.numel() > 0:
         grid, block = _grid(n_rows, n_cols)
-        _glu_bwd_kernel[grid](
-            da, da.stride(0), db, db.stride(0), dc_rows, dc_rows.stride(0),
-            a, a.stride(0), b, b.stride(0), n_cols, GELU=gelu, BLOCK=block,
+        launch(
+            _glu_bwd_kernel, grid, da, da.stride(0), db, db.stride(0), dc_rows, dc_rows.stride(0),
+            a, a.stride(0), b, b.stride(0), n_cols, gelu, block,
         )
     if inplace:
         # gate/up now hold gradients: a later reader that saved them (a retained graph) fails

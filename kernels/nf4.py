@@ -20,12 +20,14 @@ stream run in order, so a matmul enqueued before the next dequantize still reads
 from __future__ import annotations
 
 import functools
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels._launch import launch
 from kernels.dispatch import use_triton
 
 # The 16 NF4 levels (QLoRA, Dettmers et al. 2023), exactly as bitsandbytes stores them in fp32.
@@ -178,19 +180,37 @@ def dequantize(
     dtype: output dtype when `out` is None (default `quant_state.dtype`).
     Triton on CUDA (or with KESTREL_KERNELS=triton); the PyTorch reference otherwise.
     """
-    _check(weight, quant_state)
-    shape = _shape(quant_state)
+    plan = _plan(weight, quant_state)
+    packed = plan.args[0]  # a plain tensor: a Params4bit's .device would go through its __torch_function__
     if out is None:
-        out = WORKSPACE.get(shape, weight.device, dtype or quant_state.dtype)
-    elif tuple(out.shape) != shape or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous with shape {shape}, got {tuple(out.shape)}")
-    if not use_triton(weight):
+        out = WORKSPACE.get(plan.shape, packed.device, dtype or quant_state.dtype)
+    elif tuple(out.shape) != plan.shape or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous with shape {plan.shape}, got {tuple(out.shape)}")
+    if not use_triton(packed):
         return out.copy_(dequantize_reference(weight, quant_state, out.dtype))
-    _launch(weight, quant_state, out)
+    launch(_nf4_dequant_kernel, plan.grid, *plan.args[:6], out, *plan.args[6:], num_warps=4, enable_fp_fusion=False)
     return out
 
 
-def _launch(weight: torch.Tensor, quant_state: Any, out: torch.Tensor) -> None:
+class _Plan(NamedTuple):
+    """Everything a weight's dequantization launch needs but the output buffer, derived once per
+    weight (reading a `Params4bit`'s attributes goes through its __torch_function__, which cost
+    more host time than the launch)."""
+
+    weight: weakref.ref  # the tensor the plan was made for (identity check)
+    state: int  # id() of its quant_state (a copied quant_state carries the attribute along)
+    shape: tuple[int, ...]
+    grid: tuple[int]
+    args: tuple  # kernel arguments before `out`, then after it
+
+
+def _plan(weight: torch.Tensor, quant_state: Any) -> _Plan:
+    """The cached plan for (weight, quant_state); kept on the quant_state, which lives as long as
+    the weight (a new quantization or a device move makes a new quant_state)."""
+    plan = getattr(quant_state, "_kestrel_nf4_plan", None)
+    if plan is not None and plan.weight() is weight and plan.state == id(quant_state):
+        return plan
+    _check(weight, quant_state)
     n, bs, device = _numel(quant_state), int(quant_state.blocksize), weight.device
     n_blocks = (n + bs - 1) // bs
     code = _code(quant_state, device)
@@ -201,12 +221,14 @@ def _launch(weight: torch.Tensor, quant_state: Any, out: torch.Tensor) -> None:
         offset, bs2 = quant_state.offset.reshape(1), int(state2.blocksize)
     else:
         absmax, code2, absmax2, offset, bs2 = quant_state.absmax, code, code, code, 1
-    grid = (triton.cdiv(n_blocks, _ROWS),)
-    _nf4_dequant_kernel[grid](
-        weight, code, absmax, code2, absmax2, offset, out, n, n_blocks,
-        BLOCKSIZE=bs, BLOCKSIZE2=bs2, NESTED=nested, ROWS=_ROWS,
-        num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+    packed = torch.Tensor.as_subclass(weight, torch.Tensor)  # same storage, plain tensor
+    args = (packed, code, absmax, code2, absmax2, offset, n, n_blocks, bs, bs2, nested, _ROWS)
+    plan = _Plan(weakref.ref(weight), id(quant_state), _shape(quant_state), (triton.cdiv(n_blocks, _ROWS),), args)
+    try:
+        quant_state._kestrel_nf4_plan = plan
+    except AttributeError:  # a quant_state with __slots__: no caching, still correct
+        pass
+    return plan
 
 
 def _bench() -> None:

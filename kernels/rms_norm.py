@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._launch import launch
 from kernels._utils import as_rows, block_and_warps, cdiv, row_stride, sm_count
 from kernels.dispatch import use_triton
 
@@ -186,8 +187,8 @@ def rms_norm_forward(
     y = torch.empty(x.shape, dtype=plan.out_dtype, device=x.device)
     rstd = torch.empty(plan.n_rows, dtype=torch.float32, device=x.device)
     if plan.grid is not None:
-        _rms_norm_fwd_kernel[plan.grid](
-            y, x_rows, weight if weight.is_contiguous() else weight.contiguous(), rstd, eps, offset,
+        launch(
+            _rms_norm_fwd_kernel, plan.grid, y, x_rows, weight if weight.is_contiguous() else weight.contiguous(), rstd, eps, offset,
             x.shape[-1], x_row_stride, *plan.tail, num_warps=plan.num_warps,
         )
     return y, x_rows, rstd
@@ -241,8 +242,8 @@ def rms_norm_backward(
         if compute_dw else rstd  # placeholder pointer, never touched when COMPUTE_DW is False
     )
     if n_rows > 0:
-        _rms_norm_bwd_kernel[(programs,)](
-            dx, dy_rows, x_rows, weight if weight.is_contiguous() else weight.contiguous(), rstd,
+        launch(
+            _rms_norm_bwd_kernel, (programs,), dx, dy_rows, x_rows, weight if weight.is_contiguous() else weight.contiguous(), rstd,
             dw_partial, offset, n_cols, dy_row_stride, x_row_stride, *tail, num_warps=warps,
         )
     if not compute_dw:

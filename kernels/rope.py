@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._launch import launch as launch_kernel
 from kernels._utils import cdiv, layout_dense, layout_non_overlapping, next_pow2
 from kernels.dispatch import use_triton
 
@@ -218,8 +219,8 @@ def _run(
     strides are the launch's, so a tensor may be the root of the view they describe (same
     storage offset). With HEADS_K = 0, k and out_k are never touched."""
     if launch is not None:
-        _rope_kernel[launch.grid](
-            q, out_q, k, out_k, cos, sin, cos if position_ids is None else position_ids,
+        launch_kernel(
+            _rope_kernel, launch.grid, q, out_q, k, out_k, cos, sin, cos if position_ids is None else position_ids,
             *(launch.backward if backward else launch.forward), num_warps=launch.num_warps,
         )
 

@@ -130,3 +130,17 @@ def test_cuda_triton_matches_bitsandbytes(nested: bool) -> None:
     expected = bnb_functional.dequantize_4bit(packed, state)
     out = torch.full_like(expected, float("nan"))
     torch.testing.assert_close(nf4.dequantize(packed, state, out=out), expected, rtol=0, atol=0)
+
+
+def test_cached_launch_plan_follows_the_weight(backend: str) -> None:
+    # The launch plan is cached on the quant_state: another packed tensor, or a copied state of
+    # another format, must not reuse it.
+    packed, state = _quantize((37, 128), torch.bfloat16, nested=True, seed=4)
+    other, _ = _quantize((37, 128), torch.bfloat16, nested=True, seed=5)
+    first = nf4.dequantize(packed, state).clone()
+    _assert_equal(first, bnb_functional.dequantize_4bit(packed, state), backend)
+    _assert_equal(nf4.dequantize(other, state), nf4.dequantize_reference(other, state), backend)
+    assert not torch.equal(nf4.dequantize(other, state), first)
+    _assert_equal(nf4.dequantize(packed, state), first, backend)
+    with pytest.raises(ValueError, match="only NF4"):
+        nf4.dequantize(packed, SimpleNamespace(**{**vars(state), "quant_type": "fp4"}))
