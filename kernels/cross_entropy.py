@@ -4,7 +4,7 @@ Memory argument: hidden is `(N, H)`; full logits would be `(N, V)`, i.e. `V / H`
 (32x for Llama-3: 128256 / 4096, 2.1 GB in bf16 at N = 8192, 4.2 GB in fp32). Tokens are
 processed in chunks of `C` rows with `C * V ~= N * H`, so one chunk of logits costs about as much
 as hidden itself, and that one `(C, V)` buffer is reused by every chunk (floor: 128 rows, so the
-matmuls stay matmuls). At N = 8192, H = 4096, V = 128256, bf16: C = 256, a 66 MB chunk, and the
+matmuls stay matmuls; 512 when no weight gradient is formed, see `_chunk_size`). At N = 8192, H = 4096, V = 128256, bf16: C = 256, a 66 MB chunk, and the
 whole op peaks near 1.18 GB, the bf16 grads (1.12 GB) included.
 
 Per chunk (rows `s:e`), with `x = h[s:e] @ W^T` in the weight dtype (fp32 accumulation):
@@ -147,10 +147,16 @@ def _ce_chunk_torch(logits, labels, loss, lse, scale, ignore_index, softcap, inv
         logits.copy_(g)
 
 
-def _chunk_size(n: int, h: int, v: int) -> int:
-    """Tokens per chunk so that chunk logits (c * V) cost about as much as hidden (N * H)."""
-    c = max(n * h // max(v, 1), min(_MIN_CHUNK, n), 1)
-    if c >= 256:
+def _chunk_size(n: int, h: int, v: int, frozen: bool = False) -> int:
+    """Tokens per chunk so that chunk logits (c * V) cost about as much as hidden (N * H).
+
+    frozen: no (V, H) weight gradient is formed (LoRA's frozen head, or no gradient at all).
+    Then the floor is 4x higher (512 rows): at 128-130 rows the logits products ran at under
+    half the matmul rate (the 8B QLoRA step at 4,096 tokens, H100), and 512 x 128K bf16 logits
+    are 131 MB, small beside the 1 GB weight gradient that the lower floor makes room for."""
+    floor = _MIN_CHUNK * (4 if frozen else 1)
+    c = max(n * h // max(v, 1), min(floor, n), 1)
+    if c >= 128:
         c -= c % 128  # tile-friendly matmul shapes
     return min(c, max(n, 1))
 
@@ -163,7 +169,7 @@ def _chunked_pass(h, w, labels, loss, lse, scale, gh, gw, opts: dict, compute_ls
     """
     n, hdim = h.shape
     vocab = w.shape[0]
-    chunk = _chunk_size(n, hdim, vocab)
+    chunk = _chunk_size(n, hdim, vocab, frozen=gw is None)
     compute_grad = gh is not None or gw is not None
     op = _ce_chunk_triton if opts["triton"] else _ce_chunk_torch
     buf = _alloc((min(chunk, n), vocab), w.dtype, w.device)  # reused by all chunks

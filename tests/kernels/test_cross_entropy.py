@@ -198,6 +198,11 @@ def test_chunk_size_matches_hidden_memory() -> None:
     ce._MIN_CHUNK = 128  # restored by the autouse monkeypatch
     assert ce._chunk_size(8192, 4096, 128256) == 256  # 256 x 128256 logits ~ 8192 x 4096 hidden
     assert ce._chunk_size(37, 96, 1000) == 37  # small inputs: one chunk of all tokens
+    # The 8B QLoRA step (4,096 tokens): 130 rows by memory, rounded to 128; a frozen head gets 512.
+    assert ce._chunk_size(4096, 4096, 128256) == 128
+    assert ce._chunk_size(4096, 4096, 128256, frozen=True) == 512
+    assert ce._chunk_size(8192, 4096, 128256, frozen=True) == 512
+    assert ce._chunk_size(65536, 4096, 128256, frozen=True) == 2048  # memory rule above the floor
     ce._MIN_CHUNK = 1
     assert ce._chunk_size(37, 96, 1000) == 3
 
