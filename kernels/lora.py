@@ -216,19 +216,17 @@ def _expand(x: torch.Tensor, xa: torch.Tensor, w: LoRAWeights, dtype: torch.dtyp
     return torch.mm(x, base.t()).addmm_(xa, b.t())
 
 
-def _group_backward(
+def _adapter_backward(
     ctx: Any, first: int, dys: list[torch.Tensor], x: torch.Tensor | None, xa: torch.Tensor,
-    a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
-) -> torch.Tensor | None:
-    """Backward of y_k = x W_k^T + s_k (x A_k^T) B_k^T, k = 1..n, given dy_k (M, out_k);
-    xa = [s_k x A_k^T]_k (M, n r), a = [A_k]_k (n r, in). Writes dA_k, dB_k into `grads` (the
-    fields of projection k start at first + _FIELDS k) and returns dX (None if not needed):
+    ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
+) -> torch.Tensor:
+    """The adapter part of the backward of y_k = x W_k^T + s_k (x A_k^T) B_k^T, k = 1..n, given
+    dy_k (M, out_k) and xa = [s_k x A_k^T]_k (M, n r). Writes dB_k, and dA_k when x is given,
+    into `grads` (projection k's fields start at first + _FIELDS k); returns dyb:
 
         dyb  = [s_k dy_k B_k]_k                   (M, n r)
         dA   = dyb^T x                            (n r, in), one product for the group
         dB_k = dy_k^T xa_k                        (out_k, r)
-        dX   = dyb a + sum_k dy_k W_k             (M, in), the base products accumulated onto
-                                                  the adapter term in their epilogues
     """
     spans = _spans(ws)
     parts = [torch.mm(dy, w.lora_B.to(dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
@@ -241,12 +239,28 @@ def _group_backward(
     for k, (dy, w) in enumerate(zip(dys, ws)):
         if _needs(ctx, first, k)[1]:
             grads[first + _FIELDS * k + 3] = torch.mm(dy.t(), xa[:, spans[k]]).to(w.lora_B.dtype)
-    if not ctx.needs_input_grad[0]:
-        return None
+    return dyb
+
+
+def _input_backward(
+    dys: list[torch.Tensor], dyb: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype
+) -> torch.Tensor:
+    """dX = dyb a + sum_k dy_k W_k (M, in), a = [A_k]_k (n r, in): the base products accumulated
+    onto the adapter term in their epilogues, each W_k re-dequantized into the workspace."""
     dx = torch.mm(dyb, a)
     for dy, w in zip(dys, ws):
-        dx.addmm_(dy, _base(w.weight, w.quant_state, dtype))  # re-dequantized into the workspace
+        dx.addmm_(dy, _base(w.weight, w.quant_state, dtype))
     return dx
+
+
+def _group_backward(
+    ctx: Any, first: int, dys: list[torch.Tensor], x: torch.Tensor, xa: torch.Tensor,
+    a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
+) -> torch.Tensor | None:
+    """The whole backward of projections of one input x: `_adapter_backward`, then dX
+    (`_input_backward`) when x needs a gradient (else None)."""
+    dyb = _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads)
+    return _input_backward(dys, dyb, a, ws, dtype) if ctx.needs_input_grad[0] else None
 
 
 def _unflatten(args: tuple[Any, ...]) -> list[LoRAWeights]:
@@ -414,12 +428,13 @@ class _LoRAMLP(torch.autograd.Function):
             e = _expand(x2, xa_gu[:, sg], gate, dtype)  # (M, I)
             g = _expand(x2, xa_gu[:, su], up, dtype)
             h = _glu_forward(e, g, activation)
-            ha_d = _shrink(h, [down], down.lora_A.to(dtype))  # (M, r)
+            a_d = down.lora_A.to(dtype)  # (r, I)
+            ha_d = _shrink(h, [down], a_d)  # (M, r)
             if discard:
                 y = torch.empty((x2.shape[0], down.out_features), dtype=dtype, device=x.device)
             else:
                 y = _expand(h, ha_d, down, dtype)  # (M, H)
-        _save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d)
+        _save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d, a_d)
         ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
         ctx.h, ctx.done = (h if discard else None), False
         # Not a view of y: a view made inside a Function cannot be updated in place downstream.
@@ -430,13 +445,13 @@ class _LoRAMLP(torch.autograd.Function):
         if ctx.done:
             raise RuntimeError("lora_mlp backward overwrites its saved activations: it runs once")
         ctx.done = True
-        x2, e, g, xa_gu, a_gu, ha_d, *tensors = ctx.saved_tensors
+        x2, e, g, xa_gu, a_gu, ha_d, a_d, *tensors = ctx.saved_tensors
         gate, up, down = _rebuild(tensors, ctx.meta)
         dtype, first = ctx.dtype, 3
         grads: list[torch.Tensor | None] = [None] * (first + _FIELDS * 3)
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, H)
-            dh = _down_backward(ctx, dy2, e, g, ha_d, down, dtype, grads, first + 2 * _FIELDS)
+            dh = _down_backward(ctx, dy2, e, g, ha_d, a_d, down, dtype, grads, first + 2 * _FIELDS)
             de, dg = _glu_backward_(e, g, dh, ctx.activation)
             del dy2, dh
             dx = _group_backward(ctx, first, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
@@ -446,21 +461,19 @@ class _LoRAMLP(torch.autograd.Function):
 
 
 def _down_backward(
-    ctx: Any, dy: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ha: torch.Tensor,
+    ctx: Any, dy: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ha: torch.Tensor, a: torch.Tensor,
     down: LoRAWeights, dtype: torch.dtype, grads: list[torch.Tensor | None], at: int,
 ) -> torch.Tensor:
-    """The down projection's backward (`_LoRAMLP`): writes dA_d, dB_d at grads[at + 2, at + 3]
-    and returns dh = dYBd A_d + dY W_d (M, I), the base product accumulated in its epilogue."""
-    dyb = torch.mm(dy, down.lora_B.to(dtype)).mul_(down.scaling)  # (M, r)
-    if ctx.needs_input_grad[at + 3]:
-        grads[at + 3] = torch.mm(dy.t(), ha).to(down.lora_B.dtype)
-    if ctx.needs_input_grad[at + 2]:  # h lives only here, so it never coexists with dh
+    """The down projection's backward (`_LoRAMLP`): writes dA_d, dB_d into `grads` (its fields
+    start at `at`) and returns dh (M, I). dA_d = dYBd^T h needs h, which is formed (or taken
+    from a recompute) and freed before dh exists."""
+    dyb = _adapter_backward(ctx, at, [dy], None, ha, [down], dtype, grads)  # (M, r); dB_d
+    if _needs(ctx, at, 0)[0]:
         h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation)
         grads[at + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype)
         del h
     ctx.h = None
-    a = down.lora_A.to(dtype)
-    return torch.mm(dyb, a).addmm_(dy, _base(down.weight, down.quant_state, dtype))
+    return _input_backward([dy], dyb, a, [down], dtype)
 
 
 def lora_mlp(
