@@ -99,7 +99,38 @@ def analyse(trace: dict, steps: int) -> str:
         gaps[where][1] += 1
     for k, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
+    lines += _products_by_shape(kernels, cpu, steps)
     return "\n".join(lines)
+
+
+def _products_by_shape(kernels: list[dict], cpu: list[dict], steps: int) -> list[str]:
+    """Matrix-product kernel time by (op, input shapes) with the achieved TFLOP/s (needs the
+    profile's record_shapes): which products run below cuBLAS's rate, and how often."""
+    ops = {e["args"]["External id"]: e for e in cpu
+           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {}) and "Input Dims" in e["args"]}
+    rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    for k in kernels:
+        if kind_of(k["name"]) != "matmul":
+            continue
+        op = ops.get(k["args"].get("External id"))
+        dims = [d for d in (op["args"]["Input Dims"] if op else []) if len(d) == 2]
+        key = (op["name"] if op else "?", tuple(tuple(d) for d in dims))
+        rows[key][0] += k["dur"]
+        rows[key][1] += 1
+        rows[key][2] += _flops(*key)
+    lines = ["\nmatrix products by op and 2-D input shapes (ms/step, launches/step, TFLOP/s):"]
+    for (name, dims), (t, n, fl) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:40]:
+        rate = f"{fl / t / 1e6:6.0f}" if fl and t else "     ?"
+        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.0f} {rate}  {name} {list(dims)}")
+    return lines
+
+
+def _flops(name: str, dims: tuple) -> float:
+    """2 M N K for mm / addmm (the last two 2-D inputs are the factors)."""
+    if len(dims) < 2:
+        return 0.0
+    (m, k), (k2, n) = dims[-2], dims[-1]
+    return 2.0 * m * n * k if k == k2 else 0.0
 
 
 def _frames_at(cpu: list[dict], queries: list[tuple]) -> list[str]:
@@ -176,7 +207,7 @@ def main() -> None:
     if args.host:
         Path(args.out).write_text(host_profile(step, args.steps))
         return
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stack) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stack, record_shapes=True) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()

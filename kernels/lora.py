@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import glu, nf4
+from kernels import glu, lora_ext, nf4
 from kernels.dispatch import use_triton
 
 Activation = Literal["swiglu", "geglu"]
@@ -219,18 +219,21 @@ def _expand(x: torch.Tensor, xa: torch.Tensor, w: LoRAWeights, dtype: torch.dtyp
 def _adapter_backward(
     ctx: Any, first: int, dys: list[torch.Tensor], x: torch.Tensor | None, xa: torch.Tensor,
     ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
+    dyb: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The adapter part of the backward of y_k = x W_k^T + s_k (x A_k^T) B_k^T, k = 1..n, given
     dy_k (M, out_k) and xa = [s_k x A_k^T]_k (M, n r). Writes dB_k, and dA_k when x is given,
-    into `grads` (projection k's fields start at first + _FIELDS k); returns dyb:
+    into `grads` (projection k's fields start at first + _FIELDS k); returns dyb (formed here
+    unless the caller already has it, as `_ext_backward` does):
 
         dyb  = [s_k dy_k B_k]_k                   (M, n r)
         dA   = dyb^T x                            (n r, in), one product for the group
         dB_k = dy_k^T xa_k                        (out_k, r)
     """
     spans = _spans(ws)
-    parts = [torch.mm(dy, w.lora_B.to(dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
-    dyb = _scale_columns_(parts[0] if len(parts) == 1 else torch.cat(parts, 1), ws)
+    if dyb is None:
+        parts = [torch.mm(dy, w.lora_B.to(dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
+        dyb = _scale_columns_(parts[0] if len(parts) == 1 else torch.cat(parts, 1), ws)
     need_a = [_needs(ctx, first, k)[0] for k in range(len(ws))]
     if x is not None and any(need_a):
         da = torch.mm(dyb.t(), x).to(ws[0].lora_A.dtype)  # (n r, in)
@@ -261,6 +264,38 @@ def _group_backward(
     (`_input_backward`) when x needs a gradient (else None)."""
     dyb = _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads)
     return _input_backward(dys, dyb, a, ws, dtype) if ctx.needs_input_grad[0] else None
+
+
+def _ext_usable(ws: list[LoRAWeights]) -> bool:
+    return lora_ext.usable([w.weight for w in ws], [w.quant_state for w in ws], ws[0].in_features)
+
+
+def _ext_forward(
+    x: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X_ext, Y) of `kernels.lora_ext`: X_ext = [x | xa] (M, in + n r) and all n projections as
+    ONE product Y = X_ext W_ext^T (M, sum out_k), the adapter inside its reduction."""
+    x_ext = lora_ext.copy_shrink(x, a, [w.lora_A.shape[0] for w in ws], [w.scaling for w in ws])
+    return x_ext, torch.mm(x_ext, _weight_ext(ws, dtype).t())
+
+
+def _weight_ext(ws: list[LoRAWeights], dtype: torch.dtype) -> torch.Tensor:
+    return lora_ext.weight_ext([w.weight for w in ws], [w.quant_state for w in ws], [w.lora_B for w in ws], dtype)
+
+
+def _ext_backward(
+    ctx: Any, first: int, dy: torch.Tensor, dys: list[torch.Tensor], x: torch.Tensor, xa: torch.Tensor,
+    a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
+) -> torch.Tensor | None:
+    """`_group_backward` for `_ext_forward`'s projections, dy = [dy_1 | ... | dy_n] (M, sum out_k)
+    with dys its column blocks: ONE product dX_ext = dy W_ext = [sum_k dy_k W_k | dy_k B_k ...]
+    gives the base part of dX and dyb together; then dA, dB_k, and dX += dyb a in place (dX is
+    returned as a view with rows in + n r apart)."""
+    h = x.shape[1]
+    dx_ext = torch.mm(dy, _weight_ext(ws, dtype))  # (M, in + n r)
+    dyb = _scale_columns_(dx_ext[:, h:], ws)
+    _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads, dyb=dyb)
+    return dx_ext[:, :h].addmm_(dyb, a) if ctx.needs_input_grad[0] else None
 
 
 def _unflatten(args: tuple[Any, ...]) -> list[LoRAWeights]:
@@ -421,12 +456,18 @@ class _LoRAMLP(torch.autograd.Function):
     ) -> torch.Tensor:
         gate, up, down = _unflatten(flat)
         dtype, lead, (sg, su) = _compute_dtype(x), x.shape[:-1], _spans([gate, up])
+        ext = _ext_usable([gate, up])
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
             a_gu = _stacked_a([gate, up], dtype)  # (2r, H)
-            xa_gu = _shrink(x2, [gate, up], a_gu)  # (M, 2r)
-            e = _expand(x2, xa_gu[:, sg], gate, dtype)  # (M, I)
-            g = _expand(x2, xa_gu[:, su], up, dtype)
+            if ext:  # E and G are column blocks of one product; x2, xa_gu those of X_ext
+                x_ext, eg = _ext_forward(x2, a_gu, [gate, up], dtype)  # (M, H + 2r), (M, 2I)
+                x2, xa_gu = x_ext[:, : x2.shape[1]], x_ext[:, x2.shape[1] :]
+                e, g = eg[:, : gate.out_features], eg[:, gate.out_features :]
+            else:
+                xa_gu = _shrink(x2, [gate, up], a_gu)  # (M, 2r)
+                e = _expand(x2, xa_gu[:, sg], gate, dtype)  # (M, I)
+                g = _expand(x2, xa_gu[:, su], up, dtype)
             h = _glu_forward(e, g, activation)
             a_d = down.lora_A.to(dtype)  # (r, I)
             ha_d = _shrink(h, [down], a_d)  # (M, r)
@@ -436,6 +477,7 @@ class _LoRAMLP(torch.autograd.Function):
                 y = _expand(h, ha_d, down, dtype)  # (M, H)
         _save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d, a_d)
         ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
+        ctx.ext = ext
         ctx.h, ctx.done = (h if discard else None), False
         # Not a view of y: a view made inside a Function cannot be updated in place downstream.
         return torch.ops.aten._unsafe_view(y, (*lead, down.out_features))
@@ -454,7 +496,11 @@ class _LoRAMLP(torch.autograd.Function):
             dh = _down_backward(ctx, dy2, e, g, ha_d, a_d, down, dtype, grads, first + 2 * _FIELDS)
             de, dg = _glu_backward_(e, g, dh, ctx.activation)
             del dy2, dh
-            dx = _group_backward(ctx, first, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
+            if ctx.ext:  # dE and dG were written over E and G: the column blocks of one tensor
+                deg = e._base if e._base is not None else e
+                dx = _ext_backward(ctx, first, deg, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
+            else:
+                dx = _group_backward(ctx, first, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
