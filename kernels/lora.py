@@ -12,9 +12,14 @@ Backward, given dY (M, out), computed rank-first so no (out, in) weight gradient
     dB  = dY^T (s X A^T)       = s dY^T (X A^T)                 (out, r)
     dX  = dY W + dYB A         = dY W + s (dY B) A              (M, in)
 
-W gets no gradient; an NF4 W is dequantized just in time (`kernels.nf4.dequantize`) into a
-shared workspace in forward and again in backward, so no 16-bit copy of it is kept. The rank-r
-product `s X A^T` (M, r) is saved: it costs r/in of X and saves a matmul in backward.
+W gets no gradient; an NF4 W is dequantized just in time into a shared workspace in forward and
+again in backward, so no 16-bit copy of it is kept. Where its shape allows (`kernels.nf4_lora`),
+the adapter is merged in while dequantizing, W' = W + s B A, and then
+
+    Y  = X W'^T                                   (one product; X A^T only formed for backward)
+    dX = dY W'                                    (one product; no dYB A term)
+
+The rank-r product `s X A^T` (M, r) is saved: it costs r/in of X and saves a matmul in backward.
 
 Projections of one input (Q/K/V; gate/up) share one shrink product X [A_1; ...; A_n]^T and one
 dA product dYB^T X, and their input gradients meet in one buffer. Where the base product is
@@ -35,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import glu, lora_ext, nf4
+from kernels import glu, lora_peft, nf4, nf4_lora
 from kernels.dispatch import use_triton
 
 Activation = Literal["swiglu", "geglu"]
@@ -78,7 +83,7 @@ class LoRAWeights:
         """Read a PEFT `lora.Linear` / `lora.bnb.Linear4bit` layer. Returns (weights, "") or, when
         the fused path would not compute what PEFT computes, (None, reason). Duck-typed: no peft
         import (it pulls in transformers)."""
-        reason = _peft_refusal(layer, adapter_name)
+        reason = lora_peft.refusal(layer, adapter_name)
         if reason:
             return None, reason
         name = adapter_name or layer.active_adapters[0]
@@ -89,68 +94,6 @@ class LoRAWeights:
 
     def _flat(self) -> tuple[Any, ...]:
         return (self.weight, self.quant_state, self.lora_A, self.lora_B, self.scaling)
-
-
-def _peft_refusal(layer: Any, adapter_name: str | None) -> str:
-    """Why the fused path cannot stand in for this PEFT layer ("" when it can)."""
-    if not all(hasattr(layer, a) for a in ("lora_A", "lora_B", "scaling", "get_base_layer")):
-        return f"{type(layer).__name__} is not a PEFT LoRA layer"
-    if getattr(layer, "disable_adapters", False):
-        return "adapters are disabled"
-    if getattr(layer, "merged", False):
-        return "adapter is merged into the base weight"
-    active = list(getattr(layer, "active_adapters", []))
-    if len(active) != 1:
-        return f"{len(active)} active adapters (fused path takes exactly one)"
-    name = adapter_name or active[0]
-    if name != active[0]:
-        return f"adapter {name!r} is not the active one ({active[0]!r})"
-    if name not in layer.lora_A or name not in layer.lora_B:
-        return f"adapter {name!r} has no lora_A/lora_B on this layer (not a Linear adapter)"
-    if getattr(layer, "use_dora", {}).get(name, False):
-        return "DoRA"
-    variant = getattr(layer, "lora_variant", {}).get(name)
-    if variant is not None:
-        return f"LoRA variant {type(variant).__name__}"
-    dropout = layer.lora_dropout[name] if name in getattr(layer, "lora_dropout", {}) else None
-    if dropout is not None and not isinstance(dropout, torch.nn.Identity):
-        if not (isinstance(dropout, torch.nn.Dropout) and dropout.p == 0):
-            return f"lora dropout {getattr(dropout, 'p', dropout)} > 0"
-    if getattr(layer, "lora_bias", {}).get(name, False) or layer.lora_B[name].bias is not None:
-        return "lora_B has a bias"
-    if getattr(layer, "fan_in_fan_out", False):
-        return "fan_in_fan_out (Conv1D) layout"
-    base = layer.get_base_layer()
-    return _base_refusal(base, layer.lora_A[name], layer.lora_B[name], layer.scaling[name])
-
-
-def _base_refusal(base: Any, lora_a: Any, lora_b: Any, scaling: Any) -> str:
-    if not isinstance(lora_a, torch.nn.Linear) or not isinstance(lora_b, torch.nn.Linear):
-        return f"adapter modules are {type(lora_a).__name__}/{type(lora_b).__name__}, not Linear"
-    if lora_a.bias is not None:
-        return "lora_A has a bias"
-    if not isinstance(scaling, (int, float)):
-        return f"scaling is a {type(scaling).__name__}, not a number"
-    if getattr(base, "bias", None) is not None:
-        return "base layer has a bias"
-    weight = getattr(base, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return f"base layer {type(base).__name__} has no 2-D weight"
-    if weight.requires_grad:
-        return "base weight is trainable (the fused backward gives it no gradient)"
-    if weight.dtype == torch.uint8:
-        qs = getattr(weight, "quant_state", None)
-        if qs is None:
-            return "uint8 base weight without a quant_state"
-        if getattr(qs, "quant_type", None) != "nf4":
-            return f"4-bit quant_type {getattr(qs, 'quant_type', None)!r} (only nf4)"
-        expected = (lora_b.weight.shape[0], lora_a.weight.shape[1])
-        if tuple(qs.shape) != expected:
-            return f"quant_state shape {tuple(qs.shape)} != {expected}"
-        return ""
-    if not weight.is_floating_point() or weight.element_size() < 2:
-        return f"base weight dtype {weight.dtype} (8-bit and other formats are not supported)"
-    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +120,16 @@ def _base(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.T
     if quant_state is not None:
         return nf4.dequantize(weight, quant_state, dtype=dtype)
     return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+def _merges(ws: list[LoRAWeights]) -> bool:
+    """True when every base of the group is NF4 in a shape `nf4_lora` can merge the adapter into."""
+    return all(w.quant_state is not None and nf4_lora.usable(w.quant_state) for w in ws)
+
+
+def _merged(w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
+    """W' = W + s B A (out, in) in `dtype`, in the NF4 workspace."""
+    return nf4_lora.dequantize_merged(w.weight, w.quant_state, w.lora_A, w.lora_B, w.scaling, dtype)
 
 
 def _stacked_a(ws: list[LoRAWeights], dtype: torch.dtype) -> torch.Tensor:
@@ -208,8 +161,13 @@ def _shrink(x: torch.Tensor, ws: list[LoRAWeights], a: torch.Tensor) -> torch.Te
     return _scale_columns_(torch.mm(x, a.t()), ws)
 
 
-def _expand(x: torch.Tensor, xa: torch.Tensor, w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
-    """y = x W^T + xa B^T (M, out) for x (M, in) and this projection's xa (M, r)."""
+def _expand(
+    x: torch.Tensor, xa: torch.Tensor | None, w: LoRAWeights, dtype: torch.dtype, merged: bool
+) -> torch.Tensor:
+    """y = x W^T + xa B^T (M, out) for x (M, in) and this projection's xa (M, r); merged: the
+    adapter is inside W' (`_merged`) and xa is not read."""
+    if merged:
+        return torch.mm(x, _merged(w, dtype).t())
     b, base = w.lora_B.to(dtype), _base(w.weight, w.quant_state, dtype)
     if w.out_features * w.in_features >= _ADAPTER_FIRST_MIN:
         return torch.mm(xa, b.t()).addmm_(x, base.t())
@@ -219,21 +177,18 @@ def _expand(x: torch.Tensor, xa: torch.Tensor, w: LoRAWeights, dtype: torch.dtyp
 def _adapter_backward(
     ctx: Any, first: int, dys: list[torch.Tensor], x: torch.Tensor | None, xa: torch.Tensor,
     ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
-    dyb: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The adapter part of the backward of y_k = x W_k^T + s_k (x A_k^T) B_k^T, k = 1..n, given
     dy_k (M, out_k) and xa = [s_k x A_k^T]_k (M, n r). Writes dB_k, and dA_k when x is given,
-    into `grads` (projection k's fields start at first + _FIELDS k); returns dyb (formed here
-    unless the caller already has it, as `_ext_backward` does):
+    into `grads` (projection k's fields start at first + _FIELDS k); returns dyb:
 
         dyb  = [s_k dy_k B_k]_k                   (M, n r)
         dA   = dyb^T x                            (n r, in), one product for the group
         dB_k = dy_k^T xa_k                        (out_k, r)
     """
     spans = _spans(ws)
-    if dyb is None:
-        parts = [torch.mm(dy, w.lora_B.to(dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
-        dyb = _scale_columns_(parts[0] if len(parts) == 1 else torch.cat(parts, 1), ws)
+    parts = [torch.mm(dy, w.lora_B.to(dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
+    dyb = _scale_columns_(parts[0] if len(parts) == 1 else torch.cat(parts, 1), ws)
     need_a = [_needs(ctx, first, k)[0] for k in range(len(ws))]
     if x is not None and any(need_a):
         da = torch.mm(dyb.t(), x).to(ws[0].lora_A.dtype)  # (n r, in)
@@ -246,10 +201,17 @@ def _adapter_backward(
 
 
 def _input_backward(
-    dys: list[torch.Tensor], dyb: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype
+    dys: list[torch.Tensor], dyb: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype,
+    merged: bool,
 ) -> torch.Tensor:
     """dX = dyb a + sum_k dy_k W_k (M, in), a = [A_k]_k (n r, in): the base products accumulated
-    onto the adapter term in their epilogues, each W_k re-dequantized into the workspace."""
+    onto the adapter term in their epilogues, each W_k re-dequantized into the workspace.
+    merged: dX = sum_k dy_k W'_k, the adapter term inside W'_k = W_k + s_k B_k A_k."""
+    if merged:
+        dx = torch.mm(dys[0], _merged(ws[0], dtype))
+        for dy, w in zip(dys[1:], ws[1:]):
+            dx.addmm_(dy, _merged(w, dtype))
+        return dx
     dx = torch.mm(dyb, a)
     for dy, w in zip(dys, ws):
         dx.addmm_(dy, _base(w.weight, w.quant_state, dtype))
@@ -263,39 +225,15 @@ def _group_backward(
     """The whole backward of projections of one input x: `_adapter_backward`, then dX
     (`_input_backward`) when x needs a gradient (else None)."""
     dyb = _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads)
-    return _input_backward(dys, dyb, a, ws, dtype) if ctx.needs_input_grad[0] else None
+    return _input_backward(dys, dyb, a, ws, dtype, _merges(ws)) if ctx.needs_input_grad[0] else None
 
 
-def _ext_usable(ws: list[LoRAWeights]) -> bool:
-    return lora_ext.usable([w.weight for w in ws], [w.quant_state for w in ws], ws[0].in_features)
-
-
-def _ext_forward(
-    x: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X_ext, Y) of `kernels.lora_ext`: X_ext = [x | xa] (M, in + n r) and all n projections as
-    ONE product Y = X_ext W_ext^T (M, sum out_k), the adapter inside its reduction."""
-    x_ext = lora_ext.copy_shrink(x, a, [w.lora_A.shape[0] for w in ws], [w.scaling for w in ws])
-    return x_ext, torch.mm(x_ext, _weight_ext(ws, dtype).t())
-
-
-def _weight_ext(ws: list[LoRAWeights], dtype: torch.dtype) -> torch.Tensor:
-    return lora_ext.weight_ext([w.weight for w in ws], [w.quant_state for w in ws], [w.lora_B for w in ws], dtype)
-
-
-def _ext_backward(
-    ctx: Any, first: int, dy: torch.Tensor, dys: list[torch.Tensor], x: torch.Tensor, xa: torch.Tensor,
-    a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
-) -> torch.Tensor | None:
-    """`_group_backward` for `_ext_forward`'s projections, dy = [dy_1 | ... | dy_n] (M, sum out_k)
-    with dys its column blocks: ONE product dX_ext = dy W_ext = [sum_k dy_k W_k | dy_k B_k ...]
-    gives the base part of dX and dyb together; then dA, dB_k, and dX += dyb a in place (dX is
-    returned as a view with rows in + n r apart)."""
-    h = x.shape[1]
-    dx_ext = torch.mm(dy, _weight_ext(ws, dtype))  # (M, in + n r)
-    dyb = _scale_columns_(dx_ext[:, h:], ws)
-    _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads, dyb=dyb)
-    return dx_ext[:, :h].addmm_(dyb, a) if ctx.needs_input_grad[0] else None
+def _will_backward(x: torch.Tensor, ws: list[LoRAWeights]) -> bool:
+    """Whether autograd will record the call (a checkpoint's no-grad first pass will not: then
+    nothing is saved, and a merged group forms no X A^T at all)."""
+    return torch.is_grad_enabled() and (
+        x.requires_grad or any(w.lora_A.requires_grad or w.lora_B.requires_grad for w in ws)
+    )
 
 
 def _unflatten(args: tuple[Any, ...]) -> list[LoRAWeights]:
@@ -336,19 +274,21 @@ class _LoRAProjections(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, *flat: Any) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, x: torch.Tensor, grad: bool, *flat: Any) -> tuple[torch.Tensor, ...]:
         dtype, lead, ws = _compute_dtype(x), x.shape[:-1], _unflatten(flat)
+        merged = _merges(ws)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
-            a = _stacked_a(ws, dtype)  # (N r, in)
-            xa = _shrink(x2, ws, a)  # (M, N r)
+            a = _stacked_a(ws, dtype) if grad or not merged else None  # (N r, in)
+            xa = _shrink(x2, ws, a) if a is not None else None  # (M, N r)
             outs = []
             for span, w in zip(_spans(ws), ws):
-                y = _expand(x2, xa[:, span], w, dtype)
+                y = _expand(x2, None if xa is None else xa[:, span], w, dtype, merged)
                 # A fresh tensor, not a view of y: autograd forbids in-place updates (RoPE) on
                 # views returned by a function with several outputs.
                 outs.append(torch.ops.aten._unsafe_view(y, (*lead, w.out_features)))
-        _save(ctx, ws, x2, xa, a)
+        if grad:
+            _save(ctx, ws, x2, xa, a)
         ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape
         return tuple(outs)
 
@@ -356,10 +296,10 @@ class _LoRAProjections(torch.autograd.Function):
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, xa, a, *rest = ctx.saved_tensors
         ws, dtype = _rebuild(rest, ctx.meta), ctx.dtype
-        grads: list[torch.Tensor | None] = [None] * (1 + _FIELDS * len(ws))
+        grads: list[torch.Tensor | None] = [None] * (2 + _FIELDS * len(ws))
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = [dy.reshape(-1, dy.shape[-1]).to(dtype) for dy in dys]  # (M, out_k)
-            dx = _group_backward(ctx, 1, dy2, x2, xa, a, ws, dtype, grads)
+            dx = _group_backward(ctx, 2, dy2, x2, xa, a, ws, dtype, grads)
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
@@ -367,7 +307,7 @@ class _LoRAProjections(torch.autograd.Function):
 
 def lora_linear(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
     """x (..., in) -> x W^T + s (x A^T) B^T (..., out); backward by hand (module docstring)."""
-    return _LoRAProjections.apply(x, *w._flat())[0]
+    return _LoRAProjections.apply(x, _will_backward(x, [w]), *w._flat())[0]
 
 
 def lora_qkv(
@@ -376,7 +316,7 @@ def lora_qkv(
     """x (..., hidden) -> (Q (..., out_q), K (..., out_k), V (..., out_v)) as one autograd
     Function: one shrink product for the three, backward sums the three dX contributions into
     one buffer."""
-    return _LoRAProjections.apply(x, *q._flat(), *k._flat(), *v._flat())
+    return _LoRAProjections.apply(x, _will_backward(x, [q, k, v]), *q._flat(), *k._flat(), *v._flat())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,33 +392,31 @@ class _LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, activation: Activation, discard: bool, *flat: Any
+        ctx: Any, x: torch.Tensor, activation: Activation, discard: bool, grad: bool, *flat: Any
     ) -> torch.Tensor:
         gate, up, down = _unflatten(flat)
         dtype, lead, (sg, su) = _compute_dtype(x), x.shape[:-1], _spans([gate, up])
-        ext = _ext_usable([gate, up])
+        merged_gu, merged_d = _merges([gate, up]), _merges([down])
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
-            a_gu = _stacked_a([gate, up], dtype)  # (2r, H)
-            if ext:  # E and G are column blocks of one product; x2, xa_gu those of X_ext
-                x_ext, eg = _ext_forward(x2, a_gu, [gate, up], dtype)  # (M, H + 2r), (M, 2I)
-                x2, xa_gu = x_ext[:, : x2.shape[1]], x_ext[:, x2.shape[1] :]
-                e, g = eg[:, : gate.out_features], eg[:, gate.out_features :]
-            else:
+            a_gu = xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
+            if grad or not merged_gu:
+                a_gu = _stacked_a([gate, up], dtype)  # (2r, H)
                 xa_gu = _shrink(x2, [gate, up], a_gu)  # (M, 2r)
-                e = _expand(x2, xa_gu[:, sg], gate, dtype)  # (M, I)
-                g = _expand(x2, xa_gu[:, su], up, dtype)
+            e = _expand(x2, None if xa_gu is None else xa_gu[:, sg], gate, dtype, merged_gu)  # (M, I)
+            g = _expand(x2, None if xa_gu is None else xa_gu[:, su], up, dtype, merged_gu)
             h = _glu_forward(e, g, activation)
-            a_d = down.lora_A.to(dtype)  # (r, I)
-            ha_d = _shrink(h, [down], a_d)  # (M, r)
+            if grad or not (merged_d or discard):
+                a_d = down.lora_A.to(dtype)  # (r, I)
+                ha_d = _shrink(h, [down], a_d)  # (M, r)
             if discard:
                 y = torch.empty((x2.shape[0], down.out_features), dtype=dtype, device=x.device)
             else:
-                y = _expand(h, ha_d, down, dtype)  # (M, H)
-        _save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d, a_d)
+                y = _expand(h, ha_d, down, dtype, merged_d)  # (M, H)
+        if grad:
+            _save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d, a_d)
         ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
-        ctx.ext = ext
-        ctx.h, ctx.done = (h if discard else None), False
+        ctx.h, ctx.done = (h if discard and grad else None), False
         # Not a view of y: a view made inside a Function cannot be updated in place downstream.
         return torch.ops.aten._unsafe_view(y, (*lead, down.out_features))
 
@@ -489,18 +427,14 @@ class _LoRAMLP(torch.autograd.Function):
         ctx.done = True
         x2, e, g, xa_gu, a_gu, ha_d, a_d, *tensors = ctx.saved_tensors
         gate, up, down = _rebuild(tensors, ctx.meta)
-        dtype, first = ctx.dtype, 3
+        dtype, first = ctx.dtype, 4
         grads: list[torch.Tensor | None] = [None] * (first + _FIELDS * 3)
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, H)
             dh = _down_backward(ctx, dy2, e, g, ha_d, a_d, down, dtype, grads, first + 2 * _FIELDS)
             de, dg = _glu_backward_(e, g, dh, ctx.activation)
             del dy2, dh
-            if ctx.ext:  # dE and dG were written over E and G: the column blocks of one tensor
-                deg = e._base if e._base is not None else e
-                dx = _ext_backward(ctx, first, deg, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
-            else:
-                dx = _group_backward(ctx, first, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
+            dx = _group_backward(ctx, first, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
@@ -519,7 +453,7 @@ def _down_backward(
         grads[at + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype)
         del h
     ctx.h = None
-    return _input_backward([dy], dyb, a, [down], dtype)
+    return _input_backward([dy], dyb, a, [down], dtype, _merges([down]))
 
 
 def lora_mlp(
@@ -535,4 +469,5 @@ def lora_mlp(
     only its gradient path is real; for a checkpoint's recompute whose output is thrown away."""
     if activation not in ("swiglu", "geglu"):
         raise ValueError(f"activation must be 'swiglu' or 'geglu', got {activation!r}")
-    return _LoRAMLP.apply(x, activation, discard_output, *gate._flat(), *up._flat(), *down._flat())
+    grad = _will_backward(x, [gate, up, down])
+    return _LoRAMLP.apply(x, activation, discard_output, grad, *gate._flat(), *up._flat(), *down._flat())

@@ -49,11 +49,9 @@ def _nf4_dequant_kernel(
     code2_ptr,  # fp32 (256,) second-level code (NESTED only)
     absmax2_ptr,  # fp32 (ceil(n_blocks / BLOCKSIZE2),) second-level scales (NESTED only)
     offset_ptr,  # fp32 (1,) mean subtracted before the second quantization (NESTED only)
-    out_ptr,  # 16/32-bit output: rows of `cols` elements, `ld` apart
+    out_ptr,  # 16/32-bit, (n,) row-major output
     n,
     n_blocks,
-    cols,  # elements per output row; a multiple of BLOCKSIZE unless ld == cols
-    ld,  # output row stride (elements)
     BLOCKSIZE: tl.constexpr,
     BLOCKSIZE2: tl.constexpr,
     NESTED: tl.constexpr,
@@ -77,13 +75,8 @@ def _nf4_dequant_kernel(
     lo = tl.load(code_ptr + (packed & 15).to(tl.int32))
     vals = tl.reshape(tl.join(hi, lo), (ROWS, BLOCKSIZE))  # interleave: element 2j, 2j + 1
     vals = vals * scale[:, None]
-    # A quant block never straddles an output row (cols % BLOCKSIZE == 0, or one row when the
-    # output is contiguous), so each block's elements land contiguously from its row start.
-    first = rows * BLOCKSIZE  # (ROWS,) element index of each block's first element
-    start = (first // cols) * ld + first % cols
-    col = tl.arange(0, BLOCKSIZE)[None, :]
-    idx = first[:, None] + col
-    tl.store(out_ptr + start[:, None] + col, vals.to(out_ptr.dtype.element_ty), mask=idx < n)
+    idx = rows[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
+    tl.store(out_ptr + idx, vals.to(out_ptr.dtype.element_ty), mask=idx < n)
 
 
 def _shape(quant_state: Any) -> tuple[int, ...]:
@@ -123,17 +116,13 @@ class _Workspace:
     """One flat buffer per (device, dtype), grown to the largest request and then reused."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype, str], torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def get(
-        self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, slot: str = ""
-    ) -> torch.Tensor:
-        """A view of shape `shape` of the (device, dtype, slot) buffer; `slot` names a separate
-        buffer for a caller that needs its contents to outlive other dequantizations."""
+    def get(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         numel = 1
         for d in shape:
             numel *= d
-        key = (torch.device(device), dtype, slot)
+        key = (torch.device(device), dtype)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
             self._buffers.pop(key, None)  # free the smaller one before allocating the larger
@@ -186,10 +175,8 @@ def dequantize(
     """Dequantize a bitsandbytes NF4 weight to `quant_state.shape` (`(out, in)`).
 
     weight: uint8 packed nibbles (a `Params4bit` or its data), quant_state: its `QuantState`.
-    out: destination of shape `quant_state.shape`, contiguous, or 2-D with unit column stride and
-    any row stride when the row length is a multiple of the quant block size (a column block of
-    a wider buffer); when None, a view of the shared workspace for (device, dtype) is returned
-    (valid until the next call on that device and dtype).
+    out: destination of shape `quant_state.shape`; when None, a view of the shared workspace for
+    (device, dtype) is returned (valid until the next call on that device and dtype).
     dtype: output dtype when `out` is None (default `quant_state.dtype`).
     Triton on CUDA (or with KESTREL_KERNELS=triton); the PyTorch reference otherwise.
     """
@@ -197,26 +184,12 @@ def dequantize(
     packed = plan.args[0]  # a plain tensor: a Params4bit's .device would go through its __torch_function__
     if out is None:
         out = WORKSPACE.get(plan.shape, packed.device, dtype or quant_state.dtype)
-    n = plan.args[6]
-    cols, ld = _out_rows(out, plan)
+    elif tuple(out.shape) != plan.shape or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous with shape {plan.shape}, got {tuple(out.shape)}")
     if not use_triton(packed):
         return out.copy_(dequantize_reference(weight, quant_state, out.dtype))
-    launch(_nf4_dequant_kernel, plan.grid, *plan.args[:6], out, n, plan.args[7], cols, ld, *plan.args[8:],
-           num_warps=4, enable_fp_fusion=False)
+    launch(_nf4_dequant_kernel, plan.grid, *plan.args[:6], out, *plan.args[6:], num_warps=4, enable_fp_fusion=False)
     return out
-
-
-def _out_rows(out: torch.Tensor, plan: _Plan) -> tuple[int, int]:
-    """(elements per row, row stride) of `out` as the kernel writes it."""
-    if tuple(out.shape) != plan.shape:
-        raise ValueError(f"out must have shape {plan.shape}, got {tuple(out.shape)}")
-    if out.is_contiguous():
-        return plan.args[6], plan.args[6]  # one row of n elements
-    bs = plan.args[8]
-    if out.dim() != 2 or out.stride(1) != 1 or out.shape[1] % bs or out.stride(0) < out.shape[1]:
-        raise ValueError(f"out must be contiguous, or 2-D rows with unit column stride whose length is a "
-                         f"multiple of {bs}; got shape {tuple(out.shape)}, strides {out.stride()}")
-    return out.shape[1], out.stride(0)
 
 
 class _Plan(NamedTuple):

@@ -115,7 +115,7 @@ def test_workspace_is_reused(backend: str) -> None:
 
 def test_rejects_other_formats() -> None:
     packed, state = _quantize((5, 123), torch.bfloat16, nested=False)
-    with pytest.raises(ValueError, match="out must have shape"):
+    with pytest.raises(ValueError, match="out must be contiguous"):
         nf4.dequantize(packed, state, out=torch.empty(123, 5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="only NF4"):
         nf4.dequantize(packed, SimpleNamespace(**{**vars(state), "quant_type": "fp4"}))
