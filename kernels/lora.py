@@ -13,11 +13,10 @@ Backward, given dY (M, out), computed rank-first so no (out, in) weight gradient
     dX  = dY W + dYB A         = dY W + s (dY B) A              (M, in)
 
 W gets no gradient; an NF4 W is dequantized just in time into a shared workspace in forward and
-again in backward, so no 16-bit copy of it is kept. Where its shape allows (`kernels.nf4_lora`),
-the adapter is merged in while dequantizing, W' = W + s B A, and then
-
-    Y  = X W'^T                                   (one product; X A^T only formed for backward)
-    dX = dY W'                                    (one product; no dYB A term)
+again in backward, so no 16-bit copy of it is kept. In a pass with no backward to come (a
+checkpoint's first pass) the adapter is merged in while dequantizing where the shape allows
+(`kernels.nf4_lora`, `_merges`), W' = W + s B A, and Y = X W'^T is one plain product with no
+rank-r product formed at all.
 
 The rank-r product `s X A^T` (M, r) is saved: it costs r/in of X and saves a matmul in backward.
 
@@ -122,9 +121,13 @@ def _base(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.T
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 
-def _merges(ws: list[LoRAWeights]) -> bool:
-    """True when every base of the group is NF4 in a shape `nf4_lora` can merge the adapter into."""
-    return all(w.quant_state is not None and nf4_lora.usable(w.quant_state) for w in ws)
+def _merges(ws: list[LoRAWeights], grad: bool) -> bool:
+    """Whether the group's products run over W' = W + s B A (`nf4_lora`): every base NF4 in a
+    shape it can merge into, and no backward to come. Measured on an H100 (bench/lora_merged.py,
+    8B MLP): the no-grad forward is 5-8% faster merged, but a forward that saves for backward
+    plus its backward are slower (the merged dequantization costs more than the adapter terms it
+    saves once X A^T and dY B have to be formed anyway), so a graph-building pass stays separate."""
+    return not grad and all(w.quant_state is not None and nf4_lora.usable(w.quant_state) for w in ws)
 
 
 def _merged(w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
@@ -201,17 +204,10 @@ def _adapter_backward(
 
 
 def _input_backward(
-    dys: list[torch.Tensor], dyb: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype,
-    merged: bool,
+    dys: list[torch.Tensor], dyb: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype
 ) -> torch.Tensor:
     """dX = dyb a + sum_k dy_k W_k (M, in), a = [A_k]_k (n r, in): the base products accumulated
-    onto the adapter term in their epilogues, each W_k re-dequantized into the workspace.
-    merged: dX = sum_k dy_k W'_k, the adapter term inside W'_k = W_k + s_k B_k A_k."""
-    if merged:
-        dx = torch.mm(dys[0], _merged(ws[0], dtype))
-        for dy, w in zip(dys[1:], ws[1:]):
-            dx.addmm_(dy, _merged(w, dtype))
-        return dx
+    onto the adapter term in their epilogues, each W_k re-dequantized into the workspace."""
     dx = torch.mm(dyb, a)
     for dy, w in zip(dys, ws):
         dx.addmm_(dy, _base(w.weight, w.quant_state, dtype))
@@ -225,7 +221,7 @@ def _group_backward(
     """The whole backward of projections of one input x: `_adapter_backward`, then dX
     (`_input_backward`) when x needs a gradient (else None)."""
     dyb = _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads)
-    return _input_backward(dys, dyb, a, ws, dtype, _merges(ws)) if ctx.needs_input_grad[0] else None
+    return _input_backward(dys, dyb, a, ws, dtype) if ctx.needs_input_grad[0] else None
 
 
 def _will_backward(x: torch.Tensor, ws: list[LoRAWeights]) -> bool:
@@ -276,7 +272,7 @@ class _LoRAProjections(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, grad: bool, *flat: Any) -> tuple[torch.Tensor, ...]:
         dtype, lead, ws = _compute_dtype(x), x.shape[:-1], _unflatten(flat)
-        merged = _merges(ws)
+        merged = _merges(ws, grad)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
             a = _stacked_a(ws, dtype) if grad or not merged else None  # (N r, in)
@@ -396,7 +392,7 @@ class _LoRAMLP(torch.autograd.Function):
     ) -> torch.Tensor:
         gate, up, down = _unflatten(flat)
         dtype, lead, (sg, su) = _compute_dtype(x), x.shape[:-1], _spans([gate, up])
-        merged_gu, merged_d = _merges([gate, up]), _merges([down])
+        merged_gu, merged_d = _merges([gate, up], grad), _merges([down], grad)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
             a_gu = xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
@@ -453,7 +449,7 @@ def _down_backward(
         grads[at + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype)
         del h
     ctx.h = None
-    return _input_backward([dy], dyb, a, [down], dtype, _merges([down]))
+    return _input_backward([dy], dyb, a, [down], dtype)
 
 
 def lora_mlp(

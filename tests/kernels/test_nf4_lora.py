@@ -114,8 +114,10 @@ MLP, QKV = ("gate_proj", "up_proj", "down_proj"), ("q_proj", "k_proj", "v_proj")
 @pytest.mark.parametrize("inter", [INTER, 80])  # 80: down's rows are not whole blocks, it stays unmerged
 def test_merged_projections_match_fp32_peft_math(backend: str, dtype: torch.dtype, inter: int) -> None:
     block = _nf4_block(dtype, inter)
-    assert lora_module._merges(_weights(block, MLP)[:2]) and lora_module._merges(_weights(block, QKV))
-    assert lora_module._merges(_weights(block, MLP)[2:]) == (inter == INTER)
+    merges = lora_module._merges
+    assert merges(_weights(block, MLP)[:2], False) and merges(_weights(block, QKV), False)
+    assert merges(_weights(block, MLP)[2:], False) == (inter == INTER)
+    assert not merges(_weights(block, QKV), True)  # a pass that saves for backward stays separate
     proj = _dense(block)
     x = torch.randn((2, 9, HIDDEN), generator=torch.Generator().manual_seed(2)).to(dtype)
     cases = [
