@@ -144,7 +144,7 @@ def test_no_grad_forward_forms_no_rank_products(backend: str, monkeypatch: pytes
         y = lora_mlp(x, *_weights(block, MLP))
         q = lora_qkv(x, *_weights(block, QKV))[0]
     assert shrinks == [] and not y.requires_grad
-    torch.testing.assert_close(y, with_grad.detach(), rtol=0, atol=0)
+    _close([y], [with_grad.detach()], 1e-5)  # the graph-building pass adds the adapter separately
     torch.testing.assert_close(q, _dense(block)("q_proj", x.detach()), rtol=1e-5, atol=1e-5)
 
 
