@@ -158,7 +158,8 @@ def test_cuda_merged_dequantize(shape: tuple[int, int]) -> None:
     a, b = torch.randn(16, shape[1], device="cuda"), torch.randn(shape[0], 16, device="cuda") * 0.01
     got = nf4_lora.dequantize_merged(packed, state, a, b, 2.0, torch.bfloat16).clone()
     exact = bnbf.dequantize_4bit(packed, state).double() + 2.0 * (b.double() @ a.double())
-    # TF32 rank-16 products (10-bit operands) under one bf16 rounding
-    assert ((got.double() - exact).abs() <= 2.0**-8 * exact.abs() + 1e-3 * (b.abs() @ a.abs()).double()).all()
+    # bitsandbytes' W is itself rounded to bf16 (half a unit), ours rounds W + s B A once (half a
+    # unit); the rank-16 products run on TF32 operands (10-bit mantissas).
+    assert ((got.double() - exact).abs() <= 2.0**-7 * exact.abs() + 1e-3 * (b.abs() @ a.abs()).double()).all()
     zero = nf4_lora.dequantize_merged(packed, state, a, torch.zeros_like(b), 2.0, torch.bfloat16)
     assert torch.equal(zero, bnbf.dequantize_4bit(packed, state))
