@@ -275,7 +275,7 @@ class _LoRAProjections(torch.autograd.Function):
         merged = _merges(ws, grad)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
-            a = _stacked_a(ws, dtype) if grad or not merged else None  # (N r, in)
+            a = None if merged else _stacked_a(ws, dtype)  # (N r, in)
             xa = _shrink(x2, ws, a) if a is not None else None  # (M, N r)
             outs = []
             for span, w in zip(_spans(ws), ws):
@@ -396,13 +396,13 @@ class _LoRAMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
             a_gu = xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
-            if grad or not merged_gu:
+            if not merged_gu:
                 a_gu = _stacked_a([gate, up], dtype)  # (2r, H)
                 xa_gu = _shrink(x2, [gate, up], a_gu)  # (M, 2r)
             e = _expand(x2, None if xa_gu is None else xa_gu[:, sg], gate, dtype, merged_gu)  # (M, I)
             g = _expand(x2, None if xa_gu is None else xa_gu[:, su], up, dtype, merged_gu)
             h = _glu_forward(e, g, activation)
-            if grad or not (merged_d or discard):
+            if not merged_d and (grad or not discard):  # for backward, or for the down product
                 a_d = down.lora_A.to(dtype)  # (r, I)
                 ha_d = _shrink(h, [down], a_d)  # (M, r)
             if discard:

@@ -42,6 +42,27 @@ _ROWS = 32  # quant blocks per program: 32 x 64 = 2048 output elements
 
 
 @triton.jit
+def block_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blk, mask, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
+    """fp32 absmax of the quant blocks `blk` (any shape): read directly, or decoded from double
+    quantization as code2[q] * absmax2[blk // BLOCKSIZE2] + offset (the add kept separate: launch
+    with enable_fp_fusion=False to round as bitsandbytes does)."""
+    if NESTED:
+        q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + blk // BLOCKSIZE2, mask=mask)
+        return scale + tl.load(offset_ptr)
+    return tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+
+
+@triton.jit
+def decode_bytes(packed, code_ptr):
+    """(..., 2 m) fp32 NF4 levels of (..., m) packed bytes: byte j holds element 2j in its HIGH
+    nibble and 2j + 1 in its low one."""
+    hi = tl.load(code_ptr + (packed >> 4).to(tl.int32))
+    lo = tl.load(code_ptr + (packed & 15).to(tl.int32))
+    return tl.join(hi, lo)  # (..., m, 2): interleaved as elements 2j, 2j + 1
+
+
+@triton.jit
 def _nf4_dequant_kernel(
     w_ptr,  # uint8, (ceil(n / 2),) packed nibbles
     code_ptr,  # fp32, (16,) NF4 levels
@@ -61,20 +82,11 @@ def _nf4_dequant_kernel(
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,) quant-block indices
     row_mask = rows < n_blocks
-    if NESTED:
-        q = tl.load(absmax_ptr + rows, mask=row_mask, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + rows // BLOCKSIZE2, mask=row_mask)
-        scale = scale + tl.load(offset_ptr)  # enable_fp_fusion=False keeps this a separate add
-    else:
-        scale = tl.load(absmax_ptr + rows, mask=row_mask, other=0.0)
-    # Byte j of the tile's row holds elements 2j (high nibble) and 2j + 1 (low nibble).
+    scale = block_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, rows, row_mask, BLOCKSIZE2, NESTED)
     half = tl.arange(0, BLOCKSIZE // 2)
     byte_idx = rows[:, None] * (BLOCKSIZE // 2) + half[None, :]  # (ROWS, BLOCKSIZE / 2)
     packed = tl.load(w_ptr + byte_idx, mask=byte_idx * 2 < n, other=0)
-    hi = tl.load(code_ptr + (packed >> 4).to(tl.int32))
-    lo = tl.load(code_ptr + (packed & 15).to(tl.int32))
-    vals = tl.reshape(tl.join(hi, lo), (ROWS, BLOCKSIZE))  # interleave: element 2j, 2j + 1
-    vals = vals * scale[:, None]
+    vals = tl.reshape(decode_bytes(packed, code_ptr), (ROWS, BLOCKSIZE)) * scale[:, None]
     idx = rows[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     tl.store(out_ptr + idx, vals.to(out_ptr.dtype.element_ty), mask=idx < n)
 
@@ -181,14 +193,15 @@ def dequantize(
     Triton on CUDA (or with KESTREL_KERNELS=triton); the PyTorch reference otherwise.
     """
     plan = _plan(weight, quant_state)
-    packed = plan.args[0]  # a plain tensor: a Params4bit's .device would go through its __torch_function__
+    packed = plan.tensors[0]  # a plain tensor: a Params4bit's .device would go through its __torch_function__
     if out is None:
         out = WORKSPACE.get(plan.shape, packed.device, dtype or quant_state.dtype)
     elif tuple(out.shape) != plan.shape or not out.is_contiguous():
         raise ValueError(f"out must be contiguous with shape {plan.shape}, got {tuple(out.shape)}")
     if not use_triton(packed):
         return out.copy_(dequantize_reference(weight, quant_state, out.dtype))
-    launch(_nf4_dequant_kernel, plan.grid, *plan.args[:6], out, *plan.args[6:], num_warps=4, enable_fp_fusion=False)
+    launch(_nf4_dequant_kernel, plan.grid, *plan.tensors, out, plan.n, plan.n_blocks, plan.blocksize,
+           plan.blocksize2, plan.nested, _ROWS, num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -201,7 +214,12 @@ class _Plan(NamedTuple):
     state: int  # id() of its quant_state (a copied quant_state carries the attribute along)
     shape: tuple[int, ...]
     grid: tuple[int]
-    args: tuple  # kernel arguments before `out`, then after it
+    tensors: tuple  # packed (plain alias), code, absmax, code2, absmax2, offset: the kernels' first six
+    n: int  # elements
+    n_blocks: int
+    blocksize: int
+    blocksize2: int  # of the nested absmax (1 when not nested)
+    nested: bool
 
 
 def _plan(weight: torch.Tensor, quant_state: Any) -> _Plan:
@@ -222,8 +240,8 @@ def _plan(weight: torch.Tensor, quant_state: Any) -> _Plan:
     else:
         absmax, code2, absmax2, offset, bs2 = quant_state.absmax, code, code, code, 1
     packed = torch.Tensor.as_subclass(weight, torch.Tensor)  # same storage, plain tensor
-    args = (packed, code, absmax, code2, absmax2, offset, n, n_blocks, bs, bs2, nested, _ROWS)
-    plan = _Plan(weakref.ref(weight), id(quant_state), _shape(quant_state), (triton.cdiv(n_blocks, _ROWS),), args)
+    plan = _Plan(weakref.ref(weight), id(quant_state), _shape(quant_state), (triton.cdiv(n_blocks, _ROWS),),
+                 (packed, code, absmax, code2, absmax2, offset), n, n_blocks, bs, bs2, nested)
     try:
         quant_state._kestrel_nf4_plan = plan
     except AttributeError:  # a quant_state with __slots__: no caching, still correct

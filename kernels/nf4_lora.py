@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels import nf4
 from kernels._launch import launch
+from kernels.nf4 import block_scales, decode_bytes
 from kernels.dispatch import use_triton
 
 _BI = 64  # output rows per program
@@ -49,18 +50,10 @@ def _nf4_lora_kernel(
     first = rows * IN + tl.program_id(1) * BJ  # (BI,) flat index of each tile row's first element
     NB: tl.constexpr = BJ // BLOCKSIZE
     blk = first[:, None] // BLOCKSIZE + tl.arange(0, NB)[None, :]  # (BI, NB) quant blocks
-    if NESTED:
-        q = tl.load(absmax_ptr + blk, mask=row_ok[:, None], other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + blk // BLOCKSIZE2, mask=row_ok[:, None])
-        scale = scale + tl.load(offset_ptr)  # enable_fp_fusion=False keeps this a separate add
-    else:
-        scale = tl.load(absmax_ptr + blk, mask=row_ok[:, None], other=0.0)
-    # Byte j of a row segment holds elements 2j (high nibble) and 2j + 1 (low nibble).
+    scale = block_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blk, row_ok[:, None], BLOCKSIZE2, NESTED)
     byte_idx = first[:, None] // 2 + tl.arange(0, BJ // 2)[None, :]  # (BI, BJ / 2)
     packed = tl.load(w_ptr + byte_idx, mask=row_ok[:, None], other=0)
-    hi = tl.load(code_ptr + (packed >> 4).to(tl.int32))
-    lo = tl.load(code_ptr + (packed & 15).to(tl.int32))
-    vals = tl.reshape(tl.join(hi, lo), (BI, NB, BLOCKSIZE)) * scale[:, :, None]
+    vals = tl.reshape(decode_bytes(packed, code_ptr), (BI, NB, BLOCKSIZE)) * scale[:, :, None]
     vals = tl.reshape(vals, (BI, BJ))
     ranks = tl.arange(0, RP)
     rank_ok = ranks < R
@@ -104,18 +97,17 @@ def dequantize_merged(
     until the next dequantization on that device and dtype). weight/quant_state: a bitsandbytes
     NF4 weight (`usable` must hold); lora_a (r, in), lora_b (out, r) in any float dtype."""
     plan = nf4._plan(weight, quant_state)
-    packed = plan.args[0]
+    packed = plan.tensors[0]
     out = nf4.WORKSPACE.get(plan.shape, packed.device, dtype)
     if not use_triton(packed):
         return out.copy_(merged_reference(weight, quant_state, lora_a, lora_b, scaling, dtype))
     n_rows, in_features = plan.shape
-    bs, bs2, nested = plan.args[8], plan.args[9], plan.args[10]
-    bj, r = _tile_cols(in_features, bs), lora_a.shape[0]
+    bj, r = _tile_cols(in_features, plan.blocksize), lora_a.shape[0]
     a = lora_a if lora_a.is_contiguous() else lora_a.contiguous()
     b = lora_b if lora_b.is_contiguous() else lora_b.contiguous()
     grid = (triton.cdiv(n_rows, _BI), in_features // bj)
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    launch(_nf4_lora_kernel, grid, *plan.args[:6], a, b, out, n_rows, float(scaling), r,
-           in_features, bs, bs2, nested, _BI, bj, max(16, triton.next_power_of_2(r)), precision,
+    launch(_nf4_lora_kernel, grid, *plan.tensors, a, b, out, n_rows, float(scaling), r,
+           in_features, plan.blocksize, plan.blocksize2, plan.nested, _BI, bj, max(16, triton.next_power_of_2(r)), precision,
            num_warps=4, enable_fp_fusion=False)
     return out
