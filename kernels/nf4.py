@@ -49,8 +49,10 @@ def block_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blk, mask, BLOC
     if NESTED:
         q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + blk // BLOCKSIZE2, mask=mask)
-        return scale + tl.load(offset_ptr)
-    return tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:  # one return at the end: the compiler rejects a return inside the branch
+        scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+    return scale
 
 
 @triton.jit
