@@ -112,6 +112,14 @@ def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
     return 2 * n**3 / seconds / 1e12
 
 
+def _host_rss_gib() -> float:
+    """This process's resident host memory (pinned offload buffers included), from /proc."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
 def measure(impl: str, args: argparse.Namespace) -> dict:
     folder = llama8b_dir()
     if args.memory_cap_gib:
@@ -131,6 +139,12 @@ def measure(impl: str, args: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+        if args.seq * args.batch >= 65536:  # long steps: say how each went (a run may hit its time limit)
+            torch.cuda.synchronize()
+            print(f"step {len(losses)}: {time.perf_counter() - t0:.1f} s since the model was built, peak "
+                  f"{gib(torch.cuda.max_memory_allocated()):.2f} GiB, host RSS {_host_rss_gib():.1f} GiB", flush=True)
+
+    t0 = time.perf_counter()
 
     for _ in range(args.warmup):
         step()

@@ -13,10 +13,11 @@ Backward, given dY (M, out), computed rank-first so no (out, in) weight gradient
     dX  = dY W + dYB A         = dY W + s (dY B) A              (M, in)
 
 W gets no gradient; an NF4 W is dequantized just in time into a shared workspace in forward and
-again in backward, so no 16-bit copy of it is kept. In a pass with no backward to come (a
-checkpoint's first pass) the adapter is merged in while dequantizing where the shape allows
-(`kernels.nf4_lora`, `_merges`), W' = W + s B A, and Y = X W'^T is one plain product with no
-rank-r product formed at all.
+again in backward, so no 16-bit copy of it is kept. In the forward the adapter is merged in
+while dequantizing where the shape allows (`kernels.nf4_lora`, `_merges`), W' = W + s B A, and
+Y = X W'^T is one plain product: no (M, out) expansion is written and read back, and in a pass
+with no backward to come (a checkpoint's first pass) no rank-r product is formed at all. The
+backward keeps W and the rank-r terms (dX = dY W + dYB A: dYB is needed for dA anyway).
 
 The rank-r product `s X A^T` (M, r) is saved: it costs r/in of X and saves a matmul in backward.
 
@@ -39,7 +40,8 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import glu, lora_peft, nf4, nf4_lora
+from kernels import glu, lora_casts, lora_peft, nf4, nf4_lora
+from kernels.lora_casts import cast, mm_to
 from kernels.dispatch import use_triton
 
 Activation = Literal["swiglu", "geglu"]
@@ -121,13 +123,17 @@ def _base(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.T
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 
+# Whether a forward that saves for backward (a checkpoint's recompute) also runs over W'. It
+# still forms X A^T (dB needs it), but not the (M, out) expansions; its backward is unchanged.
+MERGE_WITH_GRAD = True
+
+
 def _merges(ws: list[LoRAWeights], grad: bool) -> bool:
-    """Whether the group's products run over W' = W + s B A (`nf4_lora`): every base NF4 in a
-    shape it can merge into, and no backward to come. Measured on an H100 (bench/lora_merged.py,
-    8B MLP): the no-grad forward is 5-8% faster merged, but a forward that saves for backward
-    plus its backward are slower (the merged dequantization costs more than the adapter terms it
-    saves once X A^T and dY B have to be formed anyway), so a graph-building pass stays separate."""
-    return not grad and all(w.quant_state is not None and nf4_lora.usable(w.quant_state) for w in ws)
+    """Whether the group's forward products run over W' = W + s B A (`nf4_lora`): every base NF4
+    in a shape it can merge into (and MERGE_WITH_GRAD when a backward is to come)."""
+    if grad and not MERGE_WITH_GRAD:
+        return False
+    return all(w.quant_state is not None and nf4_lora.usable(w.quant_state) for w in ws)
 
 
 def _merged(w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
@@ -136,10 +142,9 @@ def _merged(w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _stacked_a(ws: list[LoRAWeights], dtype: torch.dtype) -> torch.Tensor:
-    """[A_1; ...; A_n] (n r, in) in `dtype`: one shrink product for projections of one input."""
-    if len(ws) == 1:
-        return ws[0].lora_A.to(dtype)
-    return torch.cat([w.lora_A for w in ws]).to(dtype)
+    """[A_1; ...; A_n] (n r, in) in `dtype`: one shrink product for projections of one input
+    (kept from use to use until an optimizer step, `kernels.lora_casts`)."""
+    return lora_casts.stacked([w.lora_A for w in ws], dtype)
 
 
 def _spans(ws: list[LoRAWeights]) -> list[slice]:
@@ -171,7 +176,7 @@ def _expand(
     adapter is inside W' (`_merged`) and xa is not read."""
     if merged:
         return torch.mm(x, _merged(w, dtype).t())
-    b, base = w.lora_B.to(dtype), _base(w.weight, w.quant_state, dtype)
+    b, base = cast(w.lora_B, dtype), _base(w.weight, w.quant_state, dtype)
     if w.out_features * w.in_features >= _ADAPTER_FIRST_MIN:
         return torch.mm(xa, b.t()).addmm_(x, base.t())
     return torch.mm(x, base.t()).addmm_(xa, b.t())
@@ -190,16 +195,16 @@ def _adapter_backward(
         dB_k = dy_k^T xa_k                        (out_k, r)
     """
     spans = _spans(ws)
-    parts = [torch.mm(dy, w.lora_B.to(dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
+    parts = [torch.mm(dy, cast(w.lora_B, dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
     dyb = _scale_columns_(parts[0] if len(parts) == 1 else torch.cat(parts, 1), ws)
     need_a = [_needs(ctx, first, k)[0] for k in range(len(ws))]
     if x is not None and any(need_a):
-        da = torch.mm(dyb.t(), x).to(ws[0].lora_A.dtype)  # (n r, in)
+        da = mm_to(dyb.t(), x, ws[0].lora_A.dtype)  # (n r, in)
         for k in range(len(ws)):
             grads[first + _FIELDS * k + 2] = da[spans[k]] if need_a[k] else None
     for k, (dy, w) in enumerate(zip(dys, ws)):
         if _needs(ctx, first, k)[1]:
-            grads[first + _FIELDS * k + 3] = torch.mm(dy.t(), xa[:, spans[k]]).to(w.lora_B.dtype)
+            grads[first + _FIELDS * k + 3] = mm_to(dy.t(), xa[:, spans[k]], w.lora_B.dtype)
     return dyb
 
 
@@ -275,7 +280,7 @@ class _LoRAProjections(torch.autograd.Function):
         merged = _merges(ws, grad)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
-            a = None if merged else _stacked_a(ws, dtype)  # (N r, in)
+            a = _stacked_a(ws, dtype) if grad or not merged else None  # (N r, in)
             xa = _shrink(x2, ws, a) if a is not None else None  # (M, N r)
             outs = []
             for span, w in zip(_spans(ws), ws):
@@ -396,14 +401,14 @@ class _LoRAMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
             a_gu = xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
-            if not merged_gu:
+            if grad or not merged_gu:
                 a_gu = _stacked_a([gate, up], dtype)  # (2r, H)
                 xa_gu = _shrink(x2, [gate, up], a_gu)  # (M, 2r)
             e = _expand(x2, None if xa_gu is None else xa_gu[:, sg], gate, dtype, merged_gu)  # (M, I)
             g = _expand(x2, None if xa_gu is None else xa_gu[:, su], up, dtype, merged_gu)
             h = _glu_forward(e, g, activation)
-            if not merged_d and (grad or not discard):  # for backward, or for the down product
-                a_d = down.lora_A.to(dtype)  # (r, I)
+            if grad or not (merged_d or discard):  # for backward, or for the down product
+                a_d = cast(down.lora_A, dtype)  # (r, I)
                 ha_d = _shrink(h, [down], a_d)  # (M, r)
             if discard:
                 y = torch.empty((x2.shape[0], down.out_features), dtype=dtype, device=x.device)
@@ -446,7 +451,7 @@ def _down_backward(
     dyb = _adapter_backward(ctx, at, [dy], None, ha, [down], dtype, grads)  # (M, r); dB_d
     if _needs(ctx, at, 0)[0]:
         h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation)
-        grads[at + 2] = torch.mm(dyb.t(), h).to(down.lora_A.dtype)
+        grads[at + 2] = mm_to(dyb.t(), h, down.lora_A.dtype)
         del h
     ctx.h = None
     return _input_backward([dy], dyb, a, [down], dtype)

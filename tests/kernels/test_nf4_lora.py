@@ -47,9 +47,12 @@ def test_merged_dequantize_matches_fp32_math(
     assert got.dtype == dtype and got.shape == shape and not got.isnan().any()
     # fp32 sums of the rank-r products (a few fp32 ulps of the terms' magnitudes), then one
     # rounding to dtype.
-    fp32_sums = 8 * 2.0**-24 * (w.abs() + 0.7 * (b.double().abs() @ a.double().abs()))
+    terms = 0.7 * (b.double().abs() @ a.double().abs())
+    fp32_sums = 8 * 2.0**-24 * (w.abs() + terms)
     last_place = 2.0**-23 if dtype == torch.float32 else 2.0**-7  # a unit: the interpreter may truncate
-    assert ((got.double() - exact).abs() <= last_place * exact.abs() + fp32_sums).all()
+    # A 16-bit W' takes A and B rounded to 16 bits (a unit each, for the same reason).
+    operands = 0.0 if dtype == torch.float32 else 2 * 2.0**-7 * terms
+    assert ((got.double() - exact).abs() <= last_place * exact.abs() + fp32_sums + operands).all()
 
 
 def test_zero_b_is_the_plain_dequantization(backend: str) -> None:
@@ -112,12 +115,19 @@ MLP, QKV = ("gate_proj", "up_proj", "down_proj"), ("q_proj", "k_proj", "v_proj")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [INTER, 80])  # 80: down's rows are not whole blocks, it stays unmerged
-def test_merged_projections_match_fp32_peft_math(backend: str, dtype: torch.dtype, inter: int) -> None:
+@pytest.mark.parametrize("with_grad", [True, False])  # the graph-building forward merged too, or not
+def test_merged_projections_match_fp32_peft_math(
+    backend: str, dtype: torch.dtype, inter: int, with_grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lora_module, "MERGE_WITH_GRAD", with_grad)
     block = _nf4_block(dtype, inter)
     merges = lora_module._merges
     assert merges(_weights(block, MLP)[:2], False) and merges(_weights(block, QKV), False)
     assert merges(_weights(block, MLP)[2:], False) == (inter == INTER)
-    assert not merges(_weights(block, QKV), True)  # a pass that saves for backward stays separate
+    assert merges(_weights(block, QKV), True) == with_grad
+    merged_calls = []
+    real = nf4_lora.dequantize_merged
+    monkeypatch.setattr(nf4_lora, "dequantize_merged", lambda *a: merged_calls.append(1) or real(*a))
     proj = _dense(block)
     x = torch.randn((2, 9, HIDDEN), generator=torch.Generator().manual_seed(2)).to(dtype)
     cases = [
@@ -131,6 +141,8 @@ def test_merged_projections_match_fp32_peft_math(backend: str, dtype: torch.dtyp
         got, expected = _run(ours, x, params), _run(truth, x.float(), params)
         _close(got[0], expected[0], tol)
         _close(got[1], expected[1], tol)
+    # _run's forward builds a graph: merged there only when MERGE_WITH_GRAD (3 + 2 or 3 bases).
+    assert len(merged_calls) == (0 if not with_grad else 5 + (inter == INTER))
 
 
 def test_no_grad_forward_forms_no_rank_products(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,7 +156,7 @@ def test_no_grad_forward_forms_no_rank_products(backend: str, monkeypatch: pytes
         y = lora_mlp(x, *_weights(block, MLP))
         q = lora_qkv(x, *_weights(block, QKV))[0]
     assert shrinks == [] and not y.requires_grad
-    _close([y], [with_grad.detach()], 1e-5)  # the graph-building pass adds the adapter separately
+    _close([y], [with_grad.detach()], 1e-5)
     torch.testing.assert_close(q, _dense(block)("q_proj", x.detach()), rtol=1e-5, atol=1e-5)
 
 
@@ -160,9 +172,10 @@ def test_cuda_merged_dequantize(shape: tuple[int, int]) -> None:
     w_bnb = bnbf.dequantize_4bit(packed, state).double()
     exact = w_bnb + 2.0 * (b.double() @ a.double())
     # bitsandbytes' W is itself rounded to bf16 (half a unit of |W|, which W + s B A can cancel
-    # below), ours rounds W + s B A once (half a unit); the rank-16 products run on TF32 operands.
-    tf32 = 2.0 * 2.0**-9 * (b.abs() @ a.abs()).double()  # s x (two 2^-11-rounded operands per term)
-    bound = 2.0**-8 * (w_bnb.abs() + exact.abs()) + tf32
+    # below), ours rounds W + s B A once (half a unit); the rank-16 products take A and B rounded
+    # to bf16 (unit roundoff 2^-8 each, so 2 x 2^-8 of each term |b_k a_k|).
+    operands = 2.0 * (2 * 2.0**-8) * (b.abs() @ a.abs()).double()  # s = 2
+    bound = 2.0**-8 * (w_bnb.abs() + exact.abs()) + operands
     assert ((got.double() - exact).abs() <= bound).all()
     zero = nf4_lora.dequantize_merged(packed, state, a, torch.zeros_like(b), 2.0, torch.bfloat16)
     assert torch.equal(zero, bnbf.dequantize_4bit(packed, state))

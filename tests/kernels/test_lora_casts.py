@@ -1,0 +1,94 @@
+"""kernels.lora_casts: 16-bit copies of adapter weights reused until the weight may have changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import lora_casts
+from kernels.lora_casts import cast, mm_to, stacked
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    lora_casts.clear()
+
+
+def test_cast_is_kept_until_the_weight_changes_in_place() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 8))
+    first = cast(p, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and torch.equal(first, p.detach().bfloat16())
+    assert cast(p, torch.bfloat16) is first  # reused
+    assert cast(p, torch.float32) is p  # already in that dtype: no copy
+    with torch.no_grad():
+        p.copy_(torch.randn(4, 8))  # bumps the version counter
+    again = cast(p, torch.bfloat16)
+    assert again is not first and torch.equal(again, p.detach().bfloat16())
+
+
+@pytest.mark.parametrize("flavour", [{"fused": True}, {"foreach": True}, {"foreach": False}])
+def test_an_optimizer_step_invalidates_every_copy(flavour: dict) -> None:
+    # torch's fused AdamW updates parameters without bumping their version counters.
+    a, b = torch.nn.Parameter(torch.randn(2, 8)), torch.nn.Parameter(torch.randn(3, 2))
+    other = torch.nn.Parameter(torch.randn(5))  # a different optimizer's step counts too
+    opt = torch.optim.AdamW([a, b], lr=0.1, **flavour)
+    old_a, old_stack = cast(a, torch.bfloat16), stacked([a, a], torch.bfloat16)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step()
+    assert torch.equal(cast(a, torch.bfloat16), a.detach().bfloat16())
+    assert not torch.equal(old_a, a.detach().bfloat16())
+    assert torch.equal(stacked([a, a], torch.bfloat16), torch.cat([a, a]).detach().bfloat16())
+    kept = cast(b, torch.bfloat16)
+    other.grad = torch.ones_like(other)
+    torch.optim.SGD([other], lr=0.1).step()
+    assert cast(b, torch.bfloat16) is not kept
+    assert old_stack is not stacked([a, a], torch.bfloat16)
+
+
+def test_a_data_swap_is_seen() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 8))
+    first = cast(p, torch.bfloat16)
+    p.data = torch.randn(4, 8)
+    assert torch.equal(cast(p, torch.bfloat16), p.detach().bfloat16()) and not torch.equal(first, cast(p, torch.bfloat16))
+
+
+def test_stacked_tracks_every_member() -> None:
+    a1, a2 = torch.nn.Parameter(torch.randn(2, 8)), torch.nn.Parameter(torch.randn(3, 8))
+    s = stacked([a1, a2], torch.bfloat16)
+    assert s.shape == (5, 8) and torch.equal(s, torch.cat([a1, a2]).detach().bfloat16())
+    assert stacked([a1, a2], torch.bfloat16) is s
+    with torch.no_grad():
+        a2.mul_(2)  # only the second member changes
+    assert torch.equal(stacked([a1, a2], torch.bfloat16), torch.cat([a1, a2]).detach().bfloat16())
+    a3 = torch.nn.Parameter(a2.detach().clone())  # same values, another weight: not the same stack
+    assert stacked([a1, a3], torch.bfloat16) is not stacked([a1, a2], torch.bfloat16)
+
+
+def test_copies_go_with_their_weight() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 8))
+    cast(p, torch.bfloat16)
+    assert len(lora_casts._CASTS) == 1
+    del p
+    assert len(lora_casts._CASTS) == 0
+
+
+def test_mm_to_returns_the_requested_dtype() -> None:
+    a, b = torch.randn(6, 5, dtype=torch.bfloat16), torch.randn(5, 3, dtype=torch.bfloat16)
+    out = mm_to(a, b, torch.float32)
+    assert out.dtype == torch.float32 and torch.equal(out, torch.mm(a, b).float())
+    assert mm_to(a, b, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_mm_to_on_cuda_writes_fp32_from_the_accumulator() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    out = mm_to(a, b.t(), torch.float32)
+    exact = a.double() @ b.double().t()
+    assert out.dtype == torch.float32
+    # fp32 sums of exact bf16 products: far closer than one bf16 rounding of the result
+    assert ((out.double() - exact).abs() <= 1e-5 * (a.double().abs() @ b.double().abs().t())).all()
+    transposed = mm_to(a.t().contiguous().t(), b.t(), torch.float32)
+    assert torch.equal(transposed, out)
