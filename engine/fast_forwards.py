@@ -175,10 +175,19 @@ def _mlp(layer: nn.Module, h: torch.Tensor, spec: FamilySpec) -> torch.Tensor:
 
 
 def _residual_add(residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    # Without autograd (decode, GRPO rollouts) add in place into the fresh update tensor.
+    """residual + update, written into `update` (a sublayer's fresh output) where that is safe:
+    one (tokens, hidden) tensor less at a layer's end, which at long contexts (3 GiB at 400K
+    tokens) is what decides whether the recomputed layer fits. An add's backward needs neither
+    operand, and autograd raises, rather than computing wrong gradients, should a Function have
+    saved `update` itself. Out of place when `update` is a leaf or a view, or the sum would
+    change dtype or shape."""
     if not torch.is_grad_enabled() or not (residual.requires_grad or update.requires_grad):
-        return update.add_(residual)
-    return residual + update
+        return update.add_(residual)  # no autograd (first pass of a checkpoint, decode, rollouts)
+    in_place = (
+        not update.is_leaf and update._base is None and update.shape == residual.shape
+        and update.dtype == residual.dtype
+    )
+    return update.add_(residual) if in_place else residual + update
 
 
 def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:

@@ -133,3 +133,23 @@ def test_packed_rows_equal_separate_samples() -> None:
         positions = torch.cat([torch.arange(9), torch.arange(7)]).unsqueeze(0)
         lp = model(input_ids=packed, labels=labels, position_ids=positions, num_items_in_batch=1, use_cache=False).loss
     torch.testing.assert_close(lp, la + lb, rtol=1e-5, atol=1e-5)
+
+
+def test_residual_add_writes_into_a_fresh_update_and_keeps_both_gradients() -> None:
+    from engine.fast_forwards import _residual_add
+
+    w = torch.randn(4, 4, requires_grad=True)
+    residual = torch.randn(2, 4, requires_grad=True)
+    update = residual.detach() @ w  # a sublayer's fresh output: written into
+    out = _residual_add(residual, update)
+    assert out is update
+    torch.testing.assert_close(out, residual + residual.detach() @ w)
+    out.pow(2).sum().backward()
+    expected = 2 * (residual + residual @ w).detach()
+    torch.testing.assert_close(residual.grad, expected)
+    torch.testing.assert_close(w.grad, residual.detach().t() @ expected)
+    # A view, a leaf or a dtype change: a new tensor, the operands untouched.
+    base = residual.detach() @ w
+    for upd in (base[:, :], torch.randn(2, 4, requires_grad=True), (residual.detach() @ w).double()):
+        before = upd.detach().clone()
+        assert _residual_add(residual, upd) is not upd and torch.equal(upd.detach(), before)
