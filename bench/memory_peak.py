@@ -20,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import LLAMA_8B, llama8b_dir, random_batch  # noqa: E402
-from bench.train import build  # noqa: E402
+from bench.train import add_model_args, training_step  # noqa: E402
 
 _OURS = ("/engine/", "/kernels/", "/bench/")
 
@@ -60,24 +59,10 @@ def peak_report(trace: list[dict], top: int = 25) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", default="kestrel")
-    ap.add_argument("--method", default="qlora")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--checkpointing", default="standard")
-    ap.add_argument("--memory-cap-gib", type=float, default=0.0)
+    add_model_args(ap)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    model = build(args.impl, llama8b_dir(), args)
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    ids, labels = random_batch(args.batch, args.seq, LLAMA_8B["vocab_size"])
-
-    def step() -> None:
-        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = training_step(args)
     for _ in range(2):
         step()
     torch.cuda.synchronize()

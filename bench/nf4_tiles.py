@@ -9,7 +9,9 @@ fp64 math: `err/bound` must stay below 1 (bound: bf16 rounding of W' plus bf16-o
 
 Variants of the merged kernel:
 - `tiled`: kernels.nf4_lora's kernel (bytes decoded as (BI, BJ/2) pairs, joined, reshaped to
-  (BI, NB, 64) for the block scales), tl.dot on fp32 operands (TF32) or bf16 operands.
+  (BI, NB, 64) for the block scales), the rank-r tl.dot on fp32 operands or on bf16 ones. (The
+  session-7 sweep in bench/RESULTS.md also had TF32 operands, 3-5% behind bf16; the kernel kept
+  bf16 for 16-bit outputs and exact fp32 for fp32 ones.)
 - `flat`: each output element decodes its own nibble (byte j // 2, high or low by parity) and
   gathers its block scale, with no join or reshape, so the values can be formed in whatever
   layout the tl.dot result has.
@@ -54,7 +56,7 @@ def _flat_kernel(
     if BF16_DOT:
         delta = tl.dot(b.to(tl.bfloat16), a.to(tl.bfloat16))
     else:
-        delta = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="tf32")
+        delta = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
     flat = rows[:, None] * IN + cols[None, :]  # (BI, BJ)
     mask = row_ok[:, None]
     packed = tl.load(w_ptr + flat // 2, mask=mask, other=0)
@@ -62,37 +64,6 @@ def _flat_kernel(
     scale = block_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, flat // BLOCKSIZE, mask, BLOCKSIZE2, NESTED)
     vals = tl.load(code_ptr + nib.to(tl.int32)) * scale + scaling * delta
     tl.store(out_ptr + flat, vals.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _tiled_kernel(
-    w_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, a_ptr, b_ptr, out_ptr,
-    n_rows, scaling, R,
-    IN: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-    BI: tl.constexpr, BJ: tl.constexpr, RP: tl.constexpr, BF16_DOT: tl.constexpr,
-):
-    # kernels.nf4_lora._nf4_lora_kernel with a bf16-operand option for the rank-r product.
-    rows = tl.program_id(0).to(tl.int64) * BI + tl.arange(0, BI)
-    row_ok = rows < n_rows
-    first = rows * IN + tl.program_id(1) * BJ
-    NB: tl.constexpr = BJ // BLOCKSIZE
-    blk = first[:, None] // BLOCKSIZE + tl.arange(0, NB)[None, :]
-    scale = block_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blk, row_ok[:, None], BLOCKSIZE2, NESTED)
-    byte_idx = first[:, None] // 2 + tl.arange(0, BJ // 2)[None, :]
-    packed = tl.load(w_ptr + byte_idx, mask=row_ok[:, None], other=0)
-    vals = tl.reshape(nf4.decode_bytes(packed, code_ptr), (BI, NB, BLOCKSIZE)) * scale[:, :, None]
-    vals = tl.reshape(vals, (BI, BJ))
-    ranks = tl.arange(0, RP)
-    rank_ok = ranks < R
-    cols = tl.program_id(1) * BJ + tl.arange(0, BJ)
-    b = tl.load(b_ptr + rows[:, None] * R + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
-    a = tl.load(a_ptr + ranks[:, None] * IN + cols[None, :], mask=rank_ok[:, None], other=0.0)
-    if BF16_DOT:
-        delta = tl.dot(b.to(tl.bfloat16), a.to(tl.bfloat16))
-    else:
-        delta = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="tf32")
-    vals = vals + scaling * delta
-    tl.store(out_ptr + rows[:, None] * IN + cols[None, :], vals.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _weights(o: int, i: int) -> tuple:
@@ -123,13 +94,14 @@ def sweep_merged(o: int, i: int, configs: list[tuple] | None = None) -> dict:
     plan, s = nf4._plan(packed, state), 2.0
     out = torch.empty(o, i, device="cuda", dtype=torch.bfloat16)
     row = {}
-    kernels = {"tiled": _tiled_kernel, "flat": _flat_kernel}
     for name, bf16, bi, bj, nw in configs or list(_all_configs()):
-        key = f"{name}_{'bf16' if bf16 else 'tf32'}_bi{bi}_bj{bj}_w{nw}"
+        key = f"{name}_{'bf16' if bf16 else 'fp32'}_bi{bi}_bj{bj}_w{nw}"
+        # the product kernel takes (OPERANDS16, DOT16), the flat one BF16_DOT
+        kernel, flags = (nf4_lora._nf4_lora_kernel, (bf16, bf16)) if name == "tiled" else (_flat_kernel, (bf16,))
 
         def run() -> None:
-            launch(kernels[name], (triton.cdiv(o, bi), i // bj), *plan.tensors, a, b, out, o, s, R,
-                   i, plan.blocksize, plan.blocksize2, plan.nested, bi, bj, 16, bf16,
+            launch(kernel, (triton.cdiv(o, bi), i // bj), *plan.tensors, a, b, out, o, s, R,
+                   i, plan.blocksize, plan.blocksize2, plan.nested, bi, bj, 16, *flags,
                    num_warps=nw, enable_fp_fusion=False)
 
         try:

@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench.common import LLAMA_8B, llama8b_dir, random_batch  # noqa: E402
-from bench.train import build  # noqa: E402
+from bench.train import add_model_args, training_step  # noqa: E402
 
 KINDS = [  # (kind, pattern over the lower-cased kernel name); first match wins
     ("dequant", r"dequant|nf4|kgemm_4bit"),
@@ -180,27 +179,14 @@ def host_profile(step, steps: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", default="kestrel")
-    ap.add_argument("--method", default="qlora")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--checkpointing", default="standard")
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--stack", action="store_true", help="record Python frames (slower host)")
     ap.add_argument("--trace", default="")
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead (where Python time goes)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    model = build(args.impl, llama8b_dir(), args)
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    ids, labels = random_batch(args.batch, args.seq, LLAMA_8B["vocab_size"])
-
-    def step() -> None:
-        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = training_step(args)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -89,6 +90,31 @@ def build(impl: str, folder: Path, args: argparse.Namespace):
     model = attach_lora(model, LoraSettings(r=16, alpha=16, dropout=0.0, targets=TARGETS))
     set_gradient_checkpointing(model, args.checkpointing)
     return model
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model and batch options shared by the step-analysis scripts (profile, memory peak)."""
+    ap.add_argument("--impl", default="kestrel")
+    ap.add_argument("--method", default="qlora")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--checkpointing", default="standard")
+
+
+def training_step(args: argparse.Namespace) -> Callable[[], None]:
+    """args.impl's model at the 8B shape and one training step on a fixed random batch:
+    forward, backward, fused AdamW, gradients cleared."""
+    model = build(args.impl, llama8b_dir(), args)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    ids, labels = random_batch(args.batch, args.seq, LLAMA_8B["vocab_size"])
+
+    def step() -> None:
+        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 SPEC_PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
