@@ -70,11 +70,10 @@ def mlp_times() -> dict:
         ws.append(LoRAWeights(packed, state, a, b, 2.0))
     x = torch.randn(2, M // 2, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn(2, M // 2, H, device="cuda", dtype=torch.bfloat16)
-    real, with_grad = lora_module._merges, lora_module.MERGE_WITH_GRAD
+    real = lora_module._merges
     results, reference = {}, None
-    for mode in ("separate", "merged_first_pass", "merged", "separate", "merged_first_pass", "merged"):
-        lora_module._merges = (lambda ws, grad: False) if mode == "separate" else real
-        lora_module.MERGE_WITH_GRAD = mode == "merged"
+    for mode in ("separate", "merged", "separate", "merged"):
+        lora_module._merges = real if mode == "merged" else (lambda ws: False)
         got = _grads(ws, x, dy)
         reference = reference or got
         err = max(((g - r).float().abs().max() / r.float().abs().max()).item() for g, r in zip(got, reference))
@@ -87,7 +86,7 @@ def mlp_times() -> dict:
                "forward_backward_ms": cuda_time(lambda: _grads(ws, x, dy), iters=20) * 1e3}
         results.setdefault(mode, []).append(row)
         print(mode, json.dumps(row), flush=True)
-    lora_module._merges, lora_module.MERGE_WITH_GRAD = real, with_grad
+    lora_module._merges = real
     return results
 
 

@@ -15,8 +15,8 @@ The model of memory (bytes), written for the way the engine trains:
   and recomputes one layer at a time; `off` keeps every layer's internals; `offload` keeps the
   layer inputs in CPU memory. One layer's internals are about (9 hidden + 3 intermediate)
   16-bit values per token (layer input, norm outputs, q/k/v, attention output, the residual sum,
-  the MLP output; gate/up/act): measured 169 KB a token at 409,600 tokens on the 8B shape. The loss is
-  chunked (logits never exist for the whole batch), so the head costs one chunk.
+  the MLP output; gate/up/act): measured 169 KB a token at 409,600 tokens on the 8B shape. The
+  loss is chunked (logits never exist for the whole batch), so the head costs one chunk.
 - GRPO adds the rollouts' static KV cache and trains on num_generations sequences per prompt.
 - a fixed overhead for the CUDA context and allocator slack (0.6 GiB + 8 %).
 These are estimates to within about 20 %: the verdict leaves a margin for that.

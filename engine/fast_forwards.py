@@ -180,14 +180,13 @@ def _residual_add(residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     tokens) is what decides whether the recomputed layer fits. An add's backward needs neither
     operand, and autograd raises, rather than computing wrong gradients, should a Function have
     saved `update` itself. Out of place when `update` is a leaf or a view, or the sum would
-    change dtype or shape."""
-    if not torch.is_grad_enabled() or not (residual.requires_grad or update.requires_grad):
-        return update.add_(residual)  # no autograd (first pass of a checkpoint, decode, rollouts)
-    in_place = (
-        not update.is_leaf and update._base is None and update.shape == residual.shape
-        and update.dtype == residual.dtype
-    )
-    return update.add_(residual) if in_place else residual + update
+    change dtype or shape; without autograd (a checkpoint's first pass, decode, rollouts) a view
+    is written too."""
+    recorded = torch.is_grad_enabled() and (residual.requires_grad or update.requires_grad)
+    fresh = not recorded or (not update.is_leaf and update._base is None)
+    if fresh and update.shape == residual.shape and update.dtype == residual.dtype:
+        return update.add_(residual)
+    return residual + update
 
 
 def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:

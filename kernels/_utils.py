@@ -129,6 +129,11 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def interpreted() -> bool:
+    """True under Triton's CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def pdl(device: torch.device) -> bool:
     """True when launches on `device` use Programmatic Dependent Launch (Hopper and later, not
     interpreted, `KESTREL_PDL` not "0"): a kernel launched with it may start while the previous
@@ -137,7 +142,7 @@ def pdl(device: torch.device) -> bool:
     Off inside torch.compile: the compiler launches traced user kernels its own way."""
     if torch.compiler.is_compiling():
         return False
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("KESTREL_PDL") == "0":
+    if device.type != "cuda" or interpreted() or os.environ.get("KESTREL_PDL") == "0":
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 

@@ -4,8 +4,9 @@ Memory argument: hidden is `(N, H)`; full logits would be `(N, V)`, i.e. `V / H`
 (32x for Llama-3: 128256 / 4096, 2.1 GB in bf16 at N = 8192, 4.2 GB in fp32). Tokens are
 processed in chunks of `C` rows with `C * V ~= N * H`, so one chunk of logits costs about as much
 as hidden itself, and that one `(C, V)` buffer is reused by every chunk (floor: 128 rows, so the
-matmuls stay matmuls; 512 when no weight gradient is formed, see `_chunk_size`). At N = 8192, H = 4096, V = 128256, bf16: C = 256, a 66 MB chunk, and the
-whole op peaks near 1.18 GB, the bf16 grads (1.12 GB) included.
+matmuls stay matmuls; 512 when no weight gradient is formed, see `_chunk_size`). At N = 8192,
+H = 4096, V = 128256, bf16: C = 256, a 66 MB chunk, and the whole op peaks near 1.18 GB, the
+bf16 grads (1.12 GB) included.
 
 Per chunk (rows `s:e`), with `x = h[s:e] @ W^T` in the weight dtype (fp32 accumulation):
 

@@ -30,7 +30,6 @@ the norm inside: 79.5 us against 54.4 + an inductor norm of about 2.5).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels._utils import pdl, pdl_launch
+from kernels._utils import interpreted, pdl, pdl_launch
 from kernels.dispatch import use_triton
 
 _BLOCK_N, _BLOCK_K, _WARPS = 2, 2048, 2
@@ -103,11 +102,6 @@ def _gemv_kernel(
     # rounded to x's dtype first: a float32 output holds exactly what a 16-bit product would
     y = y.to(X.dtype.element_ty).to(Y.dtype.element_ty)
     tl.store(Y + rows, y, mask=row_ok)
-
-
-def interpreted() -> bool:
-    """True under Triton's CPU interpreter, which runs programs one by one: fewer, larger ones."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def k_launch(k: int, block_k: int = _BLOCK_K, device: torch.device | None = None) -> dict:

@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels._utils import cdiv, next_pow2, pdl, pdl_launch
-from kernels.gemv import dot_rows, interpreted, k_launch, pdl_start, rstd_from
+from kernels._utils import cdiv, interpreted, next_pow2, pdl, pdl_launch
+from kernels.gemv import dot_rows, k_launch, pdl_start, rstd_from
 
 # Rows per program and columns per step, from `bench/decode_kernels.py` on an H200 (8B shapes,
 # us per launch; the plain gemv: q/k/v 13.4, o 9.7, gate/up 53.6, down 28.6):

@@ -123,18 +123,12 @@ def _base(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.T
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 
-# Whether a forward that saves for backward (a checkpoint's recompute) also runs over W'. It
-# still forms X A^T (dB needs it), but not the (M, out) expansions; its backward is unchanged.
-# On an H100 (bench/lora_merged.py, 8B MLP) it is level in time with the separate adapter, and it
-# makes the recompute reproduce the first pass's activations exactly (both round W' the same way).
-MERGE_WITH_GRAD = True
-
-
-def _merges(ws: list[LoRAWeights], grad: bool) -> bool:
+def _merges(ws: list[LoRAWeights]) -> bool:
     """Whether the group's forward products run over W' = W + s B A (`nf4_lora`): every base NF4
-    in a shape it can merge into (and MERGE_WITH_GRAD when a backward is to come)."""
-    if grad and not MERGE_WITH_GRAD:
-        return False
+    in a shape it can merge into. Also in a forward that saves for backward (a checkpoint's
+    recompute): it still forms X A^T (dB needs it), but not the (M, out) expansions, and it
+    reproduces the first pass's activations exactly (both round W' the same way). On an H100
+    (bench/lora_merged.py, 8B MLP) that is level in time with the separate adapter."""
     return all(w.quant_state is not None and nf4_lora.usable(w.quant_state) for w in ws)
 
 
@@ -279,7 +273,7 @@ class _LoRAProjections(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, grad: bool, *flat: Any) -> tuple[torch.Tensor, ...]:
         dtype, lead, ws = _compute_dtype(x), x.shape[:-1], _unflatten(flat)
-        merged = _merges(ws, grad)
+        merged = _merges(ws)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
             a = _stacked_a(ws, dtype) if grad or not merged else None  # (N r, in)
@@ -399,7 +393,7 @@ class _LoRAMLP(torch.autograd.Function):
     ) -> torch.Tensor:
         gate, up, down = _unflatten(flat)
         dtype, lead, (sg, su) = _compute_dtype(x), x.shape[:-1], _spans([gate, up])
-        merged_gu, merged_d = _merges([gate, up], grad), _merges([down], grad)
+        merged_gu, merged_d = _merges([gate, up]), _merges([down])
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
             a_gu = xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands

@@ -45,7 +45,9 @@ _ROWS = 32
 
 
 @triton.jit
-def block_scales(absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blk, mask, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
+def block_scales(
+    absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blk, mask, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr
+):
     """fp32 absmax of the quant blocks `blk` (any shape): read directly, or decoded from double
     quantization as code2[q] * absmax2[blk // BLOCKSIZE2] + offset (the add kept separate: launch
     with enable_fp_fusion=False to round as bitsandbytes does)."""

@@ -28,7 +28,6 @@ row of the tile is whole quant blocks); `usable` says when a shape allows that. 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ import triton.language as tl
 
 from kernels import nf4
 from kernels._launch import launch
+from kernels._utils import interpreted
 from kernels.nf4 import block_scales, decode_bytes
 from kernels.dispatch import use_triton
 
@@ -70,11 +70,9 @@ def _nf4_lora_kernel(
     a = tl.load(a_ptr + ranks[:, None] * IN + cols[None, :], mask=rank_ok[:, None], other=0.0)
     if OPERANDS16:  # A and B rounded to W's 16-bit type: exact products, fp32 sums
         b, a = b.to(out_ptr.dtype.element_ty), a.to(out_ptr.dtype.element_ty)
-        if DOT16:
-            delta = tl.dot(b, a)  # (BI, BJ) fp32
-        else:  # Triton's interpreter gets 16-bit tl.dot wrong: the same products in fp32
-            delta = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-    else:
+    if DOT16:
+        delta = tl.dot(b, a)  # (BI, BJ) fp32
+    else:  # an fp32 W', or the interpreter (it gets 16-bit tl.dot wrong): the same products in fp32
         delta = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
     vals = vals + scaling * delta
     tl.store(out_ptr + rows[:, None] * IN + cols[None, :], vals.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -122,7 +120,7 @@ def dequantize_merged(
     b = lora_b if lora_b.is_contiguous() else lora_b.contiguous()
     grid = (triton.cdiv(n_rows, _BI), in_features // bj)
     operands16 = dtype in (torch.bfloat16, torch.float16)
-    dot16 = operands16 and os.environ.get("TRITON_INTERPRET") != "1"
+    dot16 = operands16 and not interpreted()
     launch(_nf4_lora_kernel, grid, *plan.tensors, a, b, out, n_rows, float(scaling), r,
            in_features, plan.blocksize, plan.blocksize2, plan.nested, _BI, bj, max(16, triton.next_power_of_2(r)),
            operands16, dot16, num_warps=4, enable_fp_fusion=False)

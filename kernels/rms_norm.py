@@ -188,7 +188,8 @@ def rms_norm_forward(
     rstd = torch.empty(plan.n_rows, dtype=torch.float32, device=x.device)
     if plan.grid is not None:
         launch(
-            _rms_norm_fwd_kernel, plan.grid, y, x_rows, weight if weight.is_contiguous() else weight.contiguous(), rstd, eps, offset,
+            _rms_norm_fwd_kernel, plan.grid, y, x_rows,
+            weight if weight.is_contiguous() else weight.contiguous(), rstd, eps, offset,
             x.shape[-1], x_row_stride, *plan.tail, num_warps=plan.num_warps,
         )
     return y, x_rows, rstd
@@ -243,7 +244,8 @@ def rms_norm_backward(
     )
     if n_rows > 0:
         launch(
-            _rms_norm_bwd_kernel, (programs,), dx, dy_rows, x_rows, weight if weight.is_contiguous() else weight.contiguous(), rstd,
+            _rms_norm_bwd_kernel, (programs,), dx, dy_rows, x_rows,
+            weight if weight.is_contiguous() else weight.contiguous(), rstd,
             dw_partial, offset, n_cols, dy_row_stride, x_row_stride, *tail, num_warps=warps,
         )
     if not compute_dw:

@@ -115,16 +115,13 @@ MLP, QKV = ("gate_proj", "up_proj", "down_proj"), ("q_proj", "k_proj", "v_proj")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [INTER, 80])  # 80: down's rows are not whole blocks, it stays unmerged
-@pytest.mark.parametrize("with_grad", [True, False])  # the graph-building forward merged too, or not
 def test_merged_projections_match_fp32_peft_math(
-    backend: str, dtype: torch.dtype, inter: int, with_grad: bool, monkeypatch: pytest.MonkeyPatch
+    backend: str, dtype: torch.dtype, inter: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lora_module, "MERGE_WITH_GRAD", with_grad)
     block = _nf4_block(dtype, inter)
     merges = lora_module._merges
-    assert merges(_weights(block, MLP)[:2], False) and merges(_weights(block, QKV), False)
-    assert merges(_weights(block, MLP)[2:], False) == (inter == INTER)
-    assert merges(_weights(block, QKV), True) == with_grad
+    assert merges(_weights(block, MLP)[:2]) and merges(_weights(block, QKV))
+    assert merges(_weights(block, MLP)[2:]) == (inter == INTER)
     merged_calls = []
     real = nf4_lora.dequantize_merged
     monkeypatch.setattr(nf4_lora, "dequantize_merged", lambda *a: merged_calls.append(1) or real(*a))
@@ -141,8 +138,8 @@ def test_merged_projections_match_fp32_peft_math(
         got, expected = _run(ours, x, params), _run(truth, x.float(), params)
         _close(got[0], expected[0], tol)
         _close(got[1], expected[1], tol)
-    # _run's forward builds a graph: merged there only when MERGE_WITH_GRAD (3 + 2 or 3 bases).
-    assert len(merged_calls) == (0 if not with_grad else 5 + (inter == INTER))
+    # _run's forward builds a graph and still runs over W': Q, K, V, gate, up, and down when whole.
+    assert len(merged_calls) == 5 + (inter == INTER)
 
 
 def test_no_grad_forward_forms_no_rank_products(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
