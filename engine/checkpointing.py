@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from engine import layer_graphs
 from engine.errors import KestrelError
 
 # True while a checkpointed layer is re-run for its backward: its output's values are thrown
@@ -243,22 +244,30 @@ class LayerCheckpoint(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, torch.Tensor]:
         saved, ctx.saved_input = ctx.saved_input, None
         hidden = saved.take() if isinstance(saved, _HostCopy) else saved
+        if isinstance(ctx.run, layer_graphs.GraphedLayer):
+            dx = ctx.run.backward(hidden, grad_out, _recompute)
+            if dx is not None:
+                return None, None, dx
         hidden = hidden.detach().requires_grad_(True)
-        token = _RECOMPUTING.set(True)
-        try:
-            with torch.enable_grad():
-                out = ctx.run(hidden)
-        finally:
-            _RECOMPUTING.reset(token)
-        torch.autograd.backward(out, grad_out)
+        torch.autograd.backward(_recompute(ctx.run, hidden), grad_out)
         return None, None, hidden.grad
+
+
+def _recompute(run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """run(hidden) with autograd on, as a checkpoint's recompute (`recomputing()` is True)."""
+    token = _RECOMPUTING.set(True)
+    try:
+        with torch.enable_grad():
+            return run(hidden)
+    finally:
+        _RECOMPUTING.reset(token)
 
 
 def _checkpoint_func(offload: bool) -> Callable[..., torch.Tensor]:
     def checkpointed(run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-        """The `_gradient_checkpointing_func` Hugging Face's decoder layers call (hidden first)."""
-        fn = (lambda h: run(h, *args)) if args else run
-        return LayerCheckpoint.apply(fn, offload, hidden)
+        """The `_gradient_checkpointing_func` Hugging Face's decoder layers call (hidden first).
+        On CUDA the layer's passes replay as CUDA graphs where they can (`engine.layer_graphs`)."""
+        return LayerCheckpoint.apply(layer_graphs.wrap(run, hidden, args), offload, hidden)
 
     return checkpointed
 
@@ -271,6 +280,7 @@ def set_gradient_checkpointing(model: nn.Module, mode: str) -> None:
     """Turn checkpointing `off`, `standard` (non-reentrant recompute) or `offload` on `model`."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    layer_graphs.release()
     if mode == "off":
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()

@@ -10,13 +10,19 @@ with the weight and reuse it until the weight may have changed. A copy is valid 
 - the weight's version counter is unchanged (in-place updates: `load_state_dict`, `copy_`),
 - and so is its data pointer (a `.data` swap).
 The cache is keyed weakly by the weight, so it goes with it; its cost is one 16-bit copy of the
-adapter (about 85 MB for the 8B shape at r = 16).
+adapter (about 85 MB for the 8B shape at r = 16). Under `uncached()` (while a CUDA graph is
+captured: a replay runs no Python, so a kept copy would go stale in it) every call casts afresh
+and nothing is kept.
 
 `mm_to` gives a product in another dtype: the fp32 adapter gradients are written by cuBLAS in
 fp32 directly (`out_dtype`, CUDA) rather than rounded to bf16 and copied up.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -28,6 +34,18 @@ _STACKS = WeakIdKeyDictionary()  # first weight -> (stamp, copy)
 
 
 _steps = 0  # optimizer steps taken in this process (any optimizer)
+_UNCACHED = contextvars.ContextVar("kestrel_casts_uncached", default=False)
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Within: cast on every call and keep nothing (for CUDA graph capture, whose replays must
+    cast the weights' current values, and whose memory must not end up in the cache)."""
+    token = _UNCACHED.set(True)
+    try:
+        yield
+    finally:
+        _UNCACHED.reset(token)
 
 
 def _count_step(*_: object) -> None:
@@ -48,6 +66,8 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     autograd-aware: for use inside the LoRA autograd Functions, which do their own backward."""
     if t.dtype == dtype:
         return t
+    if _UNCACHED.get():
+        return t.detach().to(dtype)
     stamp = (_stamp(t), dtype)
     hit = _CASTS.get(t)
     if hit is not None and hit[0] == stamp:
@@ -61,6 +81,8 @@ def stacked(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """[t_1; ...; t_n] (concatenated along dim 0) in `dtype`, kept while every t_k is unchanged."""
     if len(ts) == 1:
         return cast(ts[0], dtype)
+    if _UNCACHED.get():
+        return torch.cat([t.detach() for t in ts]).to(dtype)
     stamp = (tuple(_stamp(t) for t in ts), dtype)
     hit = _STACKS.get(ts[0])
     if hit is not None and hit[0] == stamp:

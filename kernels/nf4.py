@@ -132,10 +132,15 @@ def _check(weight: torch.Tensor, quant_state: Any) -> None:
 
 
 class _Workspace:
-    """One flat buffer per (device, dtype), grown to the largest request and then reused."""
+    """One flat buffer per (device, dtype), grown to the largest request and then reused.
+
+    `generation` counts the buffers made: a CUDA graph that captured a dequantization reads the
+    buffer it saw, so graphs are keyed on it. Growing during a capture raises: the new buffer
+    would come from the graph's private memory pool."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.generation = 0
 
     def get(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         numel = 1
@@ -144,13 +149,17 @@ class _Workspace:
         key = (torch.device(device), dtype)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
+            if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the NF4 workspace cannot grow during CUDA graph capture")
             self._buffers.pop(key, None)  # free the smaller one before allocating the larger
             buf = torch.empty(numel, device=device, dtype=dtype)
             self._buffers[key] = buf
+            self.generation += 1
         return buf[:numel].view(shape)
 
     def clear(self) -> None:
         self._buffers.clear()
+        self.generation += 1
 
 
 WORKSPACE = _Workspace()

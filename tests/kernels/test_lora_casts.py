@@ -92,3 +92,16 @@ def test_mm_to_on_cuda_writes_fp32_from_the_accumulator() -> None:
     assert ((out.double() - exact).abs() <= 1e-5 * (a.double().abs() @ b.double().abs().t())).all()
     transposed = mm_to(a.t().contiguous().t(), b.t(), torch.float32)
     assert torch.equal(transposed, out)
+
+
+def test_uncached_casts_afresh_and_keeps_nothing() -> None:
+    w = torch.randn(4, 8)
+    kept = cast(w, torch.bfloat16)
+    with lora_casts.uncached():
+        fresh, pair = cast(w, torch.bfloat16), stacked([w, w.clone()], torch.bfloat16)
+    assert fresh is not kept and torch.equal(fresh, kept) and pair.shape == (8, 8)
+    other = torch.randn(4, 8)
+    with lora_casts.uncached():
+        cast(other, torch.bfloat16)
+    assert cast(w, torch.bfloat16) is kept  # the kept copy is still the one in use
+    assert lora_casts._CASTS.get(other) is None  # nothing was kept for the uncached call

@@ -103,14 +103,16 @@ def test_workspace_is_reused(backend: str) -> None:
     big, big_state = _quantize((37, 128), torch.bfloat16, nested=True)
     small, small_state = _quantize((5, 123), torch.bfloat16, nested=True, seed=3)
     first = nf4.dequantize(big, big_state)
-    ptr = first.data_ptr()
+    ptr, generation = first.data_ptr(), nf4.WORKSPACE.generation
     expected_small = bnb_functional.dequantize_4bit(small, small_state)
     second = nf4.dequantize(small, small_state)  # smaller: a view at the start of the buffer
     assert second.data_ptr() == ptr and second.shape == (5, 123)
     _assert_equal(second, expected_small, backend)
     assert nf4.dequantize(big, big_state).data_ptr() == ptr
+    assert nf4.WORKSPACE.generation == generation  # reused: CUDA graphs that read it stay valid
     # Another dtype gets its own buffer.
     assert nf4.dequantize(big, big_state, dtype=torch.float32).data_ptr() != ptr
+    assert nf4.WORKSPACE.generation == generation + 1
 
 
 def test_rejects_other_formats() -> None:

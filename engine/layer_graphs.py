@@ -1,0 +1,451 @@
+"""CUDA graphs for checkpointed decoder layers: a layer's first pass, and its recompute together
+with its backward, each replayed as one launch.
+
+Why: on the 8B QLoRA step the GPU waited for the host about 25 ms a step (7%): a layer's first
+pass is ~27 launches and its recompute and backward ~116, each behind Python (the LoRA Functions,
+the autograd engine, Triton's launcher). A checkpointed layer is a pure function of its input,
+a few tensors made once per forward (rotary tables, position ids, attention metadata) and its
+weights, which stay at fixed addresses (NF4 weights, the dequantization workspace, the adapter
+weights that the optimizer updates in place), so it replays exactly.
+
+How (`GraphedLayer`):
+- A call's signature is every argument's shape, dtype and value (tensors by shape, others by
+  value) plus the layer's state (training, adapters on/off/merged, which parameters train, the
+  kernel backend, the NF4 workspace). The first time a layer sees a signature it runs eagerly:
+  that compiles kernels and sizes workspaces. The second time it is captured: one eager run on
+  the capture stream (lazy initialisation happens outside the capture), the capture, the replay.
+- Inputs are copied into static buffers shared by every layer. The first-pass graph writes the
+  layer's output over its input buffer (the input is dead by then); the eager side clones it,
+  and that clone is the next layer's input, which the buffer already holds: no copy in. The
+  tables made once per forward are copied once, by the first layer.
+- The backward graph re-runs the layer with autograd on and calls `torch.autograd.grad` for the
+  input and the layer's trainable parameters; it writes dX over the incoming-gradient buffer and
+  the parameter gradients into one flat buffer per dtype. After the replay one clone of each
+  flat buffer gives every parameter its `.grad` (a view; added when one is being accumulated).
+  Parameter hooks do not run for these gradients.
+- Every graph allocates from one private pool per device, and nothing allocated there outlives
+  a replay (every output lands in a static buffer made outside the pool), so all layers' graphs
+  share one layer's working set, as the eager allocator's cache did. Replayed graphs allocate
+  nothing: `torch.cuda.memory_allocated` no longer counts that working set while it is in use;
+  `memory_reserved` does.
+- A signature that does not capture (a host sync inside the layer, an argument we cannot copy)
+  runs eagerly from then on, with one warning. A layer whose signatures keep changing (padded
+  batches of varying length) stops capturing. `KESTREL_CUDA_GRAPHS=0` turns all of it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import functools
+import logging
+import os
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kernels import dispatch, lora_casts, nf4
+
+log = logging.getLogger("kestrel")
+
+GRAPHS_PER_LAYER = 2  # signatures kept captured per layer (a first-pass and a backward graph each)
+MAX_CAPTURES = 6  # captures per layer before giving up on it: its signatures do not repeat
+_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_WARNED: set[str] = set()
+
+
+class NotGraphable(Exception):
+    """The call has something a replay cannot reproduce; it runs eagerly."""
+
+
+def enabled() -> bool:
+    """False when KESTREL_CUDA_GRAPHS=0."""
+    return os.environ.get("KESTREL_CUDA_GRAPHS", "1").strip() != "0"
+
+
+# --- Signatures and static copies of the arguments ---------------------------------------------
+
+
+def signature(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    """A hashable description of `obj` (tensors by shape and dtype, everything else by value);
+    its tensors are appended to `leaves` in order. Raises NotGraphable for what a static copy
+    cannot stand for: a tensor off CUDA, not contiguous or requiring grad; an unknown object."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_cuda or not obj.is_contiguous() or obj.requires_grad:
+            raise NotGraphable("a layer argument is a CPU, strided or grad-requiring tensor")
+        leaves.append(obj)
+        return ("T", tuple(obj.shape), obj.dtype, obj.device)
+    if isinstance(obj, _SCALARS):
+        return (type(obj), obj)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(signature(o, leaves) for o in obj))
+    if isinstance(obj, dict):
+        return (dict, tuple((k, signature(v, leaves)) for k, v in obj.items()))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return (type(obj), tuple(signature(getattr(obj, f.name), leaves) for f in dataclasses.fields(obj)))
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return ("F", obj)  # a function (an attention kernel): by identity
+    raise NotGraphable(f"a layer argument of type {type(obj).__name__}")
+
+
+def substitute(obj: Any, tensors: Any) -> Any:
+    """`obj` with its tensors replaced, in `signature`'s order, by those `tensors` yields."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(substitute(o, tensors) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(substitute(o, tensors) for o in obj)
+    if isinstance(obj, dict):
+        return {k: substitute(v, tensors) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, substitute(getattr(obj, f.name), tensors))
+        return out
+    return obj
+
+
+class _Buffers:
+    """The static input buffers of one device, shared by every layer's graphs (one per slot and
+    shape). Each remembers which tensor it holds the values of (weakly, with its version), so
+    feeding it that tensor again copies nothing."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.holds: dict[int, tuple[weakref.ref, int]] = {}  # id(buffer) -> (tensor, version)
+        self.copies = 0  # copies made (tests and profiling read it)
+
+    def get(self, slot: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (slot, tuple(shape), dtype, device)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return self.buffers[key]
+
+    def like(self, slot: Any, t: torch.Tensor) -> torch.Tensor:
+        return self.get(slot, tuple(t.shape), t.dtype, t.device)
+
+    def feed(self, buf: torch.Tensor, t: torch.Tensor) -> None:
+        held = self.holds.get(id(buf))
+        if held is None or held[0]() is not t or held[1] != t._version:
+            buf.copy_(t)
+            self.copies += 1
+            self.hold(buf, t)
+
+    def hold(self, buf: torch.Tensor, t: torch.Tensor) -> None:
+        """Record that `buf` now holds `t`'s values."""
+        self.holds[id(buf)] = (weakref.ref(t), t._version)
+
+    def forget(self, buf: torch.Tensor) -> None:
+        self.holds.pop(id(buf), None)
+
+
+@dataclasses.dataclass
+class _Device:
+    """Per device: the static buffers, the graphs' memory pool and the capture stream."""
+
+    buffers: _Buffers
+    pool: Any
+    stream: torch.cuda.Stream
+
+
+_DEVICES: dict[torch.device, _Device] = {}
+
+
+def _device(device: torch.device) -> _Device:
+    if device not in _DEVICES:
+        _DEVICES[device] = _Device(_Buffers(), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+    return _DEVICES[device]
+
+
+# --- Per-layer graphs ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Graphs:
+    """One signature's graphs of one layer and the static buffers they read and write."""
+
+    x: torch.Tensor  # layer input; the first pass leaves the output here
+    leaves: list[torch.Tensor]  # the other tensor arguments
+    forward: torch.cuda.CUDAGraph | None = None
+    backward: torch.cuda.CUDAGraph | None = None
+    grad: torch.Tensor | None = None  # incoming gradient; the backward leaves dX here
+    params: list[tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(default_factory=list)
+    flats: list[torch.Tensor] = dataclasses.field(default_factory=list)  # gradient buffers, one per dtype
+    failed: bool = False
+
+
+class _LayerState:
+    def __init__(self) -> None:
+        self.seen: dict[Any, int] = {}
+        self.graphs: collections.OrderedDict[Any, _Graphs] = collections.OrderedDict()
+        self.captures = 0
+        self.off = False
+
+
+_LAYERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _state(layer: nn.Module) -> _LayerState:
+    state = layer.__dict__.get("_kestrel_graphs")
+    if state is None:
+        state = layer.__dict__["_kestrel_graphs"] = _LayerState()
+        _LAYERS.add(layer)
+    return state
+
+
+def layer_state(layer: nn.Module) -> tuple:
+    """What decides which kernels a layer's forward launches, beyond its arguments."""
+    loras = layer.__dict__.get("_kestrel_loras")
+    if loras is None:
+        loras = layer.__dict__["_kestrel_loras"] = [m for m in layer.modules() if hasattr(m, "lora_A")]
+    adapters = tuple(
+        (tuple(m.active_adapters), m.merged, m.disable_adapters, tuple(m.scaling.get(a) for a in m.active_adapters))
+        for m in loras
+    )
+    params = tuple((p.data_ptr(), p.requires_grad) for p in layer.parameters())
+    autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    return layer.training, adapters, params, autocast, dispatch.forced_backend(), nf4.WORKSPACE.generation
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
+
+
+# --- One call of a layer -------------------------------------------------------------------------
+
+
+class GraphedLayer:
+    """One call of a checkpointed decoder layer, as HF's checkpointing hands it over: `run`, a
+    partial of the layer's `__call__` holding its keyword arguments, and positional `args`.
+
+    Calling it runs the first pass: under no_grad its graph once captured, else eagerly (the
+    recompute, with grad on, always goes through `backward`). `backward(hidden, grad_out,
+    recompute)` replays the recompute-and-backward graph, sets the parameters' gradients and
+    returns dX, or returns None when this call is not graphed (the caller then runs eagerly).
+    """
+
+    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple) -> None:
+        self.call, self.args, self.kwargs = run.func, args, run.keywords
+        self.layer: nn.Module = run.func.__self__
+        self.leaves: list[torch.Tensor] = []
+        self.graphs: _Graphs | None = None
+        state = _state(self.layer)
+        if state.off:
+            return
+        try:
+            key = (tuple(hidden.shape), hidden.dtype, hidden.device,
+                   signature((args, self.kwargs), self.leaves), layer_state(self.layer))
+        except NotGraphable as exc:
+            _warn_once(f"CUDA graphs off for some decoder layers: {exc}")
+            return
+        self.graphs = self._lookup(state, key, hidden)
+
+    def _lookup(self, state: _LayerState, key: Any, hidden: torch.Tensor) -> _Graphs | None:
+        """This signature's graphs: made on its second sighting, None on its first."""
+        graphs = state.graphs.get(key)
+        if graphs is not None:
+            state.graphs.move_to_end(key)
+            return None if graphs.failed else graphs
+        if len(state.seen) > 64:
+            state.seen.clear()
+        state.seen[key] = state.seen.get(key, 0) + 1
+        if state.seen[key] < 2:
+            return None
+        if state.captures >= MAX_CAPTURES:
+            state.off = True
+            _warn_once("CUDA graphs off for decoder layers: their input shapes keep changing")
+            return None
+        bufs = _device(hidden.device).buffers
+        graphs = _Graphs(bufs.like("x", hidden), [bufs.like(("arg", i), t) for i, t in enumerate(self.leaves)])
+        state.graphs[key] = graphs
+        state.captures += 1
+        while len(state.graphs) > GRAPHS_PER_LAYER:
+            state.graphs.popitem(last=False)
+        return graphs
+
+    def eager(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.call(hidden, *self.args, **self.kwargs)
+
+    def _feed(self, bufs: _Buffers, g: _Graphs, hidden: torch.Tensor) -> None:
+        bufs.feed(g.x, hidden)
+        for buf, t in zip(g.leaves, self.leaves):
+            bufs.feed(buf, t)
+
+    def _static_call(self, g: _Graphs) -> Callable[[torch.Tensor], torch.Tensor]:
+        args, kwargs = substitute((self.args, self.kwargs), iter(g.leaves))
+        return lambda h: self.call(h, *args, **kwargs)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        g = self.graphs
+        if g is None or g.failed or torch.is_grad_enabled():
+            return self.eager(hidden)
+        bufs = _device(hidden.device).buffers
+        self._feed(bufs, g, hidden)
+        if g.forward is None:
+            layer = self._static_call(g)
+
+            def body() -> None:
+                g.x.copy_(layer(g.x))
+
+            g.forward = self._capture(g, body, [g.x], lambda: self._feed(bufs, g, hidden))
+            if g.forward is None:
+                return self.eager(hidden)
+        g.forward.replay()
+        out = g.x.clone()
+        bufs.hold(g.x, out)  # the next layer's input: already in the buffer
+        return out
+
+    def backward(
+        self, hidden: torch.Tensor, grad_out: torch.Tensor,
+        recompute: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """dX for grad_out (the parameters' gradients set), or None: run eagerly. `recompute(fn,
+        h)` runs fn(h) as the checkpoint's recompute (grad on, the recomputing flag set)."""
+        g = self.graphs
+        if g is None or g.failed or grad_out.shape != hidden.shape or not grad_out.is_contiguous():
+            return None
+        bufs = _device(hidden.device).buffers
+        if g.grad is None:
+            g.grad = bufs.like("grad", grad_out)
+        self._feed(bufs, g, hidden)
+        bufs.feed(g.grad, grad_out)
+        if g.backward is None:
+            body = self._backward_body(g, bufs, recompute)
+
+            def refeed() -> None:
+                self._feed(bufs, g, hidden)
+                bufs.feed(g.grad, grad_out)
+
+            g.backward = self._capture(g, body, [g.grad], refeed)
+            if g.backward is None:
+                return None
+        g.backward.replay()
+        dx = g.grad.clone()
+        bufs.hold(g.grad, dx)  # the layer below's incoming gradient: already in the buffer
+        _set_grads(g)
+        return dx
+
+    def _backward_body(self, g: _Graphs, bufs: _Buffers, recompute: Callable) -> Callable[[], None]:
+        """The captured backward: recompute, then the gradients of the input and the trainable
+        parameters into the static buffers (`g.params` keeps the parameters that got one)."""
+        params = [p for p in self.layer.parameters() if p.requires_grad]
+        slots = _flat_slots(g, bufs, params)
+        layer = self._static_call(g)
+        got: list[bool] = []
+
+        def body() -> None:
+            h = g.x.detach().requires_grad_(True)
+            out = recompute(layer, h)
+            if not isinstance(out, torch.Tensor):
+                raise NotGraphable("the layer returns more than a tensor")
+            grads = torch.autograd.grad(out, [h, *params], g.grad, allow_unused=True)
+            got[:] = [d is not None for d in grads[1:]]
+            for (p, i, start), d in zip(slots, grads[1:]):
+                if d is not None:
+                    g.flats[i][start : start + p.numel()].view(p.shape).copy_(d)
+            g.grad.copy_(grads[0])
+
+        def run() -> None:
+            body()
+            g.params = [slot for slot, ok in zip(slots, got) if ok]
+
+        return run
+
+    def _capture(self, g: _Graphs, body: Callable[[], None], written: list[torch.Tensor],
+                 refeed: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+        """Warm `body` up on the capture stream, capture it, and put the inputs it overwrote
+        back; None (and this signature eager from now on) when it does not capture."""
+        dev = _device(g.x.device)
+        current = torch.cuda.current_stream(g.x.device)
+        graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        try:
+            dev.stream.wait_stream(current)
+            with torch.cuda.stream(dev.stream), lora_casts.uncached():
+                body()  # lazy initialisation (cuBLAS workspaces, plans) outside the capture
+            current.wait_stream(dev.stream)
+            with lora_casts.uncached(), torch.cuda.graph(
+                graph, pool=dev.pool, stream=dev.stream, capture_error_mode="thread_local"
+            ):
+                body()
+        except Exception as exc:  # noqa: BLE001 - any failure: this signature runs eagerly
+            g.failed, graph = True, None
+            _warn_once(f"a decoder layer did not capture as a CUDA graph ({type(exc).__name__}: {exc}); "
+                       "it runs eagerly")
+        finally:
+            for buf in written:
+                dev.buffers.forget(buf)
+        refeed()
+        return graph
+
+
+def _flat_slots(g: _Graphs, bufs: _Buffers, params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int, int]]:
+    """(parameter, flat buffer index, offset) for each parameter; sets g.flats, one static
+    gradient buffer per dtype (shared by the layers with the same parameter sizes)."""
+    totals: dict[torch.dtype, int] = {}
+    slots = []
+    for p in params:
+        start = totals.get(p.dtype, 0)
+        totals[p.dtype] = start + p.numel()
+        slots.append((p, p.dtype, start))
+    dtypes = list(totals)
+    device = params[0].device if params else g.x.device
+    g.flats = [bufs.get(("grads", dt), (totals[dt],), dt, device) for dt in dtypes]
+    return [(p, dtypes.index(dt), start) for p, dt, start in slots]
+
+
+def _set_grads(g: _Graphs) -> None:
+    """Give each parameter its gradient from the replayed graph: one clone per flat buffer, a
+    view of it as `.grad`, or added into the gradient being accumulated."""
+    fresh = [f.clone() for f in g.flats]
+    into, add = [], []
+    for p, i, start in g.params:
+        view = fresh[i][start : start + p.numel()].view(p.shape)
+        if p.grad is None:
+            p.grad = view
+        else:
+            into.append(p.grad)
+            add.append(view)
+    if into:
+        torch._foreach_add_(into, add)
+
+
+def wrap(run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a layer checkpoint runs for this call: a `GraphedLayer` when graphs can apply (CUDA,
+    graphs on, a training forward, `run` a layer's bound call), else `run` with `args`."""
+    if (
+        enabled()
+        and hidden.is_cuda
+        and hidden.is_contiguous()
+        and torch.is_grad_enabled()
+        and isinstance(run, functools.partial)
+        and not run.args
+        and isinstance(getattr(run.func, "__self__", None), nn.Module)
+        and not torch.cuda.is_current_stream_capturing()
+    ):
+        return GraphedLayer(run, hidden, args)
+    return (lambda h: run(h, *args)) if args else run
+
+
+def release() -> None:
+    """Drop every captured graph and static buffer (a run ended; checkpointing turned off)."""
+    for layer in list(_LAYERS):
+        layer.__dict__.pop("_kestrel_graphs", None)
+    _LAYERS.clear()
+    _DEVICES.clear()
+
+
+def stats() -> dict[str, int]:
+    """Graphs captured and input copies made so far (tests, profiling)."""
+    graphs = [g for layer in list(_LAYERS) for g in layer.__dict__["_kestrel_graphs"].graphs.values()]
+    return {
+        "forward": sum(g.forward is not None for g in graphs),
+        "backward": sum(g.backward is not None for g in graphs),
+        "failed": sum(g.failed for g in graphs),
+        "copies": sum(d.buffers.copies for d in _DEVICES.values()),
+    }
