@@ -22,17 +22,28 @@ LLAMA_8B = dict(
     rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu",
     bos_token_id=128000, eos_token_id=128001,
 )
+LLAMA_1B = dict(  # Llama-3.2-1B: where a step's GPU work is small and the host matters most
+    LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+    tie_word_embeddings=True,
+)
+SHAPES = {"llama-8b": LLAMA_8B, "llama-1b": LLAMA_1B}
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def llama8b_dir(path: str = "/tmp/kestrel-bench/llama8b", layers: int | None = None) -> Path:
     """A random-init Llama-3.1-8B-shape model folder (bf16), built on the GPU once and reused."""
+    return shape_dir("llama-8b", path, layers)
+
+
+def shape_dir(shape: str, path: str | None = None, layers: int | None = None) -> Path:
+    """A random-init model folder of one of `SHAPES` (bf16), built on the GPU once and reused."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder = Path(path if layers is None else f"{path}-{layers}l")
+    base = path or ("/tmp/kestrel-bench/llama8b" if shape == "llama-8b" else f"/tmp/kestrel-bench/{shape}")
+    folder = Path(base if layers is None else f"{base}-{layers}l")
     if (folder / "config.json").exists():
         return folder
-    cfg = AutoConfig.for_model("llama", **{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})})
+    cfg = AutoConfig.for_model("llama", **{**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})})
     cfg.architectures = ["LlamaForCausalLM"]
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -79,9 +90,11 @@ def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
     return times[len(times) // 2]
 
 
-def run_isolated(script: str, args: list[str], extra_path: str | None = None, timeout: int = 900) -> dict[str, Any]:
-    """Run one benchmark case in its own process (a baseline's patches never leak into ours)."""
-    env = dict(os.environ)
+def run_isolated(script: str, args: list[str], extra_path: str | None = None, timeout: int = 900,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one benchmark case in its own process (a baseline's patches never leak into ours),
+    with `env` added to this process's environment."""
+    env = {**os.environ, **(env or {})}
     if extra_path:
         env["PYTHONPATH"] = f"{extra_path}:{env.get('PYTHONPATH', '')}"
     out = Path(f"/tmp/kestrel-bench/result-{time.time_ns()}.json")

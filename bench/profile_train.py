@@ -200,6 +200,10 @@ def main() -> None:
     trace_path = args.trace or tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(trace_path)
     report = f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}\n"
+    if args.impl == "kestrel":
+        from engine import layer_graphs
+
+        report += f"decoder-layer CUDA graphs: {layer_graphs.stats()}\n"
     report += analyse(json.loads(Path(trace_path).read_text()), args.steps)
     Path(args.out).write_text(report)
     print(report, flush=True)

@@ -6,6 +6,7 @@ the same random batch, LoRA r=16 on all 7 linears, AdamW, gradient checkpointing
     python bench/train.py --all --out results.json                 # every implementation
     python bench/train.py --impl kestrel --out one.json             # one, in this process
     options: --method qlora|lora  --batch 2 --seq 2048 --steps 10 --checkpointing off|standard|offload
+             --shape llama-8b|llama-1b  --impls unsloth,kestrel,kestrel-eager (eager: no CUDA graphs)
              --memory-cap-gib 80 (cap this process's GPU memory, e.g. to stand for an 80 GB card)
 
 Model FLOPs utilisation (MFU) counts useful work only, as `../shared/docs/targets.md` defines it:
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import LLAMA_8B, cuda_time, gib, llama8b_dir, random_batch, run_isolated  # noqa: E402
+from bench.common import SHAPES, cuda_time, gib, random_batch, run_isolated, shape_dir  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -99,15 +100,16 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--checkpointing", default="standard")
+    ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
 
 
 def training_step(args: argparse.Namespace) -> Callable[[], None]:
     """args.impl's model at the 8B shape and one training step on a fixed random batch:
     forward, backward, fused AdamW, gradients cleared."""
-    model = build(args.impl, llama8b_dir(), args)
+    model = build(args.impl, shape_dir(args.shape), args)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    ids, labels = random_batch(args.batch, args.seq, LLAMA_8B["vocab_size"])
+    ids, labels = random_batch(args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
 
     def step() -> None:
         model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
@@ -120,7 +122,7 @@ def training_step(args: argparse.Namespace) -> Callable[[], None]:
 SPEC_PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
 
 
-def useful_flops_per_token(seq: int, cfg: dict = LLAMA_8B) -> float:
+def useful_flops_per_token(seq: int, cfg: dict = SHAPES["llama-8b"]) -> float:
     """4N for the frozen base's products plus causal attention (forward + backward) at length `seq`."""
     h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
@@ -147,7 +149,7 @@ def _host_rss_gib() -> float:
 
 
 def measure(impl: str, args: argparse.Namespace) -> dict:
-    folder = llama8b_dir()
+    folder = shape_dir(args.shape)
     if args.memory_cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * (1 << 30) / total))
@@ -156,7 +158,7 @@ def measure(impl: str, args: argparse.Namespace) -> dict:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    ids, labels = random_batch(args.batch, args.seq, LLAMA_8B["vocab_size"])
+    ids, labels = random_batch(args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
     losses = []
 
     def step() -> None:
@@ -175,62 +177,74 @@ def measure(impl: str, args: argparse.Namespace) -> dict:
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    warm_peak, warm_reserved = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())
+    torch.cuda.reset_peak_memory_stats()  # the timed steps' own peaks, next to the whole run's
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = args.batch * args.seq * args.steps
-    achieved = tokens / elapsed * useful_flops_per_token(args.seq) / 1e12
-    peaks = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())  # before the matmul probe
+    achieved = tokens / elapsed * useful_flops_per_token(args.seq, SHAPES[args.shape]) / 1e12
+    steady = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())  # before the matmul probe
     peak_now = matmul_tflops()
     return {
         "useful_tflops": achieved, "mfu_vs_spec": achieved / SPEC_PEAK_TFLOPS,
         "matmul_tflops_measured": peak_now, "mfu_vs_measured": achieved / peak_now,
         "impl": impl, "method": args.method, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "checkpointing": args.checkpointing, "tokens_per_s": tokens / elapsed, "s_per_step": elapsed / args.steps,
-        "peak_gib": peaks[0], "reserved_gib": peaks[1],
-        "losses": [float(x) for x in losses], "device": torch.cuda.get_device_name(),
+        "peak_gib": max(warm_peak, steady[0]), "reserved_gib": max(warm_reserved, steady[1]),
+        "steady_peak_gib": steady[0], "steady_reserved_gib": steady[1],
+        "losses": [float(x) for x in losses], "device": torch.cuda.get_device_name(), **_graph_stats(impl),
     }
+
+
+def _graph_stats(impl: str) -> dict:
+    """Kestrel's decoder-layer CUDA graphs: how many were captured, failed, and inputs copied."""
+    if impl != "kestrel":
+        return {}
+    from engine import layer_graphs
+
+    return {"layer_graphs": layer_graphs.stats()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", default="kestrel", choices=["kestrel", "hf", "liger", "unsloth"])
+    add_model_args(ap)
     ap.add_argument("--all", action="store_true")
-    ap.add_argument("--impls", default="hf,liger,unsloth,kestrel")
+    ap.add_argument("--impls", default="hf,liger,unsloth,kestrel",
+                    help="comma-separated; kestrel-eager is Kestrel with KESTREL_CUDA_GRAPHS=0")
     ap.add_argument("--anchors", default=str(Path(__file__).resolve().parent.parent / ".gpu-anchors"))
-    ap.add_argument("--method", default="qlora", choices=["qlora", "lora"])
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--checkpointing", default="standard", choices=["off", "standard", "offload"])
     ap.add_argument("--memory-cap-gib", type=float, default=0.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not args.all:
         Path(args.out).write_text(json.dumps(measure(args.impl, args)))
         return
-    llama8b_dir()
+    shape_dir(args.shape)
     common = ["--method", args.method, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--checkpointing", args.checkpointing,
-              "--memory-cap-gib", str(args.memory_cap_gib)]
+              "--memory-cap-gib", str(args.memory_cap_gib), "--shape", args.shape]
     results = []
     for impl in args.impls.split(","):
         extra = args.anchors if impl in ("liger", "unsloth") else None
-        res = run_isolated(__file__, ["--impl", impl, *common], extra_path=extra)
-        res.setdefault("impl", impl)
+        graphs = "0" if impl == "kestrel-eager" else "1"
+        res = run_isolated(__file__, ["--impl", impl.removesuffix("-eager"), *common], extra_path=extra,
+                           env={"KESTREL_CUDA_GRAPHS": graphs})
+        res["impl"] = impl
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    print("| impl | tokens/s | peak allocated GiB | peak reserved GiB | s/step | MFU (spec) | MFU (measured peak) |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| impl | tokens/s | peak allocated GiB | peak reserved GiB | timed steps' reserved GiB | s/step | MFU (spec) "
+          "| MFU (measured peak) |\n|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['impl']} | error | | | | | |")
+            print(f"| {r['impl']} | error | | | | | | |")
         else:
             print(f"| {r['impl']} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {r['reserved_gib']:.2f} "
+                  f"| {r['steady_reserved_gib']:.2f} "
                   f"| {r['s_per_step']:.3f} | {r['mfu_vs_spec']:.1%} | {r['mfu_vs_measured']:.1%} |")
 
 
