@@ -29,7 +29,7 @@ from kernels._launch import launch
 from kernels._utils import cdiv, interpreted, next_pow2
 from kernels.glu import _act_and_grad as _act_and_grad_tl
 
-_BM, _BN, _GROUPS = 128, 32, 8  # rows and columns a tile, column groups (parallelism along I)
+_BM, _BN, _GROUPS, _WARPS = 128, 32, 8, 8  # rows and columns a tile, column groups, warps
 MAX_RANK = 64  # a wider adapter takes the unfused path (registers)
 
 
@@ -60,25 +60,28 @@ def _glu_lora_bwd_kernel(
     acc_g = tl.zeros((BM, RP), dtype=tl.float32)
     acc_u = tl.zeros((BM, RP), dtype=tl.float32)
     for t in range(0, TILES):
-        cols = (tl.program_id(1) * TILES + t) * BN + tl.arange(0, BN)
+        # Programs of one column group start at different tiles: those running side by side
+        # then add into different columns of dA_d, dB_g, dB_u (fewer atomics on one address).
+        tile = (t + tl.program_id(0)) % TILES
+        cols = (tl.program_id(1) * TILES + tile) * BN + tl.arange(0, BN)
         cmask = cols < I
         ck = cmask[:, None] & kmask[None, :]
         kc = kmask[:, None] & cmask[None, :]
-        tile = rmask[:, None] & cmask[None, :]
+        inside = rmask[:, None] & cmask[None, :]
         ad = tl.load(AD + ks[:, None] * s_ad + cols[None, :], mask=kc, other=0.0).to(E.dtype.element_ty)
         bg = tl.load(BG + cols[:, None] * s_bg + ks[None, :], mask=ck, other=0.0).to(E.dtype.element_ty)
         bu = tl.load(BU + cols[:, None] * s_bu + ks[None, :], mask=ck, other=0.0).to(E.dtype.element_ty)
-        dh = tl.load(DH + rows[:, None] * s_dh + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+        dh = tl.load(DH + rows[:, None] * s_dh + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         dh += _dot(p, ad, DOT16)
-        e = tl.load(E + rows[:, None] * s_e + cols[None, :], mask=tile, other=0.0).to(tl.float32)
-        g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+        e = tl.load(E + rows[:, None] * s_e + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         act, dact = _act_and_grad_tl(e, GELU)
         act = act.to(E.dtype.element_ty).to(tl.float32)
         h = (act * g).to(E.dtype.element_ty)
         de = (dh * g * dact).to(E.dtype.element_ty)
         dg = (dh * act).to(E.dtype.element_ty)
-        tl.store(E + rows[:, None] * s_e + cols[None, :], de, mask=tile)
-        tl.store(G + rows[:, None] * s_g + cols[None, :], dg, mask=tile)
+        tl.store(E + rows[:, None] * s_e + cols[None, :], de, mask=inside)
+        tl.store(G + rows[:, None] * s_g + cols[None, :], dg, mask=inside)
         acc_g += _dot(de, bg, DOT16)
         acc_u += _dot(dg, bu, DOT16)
         tl.atomic_add(DBG + cols[:, None] * R + ks[None, :], _dot(tl.trans(de), xg, DOT16), mask=ck)
@@ -153,7 +156,7 @@ def glu_lora_backward(
             e, g, dh_base, p, a_d, b_g, b_u, xg, xu, dyb, dad, dbg, dbu,
             m, i, r, e.stride(0), g.stride(0), dh_base.stride(0), p.stride(0), a_d.stride(0),
             b_g.stride(0), b_u.stride(0), xg.stride(0), xu.stride(0), tiles,
-            gelu, _BM, _BN, max(16, next_pow2(r)), dot16, num_warps=8,
+            gelu, _BM, _BN, max(16, next_pow2(r)), dot16, num_warps=_WARPS,
         )
     torch.autograd.graph.increment_version(e)
     torch.autograd.graph.increment_version(g)
