@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import glu, glu_lora, lora_casts, lora_peft, nf4, nf4_lora
+from kernels import glu, lora_casts, lora_peft, nf4, nf4_lora
 from kernels.lora_casts import cast, mm_to
 from kernels.dispatch import use_triton
 
@@ -320,13 +320,26 @@ def lora_qkv(
 # lora_mlp: down(act(gate(x)) * up(x)) as one Function.
 
 
+def _act_and_grad(e: torch.Tensor, activation: Activation) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(e), act'(e)) in e's dtype (call with fp32).
+    silu(e) = e s, s = sigmoid(e):                silu'(e) = s (1 + e (1 - s))
+    gelu_tanh(e) = e s, s = sigmoid(2z), z = sqrt(2/pi) (e + 0.044715 e^3):
+                                                  gelu_tanh'(e) = s + 2 e s (1 - s) dz/de"""
+    if activation == "swiglu":
+        s = torch.sigmoid(e)
+        return e * s, s * (1.0 + e * (1.0 - s))
+    c = 0.7978845608028654
+    s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
+    return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
+
+
 def glu_backward_reference(
     e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For h = act(e) * g: de = dh * g * act'(e), dg = dh * act(e), written over (e, g) and
     returned. fp32 math; act(e) rounded to e's dtype first, as HF (and kernels.glu) do."""
     ef, gf, dhf = e.float(), g.float(), dh.float()
-    act, grad = glu_lora.act_and_grad(ef, activation == "geglu")
+    act, grad = _act_and_grad(ef, activation)
     de, dg = dhf * gf * grad, dhf * act.to(e.dtype).float()
     return e.copy_(de), g.copy_(dg)
 
@@ -400,8 +413,7 @@ class _LoRAMLP(torch.autograd.Function):
         if grad:
             _save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d, a_d)
         ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
-        keep_h = discard and grad and not _fuses_glu_backward(e, (gate, up, down))
-        ctx.h, ctx.done = (h if keep_h else None), False
+        ctx.h, ctx.done = (h if discard and grad else None), False
         # Not a view of y: a view made inside a Function cannot be updated in place downstream.
         return torch.ops.aten._unsafe_view(y, (*lead, down.out_features))
 
@@ -416,11 +428,6 @@ class _LoRAMLP(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * (first + _FIELDS * 3)
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, H)
-            if _fuses_glu_backward(e, (gate, up, down)):
-                dx = _fused_backward(ctx, dy2, x2, e, g, xa_gu, a_gu, ha_d, a_d, [gate, up, down], grads)
-                if dx is not None:
-                    grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
-                return tuple(grads)
             dh = _down_backward(ctx, dy2, e, g, ha_d, a_d, down, dtype, grads, first + 2 * _FIELDS)
             de, dg = _glu_backward_(e, g, dh, ctx.activation)
             del dy2, dh
@@ -428,53 +435,6 @@ class _LoRAMLP(torch.autograd.Function):
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
-
-
-def _fuses_glu_backward(e: torch.Tensor, ws: tuple[LoRAWeights, ...] | list[LoRAWeights]) -> bool:
-    """Whether `_LoRAMLP`'s backward runs the GLU and its rank-r products as one kernel
-    (`kernels.glu_lora`): Triton's turn, and the three adapters of one rank, no wider than it
-    takes (PEFT's rank_pattern can give them different ranks)."""
-    r = ws[0].lora_A.shape[0]
-    return use_triton(e) and r <= glu_lora.MAX_RANK and all(w.lora_A.shape[0] == r for w in ws)
-
-
-def _fused_backward(
-    ctx: Any, dy: torch.Tensor, x: torch.Tensor, e: torch.Tensor, g: torch.Tensor, xa_gu: torch.Tensor,
-    a_gu: torch.Tensor, ha_d: torch.Tensor, a_d: torch.Tensor, ws: list[LoRAWeights],
-    grads: list[torch.Tensor | None],
-) -> torch.Tensor | None:
-    """`_LoRAMLP`'s backward with the GLU fused to the rank-r products around it (the math of
-    `kernels.glu_lora`; the fields of gate, up, down start at 4, 4 + _FIELDS, 4 + 2 _FIELDS):
-
-        P    = s_d dY B_d,  dB_d = dY^T (s_d h A_d^T),  dh_base = dY W_d
-        (dE, dG, [dE B_g | dG B_u], dA_d, dB_g, dB_u) = glu_lora(E, G, dh_base, P, ...)
-        dyb  = [s_g dE B_g | s_u dG B_u];  [dA_g; dA_u] = dyb^T X
-        dX   = dyb [A_g; A_u] + dE W_g + dG W_u
-
-    Returns dX, or None when X needs no gradient."""
-    gate, up, down = ws
-    dtype, at, spans = ctx.dtype, 4 + 2 * _FIELDS, _spans([gate, up])
-    p = torch.mm(dy, cast(down.lora_B, dtype)).mul_(down.scaling)  # (M, r)
-    if _needs(ctx, at, 0)[1]:
-        grads[at + 3] = mm_to(dy.t(), ha_d, down.lora_B.dtype)
-    dh_base = torch.mm(dy, _base(down.weight, down.quant_state, dtype))  # (M, I)
-    dyb32, dad, dbg, dbu = glu_lora.glu_lora_backward(
-        e, g, dh_base, p, a_d, cast(gate.lora_B, dtype), cast(up.lora_B, dtype), xa_gu[:, spans[0]],
-        xa_gu[:, spans[1]], gelu=ctx.activation == "geglu",
-    )
-    del dh_base
-    if _needs(ctx, at, 0)[0]:
-        grads[at + 2] = dad.to(down.lora_A.dtype)
-    for k, (w, db) in enumerate(((gate, dbg), (up, dbu))):
-        if _needs(ctx, 4, k)[1]:
-            grads[4 + _FIELDS * k + 3] = db.to(w.lora_B.dtype)
-    dyb = _scale_columns_(dyb32, [gate, up]).to(dtype)  # (M, 2r)
-    need_a = [_needs(ctx, 4, k)[0] for k in range(2)]
-    if any(need_a):
-        da = mm_to(dyb.t(), x, gate.lora_A.dtype)  # (2r, H)
-        for k in range(2):
-            grads[4 + _FIELDS * k + 2] = da[spans[k]] if need_a[k] else None
-    return _input_backward([e, g], dyb, a_gu, [gate, up], dtype) if ctx.needs_input_grad[0] else None
 
 
 def _down_backward(
