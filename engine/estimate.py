@@ -3,6 +3,7 @@
     shape = shape_from_config(json.load(open("model/config.json")))
     est = estimate_training_memory(shape, method="qlora", lora_r=16, batch_size=2, max_seq_length=2048)
     verdict(est.total_bytes, capacity_bytes)          # "fits" | "tight" | "will not fit"
+    host_verdict(est, detect_host_memory())           # the same for host RAM; None: nothing to judge
 
 The model of memory (bytes), written for the way the engine trains:
 - base weights: 2 per parameter in 16-bit; QLoRA stores the linear layers of the blocks in NF4
@@ -19,11 +20,15 @@ The model of memory (bytes), written for the way the engine trains:
   loss is chunked (logits never exist for the whole batch), so the head costs one chunk.
 - GRPO adds the rollouts' static KV cache and trains on num_generations sequences per prompt.
 - a fixed overhead for the CUDA context and allocator slack (0.6 GiB + 8 %).
+- host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in
+  page-locked host memory, layers x tokens x hidden x 2 bytes (100 GiB at 409,600 tokens on the
+  8B shape); pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
 These are estimates to within about 20 %: the verdict leaves a margin for that.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +103,7 @@ class MemoryEstimate:
     activations: int
     extra: int  # GRPO rollout cache and logits chunk
     overhead: int
+    offload_host_ram: int = 0  # pinned host RAM of the offloaded layer inputs; not GPU memory
 
     @property
     def total_bytes(self) -> int:
@@ -145,7 +151,9 @@ def estimate_training_memory(
         kv_cache = 2 * shape.layers * seqs * length * shape.kv_heads * shape.head_dim * 2
     extra = logits + kv_cache
     overhead = CONTEXT_BYTES + int(SLACK * (weights + optimizer + activations + extra))
-    return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead)
+    # offload moves the same layer inputs `standard` keeps on the GPU into pinned host memory
+    host = layer_inputs if gradient_checkpointing == "offload" else 0
+    return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host)
 
 
 def verdict(total_bytes: int, capacity_bytes: int) -> str:
@@ -164,3 +172,29 @@ def detect_gpu() -> tuple[str, int] | None:
         return None
     props = torch.cuda.get_device_properties(0)
     return props.name, int(props.total_memory)
+
+
+def meminfo_total_bytes(text: str) -> int | None:
+    """MemTotal of a /proc/meminfo text in bytes (the file's "kB" are KiB); None without one."""
+    match = re.search(r"^MemTotal:\s+(\d+)\s*kB", text, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
+
+
+def detect_host_memory(path: str = "/proc/meminfo") -> int | None:
+    """Total bytes of this machine's RAM, read from /proc/meminfo (Linux); None where it is not there.
+
+    The machine's total, not a container's memory limit: pinned pages count against both.
+    """
+    try:
+        with open(path) as f:
+            return meminfo_total_bytes(f.read())
+    except OSError:
+        return None
+
+
+def host_verdict(est: MemoryEstimate, ram_bytes: int | None) -> str | None:
+    """verdict() of the offloaded layer inputs against the host's RAM (the GPU's thresholds: the
+    OS and the loading model need RAM too); None when nothing is offloaded or the RAM is unknown."""
+    if est.offload_host_ram == 0 or ram_bytes is None:
+        return None
+    return verdict(est.offload_host_ram, ram_bytes)

@@ -69,6 +69,15 @@ VRAM_LINE = ("{verdict_icon} **{verdict}** on {gpu} ({capacity:.1f} GiB): about 
 VRAM_CPU = ("No NVIDIA GPU found: training runs on the CPU, which works for the demo model and tiny "
             "models only (about {total:.1f} GiB of RAM for this run). QLoRA needs a GPU.")
 VRAM_UNKNOWN = "No estimate: {reason}"
+VRAM_HOST = ("{verdict_icon} Offloaded layer inputs: **{host:.1f} GiB** of host RAM "
+             "(this machine has {ram:.1f} GiB): **{verdict}**.")
+VRAM_HOST_NO_RAM = "Offloaded layer inputs: **{host:.1f} GiB** of host RAM (this machine's RAM is unknown)."
+# what sets the number of tokens whose layer inputs are offloaded (GRPO: its rollouts)
+VRAM_HOST_LOWER = {
+    "grpo": " Lower the batch size, the number of generations or the prompt/completion lengths, "
+            "or use gradient checkpointing “standard”.",
+    "other": " Lower the max sequence length or the batch size, or use gradient checkpointing “standard”.",
+}
 VRAM_ICONS = {"fits": "✅", "tight": "⚠️", "will not fit": "⛔"}
 
 # field labels of the train form (dotted config keys)

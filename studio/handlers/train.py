@@ -24,7 +24,8 @@ import yaml
 
 from engine.config import TrainConfig, config_from_dict
 from engine.errors import ConfigError, DatasetError, KestrelError
-from engine.estimate import GIB, detect_gpu, estimate_training_memory, shape_from_config, verdict
+from engine.estimate import (GIB, MemoryEstimate, detect_gpu, detect_host_memory, estimate_training_memory,
+                             host_verdict, shape_from_config, verdict)
 from engine.paths import ASSETS, resolve_dataset_path
 from studio import files
 from studio import strings as S
@@ -219,8 +220,30 @@ def _gpu() -> tuple[str, int] | None:
     return detect_gpu()
 
 
+@functools.lru_cache(maxsize=1)
+def _host_ram() -> int | None:
+    return detect_host_memory()
+
+
+def _host_text(est: MemoryEstimate, method: str) -> str:
+    """The offloaded layer inputs against this machine's RAM, as a markdown paragraph to append
+    ("" when nothing is offloaded); what to lower when they may not fit."""
+    if est.offload_host_ram == 0:
+        return ""
+    ram = _host_ram()
+    v = host_verdict(est, ram)
+    if ram is None or v is None:
+        return "\n\n" + S.VRAM_HOST_NO_RAM.format(host=est.offload_host_ram / GIB)
+    text = S.VRAM_HOST.format(verdict_icon=S.VRAM_ICONS[v], verdict=v, host=est.offload_host_ram / GIB,
+                        ram=ram / GIB)
+    if v != "fits":  # pinned pages cannot be swapped: "tight" already risks the host's OOM killer
+        text += S.VRAM_HOST_LOWER["grpo" if method == "grpo" else "other"]
+    return "\n\n" + text
+
+
 def vram_text(data: dict[str, Any]) -> str:
-    """The memory estimate for this config against the detected GPU, as one markdown line."""
+    """The memory estimate for this config against the detected GPU, as one markdown line (and a
+    second for the host RAM of offloaded layer inputs)."""
     config = model_config(str(data.get("model", "")))
     if config is None:
         return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read without a download")
@@ -235,13 +258,13 @@ def vram_text(data: dict[str, Any]) -> str:
         int(grpo.get("max_completion_length", 256)), int(grpo.get("max_prompt_length", 512)))
     gpu = _gpu()
     if gpu is None:
-        return S.VRAM_CPU.format(total=est.total_bytes / GIB)
+        return S.VRAM_CPU.format(total=est.total_bytes / GIB) + _host_text(est, data["method"])
     name, capacity = gpu
     v = verdict(est.total_bytes, capacity)
     return S.VRAM_LINE.format(
         verdict_icon=S.VRAM_ICONS[v], verdict=v, gpu=name, capacity=capacity / GIB, total=est.total_bytes / GIB,
         weights=est.weights / GIB, optimizer=est.optimizer / GIB, activations=est.activations / GIB,
-        other=(est.extra + est.overhead) / GIB, trainable=f"{est.trainable:,}")
+        other=(est.extra + est.overhead) / GIB, trainable=f"{est.trainable:,}") + _host_text(est, data["method"])
 
 
 def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "") -> dict[str, Any]:

@@ -5,10 +5,12 @@ HF+PEFT 12.8 GiB at batch 2 x 2048 with checkpointing)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from engine.estimate import GIB, estimate_training_memory, shape_from_config, verdict
+from engine.estimate import (GIB, detect_host_memory, estimate_training_memory, host_verdict,
+                             meminfo_total_bytes, shape_from_config, verdict)
 from engine.paths import ASSETS
 
 LLAMA_8B = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -64,3 +66,37 @@ def test_long_context_offload_matches_the_measured_run() -> None:
     assert 78.9 * 0.95 <= est <= 78.9 * 1.10
     short = estimate_training_memory(shape, "qlora", 16, None, 1, 65_536, "offload").total_bytes / GIB
     assert 16.2 <= short <= 16.2 * 1.25  # session 2 (H200 capped at 80 GiB): 16.17 GiB peak
+
+
+def test_offload_reports_the_layer_inputs_in_host_ram() -> None:
+    # 32 layers x 409,600 tokens x 4096 hidden x 2 bytes: the 107 GB that a 125 GiB host had to pin
+    shape = shape_from_config(LLAMA_8B)
+    est = estimate_training_memory(shape, "qlora", 16, None, 1, 409_600, "offload")
+    assert est.offload_host_ram == 32 * 409_600 * 4096 * 2 == 107_374_182_400
+    assert est.total_bytes == est.weights + est.optimizer + est.activations + est.extra + est.overhead  # GPU only
+    for mode in ("standard", "off"):
+        assert estimate_training_memory(shape, "qlora", 16, None, 1, 409_600, mode).offload_host_ram == 0
+    # GRPO: batch x num_generations sequences of prompt + completion tokens, as on the GPU
+    grpo = estimate_training_memory(shape, "grpo", 16, None, 2, 409_600, "offload", num_generations=4,
+                                    max_completion_length=256, max_prompt_length=512)
+    assert grpo.offload_host_ram == 32 * (2 * 4 * 768) * 4096 * 2
+
+
+def test_host_verdict_uses_the_gpu_thresholds() -> None:
+    est = estimate_training_memory(shape_from_config(LLAMA_8B), "qlora", 16, None, 1, 409_600, "offload")
+    assert host_verdict(est, 200 * GIB) == "fits"
+    assert host_verdict(est, 125 * GIB) == "tight"  # 100 GiB of 125: the host of the measured run
+    assert host_verdict(est, 64 * GIB) == "will not fit"
+    assert host_verdict(est, None) is None
+    standard = estimate_training_memory(shape_from_config(LLAMA_8B), "qlora", 16, None, 1, 409_600, "standard")
+    assert host_verdict(standard, 64 * GIB) is None
+
+
+def test_meminfo_parser(tmp_path: Path) -> None:
+    sample = "MemTotal:       131072000 kB\nMemFree:         1024000 kB\nMemAvailable:   98304000 kB\n"
+    assert meminfo_total_bytes(sample) == 131_072_000 * 1024
+    assert meminfo_total_bytes("MemFree: 1024 kB\n") is None
+    path = tmp_path / "meminfo"
+    path.write_text(sample)
+    assert detect_host_memory(str(path)) == 131_072_000 * 1024
+    assert detect_host_memory(str(tmp_path / "absent")) is None  # e.g. macOS, Windows

@@ -112,6 +112,25 @@ def test_vram_estimate_on_cpu_and_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert "will not fit" in train.preview(extra, *values)["vram"]
 
 
+def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the demo model: 4 layers x (128 x 8192 tokens) x 256 hidden x 2 bytes = 2.0 GiB of host RAM
+    monkeypatch.setattr(train, "_gpu", lambda: ("NVIDIA Test 80GB", 80 * 2**30))
+    monkeypatch.setattr(train, "_host_ram", lambda: 16 * 2**30)
+    extra, values = form(batch_size=128, max_seq_length=8192, gradient_checkpointing="offload")
+    text = train.preview(extra, *values)["vram"]
+    assert "\n\n✅ Offloaded layer inputs: **2.0 GiB** of host RAM (this machine has 16.0 GiB): **fits**." in text
+    assert "Lower the max sequence length" not in text
+    monkeypatch.setattr(train, "_host_ram", lambda: 2**30)
+    text = train.preview(extra, *values)["vram"]
+    assert ("⛔ Offloaded layer inputs: **2.0 GiB** of host RAM (this machine has 1.0 GiB): **will not fit**. "
+            "Lower the max sequence length or the batch size, or use gradient checkpointing “standard”.") in text
+    monkeypatch.setattr(train, "_host_ram", lambda: None)
+    assert "**2.0 GiB** of host RAM (this machine's RAM is unknown)" in train.preview(extra, *values)["vram"]
+    for mode in ("standard", "off"):
+        extra, values = form(batch_size=128, max_seq_length=8192, gradient_checkpointing=mode)
+        assert "Offloaded layer inputs" not in train.preview(extra, *values)["vram"]
+
+
 @pytest.mark.parametrize("changes, words", [
     ({"model_source": "local", "model": "/no/such/folder"}, "does not exist"),
     ({"model_source": "hub", "model": "someone/not-cached"}, "offline"),
