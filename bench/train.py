@@ -230,9 +230,8 @@ def main() -> None:
     results = []
     for impl in args.impls.split(","):
         extra = args.anchors if impl in ("liger", "unsloth") else None
-        graphs = "0" if impl == "kestrel-eager" else "1"
-        res = run_isolated(__file__, ["--impl", impl.removesuffix("-eager"), *common], extra_path=extra,
-                           env={"KESTREL_CUDA_GRAPHS": graphs})
+        env = {"KESTREL_CUDA_GRAPHS": "0"} if impl == "kestrel-eager" else {}  # kestrel: its own choice
+        res = run_isolated(__file__, ["--impl", impl.removesuffix("-eager"), *common], extra_path=extra, env=env)
         res["impl"] = impl
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
