@@ -10,6 +10,11 @@ and the copy back of each layer's input starts when the layer above begins its b
 (`_HostCopy`). GPU memory for activations then no longer grows with the number of layers, which
 is what lets long contexts fit.
 
+On CUDA, where a layer's GPU work is small enough that Python would set the pace, its first
+pass and its recompute-with-backward replay as CUDA graphs (`engine.layer_graphs`): the
+checkpoint hands `LayerCheckpoint` a `GraphedLayer` instead of the plain call, and the
+backward asks it first.
+
 The pinned buffers are exact-size and reused across steps (`_PinnedPool`): `pin_memory=True`
 goes through torch's caching host allocator, which rounds every block up to a power of two, so a
 400k-token Llama-8B layer input (3.3 GB) took 4.3 GB and 32 layers 137 GB instead of 105 GB, more
