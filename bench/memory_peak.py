@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.train import add_model_args, training_step  # noqa: E402
+from bench.train import add_model_args, warmed_step  # noqa: E402
 
 _OURS = ("/engine/", "/kernels/", "/bench/")
 
@@ -62,10 +62,7 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    step = training_step(args)
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
+    step = warmed_step(args, 2)
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000)

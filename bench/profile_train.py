@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench.train import add_model_args, training_step  # noqa: E402
+from bench.train import add_model_args, warmed_step  # noqa: E402
 
 KINDS = [  # (kind, pattern over the lower-cased kernel name); first match wins
     ("dequant", r"dequant|nf4|kgemm_4bit"),
@@ -186,10 +186,7 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead (where Python time goes)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    step = training_step(args)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    step = warmed_step(args, 3)
     if args.host:
         Path(args.out).write_text(host_profile(step, args.steps))
         return

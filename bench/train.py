@@ -103,19 +103,31 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
 
 
-def training_step(args: argparse.Namespace) -> Callable[[], None]:
-    """args.impl's model at the 8B shape and one training step on a fixed random batch:
-    forward, backward, fused AdamW, gradients cleared."""
+def training_step(args: argparse.Namespace, losses: list[torch.Tensor] | None = None) -> Callable[[], None]:
+    """args.impl's model at args.shape and one training step on a fixed random batch: forward,
+    backward, fused AdamW, gradients cleared; each step's loss appended to `losses` if given."""
     model = build(args.impl, shape_dir(args.shape), args)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     ids, labels = random_batch(args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
 
     def step() -> None:
-        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if losses is not None:
+            losses.append(loss.detach())
 
+    return step
+
+
+def warmed_step(args: argparse.Namespace, warmup: int) -> Callable[[], None]:
+    """`training_step(args)` after `warmup` steps, the GPU idle (for the step-analysis scripts)."""
+    step = training_step(args)
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
     return step
 
 
@@ -148,25 +160,17 @@ def _host_rss_gib() -> float:
     return float("nan")
 
 
-def measure(impl: str, args: argparse.Namespace) -> dict:
-    folder = shape_dir(args.shape)
+def measure(args: argparse.Namespace) -> dict:
+    """Throughput and memory of args.impl over args.steps steps after args.warmup."""
     if args.memory_cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * (1 << 30) / total))
     torch.cuda.reset_peak_memory_stats()
-    model = build(impl, folder, args)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    ids, labels = random_batch(args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
-    losses = []
+    losses: list[torch.Tensor] = []
+    train_step = training_step(args, losses)
 
     def step() -> None:
-        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        train_step()
         if args.seq * args.batch >= 65536:  # long steps: say how each went (a run may hit its time limit)
             torch.cuda.synchronize()
             print(f"step {len(losses)}: {time.perf_counter() - t0:.1f} s since the model was built, peak "
@@ -191,11 +195,11 @@ def measure(impl: str, args: argparse.Namespace) -> dict:
     return {
         "useful_tflops": achieved, "mfu_vs_spec": achieved / SPEC_PEAK_TFLOPS,
         "matmul_tflops_measured": peak_now, "mfu_vs_measured": achieved / peak_now,
-        "impl": impl, "method": args.method, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+        "impl": args.impl, "method": args.method, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "checkpointing": args.checkpointing, "tokens_per_s": tokens / elapsed, "s_per_step": elapsed / args.steps,
         "peak_gib": max(warm_peak, steady[0]), "reserved_gib": max(warm_reserved, steady[1]),
         "steady_peak_gib": steady[0], "steady_reserved_gib": steady[1],
-        "losses": [float(x) for x in losses], "device": torch.cuda.get_device_name(), **_graph_stats(impl),
+        "losses": [float(x) for x in losses], "device": torch.cuda.get_device_name(), **_graph_stats(args.impl),
     }
 
 
@@ -221,7 +225,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not args.all:
-        Path(args.out).write_text(json.dumps(measure(args.impl, args)))
+        Path(args.out).write_text(json.dumps(measure(args)))
         return
     shape_dir(args.shape)
     common = ["--method", args.method, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),

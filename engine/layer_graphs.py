@@ -80,11 +80,6 @@ def mode() -> str:
     return value
 
 
-def enabled() -> bool:
-    """False when KESTREL_CUDA_GRAPHS=0."""
-    return mode() != "0"
-
-
 def worth_it(layer: nn.Module, hidden: torch.Tensor) -> bool:
     """Whether graphs pay for this layer call under the current mode: always when forced on,
     else when its GPU work (tokens x the layer's linear weights) is small (`AUTO_WORK_LIMIT`)."""

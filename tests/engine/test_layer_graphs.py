@@ -87,12 +87,12 @@ def test_graphs_are_on_where_the_host_limits_unless_forced(monkeypatch) -> None:
     layer = torch.nn.Sequential(torch.nn.Linear(1000, 3000), torch.nn.Linear(3000, 1000))  # 6e6 weights
     few, many = torch.zeros(2, 1000, 1000), torch.zeros(2, 40_000, 1000)  # 2e3 / 8e4 tokens
     monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
-    assert layer_graphs.mode() == "auto" and layer_graphs.enabled()
+    assert layer_graphs.mode() == "auto"
     assert layer_graphs.worth_it(layer, few) and not layer_graphs.worth_it(layer, many)
     monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "1")
     assert layer_graphs.worth_it(layer, many)
     monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "0")
-    assert not layer_graphs.enabled() and not layer_graphs.worth_it(layer, few)
+    assert layer_graphs.mode() == "0" and not layer_graphs.worth_it(layer, few)
     monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="KESTREL_CUDA_GRAPHS"):
         layer_graphs.mode()
