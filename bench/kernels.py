@@ -42,7 +42,8 @@ try:
 except ImportError:
     fused_linear_cross_entropy = None
 try:
-    from kernels.lora import LoRAWeights, lora_mlp
+    from kernels.lora import LoRAWeights
+    from kernels.mlp import lora_mlp
 except ImportError:
     LoRAWeights = lora_mlp = None
 try:

@@ -24,7 +24,8 @@ import torch  # noqa: E402
 import kernels.lora as lora_module  # noqa: E402
 from bench.common import cuda_time  # noqa: E402
 from kernels import nf4, nf4_lora  # noqa: E402
-from kernels.lora import LoRAWeights, lora_mlp  # noqa: E402
+from kernels.lora import LoRAWeights  # noqa: E402
+from kernels.mlp import lora_mlp  # noqa: E402
 
 H, I, R, M = 4096, 14336, 16, 4096
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gc
 import json
 import re
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -177,6 +179,81 @@ def host_profile(step, steps: int) -> str:
     return out.getvalue()
 
 
+def host_slack(step, steps: int, head_ms: float = 150.0) -> str:
+    """Whether the host holds the GPU back: each step timed (synchronised) as it is, then with the
+    GPU given a head start (a sleep kernel of `head_ms` queued first, so the host can run ahead
+    by up to the launch queue's depth). A GPU-bound step takes `head_ms` longer; a step whose GPU
+    waits for the host somewhere takes less than that, by the waiting the head start hid."""
+    probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe[0].record()
+    torch.cuda._sleep(100_000_000)
+    probe[1].record()
+    torch.cuda.synchronize()
+    cycles = int(100_000_000 * head_ms / probe[0].elapsed_time(probe[1]))
+
+    def timed(head: bool) -> float:
+        total = 0.0
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if head:
+                torch.cuda._sleep(cycles)
+            step()
+            torch.cuda.synchronize()
+            total += time.perf_counter() - t0
+        return total / steps * 1e3
+
+    plain, ahead = timed(False), timed(True) - head_ms
+    return (f"host slack over {steps} synchronised steps: {plain:.1f} ms a step as is, {ahead:.1f} ms "
+            f"with a {head_ms:.0f} ms head start (minus it): the GPU waited {plain - ahead:.1f} ms for the host\n")
+
+
+def phase_clocks(model: torch.nn.Module, step, steps: int) -> str:
+    """When the host and the GPU reach each decoder layer's forward (pre-hook), timed from a
+    synchronised step start: where the GPU is ahead (waiting for launches) and where behind."""
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def mark(name: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((name, time.perf_counter(), ev))
+
+    collections: list[tuple[int, float]] = []  # (generation, ms) of Python's cyclic GC runs
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            collections.append((info["generation"], (time.perf_counter() - started.pop()) * 1e3))
+
+    gc.callbacks.append(on_gc)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    hooks = [m.register_forward_pre_hook(lambda mod, _a, i=i: mark(f"layer {i}")) for i, m in enumerate(layers)]
+    lines = []
+    try:
+        for _ in range(steps):
+            marks.clear()
+            torch.cuda.synchronize()
+            mark("start")
+            step()
+            mark("end")
+            torch.cuda.synchronize()
+            t0, e0 = marks[0][1], marks[0][2]
+            rows = [(n, (t - t0) * 1e3, e0.elapsed_time(ev)) for n, t, ev in marks]
+        lines.append("host and GPU clocks at marks of the last step (ms since its start; a mark reached"
+                     " twice: first pass, then recompute):")
+        lines += [f"  {n:10s} host {h:7.1f}  gpu {g:7.1f}  gpu-host {g - h:+7.1f}" for n, h, g in rows]
+    finally:
+        for h in hooks:
+            h.remove()
+        gc.callbacks.remove(on_gc)
+    by_gen = {g: [t for gg, t in collections if gg == g] for g in sorted({g for g, _ in collections})}
+    lines.append(f"Python GC over {steps} steps: " + ", ".join(
+        f"gen{g} {len(ts)} runs {sum(ts):.1f} ms (max {max(ts):.1f})" for g, ts in by_gen.items()))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
@@ -184,9 +261,14 @@ def main() -> None:
     ap.add_argument("--stack", action="store_true", help="record Python frames (slower host)")
     ap.add_argument("--trace", default="")
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead (where Python time goes)")
+    ap.add_argument("--slack", type=int, default=0, help="also time this many steps with and without a GPU head start")
+    ap.add_argument("--clocks", action="store_true", help="host vs GPU time at each decoder layer")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     step = warmed_step(args, 3)
+    slack = host_slack(step, args.slack) if args.slack else ""
+    if args.clocks:
+        slack += phase_clocks(step.model, step, 2)
     if args.host:
         Path(args.out).write_text(host_profile(step, args.steps))
         return
@@ -196,7 +278,7 @@ def main() -> None:
         torch.cuda.synchronize()
     trace_path = args.trace or tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(trace_path)
-    report = f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}\n"
+    report = f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}\n" + slack
     if args.impl == "kestrel":
         from engine import layer_graphs
 

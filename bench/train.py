@@ -119,6 +119,7 @@ def training_step(args: argparse.Namespace, losses: list[torch.Tensor] | None = 
         if losses is not None:
             losses.append(loss.detach())
 
+    step.model = model  # type: ignore[attr-defined]  # for the step-analysis scripts' hooks
     return step
 
 

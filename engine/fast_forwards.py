@@ -64,7 +64,7 @@ def lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: 
     weights = fused_lora_weights(self) if not args and not kwargs else None
     if weights is None:
         return type(self).forward(self, x, *args, **kwargs)
-    return kernels.lora_linear(x, weights)
+    return kernels.lora_linear(x, weights, keep_weights=checkpointing.recomputing())
 
 
 # --- RMSNorm ---------------------------------------------------------------------------------
@@ -85,8 +85,8 @@ def make_rms_norm_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
 
 def _project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fused = [fused_lora_weights(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
-    if all(w is not None for w in fused):
-        return kernels.lora_qkv(x, *fused)
+    if all(w is not None for w in fused):  # in a recompute, keep merged weights for the backward just after
+        return kernels.lora_qkv(x, *fused, keep_weights=checkpointing.recomputing())
     return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
@@ -159,16 +159,29 @@ def make_mlp_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
     return forward
 
 
-def _mlp(layer: nn.Module, h: torch.Tensor, spec: FamilySpec) -> torch.Tensor:
-    """layer.mlp(h). In a checkpoint's recompute the layer's output values are thrown away, so
-    when the MLP's output goes straight into the residual sum (no post-MLP norm, whose backward
-    would need them) our MLP forward is told it may skip its last product."""
-    discard = (
+def _discards(layer: nn.Module, spec: FamilySpec) -> bool:
+    """Whether layer.mlp may skip computing its output: in a checkpoint's recompute the layer's
+    output values are thrown away, and when the MLP's output goes straight into the residual sum
+    (no post-MLP norm, whose backward would need them) only its gradient path matters."""
+    return (
         not spec.sandwich_norm
         and getattr(layer.mlp.forward, "takes_discard_output", False)
         and checkpointing.recomputing()
     )
-    return layer.mlp(h, discard_output=True) if discard else layer.mlp(h)
+
+
+class _GraphOnlySum(torch.autograd.Function):
+    """residual + update where the sum's values are thrown away (a recompute's layer output):
+    the add's graph, so dOut reaches both operands unchanged, without the add (or its 3 passes
+    over a (tokens, hidden) tensor). The output is uninitialised."""
+
+    @staticmethod
+    def forward(ctx: Any, residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(residual)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad
 
 
 # --- Decoder layer ---------------------------------------------------------------------------
@@ -216,7 +229,9 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         h = _residual_add(residual, h)
         residual = h
         h = self.pre_feedforward_layernorm(h) if spec.sandwich_norm else self.post_attention_layernorm(h)
-        h = _mlp(self, h, spec)
+        if _discards(self, spec):  # a recompute: only the graph of the MLP and the last sum is used
+            return _GraphOnlySum.apply(residual, self.mlp(h, discard_output=True))
+        h = self.mlp(h)
         if spec.sandwich_norm:
             h = self.post_feedforward_layernorm(h)
         return _residual_add(residual, h)

@@ -11,7 +11,8 @@ Note: `transformers` and `bitsandbytes` probe for an unrelated hub package that 
 from kernels.cross_entropy import chunked_token_logprobs, fused_linear_cross_entropy
 from kernels.dispatch import backend, use_triton
 from kernels.glu import geglu, swiglu
-from kernels.lora import LoRAWeights, lora_linear, lora_mlp, lora_qkv
+from kernels.lora import LoRAWeights, lora_linear, lora_qkv
+from kernels.mlp import lora_mlp
 from kernels.rms_norm import rms_norm
 from kernels.rope import rope_
 

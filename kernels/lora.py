@@ -26,6 +26,7 @@ dA product dYB^T X, and their input gradients meet in one buffer. Where the base
 compute-bound, the adapter term is written first and the base product accumulated onto it
 (cuBLAS reads it in the epilogue) rather than added in a second pass over the output.
 
+The MLP (gate, up, GLU, down as one Function) is `kernels.mlp.lora_mlp`, built on these pieces.
 Matmuls go to cuBLAS through torch on every device; the Triton parts are the NF4 dequant and the
 GLU of `lora_mlp` (`kernels.glu`). Compute runs in X's dtype (or autocast's, when it is on);
 A and B are cast to it (PEFT keeps them in fp32) and their gradients returned in their own dtype.
@@ -36,15 +37,13 @@ reason so the caller keeps PEFT's forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from kernels import glu, lora_casts, lora_peft, nf4, nf4_lora
+from kernels import lora_casts, lora_peft, nf4, nf4_lora
 from kernels.lora_casts import cast, mm_to
-from kernels.dispatch import use_triton
 
-Activation = Literal["swiglu", "geglu"]
 _FIELDS = 5  # tensors/values per projection in a flattened autograd argument list
 
 
@@ -166,13 +165,16 @@ def _shrink(x: torch.Tensor, ws: list[LoRAWeights], a: torch.Tensor) -> torch.Te
 
 
 def _expand(
-    x: torch.Tensor, xa: torch.Tensor | None, w: LoRAWeights, dtype: torch.dtype, merged: bool
+    x: torch.Tensor, xa: torch.Tensor | None, w: LoRAWeights, dtype: torch.dtype, merged: bool,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x W^T + xa B^T (M, out) for x (M, in) and this projection's xa (M, r); merged: the
-    adapter is inside W' (`_merged`) and xa is not read."""
+    adapter is inside W' (`_merged`) and xa is not read. dense: W (W' when merged) already
+    formed; otherwise it is dequantized (merged) into the workspace here."""
     if merged:
-        return torch.mm(x, _merged(w, dtype).t())
-    b, base = cast(w.lora_B, dtype), _base(w.weight, w.quant_state, dtype)
+        return torch.mm(x, (_merged(w, dtype) if dense is None else dense).t())
+    b = cast(w.lora_B, dtype)
+    base = _base(w.weight, w.quant_state, dtype) if dense is None else dense
     if w.out_features * w.in_features >= _ADAPTER_FIRST_MIN:
         return torch.mm(xa, b.t()).addmm_(x, base.t())
     return torch.mm(x, base.t()).addmm_(xa, b.t())
@@ -205,24 +207,49 @@ def _adapter_backward(
 
 
 def _input_backward(
-    dys: list[torch.Tensor], dyb: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype
+    dys: list[torch.Tensor], dyb: torch.Tensor, a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype,
+    dense: list[torch.Tensor] | None = None, merged: bool = False, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dX = dyb a + sum_k dy_k W_k (M, in), a = [A_k]_k (n r, in): the base products accumulated
-    onto the adapter term in their epilogues, each W_k re-dequantized into the workspace."""
-    dx = torch.mm(dyb, a)
-    for dy, w in zip(dys, ws):
-        dx.addmm_(dy, _base(w.weight, w.quant_state, dtype))
+    onto the adapter term in their epilogues. dense: the W_k already formed (else each is
+    dequantized again into the workspace); merged: they are W'_k = W_k + s_k B_k A_k, and
+    dX = sum_k dy_k W'_k, the same sum (s_k dy_k B_k A_k is the dyb a term) as plain products.
+    out: where dX goes."""
+    if merged and dense is not None:
+        dx = torch.mm(dys[0], dense[0], out=out)
+        for dy, wm in zip(dys[1:], dense[1:]):
+            dx.addmm_(dy, wm)
+        return dx
+    dx = torch.mm(dyb, a, out=out)
+    for k, (dy, w) in enumerate(zip(dys, ws)):
+        dx.addmm_(dy, _base(w.weight, w.quant_state, dtype) if dense is None else dense[k])
     return dx
 
 
 def _group_backward(
     ctx: Any, first: int, dys: list[torch.Tensor], x: torch.Tensor, xa: torch.Tensor,
     a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
+    dense: list[torch.Tensor] | None = None, merged: bool = False, out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The whole backward of projections of one input x: `_adapter_backward`, then dX
-    (`_input_backward`) when x needs a gradient (else None)."""
+    (`_input_backward`, over `dense` weights when given) when x needs a gradient."""
     dyb = _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads)
-    return _input_backward(dys, dyb, a, ws, dtype) if ctx.needs_input_grad[0] else None
+    if not ctx.needs_input_grad[0]:
+        return None
+    return _input_backward(dys, dyb, a, ws, dtype, dense, merged, out)
+
+
+def kept_merged(ws: list[LoRAWeights], dtype: torch.dtype) -> list[torch.Tensor]:
+    """W'_k = W_k + s_k B_k A_k (out_k, in) for each projection, each in its own buffer (not the
+    shared workspace), to be used by the forward and kept for the backward."""
+    return [
+        nf4_lora.dequantize_merged(w.weight, w.quant_state, w.lora_A, w.lora_B, w.scaling, dtype, out=_fresh(w, dtype))
+        for w in ws
+    ]
+
+
+def _fresh(w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty((w.out_features, w.in_features), dtype=dtype, device=w.weight.device)
 
 
 def _will_backward(x: torch.Tensor, ws: list[LoRAWeights]) -> bool:
@@ -267,25 +294,31 @@ class _LoRAProjections(torch.autograd.Function):
     (`_group_backward`, dY_k (M, out_k)): one dA product for the group, and the N input
     gradients summed into ONE (M, in) buffer:
 
-        dX = sum_k  dY_k W_k + s_k (dY_k B_k) A_k
-    """
+        dX = sum_k  dY_k W_k + s_k (dY_k B_k) A_k      = sum_k dY_k W'_k
+
+    `keep` (a checkpoint's recompute, whose backward follows at once): merged W'_k are formed in
+    buffers of their own and kept for the backward, which then needs no dequantization and no
+    dyb A term (the right-hand form). They live until the backward: one layer's attention
+    projections at a time (84 MB for the Llama-8B shape)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, grad: bool, *flat: Any) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, x: torch.Tensor, grad: bool, keep: bool, *flat: Any) -> tuple[torch.Tensor, ...]:
         dtype, lead, ws = _compute_dtype(x), x.shape[:-1], _unflatten(flat)
         merged = _merges(ws)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
             a = _stacked_a(ws, dtype) if grad or not merged else None  # (N r, in)
             xa = _shrink(x2, ws, a) if a is not None else None  # (M, N r)
+            dense = kept_merged(ws, dtype) if grad and keep and merged else [None] * len(ws)
             outs = []
-            for span, w in zip(_spans(ws), ws):
-                y = _expand(x2, None if xa is None else xa[:, span], w, dtype, merged)
+            for span, w, d in zip(_spans(ws), ws, dense):
+                y = _expand(x2, None if xa is None else xa[:, span], w, dtype, merged, d)
                 # A fresh tensor, not a view of y: autograd forbids in-place updates (RoPE) on
                 # views returned by a function with several outputs.
                 outs.append(torch.ops.aten._unsafe_view(y, (*lead, w.out_features)))
         if grad:
             _save(ctx, ws, x2, xa, a)
+            ctx.kept = dense if dense[0] is not None else None
         ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape
         return tuple(outs)
 
@@ -293,178 +326,28 @@ class _LoRAProjections(torch.autograd.Function):
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, xa, a, *rest = ctx.saved_tensors
         ws, dtype = _rebuild(rest, ctx.meta), ctx.dtype
-        grads: list[torch.Tensor | None] = [None] * (2 + _FIELDS * len(ws))
+        kept, ctx.kept = ctx.kept, None  # freed once used
+        grads: list[torch.Tensor | None] = [None] * (3 + _FIELDS * len(ws))
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = [dy.reshape(-1, dy.shape[-1]).to(dtype) for dy in dys]  # (M, out_k)
-            dx = _group_backward(ctx, 2, dy2, x2, xa, a, ws, dtype, grads)
+            dx = _group_backward(ctx, 3, dy2, x2, xa, a, ws, dtype, grads, kept, kept is not None)
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
 
 
-def lora_linear(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
-    """x (..., in) -> x W^T + s (x A^T) B^T (..., out); backward by hand (module docstring)."""
-    return _LoRAProjections.apply(x, _will_backward(x, [w]), *w._flat())[0]
+def lora_linear(x: torch.Tensor, w: LoRAWeights, keep_weights: bool = False) -> torch.Tensor:
+    """x (..., in) -> x W^T + s (x A^T) B^T (..., out); backward by hand (module docstring).
+    keep_weights: the backward follows right away (a checkpoint's recompute): an NF4 base's
+    merged W' is kept for it instead of dequantized again."""
+    return _LoRAProjections.apply(x, _will_backward(x, [w]), keep_weights, *w._flat())[0]
 
 
 def lora_qkv(
-    x: torch.Tensor, q: LoRAWeights, k: LoRAWeights, v: LoRAWeights
+    x: torch.Tensor, q: LoRAWeights, k: LoRAWeights, v: LoRAWeights, keep_weights: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (..., hidden) -> (Q (..., out_q), K (..., out_k), V (..., out_v)) as one autograd
     Function: one shrink product for the three, backward sums the three dX contributions into
-    one buffer."""
-    return _LoRAProjections.apply(x, _will_backward(x, [q, k, v]), *q._flat(), *k._flat(), *v._flat())
-
-
-# ---------------------------------------------------------------------------------------------
-# lora_mlp: down(act(gate(x)) * up(x)) as one Function.
-
-
-def _act_and_grad(e: torch.Tensor, activation: Activation) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(e), act'(e)) in e's dtype (call with fp32).
-    silu(e) = e s, s = sigmoid(e):                silu'(e) = s (1 + e (1 - s))
-    gelu_tanh(e) = e s, s = sigmoid(2z), z = sqrt(2/pi) (e + 0.044715 e^3):
-                                                  gelu_tanh'(e) = s + 2 e s (1 - s) dz/de"""
-    if activation == "swiglu":
-        s = torch.sigmoid(e)
-        return e * s, s * (1.0 + e * (1.0 - s))
-    c = 0.7978845608028654
-    s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
-    return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
-
-
-def glu_backward_reference(
-    e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For h = act(e) * g: de = dh * g * act'(e), dg = dh * act(e), written over (e, g) and
-    returned. fp32 math; act(e) rounded to e's dtype first, as HF (and kernels.glu) do."""
-    ef, gf, dhf = e.float(), g.float(), dh.float()
-    act, grad = _act_and_grad(ef, activation)
-    de, dg = dhf * gf * grad, dhf * act.to(e.dtype).float()
-    return e.copy_(de), g.copy_(dg)
-
-
-def _glu_forward(e: torch.Tensor, g: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """h = act(e) * g (M, I) through kernels.glu (Triton on CUDA, its reference elsewhere)."""
-    return glu.swiglu(e, g) if activation == "swiglu" else glu.geglu(e, g)
-
-
-def _glu_backward_(
-    e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(de, dg) written over (e, g): kernels.glu's in-place Triton backward, or the reference."""
-    if use_triton(e, g, dh):
-        return glu.glu_backward(dh, e, g, gelu=activation == "geglu", inplace=True)
-    return glu_backward_reference(e, g, dh, activation)
-
-
-class _LoRAMLP(torch.autograd.Function):
-    """Y = down(h), h = act(E) * G, E = gate(X), G = up(X); each of gate/up/down a LoRA
-    projection (module docstring). X (M, H), E, G, h (M, I), Y (M, H).
-
-    Forward saves X, E, G and the rank-r products [s_g X A_g^T | s_u X A_u^T] (one shrink
-    product for gate and up) and s_d h A_d^T; h is NOT saved (recomputed in backward) unless
-    `discard` is set. Backward, given dY (M, H):
-
-        dYBd = s_d dY B_d                         (M, r)
-        dB_d = dY^T (s_d h A_d^T)                 (H, r)
-        h    = act(E) * G                         (recomputed; freed right after its one use)
-        dA_d = dYBd^T h                           (r, I)
-        dh   = dY W_d + dYBd A_d                  (M, I)
-        dE   = dh * G * act'(E)                   (written over E)
-        dG   = dh * act(E)                        (written over G)
-        [dA_g; dA_u] = [s_g dE B_g | s_u dG B_u]^T X           (one product)
-        dB_g = dE^T (s_g X A_g^T),   dB_u = dG^T (s_u X A_u^T)
-        dX   = [s_g dE B_g | s_u dG B_u] [A_g; A_u] + dE W_g + dG W_u   (one (M, H) buffer)
-
-    act is SiLU (swiglu) or tanh-GELU (geglu). Only one dequantized base weight lives at a
-    time, and at most three (M, I) tensors (E, G, then h or dh). E and G are overwritten, so
-    backward runs once (retain_graph and a second backward raises).
-
-    `discard`: the caller throws Y's values away and only back-propagates through it (a
-    checkpointed layer's recompute, where Y goes straight into the residual sum). Then the down
-    product is skipped, Y's values are unspecified, and h is kept for backward instead of
-    recomputed (backward frees it before dh exists, so the peak is unchanged).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, activation: Activation, discard: bool, grad: bool, *flat: Any
-    ) -> torch.Tensor:
-        gate, up, down = _unflatten(flat)
-        dtype, lead, (sg, su) = _compute_dtype(x), x.shape[:-1], _spans([gate, up])
-        merged_gu, merged_d = _merges([gate, up]), _merges([down])
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
-            a_gu = xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
-            if grad or not merged_gu:
-                a_gu = _stacked_a([gate, up], dtype)  # (2r, H)
-                xa_gu = _shrink(x2, [gate, up], a_gu)  # (M, 2r)
-            e = _expand(x2, None if xa_gu is None else xa_gu[:, sg], gate, dtype, merged_gu)  # (M, I)
-            g = _expand(x2, None if xa_gu is None else xa_gu[:, su], up, dtype, merged_gu)
-            h = _glu_forward(e, g, activation)
-            if grad or not (merged_d or discard):  # for backward, or for the down product
-                a_d = cast(down.lora_A, dtype)  # (r, I)
-                ha_d = _shrink(h, [down], a_d)  # (M, r)
-            if discard:
-                y = torch.empty((x2.shape[0], down.out_features), dtype=dtype, device=x.device)
-            else:
-                y = _expand(h, ha_d, down, dtype, merged_d)  # (M, H)
-        if grad:
-            _save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d, a_d)
-        ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
-        ctx.h, ctx.done = (h if discard and grad else None), False
-        # Not a view of y: a view made inside a Function cannot be updated in place downstream.
-        return torch.ops.aten._unsafe_view(y, (*lead, down.out_features))
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.done:
-            raise RuntimeError("lora_mlp backward overwrites its saved activations: it runs once")
-        ctx.done = True
-        x2, e, g, xa_gu, a_gu, ha_d, a_d, *tensors = ctx.saved_tensors
-        gate, up, down = _rebuild(tensors, ctx.meta)
-        dtype, first = ctx.dtype, 4
-        grads: list[torch.Tensor | None] = [None] * (first + _FIELDS * 3)
-        with torch.autocast(x2.device.type, enabled=False):
-            dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (M, H)
-            dh = _down_backward(ctx, dy2, e, g, ha_d, a_d, down, dtype, grads, first + 2 * _FIELDS)
-            de, dg = _glu_backward_(e, g, dh, ctx.activation)
-            del dy2, dh
-            dx = _group_backward(ctx, first, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
-        if dx is not None:
-            grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
-        return tuple(grads)
-
-
-def _down_backward(
-    ctx: Any, dy: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ha: torch.Tensor, a: torch.Tensor,
-    down: LoRAWeights, dtype: torch.dtype, grads: list[torch.Tensor | None], at: int,
-) -> torch.Tensor:
-    """The down projection's backward (`_LoRAMLP`): writes dA_d, dB_d into `grads` (its fields
-    start at `at`) and returns dh (M, I). dA_d = dYBd^T h needs h, which is formed (or taken
-    from a recompute) and freed before dh exists."""
-    dyb = _adapter_backward(ctx, at, [dy], None, ha, [down], dtype, grads)  # (M, r); dB_d
-    if _needs(ctx, at, 0)[0]:
-        h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation)
-        grads[at + 2] = mm_to(dyb.t(), h, down.lora_A.dtype)
-        del h
-    ctx.h = None
-    return _input_backward([dy], dyb, a, [down], dtype)
-
-
-def lora_mlp(
-    x: torch.Tensor,
-    gate: LoRAWeights,
-    up: LoRAWeights,
-    down: LoRAWeights,
-    activation: Activation = "swiglu",
-    discard_output: bool = False,
-) -> torch.Tensor:
-    """x (..., H) -> down(act(gate(x)) * up(x)) (..., H), one autograd Function (see _LoRAMLP).
-    discard_output=True: the output's VALUES are unspecified (the down product is skipped) and
-    only its gradient path is real; for a checkpoint's recompute whose output is thrown away."""
-    if activation not in ("swiglu", "geglu"):
-        raise ValueError(f"activation must be 'swiglu' or 'geglu', got {activation!r}")
-    grad = _will_backward(x, [gate, up, down])
-    return _LoRAMLP.apply(x, activation, discard_output, grad, *gate._flat(), *up._flat(), *down._flat())
+    one buffer. keep_weights: as `lora_linear`."""
+    grad = _will_backward(x, [q, k, v])
+    return _LoRAProjections.apply(x, grad, keep_weights, *q._flat(), *k._flat(), *v._flat())

@@ -104,14 +104,18 @@ def merged_reference(
 
 def dequantize_merged(
     weight: torch.Tensor, quant_state: Any, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
-    dtype: torch.dtype,
+    dtype: torch.dtype, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W' = W + s B A (out, in) in `dtype`, written into the shared NF4 workspace (a view valid
-    until the next dequantization on that device and dtype). weight/quant_state: a bitsandbytes
-    NF4 weight (`usable` must hold); lora_a (r, in), lora_b (out, r) in any float dtype."""
+    """W' = W + s B A (out, in) in `dtype`, written into `out` (contiguous, `dtype`) or else the
+    shared NF4 workspace (a view valid until the next dequantization on that device and dtype).
+    weight/quant_state: a bitsandbytes NF4 weight (`usable` must hold); lora_a (r, in),
+    lora_b (out, r) in any float dtype."""
     plan = nf4._plan(weight, quant_state)
     packed = plan.tensors[0]
-    out = nf4.WORKSPACE.get(plan.shape, packed.device, dtype)
+    if out is None:
+        out = nf4.WORKSPACE.get(plan.shape, packed.device, dtype)
+    elif tuple(out.shape) != plan.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {dtype} of shape {plan.shape}, got {out.dtype} {tuple(out.shape)}")
     if not use_triton(packed):
         return out.copy_(merged_reference(weight, quant_state, lora_a, lora_b, scaling, dtype))
     n_rows, in_features = plan.shape

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import nf4
-from kernels.lora import LoRAWeights, lora_linear, lora_mlp, lora_qkv
+from kernels.lora import LoRAWeights, lora_linear, lora_qkv
+from kernels.mlp import lora_mlp
 
 peft = pytest.importorskip("peft")
 
@@ -342,24 +343,65 @@ def test_group_with_different_ranks_and_scalings_matches_peft(adapter_order: str
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_discarded_mlp_output_keeps_every_gradient(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A checkpoint's recompute throws the MLP output's values away: the down product is skipped
-    # and h is kept for backward, yet x's and every adapter's gradient are those of PEFT's MLP.
-    import kernels.lora as lora_module
+@pytest.mark.parametrize(("rows", "in_forward", "in_backward"), [(4, [], [4, 4, 4, 2]), (2048, [14], [])])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_discarded_mlp_output_keeps_every_gradient(
+    backend: str, rows: int, in_forward: list[int], in_backward: list[int], activation: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A checkpoint's recompute throws the MLP output's values away. With 14 tokens and chunks
+    # of 4 rows, deferring pays: the forward computes nothing and the backward runs forward and
+    # backward together in 3 full chunks and a partial one. In one chunk it would not: then the
+    # down product is skipped and h is kept, not formed again. Either way x's and every
+    # adapter's gradient are those of PEFT's MLP.
+    import kernels.mlp as mlp_module
 
     monkeypatch.setenv("KESTREL_KERNELS", backend)
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", rows)
     block = _peft_block()
     params = _adapter_params(block, MLP)
-    expected = _run(_peft_mlp("swiglu")(block), _x(torch.float32), params)
-    calls = {"expand": 0, "glu": 0}
-    for name in calls:
-        real = getattr(lora_module, f"_{name}" if name == "expand" else "_glu_forward")
-
-        def counted(*a, _real=real, _name=name, **k):
-            calls[_name] += 1
-            return _real(*a, **k)
-
-        monkeypatch.setattr(lora_module, f"_{name}" if name == "expand" else "_glu_forward", counted)
-    got = _run(lambda x: lora_mlp(x, *_weights(block, MLP), discard_output=True), _x(torch.float32), params)
-    assert calls == {"expand": 2, "glu": 1}  # gate and up only; h computed once, not again in backward
+    expected = _run(_peft_mlp(activation)(block), _x(torch.float32), params)
+    glu_rows: list[int] = []
+    real = mlp_module._glu_forward
+    monkeypatch.setattr(mlp_module, "_glu_forward", lambda e, *a: glu_rows.append(e.shape[0]) or real(e, *a))
+    ours = lambda x: lora_mlp(x, *_weights(block, MLP), activation=activation, discard_output=True)  # noqa: E731
+    x = _x(torch.float32).requires_grad_()
+    y = ours(x)
+    assert glu_rows == in_forward and y.shape == x.shape and y.requires_grad
+    glu_rows.clear()
+    got = _run(ours, _x(torch.float32), params)
+    assert glu_rows == in_forward + in_backward  # h once per row
     _close(got[1], expected[1], 1e-5)
+    # Without an input gradient (the first layer under frozen embeddings) only the adapters'.
+    got = _run(ours, _x(torch.float32), params, x_grad=False)
+    _close(got[1], expected[1][1:], 1e-5)
+
+
+def test_deferring_pays_only_where_it_lowers_the_peak() -> None:
+    # The Llama-8B MLP over NF4: keeping W'_g and W'_u (2 x 4096 x 14336) beats keeping E, G, h
+    # for every row only beyond 2048 + 2 x 4096 / 3 rows; over a 16-bit base beyond one chunk.
+    import kernels.mlp as mlp_module
+
+    def proj(out: int, inp: int, nf4_base: bool) -> LoRAWeights:
+        meta = torch.empty(out, inp, device="meta")
+        state = type("State", (), {"shape": (out, inp)})() if nf4_base else None
+        return LoRAWeights(meta, state, torch.empty(16, inp, device="meta"), torch.empty(out, 16, device="meta"), 2.0)
+
+    for nf4_base, threshold in ((True, 2048 + 2 * 4096 // 3), (False, 2048)):
+        gate, up = proj(14336, 4096, nf4_base), proj(14336, 4096, nf4_base)
+        assert not mlp_module._defer_pays(threshold, gate, up, torch.bfloat16)
+        assert mlp_module._defer_pays(threshold + 1, gate, up, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_mlp_in_16_bit_matches_peft(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.mlp as mlp_module
+
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 5)  # 14 tokens: deferred, in 3 chunks
+    block = _peft_block(dtype)
+    params = _adapter_params(block, MLP)
+    got = _run(lambda x: lora_mlp(x, *_weights(block, MLP), discard_output=True), _x(dtype), params)
+    twin = copy.deepcopy(block).float()
+    truth = _run(_peft_mlp("swiglu")(twin), _x(dtype).float(), _adapter_params(twin, MLP))
+    assert all(g.dtype == p.dtype for g, p in zip(got[1][1:], params))
+    _close(got[1], truth[1], TOL[dtype])

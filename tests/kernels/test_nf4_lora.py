@@ -11,7 +11,8 @@ from torch import nn
 
 import kernels.lora as lora_module
 from kernels import nf4, nf4_lora
-from kernels.lora import LoRAWeights, lora_mlp, lora_qkv
+from kernels.lora import LoRAWeights, lora_qkv
+from kernels.mlp import lora_mlp
 from tests.kernels.test_lora import _close, _run
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -176,3 +177,43 @@ def test_cuda_merged_dequantize(shape: tuple[int, int]) -> None:
     assert ((got.double() - exact).abs() <= bound).all()
     zero = nf4_lora.dequantize_merged(packed, state, a, torch.zeros_like(b), 2.0, torch.bfloat16)
     assert torch.equal(zero, bnbf.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("inter", [INTER, 80])  # 80: down cannot merge (its W_d is still dequantized once)
+def test_recompute_keeps_merged_weights_for_backward(
+    backend: str, inter: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a checkpoint's recompute the projections keep W' for their backward, and the MLP runs
+    # in its backward over gate's and up's W' formed once (chunks of 4 rows here): the gradients
+    # are PEFT's fp32 math and nothing is dequantized a second time.
+    import kernels.mlp as mlp_module
+
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 4)
+    monkeypatch.setattr(mlp_module, "_defer_pays", lambda *a: True)  # at these tiny shapes it would not
+    block = _nf4_block(torch.float32, inter)
+    merged, plain = [], []
+    real_merged, real_plain = nf4_lora.dequantize_merged, nf4.dequantize
+    monkeypatch.setattr(nf4_lora, "dequantize_merged", lambda *a, **k: merged.append(a[0].shape) or real_merged(*a, **k))
+    monkeypatch.setattr(nf4, "dequantize", lambda *a, **k: plain.append(a[0].shape) or real_plain(*a, **k))
+    proj = _dense(block)
+    x = torch.randn((2, 9, HIDDEN), generator=torch.Generator().manual_seed(2))
+    cases = [
+        (MLP, lambda x: lora_mlp(x, *_weights(block, MLP), discard_output=True),
+         lambda x: proj("down_proj", F.silu(proj("gate_proj", x)) * proj("up_proj", x)), (2, 1)),
+        (QKV, lambda x: lora_qkv(x, *_weights(block, QKV), keep_weights=True),
+         lambda x: tuple(proj(n, x) for n in QKV), (3, 0)),
+    ]
+    for names, ours, truth, (n_merged, n_plain) in cases:
+        merged.clear()
+        plain.clear()
+        params = _params(block, names)
+        got, expected = _run(ours, x, params), _run(truth, x, params)
+        _close(got[1], expected[1], 1e-5)
+        assert (len(merged), len(plain)) == (n_merged, n_plain)  # once each, in 18 rows / 5 chunks
+    runs = {}
+    for keep in (False, True):  # the kept weights give the gradients of dequantizing again
+        merged.clear()
+        plain.clear()
+        runs[keep] = _run(lambda x: lora_qkv(x, *_weights(block, QKV), keep_weights=keep), x, _params(block, QKV))
+        assert (len(merged), len(plain)) == ((3, 0) if keep else (3, 3))
+    _close(runs[True][1], runs[False][1], 1e-6)
