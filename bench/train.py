@@ -166,6 +166,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.memory_cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * (1 << 30) / total))
+    shape_dir(args.shape)  # a fresh machine writes the model first: not part of the training's peak
     torch.cuda.reset_peak_memory_stats()
     losses: list[torch.Tensor] = []
     train_step = training_step(args, losses)

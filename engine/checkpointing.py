@@ -36,10 +36,9 @@ from engine import layer_graphs
 from engine.errors import KestrelError
 
 # True while a checkpointed layer is re-run for its backward: its output's values are thrown
-# away (only its graph is used), so the decoder layer forward defers its MLP to the MLP's
-# backward (`kernels.lora_mlp(discard_output=True)`) and skips the last residual sum, and the
-# projections keep their merged NF4 weights for the backward that follows. A context variable:
-# backward runs on autograd's own thread.
+# away (only its graph is used), so the decoder layer forward tells its MLP to skip the down
+# product, or defer itself to its backward (`kernels.lora_mlp(discard_output=True)`), and skips
+# the last residual sum. A context variable: backward runs on autograd's own thread.
 _RECOMPUTING = contextvars.ContextVar("kestrel_recomputing", default=False)
 
 

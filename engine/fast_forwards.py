@@ -64,7 +64,7 @@ def lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: 
     weights = fused_lora_weights(self) if not args and not kwargs else None
     if weights is None:
         return type(self).forward(self, x, *args, **kwargs)
-    return kernels.lora_linear(x, weights, keep_weights=checkpointing.recomputing())
+    return kernels.lora_linear(x, weights)
 
 
 # --- RMSNorm ---------------------------------------------------------------------------------
@@ -85,8 +85,8 @@ def make_rms_norm_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
 
 def _project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fused = [fused_lora_weights(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
-    if all(w is not None for w in fused):  # in a recompute, keep merged weights for the backward just after
-        return kernels.lora_qkv(x, *fused, keep_weights=checkpointing.recomputing())
+    if all(w is not None for w in fused):
+        return kernels.lora_qkv(x, *fused)
     return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
@@ -173,11 +173,12 @@ def _discards(layer: nn.Module, spec: FamilySpec) -> bool:
 class _GraphOnlySum(torch.autograd.Function):
     """residual + update where the sum's values are thrown away (a recompute's layer output):
     the add's graph, so dOut reaches both operands unchanged, without the add (or its 3 passes
-    over a (tokens, hidden) tensor). The output is uninitialised."""
+    over a (tokens, hidden) tensor). The output is `update` itself (its values unspecified): no
+    new memory (a discarded MLP output is a broadcast element, `kernels.mlp`)."""
 
     @staticmethod
     def forward(ctx: Any, residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(residual)
+        return update
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -241,7 +241,8 @@ def _group_backward(
 
 def kept_merged(ws: list[LoRAWeights], dtype: torch.dtype) -> list[torch.Tensor]:
     """W'_k = W_k + s_k B_k A_k (out_k, in) for each projection, each in its own buffer (not the
-    shared workspace), to be used by the forward and kept for the backward."""
+    shared workspace), for products in forward and backward alike (`kernels.mlp`'s deferred
+    MLP)."""
     return [
         nf4_lora.dequantize_merged(w.weight, w.quant_state, w.lora_A, w.lora_B, w.scaling, dtype, out=_fresh(w, dtype))
         for w in ws
@@ -294,31 +295,25 @@ class _LoRAProjections(torch.autograd.Function):
     (`_group_backward`, dY_k (M, out_k)): one dA product for the group, and the N input
     gradients summed into ONE (M, in) buffer:
 
-        dX = sum_k  dY_k W_k + s_k (dY_k B_k) A_k      = sum_k dY_k W'_k
-
-    `keep` (a checkpoint's recompute, whose backward follows at once): merged W'_k are formed in
-    buffers of their own and kept for the backward, which then needs no dequantization and no
-    dyb A term (the right-hand form). They live until the backward: one layer's attention
-    projections at a time (84 MB for the Llama-8B shape)."""
+        dX = sum_k  dY_k W_k + s_k (dY_k B_k) A_k
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, grad: bool, keep: bool, *flat: Any) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, x: torch.Tensor, grad: bool, *flat: Any) -> tuple[torch.Tensor, ...]:
         dtype, lead, ws = _compute_dtype(x), x.shape[:-1], _unflatten(flat)
         merged = _merges(ws)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
             a = _stacked_a(ws, dtype) if grad or not merged else None  # (N r, in)
             xa = _shrink(x2, ws, a) if a is not None else None  # (M, N r)
-            dense = kept_merged(ws, dtype) if grad and keep and merged else [None] * len(ws)
             outs = []
-            for span, w, d in zip(_spans(ws), ws, dense):
-                y = _expand(x2, None if xa is None else xa[:, span], w, dtype, merged, d)
+            for span, w in zip(_spans(ws), ws):
+                y = _expand(x2, None if xa is None else xa[:, span], w, dtype, merged)
                 # A fresh tensor, not a view of y: autograd forbids in-place updates (RoPE) on
                 # views returned by a function with several outputs.
                 outs.append(torch.ops.aten._unsafe_view(y, (*lead, w.out_features)))
         if grad:
             _save(ctx, ws, x2, xa, a)
-            ctx.kept = dense if dense[0] is not None else None
         ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape
         return tuple(outs)
 
@@ -326,28 +321,24 @@ class _LoRAProjections(torch.autograd.Function):
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, xa, a, *rest = ctx.saved_tensors
         ws, dtype = _rebuild(rest, ctx.meta), ctx.dtype
-        kept, ctx.kept = ctx.kept, None  # freed once used
-        grads: list[torch.Tensor | None] = [None] * (3 + _FIELDS * len(ws))
+        grads: list[torch.Tensor | None] = [None] * (2 + _FIELDS * len(ws))
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = [dy.reshape(-1, dy.shape[-1]).to(dtype) for dy in dys]  # (M, out_k)
-            dx = _group_backward(ctx, 3, dy2, x2, xa, a, ws, dtype, grads, kept, kept is not None)
+            dx = _group_backward(ctx, 2, dy2, x2, xa, a, ws, dtype, grads)
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
 
 
-def lora_linear(x: torch.Tensor, w: LoRAWeights, keep_weights: bool = False) -> torch.Tensor:
-    """x (..., in) -> x W^T + s (x A^T) B^T (..., out); backward by hand (module docstring).
-    keep_weights: the backward follows right away (a checkpoint's recompute): an NF4 base's
-    merged W' is kept for it instead of dequantized again."""
-    return _LoRAProjections.apply(x, _will_backward(x, [w]), keep_weights, *w._flat())[0]
+def lora_linear(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
+    """x (..., in) -> x W^T + s (x A^T) B^T (..., out); backward by hand (module docstring)."""
+    return _LoRAProjections.apply(x, _will_backward(x, [w]), *w._flat())[0]
 
 
 def lora_qkv(
-    x: torch.Tensor, q: LoRAWeights, k: LoRAWeights, v: LoRAWeights, keep_weights: bool = False
+    x: torch.Tensor, q: LoRAWeights, k: LoRAWeights, v: LoRAWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (..., hidden) -> (Q (..., out_q), K (..., out_k), V (..., out_v)) as one autograd
     Function: one shrink product for the three, backward sums the three dX contributions into
-    one buffer. keep_weights: as `lora_linear`."""
-    grad = _will_backward(x, [q, k, v])
-    return _LoRAProjections.apply(x, grad, keep_weights, *q._flat(), *k._flat(), *v._flat())
+    one buffer."""
+    return _LoRAProjections.apply(x, _will_backward(x, [q, k, v]), *q._flat(), *k._flat(), *v._flat())

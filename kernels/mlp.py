@@ -116,7 +116,7 @@ class _LoRAMLP(torch.autograd.Function):
             ctx.deferred = discard and grad and _defer_pays(x2.shape[0], gate, up, dtype)
             if ctx.deferred:
                 base._save(ctx, (gate, up, down), x2)
-                y = torch.empty((x2.shape[0], down.out_features), dtype=dtype, device=x.device)
+                y = _unspecified(x2.shape[0], down.out_features, dtype, x.device)
             else:
                 y = _forward(ctx, x2, gate, up, down, activation, dtype, grad, discard)
         # Not a view of y: a view made inside a Function cannot be updated in place downstream.
@@ -134,6 +134,12 @@ class _LoRAMLP(torch.autograd.Function):
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
+
+
+def _unspecified(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (rows, cols) output whose values nobody reads: one element broadcast (no memory), where
+    a real buffer would be one more (tokens, hidden) tensor alive through the layer's backward."""
+    return torch.empty((), dtype=dtype, device=device).expand(rows, cols)
 
 
 def _defer_pays(rows: int, gate: LoRAWeights, up: LoRAWeights, dtype: torch.dtype) -> bool:
@@ -165,7 +171,7 @@ def _forward(
         a_d = cast(down.lora_A, dtype)  # (r, I)
         ha_d = base._shrink(h, [down], a_d)  # (M, r)
     if discard:
-        y = torch.empty((x2.shape[0], down.out_features), dtype=dtype, device=x2.device)
+        y = _unspecified(x2.shape[0], down.out_features, dtype, x2.device)
     else:
         y = base._expand(h, ha_d, down, dtype, merged_d)  # (M, H)
     if grad:

@@ -180,12 +180,10 @@ def test_cuda_merged_dequantize(shape: tuple[int, int]) -> None:
 
 
 @pytest.mark.parametrize("inter", [INTER, 80])  # 80: down cannot merge (its W_d is still dequantized once)
-def test_recompute_keeps_merged_weights_for_backward(
-    backend: str, inter: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # In a checkpoint's recompute the projections keep W' for their backward, and the MLP runs
-    # in its backward over gate's and up's W' formed once (chunks of 4 rows here): the gradients
-    # are PEFT's fp32 math and nothing is dequantized a second time.
+def test_deferred_mlp_forms_each_weight_once(backend: str, inter: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A deferred MLP (a long sequence's recompute) runs forward and backward in its backward,
+    # over gate's and up's W' formed once for both products (18 rows in chunks of 4 here): its
+    # gradients are PEFT's fp32 math, with 2 merged dequantizations and W_d's plain one.
     import kernels.mlp as mlp_module
 
     monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 4)
@@ -197,23 +195,8 @@ def test_recompute_keeps_merged_weights_for_backward(
     monkeypatch.setattr(nf4, "dequantize", lambda *a, **k: plain.append(a[0].shape) or real_plain(*a, **k))
     proj = _dense(block)
     x = torch.randn((2, 9, HIDDEN), generator=torch.Generator().manual_seed(2))
-    cases = [
-        (MLP, lambda x: lora_mlp(x, *_weights(block, MLP), discard_output=True),
-         lambda x: proj("down_proj", F.silu(proj("gate_proj", x)) * proj("up_proj", x)), (2, 1)),
-        (QKV, lambda x: lora_qkv(x, *_weights(block, QKV), keep_weights=True),
-         lambda x: tuple(proj(n, x) for n in QKV), (3, 0)),
-    ]
-    for names, ours, truth, (n_merged, n_plain) in cases:
-        merged.clear()
-        plain.clear()
-        params = _params(block, names)
-        got, expected = _run(ours, x, params), _run(truth, x, params)
-        _close(got[1], expected[1], 1e-5)
-        assert (len(merged), len(plain)) == (n_merged, n_plain)  # once each, in 18 rows / 5 chunks
-    runs = {}
-    for keep in (False, True):  # the kept weights give the gradients of dequantizing again
-        merged.clear()
-        plain.clear()
-        runs[keep] = _run(lambda x: lora_qkv(x, *_weights(block, QKV), keep_weights=keep), x, _params(block, QKV))
-        assert (len(merged), len(plain)) == ((3, 0) if keep else (3, 3))
-    _close(runs[True][1], runs[False][1], 1e-6)
+    params = _params(block, MLP)
+    got = _run(lambda x: lora_mlp(x, *_weights(block, MLP), discard_output=True), x, params)
+    expected = _run(lambda x: proj("down_proj", F.silu(proj("gate_proj", x)) * proj("up_proj", x)), x, params)
+    _close(got[1], expected[1], 1e-5)
+    assert (len(merged), len(plain)) == (2, 1)
