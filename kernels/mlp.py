@@ -91,7 +91,8 @@ class _LoRAMLP(torch.autograd.Function):
         dX   = [s_g dE B_g | s_u dG B_u] [A_g; A_u] + dE W_g + dG W_u   (one (M, H) buffer)
 
     act is SiLU (swiglu) or tanh-GELU (geglu). Only one dequantized base weight lives at a
-    time, and at most three (M, I) tensors (E, G, then h or dh). E and G are overwritten, so
+    time (three when deferred), and at most three (M, I) tensors (E, G, then h or dh; deferred:
+    three (chunk rows, I)). E and G are overwritten, so
     backward runs once (retain_graph and a second backward raises).
 
     `discard`: the caller throws Y's values away and only back-propagates through it (a
