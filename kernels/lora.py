@@ -212,10 +212,11 @@ def _input_backward(
 ) -> torch.Tensor:
     """dX = dyb a + sum_k dy_k W_k (M, in), a = [A_k]_k (n r, in): the base products accumulated
     onto the adapter term in their epilogues. dense: the W_k already formed (else each is
-    dequantized again into the workspace); merged: they are W'_k = W_k + s_k B_k A_k, and
+    dequantized again into the workspace); merged: they are W'_k = W_k + s_k B_k A_k (dense
+    required), and
     dX = sum_k dy_k W'_k, the same sum (s_k dy_k B_k A_k is the dyb a term) as plain products.
     out: where dX goes."""
-    if merged and dense is not None:
+    if merged:  # dense given
         dx = torch.mm(dys[0], dense[0], out=out)
         for dy, wm in zip(dys[1:], dense[1:]):
             dx.addmm_(dy, wm)
@@ -237,20 +238,6 @@ def _group_backward(
     if not ctx.needs_input_grad[0]:
         return None
     return _input_backward(dys, dyb, a, ws, dtype, dense, merged, out)
-
-
-def kept_merged(ws: list[LoRAWeights], dtype: torch.dtype) -> list[torch.Tensor]:
-    """W'_k = W_k + s_k B_k A_k (out_k, in) for each projection, each in its own buffer (not the
-    shared workspace), for products in forward and backward alike (`kernels.mlp`'s deferred
-    MLP)."""
-    return [
-        nf4_lora.dequantize_merged(w.weight, w.quant_state, w.lora_A, w.lora_B, w.scaling, dtype, out=_fresh(w, dtype))
-        for w in ws
-    ]
-
-
-def _fresh(w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty((w.out_features, w.in_features), dtype=dtype, device=w.weight.device)
 
 
 def _will_backward(x: torch.Tensor, ws: list[LoRAWeights]) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import glu, nf4, lora as base
+from kernels import glu, lora as base, nf4, nf4_lora
 from kernels.dispatch import use_triton
 from kernels.lora import _FIELDS, LoRAWeights
 from kernels.lora_casts import cast, mm_to
@@ -31,6 +31,7 @@ Activation = Literal["swiglu", "geglu"]
 # and E, G and h/dh at 168 MiB there, however long the sequence.
 DEFERRED_ROWS = 2048
 _FIRST = 4  # gate's fields in the flattened argument list: after x, activation, discard, grad
+_DOWN = _FIRST + 2 * _FIELDS  # down's fields
 
 
 def _act_and_grad(e: torch.Tensor, activation: Activation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +115,7 @@ class _LoRAMLP(torch.autograd.Function):
         ctx.done, ctx.h = False, None
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
-            ctx.deferred = discard and grad and _defer_pays(x2.shape[0], gate, up, dtype)
+            ctx.deferred = discard and grad and _defer_pays(x2.shape[0], gate, up)
             if ctx.deferred:
                 base._save(ctx, (gate, up, down), x2)
                 y = _unspecified(x2.shape[0], down.out_features, dtype, x.device)
@@ -143,7 +144,7 @@ def _unspecified(rows: int, cols: int, dtype: torch.dtype, device: torch.device)
     return torch.empty((), dtype=dtype, device=device).expand(rows, cols)
 
 
-def _defer_pays(rows: int, gate: LoRAWeights, up: LoRAWeights, dtype: torch.dtype) -> bool:
+def _defer_pays(rows: int, gate: LoRAWeights, up: LoRAWeights) -> bool:
     """Whether a deferred MLP peaks lower than a recompute that keeps E, G and h for all `rows`:
     3 rows I elements against 3 min(rows, DEFERRED_ROWS) I plus the W_g, W_u it keeps dense
     (the merged NF4 ones, or dequantized copies; a 16-bit base is used as it is)."""
@@ -185,11 +186,11 @@ def _backward(ctx: Any, dy: torch.Tensor, grads: list[torch.Tensor | None]) -> t
     """`_LoRAMLP`'s backward from what `_forward` saved; returns dX (M, H) or None."""
     x2, e, g, xa_gu, a_gu, ha_d, a_d, *tensors = ctx.saved_tensors
     gate, up, down = base._rebuild(tensors, ctx.meta)
-    dtype, at_d = ctx.dtype, _FIRST + 2 * _FIELDS
-    dyb = base._adapter_backward(ctx, at_d, [dy], None, ha_d, [down], dtype, grads)  # (M, r); dB_d
-    if base._needs(ctx, at_d, 0)[0]:
+    dtype = ctx.dtype
+    dyb = base._adapter_backward(ctx, _DOWN, [dy], None, ha_d, [down], dtype, grads)  # (M, r); dB_d
+    if base._needs(ctx, _DOWN, 0)[0]:
         h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation)
-        grads[at_d + 2] = mm_to(dyb.t(), h, down.lora_A.dtype)
+        grads[_DOWN + 2] = mm_to(dyb.t(), h, down.lora_A.dtype)
         del h
     ctx.h = None
     dh = base._input_backward([dy], dyb, a_d, [down], dtype)
@@ -206,50 +207,49 @@ def _deferred_backward(ctx: Any, dy: torch.Tensor, grads: list[torch.Tensor | No
     dequantized once, into the shared workspace, which nothing else uses until the end."""
     x2, *tensors = ctx.saved_tensors
     gate, up, down = base._rebuild(tensors, ctx.meta)
-    dtype = ctx.dtype
-    merged = base._merges([gate, up])
-    kept = base.kept_merged([gate, up], dtype) if merged else None
-    dense = kept or [_dense(w, dtype) for w in (gate, up)]
-    parts = (
-        base._stacked_a([gate, up], dtype),  # a_gu (2r, H)
-        cast(down.lora_A, dtype),  # a_d (r, I)
-        base._base(down.weight, down.quant_state, dtype),  # W_d (H, I)
-    )
+    dtype, merged = ctx.dtype, base._merges([gate, up])
+    dense = [_own_dense(w, dtype, merged) for w in (gate, up)]
+    a_gu, a_d = base._stacked_a([gate, up], dtype), cast(down.lora_A, dtype)  # (2r, H), (r, I)
+    w_d = base._base(down.weight, down.quant_state, dtype)  # (H, I)
     dx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
     for start in range(0, x2.shape[0], DEFERRED_ROWS):
         rows = slice(start, start + DEFERRED_ROWS)
         chunk: list[torch.Tensor | None] = [None] * len(grads)
         out = None if dx is None else dx[rows]
-        _chunk_backward(ctx, x2[rows], dy[rows], (gate, up, down), dense, kept, parts, chunk, out)
+        _chunk_backward(ctx, x2[rows], dy[rows], (gate, up, down), dense, merged, (a_gu, a_d, w_d), chunk, out)
         for i, t in enumerate(chunk):
             if t is not None:
                 grads[i] = t if grads[i] is None else grads[i].add_(t)
     return dx
 
 
-def _dense(w: LoRAWeights, dtype: torch.dtype) -> torch.Tensor:
-    """W (out, in) in `dtype` in a buffer of its own (an NF4 base that cannot merge)."""
+def _own_dense(w: LoRAWeights, dtype: torch.dtype, merged: bool) -> torch.Tensor:
+    """W (out, in) in `dtype` in a buffer of its own, not the shared workspace (W' = W + s B A
+    when `merged`); a 16-bit base is used as it is."""
     if w.quant_state is None:
         return base._base(w.weight, None, dtype)
-    return nf4.dequantize(w.weight, w.quant_state, out=base._fresh(w, dtype))
+    out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=w.weight.device)
+    if merged:
+        return nf4_lora.dequantize_merged(w.weight, w.quant_state, w.lora_A, w.lora_B, w.scaling, dtype, out=out)
+    return nf4.dequantize(w.weight, w.quant_state, out=out)
 
 
 def _chunk_backward(
     ctx: Any, x: torch.Tensor, dy: torch.Tensor, ws: tuple[LoRAWeights, LoRAWeights, LoRAWeights],
-    dense: list[torch.Tensor], kept: list[torch.Tensor] | None, parts: tuple[torch.Tensor, ...],
+    dense: list[torch.Tensor], merged: bool, parts: tuple[torch.Tensor, ...],
     grads: list[torch.Tensor | None], out: torch.Tensor | None,
 ) -> None:
     """One chunk of `_deferred_backward`: x (m, H), dy (m, H); this chunk's adapter gradients
-    into `grads`, its dX into `out` (when given). dense: W_g, W_u (W'_g, W'_u when `kept`)."""
+    into `grads`, its dX into `out` (when given). dense: W_g, W_u (W'_g, W'_u when `merged`);
+    parts: a_gu (2r, H), a_d (r, I), W_d (H, I)."""
     gate, up, down = ws
     a_gu, a_d, w_d = parts
-    dtype, merged, (sg, su) = ctx.dtype, kept is not None, base._spans([gate, up])
+    dtype, (sg, su) = ctx.dtype, base._spans([gate, up])
     xa = base._shrink(x, [gate, up], a_gu)  # (m, 2r)
     e = base._expand(x, xa[:, sg], gate, dtype, merged, dense[0])  # (m, I)
     g = base._expand(x, xa[:, su], up, dtype, merged, dense[1])
     h = _glu_forward(e, g, ctx.activation)
-    at_d = _FIRST + 2 * _FIELDS
-    dyb = base._adapter_backward(ctx, at_d, [dy], h, base._shrink(h, [down], a_d), [down], dtype, grads)
+    dyb = base._adapter_backward(ctx, _DOWN, [dy], h, base._shrink(h, [down], a_d), [down], dtype, grads)
     del h
     dh = torch.mm(dyb, a_d).addmm_(dy, w_d)  # (m, I)
     de, dg = _glu_backward_(e, g, dh, ctx.activation)

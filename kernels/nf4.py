@@ -210,10 +210,7 @@ def dequantize(
     """
     plan = _plan(weight, quant_state)
     packed = plan.tensors[0]  # a plain tensor: a Params4bit's .device would go through its __torch_function__
-    if out is None:
-        out = WORKSPACE.get(plan.shape, packed.device, dtype or quant_state.dtype)
-    elif tuple(out.shape) != plan.shape or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous with shape {plan.shape}, got {tuple(out.shape)}")
+    out = output_buffer(plan, out, (dtype or quant_state.dtype) if out is None else out.dtype)
     if not use_triton(packed):
         return out.copy_(dequantize_reference(weight, quant_state, out.dtype))
     launch(_nf4_dequant_kernel, plan.grid, *plan.tensors, out, plan.n, plan.n_blocks, plan.blocksize,
@@ -236,6 +233,16 @@ class _Plan(NamedTuple):
     blocksize: int
     blocksize2: int  # of the nested absmax (1 when not nested)
     nested: bool
+
+
+def output_buffer(plan: _Plan, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Where a dequantization of `plan`'s weight goes: `out`, checked (contiguous, the weight's
+    shape, `dtype`), or else a view of the shared workspace for (device, dtype)."""
+    if out is None:
+        return WORKSPACE.get(plan.shape, plan.tensors[0].device, dtype)
+    if tuple(out.shape) != plan.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {dtype} of shape {plan.shape}, got {out.dtype} {tuple(out.shape)}")
+    return out
 
 
 def _plan(weight: torch.Tensor, quant_state: Any) -> _Plan:

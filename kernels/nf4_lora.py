@@ -112,10 +112,7 @@ def dequantize_merged(
     lora_b (out, r) in any float dtype."""
     plan = nf4._plan(weight, quant_state)
     packed = plan.tensors[0]
-    if out is None:
-        out = nf4.WORKSPACE.get(plan.shape, packed.device, dtype)
-    elif tuple(out.shape) != plan.shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {dtype} of shape {plan.shape}, got {out.dtype} {tuple(out.shape)}")
+    out = nf4.output_buffer(plan, out, dtype)
     if not use_triton(packed):
         return out.copy_(merged_reference(weight, quant_state, lora_a, lora_b, scaling, dtype))
     n_rows, in_features = plan.shape
