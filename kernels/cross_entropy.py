@@ -18,11 +18,13 @@ Per chunk (rows `s:e`), with `x = h[s:e] @ W^T` in the weight dtype (fp32 accumu
 The Triton kernel overwrites the chunk's logits in place with that gradient times a scale, then
     grad_h[s:e] = dx @ W        (C, V) @ (V, H)
     grad_W     += dx^T @ h[s:e] (V, C) @ (C, H)   skipped when W is frozen (LoRA); accumulated
-                                                  in W's dtype (an fp32 copy would cost 2 GB).
+                                                  in W's dtype (an fp32 copy would cost 2 GB);
+                                                  the first chunk writes it (no zero fill).
 
 `fused_linear_cross_entropy` ("mean"/"sum") does all of this during forward, with scale
 `1 / num_valid` ("mean", a device tensor: no host sync) or 1 ("sum"); backward only multiplies the
-saved grads by the scalar grad_output. "none" and `chunked_token_logprobs` get a per-token
+saved grads by the scalar grad_output, and on the GPU skips that pass over grad_W (2.1 GB of
+traffic) when grad_output is 1, deciding on the device (no host sync, graph-safe). "none" and `chunked_token_logprobs` get a per-token
 grad_output that must weight each row *before* the sum over tokens in grad_W, so they save only
 `lse` `(N,)` in forward and recompute the chunk logits in backward (one extra matmul per chunk).
 """
@@ -35,10 +37,13 @@ import triton
 import triton.language as tl
 
 from kernels._launch import launch
+from kernels._utils import cdiv, sm_count
 from kernels.dispatch import use_triton
 
 # Vocabulary is swept in blocks of at most this many columns (tests lower it to force the loop).
-_MAX_BLOCK_V = 8192
+# At 128K vocabulary, H100: 72 us a (256, V) chunk at 32768 columns and 32 warps, 89 us at 8192
+# and 16 (bench/ce_variants.py).
+_MAX_BLOCK_V = 32768
 # Below this many tokens a chunk turns the matmuls into slow GEMVs that re-read all of W; the extra
 # logits memory of such a floor is small (128 x 256K bf16 = 64 MB). Tests lower it.
 _MIN_CHUNK = 128
@@ -112,6 +117,31 @@ def _ce_chunk_kernel(
             tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    # grid: (programs,), each scaling ITERS consecutive blocks; all exit at once when scale == 1.
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        first = tl.program_id(0).to(tl.int64) * ITERS * BLOCK
+        for i in range(ITERS):
+            offs = first + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask)
+            tl.store(x_ptr + offs, (x.to(tl.float32) * scale).to(x.dtype), mask=mask)
+
+
+def _scale_(t: torch.Tensor, scale: torch.Tensor, triton_on: bool) -> None:
+    """t *= scale in place (scale a 0-d tensor), skipping the pass when scale is 1 on the device."""
+    if not (triton_on and t.is_contiguous()) or t.numel() == 0:
+        t.mul_(scale)
+        return
+    block = 4096
+    programs = min(cdiv(t.numel(), block), 8 * sm_count(t.device))
+    iters = cdiv(t.numel(), block * programs)
+    launch(_scale_kernel, (programs,), t, scale.to(torch.float32).contiguous(), t.numel(), block, iters,
+           num_warps=8)
+
+
 # ---------------------------------------------------------------- per-chunk op, both backends
 def _ce_chunk_triton(logits, labels, loss, lse, scale, ignore_index, softcap, inv_temp,
                      compute_lse, compute_grad) -> None:
@@ -122,7 +152,7 @@ def _ce_chunk_triton(logits, labels, loss, lse, scale, ignore_index, softcap, in
     launch(
         _ce_chunk_kernel, (rows,), logits, logits.stride(0), labels, loss, lse, scale,
         0 if scale.dim() == 0 else 1, vocab, ignore_index, float(softcap or 1.0), float(inv_temp),
-        softcap is not None, compute_lse, compute_grad, block, num_warps=16 if block >= 4096 else 4,
+        softcap is not None, compute_lse, compute_grad, block, num_warps=max(4, min(32, block // 512)),
     )
 
 
@@ -166,7 +196,7 @@ def _chunked_pass(h, w, labels, loss, lse, scale, gh, gw, opts: dict, compute_ls
     """Sweep the chunks: logits -> CE kernel (loss/lse and/or in-place grad) -> grad matmuls.
 
     h `(N, H)`, w `(V, H)`, labels `(N,)`; loss, lse `(N,)` fp32; scale scalar or `(N,)` fp32;
-    gh `(N, H)` or None; gw `(V, H)` (accumulated into) or None.
+    gh `(N, H)` or None; gw `(V, H)` or None, overwritten (N > 0; the caller zeroes it for N = 0).
     """
     n, hdim = h.shape
     vocab = w.shape[0]
@@ -187,7 +217,15 @@ def _chunked_pass(h, w, labels, loss, lse, scale, gh, gw, opts: dict, compute_ls
             else:
                 gh[s:e] = logits @ w
         if gw is not None:
-            gw.addmm_(logits.t(), hc)
+            if s == 0:
+                torch.mm(logits.t(), hc, out=gw)
+            else:
+                gw.addmm_(logits.t(), hc)
+
+
+def _weight_grad(w: torch.Tensor, n: int) -> torch.Tensor:
+    """grad_W's buffer: written by the first chunk, so zero-filled only when there is none."""
+    return _alloc(w.shape, w.dtype, w.device) if n > 0 else torch.zeros_like(w)
 
 
 # ---------------------------------------------------------------- autograd Functions
@@ -209,9 +247,10 @@ class _FusedLinearCE(torch.autograd.Function):
         else:
             scale = torch.ones((), dtype=torch.float32, device=h.device)
         gh = _alloc(h.shape, h.dtype, h.device) if need_gh else None
-        gw = torch.zeros_like(w) if need_gw else None
+        gw = _weight_grad(w, n) if need_gw else None
         _chunked_pass(h, w, labels, loss, lse, scale, gh, gw, opts, compute_lse=True)
         ctx.grads = (gh, gw)
+        ctx.triton = opts["triton"]
         return loss.sum() * scale
 
     @staticmethod
@@ -221,11 +260,12 @@ class _FusedLinearCE(torch.autograd.Function):
             raise RuntimeError("fused_linear_cross_entropy: backward can run only once per forward")
         gh, gw = ctx.grads
         ctx.grads = None  # the grads are scaled in place below and handed over, not kept
-        # Always multiply (a 0-d device tensor): testing grad_out == 1 first would sync the host.
-        if gh is not None:
-            gh.mul_(grad_out)
-        if gw is not None:
-            gw.mul_(grad_out)
+        # grad_out is a 0-d device tensor: testing it on the host would sync, so `_scale_` tests
+        # it on the device (on a CPU there is nothing to gain, and the interpreter's bf16 casts
+        # truncate instead of rounding, so torch multiplies there).
+        for g in (gh, gw):
+            if g is not None:
+                _scale_(g, grad_out, ctx.triton and g.is_cuda)
         return gh, gw, None, None, None, None, None
 
 
@@ -253,7 +293,7 @@ class _PerTokenCE(torch.autograd.Function):
         h, w, labels, lse = ctx.saved_tensors
         need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gh = _alloc(h.shape, h.dtype, h.device) if need_gh else None
-        gw = torch.zeros_like(w) if need_gw else None
+        gw = _weight_grad(w, h.shape[0]) if need_gw else None
         if need_gh or need_gw:
             row_scale = grad_out.float().contiguous()
             # compute_lse=False: the kernel reads lse and writes no loss (lse fills that slot)

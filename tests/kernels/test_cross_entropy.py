@@ -223,6 +223,22 @@ def test_gpu_matches_reference(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_weight_grad_chunks_and_unit_grad_output(monkeypatch) -> None:
+    """grad_W written by the first of many chunks and accumulated by the rest, and backward with
+    grad_output 1 (the device-side skip of the scaling pass): both gradients match the reference."""
+    monkeypatch.delenv("KESTREL_KERNELS", raising=False)
+    monkeypatch.setattr(ce, "_MIN_CHUNK", 128)
+    hidden, weight, labels = make_inputs(n=2048, h=512, v=32000, dtype=torch.bfloat16)
+    hidden = hidden.detach().cuda().requires_grad_()
+    weight = weight.detach().cuda().requires_grad_()
+    assert ce._chunk_size(2048, 512, 32000) == 128  # 16 chunks, 15 of them accumulating
+    ours, ref, h_ref, w_ref = run_both(hidden, weight, labels.cuda(), grad_scale=1.0)
+    assert_rel(ours, ref, 1e-2)
+    assert_rel(hidden.grad, h_ref.grad, 1e-2)
+    assert_rel(weight.grad, w_ref.grad, 1e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_peak_memory_llama3_shape(monkeypatch) -> None:
     """N=8192, H=4096, V=128256, bf16, trainable lm_head: loss + both grads within 1.2 GB of
     what the inputs hold (the bf16 grads alone are 1.12 GB; full logits would be 2.1 GB)."""
@@ -245,3 +261,16 @@ def test_gpu_peak_memory_llama3_shape(monkeypatch) -> None:
     assert extra < 1.2e9, f"peak {extra / 1e9:.3f} GB beyond inputs"
     # logits ~ N(0, 9): E[loss] = E[lse] ~ log(V) + 9 / 2 = 16.3
     assert torch.isfinite(loss) and 15.0 < loss.item() < 17.5
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5, -0.75])
+@pytest.mark.parametrize("numel", [1, 4095, 4096 * 9 + 5])
+def test_scale_kernel(scale, numel) -> None:
+    """The in-place scale behind backward's grad_output (Triton, the interpreter on a CPU): every
+    element scaled (a scale of 1 may skip the pass, which must leave the values as they were),
+    ragged tails included."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
+    want = t * scale
+    ce._scale_(t, torch.tensor(scale, device=device), triton_on=True)
+    assert torch.equal(t, want)
