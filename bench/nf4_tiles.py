@@ -16,6 +16,8 @@ Variants of the merged kernel:
   gathers its block scale, with no join or reshape, so the values can be formed in whatever
   layout the tl.dot result has.
 Also the plain kernel (kernels.nf4) over quant-blocks-per-program and warps, and bitsandbytes.
+`--quick`: the two MLP shapes and the tiled bf16 configs only, each with the adapter given in
+fp32 (as PEFT holds it) and in bf16 (as `kernels.lora_casts` keeps it cast once a step).
 """
 
 from __future__ import annotations
@@ -88,9 +90,12 @@ def _time(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3  # us
 
 
-def sweep_merged(o: int, i: int, configs: list[tuple] | None = None) -> dict:
-    """us and err/bound per (kernel, dot operands, BI, BJ, warps); `configs` limits the sweep."""
+def sweep_merged(o: int, i: int, configs: list[tuple] | None = None, ab16: bool = False) -> dict:
+    """us and err/bound per (kernel, dot operands, BI, BJ, warps); `configs` limits the sweep;
+    ab16: the adapter's A and B handed to the kernel in bf16."""
     packed, state, a, b = _weights(o, i)
+    if ab16:
+        a, b = a.bfloat16(), b.bfloat16()
     plan, s = nf4._plan(packed, state), 2.0
     out = torch.empty(o, i, device="cuda", dtype=torch.bfloat16)
     row = {}
@@ -149,10 +154,27 @@ def sweep_plain(o: int, i: int) -> dict:
     return row
 
 
+def quick() -> dict:
+    configs = [("tiled", True, bi, bj, nw) for bi in (32, 64) for bj in (128, 256) for nw in (4, 8)]
+    result = {}
+    for o, i in SHAPES[:2]:
+        for ab16 in (False, True):
+            row = sweep_merged(o, i, configs, ab16)
+            result[f"{o}x{i}_ab{'16' if ab16 else '32'}"] = row
+            ok = sorted((v["us"], k, round(v["err/bound"], 3)) for k, v in row.items() if "err/bound" in v)
+            print(f"merged {o}x{i} adapter {'bf16' if ab16 else 'fp32'}: current {row['current']['us']:.1f} us, "
+                  f"best {ok[:4]}", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="nf4_tiles.json")
+    parser.add_argument("--quick", action="store_true", help="MLP shapes, tiled bf16 configs, fp32/bf16 adapter")
     args = parser.parse_args()
+    if args.quick:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "quick": quick()}, indent=1))
+        return
     result = {"device": torch.cuda.get_device_name(), "plain": {}, "merged": {}}
     top = None  # the full merged sweep on the first shape, its best 6 configs on the others
     for o, i in SHAPES:

@@ -125,7 +125,7 @@ def test_merged_projections_match_fp32_peft_math(
     assert merges(_weights(block, MLP)[2:]) == (inter == INTER)
     merged_calls = []
     real = nf4_lora.dequantize_merged
-    monkeypatch.setattr(nf4_lora, "dequantize_merged", lambda *a: merged_calls.append(1) or real(*a))
+    monkeypatch.setattr(nf4_lora, "dequantize_merged", lambda *a, **k: merged_calls.append(1) or real(*a, **k))
     proj = _dense(block)
     x = torch.randn((2, 9, HIDDEN), generator=torch.Generator().manual_seed(2)).to(dtype)
     cases = [
