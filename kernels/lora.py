@@ -131,14 +131,16 @@ def _merges(ws: list[LoRAWeights]) -> bool:
     return all(w.quant_state is not None and nf4_lora.usable(w.quant_state) for w in ws)
 
 
-def _merged(w: LoRAWeights, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+def _merged(
+    w: LoRAWeights, dtype: torch.dtype, out: torch.Tensor | None = None, a: torch.Tensor | None = None
+) -> torch.Tensor:
     """W' = W + s B A (out, in) in `dtype`, in the NF4 workspace (or `out`). A and B go in
-    already cast to `dtype` (kept from use to use, `kernels.lora_casts`): the kernel rounds them
-    to a 16-bit `dtype` anyway, and reading them in 16 bits is 10% faster (74 vs 83 us for the
-    8B MLP's W', H100, bench/nf4_tiles.py --quick)."""
-    return nf4_lora.dequantize_merged(
-        w.weight, w.quant_state, cast(w.lora_A, dtype), cast(w.lora_B, dtype), w.scaling, dtype, out=out
-    )
+    already cast to `dtype` (kept from use to use, `kernels.lora_casts`; `a`: A's rows of the
+    group's stacked cast, which the backward uses too, so no copy of A is kept for this alone):
+    the kernel rounds them to a 16-bit `dtype` anyway, and reading them in 16 bits is 10%
+    faster (74 vs 83 us for the 8B MLP's W', H100, bench/nf4_tiles.py --quick)."""
+    a = cast(w.lora_A, dtype) if a is None else a
+    return nf4_lora.dequantize_merged(w.weight, w.quant_state, a, cast(w.lora_B, dtype), w.scaling, dtype, out=out)
 
 
 def _stacked_a(ws: list[LoRAWeights], dtype: torch.dtype) -> torch.Tensor:
@@ -171,13 +173,13 @@ def _shrink(x: torch.Tensor, ws: list[LoRAWeights], a: torch.Tensor) -> torch.Te
 
 def _expand(
     x: torch.Tensor, xa: torch.Tensor | None, w: LoRAWeights, dtype: torch.dtype, merged: bool,
-    dense: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None, a: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x W^T + xa B^T (M, out) for x (M, in) and this projection's xa (M, r); merged: the
-    adapter is inside W' (`_merged`) and xa is not read. dense: W (W' when merged) already
-    formed; otherwise it is dequantized (merged) into the workspace here."""
+    adapter is inside W' (`_merged`, from A's cast rows `a` when given) and xa is not read.
+    dense: W (W' when merged) already formed; otherwise it is dequantized (merged) here."""
     if merged:
-        return torch.mm(x, (_merged(w, dtype) if dense is None else dense).t())
+        return torch.mm(x, (_merged(w, dtype, a=a) if dense is None else dense).t())
     b = cast(w.lora_B, dtype)
     base = _base(w.weight, w.quant_state, dtype) if dense is None else dense
     if w.out_features * w.in_features >= _ADAPTER_FIRST_MIN:
@@ -301,11 +303,11 @@ class _LoRAProjections(torch.autograd.Function):
         merged = _merges(ws)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
-            a = _stacked_a(ws, dtype) if grad or not merged else None  # (N r, in)
-            xa = _shrink(x2, ws, a) if a is not None else None  # (M, N r)
+            a = _stacked_a(ws, dtype)  # (N r, in)
+            xa = _shrink(x2, ws, a) if grad or not merged else None  # (M, N r)
             outs = []
             for span, w in zip(_spans(ws), ws):
-                y = _expand(x2, None if xa is None else xa[:, span], w, dtype, merged)
+                y = _expand(x2, None if xa is None else xa[:, span], w, dtype, merged, a=a[span])
                 # A fresh tensor, not a view of y: autograd forbids in-place updates (RoPE) on
                 # views returned by a function with several outputs.
                 outs.append(torch.ops.aten._unsafe_view(y, (*lead, w.out_features)))

@@ -138,12 +138,12 @@ def _forward(
     `discard`; saves for `_backward` when `grad`."""
     sg, su = base._spans([gate, up])
     merged_gu, merged_d = base._merges([gate, up]), base._merges([down])
-    a_gu = xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
+    xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
+    a_gu = base._stacked_a([gate, up], dtype)  # (2r, H)
     if grad or not merged_gu:
-        a_gu = base._stacked_a([gate, up], dtype)  # (2r, H)
         xa_gu = base._shrink(x2, [gate, up], a_gu)  # (M, 2r)
-    e = base._expand(x2, None if xa_gu is None else xa_gu[:, sg], gate, dtype, merged_gu)  # (M, I)
-    g = base._expand(x2, None if xa_gu is None else xa_gu[:, su], up, dtype, merged_gu)
+    e = base._expand(x2, None if xa_gu is None else xa_gu[:, sg], gate, dtype, merged_gu, a=a_gu[sg])  # (M, I)
+    g = base._expand(x2, None if xa_gu is None else xa_gu[:, su], up, dtype, merged_gu, a=a_gu[su])
     h = None
     if discard and grad and use_triton(e, g):  # h's one use is down's shrink: never written
         a_d = cast(down.lora_A, dtype)  # (r, I)
@@ -209,8 +209,8 @@ def _deferred_backward(ctx: Any, dy: torch.Tensor, grads: list[torch.Tensor | No
     x2, *tensors = ctx.saved_tensors
     gate, up, down = base._rebuild(tensors, ctx.meta)
     dtype, merged = ctx.dtype, base._merges([gate, up])
-    dense = [_own_dense(w, dtype, merged) for w in (gate, up)]
     a_gu, a_d = base._stacked_a([gate, up], dtype), cast(down.lora_A, dtype)  # (2r, H), (r, I)
+    dense = [_own_dense(w, dtype, merged, a_gu[span]) for w, span in zip((gate, up), base._spans([gate, up]))]
     w_d = base._base(down.weight, down.quant_state, dtype)  # (H, I)
     dx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
     for start in range(0, x2.shape[0], DEFERRED_ROWS):
@@ -224,14 +224,14 @@ def _deferred_backward(ctx: Any, dy: torch.Tensor, grads: list[torch.Tensor | No
     return dx
 
 
-def _own_dense(w: LoRAWeights, dtype: torch.dtype, merged: bool) -> torch.Tensor:
+def _own_dense(w: LoRAWeights, dtype: torch.dtype, merged: bool, a: torch.Tensor) -> torch.Tensor:
     """W (out, in) in `dtype` in a buffer of its own, not the shared workspace (W' = W + s B A
-    when `merged`); a 16-bit base is used as it is."""
+    when `merged`, `a` being A cast to `dtype`); a 16-bit base is used as it is."""
     if w.quant_state is None:
         return base._base(w.weight, None, dtype)
     out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=w.weight.device)
     if merged:
-        return base._merged(w, dtype, out)
+        return base._merged(w, dtype, out, a)
     return nf4.dequantize(w.weight, w.quant_state, out=out)
 
 
