@@ -24,14 +24,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def round_up_coarse(n: int) -> int:
-    """`n` rounded up to three significant bits (4, 5, 6, 7 times a power of two): a trip count
-    that is a compile-time constant takes few distinct values (a handful per octave of n_rows),
-    while the programs it leads to stay within 80% of the target."""
-    step = 1 << max(0, n.bit_length() - 3)
-    return cdiv(n, step) * step
-
-
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n for n >= 1, and 0 for n = 0 (as `triton.next_power_of_2`)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0

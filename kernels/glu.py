@@ -150,30 +150,6 @@ def geglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
-def act_and_grad_reference(e: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(e), act'(e)) in e's dtype (call with fp32).
-    silu(e) = e s, s = sigmoid(e):                silu'(e) = s (1 + e (1 - s))
-    gelu_tanh(e) = e s, s = sigmoid(2z), z = sqrt(2/pi) (e + 0.044715 e^3):
-                                                  gelu_tanh'(e) = s + 2 e s (1 - s) dz/de"""
-    if activation == "swiglu":
-        s = torch.sigmoid(e)
-        return e * s, s * (1.0 + e * (1.0 - s))
-    c = 0.7978845608028654
-    s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
-    return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
-
-
-def glu_backward_reference(
-    e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For h = act(e) * g: de = dh * g * act'(e), dg = dh * act(e), written over (e, g) and
-    returned. fp32 math; act(e) rounded to e's dtype first, as HF (and kernels.glu) do."""
-    ef, gf, dhf = e.float(), g.float(), dh.float()
-    act, grad = act_and_grad_reference(ef, activation)
-    de, dg = dhf * gf * grad, dhf * act.to(e.dtype).float()
-    return e.copy_(de), g.copy_(dg)
-
-
 def _inplace_allowed(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """In-place gradients need gate and up to be autograd intermediates (not user-held leaves
     or views of them) that do not share elements."""

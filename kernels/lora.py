@@ -190,7 +190,6 @@ def _expand(
 def _adapter_backward(
     ctx: Any, first: int, dys: list[torch.Tensor], x: torch.Tensor | None, xa: torch.Tensor,
     ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
-    db: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The adapter part of the backward of y_k = x W_k^T + s_k (x A_k^T) B_k^T, k = 1..n, given
     dy_k (M, out_k) and xa = [s_k x A_k^T]_k (M, n r). Writes dB_k, and dA_k when x is given,
@@ -198,7 +197,7 @@ def _adapter_backward(
 
         dyb  = [s_k dy_k B_k]_k                   (M, n r)
         dA   = dyb^T x                            (n r, in), one product for the group
-        dB_k = dy_k^T xa_k                        (out_k, r)   (taken from `db` when given)
+        dB_k = dy_k^T xa_k                        (out_k, r)
     """
     spans = _spans(ws)
     parts = [torch.mm(dy, cast(w.lora_B, dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
@@ -210,9 +209,7 @@ def _adapter_backward(
             grads[first + _FIELDS * k + 2] = da[spans[k]] if need_a[k] else None
     for k, (dy, w) in enumerate(zip(dys, ws)):
         if _needs(ctx, first, k)[1]:
-            grads[first + _FIELDS * k + 3] = (
-                mm_to(dy.t(), xa[:, spans[k]], w.lora_B.dtype) if db is None else db[k].to(w.lora_B.dtype)
-            )
+            grads[first + _FIELDS * k + 3] = mm_to(dy.t(), xa[:, spans[k]], w.lora_B.dtype)
     return dyb
 
 
@@ -241,12 +238,10 @@ def _group_backward(
     ctx: Any, first: int, dys: list[torch.Tensor], x: torch.Tensor, xa: torch.Tensor,
     a: torch.Tensor, ws: list[LoRAWeights], dtype: torch.dtype, grads: list[torch.Tensor | None],
     dense: list[torch.Tensor] | None = None, merged: bool = False, out: torch.Tensor | None = None,
-    db: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """The whole backward of projections of one input x: `_adapter_backward` (dB_k from `db`
-    when given), then dX (`_input_backward`, over `dense` weights when given) when x needs a
-    gradient."""
-    dyb = _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads, db)
+    """The whole backward of projections of one input x: `_adapter_backward`, then dX
+    (`_input_backward`, over `dense` weights when given) when x needs a gradient."""
+    dyb = _adapter_backward(ctx, first, dys, x, xa, ws, dtype, grads)
     if not ctx.needs_input_grad[0]:
         return None
     return _input_backward(dys, dyb, a, ws, dtype, dense, merged, out)

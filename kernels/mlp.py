@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import glu, glu_lora, lora as base, nf4, nf4_lora
+from kernels import glu, lora as base, nf4
 from kernels.dispatch import use_triton
 from kernels.lora import _FIELDS, LoRAWeights
 from kernels.lora_casts import cast, mm_to
@@ -34,6 +34,30 @@ _FIRST = 4  # gate's fields in the flattened argument list: after x, activation,
 _DOWN = _FIRST + 2 * _FIELDS  # down's fields
 
 
+def _act_and_grad(e: torch.Tensor, activation: Activation) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(e), act'(e)) in e's dtype (call with fp32).
+    silu(e) = e s, s = sigmoid(e):                silu'(e) = s (1 + e (1 - s))
+    gelu_tanh(e) = e s, s = sigmoid(2z), z = sqrt(2/pi) (e + 0.044715 e^3):
+                                                  gelu_tanh'(e) = s + 2 e s (1 - s) dz/de"""
+    if activation == "swiglu":
+        s = torch.sigmoid(e)
+        return e * s, s * (1.0 + e * (1.0 - s))
+    c = 0.7978845608028654
+    s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
+    return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
+
+
+def glu_backward_reference(
+    e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For h = act(e) * g: de = dh * g * act'(e), dg = dh * act(e), written over (e, g) and
+    returned. fp32 math; act(e) rounded to e's dtype first, as HF (and kernels.glu) do."""
+    ef, gf, dhf = e.float(), g.float(), dh.float()
+    act, grad = _act_and_grad(ef, activation)
+    de, dg = dhf * gf * grad, dhf * act.to(e.dtype).float()
+    return e.copy_(de), g.copy_(dg)
+
+
 def _glu_forward(e: torch.Tensor, g: torch.Tensor, activation: Activation) -> torch.Tensor:
     """h = act(e) * g (M, I) through kernels.glu (Triton on CUDA, its reference elsewhere)."""
     return glu.swiglu(e, g) if activation == "swiglu" else glu.geglu(e, g)
@@ -45,7 +69,7 @@ def _glu_backward_(
     """(de, dg) written over (e, g): kernels.glu's in-place Triton backward, or the reference."""
     if use_triton(e, g, dh):
         return glu.glu_backward(dh, e, g, gelu=activation == "geglu", inplace=True)
-    return glu.glu_backward_reference(e, g, dh, activation)
+    return glu_backward_reference(e, g, dh, activation)
 
 
 class _LoRAMLP(torch.autograd.Function):
@@ -144,15 +168,10 @@ def _forward(
         xa_gu = base._shrink(x2, [gate, up], a_gu)  # (M, 2r)
     e = base._expand(x2, None if xa_gu is None else xa_gu[:, sg], gate, dtype, merged_gu, a=a_gu[sg])  # (M, I)
     g = base._expand(x2, None if xa_gu is None else xa_gu[:, su], up, dtype, merged_gu, a=a_gu[su])
-    h = None
-    if discard and grad and use_triton(e, g):  # h's one use is down's shrink: never written
+    h = _glu_forward(e, g, activation)
+    if grad or not (merged_d or discard):  # for backward, or for the down product
         a_d = cast(down.lora_A, dtype)  # (r, I)
-        ha_d = glu_lora.glu_shrink(e, g, a_d, down.scaling, activation)  # (M, r)
-    else:
-        h = _glu_forward(e, g, activation)
-        if grad or not (merged_d or discard):  # for backward, or for the down product
-            a_d = cast(down.lora_A, dtype)  # (r, I)
-            ha_d = base._shrink(h, [down], a_d)  # (M, r)
+        ha_d = base._shrink(h, [down], a_d)  # (M, r)
     if discard:
         y = _unspecified(x2.shape[0], down.out_features, dtype, x2.device)
     else:
@@ -166,38 +185,18 @@ def _forward(
 def _backward(ctx: Any, dy: torch.Tensor, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
     """`_LoRAMLP`'s backward from what `_forward` saved; returns dX (M, H) or None."""
     x2, e, g, xa_gu, a_gu, ha_d, a_d, *tensors = ctx.saved_tensors
-    ws = base._rebuild(tensors, ctx.meta)
+    gate, up, down = base._rebuild(tensors, ctx.meta)
     dtype = ctx.dtype
-    dyb = base._adapter_backward(ctx, _DOWN, [dy], None, ha_d, [ws[2]], dtype, grads)  # (M, r); dB_d
-    if use_triton(e, g, dy):
-        ctx.h = None
-        dh = base._input_backward([dy], dyb, a_d, [ws[2]], dtype)
-        de, dg, db = _glu_lora_backward(ctx, dh, e, g, xa_gu, dyb, ws, grads)
-    else:
-        if base._needs(ctx, _DOWN, 0)[0]:
-            h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation)
-            grads[_DOWN + 2] = mm_to(dyb.t(), h, ws[2].lora_A.dtype)
-            del h
-        ctx.h = None
-        dh = base._input_backward([dy], dyb, a_d, [ws[2]], dtype)
-        de, dg = _glu_backward_(e, g, dh, ctx.activation)
-        db = None
-    del dh
-    return base._group_backward(ctx, _FIRST, [de, dg], x2, xa_gu, a_gu, list(ws[:2]), dtype, grads, db=db)
-
-
-def _glu_lora_backward(
-    ctx: Any, dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, xa_gu: torch.Tensor, dyb: torch.Tensor,
-    ws: list[LoRAWeights], grads: list[torch.Tensor | None],
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """The GLU's backward with down's dA and gate's and up's dB formed in the same pass
-    (`kernels.glu_lora`): (dE, dG) over (e, g), dA_d into `grads`, and [dB_g, dB_u] (fp32) for
-    `kernels.lora._group_backward`. dyb = s_d dY B_d (M, r)."""
-    gate, _, down = ws
-    de, dg, db_g, db_u, da_d = glu_lora.glu_lora_backward(dh, e, g, xa_gu, gate.lora_A.shape[0], dyb, ctx.activation)
+    dyb = base._adapter_backward(ctx, _DOWN, [dy], None, ha_d, [down], dtype, grads)  # (M, r); dB_d
     if base._needs(ctx, _DOWN, 0)[0]:
-        grads[_DOWN + 2] = da_d.to(down.lora_A.dtype).contiguous()
-    return de, dg, [db_g, db_u]
+        h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation)
+        grads[_DOWN + 2] = mm_to(dyb.t(), h, down.lora_A.dtype)
+        del h
+    ctx.h = None
+    dh = base._input_backward([dy], dyb, a_d, [down], dtype)
+    de, dg = _glu_backward_(e, g, dh, ctx.activation)
+    del dh
+    return base._group_backward(ctx, _FIRST, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
 
 
 def _deferred_backward(ctx: Any, dy: torch.Tensor, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -249,20 +248,13 @@ def _chunk_backward(
     xa = base._shrink(x, [gate, up], a_gu)  # (m, 2r)
     e = base._expand(x, xa[:, sg], gate, dtype, merged, dense[0])  # (m, I)
     g = base._expand(x, xa[:, su], up, dtype, merged, dense[1])
-    if use_triton(e, g, dy):  # h is never written (kernels.glu_lora)
-        ha = glu_lora.glu_shrink(e, g, a_d, down.scaling, ctx.activation)
-        dyb = base._adapter_backward(ctx, _DOWN, [dy], None, ha, [down], dtype, grads)
-        dh = torch.mm(dyb, a_d).addmm_(dy, w_d)  # (m, I)
-        de, dg, db = _glu_lora_backward(ctx, dh, e, g, xa, dyb, list(ws), grads)
-    else:
-        h = _glu_forward(e, g, ctx.activation)
-        dyb = base._adapter_backward(ctx, _DOWN, [dy], h, base._shrink(h, [down], a_d), [down], dtype, grads)
-        del h
-        dh = torch.mm(dyb, a_d).addmm_(dy, w_d)  # (m, I)
-        de, dg = _glu_backward_(e, g, dh, ctx.activation)
-        db = None
+    h = _glu_forward(e, g, ctx.activation)
+    dyb = base._adapter_backward(ctx, _DOWN, [dy], h, base._shrink(h, [down], a_d), [down], dtype, grads)
+    del h
+    dh = torch.mm(dyb, a_d).addmm_(dy, w_d)  # (m, I)
+    de, dg = _glu_backward_(e, g, dh, ctx.activation)
     del dh
-    base._group_backward(ctx, _FIRST, [de, dg], x, xa, a_gu, [gate, up], dtype, grads, dense, merged, out, db)
+    base._group_backward(ctx, _FIRST, [de, dg], x, xa, a_gu, [gate, up], dtype, grads, dense, merged, out)
 
 
 def lora_mlp(

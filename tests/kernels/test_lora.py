@@ -352,10 +352,8 @@ def test_discarded_mlp_output_keeps_every_gradient(
     # A checkpoint's recompute throws the MLP output's values away. With 14 tokens and chunks
     # of 4 rows, deferring pays: the forward computes nothing and the backward runs forward and
     # backward together in 3 full chunks and a partial one. In one chunk it would not: then the
-    # down product is skipped and h is formed once (kept for the backward; with Triton, never
-    # written: down's shrink is folded into the GLU, and the backward's products into its
-    # backward). Either way x's and every adapter's gradient are those of PEFT's MLP.
-    import kernels.glu_lora as glu_lora_module
+    # down product is skipped and h is kept, not formed again. Either way x's and every
+    # adapter's gradient are those of PEFT's MLP.
     import kernels.mlp as mlp_module
 
     monkeypatch.setenv("KESTREL_KERNELS", backend)
@@ -364,9 +362,8 @@ def test_discarded_mlp_output_keeps_every_gradient(
     params = _adapter_params(block, MLP)
     expected = _run(_peft_mlp(activation)(block), _x(torch.float32), params)
     glu_rows: list[int] = []
-    real, real_shrink = mlp_module._glu_forward, glu_lora_module.glu_shrink
+    real = mlp_module._glu_forward
     monkeypatch.setattr(mlp_module, "_glu_forward", lambda e, *a: glu_rows.append(e.shape[0]) or real(e, *a))
-    monkeypatch.setattr(glu_lora_module, "glu_shrink", lambda e, *a: glu_rows.append(e.shape[0]) or real_shrink(e, *a))
     ours = lambda x: lora_mlp(x, *_weights(block, MLP), activation=activation, discard_output=True)  # noqa: E731
     x = _x(torch.float32).requires_grad_()
     y = ours(x)
