@@ -24,9 +24,10 @@ The Triton kernel overwrites the chunk's logits in place with that gradient time
 `fused_linear_cross_entropy` ("mean"/"sum") does all of this during forward, with scale
 `1 / num_valid` ("mean", a device tensor: no host sync) or 1 ("sum"); backward only multiplies the
 saved grads by the scalar grad_output, and on the GPU skips that pass over grad_W (2.1 GB of
-traffic) when grad_output is 1, deciding on the device (no host sync, graph-safe). "none" and `chunked_token_logprobs` get a per-token
-grad_output that must weight each row *before* the sum over tokens in grad_W, so they save only
-`lse` `(N,)` in forward and recompute the chunk logits in backward (one extra matmul per chunk).
+traffic) when grad_output is 1, deciding on the device (no host sync, graph-safe). "none" and
+`chunked_token_logprobs` get a per-token grad_output that must weight each row *before* the sum
+over tokens in grad_W, so they save only `lse` `(N,)` in forward and recompute the chunk logits
+in backward (one extra matmul per chunk).
 """
 
 from __future__ import annotations

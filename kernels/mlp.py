@@ -166,8 +166,9 @@ def _forward(
     a_gu = base._stacked_a([gate, up], dtype)  # (2r, H)
     if grad or not merged_gu:
         xa_gu = base._shrink(x2, [gate, up], a_gu)  # (M, 2r)
-    e = base._expand(x2, None if xa_gu is None else xa_gu[:, sg], gate, dtype, merged_gu, a=a_gu[sg])  # (M, I)
-    g = base._expand(x2, None if xa_gu is None else xa_gu[:, su], up, dtype, merged_gu, a=a_gu[su])
+    xa_g, xa_u = (None, None) if xa_gu is None else (xa_gu[:, sg], xa_gu[:, su])
+    e = base._expand(x2, xa_g, gate, dtype, merged_gu, a=a_gu[sg])  # (M, I)
+    g = base._expand(x2, xa_u, up, dtype, merged_gu, a=a_gu[su])
     h = _glu_forward(e, g, activation)
     if grad or not (merged_d or discard):  # for backward, or for the down product
         a_d = cast(down.lora_A, dtype)  # (r, I)
