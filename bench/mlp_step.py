@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path.cwd()))
 
+from bench.common import cuda_time  # noqa: E402
 from kernels.lora import LoRAWeights, lora_linear, lora_qkv  # noqa: E402
 from kernels.mlp import lora_mlp  # noqa: E402
 
@@ -37,20 +37,6 @@ def _weights(o: int, i: int) -> LoRAWeights:
     a = (torch.randn(R, i, device="cuda") / i**0.5).requires_grad_()
     b = (torch.randn(o, R, device="cuda") * 0.02).requires_grad_()
     return LoRAWeights(packed, state, a, b, 2.0)
-
-
-def _time(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -77,8 +63,11 @@ def main() -> None:
             lora_qkv(x, *attn[:3])
             lora_linear(x, attn[3])
 
-    result = {"device": torch.cuda.get_device_name(), "first_pass_ms": _time(first_pass),
-              "recompute_backward_ms": _time(recompute_backward), "attention_merged_ms": _time(attention),
+    def ms(fn) -> float:
+        return cuda_time(fn, iters=30) * 1e3
+
+    result = {"device": torch.cuda.get_device_name(), "first_pass_ms": ms(first_pass),
+              "recompute_backward_ms": ms(recompute_backward), "attention_merged_ms": ms(attention),
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     print(json.dumps(result), flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
