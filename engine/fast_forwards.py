@@ -149,10 +149,14 @@ def make_mlp_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
 
     def forward(self: nn.Module, x: torch.Tensor, discard_output: bool = False) -> torch.Tensor:
         """discard_output: the caller uses only the output's graph, not its values (see
-        `kernels.lora_mlp`); honoured by the fused LoRA path, ignored by the others."""
+        `kernels.lora_mlp`); honoured by the fused LoRA path, ignored by the others, as is an
+        offloaded checkpoint's store for the gate product (`checkpointing.gate_store`)."""
         fused = [fused_lora_weights(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         if all(w is not None for w in fused):
-            return kernels.lora_mlp(x, *fused, activation=spec.activation, discard_output=discard_output)
+            return kernels.lora_mlp(
+                x, *fused, activation=spec.activation, discard_output=discard_output,
+                gate_store=checkpointing.gate_store(),
+            )
         return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
 
     forward.takes_discard_output = True  # type: ignore[attr-defined]

@@ -11,11 +11,16 @@ in its forward: the whole MLP, forward and backward, runs inside the backward
 (`_deferred_backward`) in chunks of rows, over gate's and up's merged weights W' formed once for
 both the forward products and the input gradient. Its (rows, I) intermediates then no longer grow
 with the sequence (at 400K tokens of the Llama-8B shape, E, G and h alone are 33 GiB).
+
+A checkpoint may also hand the MLP a `GateStore` (offloaded checkpointing, `engine.checkpointing`):
+the first pass gives it the gate product E, and the recompute takes E back instead of computing
+it, so the recompute skips the largest product it has left (the up product and the shrink
+products still run: G, and X A^T for the adapter gradients).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -30,8 +35,21 @@ Activation = Literal["swiglu", "geglu"]
 # efficient range (at the Llama-8B MLP, 2048 x 14336 x 4096 fills 6.8 waves of an H100's tiles)
 # and E, G and h/dh at 168 MiB there, however long the sequence.
 DEFERRED_ROWS = 2048
-_FIRST = 4  # gate's fields in the flattened argument list: after x, activation, discard, grad
+_FIRST = 5  # gate's fields in the flattened argument list: after x, activation, discard, grad, store
 _DOWN = _FIRST + 2 * _FIELDS  # down's fields
+
+
+class GateStore(Protocol):
+    """Keeps a checkpointed layer's gate product E (M, I) from its first pass to its recompute,
+    somewhere other than the GPU's memory (`engine.checkpointing` pages it to host memory)."""
+
+    def keep(self, e: torch.Tensor) -> None:
+        """Called once in the first pass with E; E's memory is the caller's again on return
+        (the store copies it, in stream order)."""
+
+    def take(self) -> torch.Tensor | None:
+        """E back on E's device for the recompute (a tensor the MLP may overwrite), or None
+        when nothing was kept (the recompute then computes E)."""
 
 
 def _act_and_grad(e: torch.Tensor, activation: Activation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +117,8 @@ class _LoRAMLP(torch.autograd.Function):
     `discard`: the caller throws Y's values away and only back-propagates through it (a
     checkpointed layer's recompute, where Y goes straight into the residual sum): the down
     product is skipped (Y's values are unspecified) and h is kept for backward instead of
-    recomputed (backward frees it before dh exists, so the peak is unchanged). Where deferring
+    recomputed (backward frees it before dh exists, so the peak is unchanged). `store`: a
+    first pass without autograd gives it E, and a recompute takes E from it. Where deferring
     lowers the peak (`_defer_pays`), the forward saves X alone and computes nothing, and the
     backward runs the forward and the backward above together, chunk by chunk
     (`_deferred_backward`).
@@ -107,7 +126,8 @@ class _LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, activation: Activation, discard: bool, grad: bool, *flat: Any
+        ctx: Any, x: torch.Tensor, activation: Activation, discard: bool, grad: bool,
+        store: GateStore | None, *flat: Any,
     ) -> torch.Tensor:
         gate, up, down = base._unflatten(flat)
         dtype, lead = base._compute_dtype(x), x.shape[:-1]
@@ -120,7 +140,7 @@ class _LoRAMLP(torch.autograd.Function):
                 base._save(ctx, (gate, up, down), x2)
                 y = _unspecified(x2.shape[0], down.out_features, dtype, x.device)
             else:
-                y = _forward(ctx, x2, gate, up, down, activation, dtype, grad, discard)
+                y = _forward(ctx, x2, (gate, up, down), activation, dtype, grad, discard, store)
         # Not a view of y: a view made inside a Function cannot be updated in place downstream.
         return torch.ops.aten._unsafe_view(y, (*lead, down.out_features))
 
@@ -155,11 +175,13 @@ def _defer_pays(rows: int, gate: LoRAWeights, up: LoRAWeights) -> bool:
 
 
 def _forward(
-    ctx: Any, x2: torch.Tensor, gate: LoRAWeights, up: LoRAWeights, down: LoRAWeights,
-    activation: Activation, dtype: torch.dtype, grad: bool, discard: bool,
+    ctx: Any, x2: torch.Tensor, ws: tuple[LoRAWeights, LoRAWeights, LoRAWeights],
+    activation: Activation, dtype: torch.dtype, grad: bool, discard: bool, store: GateStore | None,
 ) -> torch.Tensor:
     """The forward of `_LoRAMLP` (not deferred): Y (M, H), or unspecified values when
-    `discard`; saves for `_backward` when `grad`."""
+    `discard`; saves for `_backward` when `grad`. E comes from `store` in a recompute that
+    finds it kept there, and goes to it in a first pass whose recompute will not defer."""
+    gate, up, down = ws
     sg, su = base._spans([gate, up])
     merged_gu, merged_d = base._merges([gate, up]), base._merges([down])
     xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
@@ -167,7 +189,11 @@ def _forward(
     if grad or not merged_gu:
         xa_gu = base._shrink(x2, [gate, up], a_gu)  # (M, 2r)
     xa_g, xa_u = (None, None) if xa_gu is None else (xa_gu[:, sg], xa_gu[:, su])
-    e = base._expand(x2, xa_g, gate, dtype, merged_gu, a=a_gu[sg])  # (M, I)
+    e = store.take() if store is not None and grad else None
+    if e is None:
+        e = base._expand(x2, xa_g, gate, dtype, merged_gu, a=a_gu[sg])  # (M, I)
+        if store is not None and not grad and not _defer_pays(x2.shape[0], gate, up):
+            store.keep(e)
     g = base._expand(x2, xa_u, up, dtype, merged_gu, a=a_gu[su])
     h = _glu_forward(e, g, activation)
     if grad or not (merged_d or discard):  # for backward, or for the down product
@@ -265,12 +291,17 @@ def lora_mlp(
     down: LoRAWeights,
     activation: Activation = "swiglu",
     discard_output: bool = False,
+    gate_store: GateStore | None = None,
 ) -> torch.Tensor:
     """x (..., H) -> down(act(gate(x)) * up(x)) (..., H), one autograd Function (see _LoRAMLP).
     discard_output=True: the output's VALUES are unspecified (the down product is skipped, or
     everything deferred to the backward) and only its gradient path is real; for a checkpoint's
-    recompute whose output is thrown away."""
+    recompute whose output is thrown away. gate_store: where a checkpoint's first pass keeps
+    the gate product E and its recompute takes it back (`GateStore`); both passes get the same
+    store, and the recompute must see the same input as the first pass."""
     if activation not in ("swiglu", "geglu"):
         raise ValueError(f"activation must be 'swiglu' or 'geglu', got {activation!r}")
     grad = base._will_backward(x, [gate, up, down])
-    return _LoRAMLP.apply(x, activation, discard_output, grad, *gate._flat(), *up._flat(), *down._flat())
+    return _LoRAMLP.apply(
+        x, activation, discard_output, grad, gate_store, *gate._flat(), *up._flat(), *down._flat()
+    )

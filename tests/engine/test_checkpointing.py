@@ -1,6 +1,6 @@
-"""engine.checkpointing's offloaded layer inputs: copied out and back exactly, the layer below's
-copy back started when a layer's backward begins, and a finished step's copies let go; their
-pinned host buffers exact-size, reused, and given back.
+"""engine.checkpointing's offloaded layer inputs and MLP gate products: copied out and back
+exactly, the layer below's copy back started when a layer's backward begins, and a finished
+step's copies let go; their pinned host buffers exact-size, reused, and given back.
 
 The pool tests run on the CPU: CUDA's page-locking is replaced by a fake that records what is
 registered (`fake_pinning`), and `_pool_for` hands out pools for CPU tensors too."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import checkpointing
-from engine.checkpointing import LayerCheckpoint, _HostCopy, _PinnedPool, release_pinned_memory
+from engine.checkpointing import LayerCheckpoint, _HostCopy, _KeptGate, _PinnedPool, release_pinned_memory
 
 PAGE = mmap.PAGESIZE
 
@@ -49,6 +49,67 @@ def test_copies_come_back_exactly_on_cuda() -> None:
     for _ in range(20):
         a = a @ a / 64
     _check_chain("cuda", 16 << 20)
+
+
+def _check_gates(device: str, numel: int) -> None:
+    """Layer copies with their gate products: both come back exactly, the layer below's gate
+    copy started with its input's."""
+    inputs, copies = _chain(device, numel=numel)
+    gates = [torch.randn(2 * numel, device=device) for _ in copies]
+    for copy, gate in zip(copies, gates):
+        copy.gate = _KeptGate()
+        copy.gate.keep(gate)
+    originals = [g.clone() for g in gates]
+    del gates, inputs
+    copies[2].take()
+    if device == "cuda":
+        assert copies[1].gate.fetched is not None and copies[0].gate.fetched is None
+    for i in (2, 1, 0):
+        copy, original = copies[i], originals[i]
+        if i < 2:
+            copy.take()
+        got = copy.gate.take()
+        assert torch.equal(got, original) and copy.gate.host is None
+        assert copy.gate.take() is None  # taken once
+
+
+def test_gate_products_come_back_exactly_on_cpu() -> None:
+    _check_gates("cpu", 1000)
+
+
+@pytest.mark.gpu
+def test_gate_products_come_back_exactly_on_cuda() -> None:
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a / 64
+    _check_gates("cuda", 16 << 20)
+
+
+def test_a_gate_kept_where_host_memory_cannot_be_locked_is_recomputed(
+    fake_pinning: dict[int, int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(checkpointing, "_register_host", lambda ptr, nbytes: 2)
+    monkeypatch.setattr(_KeptGate, "_warned", False)
+    gate = _KeptGate()
+    gate.keep(torch.randn(1000))
+    assert gate.take() is None  # nothing kept: the MLP computes E
+    assert "recomputing them instead" in caplog.text
+
+
+def test_a_kept_gate_gives_its_buffer_back(fake_pinning: dict[int, int]) -> None:
+    e = torch.randn(30, 70)
+    gate = _KeptGate()
+    gate.keep(e)
+    pool = _pool()
+    ptr = gate.host.data_ptr()
+    assert pool.free == [] and torch.equal(gate.take(), e)
+    assert [b.data_ptr() for b in pool.free] == [ptr]
+    dropped = _KeptGate()
+    dropped.keep(e)  # reuses the buffer; never taken (a step abandoned before its backward)
+    assert dropped.host.data_ptr() == ptr and pool.free == []
+    del dropped
+    gc.collect()
+    assert [b.data_ptr() for b in pool.free] == [ptr]
 
 
 def test_finished_copies_are_released() -> None:

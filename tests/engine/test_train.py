@@ -44,14 +44,26 @@ def test_patched_and_unpatched_loss_curves_agree(family: str, tiny_model_dir, tm
     assert a[-1] < a[0]
 
 
-def test_checkpointing_modes_give_the_same_gradients(tiny_model_dir, tmp_path: Path) -> None:
+def test_checkpointing_modes_give_the_same_gradients(
+    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import checkpointing
+
     model = str(tiny_model_dir("llama"))
+    taken: list[bool] = []  # offload: whether each recompute found its MLP's gate product kept
+    real_take = checkpointing._KeptGate.take
+    monkeypatch.setattr(checkpointing._KeptGate, "take", lambda self: taken.append(self.host is not None) or real_take(self))
     curves = {}
-    for mode in ("off", "standard", "offload"):
-        run(config_from_dict(_cfg(model, tmp_path / mode, max_steps=5, gradient_checkpointing=mode)))
-        curves[mode] = _losses(tmp_path / mode)
-    assert curves["standard"] == pytest.approx(curves["off"], rel=1e-5)
-    assert curves["offload"] == pytest.approx(curves["off"], rel=1e-5)
+    for mode, gate in (("off", "1"), ("standard", "1"), ("offload", "1"), ("offload", "0")):
+        monkeypatch.setenv("KESTREL_OFFLOAD_GATE", gate)
+        run(config_from_dict(_cfg(model, tmp_path / f"{mode}{gate}", max_steps=5, gradient_checkpointing=mode)))
+        curves[mode, gate] = _losses(tmp_path / f"{mode}{gate}")
+        if mode == "offload":  # every layer of every step, or none
+            layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+            assert taken == ([True] * 5 * layers if gate == "1" else []), taken
+            taken.clear()
+    for key in (("standard", "1"), ("offload", "1"), ("offload", "0")):
+        assert curves[key] == pytest.approx(curves["off", "1"], rel=1e-5), key
 
 
 class StopAt(Callback):

@@ -55,6 +55,26 @@ def test_qlora_patched_curve_matches_unpatched_on_cuda(tiny_model_dir, tmp_path:
         assert abs(x - y) <= 0.03 * abs(y), f"step {step}: patched {x} vs unpatched {y}"
 
 
+def test_qlora_offload_pages_gate_products_out_and_keeps_the_curve(
+    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import checkpointing
+
+    monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "0")  # graphed layers do not page E out
+    model = str(tiny_model_dir("llama"))
+    taken: list[bool] = []
+    real_take = checkpointing._KeptGate.take
+    monkeypatch.setattr(checkpointing._KeptGate, "take", lambda self: taken.append(self.host is not None) or real_take(self))
+    curves = {}
+    for mode in ("standard", "offload"):
+        result = run(config_from_dict(_cfg(model, tmp_path / mode, method="qlora", gradient_checkpointing=mode)))
+        assert result.status == "completed", result.error
+        curves[mode] = _losses(tmp_path / mode)
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    assert taken == [True] * 20 * layers
+    assert curves["offload"] == pytest.approx(curves["standard"], rel=1e-5)
+
+
 def test_real_out_of_memory_fails_with_advice_and_releases_the_gpu(demo_tokenizer, tmp_path: Path) -> None:
     """A genuine CUDA allocator OOM (memory capped for this process), not an injected one."""
     folder = tmp_path / "mid"
