@@ -161,8 +161,19 @@ def _host_rss_gib() -> float:
     return float("nan")
 
 
+def _import_first(impl: str) -> None:
+    """Import the implementation's package before anything touches CUDA, as its users would:
+    Unsloth sets torch's CUDA allocator to expandable segments on import, which only counts
+    when torch's allocator has not started yet."""
+    if impl == "kestrel":
+        import engine  # noqa: F401
+    elif impl == "unsloth":
+        import unsloth  # noqa: F401
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Throughput and memory of args.impl over args.steps steps after args.warmup."""
+    _import_first(args.impl)
     if args.memory_cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * (1 << 30) / total))
