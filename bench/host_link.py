@@ -7,13 +7,16 @@ Measures, with page-locked host buffers of one Llama-8B MLP intermediate (2 x 20
 - copy bandwidth to and from the host alone (GB/s);
 - a loop of the 8B MLP's gate product (4096 x 4096 @ 4096 x 14336, bf16) alone, and again while a
   side stream copies buffers out (then in, then both ways) the whole time: the product's time
-  (does the copy slow the power-capped GPU?) and the copies' bandwidth under that load.
+  (does the copy slow the power-capped GPU?) and the copies' bandwidth under that load;
+- a pure-Python loop (dict and list work, like a training step's host side) on an idle link and
+  while copies run out, in, or both: does the host slow down while the GPU writes its memory?
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -41,6 +44,33 @@ def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int) -> fl
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / n
+
+
+def _python_loop_ms() -> float:
+    """A fixed amount of interpreter work (dicts, small lists, string formatting), in ms."""
+    t0, d = time.perf_counter(), {}
+    for i in range(300_000):
+        d[i % 1000] = (i, str(i))
+        _ = [j for j in range(5)]
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _python_under_copies(dev: list[torch.Tensor], host: list[torch.Tensor]) -> dict[str, float]:
+    """`_python_loop_ms` with the link idle and while ~0.3 s of copies run each way (own streams)."""
+    out_stream, in_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    res = {}
+    for mode in ("idle", "out", "in", "both", "idle_after"):
+        for _ in range(10):
+            for d, h in zip(dev, host):
+                if mode in ("out", "both"):
+                    with torch.cuda.stream(out_stream):
+                        h.copy_(d, non_blocking=True)
+                if mode in ("in", "both"):
+                    with torch.cuda.stream(in_stream):
+                        d.copy_(h, non_blocking=True)
+        res[f"python_loop_ms_{mode}"] = _python_loop_ms()
+        torch.cuda.synchronize()
+    return res
 
 
 def main() -> None:
@@ -83,6 +113,7 @@ def main() -> None:
         res[f"copy_gbps_{mode}_under_products"] = nbytes / (start.elapsed_time(end) * 1e-3) / 1e9
         res[f"copy_span_ms_{mode}"] = start.elapsed_time(end)
     res["product_alone_ms_after"] = _products(x, w, out, n)
+    res.update(_python_under_copies(dev, host))
     flops = 2 * rows * hidden * inter
     res["product_tflops_alone"] = flops / (res["product_alone_ms"] * 1e-3) / 1e12
     print(json.dumps(res, indent=1))
