@@ -15,8 +15,9 @@ the layer's fused LoRA MLP gets): the first pass copies it out, the copy back st
 layer input's (when the layer above begins its backward), and the recompute takes it instead of
 computing it, skipping its largest product. It spends the host link, not GPU memory: on an H100
 the link moves 55 GB/s each way, and E (117 MB at the Llama-8B MLP and 4,096 tokens) goes out in
-less time than the layer's first pass takes. `KESTREL_OFFLOAD_GATE=0` turns it off; CUDA-graphed
-layers and MLPs that defer to their backward do not use it.
+less time than the layer's first pass takes. `KESTREL_OFFLOAD_GATE` is the share of layers that
+do it (default 1: all; 0: none); CUDA-graphed layers and MLPs that defer to their backward never
+do. The 8B step's GPU work falls ~29 ms (8%), its time less: it then waits on the host's Python.
 
 On CUDA, where a layer's GPU work is small enough that Python would set the pace, its first
 pass and its recompute-with-backward replay as CUDA graphs (`engine.layer_graphs`): the
@@ -140,7 +141,7 @@ class _KeptGate:
 
     No block changes streams behind the allocator's back. The copy out reads E on the side
     stream; rather than `record_stream` (the block would then wait, at its free, for everything
-    the side stream has queued by then, and every layer would take a fresh block: 2.7 GiB more
+    the side stream has queued by then, and layers would take fresh blocks: up to 2.7 GiB more
     reserved on the 8B step), E is held until the next layer's copy out (or the first copy back)
     makes the compute stream wait for it, by which time the copy is long done; its block is then
     freed in the compute stream's order. The copy back lands in a block of the compute stream's
