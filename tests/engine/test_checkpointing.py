@@ -268,3 +268,20 @@ def test_offloaded_layers_on_cuda_use_exact_pinned_buffers(monkeypatch: pytest.M
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert len(registrations) == 3
     assert release_pinned_memory() == 3 * x.nbytes
+
+
+@pytest.mark.parametrize(("share", "chosen"), [("1", [1, 1, 1, 1]), ("0", [0, 0, 0, 0]), ("0.5", [0, 1, 0, 1]),
+                                               ("0.25", [0, 0, 0, 1])])
+def test_the_offload_gate_share_spreads_over_the_layers(
+    share: str, chosen: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KESTREL_OFFLOAD_GATE", share)
+    run = lambda t: t  # noqa: E731
+    assert [int(checkpointing._pages_gate_out(run, depth)) for depth in range(4)] == chosen
+
+
+@pytest.mark.parametrize("bad", ["yes", "1.5", "-0.1"])
+def test_a_bad_offload_gate_share_says_what_is_valid(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_OFFLOAD_GATE", bad)
+    with pytest.raises(ValueError, match="a share of the layers, 0 to 1"):
+        checkpointing._pages_gate_out(lambda t: t, 0)
