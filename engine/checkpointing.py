@@ -67,92 +67,28 @@ def gate_store() -> _KeptGate | None:
     return _GATE_STORE.get()
 
 
-def _copy_out(host: torch.Tensor, t: torch.Tensor) -> None:
-    """host <- t; on CUDA on the side stream, after the work queued so far, with t's memory held
-    back from reuse until the copy has read it."""
-    if not t.is_cuda:
-        host.copy_(t.detach())
-        return
-    side = _side_stream(t.device)
-    side.wait_stream(torch.cuda.current_stream(t.device))
-    with torch.cuda.stream(side):
-        host.copy_(t.detach(), non_blocking=True)
-    t.record_stream(side)
+class _HostTensor:
+    """One tensor kept in pinned host memory from a layer's first pass to its backward
+    (offloaded checkpointing): the base of a layer input's `_HostCopy` and a gate product's
+    `_KeptGate`.
 
-
-class _HostCopy:
-    """One layer input kept in pinned host memory (offloaded checkpointing).
-
-    On CUDA both copies run on a side stream, so neither holds up the compute stream: the copy
-    out starts once the input is written and overlaps the next layers; the copy back of the
-    layer below is started when this layer's backward begins (`prefetch`), so it overlaps this
-    layer's recompute and backward. Each copy knows the one made just before it in the forward
-    (weakly: a finished step's copies are gone once their graph is). On CUDA the host memory is
-    an exact-size pinned buffer from the device's pool (`_PinnedPool`), given back once the copy
-    back is enqueued, or when the copy is collected without a backward.
+    On CUDA both copies run on a side stream, so neither holds up the compute stream, and no
+    block changes streams behind the allocator's back:
+    - The copy out reads the tensor on the side stream. Rather than `record_stream` (a block
+      freed that way waits for everything the side stream has queued by then, so layers would
+      take fresh blocks: up to 2.7 GiB more reserved on the 8B step), the tensor is held until
+      the next copy out (or the first copy back) makes the compute stream wait for it, by which
+      time the copy is long done; its block is then freed in the compute stream's order.
+    - The copy back lands in a block of the compute stream's own pool (the side stream first
+      waits for the work queued on the compute stream so far, which may have used that block),
+      and the compute stream waits for the copy before it takes the tensor, or, should it never
+      be taken, before the block is freed.
+    On CUDA the host memory is an exact-size pinned buffer from the device's pool
+    (`_PinnedPool`), given back once the copy back is enqueued, or when the owner is collected
+    without a backward.
     """
 
-    _last: weakref.ref | None = None  # the copy made most recently (the layer below the next)
-
-    def __init__(self, hidden: torch.Tensor) -> None:
-        self.device, self.fetched, self.ready = hidden.device, None, None
-        self.below, _HostCopy._last = _HostCopy._last, weakref.ref(self)
-        below = self.below() if self.below is not None else None
-        self.depth: int = 0 if below is None else below.depth + 1  # layers below it in this forward
-        self.gate: _KeptGate | None = None  # this layer's MLP gate product, when paged out too
-        self.host: torch.Tensor | None
-        self.host, self.give_back = _host_buffer(self, hidden)
-        _copy_out(self.host, hidden)
-
-    def prefetch(self) -> None:
-        """Start the copy back to the device (CUDA), once; and the kept gate product's."""
-        if self.gate is not None:
-            self.gate.prefetch()
-        if self.fetched is not None or self.host is None or self.device.type != "cuda":
-            return
-        side = _side_stream(self.device)
-        with torch.cuda.stream(side):
-            self.fetched = self.host.to(self.device, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record(side)
-
-    def take(self) -> torch.Tensor:
-        """The input back on its device, for the compute stream; then start the layer below's."""
-        if self.device.type != "cuda":
-            out = self.host.to(self.device, copy=self.give_back is not None)  # a pooled buffer is reused
-        else:
-            self.prefetch()
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(self.ready)
-            out = self.fetched
-            out.record_stream(current)  # made on the side stream, used and freed on this one
-        self.host = self.fetched = None
-        if self.give_back is not None:
-            self.give_back()  # the copy back is enqueued: the buffer can take the next copy out
-        below = self.below() if self.below is not None else None
-        if below is not None:
-            below.prefetch()
-        return out
-
-
-class _KeptGate:
-    """A layer MLP's gate product E (M, I) kept in pinned host memory from the layer's first pass
-    to its recompute (`kernels.mlp.GateStore`), riding along with the layer input's `_HostCopy`.
-
-    No block changes streams behind the allocator's back. The copy out reads E on the side
-    stream; rather than `record_stream` (the block would then wait, at its free, for everything
-    the side stream has queued by then, and layers would take fresh blocks: up to 2.7 GiB more
-    reserved on the 8B step), E is held until the next layer's copy out (or the first copy back)
-    makes the compute stream wait for it, by which time the copy is long done; its block is then
-    freed in the compute stream's order. The copy back lands in a block of the compute stream's
-    own pool (the side stream first waits for the work queued on the compute stream so far,
-    which may have used that block), and the compute stream waits for the copy before it takes
-    E, or, should E never be taken, before the block is freed. When host memory cannot be
-    page-locked, E is not kept (the recompute computes it), with a warning.
-    """
-
-    _warned = False
-    # E's whose copy out may still be running, each with the event that marks its end.
+    # Tensors whose copy out may still be running, each with the event that marks its end.
     _reading: list[tuple[torch.Tensor, torch.cuda.Event]] = []
 
     def __init__(self) -> None:
@@ -162,42 +98,35 @@ class _KeptGate:
         self.ready: torch.cuda.Event | None = None
         self.unwaited: weakref.finalize | None = None
 
-    def keep(self, e: torch.Tensor) -> None:
-        if self.host is not None:
-            raise RuntimeError("a layer's gate product was kept twice in one forward")
-        try:
-            self.host, self.give_back = _host_buffer(self, e)
-        except HostMemoryError as err:
-            if not _KeptGate._warned:
-                log.warning("not paging MLP activations out (%s); recomputing them instead", err)
-                _KeptGate._warned = True
+    def _keep(self, t: torch.Tensor) -> None:
+        """Copy t out (raises HostMemoryError when host memory cannot be page-locked)."""
+        self.host, self.give_back = _host_buffer(self, t)
+        self.device = t.device
+        if not t.is_cuda:
+            self.host.copy_(t.detach())
             return
-        self.device = e.device
-        if not e.is_cuda:
-            self.host.copy_(e.detach())
-            return
-        _KeptGate._release_read()
-        current, side = torch.cuda.current_stream(e.device), _side_stream(e.device)
+        _HostTensor._release_read()
+        current, side = torch.cuda.current_stream(t.device), _side_stream(t.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self.host.copy_(e.detach(), non_blocking=True)
+            self.host.copy_(t.detach(), non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
-        _KeptGate._reading.append((e, done))
+        _HostTensor._reading.append((t, done))
 
     @staticmethod
     def _release_read() -> None:
-        """Let go of the E's copied out so far, once the compute stream has waited for their
+        """Let go of the tensors copied out so far, once the compute stream has waited for their
         copies (enqueued now: by the time the stream gets there they have finished)."""
-        while _KeptGate._reading:
-            e, done = _KeptGate._reading.pop()
-            torch.cuda.current_stream(e.device).wait_event(done)
+        while _HostTensor._reading:
+            t, done = _HostTensor._reading.pop()
+            torch.cuda.current_stream(t.device).wait_event(done)
 
     def prefetch(self) -> None:
         """Start the copy back to the device (CUDA), once."""
         if self.fetched is not None or self.host is None or self.device.type != "cuda":
             return
-        _KeptGate._release_read()
+        _HostTensor._release_read()
         current, side = torch.cuda.current_stream(self.device), _side_stream(self.device)
         out = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
         side.wait_stream(current)
@@ -212,12 +141,12 @@ class _KeptGate:
         self.unwaited.atexit = False
 
     def take(self) -> torch.Tensor | None:
-        """E back on its device for the compute stream (None when nothing was kept); its host
-        buffer goes back to the pool once the copy back is enqueued."""
+        """The tensor back on its device for the compute stream (None when nothing was kept);
+        its host buffer goes back to the pool once the copy back is enqueued."""
         if self.host is None:
             return None
         if self.device.type != "cuda":
-            out = self.host.to(self.device, copy=True)
+            out = self.host.to(self.device, copy=self.give_back is not None)  # a pooled buffer is reused
         else:
             self.prefetch()
             torch.cuda.current_stream(self.device).wait_event(self.ready)
@@ -227,6 +156,60 @@ class _KeptGate:
         if self.give_back is not None:
             self.give_back()
         return out
+
+
+class _HostCopy(_HostTensor):
+    """One layer input kept in pinned host memory (offloaded checkpointing), with its layer's
+    kept gate product when there is one.
+
+    The copy out starts once the input is written and overlaps the next layers; the copy back of
+    the layer below (input and gate product) is started when this layer's backward begins, so it
+    overlaps this layer's recompute and backward. Each copy knows the one made just before it in
+    the forward (weakly: a finished step's copies are gone once their graph is).
+    """
+
+    _last: weakref.ref | None = None  # the copy made most recently (the layer below the next)
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.below, _HostCopy._last = _HostCopy._last, weakref.ref(self)
+        below = self.below() if self.below is not None else None
+        self.depth: int = 0 if below is None else below.depth + 1  # layers below it in this forward
+        self.gate: _KeptGate | None = None  # this layer's MLP gate product, when paged out too
+        self._keep(hidden)
+
+    def prefetch(self) -> None:
+        """Start the copy back to the device (CUDA), once; and the kept gate product's."""
+        if self.gate is not None:
+            self.gate.prefetch()
+        super().prefetch()
+
+    def take(self) -> torch.Tensor:
+        """The input back on its device, for the compute stream; then start the layer below's."""
+        out = super().take()
+        below = self.below() if self.below is not None else None
+        if below is not None:
+            below.prefetch()
+        return out
+
+
+class _KeptGate(_HostTensor):
+    """A layer MLP's gate product E (M, I) kept in pinned host memory from the layer's first pass
+    to its recompute (`kernels.mlp.GateStore`), riding along with the layer input's `_HostCopy`.
+    When host memory cannot be page-locked, E is not kept (the recompute computes it), with a
+    warning."""
+
+    _warned = False
+
+    def keep(self, e: torch.Tensor) -> None:
+        if self.host is not None:
+            raise RuntimeError("a layer's gate product was kept twice in one forward")
+        try:
+            self._keep(e)
+        except HostMemoryError as err:
+            if not _KeptGate._warned:
+                log.warning("not paging MLP activations out (%s); recomputing them instead", err)
+                _KeptGate._warned = True
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -41,14 +41,18 @@ def test_copies_come_back_exactly_in_backward_order_on_cpu() -> None:
     _check_chain("cpu", 1000)
 
 
-@pytest.mark.gpu
-def test_copies_come_back_exactly_on_cuda() -> None:
-    # 64 MB each, with the compute stream kept busy so the side-stream copies are still running
-    # when their results are asked for.
+def _busy_gpu() -> None:
+    """Keep the compute stream busy, so side-stream copies are still running when their results
+    are asked for."""
     a = torch.randn(4096, 4096, device="cuda")
     for _ in range(20):
         a = a @ a / 64
-    _check_chain("cuda", 16 << 20)
+
+
+@pytest.mark.gpu
+def test_copies_come_back_exactly_on_cuda() -> None:
+    _busy_gpu()
+    _check_chain("cuda", 16 << 20)  # 64 MB each
 
 
 def _check_gates(device: str, numel: int) -> None:
@@ -79,9 +83,7 @@ def test_gate_products_come_back_exactly_on_cpu() -> None:
 
 @pytest.mark.gpu
 def test_gate_products_come_back_exactly_on_cuda() -> None:
-    a = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):
-        a = a @ a / 64
+    _busy_gpu()
     _check_gates("cuda", 16 << 20)
 
 
