@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine import layer_graphs
-from engine.checkpointing import release_pinned_memory
+from engine.host_memory import release_pinned_memory
 from engine.config import TrainConfig
 from engine.errors import KestrelError, OutOfMemoryError, oom_message
 from engine.metrics import Callback, CallbackList, JsonlWriter

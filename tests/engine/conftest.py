@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
+from engine import host_memory
+from engine.host_memory import _PinnedPool
 from engine.paths import ASSETS
 from engine.tiny import tiny_model
 
@@ -30,3 +34,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer):
         return made[family]
 
     return make
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """Registered pointer -> registered bytes, kept by fake `cudaHostRegister`/`Unregister`; pools
+    for any device (CPU included), in a fresh pool table."""
+    registered: dict[int, int] = {}
+
+    def register(ptr: int, nbytes: int) -> int:
+        assert ptr % mmap.PAGESIZE == 0 and nbytes % mmap.PAGESIZE == 0 and ptr not in registered
+        registered[ptr] = nbytes
+        return 0
+
+    def unregister(ptr: int) -> int:
+        return 0 if registered.pop(ptr, None) is not None else 713  # cudaErrorHostMemoryNotRegistered
+
+    pools: dict[torch.device, _PinnedPool] = {}
+    monkeypatch.setattr(host_memory, "_register_host", register)
+    monkeypatch.setattr(host_memory, "_unregister_host", unregister)
+    monkeypatch.setattr(host_memory, "_POOLS", pools)
+    monkeypatch.setattr(host_memory, "_pool_for", lambda d: pools.setdefault(d, _PinnedPool(d)))
+    return registered

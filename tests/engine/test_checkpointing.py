@@ -2,8 +2,9 @@
 exactly, the layer below's copy back started when a layer's backward begins, and a finished
 step's copies let go; their pinned host buffers exact-size, reused, and given back.
 
-The pool tests run on the CPU: CUDA's page-locking is replaced by a fake that records what is
-registered (`fake_pinning`), and `_pool_for` hands out pools for CPU tensors too."""
+The buffer tests run on the CPU: CUDA's page-locking is replaced by a fake that records what is
+registered (`fake_pinning`, tests/engine/conftest.py); the pool's own tests are in
+test_host_memory.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 from engine import checkpointing
-from engine.checkpointing import LayerCheckpoint, _HostCopy, _KeptGate, _PinnedPool, release_pinned_memory
+from engine import host_memory
+from engine.checkpointing import LayerCheckpoint, _HostCopy, _KeptGate
+from engine.host_memory import release_pinned_memory
 
 PAGE = mmap.PAGESIZE
 
@@ -90,7 +93,7 @@ def test_gate_products_come_back_exactly_on_cuda() -> None:
 def test_a_gate_kept_where_host_memory_cannot_be_locked_is_recomputed(
     fake_pinning: dict[int, int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(checkpointing, "_register_host", lambda ptr, nbytes: 2)
+    monkeypatch.setattr(host_memory, "_register_host", lambda ptr, nbytes: 2)
     monkeypatch.setattr(_KeptGate, "_warned", False)
     gate = _KeptGate()
     gate.keep(torch.randn(1000))
@@ -102,7 +105,7 @@ def test_a_kept_gate_gives_its_buffer_back(fake_pinning: dict[int, int]) -> None
     e = torch.randn(30, 70)
     gate = _KeptGate()
     gate.keep(e)
-    pool = _pool()
+    pool = host_memory._pool_for(torch.device("cpu"))
     ptr = gate.host.data_ptr()
     assert pool.free == [] and torch.equal(gate.take(), e)
     assert [b.data_ptr() for b in pool.free] == [ptr]
@@ -144,67 +147,10 @@ def test_offloaded_layer_gives_the_same_gradients(device: str) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.fixture
-def fake_pinning(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
-    """Registered pointer -> registered bytes, kept by fake `cudaHostRegister`/`Unregister`; pools
-    for any device (CPU included), in a fresh pool table."""
-    registered: dict[int, int] = {}
-
-    def register(ptr: int, nbytes: int) -> int:
-        assert ptr % PAGE == 0 and nbytes % PAGE == 0 and ptr not in registered
-        registered[ptr] = nbytes
-        return 0
-
-    def unregister(ptr: int) -> int:
-        return 0 if registered.pop(ptr, None) is not None else 713  # cudaErrorHostMemoryNotRegistered
-
-    pools: dict[torch.device, _PinnedPool] = {}
-    monkeypatch.setattr(checkpointing, "_register_host", register)
-    monkeypatch.setattr(checkpointing, "_unregister_host", unregister)
-    monkeypatch.setattr(checkpointing, "_POOLS", pools)
-    monkeypatch.setattr(checkpointing, "_pool_for", lambda d: pools.setdefault(d, _PinnedPool(d)))
-    return registered
-
-
-def _pool() -> _PinnedPool:
-    return checkpointing._pool_for(torch.device("cpu"))
-
-
-def test_buffers_are_exact_size_not_a_power_of_two(fake_pinning: dict[int, int]) -> None:
-    nbytes = 3 * (1 << 20) + 5  # a power-of-two allocator would take 4 MiB
-    buf = _pool().acquire(nbytes)
-    assert buf.numel() == nbytes and buf.dtype == torch.uint8 and buf.data_ptr() % PAGE == 0
-    assert fake_pinning == {buf.data_ptr(): -(-nbytes // PAGE) * PAGE}
-    assert buf.untyped_storage().nbytes() == -(-nbytes // PAGE) * PAGE
-
-
-def test_the_smallest_free_buffer_that_fits_is_reused(fake_pinning: dict[int, int]) -> None:
-    pool = _pool()
-    bufs = {n: pool.acquire(n) for n in (100, 300, 200)}
-    for buf in bufs.values():
-        pool.release(buf)
-    ptrs = {n: b.data_ptr() for n, b in bufs.items()}
-    assert pool.acquire(150).data_ptr() == ptrs[200]
-    assert pool.acquire(250).data_ptr() == ptrs[300]
-    assert pool.acquire(100).data_ptr() == ptrs[100]
-    assert len(fake_pinning) == 3 and pool.free == []  # nothing new registered
-
-
-def test_smaller_free_buffers_are_dropped_before_a_larger_one_is_made(fake_pinning: dict[int, int]) -> None:
-    pool = _pool()
-    in_use = pool.acquire(50)
-    small = [pool.acquire(n) for n in (100, 200)]
-    for buf in small:
-        pool.release(buf)
-    big = pool.acquire(10_000)
-    assert set(fake_pinning) == {in_use.data_ptr(), big.data_ptr()}  # the smaller free ones unregistered
-    assert big.numel() == 10_000 and pool.free == []
-
-
 def test_a_copy_gives_its_buffer_back_when_taken(fake_pinning: dict[int, int]) -> None:
     x = torch.randn(4, 250)
     copy = _HostCopy(x)
-    pool = _pool()
+    pool = host_memory._pool_for(torch.device("cpu"))
     assert pool.free == [] and len(fake_pinning) == 1
     ptr = copy.host.data_ptr()
     got = copy.take()
@@ -219,37 +165,18 @@ def test_a_copy_gives_its_buffer_back_when_taken(fake_pinning: dict[int, int]) -
 
 def test_a_copy_dropped_without_backward_gives_its_buffer_back(fake_pinning: dict[int, int]) -> None:
     copies = [_HostCopy(torch.randn(1000)) for _ in range(3)]
-    pool = _pool()
+    pool = host_memory._pool_for(torch.device("cpu"))
     assert pool.free == []
     del copies
     gc.collect()
     assert len(pool.free) == 3 and len(fake_pinning) == 3
 
 
-def test_release_pinned_memory_frees_only_the_free_buffers(fake_pinning: dict[int, int]) -> None:
-    pool = _pool()
-    in_use, free = pool.acquire(1000), pool.acquire(3000)
-    pool.release(free)
-    assert release_pinned_memory() == 3000
-    assert set(fake_pinning) == {in_use.data_ptr()} and pool.free == []
-    pool.release(in_use)
-    assert release_pinned_memory() == 1000 and fake_pinning == {}
-
-
-def test_a_failed_registration_says_what_to_lower(
-    fake_pinning: dict[int, int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(checkpointing, "_register_host", lambda ptr, nbytes: 2)  # cudaErrorMemoryAllocation
-    with pytest.raises(RuntimeError, match=r"3\.00 GiB.*max_seq_length.*gradient_checkpointing: standard"):
-        _pool().acquire(3 << 30)
-    assert isinstance(checkpointing.HostMemoryError("x"), checkpointing.KestrelError)  # train.run reports it
-
-
 @pytest.mark.gpu
 def test_offloaded_layers_on_cuda_use_exact_pinned_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     registrations: list[int] = []
-    real = checkpointing._register_host
-    monkeypatch.setattr(checkpointing, "_register_host", lambda p, n: registrations.append(n) or real(p, n))
+    real = host_memory._register_host
+    monkeypatch.setattr(host_memory, "_register_host", lambda p, n: registrations.append(n) or real(p, n))
     gc.collect()  # earlier tests' copies give their buffers back, then go
     release_pinned_memory()
     torch.manual_seed(0)
