@@ -94,12 +94,19 @@ class _HostTensor:
         self.unwaited: weakref.finalize | None = None
 
     def _keep(self, t: torch.Tensor) -> None:
-        """Copy t out (raises HostMemoryError when host memory cannot be page-locked)."""
+        """Copy t out, holding t until the compute stream has waited for the copy (raises
+        HostMemoryError when host memory cannot be page-locked)."""
+        done = self._copy_out(t)
+        if done is not None:
+            _HostTensor._reading.append((t, done))
+
+    def _copy_out(self, t: torch.Tensor) -> torch.cuda.Event | None:
+        """Start copying t into a host buffer; on CUDA, the event that marks the copy's end."""
         self.host, self.give_back = host_buffer(self, t)
         self.device = t.device
         if not t.is_cuda:
             self.host.copy_(t.detach())
-            return
+            return None
         _HostTensor._release_read()
         current, side = torch.cuda.current_stream(t.device), side_stream(t.device)
         side.wait_stream(current)
@@ -107,7 +114,7 @@ class _HostTensor:
             self.host.copy_(t.detach(), non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
-        _HostTensor._reading.append((t, done))
+        return done
 
     @staticmethod
     def _release_read() -> None:
@@ -123,15 +130,23 @@ class _HostTensor:
             return
         _HostTensor._release_read()
         current, side = torch.cuda.current_stream(self.device), side_stream(self.device)
-        out = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        out = self._landing()
         side.wait_stream(current)
         with torch.cuda.stream(side):
             out.copy_(self.host, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(side)
         self.fetched = out
-        # Never taken (a step abandoned mid-backward): the compute stream waits for the copy
-        # before `out` goes back to its pool (weakref callbacks run before attributes are freed).
+        self._guard(current)
+
+    def _landing(self) -> torch.Tensor:
+        """Where the copy back lands: a new block of the compute stream's pool."""
+        return torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+
+    def _guard(self, current: torch.cuda.Stream) -> None:
+        """Should the copy back never be taken (a step abandoned mid-backward), the compute
+        stream waits for it before its block goes back to the pool (weakref callbacks run before
+        attributes are freed)."""
         self.unwaited = weakref.finalize(self, current.wait_event, self.ready)
         self.unwaited.atexit = False
 
@@ -145,7 +160,8 @@ class _HostTensor:
         else:
             self.prefetch()
             torch.cuda.current_stream(self.device).wait_event(self.ready)
-            self.unwaited.detach()
+            if self.unwaited is not None:
+                self.unwaited.detach()
             out = self.fetched
         self.host = self.fetched = None
         if self.give_back is not None:
@@ -192,19 +208,91 @@ class _KeptGate(_HostTensor):
     """A layer MLP's gate product E (M, I) kept in pinned host memory from the layer's first pass
     to its recompute (`kernels.mlp.GateStore`), riding along with the layer input's `_HostCopy`.
     When host memory cannot be page-locked, E is not kept (the recompute computes it), with a
-    warning."""
+    warning.
+
+    In a CUDA-graphed layer (`layer_graphs.GraphedLayer`, the `layer_graphs.GateKeeper` it
+    uses) E lives on the device between the passes in a static buffer the layer's two graphs
+    write and read (`bind`), one of two: consecutive layers alternate (`slot`), so one layer's E
+    is copied out (`copy_out`, after its first pass) while the next layer computes, and is copied
+    back into the same buffer for its backward (`take`). Each buffer's last side-stream copy is
+    remembered (`_side_use`); the compute stream waits for it before a first pass writes the
+    buffer again (`before_write`)."""
 
     _warned = False
+    _side_use: dict[int, torch.cuda.Event] = {}  # a static buffer's address -> its last copy's end
+
+    def __init__(self, slot: int = 0) -> None:
+        super().__init__()
+        self.slot = slot
+        self.bound = False  # E lives in `static` (a graphed layer): `bind`
+        self.static: torch.Tensor | None = None
+        self.holds = False  # E was copied out of `static`
+
+    @property
+    def like(self) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """E's shape and dtype once a first pass has kept it (None before, or if it did not)."""
+        return None if self.host is None else (tuple(self.host.shape), self.host.dtype)
+
+    def bind(self, buf: torch.Tensor | None) -> None:
+        """From now on E lives in `buf` on the device: `keep` copies it there (work on the current
+        stream, so part of a graph being captured) and `take` returns it. None: keep nothing."""
+        self.bound, self.static = True, buf
 
     def keep(self, e: torch.Tensor) -> None:
+        if self.bound:
+            if self.static is not None:
+                self.static.copy_(e)
+            return
         if self.host is not None:
             raise RuntimeError("a layer's gate product was kept twice in one forward")
         try:
             self._keep(e)
         except HostMemoryError as err:
-            if not _KeptGate._warned:
-                log.warning("not paging MLP activations out (%s); recomputing them instead", err)
-                _KeptGate._warned = True
+            self._warn(err)
+
+    def before_write(self) -> None:
+        """The compute stream waits for the last copy out of (or into) the bound buffer: a first
+        pass is about to overwrite it (the copy ended long ago: a layer's work back)."""
+        done = None if self.static is None else _KeptGate._side_use.get(self.static.data_ptr())
+        if done is not None:
+            torch.cuda.current_stream(self.static.device).wait_event(done)
+
+    def copy_out(self) -> None:
+        """After a first pass has filled the bound buffer: start copying it to host memory."""
+        if self.static is None:
+            return
+        try:
+            done = self._copy_out(self.static)
+        except HostMemoryError as err:
+            self._warn(err)
+            return
+        self.holds = True
+        if done is not None:
+            _KeptGate._side_use[self.static.data_ptr()] = done
+
+    def take(self) -> torch.Tensor | None:
+        if not self.bound:
+            return super().take()
+        if self.host is not None:  # first call: copy E back into the bound buffer, for the compute stream
+            got = super().take()
+            if got is not self.static:  # on the CPU the copy is a new tensor
+                self.static.copy_(got)
+        return self.static if self.holds else None
+
+    def _landing(self) -> torch.Tensor:
+        return self.static if self.bound else super()._landing()
+
+    def _guard(self, current: torch.cuda.Stream) -> None:
+        if self.bound:  # a static buffer is never freed: its next first pass waits for the copy
+            _KeptGate._side_use[self.static.data_ptr()] = self.ready
+        else:
+            super()._guard(current)
+
+    @staticmethod
+    def _warn(err: HostMemoryError) -> None:
+        if not _KeptGate._warned:
+            log.warning("not paging MLP activations out (%s); recomputing them instead", err)
+            _KeptGate._warned = True
 
 
 class LayerCheckpoint(torch.autograd.Function):
@@ -222,11 +310,13 @@ class LayerCheckpoint(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.run, ctx.saved_input = run, (_HostCopy(hidden) if offload else hidden.detach())
         ctx.gate = None
-        if offload and _pages_gate_out(run, ctx.saved_input.depth):
-            ctx.gate = ctx.saved_input.gate = _KeptGate()
+        if offload and _pages_gate_out(ctx.saved_input.depth):
+            ctx.gate = ctx.saved_input.gate = _KeptGate(slot=ctx.saved_input.depth % 2)
         token = _GATE_STORE.set(ctx.gate)
         try:
             with torch.no_grad():
+                if isinstance(run, layer_graphs.GraphedLayer):
+                    return run(hidden, ctx.gate)
                 return run(hidden)
         finally:
             _GATE_STORE.reset(token)
@@ -235,24 +325,30 @@ class LayerCheckpoint(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, torch.Tensor]:
         saved, ctx.saved_input = ctx.saved_input, None
         hidden = saved.take() if isinstance(saved, _HostCopy) else saved
-        if isinstance(ctx.run, layer_graphs.GraphedLayer):
-            dx = ctx.run.backward(hidden, grad_out, _recompute)
-            if dx is not None:
-                return None, None, dx
-        hidden = hidden.detach().requires_grad_(True)
         token = _GATE_STORE.set(ctx.gate)
         try:
+            if isinstance(ctx.run, layer_graphs.GraphedLayer):
+                dx = ctx.run.backward(hidden, grad_out, _recompute)
+                if dx is not None:
+                    return None, None, dx
+            hidden = hidden.detach().requires_grad_(True)
             torch.autograd.backward(_recompute(ctx.run, hidden), grad_out)
         finally:
             _GATE_STORE.reset(token)
-        ctx.gate = None
+            ctx.gate = None
         return None, None, hidden.grad
 
 
-def _pages_gate_out(run: Callable[..., torch.Tensor], depth: int) -> bool:
+def _pages_gate_out(depth: int) -> bool:
     """Whether an offloaded layer (`depth` layers below it) pages its MLP's gate product out
-    too: a fraction KESTREL_OFFLOAD_GATE of the layers, spread evenly; never CUDA-graphed ones
-    (a graph replays fixed addresses, and its layers are small)."""
+    too: a fraction KESTREL_OFFLOAD_GATE of the layers, spread evenly."""
+    share = gate_share()
+    return int((depth + 1) * share) > int(depth * share)
+
+
+def gate_share() -> float:
+    """KESTREL_OFFLOAD_GATE: the share of offloaded layers that page their gate product out,
+    0 to 1 (default 1, all)."""
     raw = os.environ.get("KESTREL_OFFLOAD_GATE", "1").strip()
     try:
         share = float(raw)
@@ -260,8 +356,7 @@ def _pages_gate_out(run: Callable[..., torch.Tensor], depth: int) -> bool:
         share = -1.0
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"KESTREL_OFFLOAD_GATE={raw!r} is not valid: a share of the layers, 0 to 1")
-    chosen = int((depth + 1) * share) > int(depth * share)
-    return chosen and not isinstance(run, layer_graphs.GraphedLayer)
+    return share
 
 
 def _recompute(run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
@@ -277,8 +372,10 @@ def _recompute(run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor
 def _checkpoint_func(offload: bool) -> Callable[..., torch.Tensor]:
     def checkpointed(run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any) -> torch.Tensor:
         """The `_gradient_checkpointing_func` Hugging Face's decoder layers call (hidden first).
-        On CUDA the layer's passes replay as CUDA graphs where they can (`engine.layer_graphs`)."""
-        return LayerCheckpoint.apply(layer_graphs.wrap(run, hidden, args), offload, hidden)
+        On CUDA the layer's passes replay as CUDA graphs where they can and pay
+        (`engine.layer_graphs`)."""
+        pages_gate = offload and gate_share() > 0
+        return LayerCheckpoint.apply(layer_graphs.wrap(run, hidden, args, pages_gate), offload, hidden)
 
     return checkpointed
 

@@ -31,6 +31,11 @@ How (`GraphedLayer`):
 - A signature that does not capture (a host sync inside the layer, an argument we cannot copy)
   runs eagerly from then on, with one warning. A layer whose signatures keep changing (padded
   batches of varying length) stops capturing.
+- Offloaded checkpointing may page each layer's MLP gate product E out to host memory
+  (`GateKeeper`). In a graphed layer E goes through one of two static buffers, layers
+  alternating: the first-pass graph writes it there, and the keeper copies it out after the
+  replay while the next layer runs; before the backward's replay the keeper copies it back in,
+  and the backward graph reads it there.
 - Graphs pay where the host limits: on an H100 the Llama-1B shape at 2,048 tokens a step trains
   3.9x faster with them, the 8B shape at 4,096 tokens no faster (its GPU work hides the host),
   and a second memory pool costs about 0.2 GiB. So by default (`KESTREL_CUDA_GRAPHS=auto`) a layer
@@ -46,7 +51,7 @@ import functools
 import logging
 import os
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -63,6 +68,31 @@ _WARNED: set[str] = set()
 
 class NotGraphable(Exception):
     """The call has something a replay cannot reproduce; it runs eagerly."""
+
+
+class GateKeeper(Protocol):
+    """Where offloaded checkpointing keeps one layer call's MLP gate product E (M, I) between its
+    first pass and its backward (`engine.checkpointing._KeptGate`), as a graphed layer uses it:
+    E stays in a static device buffer that both graphs address, and the keeper moves that
+    buffer's contents to host memory and back around the replays."""
+
+    slot: int  # which of two static buffers: consecutive layers alternate
+
+    @property
+    def like(self) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """E's shape and dtype once an eager first pass has kept it."""
+
+    def bind(self, buf: torch.Tensor | None) -> None:
+        """The MLP keeps E in `buf` and takes it from there (None: keeps nothing)."""
+
+    def before_write(self) -> None:
+        """The compute stream waits until the buffer's last copy to or from the host is done."""
+
+    def copy_out(self) -> None:
+        """After the first pass: start copying the buffer to host memory."""
+
+    def take(self) -> torch.Tensor | None:
+        """Before the backward: E back in the buffer for the compute stream, or None."""
 
 
 # Auto mode graphs a layer when tokens x its linear weights is below this: there the host, not the
@@ -202,12 +232,14 @@ class _Graphs:
     grad: torch.Tensor | None = None  # incoming gradient; the backward leaves dX here
     params: list[tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(default_factory=list)
     flats: list[torch.Tensor] = dataclasses.field(default_factory=list)  # gradient buffers, one per dtype
+    gate: torch.Tensor | None = None  # the MLP gate product E between the passes (`GateKeeper`)
     failed: bool = False
 
 
 class _LayerState:
     def __init__(self) -> None:
         self.seen: dict[Any, int] = {}
+        self.gate_like: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}  # E kept by a first sighting
         self.graphs: collections.OrderedDict[Any, _Graphs] = collections.OrderedDict()
         self.captures = 0
         self.off = False
@@ -257,24 +289,29 @@ class GraphedLayer:
     returns dX, or returns None when this call is not graphed (the caller then runs eagerly).
     """
 
-    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple) -> None:
+    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple, for_gate: bool = False) -> None:
         self.call, self.args, self.kwargs = run.func, args, run.keywords
         self.layer: nn.Module = run.func.__self__
+        self.for_gate = for_gate  # graphed only to take the host off the path of a kept gate product
         self.leaves: list[torch.Tensor] = []
         self.graphs: _Graphs | None = None
-        state = _state(self.layer)
-        if state.off:
+        self.gate: GateKeeper | None = None
+        self.key: Any = None
+        if _state(self.layer).off:
             return
         try:
-            key = (tuple(hidden.shape), hidden.dtype, hidden.device,
-                   signature((args, self.kwargs), self.leaves), layer_state(self.layer))
+            self.key = (tuple(hidden.shape), hidden.dtype, hidden.device,
+                        signature((args, self.kwargs), self.leaves), layer_state(self.layer))
         except NotGraphable as exc:
             _warn_once(f"CUDA graphs off for some decoder layers: {exc}")
-            return
-        self.graphs = self._lookup(state, key, hidden)
 
-    def _lookup(self, state: _LayerState, key: Any, hidden: torch.Tensor) -> _Graphs | None:
-        """This signature's graphs: made on its second sighting, None on its first."""
+    def _lookup(self, hidden: torch.Tensor, gate: GateKeeper | None) -> _Graphs | None:
+        """This call's graphs: made on its signature's second sighting, None on its first (or
+        when graphed only for a gate product that its first sighting did not keep)."""
+        state = _state(self.layer)
+        if self.key is None or state.off:
+            return None
+        key = (self.key, None if gate is None else gate.slot)
         graphs = state.graphs.get(key)
         if graphs is not None:
             state.graphs.move_to_end(key)
@@ -282,7 +319,8 @@ class GraphedLayer:
         if len(state.seen) > 64:
             state.seen.clear()
         state.seen[key] = state.seen.get(key, 0) + 1
-        if state.seen[key] < 2:
+        like = state.gate_like.get(key)
+        if state.seen[key] < 2 or (self.for_gate and like is None):
             return None
         if state.captures >= MAX_CAPTURES:
             state.off = True
@@ -290,6 +328,8 @@ class GraphedLayer:
             return None
         bufs = _device(hidden.device).buffers
         graphs = _Graphs(bufs.like("x", hidden), [bufs.like(("arg", i), t) for i, t in enumerate(self.leaves)])
+        if like is not None:
+            graphs.gate = bufs.get(("gate", gate.slot), *like, hidden.device)
         state.graphs[key] = graphs
         state.captures += 1
         while len(state.graphs) > GRAPHS_PER_LAYER:
@@ -308,12 +348,21 @@ class GraphedLayer:
         args, kwargs = substitute((self.args, self.kwargs), iter(g.leaves))
         return lambda h: self.call(h, *args, **kwargs)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        g = self.graphs
-        if g is None or g.failed or torch.is_grad_enabled():
-            return self.eager(hidden)
+    def __call__(self, hidden: torch.Tensor, gate: GateKeeper | None = None) -> torch.Tensor:
+        """The first pass (under no_grad). `gate`: where offloaded checkpointing keeps this call's
+        MLP gate product; the graphs keep it in a static buffer, which `gate` copies out."""
+        self.gate = gate
+        g = self.graphs = None if torch.is_grad_enabled() else self._lookup(hidden, gate)
+        if g is None:
+            out = self.eager(hidden)
+            if gate is not None and gate.like is not None and self.key is not None:
+                _state(self.layer).gate_like[(self.key, gate.slot)] = gate.like
+            return out
         bufs = _device(hidden.device).buffers
         self._feed(bufs, g, hidden)
+        if gate is not None:
+            gate.bind(g.gate)
+            gate.before_write()
         if g.forward is None:
             layer = self._static_call(g)
 
@@ -321,11 +370,14 @@ class GraphedLayer:
                 g.x.copy_(layer(g.x))
 
             g.forward = self._capture(g, body)
-            if g.forward is None:
-                return self.eager(hidden)
-        g.forward.replay()
-        out = g.x.clone()
-        bufs.hold(g.x, out)  # the next layer's input: already in the buffer
+        if g.forward is None:
+            out = self.eager(hidden)
+        else:
+            g.forward.replay()
+            out = g.x.clone()
+            bufs.hold(g.x, out)  # the next layer's input: already in the buffer
+        if gate is not None:
+            gate.copy_out()
         return out
 
     def backward(
@@ -336,6 +388,8 @@ class GraphedLayer:
         h)` runs fn(h) as the checkpoint's recompute (grad on, the recomputing flag set)."""
         g = self.graphs
         if g is None or g.failed or grad_out.shape != hidden.shape or not grad_out.is_contiguous():
+            return None
+        if g.gate is not None and self.gate.take() is None:  # E not kept after all: recompute it eagerly
             return None
         bufs = _device(hidden.device).buffers
         if g.grad is None:
@@ -443,9 +497,14 @@ def _set_grads(g: _Graphs) -> None:
         torch._foreach_add_(into, add)
 
 
-def wrap(run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
+def wrap(
+    run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple, pages_gate: bool = False,
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """What a layer checkpoint runs for this call: a `GraphedLayer` when graphs can apply (CUDA,
-    a training forward, `run` a layer's bound call) and pay (`worth_it`), else `run` with `args`."""
+    a training forward, `run` a layer's bound call) and pay, else `run` with `args`. They pay
+    where `worth_it` says, and (auto mode) where the checkpoint pages the MLP's gate product out
+    (`pages_gate`) and the layer's first sighting did keep it: the GPU then does less work than
+    the host's Python takes to launch it."""
     layer = getattr(run.func, "__self__", None) if isinstance(run, functools.partial) else None
     if (
         isinstance(layer, nn.Module)
@@ -454,9 +513,11 @@ def wrap(run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple) ->
         and hidden.is_contiguous()
         and torch.is_grad_enabled()
         and not torch.cuda.is_current_stream_capturing()
-        and worth_it(layer, hidden)
     ):
-        return GraphedLayer(run, hidden, args)
+        if worth_it(layer, hidden):
+            return GraphedLayer(run, hidden, args)
+        if pages_gate and mode() == "auto":
+            return GraphedLayer(run, hidden, args, for_gate=True)
     return (lambda h: run(h, *args)) if args else run
 
 
@@ -469,11 +530,13 @@ def release() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Graphs captured and input copies made so far (tests, profiling)."""
+    """Graphs captured, those keeping a gate product in a static buffer, and input copies made
+    so far (tests, profiling)."""
     graphs = [g for layer in list(_LAYERS) for g in layer.__dict__["_kestrel_graphs"].graphs.values()]
     return {
         "forward": sum(g.forward is not None for g in graphs),
         "backward": sum(g.backward is not None for g in graphs),
         "failed": sum(g.failed for g in graphs),
+        "gates": sum(g.gate is not None for g in graphs),
         "copies": sum(d.buffers.copies for d in _DEVICES.values()),
     }

@@ -90,6 +90,59 @@ def test_gate_products_come_back_exactly_on_cuda() -> None:
     _check_gates("cuda", 16 << 20)
 
 
+def _check_bound_gates(device: str, numel: int) -> None:
+    """Gates bound to static buffers, as graphed layers use them: two buffers, layers
+    alternating; each layer's E written there, copied out, and overwritten two layers up before
+    its backward; each comes back into its buffer exactly (on CUDA: the write two layers up waits
+    for the copy out, and the backward's read for the copy back)."""
+    statics = [torch.empty(numel, device=device) for _ in range(2)]
+    gates = [torch.randn(numel, device=device) for _ in range(4)]
+    copies = []
+    for i, e in enumerate(gates):
+        copy = _HostCopy(torch.randn(8, device=device))
+        copy.gate = gate = _KeptGate(slot=i % 2)
+        gate.bind(statics[gate.slot])
+        gate.before_write()
+        gate.keep(e)  # a graph's first pass writes E into its buffer
+        gate.copy_out()
+        copies.append(copy)
+    originals = [e.clone() for e in gates]
+    del gates
+    for i in (3, 2, 1, 0):
+        copies[i].take()
+        got = copies[i].gate.take()
+        assert got is statics[i % 2] and torch.equal(got, originals[i])
+        assert copies[i].gate.take() is got  # the backward graph's own take: the same buffer
+        got.fill_(float("nan"))  # the backward overwrites E in place
+
+
+def test_bound_gates_come_back_into_their_buffers_on_cpu() -> None:
+    _check_bound_gates("cpu", 1000)
+
+
+@pytest.mark.gpu
+def test_bound_gates_come_back_into_their_buffers_on_cuda() -> None:
+    _busy_gpu()
+    _check_bound_gates("cuda", 16 << 20)
+
+
+def test_a_gate_bound_to_nothing_or_not_copied_out_gives_nothing(
+    fake_pinning: dict[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unbound = _KeptGate()
+    unbound.bind(None)  # its first sighting kept no E (a deferred MLP): the graph computes E
+    unbound.keep(torch.randn(10))
+    unbound.copy_out()
+    assert unbound.take() is None and unbound.host is None
+    monkeypatch.setattr(host_memory, "_register_host", lambda ptr, nbytes: 2)
+    monkeypatch.setattr(_KeptGate, "_warned", False)
+    failed = _KeptGate()
+    failed.bind(torch.zeros(1000))
+    failed.keep(torch.randn(1000))
+    failed.copy_out()  # host memory cannot be locked: E is not kept
+    assert failed.take() is None
+
+
 def test_a_gate_kept_where_host_memory_cannot_be_locked_is_recomputed(
     fake_pinning: dict[int, int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -205,12 +258,11 @@ def test_the_offload_gate_share_spreads_over_the_layers(
     share: str, chosen: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KESTREL_OFFLOAD_GATE", share)
-    run = lambda t: t  # noqa: E731
-    assert [int(checkpointing._pages_gate_out(run, depth)) for depth in range(4)] == chosen
+    assert [int(checkpointing._pages_gate_out(depth)) for depth in range(4)] == chosen
 
 
 @pytest.mark.parametrize("bad", ["yes", "1.5", "-0.1"])
 def test_a_bad_offload_gate_share_says_what_is_valid(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_OFFLOAD_GATE", bad)
     with pytest.raises(ValueError, match="a share of the layers, 0 to 1"):
-        checkpointing._pages_gate_out(lambda t: t, 0)
+        checkpointing._pages_gate_out(0)

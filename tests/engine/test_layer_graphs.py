@@ -101,14 +101,16 @@ def test_graphs_are_on_where_the_host_limits_unless_forced(monkeypatch) -> None:
 # --- CUDA ----------------------------------------------------------------------------------------
 
 
-def _train(folder: Path, graphs: bool, monkeypatch, *, qlora: bool, mode: str, accumulate: int = 1,
+def _train(folder: Path, graphs: bool | None, monkeypatch, *, qlora: bool, mode: str, accumulate: int = 1,
            steps: int = 4) -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
+    """Train the tiny model `steps` steps with graphs on, off, or (None) as the environment says."""
     from engine.checkpointing import set_gradient_checkpointing
     from engine.config import LoraSettings
     from engine.loader import load
     from engine.lora import attach_lora
 
-    monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "1" if graphs else "0")
+    if graphs is not None:
+        monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "1" if graphs else "0")
     layer_graphs.release()
     torch.manual_seed(0)
     model, _ = load(str(folder), 64, load_in_4bit=qlora, dtype="bf16", device="cuda")
@@ -146,6 +148,9 @@ def test_graphed_training_equals_eager_training(tiny_model_dir, monkeypatch, qlo
     layers = 2  # the tiny llama's
     assert eager_stats["forward"] == 0
     assert stats["forward"] == stats["backward"] == layers and stats["failed"] == 0, stats
+    # Offloaded, each layer's graphs keep its MLP gate product in a static buffer, paged out
+    # between the passes (the eager run pages it out from its own blocks).
+    assert stats["gates"] == (layers if mode == "offload" else 0), stats
     # Same kernels on the same values: replays reproduce the eager step bit for bit, up to
     # cuBLAS picking another algorithm on the capture stream (not seen, allowed a bf16 ulp).
     for step, (a, b) in enumerate(zip(graphed, eager)):
@@ -183,4 +188,21 @@ def test_a_new_shape_runs_eagerly_then_gets_its_own_graphs(tiny_model_dir, monke
         model(input_ids=ids, labels=ids).loss.backward()
     assert layer_graphs.stats()["forward"] == 4
     set_gradient_checkpointing(model, "off")
-    assert layer_graphs.stats() == {"forward": 0, "backward": 0, "failed": 0, "copies": 0}
+    assert layer_graphs.stats() == {"forward": 0, "backward": 0, "failed": 0, "gates": 0, "copies": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("mode", "share", "graphed"), [("offload", "1", True), ("offload", "0", False),
+                                                       ("standard", "1", False)])
+def test_auto_graphs_layers_that_page_their_gate_product_out(tiny_model_dir, monkeypatch, mode, share, graphed) -> None:
+    """In auto mode a layer too big for graphs on its work alone is graphed when offloaded
+    checkpointing pages its gate product out (the host's Python then sets the pace)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(layer_graphs, "AUTO_WORK_LIMIT", 0)
+    monkeypatch.setenv("KESTREL_OFFLOAD_GATE", share)
+    monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
+    losses, _, stats = _train(tiny_model_dir("llama"), None, monkeypatch, qlora=True, mode=mode)
+    layers = 2
+    assert stats["forward"] == stats["backward"] == stats["gates"] == (layers if graphed else 0), stats
+    assert losses[-1] < losses[0]
