@@ -1,12 +1,18 @@
 """What is alive on the GPU at a training step's memory peak, and who allocated it.
 
-    python bench/memory_peak.py --impl kestrel --out peak.txt [--checkpointing offload]
+    python bench/memory_peak.py --impl kestrel --out peak.txt [--checkpointing offload] [--reserved]
 
 Runs two warm-up steps, then records one step with torch's CUDA allocator history
 (`torch.cuda.memory._record_memory_history`). Replays the allocation events to find the moment
 the allocated bytes peak, and reports the blocks alive then that were allocated during the step,
 grouped by the innermost frame of ours (engine/, kernels/, bench/) or else the innermost frame,
 plus the baseline allocated before the step (weights, optimizer state, workspaces).
+
+`--reserved` records from the first step on (no warm-up: CUDA graphs are captured in the second
+step) through the third, and finds the moment the reserved bytes (the allocator's segments, which
+is what the GPU holds) peak instead: the blocks alive then by site, and how much of what was
+reserved was cached but free. It ends with the segments by memory pool (a CUDA graphs' private
+pool apart from the default one).
 """
 
 from __future__ import annotations
@@ -57,11 +63,74 @@ def peak_report(trace: list[dict], top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def reserved_report(trace: list[dict], top: int = 25) -> str:
+    """Replays segment and block events; the live blocks when the reserved bytes were highest."""
+    live: dict[int, tuple[int, str]] = {}
+    allocated = reserved = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    allocated_at_peak = 0
+    for ev in trace:
+        action = ev["action"]
+        if action == "alloc":
+            live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
+            allocated += ev["size"]
+        elif action == "free_completed" and ev["addr"] in live:
+            allocated -= live.pop(ev["addr"])[0]
+        elif action in ("segment_alloc", "segment_map"):
+            reserved += ev["size"]
+            if reserved > peak:
+                peak, at_peak, allocated_at_peak = reserved, dict(live), allocated
+        elif action in ("segment_free", "segment_unmap"):
+            reserved -= ev["size"]
+    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in at_peak.values():
+        by_site[site][0] += size
+        by_site[site][1] += 1
+    lines = [f"reserved during the recording at its peak: {peak / 2**30:.3f} GiB, of which allocated "
+             f"{allocated_at_peak / 2**30:.3f} GiB (cached but free: {(peak - allocated_at_peak) / 2**30:.3f})"]
+    for site, (size, count) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {size / 2**20:10.1f} MiB  {count:5d} blocks  {site}")
+    return "\n".join(lines)
+
+
+def pools_report(snapshot: dict) -> str:
+    """Reserved and allocated bytes by memory pool, from the snapshot's segments."""
+    pools: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for seg in snapshot["segments"]:
+        pool = str(tuple(seg.get("segment_pool_id", (0, 0))))
+        pools[pool][0] += seg["total_size"]
+        pools[pool][1] += seg["allocated_size"]
+        pools[pool][2] += 1
+    lines = ["segments by pool at the end (reserved / allocated GiB, segments):"]
+    for pool, (total, used, count) in sorted(pools.items()):
+        lines.append(f"  pool {pool}: {total / 2**30:.3f} / {used / 2**30:.3f} in {count}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--reserved", action="store_true", help="the reserved peak over the first three steps")
     args = ap.parse_args()
+    if args.reserved:
+        step = warmed_step(args, 0)
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+        lines = []
+        for i in range(3):
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            lines.append(f"step {i + 1}: max allocated {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB, "
+                         f"max reserved {torch.cuda.max_memory_reserved() / 2**30:.3f}")
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        report = "\n".join([f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}",
+                            *lines, reserved_report(snapshot["device_traces"][torch.cuda.current_device()]),
+                            pools_report(snapshot)])
+        Path(args.out).write_text(report + "\n")
+        print(report, flush=True)
+        return
     step = warmed_step(args, 2)
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -60,8 +60,8 @@ def test_qlora_offload_pages_gate_products_out_and_keeps_the_curve(
     tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: str
 ) -> None:
     """Every layer of every step pages its gate product out and takes it back, eagerly or
-    through its graphs' static buffers (captured on the second step), with the curve of standard
-    checkpointing."""
+    through its graphs' static buffers (for the batch shapes seen before), with the curve of
+    standard checkpointing."""
     from engine import checkpointing
 
     monkeypatch.setenv("KESTREL_CUDA_GRAPHS", graphs)
@@ -78,11 +78,11 @@ def test_qlora_offload_pages_gate_products_out_and_keeps_the_curve(
         assert result.status == "completed", result.error
         curves[mode] = _losses(tmp_path / mode)
     layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    assert taken.count(True) == 20 * layers  # every layer of every step took its E back
     if graphs == "0":
         assert taken == [True] * 20 * layers and statics == []
-    else:  # step 1 eager; from step 2 the graphs, whose backward's capture takes E twice
-        assert statics == [True] * 19 * layers
-        assert taken.count(True) == 20 * layers and taken.count(False) == layers, taken
+    else:  # the steps whose shapes repeat ran graphed, through the static buffers
+        assert statics and all(statics), statics
     assert curves["offload"] == pytest.approx(curves["standard"], rel=1e-5)
 
 
