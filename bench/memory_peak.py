@@ -8,11 +8,11 @@ the allocated bytes peak, and reports the blocks alive then that were allocated 
 grouped by the innermost frame of ours (engine/, kernels/, bench/) or else the innermost frame,
 plus the baseline allocated before the step (weights, optimizer state, workspaces).
 
-`--reserved` records from the first step on (no warm-up: CUDA graphs are captured in the second
-step) through the third, and finds the moment the reserved bytes (the allocator's segments, which
-is what the GPU holds) peak instead: the blocks alive then by site, and how much of what was
-reserved was cached but free. It ends with the segments by memory pool (a CUDA graphs' private
-pool apart from the default one).
+`--reserved` records from before the model is built through the third step (no warm-up: CUDA
+graphs are captured in the second), and finds the moment the reserved bytes (the allocator's
+segments, which is what the GPU holds) peak instead: reserved and allocated by stream then, the
+blocks alive by site, and what asked for the segment that made the peak. It ends with the
+segments by memory pool (a CUDA graphs' private pool apart from the default one).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.train import add_model_args, warmed_step  # noqa: E402
+from engine import layer_graphs  # noqa: E402
 
 _OURS = ("/engine/", "/kernels/", "/bench/")
 
@@ -63,31 +64,42 @@ def peak_report(trace: list[dict], top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def reserved_report(trace: list[dict], top: int = 25) -> str:
-    """Replays segment and block events; the live blocks when the reserved bytes were highest."""
-    live: dict[int, tuple[int, str]] = {}
-    allocated = reserved = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    allocated_at_peak = 0
-    for ev in trace:
-        action = ev["action"]
+def reserved_report(trace: list[dict], start: int = 0, top: int = 25) -> str:
+    """Replays segment and block events (recorded from the start, so every segment is in them);
+    at the moment the reserved bytes peak: reserved and allocated by stream (a CUDA graph's
+    capture stream holds its private pool), the live blocks by site, and what asked for the
+    segment that made the peak. Peaks before event `start` (building the model) do not count."""
+    live: dict[int, tuple[int, str, int]] = {}
+    segments: dict[int, tuple[int, int]] = {}
+    reserved = peak = 0
+    at_peak: tuple[dict, dict, str] = ({}, {}, "")
+    for i, ev in enumerate(trace):
+        action, stream = ev["action"], ev.get("stream", 0)
         if action == "alloc":
-            live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
-            allocated += ev["size"]
+            live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])), stream)
         elif action == "free_completed" and ev["addr"] in live:
-            allocated -= live.pop(ev["addr"])[0]
+            live.pop(ev["addr"])
         elif action in ("segment_alloc", "segment_map"):
+            segments[ev["addr"]] = (ev["size"], stream)
             reserved += ev["size"]
-            if reserved > peak:
-                peak, at_peak, allocated_at_peak = reserved, dict(live), allocated
+            if reserved > peak and i >= start:
+                peak, at_peak = reserved, (dict(live), dict(segments), _site(ev.get("frames", [])))
         elif action in ("segment_free", "segment_unmap"):
-            reserved -= ev["size"]
+            reserved -= segments.pop(ev["addr"], (ev["size"], 0))[0]
+    blocks, segs, trigger = at_peak
+    lines = [f"reserved at its peak: {peak / 2**30:.3f} GiB; the segment that made it was asked for at {trigger}"]
+    by_stream: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for size, stream in segs.values():
+        by_stream[stream][0] += size
+    for size, _, stream in blocks.values():
+        by_stream[stream][1] += size
+    for stream, (res, alloc) in sorted(by_stream.items()):
+        lines.append(f"  stream {stream}: reserved {res / 2**30:.3f} GiB, allocated {alloc / 2**30:.3f}")
     by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, site in at_peak.values():
+    for size, site, _ in blocks.values():
         by_site[site][0] += size
         by_site[site][1] += 1
-    lines = [f"reserved during the recording at its peak: {peak / 2**30:.3f} GiB, of which allocated "
-             f"{allocated_at_peak / 2**30:.3f} GiB (cached but free: {(peak - allocated_at_peak) / 2**30:.3f})"]
+    lines.append("live blocks then, by site:")
     for site, (size, count) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {size / 2**20:10.1f} MiB  {count:5d} blocks  {site}")
     return "\n".join(lines)
@@ -114,19 +126,20 @@ def main() -> None:
     ap.add_argument("--reserved", action="store_true", help="the reserved peak over the first three steps")
     args = ap.parse_args()
     if args.reserved:
-        step = warmed_step(args, 0)
         torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+        step = warmed_step(args, 0)
+        start = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
         lines = []
         for i in range(3):
             torch.cuda.reset_peak_memory_stats()
             step()
             torch.cuda.synchronize()
             lines.append(f"step {i + 1}: max allocated {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB, "
-                         f"max reserved {torch.cuda.max_memory_reserved() / 2**30:.3f}")
+                         f"max reserved {torch.cuda.max_memory_reserved() / 2**30:.3f}; graphs {layer_graphs.stats()}")
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         report = "\n".join([f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}",
-                            *lines, reserved_report(snapshot["device_traces"][torch.cuda.current_device()]),
+                            *lines, reserved_report(snapshot["device_traces"][torch.cuda.current_device()], start),
                             pools_report(snapshot)])
         Path(args.out).write_text(report + "\n")
         print(report, flush=True)

@@ -238,9 +238,14 @@ class _KeptGate(_HostTensor):
         stream, so part of a graph being captured) and `take` returns it. None: keep nothing."""
         self.bound, self.static = True, buf
 
+    def target(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The bound buffer, when it fits: the MLP writes E there itself (no copy)."""
+        fits = self.static is not None and tuple(self.static.shape) == tuple(shape) and self.static.dtype == dtype
+        return self.static if fits else None
+
     def keep(self, e: torch.Tensor) -> None:
         if self.bound:
-            if self.static is not None:
+            if self.static is not None and e is not self.static:
                 self.static.copy_(e)
             return
         if self.host is not None:

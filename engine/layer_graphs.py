@@ -11,9 +11,10 @@ weights that the optimizer updates in place), so it replays exactly.
 How (`GraphedLayer`):
 - A call's signature is every argument's shape, dtype and value (tensors by shape, others by
   value) plus the layer's state (training, adapters on/off/merged, which parameters train, the
-  kernel backend, the NF4 workspace). The first time a layer sees a signature it runs eagerly:
-  that compiles kernels and sizes workspaces. The second time it is captured: one eager run on
-  the capture stream (lazy initialisation happens outside the capture), the capture, the replay.
+  kernel backend). The first time a layer sees a signature it runs eagerly: that compiles
+  kernels and sizes workspaces. The second time it is captured (no eager run on the capture
+  stream, see `_capture`), then replayed. A graph also belongs to the NF4 workspace buffer it
+  read (`nf4.WORKSPACE.generation`): one that grows makes new graphs.
 - Inputs are copied into static buffers shared by every layer. The first-pass graph writes the
   layer's output over its input buffer (the input is dead by then); the eager side clones it,
   and that clone is the next layer's input, which the buffer already holds: no copy in. The
@@ -242,6 +243,7 @@ class _LayerState:
         self.gate_like: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}  # E kept by a first sighting
         self.graphs: collections.OrderedDict[Any, _Graphs] = collections.OrderedDict()
         self.captures = 0
+        self.eager_backwards = 0  # backwards run eagerly after a graphed first pass
         self.off = False
 
 
@@ -267,7 +269,7 @@ def layer_state(layer: nn.Module) -> tuple:
     )
     params = tuple((p.data_ptr(), p.requires_grad) for p in layer.parameters())
     autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    return layer.training, adapters, params, autocast, dispatch.forced_backend(), nf4.WORKSPACE.generation
+    return layer.training, adapters, params, autocast, dispatch.forced_backend()
 
 
 def _warn_once(message: str) -> None:
@@ -311,16 +313,19 @@ class GraphedLayer:
         state = _state(self.layer)
         if self.key is None or state.off:
             return None
-        key = (self.key, None if gate is None else gate.slot)
+        seen = (self.key, None if gate is None else gate.slot)
+        # Graphs read the NF4 workspace they saw, so its generation keys them; not the sightings,
+        # or the layer whose first pass grew the workspace would take a step more to be graphed.
+        key = (seen, nf4.WORKSPACE.generation)
         graphs = state.graphs.get(key)
         if graphs is not None:
             state.graphs.move_to_end(key)
             return None if graphs.failed else graphs
         if len(state.seen) > 64:
             state.seen.clear()
-        state.seen[key] = state.seen.get(key, 0) + 1
-        like = state.gate_like.get(key)
-        if state.seen[key] < 2 or (self.for_gate and like is None):
+        state.seen[seen] = state.seen.get(seen, 0) + 1
+        like = state.gate_like.get(seen)
+        if state.seen[seen] < 2 or (self.for_gate and like is None):
             return None
         if state.captures >= MAX_CAPTURES:
             state.off = True
@@ -376,6 +381,8 @@ class GraphedLayer:
             g.forward.replay()
             out = g.x.clone()
             bufs.hold(g.x, out)  # the next layer's input: already in the buffer
+            if lora_casts.keeps_any():  # the graphs cast the adapter themselves: the eager copies are dead weight
+                lora_casts.forget([p for p in self.layer.parameters() if p.requires_grad])
         if gate is not None:
             gate.copy_out()
         return out
@@ -387,9 +394,11 @@ class GraphedLayer:
         """dX for grad_out (the parameters' gradients set), or None: run eagerly. `recompute(fn,
         h)` runs fn(h) as the checkpoint's recompute (grad on, the recomputing flag set)."""
         g = self.graphs
-        if g is None or g.failed or grad_out.shape != hidden.shape or not grad_out.is_contiguous():
+        if g is None or g.failed:
             return None
-        if g.gate is not None and self.gate.take() is None:  # E not kept after all: recompute it eagerly
+        if (grad_out.shape != hidden.shape or not grad_out.is_contiguous()
+                or g.gate is not None and self.gate.take() is None):  # E not kept after all: recompute it
+            _state(self.layer).eager_backwards += 1
             return None
         bufs = _device(hidden.device).buffers
         if g.grad is None:
@@ -532,11 +541,13 @@ def release() -> None:
 def stats() -> dict[str, int]:
     """Graphs captured, those keeping a gate product in a static buffer, and input copies made
     so far (tests, profiling)."""
-    graphs = [g for layer in list(_LAYERS) for g in layer.__dict__["_kestrel_graphs"].graphs.values()]
+    states = [layer.__dict__["_kestrel_graphs"] for layer in list(_LAYERS)]
+    graphs = [g for state in states for g in state.graphs.values()]
     return {
         "forward": sum(g.forward is not None for g in graphs),
         "backward": sum(g.backward is not None for g in graphs),
         "failed": sum(g.failed for g in graphs),
         "gates": sum(g.gate is not None for g in graphs),
+        "eager_backwards": sum(state.eager_backwards for state in states),
         "copies": sum(d.buffers.copies for d in _DEVICES.values()),
     }

@@ -173,18 +173,19 @@ def _shrink(x: torch.Tensor, ws: list[LoRAWeights], a: torch.Tensor) -> torch.Te
 
 def _expand(
     x: torch.Tensor, xa: torch.Tensor | None, w: LoRAWeights, dtype: torch.dtype, merged: bool,
-    dense: torch.Tensor | None = None, a: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None, a: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x W^T + xa B^T (M, out) for x (M, in) and this projection's xa (M, r); merged: the
     adapter is inside W' (`_merged`, from A's cast rows `a` when given) and xa is not read.
-    dense: W (W' when merged) already formed; otherwise it is dequantized (merged) here."""
+    dense: W (W' when merged) already formed; otherwise it is dequantized (merged) here.
+    out: where to write y (contiguous (M, out) in `dtype`), else a new tensor."""
     if merged:
-        return torch.mm(x, (_merged(w, dtype, a=a) if dense is None else dense).t())
+        return torch.mm(x, (_merged(w, dtype, a=a) if dense is None else dense).t(), out=out)
     b = cast(w.lora_B, dtype)
     base = _base(w.weight, w.quant_state, dtype) if dense is None else dense
     if w.out_features * w.in_features >= _ADAPTER_FIRST_MIN:
-        return torch.mm(xa, b.t()).addmm_(x, base.t())
-    return torch.mm(x, base.t()).addmm_(xa, b.t())
+        return torch.mm(xa, b.t(), out=out).addmm_(x, base.t())
+    return torch.mm(x, base.t(), out=out).addmm_(xa, b.t())
 
 
 def _adapter_backward(

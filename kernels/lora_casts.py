@@ -92,6 +92,19 @@ def stacked(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return copy
 
 
+def keeps_any() -> bool:
+    """Whether any cast copy is kept."""
+    return bool(_CASTS) or bool(_STACKS)
+
+
+def forget(ts: list[torch.Tensor]) -> None:
+    """Drop the copies kept for these weights (a CUDA graph that casts them itself now runs
+    instead of the code that read the copies, which would otherwise stay for nothing)."""
+    for t in ts:
+        _CASTS.pop(t, None)
+        _STACKS.pop(t, None)
+
+
 def mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """a @ b (2-D) returned in `dtype`: for 16-bit a, b and an fp32 result on CUDA, cuBLAS writes
     fp32 from its fp32 accumulator (no bf16 rounding, no copy kernel); elsewhere a cast after."""

@@ -43,6 +43,10 @@ class GateStore(Protocol):
     """Keeps a checkpointed layer's gate product E (M, I) from its first pass to its recompute,
     somewhere other than the GPU's memory (`engine.checkpointing` pages it to host memory)."""
 
+    def target(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where the first pass may write E straight away (then handed to `keep` as it is), or
+        None: E goes to a new tensor."""
+
     def keep(self, e: torch.Tensor) -> None:
         """Called once in the first pass with E; E's memory is the caller's again on return
         (the store copies it, in stream order)."""
@@ -191,8 +195,10 @@ def _forward(
     xa_g, xa_u = (None, None) if xa_gu is None else (xa_gu[:, sg], xa_gu[:, su])
     e = store.take() if store is not None and grad else None
     if e is None:
-        e = base._expand(x2, xa_g, gate, dtype, merged_gu, a=a_gu[sg])  # (M, I)
-        if store is not None and not grad and not _defer_pays(x2.shape[0], gate, up):
+        keep = store is not None and not grad and not _defer_pays(x2.shape[0], gate, up)
+        into = store.target((x2.shape[0], gate.out_features), dtype) if keep else None
+        e = base._expand(x2, xa_g, gate, dtype, merged_gu, a=a_gu[sg], out=into)  # (M, I)
+        if keep:
             store.keep(e)
     g = base._expand(x2, xa_u, up, dtype, merged_gu, a=a_gu[su])
     h = _glu_forward(e, g, activation)

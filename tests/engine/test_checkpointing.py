@@ -103,7 +103,12 @@ def _check_bound_gates(device: str, numel: int) -> None:
         copy.gate = gate = _KeptGate(slot=i % 2)
         gate.bind(statics[gate.slot])
         gate.before_write()
-        gate.keep(e)  # a graph's first pass writes E into its buffer
+        if i % 2:  # the MLP writes E where the gate says: its buffer, then keeps it (no copy)
+            into = gate.target(tuple(e.shape), e.dtype)
+            assert into is statics[gate.slot] and gate.target((1, numel), e.dtype) is None
+            gate.keep(into.copy_(e))
+        else:
+            gate.keep(e)  # or keeps a new E: copied into the buffer
         gate.copy_out()
         copies.append(copy)
     originals = [e.clone() for e in gates]
@@ -130,6 +135,7 @@ def test_a_gate_bound_to_nothing_or_not_copied_out_gives_nothing(
     fake_pinning: dict[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     unbound = _KeptGate()
+    assert unbound.target((10,), torch.float32) is None  # eager: E goes to a new tensor
     unbound.bind(None)  # its first sighting kept no E (a deferred MLP): the graph computes E
     unbound.keep(torch.randn(10))
     unbound.copy_out()

@@ -105,3 +105,19 @@ def test_uncached_casts_afresh_and_keeps_nothing() -> None:
         cast(other, torch.bfloat16)
     assert cast(w, torch.bfloat16) is kept  # the kept copy is still the one in use
     assert lora_casts._CASTS.get(other) is None  # nothing was kept for the uncached call
+
+
+def test_forget_drops_the_copies_of_those_weights_only() -> None:
+    a1, a2, b = (torch.nn.Parameter(torch.randn(2, 8)) for _ in range(3))
+    assert not lora_casts.keeps_any()
+    kept_b = cast(b, torch.bfloat16)
+    stack = stacked([a1, a2], torch.bfloat16)
+    cast(a1, torch.bfloat16)
+    assert lora_casts.keeps_any()
+    lora_casts.forget([a1, a2])  # a graph now casts a1 and a2 itself
+    assert cast(b, torch.bfloat16) is kept_b
+    assert stacked([a1, a2], torch.bfloat16) is not stack and len(lora_casts._CASTS) == 1
+    lora_casts.forget([a2, b])  # a stack is kept under its first weight: a2 alone leaves it
+    assert len(lora_casts._CASTS) == 0 and lora_casts.keeps_any()
+    lora_casts.forget([a1])
+    assert not lora_casts.keeps_any()

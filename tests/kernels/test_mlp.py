@@ -19,6 +19,9 @@ class _Store:
         self.kept: list[torch.Tensor] = []
         self.taken = 0
 
+    def target(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        return None
+
     def keep(self, e: torch.Tensor) -> None:
         self.kept.append(e.detach().clone())
 
