@@ -329,19 +329,25 @@ class LayerCheckpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, torch.Tensor]:
         saved, ctx.saved_input = ctx.saved_input, None
-        hidden = saved.take() if isinstance(saved, _HostCopy) else saved
         token = _GATE_STORE.set(ctx.gate)
         try:
-            if isinstance(ctx.run, layer_graphs.GraphedLayer):
-                dx = ctx.run.backward(hidden, grad_out, _recompute)
+            if isinstance(ctx.run, layer_graphs.GraphedLayer):  # hands the input over: not kept here
+                dx, hidden = ctx.run.backward(_taken(saved), grad_out, _recompute)
                 if dx is not None:
                     return None, None, dx
+            else:
+                hidden = _taken(saved)
             hidden = hidden.detach().requires_grad_(True)
             torch.autograd.backward(_recompute(ctx.run, hidden), grad_out)
         finally:
             _GATE_STORE.reset(token)
             ctx.gate = None
         return None, None, hidden.grad
+
+
+def _taken(saved: _HostCopy | torch.Tensor) -> torch.Tensor:
+    """A checkpoint's saved layer input, back on its device."""
+    return saved.take() if isinstance(saved, _HostCopy) else saved
 
 
 def _pages_gate_out(depth: int) -> bool:

@@ -368,7 +368,10 @@ class GraphedLayer:
         if gate is not None:
             gate.bind(g.gate)
             gate.before_write()
-        if g.forward is None:
+        if g.forward is None and g.backward is not None:
+            # Captured once the backward graph is: the pool's segments are then cut for the
+            # backward's larger working set, and the first pass fits into them (the other way
+            # round, the backward needed 0.6 GiB on the 8B step). Until then it runs eagerly.
             layer = self._static_call(g)
 
             def body() -> None:
@@ -390,30 +393,35 @@ class GraphedLayer:
     def backward(
         self, hidden: torch.Tensor, grad_out: torch.Tensor,
         recompute: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor | None:
-        """dX for grad_out (the parameters' gradients set), or None: run eagerly. `recompute(fn,
-        h)` runs fn(h) as the checkpoint's recompute (grad on, the recomputing flag set)."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(dX, None) for grad_out, the parameters' gradients set; or (None, hidden): run
+        eagerly. The caller hands `hidden` over without keeping it: once in the static buffer it
+        is let go before the replay (its memory serves the replay's eager neighbours). dX is the
+        static incoming-gradient buffer itself, which the layer below's backward reads in place
+        (no clone: autograd hands it straight to that backward, and a replay only overwrites it
+        after it has been read). `recompute(fn, h)` runs fn(h) as the checkpoint's recompute."""
         g = self.graphs
         if g is None or g.failed:
-            return None
+            return None, hidden
         if (grad_out.shape != hidden.shape or not grad_out.is_contiguous()
                 or g.gate is not None and self.gate.take() is None):  # E not kept after all: recompute it
             _state(self.layer).eager_backwards += 1
-            return None
+            return None, hidden
         bufs = _device(hidden.device).buffers
         if g.grad is None:
             g.grad = bufs.like("grad", grad_out)
         self._feed(bufs, g, hidden)
+        del hidden
         bufs.feed(g.grad, grad_out)
+        del grad_out
         if g.backward is None:
             g.backward = self._capture(g, self._backward_body(g, bufs, recompute))
             if g.backward is None:
-                return None
+                return None, g.x.clone()
         g.backward.replay()
-        dx = g.grad.clone()
-        bufs.hold(g.grad, dx)  # the layer below's incoming gradient: already in the buffer
+        bufs.hold(g.grad, g.grad)  # the layer below's incoming gradient: already in the buffer
         _set_grads(g)
-        return dx
+        return g.grad, None
 
     def _backward_body(self, g: _Graphs, bufs: _Buffers, recompute: Callable) -> Callable[[], None]:
         """The captured backward: recompute, then the gradients of the input and the trainable
