@@ -458,6 +458,9 @@ class GraphedLayer:
         dev = _device(g.x.device)
         graph = torch.cuda.CUDAGraph()
         try:
+            # The capture empties the allocator's cache when it starts; emptied before the capture
+            # stream's cuBLAS workspace is made, the eager cache and that workspace never peak together.
+            torch.cuda.empty_cache()
             _warm_stream(dev.stream)
             with lora_casts.uncached(), torch.cuda.graph(
                 graph, pool=dev.pool, stream=dev.stream, capture_error_mode="thread_local"
