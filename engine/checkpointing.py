@@ -16,13 +16,15 @@ layer input's (when the layer above begins its backward), and the recompute take
 computing it, skipping its largest product. It spends the host link, not GPU memory: on an H100
 the link moves 55 GB/s each way, and E (117 MB at the Llama-8B MLP and 4,096 tokens) goes out in
 less time than the layer's first pass takes. `KESTREL_OFFLOAD_GATE` is the share of layers that
-do it (default 1: all; 0: none); CUDA-graphed layers and MLPs that defer to their backward never
-do. The 8B step's GPU work falls ~29 ms (8%), its time less: it then waits on the host's Python.
+do it (default 1: all; 0: none); MLPs that defer to their backward (long rows) never do. The 8B
+step's GPU work falls ~29 ms (8%); eagerly its time falls less, as it then waits on the host's
+Python.
 
-On CUDA, where a layer's GPU work is small enough that Python would set the pace, its first
-pass and its recompute-with-backward replay as CUDA graphs (`engine.layer_graphs`): the
-checkpoint hands `LayerCheckpoint` a `GraphedLayer` instead of the plain call, and the
-backward asks it first.
+On CUDA, where Python would set the pace (a layer's GPU work is small, or its gate product is
+paged out), its first pass and its recompute-with-backward replay as CUDA graphs
+(`engine.layer_graphs`): the checkpoint hands `LayerCheckpoint` a `GraphedLayer` instead of the
+plain call, with the layer's `_KeptGate` (E then lives in a static buffer between the passes),
+and the backward asks it first.
 
 The pinned host buffers and the side stream come from `engine.host_memory`.
 """

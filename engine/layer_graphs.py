@@ -10,20 +10,22 @@ weights that the optimizer updates in place), so it replays exactly.
 
 How (`GraphedLayer`):
 - A call's signature is every argument's shape, dtype and value (tensors by shape, others by
-  value) plus the layer's state (training, adapters on/off/merged, which parameters train, the
-  kernel backend). The first time a layer sees a signature it runs eagerly: that compiles
-  kernels and sizes workspaces. The second time it is captured (no eager run on the capture
-  stream, see `_capture`), then replayed. A graph also belongs to the NF4 workspace buffer it
-  read (`nf4.WORKSPACE.generation`): one that grows makes new graphs.
+  value, `engine.graph_inputs`) plus the layer's state (training, adapters on/off/merged, which
+  parameters train, the kernel backend). The first time a layer sees a signature it runs
+  eagerly: that compiles kernels and sizes workspaces. The second time its recompute-and-backward
+  is captured, the third time its first pass (captured first, the first pass's smaller working
+  set would cut the shared pool's segments for itself: 0.61 against 0.53 GiB on the 8B step).
+  No eager run on the capture stream (`_capture`). A graph also belongs to the NF4 workspace
+  buffer it read (`nf4.WORKSPACE.generation`): one that grows makes new graphs.
 - Inputs are copied into static buffers shared by every layer. The first-pass graph writes the
   layer's output over its input buffer (the input is dead by then); the eager side clones it,
   and that clone is the next layer's input, which the buffer already holds: no copy in. The
   tables made once per forward are copied once, by the first layer.
 - The backward graph re-runs the layer with autograd on and calls `torch.autograd.grad` for the
-  input and the layer's trainable parameters; it writes dX over the incoming-gradient buffer and
-  the parameter gradients into one flat buffer per dtype. After the replay one clone of each
-  flat buffer gives every parameter its `.grad` (a view; added when one is being accumulated).
-  Parameter hooks do not run for these gradients.
+  input and the layer's trainable parameters; it writes dX over the incoming-gradient buffer
+  (handed to the layer below as it is) and the parameter gradients into one flat buffer per
+  dtype. After the replay one clone of each flat buffer gives every parameter its `.grad` (a
+  view; added when one is being accumulated). Parameter hooks do not run for these gradients.
 - Every graph allocates from one private pool per device, and nothing allocated there outlives
   a replay (every output lands in a static buffer made outside the pool), so all layers' graphs
   share one layer's working set, as the eager allocator's cache did. Replayed graphs allocate
@@ -37,16 +39,19 @@ How (`GraphedLayer`):
   alternating: the first-pass graph writes it there, and the keeper copies it out after the
   replay while the next layer runs; before the backward's replay the keeper copies it back in,
   and the backward graph reads it there.
-- Graphs pay where the host limits: on an H100 the Llama-1B shape at 2,048 tokens a step trains
-  3.9x faster with them, the 8B shape at 4,096 tokens no faster (its GPU work hides the host),
-  and a second memory pool costs about 0.2 GiB. So by default (`KESTREL_CUDA_GRAPHS=auto`) a layer
-  is graphed when tokens x its linear weights is small (`AUTO_WORK_LIMIT`); `=1` always, `=0` never.
+- Graphs pay where the host limits. On an H100 the Llama-1B shape at 2,048 tokens a step trains
+  3.9x faster with them. The 8B shape at 4,096 tokens trains no faster with standard
+  checkpointing (its GPU work hides the host), but offloaded with E paged out it ran 12,643-
+  12,766 tokens/s graphed against 9,605-12,296 eager in the same calls (paging E out takes ~29 ms
+  of GPU work off the step, and the host's Python then set the pace). So by
+  default (`KESTREL_CUDA_GRAPHS=auto`) a layer is graphed when tokens x its linear weights is
+  small (`AUTO_WORK_LIMIT`), or when its checkpoint pages E out and its first sighting did keep
+  E (`wrap`); `=1` always, `=0` never.
 """
 
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import functools
 import logging
@@ -57,18 +62,14 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from engine.graph_inputs import NotGraphable, StaticBuffers, signature, substitute
 from kernels import dispatch, lora_casts, nf4
 
 log = logging.getLogger("kestrel")
 
 GRAPHS_PER_LAYER = 2  # signatures kept captured per layer (a first-pass and a backward graph each)
 MAX_CAPTURES = 6  # captures per layer before giving up on it: its signatures do not repeat
-_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _WARNED: set[str] = set()
-
-
-class NotGraphable(Exception):
-    """The call has something a replay cannot reproduce; it runs eagerly."""
 
 
 class GateKeeper(Protocol):
@@ -124,88 +125,11 @@ def worth_it(layer: nn.Module, hidden: torch.Tensor) -> bool:
     return hidden.numel() // max(hidden.shape[-1], 1) * weights < AUTO_WORK_LIMIT
 
 
-# --- Signatures and static copies of the arguments ---------------------------------------------
-
-
-def signature(obj: Any, leaves: list[torch.Tensor]) -> Any:
-    """A hashable description of `obj` (tensors by shape and dtype, everything else by value);
-    its tensors are appended to `leaves` in order. Raises NotGraphable for what a static copy
-    cannot stand for: a tensor off CUDA, not contiguous or requiring grad; an unknown object."""
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_cuda or not obj.is_contiguous() or obj.requires_grad:
-            raise NotGraphable("a layer argument is a CPU, strided or grad-requiring tensor")
-        leaves.append(obj)
-        return ("T", tuple(obj.shape), obj.dtype, obj.device)
-    if isinstance(obj, _SCALARS):
-        return (type(obj), obj)
-    if isinstance(obj, (tuple, list)):
-        return (type(obj), tuple(signature(o, leaves) for o in obj))
-    if isinstance(obj, dict):
-        return (dict, tuple((k, signature(v, leaves)) for k, v in obj.items()))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return (type(obj), tuple(signature(getattr(obj, f.name), leaves) for f in dataclasses.fields(obj)))
-    if callable(obj) and hasattr(obj, "__qualname__"):
-        return ("F", obj)  # a function (an attention kernel): by identity
-    raise NotGraphable(f"a layer argument of type {type(obj).__name__}")
-
-
-def substitute(obj: Any, tensors: Any) -> Any:
-    """`obj` with its tensors replaced, in `signature`'s order, by those `tensors` yields."""
-    if isinstance(obj, torch.Tensor):
-        return next(tensors)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
-        return type(obj)(*(substitute(o, tensors) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(substitute(o, tensors) for o in obj)
-    if isinstance(obj, dict):
-        return {k: substitute(v, tensors) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(out, f.name, substitute(getattr(obj, f.name), tensors))
-        return out
-    return obj
-
-
-class _Buffers:
-    """The static input buffers of one device, shared by every layer's graphs (one per slot and
-    shape). Each remembers which tensor it holds the values of (weakly, with its version), so
-    feeding it that tensor again copies nothing."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple, torch.Tensor] = {}
-        self.holds: dict[int, tuple[weakref.ref, int]] = {}  # id(buffer) -> (tensor, version)
-        self.copies = 0  # copies made (tests and profiling read it)
-
-    def get(self, slot: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (slot, tuple(shape), dtype, device)
-        if key not in self.buffers:
-            self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
-        return self.buffers[key]
-
-    def like(self, slot: Any, t: torch.Tensor) -> torch.Tensor:
-        return self.get(slot, tuple(t.shape), t.dtype, t.device)
-
-    def feed(self, buf: torch.Tensor, t: torch.Tensor) -> None:
-        held = self.holds.get(id(buf))
-        if held is None or held[0]() is not t or held[1] != t._version:
-            buf.copy_(t)
-            self.copies += 1
-            self.hold(buf, t)
-
-    def hold(self, buf: torch.Tensor, t: torch.Tensor) -> None:
-        """Record that `buf` now holds `t`'s values."""
-        self.holds[id(buf)] = (weakref.ref(t), t._version)
-
-    def forget(self, buf: torch.Tensor) -> None:
-        self.holds.pop(id(buf), None)
-
-
 @dataclasses.dataclass
 class _Device:
     """Per device: the static buffers, the graphs' memory pool and the capture stream."""
 
-    buffers: _Buffers
+    buffers: StaticBuffers
     pool: Any
     stream: torch.cuda.Stream
 
@@ -215,7 +139,7 @@ _DEVICES: dict[torch.device, _Device] = {}
 
 def _device(device: torch.device) -> _Device:
     if device not in _DEVICES:
-        _DEVICES[device] = _Device(_Buffers(), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+        _DEVICES[device] = _Device(StaticBuffers(), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
     return _DEVICES[device]
 
 
@@ -344,7 +268,7 @@ class GraphedLayer:
     def eager(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.call(hidden, *self.args, **self.kwargs)
 
-    def _feed(self, bufs: _Buffers, g: _Graphs, hidden: torch.Tensor) -> None:
+    def _feed(self, bufs: StaticBuffers, g: _Graphs, hidden: torch.Tensor) -> None:
         bufs.feed(g.x, hidden)
         for buf, t in zip(g.leaves, self.leaves):
             bufs.feed(buf, t)
@@ -423,7 +347,7 @@ class GraphedLayer:
         _set_grads(g)
         return g.grad, None
 
-    def _backward_body(self, g: _Graphs, bufs: _Buffers, recompute: Callable) -> Callable[[], None]:
+    def _backward_body(self, g: _Graphs, bufs: StaticBuffers, recompute: Callable) -> Callable[[], None]:
         """The captured backward: recompute, then the gradients of the input and the trainable
         parameters into the static buffers (`g.params` keeps the parameters that got one)."""
         params = [p for p in self.layer.parameters() if p.requires_grad]
@@ -486,7 +410,7 @@ def _warm_stream(stream: torch.cuda.Stream) -> None:
     current.wait_stream(stream)
 
 
-def _flat_slots(g: _Graphs, bufs: _Buffers, params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int, int]]:
+def _flat_slots(g: _Graphs, bufs: StaticBuffers, params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int, int]]:
     """(parameter, flat buffer index, offset) for each parameter; sets g.flats, one static
     gradient buffer per dtype (shared by the layers with the same parameter sizes)."""
     totals: dict[torch.dtype, int] = {}

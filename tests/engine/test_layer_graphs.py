@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import layer_graphs
-from engine.layer_graphs import NotGraphable, _Buffers, signature, substitute
+from engine.graph_inputs import NotGraphable, StaticBuffers, signature, substitute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ def test_what_a_static_copy_cannot_stand_for_is_refused() -> None:
 
 
 def test_buffers_copy_only_what_they_do_not_hold() -> None:
-    bufs = _Buffers()
+    bufs = StaticBuffers()
     src = torch.arange(6.0).view(2, 3)
     buf = bufs.like("x", src)
     bufs.feed(buf, src)
