@@ -41,6 +41,16 @@ def _site(frames: list[dict]) -> str:
     return f"{'/'.join(pick['filename'].split('/')[-2:])}:{pick['line']} {pick['name']}"
 
 
+def _by_site(blocks: list[tuple[int, str]], top: int) -> list[str]:
+    """Report lines for (size, site) blocks: bytes and count per site, largest first."""
+    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in blocks:
+        by_site[site][0] += size
+        by_site[site][1] += 1
+    return [f"  {size / 2**20:10.1f} MiB  {count:5d} blocks  {site}"
+            for site, (size, count) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
 def peak_report(trace: list[dict], top: int = 25) -> str:
     """Replays alloc / free_completed events; returns the live blocks at the highest point."""
     live: dict[int, tuple[int, str]] = {}
@@ -54,14 +64,8 @@ def peak_report(trace: list[dict], top: int = 25) -> str:
                 peak, at_peak = now, dict(live)
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             now -= live.pop(ev["addr"])[0]
-    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, site in at_peak.values():
-        by_site[site][0] += size
-        by_site[site][1] += 1
     lines = [f"allocated during the step at its peak: {peak / 2**30:.3f} GiB in {len(at_peak)} blocks"]
-    for site, (size, count) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {size / 2**20:10.1f} MiB  {count:5d} blocks  {site}")
-    return "\n".join(lines)
+    return "\n".join(lines + _by_site(list(at_peak.values()), top))
 
 
 def reserved_report(trace: list[dict], start: int = 0, top: int = 25) -> str:
@@ -95,14 +99,8 @@ def reserved_report(trace: list[dict], start: int = 0, top: int = 25) -> str:
         by_stream[stream][1] += size
     for stream, (res, alloc) in sorted(by_stream.items()):
         lines.append(f"  stream {stream}: reserved {res / 2**30:.3f} GiB, allocated {alloc / 2**30:.3f}")
-    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, site, _ in blocks.values():
-        by_site[site][0] += size
-        by_site[site][1] += 1
     lines.append("live blocks then, by site:")
-    for site, (size, count) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {size / 2**20:10.1f} MiB  {count:5d} blocks  {site}")
-    return "\n".join(lines)
+    return "\n".join(lines + _by_site([(size, site) for size, site, _ in blocks.values()], top))
 
 
 def pools_report(snapshot: dict) -> str:

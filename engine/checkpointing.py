@@ -218,7 +218,7 @@ class _KeptGate(_HostTensor):
     is copied out (`copy_out`, after its first pass) while the next layer computes, and is copied
     back into the same buffer for its backward (`take`). Each buffer's last side-stream copy is
     remembered (`_side_use`); the compute stream waits for it before a first pass writes the
-    buffer again (`before_write`)."""
+    buffer again (`bind`)."""
 
     _warned = False
     _side_use: dict[int, torch.cuda.Event] = {}  # a static buffer's address -> its last copy's end
@@ -237,8 +237,13 @@ class _KeptGate(_HostTensor):
 
     def bind(self, buf: torch.Tensor | None) -> None:
         """From now on E lives in `buf` on the device: `keep` copies it there (work on the current
-        stream, so part of a graph being captured) and `take` returns it. None: keep nothing."""
+        stream, so part of a graph being captured) and `take` returns it. None: keep nothing. A
+        first pass is about to overwrite `buf`: the compute stream first waits for its last copy
+        out (or in), which ended long ago (a layer's work back)."""
         self.bound, self.static = True, buf
+        done = None if buf is None else _KeptGate._side_use.get(buf.data_ptr())
+        if done is not None:
+            torch.cuda.current_stream(buf.device).wait_event(done)
 
     def target(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The bound buffer, when it fits: the MLP writes E there itself (no copy)."""
@@ -256,13 +261,6 @@ class _KeptGate(_HostTensor):
             self._keep(e)
         except HostMemoryError as err:
             self._warn(err)
-
-    def before_write(self) -> None:
-        """The compute stream waits for the last copy out of (or into) the bound buffer: a first
-        pass is about to overwrite it (the copy ended long ago: a layer's work back)."""
-        done = None if self.static is None else _KeptGate._side_use.get(self.static.data_ptr())
-        if done is not None:
-            torch.cuda.current_stream(self.static.device).wait_event(done)
 
     def copy_out(self) -> None:
         """After a first pass has filled the bound buffer: start copying it to host memory."""

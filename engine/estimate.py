@@ -19,8 +19,9 @@ The model of memory (bytes), written for the way the engine trains:
   the MLP output; gate/up/act): measured 169 KB a token at 409,600 tokens on the 8B shape. The
   loss is chunked (logits never exist for the whole batch), so the head costs one chunk. Since
   the recomputed MLP of a long sequence runs in row chunks (`kernels.mlp`), the 3 intermediate
-  values are an upper bound there (2.45 GiB over at 65,536 tokens on the 8B shape): not yet
-  re-measured at 400K tokens, so the estimate keeps the larger figure and errs toward "tight".
+  values are an upper bound there: 2.45 GiB over at 65,536 tokens on the 8B shape, and at 409,600
+  the run now peaks at 54.3 GiB allocated, 67.4 reserved (bench/RESULTS.md), against the 78.9
+  this model gives. It keeps the larger figure, erring toward "tight", until it is refitted.
 - GRPO adds the rollouts' static KV cache and trains on num_generations sequences per prompt.
 - a fixed overhead for the CUDA context and allocator slack (0.6 GiB + 8 %).
 - host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in

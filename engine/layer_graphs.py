@@ -85,10 +85,8 @@ class GateKeeper(Protocol):
         """E's shape and dtype once an eager first pass has kept it."""
 
     def bind(self, buf: torch.Tensor | None) -> None:
-        """The MLP keeps E in `buf` and takes it from there (None: keeps nothing)."""
-
-    def before_write(self) -> None:
-        """The compute stream waits until the buffer's last copy to or from the host is done."""
+        """The MLP keeps E in `buf` and takes it from there (None: keeps nothing); the compute
+        stream first waits until the buffer's last copy to or from the host is done."""
 
     def copy_out(self) -> None:
         """After the first pass: start copying the buffer to host memory."""
@@ -287,29 +285,29 @@ class GraphedLayer:
             if gate is not None and gate.like is not None and self.key is not None:
                 _state(self.layer).gate_like[(self.key, gate.slot)] = gate.like
             return out
-        bufs = _device(hidden.device).buffers
-        self._feed(bufs, g, hidden)
         if gate is not None:
             gate.bind(g.gate)
-            gate.before_write()
-        if g.forward is None and g.backward is not None:
-            # Captured once the backward graph is: the pool's segments are then cut for the
-            # backward's larger working set, and the first pass fits into them (the other way
-            # round, the backward needed 0.6 GiB on the 8B step). Until then it runs eagerly.
-            layer = self._static_call(g)
-
-            def body() -> None:
-                g.x.copy_(layer(g.x))
-
-            g.forward = self._capture(g, body)
-        if g.forward is None:
+        # Captured once the backward graph is: the pool's segments are then cut for the
+        # backward's larger working set, and the first pass fits into them (the other way round,
+        # the pool took 0.61 GiB on the 8B step, 0.53 this way). Until then it runs eagerly.
+        if g.forward is None and g.backward is None:
             out = self.eager(hidden)
         else:
-            g.forward.replay()
-            out = g.x.clone()
-            bufs.hold(g.x, out)  # the next layer's input: already in the buffer
-            if lora_casts.keeps_any():  # the graphs cast the adapter themselves: the eager copies are dead weight
-                lora_casts.forget([p for p in self.layer.parameters() if p.requires_grad])
+            bufs = _device(hidden.device).buffers
+            self._feed(bufs, g, hidden)
+            if g.forward is None:
+                layer = self._static_call(g)
+
+                def body() -> None:
+                    g.x.copy_(layer(g.x))
+
+                g.forward = self._capture(g, body)
+            if g.forward is None:
+                out = self.eager(hidden)
+            else:
+                g.forward.replay()
+                out = g.x.clone()
+                bufs.hold(g.x, out)  # the next layer's input: already in the buffer
         if gate is not None:
             gate.copy_out()
         return out

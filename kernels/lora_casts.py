@@ -5,12 +5,14 @@ Casting at every use made a QLoRA step of the 8B shape launch about a thousand s
 (each projection's B in its forward, again in its backward, the stacked A's of Q/K/V and gate/up),
 and on that step the host, not the GPU, was the limit. `cast` and `stacked` keep the cast copy
 with the weight and reuse it until the weight may have changed. A copy is valid while
-- no optimizer has stepped since it was made (a global step post-hook counts steps: torch's fused
-  AdamW updates parameters without bumping their version counters),
+- no optimizer has stepped since it was made (a global step post-hook drops every copy: torch's
+  fused AdamW updates parameters without bumping their version counters, and a copy that could
+  never be used again would otherwise stay until its weight is cast anew, or for ever where a
+  CUDA graph now does the casting),
 - the weight's version counter is unchanged (in-place updates: `load_state_dict`, `copy_`),
 - and so is its data pointer (a `.data` swap).
 The cache is keyed weakly by the weight, so it goes with it; its cost is one 16-bit copy of the
-adapter (about 85 MB for the 8B shape at r = 16). Under `uncached()` (while a CUDA graph is
+adapter (about 85 MB for the 8B shape at r = 16), from a step's first use to the optimizer step. Under `uncached()` (while a CUDA graph is
 captured: a replay runs no Python, so a kept copy would go stale in it) every call casts afresh
 and nothing is kept.
 
@@ -33,7 +35,6 @@ _CASTS = WeakIdKeyDictionary()  # weight -> (stamp, copy)
 _STACKS = WeakIdKeyDictionary()  # first weight -> (stamp, copy)
 
 
-_steps = 0  # optimizer steps taken in this process (any optimizer)
 _UNCACHED = contextvars.ContextVar("kestrel_casts_uncached", default=False)
 
 
@@ -48,17 +49,19 @@ def uncached() -> Iterator[None]:
         _UNCACHED.reset(token)
 
 
-def _count_step(*_: object) -> None:
-    global _steps
-    _steps += 1
+def _drop_all(*_: object) -> None:
+    """After any optimizer's step: every kept copy may be stale."""
+    _CASTS.clear()
+    _STACKS.clear()
 
 
-register_optimizer_step_post_hook(_count_step)
+register_optimizer_step_post_hook(_drop_all)
 
 
-def _stamp(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """What changes when t's values may have: steps taken, its identity, version and address."""
-    return _steps, id(t), t._version, t.data_ptr()
+def _stamp(t: torch.Tensor) -> tuple[int, int, int]:
+    """What changes when t's values may have, between optimizer steps: its identity, version and
+    address."""
+    return id(t), t._version, t.data_ptr()
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -90,19 +93,6 @@ def stacked(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     copy = torch.cat([t.detach() for t in ts]).to(dtype)
     _STACKS[ts[0]] = (stamp, copy)
     return copy
-
-
-def keeps_any() -> bool:
-    """Whether any cast copy is kept."""
-    return bool(_CASTS) or bool(_STACKS)
-
-
-def forget(ts: list[torch.Tensor]) -> None:
-    """Drop the copies kept for these weights (a CUDA graph that casts them itself now runs
-    instead of the code that read the copies, which would otherwise stay for nothing)."""
-    for t in ts:
-        _CASTS.pop(t, None)
-        _STACKS.pop(t, None)
 
 
 def mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,8 @@ from engine.checkpointing import LayerCheckpoint, _HostCopy, _KeptGate
 from engine.host_memory import release_pinned_memory
 
 PAGE = mmap.PAGESIZE
+# (device, elements a tensor): on CUDA large enough (64 MB) that copies are still running when asked for
+_SIZES = [("cpu", 1000), pytest.param("cuda", 16 << 20, marks=pytest.mark.gpu)]
 
 
 def _chain(device: str, n: int = 3, numel: int = 1000) -> tuple[list[torch.Tensor], list[_HostCopy]]:
@@ -40,10 +42,6 @@ def _check_chain(device: str, numel: int) -> None:
     assert torch.equal(copies[0].take(), originals[0])
 
 
-def test_copies_come_back_exactly_in_backward_order_on_cpu() -> None:
-    _check_chain("cpu", 1000)
-
-
 def _busy_gpu() -> None:
     """Keep the compute stream busy, so side-stream copies are still running when their results
     are asked for."""
@@ -52,10 +50,11 @@ def _busy_gpu() -> None:
         a = a @ a / 64
 
 
-@pytest.mark.gpu
-def test_copies_come_back_exactly_on_cuda() -> None:
-    _busy_gpu()
-    _check_chain("cuda", 16 << 20)  # 64 MB each
+@pytest.mark.parametrize(("device", "numel"), _SIZES)
+def test_copies_come_back_exactly_in_backward_order(device: str, numel: int) -> None:
+    if device == "cuda":
+        _busy_gpu()
+    _check_chain(device, numel)
 
 
 def _check_gates(device: str, numel: int) -> None:
@@ -80,14 +79,11 @@ def _check_gates(device: str, numel: int) -> None:
         assert copy.gate.take() is None  # taken once
 
 
-def test_gate_products_come_back_exactly_on_cpu() -> None:
-    _check_gates("cpu", 1000)
-
-
-@pytest.mark.gpu
-def test_gate_products_come_back_exactly_on_cuda() -> None:
-    _busy_gpu()
-    _check_gates("cuda", 16 << 20)
+@pytest.mark.parametrize(("device", "numel"), _SIZES)
+def test_gate_products_come_back_exactly(device: str, numel: int) -> None:
+    if device == "cuda":
+        _busy_gpu()
+    _check_gates(device, numel)
 
 
 def _check_bound_gates(device: str, numel: int) -> None:
@@ -101,8 +97,7 @@ def _check_bound_gates(device: str, numel: int) -> None:
     for i, e in enumerate(gates):
         copy = _HostCopy(torch.randn(8, device=device))
         copy.gate = gate = _KeptGate(slot=i % 2)
-        gate.bind(statics[gate.slot])
-        gate.before_write()
+        gate.bind(statics[gate.slot])  # the compute stream waits for the copy out two layers down
         if i % 2:  # the MLP writes E where the gate says: its buffer, then keeps it (no copy)
             into = gate.target(tuple(e.shape), e.dtype)
             assert into is statics[gate.slot] and gate.target((1, numel), e.dtype) is None
@@ -121,14 +116,11 @@ def _check_bound_gates(device: str, numel: int) -> None:
         got.fill_(float("nan"))  # the backward overwrites E in place
 
 
-def test_bound_gates_come_back_into_their_buffers_on_cpu() -> None:
-    _check_bound_gates("cpu", 1000)
-
-
-@pytest.mark.gpu
-def test_bound_gates_come_back_into_their_buffers_on_cuda() -> None:
-    _busy_gpu()
-    _check_bound_gates("cuda", 16 << 20)
+@pytest.mark.parametrize(("device", "numel"), _SIZES)
+def test_bound_gates_come_back_into_their_buffers(device: str, numel: int) -> None:
+    if device == "cuda":
+        _busy_gpu()
+    _check_bound_gates(device, numel)
 
 
 def test_a_gate_bound_to_nothing_or_not_copied_out_gives_nothing(
