@@ -22,9 +22,16 @@ backward keeps W and the rank-r terms (dX = dY W + dYB A: dYB is needed for dA a
 The rank-r product `s X A^T` (M, r) is saved: it costs r/in of X and saves a matmul in backward.
 
 Projections of one input (Q/K/V; gate/up) share one shrink product X [A_1; ...; A_n]^T and one
-dA product dYB^T X, and their input gradients meet in one buffer. Where the base product is
-compute-bound, the adapter term is written first and the base product accumulated onto it
-(cuBLAS reads it in the epilogue) rather than added in a second pass over the output.
+dA product dYB^T X, and their input gradients meet in one buffer.
+
+Rounding. Adding the adapter term to an X W^T already rounded to 16 bits, as PEFT does, drops
+every term under half a 16-bit unit of the output: after a first Adam step B is about lr in
+size, and early training then sees a tenth of each update (bench/RESULTS.md, "Small updates").
+Over NF4 the merged W' = W + s B A is formed in fp32 and rounded once, and the change of W' is
+unbiased, so Y moves as in fp32 math. Over a 16-bit base the adapter term is written first and
+X W^T accumulated onto it: on a CPU the GEMM adds it in fp32 and rounds once; cuBLAS rounds
+X W^T to 16 bits before adding it, so on CUDA both orders lose small terms and speed picks the
+order (`_ADAPTER_FIRST_MIN`). tests/kernels/test_lora_small_updates.py pins all of this down.
 
 The MLP (gate, up, GLU, down as one Function) is `kernels.mlp.lora_mlp`, built on these pieces.
 Matmuls go to cuBLAS through torch on every device; the Triton parts are the NF4 dequant and the
@@ -99,11 +106,12 @@ class LoRAWeights:
 # ---------------------------------------------------------------------------------------------
 # Shared pieces: dtype policy, base weight, a group of projections' forward and backward.
 
-# A base product at least this large (out * in) is compute-bound: the adapter's expansion is
-# written into the output first and the base product accumulated onto it (cuBLAS reads it in
-# the epilogue, nearly free), instead of a second read-and-write pass over the output after.
-# Measured on an H100 at 4,096 tokens (bench/lora_layouts.py): 14336 x 4096 forward 712 us vs
-# 768, 4096 x 4096 237 vs 243; at 1024 x 4096 (k, v) the pass after is faster (92 vs 100 us).
+# On CUDA, a base product at least this large (out * in) is compute-bound: the adapter's
+# expansion is written into the output first and the base product accumulated onto it (cuBLAS
+# reads it in the epilogue, nearly free), instead of a second read-and-write pass over the output
+# after. Measured on an H100 at 4,096 tokens (bench/lora_layouts.py): 14336 x 4096 forward 712 us
+# vs 768, 4096 x 4096 237 vs 243; at 1024 x 4096 (k, v) the pass after is faster (92 vs 100 us).
+# Elsewhere the adapter always goes first: that rounds the output once (module docstring).
 _ADAPTER_FIRST_MIN = 1 << 23
 
 
@@ -178,14 +186,15 @@ def _expand(
     """y = x W^T + xa B^T (M, out) for x (M, in) and this projection's xa (M, r); merged: the
     adapter is inside W' (`_merged`, from A's cast rows `a` when given) and xa is not read.
     dense: W (W' when merged) already formed; otherwise it is dequantized (merged) here.
-    out: where to write y (contiguous (M, out) in `dtype`), else a new tensor."""
+    out: where to write y (contiguous (M, out) in `dtype`), else a new tensor. Unmerged, the
+    order of the two products is `_ADAPTER_FIRST_MIN`'s."""
     if merged:
         return torch.mm(x, (_merged(w, dtype, a=a) if dense is None else dense).t(), out=out)
     b = cast(w.lora_B, dtype)
     base = _base(w.weight, w.quant_state, dtype) if dense is None else dense
-    if w.out_features * w.in_features >= _ADAPTER_FIRST_MIN:
-        return torch.mm(xa, b.t(), out=out).addmm_(x, base.t())
-    return torch.mm(x, base.t(), out=out).addmm_(xa, b.t())
+    if x.is_cuda and w.out_features * w.in_features < _ADAPTER_FIRST_MIN:
+        return torch.mm(x, base.t(), out=out).addmm_(xa, b.t())
+    return torch.mm(xa, b.t(), out=out).addmm_(x, base.t())
 
 
 def _adapter_backward(

@@ -313,25 +313,7 @@ def test_cuda_bitsandbytes_peft_matches_fused(dtype: torch.dtype) -> None:
     _check(block, QKV, qkv, _peft_qkv, x, twin=twin)
 
 
-@pytest.fixture(params=["after", "first"])
-def adapter_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways of adding the adapter term: after the base product (small weights, as at these
-    test shapes) and first, with the base product accumulated onto it (large weights)."""
-    import kernels.lora as lora_module
-
-    if request.param == "first":
-        monkeypatch.setattr(lora_module, "_ADAPTER_FIRST_MIN", 0)
-    return request.param
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_both_adapter_orders_match_peft(dtype: torch.dtype, adapter_order: str) -> None:
-    block = _peft_block(dtype)
-    _check(block, QKV, lambda ws: lambda x: lora_qkv(x, *ws), _peft_qkv, _x(dtype))
-    _check(block, MLP, lambda ws: lambda x: lora_mlp(x, *ws), _peft_mlp("swiglu"), _x(dtype))
-
-
-def test_group_with_different_ranks_and_scalings_matches_peft(adapter_order: str) -> None:
+def test_group_with_different_ranks_and_scalings_matches_peft() -> None:
     # rank_pattern / alpha_pattern give one input's projections different ranks and scalings:
     # the stacked shrink product and the one dA product must split them back exactly.
     block = _peft_block(rank_pattern={"k_proj": 4, "up_proj": 12}, alpha_pattern={"v_proj": 5, "gate_proj": 3})
