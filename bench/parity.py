@@ -13,7 +13,7 @@ the same seeded A and B (B nonzero), and reports:
              (hf32: HF+PEFT in fp32, NF4 dequantized to fp32, the reference for rounding;
               kestrel:torch: KESTREL_KERNELS=torch; kestrel:-a-b: PatchFlags a and b off)
 - `update_scan`: the loss with the first step's B scaled by c = 0, 1, 3, 10, 30: how much of a
-  step the forward shows (bench/RESULTS.md, "Small updates").
+  step the forward shows (bench/RESULTS.md, QLoRA "Session 13").
 """
 
 from __future__ import annotations

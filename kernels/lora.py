@@ -26,7 +26,7 @@ dA product dYB^T X, and their input gradients meet in one buffer.
 
 Rounding. Adding the adapter term to an X W^T already rounded to 16 bits, as PEFT does, drops
 every term under half a 16-bit unit of the output: after a first Adam step B is about lr in
-size, and early training then sees a tenth of each update (bench/RESULTS.md, "Small updates").
+size, and early training then sees a tenth of each update (bench/RESULTS.md, QLoRA "Session 13").
 Over NF4 the merged W' = W + s B A is formed in fp32 and rounded once, and the change of W' is
 unbiased, so Y moves as in fp32 math. Over a 16-bit base the adapter term is written first and
 X W^T accumulated onto it: on a CPU the GEMM adds it in fp32 and rounds once; cuBLAS rounds

@@ -3,7 +3,7 @@
 After a first Adam step B is about lr in size, and s (X A^T) B^T is far below half a bf16 unit of
 X W^T. Rounding X W^T to bf16 first and adding the adapter term after (PEFT: `result + lora(x)`)
 loses it: round(round(X W^T) + d) = round(X W^T). Early training then sees a tenth of each
-update's effect (bench/RESULTS.md, "Small updates"). The fused path rounds once, after the sum
+update's effect (bench/RESULTS.md, QLoRA "Session 13"). The fused path rounds once, after the sum
 (on a CPU: adapter term written first, the base product accumulated onto it in the GEMM's fp32
 epilogue; for NF4: W' = W + s B A formed in fp32 and rounded once), so the change of the output is
 unbiased: over many elements, y(B) - y(0) regresses on the exact d with slope 1. A path that
