@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import SHAPES, random_batch, run_isolated, shape_dir  # noqa: E402
-from bench.train import TARGETS, build  # noqa: E402
+from bench.train import TARGETS, hf_model  # noqa: E402
 
 
 def _short(name: str) -> str:
@@ -101,37 +101,10 @@ def _update_scan(forward, trainable: list) -> dict[str, float]:
     return out
 
 
-def _hf32(folder: Path, args: argparse.Namespace):
-    """HF+PEFT in fp32 (NF4 base dequantized to fp32 for QLoRA): the reference for rounding."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    kw = dict(dtype=torch.float32, attn_implementation="sdpa", device_map={"": 0})
-    if args.method == "qlora":
-        kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(folder, **kw)
-    model.config.use_cache = False
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, bias="none"))
-
-
-def child(args: argparse.Namespace) -> dict:
-    folder = shape_dir(args.shape, layers=args.layers)
-    impl, _, variant = args.case.partition(":")
-    off = [v for v in variant.split("-") if v] if variant.startswith("-") else []
-    if impl == "hf32":
-        model = _hf32(folder, args)
-    else:
-        model = build("hf", folder, args) if impl == "hf" else _kestrel(folder, args, off)
-    model.train()
-    ids, labels = random_batch(args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
-    forward = lambda: model(input_ids=ids, labels=labels, use_cache=False).loss  # noqa: E731
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-    _set_adapters(model, args.b_std)
+def _with_b(model: torch.nn.Module, forward, trainable: list, b_std: float) -> tuple[dict, dict]:
+    """With the seeded A and B ~ N(0, b_std^2): the training loss and its adapter gradients, the
+    no-grad loss and the decoder layers' outputs."""
+    _set_adapters(model, b_std)
     loss = forward()
     loss.backward()
     grads = {_short(n): p.grad.float().cpu() for n, p in trainable}
@@ -139,28 +112,49 @@ def child(args: argparse.Namespace) -> dict:
         p.grad = None
     with torch.no_grad():
         hidden, loss_nograd = _layer_outputs(model, forward)
-        _set_adapters(model, 0.0)
-        loss_zero = float(forward())
+    return {"loss_b": loss.item(), "loss_b_nograd": loss_nograd}, {"grads": grads, "hidden": hidden}
+
+
+def _trajectory(model: torch.nn.Module, forward, trainable: list, steps: int) -> dict:
+    """From the seeded A and B = 0: `steps` AdamW steps (lr 1e-4, as bench/train.py), the first
+    step's gradient and update sizes (two of the projections), and `_update_scan` after it."""
+    _set_adapters(model, 0.0)
     opt = torch.optim.AdamW([p for _, p in trainable], lr=1e-4, fused=True)
     losses, first, scan = [], {}, {}
-    for step in range(args.steps):
+    shown = [n for n, _ in trainable if _short(n).startswith(("layers.0.self_attn.q_proj", "layers.0.mlp.down"))]
+    for step in range(steps):
         step_loss = forward()
         step_loss.backward()
-        if step == 0:  # the first step's gradients (B = 0) and the update they make
-            before = {n: p.detach().float().clone() for n, p in trainable}
-            first = {_short(n): {"dtype": str(p.dtype), "grad_dtype": str(p.grad.dtype),
-                                 "grad_abs_mean": float(p.grad.float().abs().mean())} for n, p in trainable}
+        if step == 0:
+            before = {n: p.detach().float().clone() for n, p in trainable if n in shown}
+            first = {_short(n): {"grad_abs_mean": float(p.grad.float().abs().mean())} for n, p in trainable if n in shown}
         opt.step()
         if step == 0:
             for n, p in trainable:
-                first[_short(n)]["update_abs_mean"] = float((p.detach().float() - before[n]).abs().mean())
+                if n in shown:
+                    first[_short(n)]["update_abs_mean"] = float((p.detach().float() - before[n]).abs().mean())
             scan = _update_scan(forward, trainable)
         opt.zero_grad(set_to_none=True)
-        losses.append(float(step_loss))
-    torch.save({"grads": grads, "hidden": hidden}, args.dump)
-    return {"case": args.case, "loss_b": float(loss), "loss_b_nograd": loss_nograd, "loss_zero_b": loss_zero,
-            "trajectory": losses, "trainable": len(trainable), "update_scan": scan,
-            "first_step": {k: v for k, v in first.items() if k.startswith(("layers.0.self_attn.q_proj", "layers.0.mlp.down"))}}
+        losses.append(step_loss.item())
+    return {"loss_zero_b": losses[0] if losses else None, "trajectory": losses, "first_step": first, "update_scan": scan}
+
+
+def child(args: argparse.Namespace) -> dict:
+    folder = shape_dir(args.shape, layers=args.layers)
+    impl, _, variant = args.case.partition(":")
+    off = [v for v in variant.split("-") if v] if variant.startswith("-") else []
+    if impl in ("hf", "hf32"):
+        model = hf_model(folder, args, torch.float32 if impl == "hf32" else torch.bfloat16)
+    else:
+        model = _kestrel(folder, args, off)
+    model.train()
+    ids, labels = random_batch(args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
+    forward = lambda: model(input_ids=ids, labels=labels, use_cache=False).loss  # noqa: E731
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    losses, dumped = _with_b(model, forward, trainable, args.b_std)
+    torch.save(dumped, args.dump)
+    return {"case": args.case, "trainable": len(trainable), **losses,
+            **_trajectory(model, forward, trainable, args.steps)}
 
 
 def _compare(ref: dict, got: dict) -> dict:

@@ -37,20 +37,22 @@ from bench.common import SHAPES, cuda_time, gib, random_batch, run_isolated, sha
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _bnb_config():
+def _bnb_config(dtype: torch.dtype = torch.bfloat16):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch.bfloat16)
+                              bnb_4bit_compute_dtype=dtype)
 
 
-def _hf_model(folder: Path, args: argparse.Namespace):
+def hf_model(folder: Path, args: argparse.Namespace, dtype: torch.dtype = torch.bfloat16):
+    """HF + PEFT (+ bitsandbytes NF4 for qlora) computing in `dtype` (fp32: the rounding reference
+    of bench/parity.py)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    kw = dict(dtype=torch.bfloat16, attn_implementation="sdpa", device_map={"": 0})
+    kw = dict(dtype=dtype, attn_implementation="sdpa", device_map={"": 0})
     if args.method == "qlora":
-        kw["quantization_config"] = _bnb_config()
+        kw["quantization_config"] = _bnb_config(dtype)
     model = AutoModelForCausalLM.from_pretrained(folder, **kw)
     model.config.use_cache = False
     for p in model.parameters():
@@ -63,12 +65,12 @@ def _hf_model(folder: Path, args: argparse.Namespace):
 
 def build(impl: str, folder: Path, args: argparse.Namespace):
     if impl == "hf":
-        return _hf_model(folder, args)
+        return hf_model(folder, args)
     if impl == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
-        return _hf_model(folder, args)
+        return hf_model(folder, args)
     if impl == "unsloth":
         from unsloth import FastLanguageModel
 
