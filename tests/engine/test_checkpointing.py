@@ -21,7 +21,19 @@ from engine.host_memory import release_pinned_memory
 
 PAGE = mmap.PAGESIZE
 # (device, elements a tensor): on CUDA large enough (64 MB) that copies are still running when asked for
-_SIZES = [("cpu", 1000), pytest.param("cuda", 16 << 20, marks=pytest.mark.gpu)]
+_SIZES = [("cpu", 1000), pytest.param(("cuda", 16 << 20), marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=_SIZES)
+def sized(request: pytest.FixtureRequest) -> tuple[str, int]:
+    """(device, elements a tensor); on CUDA the compute stream is kept busy first, so side-stream
+    copies are still running when their results are asked for."""
+    device, numel = request.param
+    if device == "cuda":
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            a = a @ a / 64
+    return device, numel
 
 
 def _chain(device: str, n: int = 3, numel: int = 1000) -> tuple[list[torch.Tensor], list[_HostCopy]]:
@@ -29,7 +41,8 @@ def _chain(device: str, n: int = 3, numel: int = 1000) -> tuple[list[torch.Tenso
     return inputs, [_HostCopy(x) for x in inputs]
 
 
-def _check_chain(device: str, numel: int) -> None:
+def test_copies_come_back_exactly_in_backward_order(sized: tuple[str, int]) -> None:
+    device, numel = sized
     inputs, copies = _chain(device, numel=numel)
     assert copies[2].below() is copies[1] and copies[1].below() is copies[0]
     originals = [x.clone() for x in inputs]
@@ -42,24 +55,11 @@ def _check_chain(device: str, numel: int) -> None:
     assert torch.equal(copies[0].take(), originals[0])
 
 
-def _busy_gpu() -> None:
-    """Keep the compute stream busy, so side-stream copies are still running when their results
-    are asked for."""
-    a = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):
-        a = a @ a / 64
 
-
-@pytest.mark.parametrize(("device", "numel"), _SIZES)
-def test_copies_come_back_exactly_in_backward_order(device: str, numel: int) -> None:
-    if device == "cuda":
-        _busy_gpu()
-    _check_chain(device, numel)
-
-
-def _check_gates(device: str, numel: int) -> None:
+def test_gate_products_come_back_exactly(sized: tuple[str, int]) -> None:
     """Layer copies with their gate products: both come back exactly, the layer below's gate
     copy started with its input's."""
+    device, numel = sized
     inputs, copies = _chain(device, numel=numel)
     gates = [torch.randn(2 * numel, device=device) for _ in copies]
     for copy, gate in zip(copies, gates):
@@ -79,18 +79,12 @@ def _check_gates(device: str, numel: int) -> None:
         assert copy.gate.take() is None  # taken once
 
 
-@pytest.mark.parametrize(("device", "numel"), _SIZES)
-def test_gate_products_come_back_exactly(device: str, numel: int) -> None:
-    if device == "cuda":
-        _busy_gpu()
-    _check_gates(device, numel)
-
-
-def _check_bound_gates(device: str, numel: int) -> None:
+def test_bound_gates_come_back_into_their_buffers(sized: tuple[str, int]) -> None:
     """Gates bound to static buffers, as graphed layers use them: two buffers, layers
     alternating; each layer's E written there, copied out, and overwritten two layers up before
     its backward; each comes back into its buffer exactly (on CUDA: the write two layers up waits
     for the copy out, and the backward's read for the copy back)."""
+    device, numel = sized
     statics = [torch.empty(numel, device=device) for _ in range(2)]
     gates = [torch.randn(numel, device=device) for _ in range(4)]
     copies = []
@@ -114,13 +108,6 @@ def _check_bound_gates(device: str, numel: int) -> None:
         assert got is statics[i % 2] and torch.equal(got, originals[i])
         assert copies[i].gate.take() is got  # the backward graph's own take: the same buffer
         got.fill_(float("nan"))  # the backward overwrites E in place
-
-
-@pytest.mark.parametrize(("device", "numel"), _SIZES)
-def test_bound_gates_come_back_into_their_buffers(device: str, numel: int) -> None:
-    if device == "cuda":
-        _busy_gpu()
-    _check_bound_gates(device, numel)
 
 
 def test_a_gate_bound_to_nothing_or_not_copied_out_gives_nothing(
