@@ -90,6 +90,23 @@ def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
     return times[len(times) // 2]
 
 
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy, read + write counted."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * src.element_size() * 20 / (start.elapsed_time(end) / 1e3)
+
+
 def run_isolated(script: str, args: list[str], extra_path: str | None = None, timeout: int = 900,
                  env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one benchmark case in its own process (a baseline's patches never leak into ours),

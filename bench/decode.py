@@ -51,6 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import copy_bandwidth  # noqa: E402
 from bench.decode_report import summarize  # noqa: E402
 
 LLAMA_8B = dict(
@@ -66,23 +67,6 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a large device-to-device copy, read + write counted."""
-    if device.type != "cuda":
-        return float("nan")
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)  # 1 GiB
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    sync()
-    return 2 * src.numel() * src.element_size() * 20 / (start.elapsed_time(end) / 1e3)
 
 
 def build_model(smoke: bool, device: torch.device) -> torch.nn.Module:

@@ -26,6 +26,7 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from bench.common import copy_bandwidth  # noqa: E402
 from kernels import glu  # noqa: E402
 from kernels._launch import launch  # noqa: E402
 
@@ -47,14 +48,6 @@ def _time_us(fn) -> float:
         fn()
         return float("nan")
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100)
-
-
-def _copy_gbs(device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    src = torch.empty(1 << 31, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (_time_us(lambda: dst.copy_(src)) * 1e-6) / 1e9
 
 
 def _liger(a: torch.Tensor, b: torch.Tensor, dc: torch.Tensor) -> dict[str, float]:
@@ -107,7 +100,7 @@ def main() -> None:
         shapes, blocks, warps = [(3, 100)], [64, 128], [4]
     else:
         shapes, blocks, warps = [(8192, 14336), (32768, 14336)], [1024, 2048, 4096, 8192, 16384], [4, 8, 16]
-    copy_gbs = _copy_gbs(device)
+    copy_gbs = copy_bandwidth(torch.device(device)) / 1e9
     results = [r for rows, cols in shapes for r in sweep(rows, cols, blocks, warps, device, copy_gbs)]
     Path(args.out).write_text(json.dumps({"copy_gbs": copy_gbs, "rows": results}, indent=1))
 
