@@ -141,14 +141,17 @@ def graph_replay_ms(step: Step, inputs: dict, prepare, iters: int, repeats: int 
     does not."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         for _ in range(2):
             step(prepare(inputs))
+        # Prepared on the capture stream: a backward node runs on the stream its forward ran
+        # on, so a clone made on the default (legacy) stream would put a legacy-stream launch
+        # into the capture (cudaErrorStreamCaptureImplicit, seen with rope_'s cloned q and k).
+        state = prepare(inputs)
+        with torch.cuda.graph(graph, stream=side):
+            step(state)
     torch.cuda.current_stream().wait_stream(side)
-    state = prepare(inputs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(state)
     graph.replay()
     times = []
     for _ in range(iters):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
+from kernels import glu
 from kernels.glu import geglu, geglu_reference, swiglu, swiglu_reference
 from tests.kernels.tolerance import assert_close
 
@@ -56,6 +57,21 @@ def test_matches_hf_and_reference(backend, poisoned, shape, dtype, op) -> None:
             assert torch.isfinite(got).all()
             assert_close(got, want)
             assert_close(got, ref_value)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_rows_wider_than_one_tile(monkeypatch, backend, poisoned, op) -> None:
+    """Rows over the tile cap take several programs, the last one masked (Gemma's 24,576
+    columns at GeGLU's 8,192 cap): caps of 32 columns give 100-column rows four programs."""
+    monkeypatch.setattr(glu, "_MAX_BLOCK", 32)
+    monkeypatch.setattr(glu, "_GELU_MAX_BLOCK", 32)
+    assert glu._tiles(15, 100, op == "geglu")[0] == (15, 4)
+    fn, _, act = OPS[op]
+    gate, up, grad = _inputs((3, 5, 100), torch.bfloat16, seed=1)
+    expected = _run(lambda g, u: ACT2FN[act](g) * u, gate, up, grad)
+    for inplace in (False, True):
+        for got, want in zip(_run(lambda g, u: fn(g, u, inplace_backward=inplace), gate, up, grad), expected):
+            assert_close(got, want)
 
 
 @pytest.mark.parametrize("op", list(OPS))
