@@ -12,16 +12,21 @@ The model of memory (bytes), written for the way the engine trains:
 - LoRA: r * (in + out) parameters per targeted linear, kept in fp32 by PEFT: weight, gradient
   and two AdamW moments = 16 per trainable parameter. Full fine-tuning: bf16 weight, gradient
   and AdamW moments in the parameter's dtype = 8 per parameter.
-- activations, per token: checkpointing `standard` keeps each layer's input (hidden x 2 bytes)
-  and recomputes one layer at a time; `off` keeps every layer's internals; `offload` keeps the
-  layer inputs in CPU memory. One layer's internals are about (9 hidden + 3 intermediate)
-  16-bit values per token (layer input, norm outputs, q/k/v, attention output, the residual sum,
-  the MLP output; gate/up/act): measured 169 KB a token at 409,600 tokens on the 8B shape. The
-  loss is chunked (logits never exist for the whole batch), so the head costs one chunk. Since
-  the recomputed MLP of a long sequence runs in row chunks (`kernels.mlp`), the 3 intermediate
-  values are an upper bound there: 2.45 GiB over at 65,536 tokens on the 8B shape, and at 409,600
-  the run now peaks at 54.3 GiB allocated, 67.4 reserved (bench/RESULTS.md), against the 78.9
-  this model gives. It keeps the larger figure, erring toward "tight", until it is refitted.
+- activations, per token (16-bit values, h = hidden, i = intermediate), refitted in session 14
+  to the 8B shape's measurements (bench/RESULTS.md):
+  - `off` keeps every layer's saved tensors, (5 h + 2 i) a token a layer (the MLP keeps its gate
+    and up products): 16-bit LoRA at 4,096 tokens peaked at 29.24 GiB, this model gives 30.9.
+  - `standard` keeps each layer's input (h a token a layer) and recomputes one layer at a time;
+    `offload` keeps the layer inputs in host memory and two in flight on the GPU. A recomputed
+    layer's backward holds 12 h a token besides its MLP, whose E, G and h (3 i a token) are
+    kept whole for short rows; beyond `kernels.mlp._defer_pays`'s point (4,779 rows at the 8B
+    shape in QLoRA, 2,048 in 16-bit) the MLP runs in chunks of 2,048 rows instead, over dense
+    copies of the NF4 gate and up weights. QLoRA with `offload` peaked at 6.96, 10.26, 14.29 and
+    54.33 GiB allocated at 4,096, 32,768, 65,536 and 409,600 tokens; this model gives 8.5,
+    11.9, 15.7 and 55.4 GiB, the CUDA context included. The allocator reserved more (up to
+    33.5 GiB at 65,536 tokens): cached blocks, which it frees and retries with before it
+    reports out-of-memory.
+  The loss is chunked (logits never exist for the whole batch), so the head costs one chunk.
 - GRPO adds the rollouts' static KV cache and trains on num_generations sequences per prompt.
 - a fixed overhead for the CUDA context and allocator slack (0.6 GiB + 8 %).
 - host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in
@@ -43,6 +48,10 @@ NF4_BYTES = 0.5 + 0.04  # 4-bit codes + double-quantized absmax per 64-block
 CONTEXT_BYTES = int(0.6 * GIB)
 SLACK = 0.08
 LOSS_CHUNK_TOKENS = 1024  # tokens whose logits exist at once in the chunked loss
+# Activations, in 16-bit values a token (module docstring): fitted to the 8B shape's peaks.
+SAVED_HIDDENS, SAVED_INTERMEDIATES = 5, 2  # one layer's saved tensors, no checkpointing
+RECOMPUTE_HIDDENS = 12  # a recomputed layer's backward, besides its MLP
+DEFERRED_ROWS = 2048  # kernels.mlp.DEFERRED_ROWS (kernels are not imported before a model loads)
 
 
 @dataclass(frozen=True)
@@ -141,14 +150,7 @@ def estimate_training_memory(
     else:
         seqs, length = batch_size, max_seq_length
     tokens = seqs * length
-    one_layer = tokens * (9 * shape.hidden + 3 * shape.intermediate) * 2
-    layer_inputs = shape.layers * tokens * shape.hidden * 2
-    if gradient_checkpointing == "off":
-        activations = shape.layers * one_layer
-    elif gradient_checkpointing == "offload":
-        activations = one_layer + 2 * tokens * shape.hidden * 2  # two layer inputs in flight
-    else:
-        activations = layer_inputs + one_layer
+    activations = _activations(shape, method == "qlora", tokens, gradient_checkpointing)
     logits = min(tokens, LOSS_CHUNK_TOKENS) * shape.vocab * 4  # one fp32 chunk; its gradient reuses it
     kv_cache = 0
     if method == "grpo":
@@ -156,8 +158,21 @@ def estimate_training_memory(
     extra = logits + kv_cache
     overhead = CONTEXT_BYTES + int(SLACK * (weights + optimizer + activations + extra))
     # offload moves the same layer inputs `standard` keeps on the GPU into pinned host memory
-    host = layer_inputs if gradient_checkpointing == "offload" else 0
+    host = shape.layers * tokens * shape.hidden * 2 if gradient_checkpointing == "offload" else 0
     return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host)
+
+
+def _activations(shape: ModelShape, qlora: bool, tokens: int, checkpointing: str) -> int:
+    """GPU bytes of activations at the peak (module docstring: activations)."""
+    h, i = shape.hidden, shape.intermediate
+    if checkpointing == "off":
+        return shape.layers * tokens * (SAVED_HIDDENS * h + SAVED_INTERMEDIATES * i) * 2
+    # the recomputed MLP: E, G, h whole, or chunked over dense gate/up weights (kernels.mlp)
+    dense = 2 * h * i if qlora else 0
+    mlp = min(3 * tokens * i, 3 * min(tokens, DEFERRED_ROWS) * i + dense) * 2
+    recompute = tokens * RECOMPUTE_HIDDENS * h * 2 + mlp
+    kept_inputs = (2 if checkpointing == "offload" else shape.layers) * tokens * h * 2
+    return recompute + kept_inputs
 
 
 def verdict(total_bytes: int, capacity_bytes: int) -> str:
