@@ -16,7 +16,9 @@ forward + backward, share of the copy rate at 8K / 32K rows):
   SwiGLU  16,384 x 16 warps: 100.5 / 101.1%   8,192 x 16: 99.2 / 99.5%   1,024 x 4: 96.4 / 96.8%
   GeGLU   16,384 x 16 warps:  94.4 /  95.1%   8,192 x 16: 99.1 / 99.4%   1,024 x 4: 96.3 / 96.8%
 16,384 columns at 4 or 8 warps slow the backward down (67-94%), and so does GeGLU's longer
-backward at 16 warps (register pressure, presumably: not profiled).
+backward at 16 warps (register pressure, presumably: not profiled). Under 256 rows (a decode
+step, a short prompt) a row per program would leave most of the GPU idle: those keep 1,024-column
+tiles at 4 warps (the tiles before this sweep; not re-measured).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from kernels._utils import as_rows
 from kernels.dispatch import use_triton
 
 _MAX_BLOCK = 16384  # SwiGLU: columns per program; wider rows take several programs
-_GELU_MAX_BLOCK = 8192  # GeGLU's longer backward spills at 16,384
+_GELU_MAX_BLOCK = 8192  # GeGLU's longer backward is slower at 16,384
+_FEW_ROWS, _FEW_ROWS_BLOCK = 256, 1024  # decode-sized inputs: more, smaller programs
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_C = tl.constexpr(0.044715)
 
@@ -87,7 +90,8 @@ def _glu_bwd_kernel(
 
 def _tiles(n_rows: int, n_cols: int, gelu: bool) -> tuple[tuple[int, int], int, int]:
     """(grid, BLOCK, num_warps) for rows of n_cols (module docstring: Tiles)."""
-    block = min(_GELU_MAX_BLOCK if gelu else _MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
+    cap = _FEW_ROWS_BLOCK if n_rows < _FEW_ROWS else _GELU_MAX_BLOCK if gelu else _MAX_BLOCK
+    block = min(cap, triton.next_power_of_2(max(n_cols, 1)))
     warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
     return (n_rows, triton.cdiv(n_cols, block)), block, warps
 

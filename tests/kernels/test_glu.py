@@ -59,12 +59,22 @@ def test_matches_hf_and_reference(backend, poisoned, shape, dtype, op) -> None:
             assert_close(got, ref_value)
 
 
+def test_tiles() -> None:
+    """Whole rows per program at the 8B MLP's width (SwiGLU to 16,384 columns, GeGLU 8,192);
+    decode-sized inputs split rows into 1,024-column programs."""
+    assert glu._tiles(8192, 14336, gelu=False) == ((8192, 1), 16384, 16)
+    assert glu._tiles(8192, 14336, gelu=True) == ((8192, 2), 8192, 16)
+    assert glu._tiles(8192, 3000, gelu=False) == ((8192, 1), 4096, 8)
+    assert glu._tiles(8, 14336, gelu=False) == ((8, 14), 1024, 4)
+
+
 @pytest.mark.parametrize("op", list(OPS))
 def test_rows_wider_than_one_tile(monkeypatch, backend, poisoned, op) -> None:
     """Rows over the tile cap take several programs, the last one masked (Gemma's 24,576
     columns at GeGLU's 8,192 cap): caps of 32 columns give 100-column rows four programs."""
     monkeypatch.setattr(glu, "_MAX_BLOCK", 32)
     monkeypatch.setattr(glu, "_GELU_MAX_BLOCK", 32)
+    monkeypatch.setattr(glu, "_FEW_ROWS", 1)
     assert glu._tiles(15, 100, op == "geglu")[0] == (15, 4)
     fn, _, act = OPS[op]
     gate, up, grad = _inputs((3, 5, 100), torch.bfloat16, seed=1)
