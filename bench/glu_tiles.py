@@ -87,8 +87,8 @@ def sweep(rows: int, cols: int, gelu: bool, blocks: list[int], warps: list[int],
             # In place, as training runs it (and as Liger's does): gradients over gate and up.
             bwd_inplace_us = _time_us(lambda: _backward(dc, a2, b2, a2, b2, gelu, block, w))
             total = fwd_us + bwd_us
-            rows_out.append({"act": act, "shape": f"{rows}x{cols}", "block": block, "warps": w, "fwd_us": fwd_us, "bwd_us": bwd_us,
-                             "bwd_inplace_us": bwd_inplace_us,
+            rows_out.append({"act": act, "shape": f"{rows}x{cols}", "block": block, "warps": w, "fwd_us": fwd_us,
+                             "bwd_us": bwd_us, "bwd_inplace_us": bwd_inplace_us,
                              "same_as_shipped": same, "pct_of_copy": 100 * 8 * elem / (total * 1e-6) / 1e9 / copy_gbs})
             print(json.dumps(rows_out[-1]), flush=True)
     liger = _liger(a, b, dc, gelu)

@@ -70,8 +70,9 @@ def test_tiles() -> None:
 
 @pytest.mark.parametrize("op", list(OPS))
 def test_rows_wider_than_one_tile(monkeypatch, backend, poisoned, op) -> None:
-    """Rows over the tile cap take several programs, the last one masked (Gemma's 24,576
-    columns at GeGLU's 8,192 cap): caps of 32 columns give 100-column rows four programs."""
+    """Rows over the tile cap take several programs, the last one masked (Qwen2-7B's 18,944
+    columns take two 16,384-column SwiGLU programs): caps of 32 columns give 100-column rows
+    four programs."""
     monkeypatch.setattr(glu, "_MAX_BLOCK", 32)
     monkeypatch.setattr(glu, "_GELU_MAX_BLOCK", 32)
     monkeypatch.setattr(glu, "_FEW_ROWS", 1)
