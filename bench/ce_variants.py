@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench.kernels as bk  # noqa: E402  (sets KESTREL_KERNELS=triton)
+from bench.common import copy_bandwidth  # noqa: E402
 from kernels import cross_entropy as ce  # noqa: E402
 from kernels._launch import launch  # noqa: E402
 
@@ -130,7 +131,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/ce_variants.py needs a CUDA device")
     torch.manual_seed(0)
-    copy_gbs = bk.copy_bandwidth_gbs()
+    copy_gbs = copy_bandwidth(torch.device("cuda")) / 1e9
     rows = chunk_kernel(50)
     for frozen in (False, True):
         rows += whole_op(args.rounds, args.iters, frozen)

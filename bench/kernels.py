@@ -36,6 +36,7 @@ os.environ.setdefault("KESTREL_KERNELS", "triton")
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
 
+from bench.common import copy_bandwidth  # noqa: E402
 from kernels.glu import geglu, swiglu  # noqa: E402
 from kernels.rms_norm import rms_norm  # noqa: E402
 from kernels.rope import rope_  # noqa: E402
@@ -100,14 +101,6 @@ class Case:
 
 
 # ----------------------------------------------------------------------------- measurement
-
-
-def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy: (read + write) bytes / median time."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=S.device)
-    dst = torch.empty_like(src)
-    ms = time_steps(lambda state: [dst.copy_(src)], {}, lambda inputs: inputs, warmup=3, iters=10)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def time_steps(step: Step, inputs: dict, prepare, warmup: int, iters: int) -> float:
@@ -430,7 +423,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA device (or --smoke)")
     torch.manual_seed(0)
-    copy_gbs = copy_bandwidth_gbs(2 << 30 if not args.smoke else 1 << 20)
+    copy_gbs = copy_bandwidth(torch.device(S.device)) / 1e9  # NaN off a GPU (--smoke)
     rows: list[dict[str, Any]] = []
     for make in all_cases({o.strip() for o in args.ops.split(",") if o.strip()} or None):
         case = make()
