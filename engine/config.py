@@ -118,7 +118,9 @@ class TrainConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     packing: bool = False  # several samples per row, attention kept inside each sample
     train_on_responses_only: bool = True  # mask prompt tokens out of the loss
-    gradient_checkpointing: str = "standard"  # off | standard | offload (layer inputs and MLP gate products in CPU memory: least GPU memory, and on CUDA the fastest)
+    # off | standard | offload (layer inputs and MLP gate products in CPU memory: the least GPU
+    # memory, and on CUDA the fastest)
+    gradient_checkpointing: str = "standard"
     save_steps: int = 100  # 0 saves only at the end
     seed: int = 42
     # advanced

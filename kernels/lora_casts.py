@@ -12,9 +12,9 @@ with the weight and reuse it until the weight may have changed. A copy is valid 
 - the weight's version counter is unchanged (in-place updates: `load_state_dict`, `copy_`),
 - and so is its data pointer (a `.data` swap).
 The cache is keyed weakly by the weight, so it goes with it; its cost is one 16-bit copy of the
-adapter (about 85 MB for the 8B shape at r = 16), from a step's first use to the optimizer step. Under `uncached()` (while a CUDA graph is
-captured: a replay runs no Python, so a kept copy would go stale in it) every call casts afresh
-and nothing is kept.
+adapter (about 85 MB for the 8B shape at r = 16), from a step's first use to the optimizer step.
+Under `uncached()` (while a CUDA graph is captured: a replay runs no Python, so a kept copy would
+go stale in it) every call casts afresh and nothing is kept.
 
 `mm_to` gives a product in another dtype: the fp32 adapter gradients are written by cuBLAS in
 fp32 directly (`out_dtype`, CUDA) rather than rounded to bf16 and copied up.

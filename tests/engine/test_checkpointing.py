@@ -55,7 +55,6 @@ def test_copies_come_back_exactly_in_backward_order(sized: tuple[str, int]) -> N
     assert torch.equal(copies[0].take(), originals[0])
 
 
-
 def test_gate_products_come_back_exactly(sized: tuple[str, int]) -> None:
     """Layer copies with their gate products: both come back exactly, the layer below's gate
     copy started with its input's."""

@@ -4,8 +4,9 @@ After one Adam step from a fresh adapter (B = 0) every B element is about lr in 
 adapter term is far below half a bf16 unit of the projections' outputs. The fused path rounds
 each output once, after the adapter term is in (`kernels.lora`, "Rounding"), so the loss moves
 as it does in fp32: on a CPU, and for QLoRA on CUDA (a 16-bit base on CUDA does not yet: cuBLAS
-rounds X W^T before it adds the term). PEFT's own bf16 forward rounds X W^T first and loses most of the step: the
-tests check that too, so they cannot pass on a model where the question does not arise.
+rounds X W^T before it adds the term). PEFT's own bf16 forward rounds X W^T first and loses most
+of the step: the tests check that too, so they cannot pass on a model where the question does
+not arise.
 """
 
 from __future__ import annotations

@@ -107,4 +107,3 @@ def test_uncached_casts_afresh_and_keeps_nothing() -> None:
         cast(other, torch.bfloat16)
     assert cast(w, torch.bfloat16) is kept  # the kept copy is still the one in use
     assert lora_casts._CASTS.get(other) is None  # nothing was kept for the uncached call
-
