@@ -6,7 +6,7 @@ the same random batch, LoRA r=16 on all 7 linears, AdamW, gradient checkpointing
     python bench/train.py --all --out results.json                 # every implementation
     python bench/train.py --impl kestrel --out one.json             # one, in this process
     options: --method qlora|lora  --batch 2 --seq 2048 --steps 10 --checkpointing off|standard|offload
-             --shape llama-8b|llama-1b  --impls unsloth,kestrel,kestrel-eager (eager: no CUDA graphs)
+             --shape llama-8b|llama-1b  --impls unsloth,kestrel,kestrel-eager,kestrel-graphed (graphs forced)
              --memory-cap-gib 80 (cap this process's GPU memory, e.g. to stand for an 80 GB card)
 
 Model FLOPs utilisation (MFU) counts useful work only, as `../shared/docs/targets.md` defines it:
@@ -214,17 +214,23 @@ def measure(args: argparse.Namespace) -> dict:
         "checkpointing": args.checkpointing, "tokens_per_s": tokens / elapsed, "s_per_step": elapsed / args.steps,
         "peak_gib": max(warm_peak, steady[0]), "reserved_gib": max(warm_reserved, steady[1]),
         "steady_peak_gib": steady[0], "steady_reserved_gib": steady[1],
-        "losses": [float(x) for x in losses], "device": torch.cuda.get_device_name(), **_graph_stats(args.impl),
+        "losses": [float(x) for x in losses], "device": torch.cuda.get_device_name(),
+        **_graph_stats(args.impl, train_step.model),
     }
 
 
-def _graph_stats(impl: str) -> dict:
-    """Kestrel's decoder-layer CUDA graphs: how many were captured, failed, and inputs copied."""
+def _graph_stats(impl: str, model) -> dict:
+    """Kestrel's decoder-layer CUDA graphs: how many were captured, failed, inputs copied, and
+    the run's choice for each batch layout."""
     if impl != "kestrel":
         return {}
     from engine import layer_graphs
+    from engine.checkpointing import Recompute
 
-    return {"layer_graphs": layer_graphs.stats()}
+    layers = [m for m in model.modules() if isinstance(getattr(m, "_gradient_checkpointing_func", None), Recompute)]
+    chooser = layers[0]._gradient_checkpointing_func.chooser if layers else None
+    decisions = [d.as_metrics() for d in chooser.decisions()] if chooser else []
+    return {"layer_graphs": layer_graphs.stats(), "graph_decisions": decisions}
 
 
 def main() -> None:
@@ -232,7 +238,7 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--impls", default="hf,liger,unsloth,kestrel",
-                    help="comma-separated; kestrel-eager is Kestrel with KESTREL_CUDA_GRAPHS=0")
+                    help="comma-separated; kestrel-eager / kestrel-graphed: Kestrel with CUDA graphs forced off / on")
     ap.add_argument("--anchors", default=str(Path(__file__).resolve().parent.parent / ".gpu-anchors"))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -249,8 +255,9 @@ def main() -> None:
     results = []
     for impl in args.impls.split(","):
         extra = args.anchors if impl in ("liger", "unsloth") else None
-        env = {"KESTREL_CUDA_GRAPHS": "0"} if impl == "kestrel-eager" else {}  # kestrel: its own choice
-        res = run_isolated(__file__, ["--impl", impl.removesuffix("-eager"), *common], extra_path=extra, env=env)
+        forced = {"kestrel-eager": "0", "kestrel-graphed": "1"}.get(impl)  # kestrel: its own choice
+        env = {"KESTREL_CUDA_GRAPHS": forced} if forced else {}
+        res = run_isolated(__file__, ["--impl", impl.split("-")[0], *common], extra_path=extra, env=env)
         res["impl"] = impl
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)

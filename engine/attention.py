@@ -111,16 +111,29 @@ def segment_starts(
     return None if bool(rises.any()) else starts
 
 
+def segment_capacity(count: int) -> int:
+    """Room for `count` cu_seqlens entries: the next power of two (at least 8), so batches whose
+    number of samples varies share a few shapes (a CUDA graph replays one shape)."""
+    return max(8, 1 << (count - 1).bit_length())
+
+
 def samples_from_starts(starts: torch.Tensor, device: torch.device) -> Samples:
     """`sample_starts` (on the host) -> cu_seqlens on `device` and the longest sample.
+
+    cu_seqlens is padded to `segment_capacity` with empty samples at the end, and the longest
+    sample is taken as the row width: both then depend only on the batch's shape and its number
+    of samples' power of two, not on where the samples fall (a graph replays any layout of them;
+    the kernels skip the empty samples' and short samples' blocks).
 
     The host copy of `starts` is the one sync of the forward; the copy of cu_seqlens back goes
     through pinned memory so it does not wait for the GPU.
     """
     flat = starts.reshape(-1)
     begin = flat.nonzero().reshape(-1)  # (S,) start offsets in B*T
-    cu = torch.cat([begin, torch.tensor([flat.numel()])]).to(torch.int32)  # (S+1,)
-    max_len = int((cu[1:] - cu[:-1]).max())
+    room = segment_capacity(begin.numel() + 1)
+    cu = torch.full((room,), flat.numel(), dtype=torch.int32)  # (room,): the S+1 bounds, then empty samples
+    cu[: begin.numel()] = begin
+    max_len = starts.shape[-1]
     if device.type == "cuda":
         return Samples(cu.pin_memory().to(device, non_blocking=True), max_len)
     return Samples(cu.to(device), max_len)
@@ -238,6 +251,8 @@ def reference_varlen_attn(
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
         if q1 - q0 != k1 - k0:
             raise ValueError("the reference handles self-attention only (equal query and key samples)")
+        if q1 == q0:
+            continue  # an empty sample (cu_seqlens padded to its capacity)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))  # (1, H, L, D)
         mask = window_mask(q1 - q0, tuple(window_size), query.device)  # (L, L)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

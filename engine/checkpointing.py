@@ -20,11 +20,11 @@ do it (default 1: all; 0: none); MLPs that defer to their backward (long rows) n
 step's GPU work falls ~29 ms (8%); eagerly its time falls less, as it then waits on the host's
 Python.
 
-On CUDA, where Python would set the pace (a layer's GPU work is small, or its gate product is
-paged out), its first pass and its recompute-with-backward replay as CUDA graphs
-(`engine.layer_graphs`): the checkpoint hands `LayerCheckpoint` a `GraphedLayer` instead of the
-plain call, with the layer's `_KeptGate` (E then lives in a static buffer between the passes),
-and the backward asks it first.
+On CUDA, when the run's `GraphChooser` finds it faster for the forward's batch layout, each
+layer's first pass and its recompute-with-backward replay as CUDA graphs (`engine.layer_graphs`):
+the checkpoint (`Recompute`) hands `LayerCheckpoint` a `GraphedLayer` instead of the plain call,
+with the layer's `_KeptGate` (E then lives in a static buffer between the passes), and the
+backward asks it first.
 
 The pinned host buffers and the side stream come from `engine.host_memory`.
 """
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from engine import layer_graphs
+from engine.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from engine.host_memory import HostMemoryError, host_buffer, side_stream
 
 # True while a checkpointed layer is re-run for its backward: its output's values are thrown
@@ -380,35 +381,71 @@ def _recompute(run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor
         _RECOMPUTING.reset(token)
 
 
-def _checkpoint_func(offload: bool) -> Callable[..., torch.Tensor]:
-    def checkpointed(run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-        """The `_gradient_checkpointing_func` Hugging Face's decoder layers call (hidden first).
-        On CUDA the layer's passes replay as CUDA graphs where they can and pay
-        (`engine.layer_graphs`)."""
-        pages_gate = offload and gate_share() > 0
-        return LayerCheckpoint.apply(layer_graphs.wrap(run, hidden, args, pages_gate), offload, hidden)
+class Recompute:
+    """One run's checkpointing: the function Hugging Face's decoder layers call
+    (`_gradient_checkpointing_func`, hidden states first) and the run's CUDA-graph choice.
 
-    return checkpointed
+    At the first layer of each training forward on CUDA it asks `chooser` whether this forward's
+    layers run as CUDA graphs (`engine.graph_choice`, keyed by that layer's call signature), and
+    every layer of the forward follows the answer. Graphs are dropped once no layout is left that
+    runs them.
+    """
+
+    def __init__(self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser) -> None:
+        self.offload, self.chooser = offload, chooser
+        self.first = weakref.ref(first_layer) if first_layer is not None else None
+        self.graphed = False  # this forward's choice
+        self.holds_graphs = False
+
+    def __call__(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        if self._starts_forward(run) and layer_graphs.graphable(run, hidden):
+            key = layer_graphs.call_key(run, hidden, args)
+            tokens = hidden.numel() // max(hidden.shape[-1], 1)
+            self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
+            if self.holds_graphs and not self.chooser.any_graphed():
+                layer_graphs.release()  # every layout runs eagerly: give the graphs' memory back
+                self.holds_graphs = False
+            self.holds_graphs |= self.graphed
+        wrapped = layer_graphs.wrap(run, hidden, args, self.graphed)
+        return LayerCheckpoint.apply(wrapped, self.offload, hidden)
+
+    def _starts_forward(self, run: Callable[..., torch.Tensor]) -> bool:
+        layer = getattr(getattr(run, "func", None), "__self__", None)
+        return self.first is not None and layer is self.first()
 
 
-recompute_checkpoint = _checkpoint_func(offload=False)
-offloaded_checkpoint = _checkpoint_func(offload=True)
+def graph_mode(configured: GraphMode) -> GraphMode:
+    """The run's CUDA-graph mode: KESTREL_CUDA_GRAPHS (1 | 0 | auto, a debugging override)
+    wins over the configured one."""
+    raw = os.environ.get("KESTREL_CUDA_GRAPHS", "").strip().lower()
+    if not raw:
+        return configured
+    forced = {"1": "on", "on": "on", "0": "off", "off": "off", "auto": "auto"}.get(raw)
+    if forced is None:
+        raise ValueError(f"KESTREL_CUDA_GRAPHS={raw!r} is not valid: use 1, 0 or auto")
+    return forced  # type: ignore[return-value]
 
 
-def set_gradient_checkpointing(model: nn.Module, mode: str) -> None:
-    """Turn checkpointing `off`, `standard` (non-reentrant recompute) or `offload` on `model`."""
+def set_gradient_checkpointing(
+    model: nn.Module, mode: str, cuda_graphs: GraphMode = "auto", on_decision: Callable[[Decision], None] | None = None,
+) -> Recompute | None:
+    """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
+    the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layer_graphs.release()
     if mode == "off":
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()
-        return
+        return None
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # The function is reentrant: its input must require grad for its backward to run even when
     # the embeddings are frozen (LoRA).
     model.enable_input_require_grads()
-    func = offloaded_checkpoint if mode == "offload" else recompute_checkpoint
-    for layer in model.modules():
-        if isinstance(layer, GradientCheckpointingLayer):
-            layer._gradient_checkpointing_func = func
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    chooser = GraphChooser(graph_mode(cuda_graphs), CudaClock() if torch.cuda.is_available() else None,
+                           on_decision=on_decision)
+    recompute = Recompute(mode == "offload", layers[0] if layers else None, chooser)
+    for layer in layers:
+        layer._gradient_checkpointing_func = recompute
+    return recompute

@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from engine.errors import ConfigError
+from engine.graph_choice import GRAPH_MODES
 
 METHODS = ("qlora", "lora", "full", "grpo")
 CHECKPOINTING = ("off", "standard", "offload")
@@ -101,6 +102,20 @@ def custom_reward_refusal(path: str | None) -> str:
 
 
 @dataclass
+class PerformanceSettings:
+    """Speed switches, saved with each run so it can be reproduced. `auto` chooses by measuring
+    on the run's own shapes; the choice made is written to the run's log and metrics."""
+
+    # Decoder layers replayed as CUDA graphs (training with checkpointing, on CUDA): auto times
+    # both ways on each batch layout and keeps the faster (`engine.graph_choice`); on | off force.
+    cuda_graphs: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check(self.cuda_graphs in GRAPH_MODES,
+               f"performance.cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {self.cuda_graphs!r}")
+
+
+@dataclass
 class TrainConfig:
     """Everything one training run needs. The same fields are the YAML keys."""
 
@@ -135,6 +150,7 @@ class TrainConfig:
     system_prompt: str | None = None
     fast_kernels: bool = True  # false trains through the plain Hugging Face path (for comparison)
     grpo: GrpoSettings = field(default_factory=GrpoSettings)
+    performance: PerformanceSettings = field(default_factory=PerformanceSettings)
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")

@@ -60,34 +60,47 @@ def substitute(obj: Any, tensors: Any) -> Any:
 
 
 class StaticBuffers:
-    """The static input buffers of one device, shared by every layer's graphs (one per slot and
-    shape). Each remembers which tensor it holds the values of (weakly, with its version), so
-    feeding it that tensor again copies nothing."""
+    """The static input buffers of one device, shared by every layer's graphs: one storage per
+    slot and dtype, which each shape of that slot views from its start (a run's batch layouts
+    share it; it grows to the largest). Each storage remembers which tensor's values it holds
+    (weakly, with its version and shape), so feeding it that tensor again copies nothing."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple, torch.Tensor] = {}
-        self.holds: dict[int, tuple[weakref.ref, int]] = {}  # id(buffer) -> (tensor, version)
+        self.storage: dict[tuple, torch.Tensor] = {}  # (slot, dtype, device) -> flat buffer
+        self.views: dict[tuple, torch.Tensor] = {}  # (slot, shape, dtype, device) -> view of it
+        self.holds: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # data_ptr -> (tensor, version, shape)
         self.copies = 0  # copies made (tests and profiling read it)
 
     def get(self, slot: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (slot, tuple(shape), dtype, device)
-        if key not in self.buffers:
-            self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
-        return self.buffers[key]
+        view = self.views.get(key)
+        if view is not None:
+            return view
+        numel = 1
+        for n in shape:
+            numel *= n
+        base_key = (slot, dtype, device)
+        base = self.storage.get(base_key)
+        if base is None or base.numel() < numel:
+            # Graphs captured on the old storage keep it alive while they live.
+            base = self.storage[base_key] = torch.empty(numel, dtype=dtype, device=device)
+            self.views = {k: v for k, v in self.views.items() if k[0] != slot or k[2] != dtype or k[3] != device}
+        view = self.views[key] = base[:numel].view(shape)
+        return view
 
     def like(self, slot: Any, t: torch.Tensor) -> torch.Tensor:
         return self.get(slot, tuple(t.shape), t.dtype, t.device)
 
     def feed(self, buf: torch.Tensor, t: torch.Tensor) -> None:
-        held = self.holds.get(id(buf))
-        if held is None or held[0]() is not t or held[1] != t._version:
+        held = self.holds.get(buf.data_ptr())
+        if held is None or held[0]() is not t or held[1] != t._version or held[2] != tuple(buf.shape):
             buf.copy_(t)
             self.copies += 1
             self.hold(buf, t)
 
     def hold(self, buf: torch.Tensor, t: torch.Tensor) -> None:
         """Record that `buf` now holds `t`'s values."""
-        self.holds[id(buf)] = (weakref.ref(t), t._version)
+        self.holds[buf.data_ptr()] = (weakref.ref(t), t._version, tuple(buf.shape))
 
     def forget(self, buf: torch.Tensor) -> None:
-        self.holds.pop(id(buf), None)
+        self.holds.pop(buf.data_ptr(), None)

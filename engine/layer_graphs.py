@@ -39,14 +39,8 @@ How (`GraphedLayer`):
   alternating: the first-pass graph writes it there, and the keeper copies it out after the
   replay while the next layer runs; before the backward's replay the keeper copies it back in,
   and the backward graph reads it there.
-- Graphs pay where the host limits. On an H100 the Llama-1B shape at 2,048 tokens a step trains
-  3.9x faster with them. The 8B shape at 4,096 tokens trains no faster with standard
-  checkpointing (its GPU work hides the host), but offloaded with E paged out it ran 12,643-
-  12,766 tokens/s graphed against 9,605-12,296 eager in the same calls (paging E out takes ~29 ms
-  of GPU work off the step, and the host's Python then set the pace). So by
-  default (`KESTREL_CUDA_GRAPHS=auto`) a layer is graphed when tokens x its linear weights is
-  small (`AUTO_WORK_LIMIT`), or when its checkpoint pages E out and its first sighting did keep
-  E (`wrap`); `=1` always, `=0` never.
+- Whether a forward's layers run graphed at all is the run's `engine.graph_choice.GraphChooser`'s
+  call (timed both ways on each batch layout); `wrap` is told.
 """
 
 from __future__ import annotations
@@ -55,7 +49,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import os
 import weakref
 from typing import Any, Callable, Protocol
 
@@ -67,8 +60,10 @@ from kernels import dispatch, lora_casts, nf4
 
 log = logging.getLogger("kestrel")
 
-GRAPHS_PER_LAYER = 2  # signatures kept captured per layer (a first-pass and a backward graph each)
-MAX_CAPTURES = 6  # captures per layer before giving up on it: its signatures do not repeat
+# Signatures kept captured per layer (a first-pass and a backward graph each). Batches are laid out
+# in a bounded set of shapes (`engine.data.collate.bucket_width`), which a run cycles through.
+GRAPHS_PER_LAYER = 24
+MAX_CAPTURES = 4 * GRAPHS_PER_LAYER  # captures per layer before giving up on it: its signatures do not repeat
 _WARNED: set[str] = set()
 
 
@@ -93,34 +88,6 @@ class GateKeeper(Protocol):
 
     def take(self) -> torch.Tensor | None:
         """Before the backward: E back in the buffer for the compute stream, or None."""
-
-
-# Auto mode graphs a layer when tokens x its linear weights is below this: there the host, not the
-# GPU, sets the pace. Measured on an H100 (bench/RESULTS.md): Llama-1B shape at 2,048 tokens a step
-# (1.2e11) trains 3.9x faster with graphs; the 8B shape at 4,096 (8.9e11) the same as without,
-# for 0.2 GiB more reserved memory (a second pool).
-AUTO_WORK_LIMIT = 3e11
-
-
-def mode() -> str:
-    """KESTREL_CUDA_GRAPHS: "1" (always), "0" (never), unset or "auto" (where the host limits)."""
-    value = os.environ.get("KESTREL_CUDA_GRAPHS", "auto").strip().lower() or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"KESTREL_CUDA_GRAPHS={value!r} is not valid: use 0, 1 or auto")
-    return value
-
-
-def worth_it(layer: nn.Module, hidden: torch.Tensor) -> bool:
-    """Whether graphs pay for this layer call under the current mode: always when forced on,
-    else when its GPU work (tokens x the layer's linear weights) is small (`AUTO_WORK_LIMIT`)."""
-    chosen = mode()
-    if chosen != "auto":
-        return chosen == "1"
-    weights = layer.__dict__.get("_kestrel_linear_numel")
-    if weights is None:
-        weights = sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, nn.Linear))
-        layer.__dict__["_kestrel_linear_numel"] = weights
-    return hidden.numel() // max(hidden.shape[-1], 1) * weights < AUTO_WORK_LIMIT
 
 
 @dataclasses.dataclass
@@ -213,10 +180,9 @@ class GraphedLayer:
     returns dX, or returns None when this call is not graphed (the caller then runs eagerly).
     """
 
-    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple, for_gate: bool = False) -> None:
+    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple) -> None:
         self.call, self.args, self.kwargs = run.func, args, run.keywords
         self.layer: nn.Module = run.func.__self__
-        self.for_gate = for_gate  # graphed only to take the host off the path of a kept gate product
         self.leaves: list[torch.Tensor] = []
         self.graphs: _Graphs | None = None
         self.gate: GateKeeper | None = None
@@ -230,8 +196,7 @@ class GraphedLayer:
             _warn_once(f"CUDA graphs off for some decoder layers: {exc}")
 
     def _lookup(self, hidden: torch.Tensor, gate: GateKeeper | None) -> _Graphs | None:
-        """This call's graphs: made on its signature's second sighting, None on its first (or
-        when graphed only for a gate product that its first sighting did not keep)."""
+        """This call's graphs: made on its signature's second sighting, None on its first."""
         state = _state(self.layer)
         if self.key is None or state.off:
             return None
@@ -247,7 +212,7 @@ class GraphedLayer:
             state.seen.clear()
         state.seen[seen] = state.seen.get(seen, 0) + 1
         like = state.gate_like.get(seen)
-        if state.seen[seen] < 2 or (self.for_gate and like is None):
+        if state.seen[seen] < 2:
             return None
         if state.captures >= MAX_CAPTURES:
             state.off = True
@@ -439,27 +404,36 @@ def _set_grads(g: _Graphs) -> None:
         torch._foreach_add_(into, add)
 
 
-def wrap(
-    run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple, pages_gate: bool = False,
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What a layer checkpoint runs for this call: a `GraphedLayer` when graphs can apply (CUDA,
-    a training forward, `run` a layer's bound call) and pay, else `run` with `args`. They pay
-    where `worth_it` says, and (auto mode) where the checkpoint pages the MLP's gate product out
-    (`pages_gate`) and the layer's first sighting did keep it: the GPU then does less work than
-    the host's Python takes to launch it."""
+def graphable(run: Callable[..., torch.Tensor], hidden: torch.Tensor) -> bool:
+    """Whether a checkpoint's call can run as a `GraphedLayer`: CUDA, a training forward, `run`
+    a layer's bound call."""
     layer = getattr(run.func, "__self__", None) if isinstance(run, functools.partial) else None
-    if (
+    return (
         isinstance(layer, nn.Module)
         and not run.args
         and hidden.is_cuda
         and hidden.is_contiguous()
         and torch.is_grad_enabled()
         and not torch.cuda.is_current_stream_capturing()
-    ):
-        if worth_it(layer, hidden):
-            return GraphedLayer(run, hidden, args)
-        if pages_gate and mode() == "auto":
-            return GraphedLayer(run, hidden, args, for_gate=True)
+    )
+
+
+def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple) -> Any:
+    """The signature a layer's graphs replay for (input shape, the other arguments' shapes and
+    values), or None when a replay could not reproduce the call."""
+    try:
+        return tuple(hidden.shape), hidden.dtype, signature((args, run.keywords), [])
+    except NotGraphable:
+        return None
+
+
+def wrap(
+    run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple, graphed: bool,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a layer checkpoint runs for this call: a `GraphedLayer` when `graphed` (the run's
+    choice for this forward) and the call can be graphed, else `run` with `args`."""
+    if graphed and graphable(run, hidden):
+        return GraphedLayer(run, hidden, args)
     return (lambda h: run(h, *args)) if args else run
 
 

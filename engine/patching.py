@@ -24,7 +24,7 @@ from typing import Any, Callable
 from torch import nn
 
 from engine import fast_forwards as ff
-from engine.attention import VarlenMode
+from engine.attention import VarlenMode, varlen_backend
 from engine.model_forward import make_model_forward
 from engine.registry import FamilySpec, family_of
 
@@ -147,6 +147,18 @@ def _find_handle(model: nn.Module) -> PatchHandle | None:
         if handle is not None:
             return handle
     return None
+
+
+def runs_varlen(model: nn.Module) -> bool:
+    """Whether `model`'s training forwards run variable-length attention over the samples of a
+    flattened batch (patched attention and decoder stack, and a varlen kernel for its device and
+    dtype): then a batch laid out as one padding-free row costs no padding."""
+    handle = _find_handle(model)
+    if handle is None or not (handle.flags.attention and handle.flags.model):
+        return False
+    embeddings = model.get_input_embeddings().weight
+    dropout = getattr(model.config, "attention_dropout", 0.0) > 0
+    return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout) is not None
 
 
 def unpatch_model(model: nn.Module) -> None:

@@ -11,23 +11,26 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from engine.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
-from engine.checkpointing import set_gradient_checkpointing
+from engine.checkpointing import Recompute, set_gradient_checkpointing
 from engine.config import TrainConfig
 from engine.data import BatchPlan, load_conversations, tokenize_all
 from engine.data.tokenize import IGNORE
 from engine.fast_forwards import shift_labels
+from engine.graph_choice import Decision
 from engine.loader import load
+from engine.patching import runs_varlen
 from engine.lora import attach_lora, trainable_parameters
 from engine.metrics import Callback, RunInfo, memory_metrics
 
@@ -46,6 +49,7 @@ class Session:
     total_steps: int
     start_step: int
     device: torch.device
+    recompute: Recompute | None = None  # checkpointing and its CUDA-graph choice
 
 
 def seed_everything(seed: int) -> None:
@@ -68,7 +72,8 @@ def lr_lambda(config: TrainConfig, total_steps: int):
     return factor
 
 
-def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback) -> BatchPlan:
+def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False) -> BatchPlan:
+    """The dataset read, tokenized and planned into batches (`flat`: `BatchPlan`'s)."""
     fmt, convs, bad = load_conversations(config.dataset, config.dataset_format, config.columns, config.system_prompt)
     data = tokenize_all(tokenizer, convs, config.max_seq_length, config.train_on_responses_only, config.dataset)
     cb.on_log(f"dataset {config.dataset}: format {fmt}, {len(convs)} rows used, {len(bad)} bad rows skipped")
@@ -79,10 +84,28 @@ def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback) -> BatchPlan
     if data.fully_masked:
         cb.on_log(f"{data.fully_masked} rows had no trained tokens left and were dropped")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return BatchPlan(data.samples, config.batch_size, config.packing, config.max_seq_length, pad, config.seed)
+    return BatchPlan(data.samples, config.batch_size, config.packing, config.max_seq_length, pad, config.seed, flat)
 
 
-def prepare_model(config: TrainConfig, model: nn.Module) -> nn.Module:
+def graph_reporter(output_dir: Path, cb: Callback) -> Callable[[Decision], None]:
+    """Where a run's CUDA-graph choices go: a line in its log each, and all of them in
+    `output_dir/performance.json` (with the mode that reproduces each)."""
+    made: list[dict[str, Any]] = []
+
+    def report(decision: Decision) -> None:
+        way = "on" if decision.graphed else "off"
+        cb.on_log(f"CUDA graphs {way} for batches of {decision.layout}: {decision.reason}")
+        made.append(decision.as_metrics())
+        (output_dir / "performance.json").write_text(json.dumps({"cuda_graphs": made}, indent=1) + "\n")
+
+    return report
+
+
+def prepare_model(
+    config: TrainConfig, model: nn.Module, output_dir: Path, cb: Callback
+) -> tuple[nn.Module, Recompute | None]:
+    """LoRA attached (or every weight unfrozen), checkpointing on, train mode; returns the model
+    and the run's checkpointing (None when off)."""
     if config.method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -90,9 +113,10 @@ def prepare_model(config: TrainConfig, model: nn.Module) -> nn.Module:
         for p in model.parameters():
             p.requires_grad_(False)
         model = attach_lora(model, config.lora)
-    set_gradient_checkpointing(model, config.gradient_checkpointing)
+    recompute = set_gradient_checkpointing(
+        model, config.gradient_checkpointing, config.performance.cuda_graphs, graph_reporter(output_dir, cb))
     model.train()
-    return model
+    return model, recompute
 
 
 def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> Session:
@@ -101,13 +125,14 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> Session:
         config.model, config.max_seq_length, load_in_4bit=config.load_in_4bit, dtype=config.dtype, patch=config.fast_kernels
     )
     device = next(model.parameters()).device
-    plan = prepare_data(config, tokenizer, cb)
-    model = prepare_model(config, model)
+    plan = prepare_data(config, tokenizer, cb, flat=runs_varlen(model))
+    model, recompute = prepare_model(config, model, output_dir, cb)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}): {trainable:,} of {total:,} parameters trainable, on {device}")
     total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(plan) / config.grad_accum))
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
-    return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device)
+    return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device,
+                   recompute)
 
 
 def optimizer_and_resume(
@@ -177,13 +202,18 @@ def train_loop(s: Session, cb: Callback) -> str:
         metrics = {
             "step": done, "total_steps": s.total_steps, "epoch": raw["epoch"], "loss": raw["loss"],
             "lr": raw["lr"], "grad_norm": raw["grad_norm"], "tokens_per_s": raw["tokens"] / max(now - t0, 1e-9),
-            **memory_metrics(s.device), "elapsed_s": elapsed,
+            **memory_metrics(s.device), "elapsed_s": elapsed, **graph_metrics(s.recompute),
             "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
         }
         stop = end_of_step(s, cb, done, metrics)
         if stop:
             return stop
     return "completed"
+
+
+def graph_metrics(recompute: Recompute | None) -> dict[str, float]:
+    """`cuda_graphs`: 1 when the step's last forward ran as CUDA graphs, else 0 (with checkpointing)."""
+    return {} if recompute is None else {"cuda_graphs": float(recompute.graphed)}
 
 
 def end_of_step(s: Any, cb: Callback, done: int, metrics: dict[str, float]) -> str | None:

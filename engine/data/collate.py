@@ -42,6 +42,15 @@ def pad_batch(samples: list[Sample], pad_id: int) -> Batch:
     return Batch(ids, labels, mask, None, int(mask.sum()))
 
 
+def bucket_width(n: int) -> int:
+    """The smallest m * 2^k >= n with 8 <= m < 16: at most 1/8 more tokens, and the widths of a
+    run's batches fall into a few shapes that CUDA graphs replay (8 per doubling of length)."""
+    if n <= 16:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
 def pack_rows(samples: list[Sample], max_len: int) -> list[list[Sample]]:
     """First-fit-decreasing bin packing of samples into rows of at most `max_len` tokens."""
     rows: list[list[Sample]] = []
@@ -59,8 +68,9 @@ def pack_rows(samples: list[Sample], max_len: int) -> list[list[Sample]]:
     return rows
 
 
-def packed_batch(rows: list[list[Sample]], pad_id: int) -> Batch:
-    width = max(sum(len(s.input_ids) for s in row) for row in rows)
+def packed_batch(rows: list[list[Sample]], pad_id: int, width: int | None = None) -> Batch:
+    """Rows holding samples back to back, `width` wide (default: the longest row)."""
+    width = max(width or 0, max(sum(len(s.input_ids) for s in row) for row in rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
@@ -80,11 +90,22 @@ def packed_batch(rows: list[list[Sample]], pad_id: int) -> Batch:
 
 
 class BatchPlan:
-    """The order of batches for every epoch, reproducible from the seed (so resume can skip ahead)."""
+    """The order of batches for every epoch, reproducible from the seed (so resume can skip ahead).
 
-    def __init__(self, samples: list[Sample], batch_size: int, packing: bool, max_len: int, pad_id: int, seed: int):
+    `flat` (the model runs variable-length attention, `engine.model_forward.runs_varlen`): an
+    unpacked batch becomes one padding-free row of its samples back to back instead of rows
+    padded to the longest (the same loss, without the padding's work), and every batch's width
+    is rounded up by `bucket_width` (so its shapes repeat for CUDA graphs), at most to the most a
+    batch can hold.
+    """
+
+    def __init__(
+        self, samples: list[Sample], batch_size: int, packing: bool, max_len: int, pad_id: int, seed: int,
+        flat: bool = False,
+    ):
         self.units: list[list[Sample]] = pack_rows(samples, max_len) if packing else [[s] for s in samples]
         self.batch_size, self.packing, self.pad_id, self.seed = batch_size, packing, pad_id, seed
+        self.max_len, self.flat = max_len, flat
 
     def __len__(self) -> int:
         return max(1, len(self.units) // self.batch_size)
@@ -95,6 +116,11 @@ class BatchPlan:
         chosen = [self.units[j] for j in order[index * self.batch_size : (index + 1) * self.batch_size]]
         if not chosen:
             chosen = [self.units[j] for j in order[: self.batch_size]]
+        if self.flat:
+            rows = chosen if self.packing else [[row[0] for row in chosen]]
+            room = self.max_len * (1 if self.packing else self.batch_size)
+            used = max(sum(len(s.input_ids) for s in row) for row in rows)
+            return packed_batch(rows, self.pad_id, max(used, min(bucket_width(used), room)))
         if self.packing:
             return packed_batch(chosen, self.pad_id)
         return pad_batch([row[0] for row in chosen], self.pad_id)

@@ -126,7 +126,7 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
               + (f", {too_long} longer than grpo.max_prompt_length skipped" if too_long else ""))
     if bad:
         cb.on_log("bad rows: " + "; ".join(f"line {b.line}: {b.reason}" for b in bad[:5]))
-    model = prepare_model(config, model)  # LoRA on a frozen base (GRPO never trains all weights)
+    model, _ = prepare_model(config, model, output_dir, cb)  # LoRA on a frozen base (GRPO never trains all weights)
     check_lm_head(model)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} (grpo): {trainable:,} of {total:,} parameters trainable, on {device}")

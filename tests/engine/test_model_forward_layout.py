@@ -26,7 +26,8 @@ def test_samples_from_position_ids() -> None:
     starts = attn.sample_starts(positions)
     samples = attn.samples_from_starts(starts, torch.device("cpu"))
     assert samples.cu_seqlens.dtype == torch.int32
-    assert samples.cu_seqlens.tolist() == [0, 3, 5, 9, 18] and samples.max_len == 9
+    # Padded to a capacity of 8 bounds with empty samples; the longest taken as the row width.
+    assert samples.cu_seqlens.tolist() == [0, 3, 5, 9, 18, 18, 18, 18] and samples.max_len == 9
 
 
 def test_sample_starts_follow_hf_rule() -> None:
