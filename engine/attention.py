@@ -112,17 +112,21 @@ def segment_starts(
 
 
 def segment_capacity(count: int) -> int:
-    """Room for `count` cu_seqlens entries: the next power of two (at least 8), so batches whose
-    number of samples varies share a few shapes (a CUDA graph replays one shape)."""
-    return max(8, 1 << (count - 1).bit_length())
+    """Room for `count` cu_seqlens entries: the next power of four (at least 16), so batches
+    whose number of samples varies share a few shapes (a CUDA graph replays one shape); the
+    empty samples that fill it cost the kernels one early exit each."""
+    room = 16
+    while room < count:
+        room *= 4
+    return room
 
 
 def samples_from_starts(starts: torch.Tensor, device: torch.device) -> Samples:
     """`sample_starts` (on the host) -> cu_seqlens on `device` and the longest sample.
 
     cu_seqlens is padded to `segment_capacity` with empty samples at the end, and the longest
-    sample is taken as the row width: both then depend only on the batch's shape and its number
-    of samples' power of two, not on where the samples fall (a graph replays any layout of them;
+    sample is taken as the row width: both then depend only on the batch's shape and the power
+    of four above its number of samples, not on where the samples fall (a graph replays any layout of them;
     the kernels skip the empty samples' and short samples' blocks).
 
     The host copy of `starts` is the one sync of the forward; the copy of cu_seqlens back goes

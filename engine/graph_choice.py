@@ -21,8 +21,10 @@ on the run's own shapes instead of fitted to one:
 - Cost model, to spare probing every layout of a run whose shapes vary (padded rows): the host's
   share of a step falls as its tokens grow, so once a layout of n tokens is decided graphed,
   every layout of at most n tokens is graphed, and once one of n is decided eager, every layout
-  of at least n is eager, unless it is already being timed. Layouts between the two are probed.
-  A decision that contradicts the rule (graphed above an eager one) ends the inferring.
+  of at least n is eager, unless it is already being timed; a layout of exactly n tokens (the
+  same batch with another number of samples in it) takes the decision even while being timed.
+  Layouts between the bounds are probed. A decision that contradicts the rule (graphed above an
+  eager one) ends the inferring by bounds.
 
 `mode` "on" / "off" skips the timing (graphs always / never).
 """
@@ -165,7 +167,7 @@ class GraphChooser:
 
     def _way(self, layout: _Layout) -> tuple[bool, bool]:
         """(graphed, timed) for this forward of `layout`."""
-        if layout.decision is None and layout.sightings <= 2:  # not timed yet
+        if layout.decision is None:
             self._infer(layout)
         if layout.decision is not None:
             return layout.decision.graphed, False
@@ -209,12 +211,19 @@ class GraphChooser:
         self._set(layout, Decision(layout.name, layout.tokens, graphed, graphed_s, eager_s, reason))
 
     def _infer(self, layout: _Layout) -> None:
-        """The cost model's bound, where a timed decision on the same side gives one."""
+        """The cost model's answer, where a timed decision gives one: a layout of as many tokens
+        takes its decision at any stage; a bound (fewer tokens than a graphed one, more than an
+        eager one) applies only before this layout's own timing has started."""
         timed = [lay.decision for lay in self.layouts.values() if lay.decision is not None and lay.decision.graphed_s is not None]
+        same = [d for d in timed if d.tokens == layout.tokens]
+        if same:
+            self._set(layout, Decision(layout.name, layout.tokens, same[0].graphed, None, None,
+                                       f"as many tokens as {same[0].layout}, timed"))
+            return
         graphed_at = [d.tokens for d in timed if d.graphed]
         eager_at = [d.tokens for d in timed if not d.graphed]
-        if graphed_at and eager_at and max(graphed_at) >= min(eager_at):
-            return  # the rule does not hold on this run: time every layout
+        if layout.sightings > 2 or graphed_at and eager_at and max(graphed_at) >= min(eager_at):
+            return  # being timed already, or the rule does not hold on this run
         if graphed_at and layout.tokens <= max(graphed_at):
             self._set(layout, Decision(layout.name, layout.tokens, True, None, None,
                                        f"no more tokens than a layout timed faster graphed ({max(graphed_at)})"))

@@ -173,8 +173,9 @@ class Generator:
 
     `model`: a Hugging Face causal LM of a registered family (a PeftModel too), or any
     `DecodeBackend`. `stop_ids` default to the tokenizer's EOS and end-of-turn ids.
-    `compile` / `cuda_graphs` default to on for CUDA (compile off for quantized bases, whose
-    ops run eagerly inside the graph), off on the CPU. `fuse`: q/k/v and gate/up as one product
+    `compile` / `cuda_graphs` default to on for CUDA (compile off for quantized bases whose
+    modules run in the step: their ops run eagerly inside the graph; NF4 bases read by
+    `kernels/nf4_gemv.py` compile), off on the CPU. `fuse`: q/k/v and gate/up as one product
     each, their weights re-pointed into one buffer (no copy; see `fused.py`): None = where safe
     (frozen base or eval mode), False = never. `close()` undoes it.
     """
@@ -202,7 +203,8 @@ class Generator:
         self.pad_id = int(pad) if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         cuda = self.backend.device.type == "cuda"
         self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
-        self.compile = (cuda and not self.backend.quantized) if compile is None else compile
+        compilable = getattr(self.backend, "compilable", not self.backend.quantized)
+        self.compile = (cuda and compilable) if compile is None else compile
         # Compiled functions live on objects (not module globals): the backend's layer step,
         # and the sampling/bookkeeping step here.
         self._emit_fn = self._emit

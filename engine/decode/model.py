@@ -19,7 +19,8 @@ Two entry points, both returning only the last token's logits (B, V) in float32:
 - `step(tok, col, pad, cache, lora)`: one token per row at cache column `col` (a (1,) device
   tensor). Fixed shapes, no host reads: the function the generator compiles and graph-captures.
   Attention reads the cache in one kernel (`kernels/decode_attention.py`); batch 1 without an
-  adapter runs `fast_layer.py`'s five launches a layer where the family allows.
+  adapter runs `fast_layer.py`'s five launches a layer where the family allows. NF4 (QLoRA)
+  bases read their packed weights in one launch per group at up to 16 rows (`projections.py`).
 
 RoPE positions: a row's token at column c has position c - pad[row]; cos/sin come from tables
 built once by the model's own rotary module (so every RoPE scaling variant matches HF).
@@ -41,6 +42,7 @@ from engine.decode.fused import fuse_allowed, tied_parameters
 from engine.decode.projections import ProjGroup, base_module, make_group
 from engine.errors import KestrelError
 from engine.registry import FamilySpec, family_of
+from kernels import nf4_gemv
 from kernels.decode_attention import decode_attention
 from kernels.dispatch import use_triton
 from kernels.rms_norm import rms_norm
@@ -116,6 +118,8 @@ class DecodeModel:
         self.n_heads = lm.config.num_attention_heads
         self.n_kv = lm.config.num_key_value_heads
         self.layers = [self._layer(i, layer) for i, layer in enumerate(stack.layers)]
+        for g in self.groups:  # NF4 bases: one small-batch kernel launch per group (projections.py)
+            g.attach_nf4(self.dtype)
         self.rope = self._rope_tables(stack.rotary_emb)
         self.adapters: list[str] = []
         self.attach_lora()
@@ -220,6 +224,13 @@ class DecodeModel:
     @property
     def quantized(self) -> bool:
         return any(g.quantized for layer in self.layers for g in (layer.qkv, layer.gate_up, layer.down))
+
+    @property
+    def compilable(self) -> bool:
+        """True when a step of up to `nf4_gemv.MAX_ROWS` rows calls no quantized module (every
+        quantized group reads its NF4 weights through the Triton kernel), so it can be compiled;
+        `step` runs larger batches of a quantized model eagerly."""
+        return all(g.nf4 is not None for g in self.groups if g.quantized)
 
     def new_cache(self, batch: int, length: int) -> StaticKVCache:
         return StaticKVCache(len(self.layers), batch, self.n_kv, length, self.head_dim, self.dtype, self.device)
@@ -338,13 +349,16 @@ class DecodeModel:
             return fast_layer.forward(self, tok, col, pad, cache, counters, scratch, lora)
         x = self.embed(tok[:, None])  # (B, 1, H)
         h = self._rms(x, self.layers[0].input_norm)
+        pre_fn, post_fn, head_fn = self._pre_fn, self._post_fn, self._head_fn
+        if tok.shape[0] > nf4_gemv.MAX_ROWS and self.quantized:  # quantized modules run: not compiled
+            pre_fn, post_fn, head_fn = self._pre_attention, self._post_attention, self._head
         for i, layer in enumerate(self.layers):
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            q = self._pre_fn(layer, h, col, pad, cache.k[i], cache.v[i], lora)
+            q = pre_fn(layer, h, col, pad, cache.k[i], cache.v[i], lora)
             out = decode_attention(q, cache.k[i], cache.v[i], col, pad, layer.scaling, layer.window,
                                    self.attn_softcap, counters)
-            x, h = self._post_fn(layer, after, x, out, lora)
-        return self._head_fn(h, lora)
+            x, h = post_fn(layer, after, x, out, lora)
+        return head_fn(h, lora)
 
     def _scratch(self, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 zeros the attention kernel counts on, float32 scratch for `fast_layer`: norm

@@ -6,6 +6,10 @@ separate (quantized bases, full fine-tuning, lm_head):
     outs_i = x W_i^T (+ b_i)              one product per member (a module call for NF4)
     delta  = expand((x A^T) [* gate])     the LoRA bank's shrink, then its expand (adapters.py)
 
+    NF4 bases (bitsandbytes Linear4bit) at 1-16 rows on CUDA (a decode step) instead run ONE launch
+    for the whole group (`kernels/nf4_gemv.py`: the packed weights read in place, no dequantized
+    copy written), outs = split(x [W_1; ...; W_m]^T); more rows (prefill) call the modules.
+
 fused (`fuse()`, a 16-bit base; see fused.py for the memory design):
     y = x [W_1; ...; W_m; A]^T            ONE product: (B, T, sum_out + R)
     outs = split(y[..., :sum_out] + expand(y[..., sum_out:]))
@@ -28,13 +32,15 @@ product reads the base rows only.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from engine.decode.adapters import LoraCall, LoraGroup, is_lora_layer
 from engine.decode.fused import FusedWeight, fusable
+from kernels import nf4_gemv
+from kernels.dispatch import use_triton
 from kernels.gemv import linear
 
 log = logging.getLogger("kestrel")
@@ -74,6 +80,8 @@ class ProjGroup:
     modules: list[nn.Module]  # the HF modules (PEFT layers when LoRA is attached)
     lora: LoraGroup | None = None
     fused: FusedWeight | None = None
+    nf4: nf4_gemv.NF4Weight | None = None  # the NF4 bases as one small-batch kernel reads them
+    nf4_source: list[tuple] = field(default_factory=list, repr=False)  # (param, data_ptr, quant_state) each
 
     @property
     def sizes(self) -> list[int]:
@@ -87,7 +95,11 @@ class ProjGroup:
         """x (B, T, in) -> one (B, T, out_i) per member, adapters applied per `call`."""
         if self.fused is not None:
             return self._fused_call(x, call)
-        outs = [p(x) for p in self.projs]
+        if self.nf4 is not None and nf4_gemv.applies(x, self.nf4):
+            y = nf4_gemv.nf4_gemv(x, self.nf4)  # (B, T, sum_out), one launch
+            outs = list(y.split(self.sizes, dim=-1)) if len(self.projs) > 1 else [y]
+        else:
+            outs = [p(x) for p in self.projs]
         delta = self.lora.delta(x, call) if call is not None and self.lora is not None else None
         if delta is not None:
             parts = delta.split(self.sizes, dim=-1)
@@ -132,8 +144,39 @@ class ProjGroup:
             self.lora.a = self.fused.extra  # sync() now writes into the buffer
         return True
 
+    # --- NF4 bases -------------------------------------------------------------------------------
+
+    def attach_nf4(self, dtype: torch.dtype) -> bool:
+        """Read the members' NF4 weights with `kernels/nf4_gemv.py` at 1-16 rows (values in `dtype`,
+        the model's); True when done. Left off (modules called) unless every member is an NF4
+        Linear4bit the kernel reads whose module would compute in `dtype` too."""
+        self.nf4, self.nf4_source = None, []
+        bases = [base_module(m) for m in self.modules]
+        reason = _nf4_unreadable(bases, dtype)
+        if not reason:
+            try:
+                self.nf4 = nf4_gemv.nf4_weight([(b.weight, b.weight.quant_state, b.bias) for b in bases], dtype)
+            except ValueError as exc:
+                reason = str(exc)
+        if reason:
+            if self.quantized:
+                log.debug("decode: NF4 projections called as modules (%s)", reason)
+            return False
+        self.nf4_source = [(b.weight, b.weight.data_ptr(), b.weight.quant_state) for b in bases]
+        return True
+
+    def _nf4_current(self) -> bool:
+        """True while every member still holds the weight `self.nf4` reads."""
+        bases = [base_module(m) for m in self.modules]
+        return all(b.weight is w and b.weight.data_ptr() == ptr and b.weight.quant_state is state
+                   for b, (w, ptr, state) in zip(bases, self.nf4_source, strict=True))
+
     def repair(self) -> bool:
-        """Re-bind after a member's storage was replaced; False when the group had to unfuse."""
+        """Re-bind after a member's storage was replaced; False when the group had to unfuse, or
+        its NF4 weights were re-read (captured graphs read the old ones either way)."""
+        if self.nf4 is not None and not self._nf4_current():
+            self.attach_nf4(self.nf4.dtype)
+            return False
         if self.fused is None or self.fused.repair():
             return True
         self.unfuse()
@@ -148,6 +191,24 @@ class ProjGroup:
         self.fused.unfuse()
         self.fused = None
         self.projs = [make_proj(m) for m in self.modules]  # the modules' current parameters
+
+
+def _nf4_unreadable(bases: list[nn.Module], dtype: torch.dtype) -> str:
+    """Why `kernels/nf4_gemv.py` cannot stand in for these modules' forward ("" when it can)."""
+    if len(bases) > nf4_gemv.MAX_MEMBERS:
+        return f"{len(bases)} members"
+    for b in bases:
+        w = getattr(b, "weight", None)
+        state = getattr(w, "quant_state", None)
+        if state is None or nf4_gemv.unsupported(w, state):
+            return f"{type(b).__name__} is not an NF4 weight the kernel reads"
+        if getattr(b, "compute_dtype", None) not in (None, dtype) or state.dtype not in (dtype, torch.float32):
+            return f"computes in {b.compute_dtype} from {state.dtype}, not {dtype}"
+        if b.bias is not None and b.bias.dtype != dtype:
+            return "a bias of another dtype"
+        if not use_triton(w):
+            return "Triton kernels not chosen for this device"
+    return ""
 
 
 def make_group(*modules: nn.Module) -> ProjGroup:

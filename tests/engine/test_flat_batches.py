@@ -34,8 +34,8 @@ def test_segment_capacity_pads_cu_seqlens_with_empty_samples() -> None:
     starts = torch.zeros(1, 20, dtype=torch.bool)
     starts[0, [0, 5, 12]] = True
     samples = attn.samples_from_starts(starts, torch.device("cpu"))
-    assert samples.cu_seqlens.tolist() == [0, 5, 12, 20, 20, 20, 20, 20] and samples.max_len == 20
-    assert attn.segment_capacity(9) == 16 and attn.segment_capacity(2) == 8
+    assert samples.cu_seqlens.tolist() == [0, 5, 12, 20] + [20] * 12 and samples.max_len == 20
+    assert attn.segment_capacity(17) == 64 and attn.segment_capacity(2) == 16 and attn.segment_capacity(65) == 256
 
 
 def _samples(n: int, seed: int) -> list[Sample]:

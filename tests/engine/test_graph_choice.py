@@ -148,3 +148,17 @@ def test_the_mode_is_config_saved_with_the_run_and_the_variable_only_overrides(m
     monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="KESTREL_CUDA_GRAPHS"):
         graph_mode("auto")
+
+
+def test_a_layout_of_as_many_tokens_takes_the_timed_decision_even_mid_probe() -> None:
+    """The same batch with another number of samples (another cu_seqlens capacity) is another
+    layout of the same work: it stops probing once one of them is decided."""
+    run = FakeRun(host_bound)
+    for i in range(14):
+        run.forward(("packed", 16), 4096)
+        if i == 4:
+            run.forward(("packed", 64), 4096)  # seen once, early: in its eager warm-up
+    run.forward(("packed", 64), 4096)
+    decided = {d.layout: d for d in run.decisions}
+    assert decided["('packed', 16)"].graphed_s is not None
+    assert decided["('packed', 64)"].graphed and decided["('packed', 64)"].graphed_s is None

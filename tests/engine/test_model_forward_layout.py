@@ -26,8 +26,8 @@ def test_samples_from_position_ids() -> None:
     starts = attn.sample_starts(positions)
     samples = attn.samples_from_starts(starts, torch.device("cpu"))
     assert samples.cu_seqlens.dtype == torch.int32
-    # Padded to a capacity of 8 bounds with empty samples; the longest taken as the row width.
-    assert samples.cu_seqlens.tolist() == [0, 3, 5, 9, 18, 18, 18, 18] and samples.max_len == 9
+    # Padded to a capacity of 16 bounds with empty samples; the longest taken as the row width.
+    assert samples.cu_seqlens.tolist() == [0, 3, 5, 9, 18] + [18] * 11 and samples.max_len == 9
 
 
 def test_sample_starts_follow_hf_rule() -> None:
@@ -145,13 +145,13 @@ def test_attention_inputs_per_window() -> None:
     positions = _positions([6, 4], [10])
     packed = attention_inputs(model, "reference", [4, None], embeds, None, positions)
     assert packed.keys() == {4, None}
-    assert all(mask is None and call.samples.cu_seqlens.tolist() == [0, 6, 10, 20] for mask, call in packed.values())
+    assert all(mask is None and call.samples.cu_seqlens.tolist() == [0, 6, 10, 20] + [20] * 12 for mask, call in packed.values())
     assert packed[4][1].window == (3, 0) and packed[None][1].window == (-1, 0)
     right = torch.ones(2, 10, dtype=torch.long)
     right[1, 7:] = 0  # row 1: 7 real tokens, then padding (a segment of its own)
     plain = torch.arange(10).unsqueeze(0)
     padded = attention_inputs(model, "reference", [4, None], embeds, right, plain)
-    assert all(mask is None and call.samples.cu_seqlens.tolist() == [0, 10, 17, 20] for mask, call in padded.values())
+    assert all(mask is None and call.samples.cu_seqlens.tolist() == [0, 10, 17, 20] + [20] * 12 for mask, call in padded.values())
     both = attention_inputs(model, "reference", [4, None], embeds, right, positions)  # packed and padded
     assert all(call.samples.cu_seqlens.tolist() == [0, 6, 10, 17, 20] for _, call in both.values())
     left = right.flip(1)  # left padding (or a hole) keeps HF's own masks

@@ -1,0 +1,610 @@
+r"""Training throughput matrix: model shapes x QLoRA/LoRA x batch layouts, Kestrel vs Unsloth vs HF.
+
+Every (cell, system) runs in its own process (`bench.common.run_isolated`) on a random-init model
+at a real model's config, built once on the GPU machine and cached under /tmp (weights' values
+change neither speed nor memory), and appends one JSON line to --out. Pairs already in --out are
+skipped, and no new work starts once --budget-s has passed, so the matrix runs in chunks:
+
+    python bench/matrix.py --models qwen3-4b,gemma3-4b --methods qlora --layouts padded,packed \
+        --systems kestrel,kestrel-on,kestrel-off,unsloth,hf --out results/matrix.jsonl --budget-s 540
+    python bench/matrix.py --table results/matrix.jsonl          # the markdown table
+    python bench/matrix.py --models all --methods qlora,lora --out m.jsonl --dry-run   # the plan
+    options: --steps 10  --warmup 12 (Kestrel's; its CUDA-graph chooser times both ways first)
+             --warmup-baselines 3  --batches 16  --seed 0  --cuda-graphs auto|on|off (system kestrel)
+             --anchors DIR (Unsloth's packages, first on its PYTHONPATH)  --cell-timeout 420
+             --hard-s (default budget + 45: a case still running then is stopped, left for later)
+             --mirror DIR (copy --out there after each line, e.g. $OUT)  --keep-models  --retry-errors
+On the GPU machine: PYTHONPATH=$PWD/.gpu-site with .gpu-site and .gpu-anchors carried, --mirror $OUT
+(the file comes back even when the command hits its limit), and the file carried into the next chunk.
+
+Systems: `kestrel` (CUDA graphs per --cuda-graphs, default auto: the run's chooser decides),
+`kestrel-on` / `kestrel-off` (forced), each with offloaded checkpointing and the product's batches
+(`BatchPlan(flat=runs_varlen(model))`); `unsloth` (use_gradient_checkpointing="unsloth") and `hf`
+(HF + PEFT (+ bitsandbytes), non-reentrant checkpointing) on padded rows with an attention mask
+(`padded`), rows packed with position_ids restarting per sample and no mask (`packed`), a plain
+row (`long`). LoRA r=16, alpha=16 on all 7 linears; `qlora` on NF4 weights, `lora` on bf16 ones.
+Layouts: `padded` batch 8 of samples 64..512 tokens; `packed` 2 rows of 2,048 tokens packed from
+samples of 64..1,024; `long` one row of 8,192. The sample lengths come from a seeded RNG, the same
+for every system; each step takes the next of --batches batches built once. Tokens/s counts real
+(non-padding) tokens only; useful TFLOP/s is bench/train.py's `useful_flops_per_token` summed per
+sample (sliding-window layers counted as full attention). RoPE scaling (llama3, linear) is left
+out of the configs: it changes the rotary tables' values, not the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODEL_ROOT = Path("/tmp/kestrel-bench/matrix")  # on the GPU machine: one folder per model, reused
+PAD_ID = 0  # padding id; sample tokens are drawn from 1..vocab-1 so padding is recognisable
+METHODS = ("qlora", "lora")
+SYSTEMS = ("kestrel", "kestrel-on", "kestrel-off", "unsloth", "hf")
+FORCED_GRAPHS = {"kestrel-on": "on", "kestrel-off": "off"}
+
+
+# --- Model shapes: the public configs' values -------------------------------------------------
+
+def _gemma_layers(n: int) -> list[str]:
+    """Gemma 3's pattern: five sliding-window layers, then one full-attention layer."""
+    return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+
+
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+               max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+               bos_token_id=128000, eos_token_id=128001)
+_QWEN2 = dict(model_type="qwen2", head_dim=128, rope_theta=1000000.0, max_position_embeddings=131072,
+              rms_norm_eps=1e-6, hidden_act="silu", vocab_size=152064, tie_word_embeddings=False)
+_QWEN3 = dict(model_type="qwen3", head_dim=128, num_key_value_heads=8, rope_theta=1000000.0, vocab_size=151936,
+              max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu")
+_GEMMA3 = dict(model_type="gemma3_text", head_dim=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+               query_pre_attn_scalar=256, sliding_window=1024, vocab_size=262208, max_position_embeddings=131072,
+               rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, head_dim=64, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(_QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                         max_position_embeddings=32768, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4),
+    "qwen2.5-14b": dict(_QWEN2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5),
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+    "qwen3-14b": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, tie_word_embeddings=False),
+    "gemma3-1b": dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, sliding_window=512, vocab_size=262144,
+                      max_position_embeddings=32768, layer_types=_gemma_layers(26)),
+    "gemma3-4b": dict(_GEMMA3, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                      num_attention_heads=8, num_key_value_heads=4, layer_types=_gemma_layers(34)),
+    "gemma3-12b": dict(_GEMMA3, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                       num_attention_heads=16, num_key_value_heads=8, layer_types=_gemma_layers(48)),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                       sliding_window=None, hidden_act="silu", tie_word_embeddings=False),
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a layout's samples are drawn and batched (`BatchPlan`'s batch_size, packing, max_len)."""
+
+    batch: int
+    max_len: int  # padded: the longest sample; packed: a row's length; long: the row
+    sample_min: int
+    sample_max: int
+    packing: bool
+
+
+LAYOUTS = {
+    "padded": Layout(batch=8, max_len=512, sample_min=64, sample_max=512, packing=False),
+    "packed": Layout(batch=2, max_len=2048, sample_min=64, sample_max=1024, packing=True),
+    "long": Layout(batch=1, max_len=8192, sample_min=8192, sample_max=8192, packing=False),
+}
+
+
+def model_dir(name: str) -> Path:
+    return MODEL_ROOT / name
+
+
+def build_model_dir(name: str) -> Path:
+    """The random-init bf16 folder of MODELS[name] (built on the GPU once, as `bench.common.shape_dir`
+    builds its shapes, with the same stand-in tokenizer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.common import _save_tokenizer
+
+    folder = model_dir(name)
+    if (folder / "config.json").exists():
+        return folder
+    kwargs = dict(MODELS[name])
+    model_type = kwargs.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    cfg.architectures = [ARCHITECTURES[model_type]]
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    _save_tokenizer(tmp)
+    del model
+    torch.cuda.empty_cache()
+    os.replace(tmp, folder)
+    return folder
+
+
+# --- Batches: the same samples for every system, each collated its natural way -----------------
+
+def sample_lengths(layout: str, n_batches: int, seed: int) -> list[int]:
+    """Seeded sample lengths: enough samples for `n_batches` batches (packed: enough tokens)."""
+    lay = LAYOUTS[layout]
+    rng = random.Random(f"lengths:{layout}:{seed}")
+    want = n_batches * lay.batch * (lay.max_len if lay.packing else 1)
+    lengths: list[int] = []
+    while (sum(lengths) if lay.packing else len(lengths)) < want:
+        lengths.append(rng.randint(lay.sample_min, lay.sample_max))
+    return lengths
+
+
+def make_samples(layout: str, vocab: int, n_batches: int, seed: int) -> list[Any]:
+    """The layout's samples with random token ids (labels = input ids)."""
+    from engine.data.tokenize import Sample
+
+    rng = random.Random(f"ids:{layout}:{seed}")
+    samples = []
+    for n in sample_lengths(layout, n_batches, seed):
+        ids = [rng.randrange(1, vocab) for _ in range(n)]
+        samples.append(Sample(ids, list(ids)))
+    return samples
+
+
+def plan_batches(layout: str, vocab: int, flat: bool, n_batches: int, seed: int) -> list[Any]:
+    """`n_batches` batches (on the CPU) of the layout through `BatchPlan` (`flat`: Kestrel's varlen
+    rows). Without `flat`: padded rows with a mask, packed rows with restarting position_ids, a plain row."""
+    from engine.data.collate import BatchPlan
+
+    lay = LAYOUTS[layout]
+    samples = make_samples(layout, vocab, n_batches, seed)
+    plan = BatchPlan(samples, lay.batch, lay.packing, lay.max_len, PAD_ID, seed, flat=flat)
+    batches = []
+    for i in range(n_batches):
+        b = plan.batch(i // len(plan), i % len(plan))
+        if layout == "long" and not flat:
+            b = dataclasses.replace(b, attention_mask=None)  # one full row: nothing to mask
+        batches.append(b)
+    return batches
+
+
+def batch_sample_lengths(b: Any) -> list[int]:
+    """The lengths of the samples in a (CPU) batch: per padded row, or per restart of position_ids
+    within a row's real (non-PAD_ID) tokens."""
+    if b.position_ids is None:
+        if b.attention_mask is None:
+            return [b.input_ids.shape[1]] * b.input_ids.shape[0]
+        return [int(n) for n in b.attention_mask.sum(1)]
+    lengths = []
+    for ids, pos in zip(b.input_ids.tolist(), b.position_ids.tolist()):
+        real = sum(1 for t in ids if t != PAD_ID)
+        starts = [i for i, p in enumerate(pos[:real]) if p == 0] + [real]
+        lengths += [e - s for s, e in zip(starts, starts[1:])]
+    return lengths
+
+
+def useful_flops(b: Any, cfg: dict[str, Any]) -> float:
+    """bench/train.py's useful FLOPs (base products + causal attention) over a batch's samples."""
+    from bench.train import useful_flops_per_token
+
+    return sum(n * useful_flops_per_token(n, cfg) for n in batch_sample_lengths(b))
+
+
+# --- One (cell, system), in its own process ---------------------------------------------------
+
+def kestrel_model(folder: Path, method: str, seq: int, cuda_graphs: str) -> tuple[Any, bool, Any]:
+    """Kestrel as the product sets it up (`engine.sft`): loaded and patched, `runs_varlen` read
+    for the batch plan, LoRA attached, offloaded checkpointing with the run's CUDA-graph chooser."""
+    from bench.train import TARGETS
+    from engine.checkpointing import set_gradient_checkpointing
+    from engine.config import LoraSettings
+    from engine.loader import load
+    from engine.lora import attach_lora
+    from engine.patching import runs_varlen
+
+    model, _ = load(str(folder), seq, load_in_4bit=method == "qlora", dtype="bf16")
+    flat = runs_varlen(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model = attach_lora(model, LoraSettings(r=16, alpha=16, dropout=0.0, targets=list(TARGETS)))
+    recompute = set_gradient_checkpointing(model, "offload", cuda_graphs)
+    return model, flat, recompute
+
+
+def system_model(system: str, folder: Path, method: str, seq: int, cuda_graphs: str) -> tuple[Any, bool, Any]:
+    """(model, flat, recompute) for `system`; baselines through bench/train.py's `build`."""
+    if system.startswith("kestrel"):
+        return kestrel_model(folder, method, seq, FORCED_GRAPHS.get(system, cuda_graphs))
+    from bench.train import build
+
+    checkpointing = "offload" if system == "unsloth" else "standard"  # unsloth: "unsloth"; hf: non-reentrant
+    args = argparse.Namespace(method=method, seq=seq, checkpointing=checkpointing)
+    return build(system, folder, args), False, None
+
+
+def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int) -> dict[str, Any]:
+    """`warmup` then `steps` AdamW steps, step i on batches[i % len]; timings, memory, losses."""
+    import torch
+
+    from bench.common import gib
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    losses: list[torch.Tensor] = []
+
+    def step(i: int) -> None:
+        b = batches[i % len(batches)]
+        loss = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                     labels=b.labels, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    model.train()
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    warm = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())
+    torch.cuda.reset_peak_memory_stats()  # the timed steps' own peaks, next to the whole run's
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    start = time.perf_counter()
+    for j in range(steps):
+        marks[j].record()
+        step(warmup + j)
+    marks[-1].record()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    steady = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())
+    return {"elapsed_s": elapsed, "step_s": [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])],
+            "peak_alloc_gib": max(warm[0], steady[0]), "peak_reserved_gib": max(warm[1], steady[1]),
+            "steady_alloc_gib": steady[0], "steady_reserved_gib": steady[1], "losses": [float(x) for x in losses]}
+
+
+def graph_report(recompute: Any, system: str, cuda_graphs: str) -> dict[str, Any]:
+    """Kestrel's CUDA-graph mode, the chooser's decisions and the layer graphs' counts."""
+    if not system.startswith("kestrel"):
+        return {}
+    from engine import layer_graphs
+
+    chooser = recompute.chooser if recompute is not None else None
+    return {"cuda_graphs": FORCED_GRAPHS.get(system, cuda_graphs),
+            "graph_decisions": [dataclasses.asdict(d) for d in chooser.decisions()] if chooser else [],
+            "graph_layouts_seen": len(chooser.layouts) if chooser else 0, "layer_graphs": layer_graphs.stats()}
+
+
+def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
+    """Throughput and memory of one (model, method, layout, system) in this process."""
+    name, method, layout, system = args.cell.split(",")
+    from bench.train import SPEC_PEAK_TFLOPS, _import_first
+
+    _import_first("kestrel" if system.startswith("kestrel") else system)
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
+    model, flat, recompute = system_model(system, model_dir(name), method, LAYOUTS[layout].max_len, args.cuda_graphs)
+    batches = plan_batches(layout, MODELS[name]["vocab_size"], flat, args.batches, args.seed)
+    flops = [useful_flops(b, MODELS[name]) for b in batches]
+    gpu = [b.to(torch.device("cuda")) for b in batches]
+    res = timed_steps(model, gpu, args.warmup, args.steps)
+    timed = [(args.warmup + j) % len(batches) for j in range(args.steps)]
+    tokens = sum(batches[i].tokens for i in timed)
+    slots = sum(batches[i].input_ids.numel() for i in timed)
+    tflops = sum(flops[i] for i in timed) / res["elapsed_s"] / 1e12
+    return {"tokens_per_s": tokens / res["elapsed_s"], "s_per_step": res["elapsed_s"] / args.steps,
+            "real_tokens": tokens, "padding_share": 1 - tokens / slots, "flat": flat,
+            "useful_tflops": tflops, "mfu_vs_spec": tflops / SPEC_PEAK_TFLOPS, **res,
+            "device": torch.cuda.get_device_name(), "warmup": args.warmup, "steps": args.steps,
+            "batches": args.batches, "seed": args.seed, "versions": _versions(),
+            **graph_report(recompute, system, args.cuda_graphs)}
+
+
+def _versions() -> dict[str, str]:
+    """Versions of the packages this process imported."""
+    names = ("torch", "transformers", "peft", "bitsandbytes", "unsloth", "triton")
+    return {n: str(getattr(sys.modules[n], "__version__", "?")) for n in names if n in sys.modules}
+
+
+# --- The driver: cells in order, each system in its own process, one JSON line each ------------
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """The records in a results file (a line cut short by a kill is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def record_key(r: dict[str, Any]) -> tuple[str, str, str, str]:
+    return r.get("model", ""), r.get("method", ""), r.get("layout", ""), r.get("system", "")
+
+
+def append_record(path: Path, record: dict[str, Any], mirror: str | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    if mirror:
+        Path(mirror).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(mirror) / path.name)
+
+
+def pending(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    """The (model, method, layout, system) pairs asked for and not yet in --out, in run order."""
+    done = {record_key(r) for r in load_records(Path(args.out)) if not (args.retry_errors and "error" in r)}
+    return [(m, me, lay, s) for m in args.models for me in args.methods for lay in args.layouts
+            for s in args.systems if (m, me, lay, s) not in done]
+
+
+class Clock:
+    """The chunk's time: --budget-s for starting new work, --hard-s for stopping a running case."""
+
+    def __init__(self, budget_s: float, hard_s: float | None) -> None:
+        self.t0, self.budget = time.monotonic(), budget_s
+        self.hard = hard_s if hard_s is not None else (budget_s + 45 if budget_s else None)
+
+    def spent(self) -> bool:
+        return bool(self.budget) and time.monotonic() - self.t0 >= self.budget
+
+    def limit(self, cell_timeout: float) -> tuple[float, bool]:
+        """Seconds a case may run now, and whether that is the chunk's end rather than its own limit."""
+        if self.hard is None:
+            return cell_timeout, False
+        left = self.hard - (time.monotonic() - self.t0)
+        return min(cell_timeout, left), left < cell_timeout
+
+
+def isolated(args: list[str], timeout: float, extra_path: str | None = None,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
+    """This script in its own process (`run_isolated`); a timeout becomes {"timeout": seconds}."""
+    from bench.common import run_isolated
+
+    started = time.monotonic()
+    try:
+        res = run_isolated(str(Path(__file__).resolve()), args, extra_path=extra_path,
+                           timeout=max(1, int(timeout)), env=env)
+    except subprocess.TimeoutExpired:
+        return {"timeout": timeout, "wall_s": time.monotonic() - started}
+    res.setdefault("wall_s", time.monotonic() - started)
+    return res
+
+
+def prepare(name: str, args: argparse.Namespace, clock: Clock) -> dict[str, Any] | None:
+    """Make sure the model folder exists (other models' folders go first unless --keep-models).
+    None when ready, else the failure ({"error"} or {"timeout"} cut by the chunk's end)."""
+    if not args.keep_models and MODEL_ROOT.exists():
+        for other in MODEL_ROOT.iterdir():
+            if other.is_dir() and other.name != name:
+                shutil.rmtree(other, ignore_errors=True)  # 64 GiB disk: one model at a time
+    if (model_dir(name) / "config.json").exists():
+        return None
+    limit, cut = clock.limit(args.cell_timeout)
+    print(f"building {name} at {model_dir(name)} ...", flush=True)
+    res = isolated(["--prepare", name], limit)
+    if "timeout" in res and not cut:
+        return {"error": f"building the model took over {limit:.0f} s"}
+    return res if ("error" in res or "timeout" in res) else None
+
+
+def run_one(key: tuple[str, str, str, str], args: argparse.Namespace, clock: Clock) -> dict[str, Any] | None:
+    """One (cell, system) in its own process; its record, or None when the chunk's end cut it."""
+    limit, cut = clock.limit(args.cell_timeout)
+    if limit < 30:
+        return None
+    system = key[3]
+    kestrel = system.startswith("kestrel")
+    warmup = args.warmup if kestrel else args.warmup_baselines
+    child = ["--cell", ",".join(key), "--steps", str(args.steps), "--warmup", str(warmup),
+             "--batches", str(args.batches), "--seed", str(args.seed), "--cuda-graphs", args.cuda_graphs]
+    env = {"KESTREL_CUDA_GRAPHS": ""} if kestrel else {}  # the mode asked for, not an inherited override
+    res = isolated(child, limit, extra_path=args.anchors if system == "unsloth" else None, env=env)
+    if "timeout" in res:
+        if cut:
+            return None
+        res = {"error": f"timeout after {limit:.0f} s", "wall_s": res["wall_s"]}
+    return keyed(key, res)
+
+
+def keyed(key: tuple[str, str, str, str], res: dict[str, Any]) -> dict[str, Any]:
+    """A result as a line of the results file: its (cell, system) first, and when it was made."""
+    return {"model": key[0], "method": key[1], "layout": key[2], "system": key[3], **res,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def run_matrix(args: argparse.Namespace) -> None:
+    """Every pending pair in order until done or the budget is spent; then the table."""
+    todo, clock = pending(args), Clock(args.budget_s, args.hard_s)
+    current, failed = None, None  # the model whose folder was last prepared, and how that failed
+    print(f"{len(todo)} (cell, system) pairs to run", flush=True)
+    for n, key in enumerate(todo):
+        if clock.spent():
+            print(f"budget of {args.budget_s:.0f} s spent: {len(todo) - n} pairs left for the next chunk", flush=True)
+            break
+        if key[0] != current:
+            current, failed = key[0], prepare(key[0], args, clock)
+            if failed is not None and "timeout" in failed:
+                print(f"stopped while building {key[0]}: the chunk's end; left for the next chunk", flush=True)
+                break
+        record = keyed(key, failed) if failed is not None else run_one(key, args, clock)
+        if record is None:
+            print(f"{','.join(key)}: stopped at the chunk's end; left for the next chunk", flush=True)
+            break
+        append_record(Path(args.out), record, args.mirror)
+        skip = ("losses", "step_s", "graph_decisions", "versions")
+        print(json.dumps({k: v for k, v in record.items() if k not in skip})[:1500], flush=True)
+    print(render_table(load_records(Path(args.out))))
+
+
+# --- The table ---------------------------------------------------------------------------------
+
+def _failure(r: dict[str, Any]) -> str:
+    text = str(r.get("error", ""))
+    if "out of memory" in text.lower() or "OutOfMemory" in text:
+        return "OOM"
+    if text.startswith("timeout"):
+        return "timeout"
+    if "NotImplementedError" in text or "not supported" in text.lower() or "unsupported" in text.lower():
+        return "unsupported"
+    return "error"
+
+
+def _tps(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return ""
+    return _failure(r) if "error" in r else f"{r['tokens_per_s']:,.0f}"
+
+
+def _ok(r: dict[str, Any] | None) -> bool:
+    return r is not None and "error" not in r and bool(r.get("tokens_per_s"))
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+    return f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if _ok(a) and _ok(b) else ""
+
+
+def _mem(r: dict[str, Any] | None) -> str:
+    return f"{r['peak_alloc_gib']:.2f} / {r['peak_reserved_gib']:.2f}" if _ok(r) else ""
+
+
+def _auto_vs_forced(by: dict[str, dict[str, Any]]) -> str:
+    """Kestrel auto's tokens/s over the faster forced mode's, and which mode that was."""
+    auto = by.get("kestrel")
+    forced = [(by[s]["tokens_per_s"], s) for s in FORCED_GRAPHS if _ok(by.get(s))]
+    if not _ok(auto) or auto.get("cuda_graphs", "auto") != "auto" or not forced:
+        return ""
+    best, name = max(forced)
+    return f"{auto['tokens_per_s'] / best:.2f}x (vs {FORCED_GRAPHS[name]})"
+
+
+def _graphs(r: dict[str, Any] | None) -> str:
+    """What Kestrel auto's chooser decided: layouts graphed of those decided (of those seen)."""
+    if not _ok(r) or r.get("cuda_graphs") != "auto":
+        return ""
+    decided = r.get("graph_decisions", [])
+    return f"{sum(d['graphed'] for d in decided)}/{len(decided)} graphed ({r.get('graph_layouts_seen', 0)} seen)"
+
+
+def _order(cell: tuple[str, str, str]) -> tuple[int, ...]:
+    lists = (list(MODELS), list(METHODS), list(LAYOUTS))
+    return tuple(lst.index(v) if v in lst else len(lst) for lst, v in zip(lists, cell))
+
+
+def render_table(records: list[dict[str, Any]]) -> str:
+    """One markdown row per (model, method, layout): the latest record of each system."""
+    cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    for r in records:
+        cells.setdefault(record_key(r)[:3], {})[r.get("system", "")] = r
+    lines = ["| model | method | layout | kestrel tok/s | unsloth tok/s | hf tok/s | kestrel / unsloth "
+             "| auto / best forced | kestrel GiB alloc / reserved | unsloth GiB | hf GiB | auto's CUDA graphs "
+             "| device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for cell in sorted(cells, key=_order):
+        by = cells[cell]
+        k, u, h = by.get("kestrel"), by.get("unsloth"), by.get("hf")
+        device = next((r["device"] for r in by.values() if r.get("device")), "")
+        lines.append(f"| {' | '.join(cell)} | {_tps(k)} | {_tps(u)} | {_tps(h)} | {_ratio(k, u)} "
+                     f"| {_auto_vs_forced(by)} | {_mem(k)} | {_mem(u)} | {_mem(h)} | {_graphs(k)} | {device} |")
+    return "\n".join(lines)
+
+
+# --- Command line ------------------------------------------------------------------------------
+
+def _names(raw: str, known: Any, what: str, ap: argparse.ArgumentParser) -> list[str]:
+    names = list(known) if raw == "all" else [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(known)}, or all)")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-4b", help=f"comma-separated or all: {', '.join(MODELS)}")
+    ap.add_argument("--methods", default="qlora", help="comma-separated or all: qlora, lora")
+    ap.add_argument("--layouts", default="padded,packed,long", help="comma-separated or all: padded, packed, long")
+    ap.add_argument("--systems", default="kestrel,unsloth,hf", help=f"comma-separated or all: {', '.join(SYSTEMS)}")
+    ap.add_argument("--out", help="results (JSON lines); with --cell/--prepare: the one result's file")
+    ap.add_argument("--table", metavar="FILE", help="print the markdown table of a results file and exit")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="start no new work after this many seconds (0: none)")
+    ap.add_argument("--hard-s", type=float, default=None, help="stop a running case then (default: budget + 45)")
+    ap.add_argument("--cell-timeout", type=float, default=420.0, help="seconds one case may take")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=12, help="Kestrel's warm-up steps")
+    ap.add_argument("--warmup-baselines", type=int, default=3)
+    ap.add_argument("--batches", type=int, default=16, help="distinct batches, cycled through")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"), help="for system kestrel")
+    ap.add_argument("--anchors", default=str(ROOT / ".gpu-anchors"), help="Unsloth's packages (PYTHONPATH)")
+    ap.add_argument("--mirror", metavar="DIR", help="copy --out into DIR after each record (e.g. $OUT)")
+    ap.add_argument("--keep-models", action="store_true", help="keep other models' folders under /tmp")
+    ap.add_argument("--retry-errors", action="store_true", help="run again the pairs recorded with an error")
+    ap.add_argument("--dry-run", action="store_true", help="list the pending pairs and exit")
+    ap.add_argument("--cell", help=argparse.SUPPRESS)  # model,method,layout,system: one case, this process
+    ap.add_argument("--prepare", help=argparse.SUPPRESS)  # build one model's folder, this process
+    args = ap.parse_args(argv)
+    args.models = _names(args.models, MODELS, "models", ap)
+    args.methods = _names(args.methods, METHODS, "methods", ap)
+    args.layouts = _names(args.layouts, LAYOUTS, "layouts", ap)
+    args.systems = _names(args.systems, SYSTEMS, "systems", ap)
+    if not args.table and not args.out:
+        ap.error("--out is required (or --table FILE)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.table:
+        print(render_table(load_records(Path(args.table))))
+    elif args.prepare:
+        folder = build_model_dir(args.prepare)
+        Path(args.out).write_text(json.dumps({"folder": str(folder)}))
+    elif args.cell:
+        Path(args.out).write_text(json.dumps(measure_cell(args)))
+    elif args.dry_run:
+        for key in pending(args):
+            print(",".join(key))
+    else:
+        run_matrix(args)
+
+
+if __name__ == "__main__":
+    main()

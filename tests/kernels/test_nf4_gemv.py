@@ -1,0 +1,186 @@
+"""nf4_gemv (kernels/nf4_gemv.py): small-batch products over packed NF4 weights.
+
+Dequantized values bit for bit (one-hot rows of x pick single weights out) against
+`nf4.dequantize_reference` and bitsandbytes' own dequantize, products against the dequantized
+weight in float64, odd shapes (N no multiple of a tile, K of several quant blocks and no multiple
+of a step), M = 1, 3, 8, 16, nested and plain absmax, fp16 and bf16, stacked members equal to
+their separate products, biases, split-K (the tickets left zero). CPU: Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import nf4
+from kernels.nf4_gemv import (
+    MAX_ROWS, Tiles, applies, choose_tiles, dequantized, nf4_gemv, nf4_gemv_reference, nf4_weight, tile_cost,
+)
+from tests.kernels.tolerance import assert_close
+
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+# Tiles that reach every path on small shapes: one-row FMAs, tensor cores, split-K (3 splits of
+# a K of 5 blocks: the last split partly past K), a row tile past N.
+FMA, DOT, SPLIT = Tiles(1, 8, 128, 1), Tiles(16, 32, 128, 1), Tiles(16, 16, 64, 3)
+
+
+@pytest.fixture(autouse=True)
+def _triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+
+
+def _member(n: int, k: int, dtype: torch.dtype, nested: bool, seed: int, bias: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)  # scales vary by row
+    packed, state = bnb_functional.quantize_4bit(w.to(DEVICE, dtype), blocksize=64, compress_statistics=nested,
+                                                 quant_type="nf4")
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    return packed, state, b
+
+
+def _weight(sizes: tuple[int, ...], k: int, dtype: torch.dtype, nested: bool = True, bias: bool = False):
+    members = [_member(n, k, dtype, nested, seed=i + 7 * k, bias=bias) for i, n in enumerate(sizes)]
+    return nf4_weight(members, dtype), members
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _one_hot(m: int, k: int, dtype: torch.dtype, first: int) -> torch.Tensor:
+    """Row i is e_{(first + 37 i) mod k}: y[i] is that column of W, with nothing to round."""
+    x = torch.zeros(m, k)
+    x[torch.arange(m), (first + 37 * torch.arange(m)) % k] = 1.0
+    return x.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("tiles", [FMA, DOT, SPLIT], ids=["fma", "dot", "split"])
+def test_values_are_bitsandbytes_dequantization(dtype: torch.dtype, nested: bool, tiles: Tiles,
+                                                poisoned: None) -> None:
+    weight, members = _weight((37, 24), 320, dtype, nested)
+    expected = torch.cat([bnb_functional.dequantize_4bit(p, s) for p, s, _ in members])  # (61, 320)
+    assert torch.equal(expected, torch.cat([nf4.dequantize_reference(p, s, dtype) for p, s, _ in members]))
+    assert torch.equal(dequantized(weight), expected)
+    for first in (0, 101, 250):
+        m = 1 if tiles.block_m == 1 else MAX_ROWS
+        x = _one_hot(m, 320, dtype, first)
+        cols = (first + 37 * torch.arange(m)) % 320
+        assert torch.equal(nf4_gemv(x, weight, tiles), expected[:, cols].T), first
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("shape", [(50, 192), (97, 320)])  # N no multiple of a row tile; 3 and 5 blocks
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_product_matches_dequantized_matmul(m: int, shape: tuple[int, int], dtype: torch.dtype,
+                                            poisoned: None) -> None:
+    n, k = shape
+    weight, _ = _weight((n,), k, dtype, nested=m % 2 == 0)
+    x = _x(m, k, dtype, seed=m)
+    ref = (x.double() @ dequantized(weight).double().T).to(dtype)
+    for tiles in (None, FMA if m == 1 else DOT, SPLIT):
+        y = nf4_gemv(x, weight, tiles)
+        assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
+        assert_close(y, ref)
+    assert torch.equal(nf4_gemv_reference(x, weight), (x.float() @ dequantized(weight).float().T).to(dtype))
+
+
+@pytest.mark.parametrize("tiles", [FMA, DOT, SPLIT], ids=["fma", "dot", "split"])
+def test_stacked_members_equal_separate_products(tiles: Tiles) -> None:
+    """q/k/v as one launch: each member's rows equal that member's own product bit for bit (a
+    row's sums do not depend on the other rows of its tile), for row tiles across member ends."""
+    dtype, k = torch.bfloat16, 192
+    weight, members = _weight((40, 24, 17), k, dtype, bias=True)
+    x = _x(1 if tiles.block_m == 1 else 5, k, dtype, seed=3)
+    stacked = nf4_gemv(x, weight, tiles)
+    assert stacked.shape == (x.shape[0], 81)
+    alone = [nf4_gemv(x, nf4_weight([mb], dtype), tiles) for mb in members]
+    assert torch.equal(stacked, torch.cat(alone, dim=-1))
+    ref = (x.double() @ dequantized(weight).double().T + torch.cat([b for _, _, b in members]).double()).to(dtype)
+    assert_close(stacked, ref)
+
+
+def test_split_k_leaves_tickets_zero_and_repeats_exactly() -> None:
+    weight, _ = _weight((50,), 320, torch.bfloat16)
+    x = _x(8, 320, torch.bfloat16)
+    first = nf4_gemv(x, weight, SPLIT)
+    assert not weight.tickets.any()
+    assert torch.equal(nf4_gemv(x, weight, SPLIT), first)  # deterministic: partials summed in split order
+
+
+def test_leading_dims_and_row_slices() -> None:
+    """x (B, T, K) with a row stride (a slice of a wider buffer); y keeps the leading dims."""
+    weight, _ = _weight((24,), 128, torch.bfloat16)
+    wide = _x(6, 256, torch.bfloat16)
+    x = wide[:, :128].view(2, 3, 128)
+    y = nf4_gemv(x, weight)
+    assert y.shape == (2, 3, 24)
+    assert torch.equal(y, nf4_gemv(x.contiguous(), weight))
+
+
+def test_reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight, _ = _weight((24, 8), 128, torch.float16, bias=True)
+    x = _x(3, 128, torch.float16)
+    monkeypatch.setenv("KESTREL_KERNELS", "torch")
+    assert not applies(x, weight)
+    assert torch.equal(nf4_gemv(x, weight), nf4_gemv_reference(x, weight))
+
+
+def test_rejects_what_it_cannot_read() -> None:
+    weight, members = _weight((24,), 128, torch.bfloat16)
+    assert applies(_x(16, 128, torch.bfloat16), weight)
+    assert not applies(_x(17, 128, torch.bfloat16), weight)
+    assert not applies(_x(2, 128, torch.float16), weight)
+    with pytest.raises(ValueError, match="1-16 rows"):
+        nf4_gemv(_x(17, 128, torch.bfloat16), weight)
+    odd = _member(8, 96, torch.bfloat16, nested=True, seed=1)  # rows of 1.5 quant blocks
+    with pytest.raises(ValueError, match="multiple of the power-of-two blocksize"):
+        nf4_weight([odd], torch.bfloat16)
+    with pytest.raises(ValueError, match="differ in in_features"):
+        nf4_weight([members[0], _member(8, 192, torch.bfloat16, nested=True, seed=2)], torch.bfloat16)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        nf4_weight(members, torch.float32)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (50, 192)])
+def test_tile_choice_follows_the_cost_model(m: int, shape: tuple[int, int]) -> None:
+    n, k = shape
+    t = choose_tiles(m, n, k, 64, 132)
+    assert t.block_m == (1 if m == 1 else MAX_ROWS) and t.block_k % 64 == 0
+    assert t.block_n * t.block_k <= 64 * 32 * t.warps  # decoded values per thread bounded
+    assert t.split == 1 or (t.block_n >= 16 and k // t.block_k >= 2 * t.split)
+    # No other candidate is cheaper under the model (it is a minimum, not a fitted constant).
+    for other in (t._replace(split=max(1, t.split // 2)), t._replace(block_n=max(1, t.block_n // 2))):
+        if other.block_m == 1 or other.block_n >= 16:
+            assert tile_cost(t, m, n, k, 132) <= tile_cost(other, m, n, k, 132)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("sizes,k", [((4096, 1024, 1024), 4096), ((14336, 14336), 4096), ((4096,), 14336)],
+                         ids=["qkv", "gate_up", "down"])
+def test_cuda_8b_shapes_match_dequantize_and_matmul(m: int, sizes: tuple[int, ...], k: int) -> None:
+    dtype = torch.bfloat16
+    members = []
+    for i, n in enumerate(sizes):
+        w = torch.randn(n, k, device="cuda", dtype=dtype) * k**-0.5
+        packed, state = bnb_functional.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
+        members.append((packed, state, None))
+    weight = nf4_weight(members, dtype)
+    w16 = torch.cat([bnb_functional.dequantize_4bit(p, s) for p, s, _ in members])  # bitsandbytes' CUDA kernel
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    y = nf4_gemv(x, weight)
+    ref = x.double() @ w16.double().T
+    assert_close(y, ref.to(dtype))
+    torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()) / 16)
+    cols = torch.randint(0, k, (m,), device="cuda")
+    hot = torch.zeros(m, k, device="cuda", dtype=dtype)
+    hot[torch.arange(m), cols] = 1.0
+    assert torch.equal(nf4_gemv(hot, weight), w16[:, cols].T)  # the values, bit for bit
+    assert not weight.tickets.any()
