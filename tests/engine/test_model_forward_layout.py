@@ -153,7 +153,7 @@ def test_attention_inputs_per_window() -> None:
     padded = attention_inputs(model, "reference", [4, None], embeds, right, plain)
     assert all(mask is None and call.samples.cu_seqlens.tolist() == [0, 10, 17, 20] + [20] * 12 for mask, call in padded.values())
     both = attention_inputs(model, "reference", [4, None], embeds, right, positions)  # packed and padded
-    assert all(call.samples.cu_seqlens.tolist() == [0, 6, 10, 17, 20] for _, call in both.values())
+    assert all(call.samples.cu_seqlens.tolist() == [0, 6, 10, 17, 20] + [20] * 11 for _, call in both.values())
     left = right.flip(1)  # left padding (or a hole) keeps HF's own masks
     assert all(call is None for _, call in attention_inputs(model, "reference", [4, None], embeds, left, plain).values())
     off = attention_inputs(model, "off", [4, None], embeds, None, positions)
