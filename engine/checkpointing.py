@@ -31,7 +31,7 @@ The pinned host buffers and the side stream come from `engine.host_memory`.
 
 from __future__ import annotations
 
-import contextvars
+import dataclasses
 import logging
 import os
 import weakref
@@ -44,25 +44,25 @@ from engine import layer_graphs
 from engine.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from engine.host_memory import HostMemoryError, host_buffer, side_stream
 
-# True while a checkpointed layer is re-run for its backward: its output's values are thrown
-# away (only its graph is used), so the decoder layer forward tells its MLP to skip the down
-# product, or defer itself to its backward (`kernels.lora_mlp(discard_output=True)`), and skips
-# the last residual sum. A context variable: backward runs on autograd's own thread.
-_RECOMPUTING = contextvars.ContextVar("kestrel_recomputing", default=False)
-# The running checkpointed layer's gate store (offload), for its MLP in both of its passes.
-_GATE_STORE: contextvars.ContextVar[_KeptGate | None] = contextvars.ContextVar("kestrel_gate_store", default=None)
 log = logging.getLogger("kestrel")
 
 
-def recomputing() -> bool:
-    """Whether the code running now is a checkpointed layer's recompute for backward."""
-    return _RECOMPUTING.get()
+@dataclasses.dataclass
+class OffloadState:
+    """One run's bookkeeping of offloaded tensors (`_HostTensor`)."""
 
+    # Tensors whose copy out may still be running, each with the event that marks its end.
+    reading: list[tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=list)
+    last: weakref.ref | None = None  # the layer-input copy made most recently (`_HostCopy`)
+    side_use: dict[int, Any] = dataclasses.field(default_factory=dict)  # static buffer address -> its last copy's end
+    warned: bool = False  # "not paging MLP activations out" said once
 
-def gate_store() -> _KeptGate | None:
-    """The store for the gate product of the checkpointed layer running now (`kernels.lora_mlp`'s
-    `gate_store`), or None (no checkpoint, standard checkpointing, or paging E out is off)."""
-    return _GATE_STORE.get()
+    def release_read(self) -> None:
+        """Let go of the tensors copied out so far, once the compute stream has waited for their
+        copies (enqueued now: by the time the stream gets there they have finished)."""
+        while self.reading:
+            t, done = self.reading.pop()
+            torch.cuda.current_stream(t.device).wait_event(done)
 
 
 class _HostTensor:
@@ -86,10 +86,8 @@ class _HostTensor:
     without a backward.
     """
 
-    # Tensors whose copy out may still be running, each with the event that marks its end.
-    _reading: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-
-    def __init__(self) -> None:
+    def __init__(self, state: OffloadState) -> None:
+        self.state = state
         self.host: torch.Tensor | None = None
         self.give_back: weakref.finalize | None = None
         self.fetched: torch.Tensor | None = None
@@ -101,7 +99,7 @@ class _HostTensor:
         HostMemoryError when host memory cannot be page-locked)."""
         done = self._copy_out(t)
         if done is not None:
-            _HostTensor._reading.append((t, done))
+            self.state.reading.append((t, done))
 
     def _copy_out(self, t: torch.Tensor) -> torch.cuda.Event | None:
         """Start copying t into a host buffer; on CUDA, the event that marks the copy's end."""
@@ -110,7 +108,7 @@ class _HostTensor:
         if not t.is_cuda:
             self.host.copy_(t.detach())
             return None
-        _HostTensor._release_read()
+        self.state.release_read()
         current, side = torch.cuda.current_stream(t.device), side_stream(t.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
@@ -119,19 +117,11 @@ class _HostTensor:
             done.record(side)
         return done
 
-    @staticmethod
-    def _release_read() -> None:
-        """Let go of the tensors copied out so far, once the compute stream has waited for their
-        copies (enqueued now: by the time the stream gets there they have finished)."""
-        while _HostTensor._reading:
-            t, done = _HostTensor._reading.pop()
-            torch.cuda.current_stream(t.device).wait_event(done)
-
     def prefetch(self) -> None:
         """Start the copy back to the device (CUDA), once."""
         if self.fetched is not None or self.host is None or self.device.type != "cuda":
             return
-        _HostTensor._release_read()
+        self.state.release_read()
         current, side = torch.cuda.current_stream(self.device), side_stream(self.device)
         out = self._landing()
         side.wait_stream(current)
@@ -182,11 +172,9 @@ class _HostCopy(_HostTensor):
     the forward (weakly: a finished step's copies are gone once their graph is).
     """
 
-    _last: weakref.ref | None = None  # the copy made most recently (the layer below the next)
-
-    def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__()
-        self.below, _HostCopy._last = _HostCopy._last, weakref.ref(self)
+    def __init__(self, state: OffloadState, hidden: torch.Tensor) -> None:
+        super().__init__(state)
+        self.below, state.last = state.last, weakref.ref(self)
         below = self.below() if self.below is not None else None
         self.depth: int = 0 if below is None else below.depth + 1  # layers below it in this forward
         self.gate: _KeptGate | None = None  # this layer's MLP gate product, when paged out too
@@ -218,14 +206,11 @@ class _KeptGate(_HostTensor):
     write and read (`bind`), one of two: consecutive layers alternate (`slot`), so one layer's E
     is copied out (`copy_out`, after its first pass) while the next layer computes, and is copied
     back into the same buffer for its backward (`take`). Each buffer's last side-stream copy is
-    remembered (`_side_use`); the compute stream waits for it before a first pass writes the
+    remembered (`OffloadState.side_use`); the compute stream waits for it before a first pass writes the
     buffer again (`bind`)."""
 
-    _warned = False
-    _side_use: dict[int, torch.cuda.Event] = {}  # a static buffer's address -> its last copy's end
-
-    def __init__(self, slot: int = 0) -> None:
-        super().__init__()
+    def __init__(self, state: OffloadState, slot: int = 0) -> None:
+        super().__init__(state)
         self.slot = slot
         self.bound = False  # E lives in `static` (a graphed layer): `bind`
         self.static: torch.Tensor | None = None
@@ -242,7 +227,7 @@ class _KeptGate(_HostTensor):
         first pass is about to overwrite `buf`: the compute stream first waits for its last copy
         out (or in), which ended long ago (a layer's work back)."""
         self.bound, self.static = True, buf
-        done = None if buf is None else _KeptGate._side_use.get(buf.data_ptr())
+        done = None if buf is None else self.state.side_use.get(buf.data_ptr())
         if done is not None:
             torch.cuda.current_stream(buf.device).wait_event(done)
 
@@ -274,7 +259,7 @@ class _KeptGate(_HostTensor):
             return
         self.holds = True
         if done is not None:
-            _KeptGate._side_use[self.static.data_ptr()] = done
+            self.state.side_use[self.static.data_ptr()] = done
 
     def take(self) -> torch.Tensor | None:
         if not self.bound:
@@ -290,15 +275,14 @@ class _KeptGate(_HostTensor):
 
     def _guard(self, current: torch.cuda.Stream) -> None:
         if self.bound:  # a static buffer is never freed: its next first pass waits for the copy
-            _KeptGate._side_use[self.static.data_ptr()] = self.ready
+            self.state.side_use[self.static.data_ptr()] = self.ready
         else:
             super()._guard(current)
 
-    @staticmethod
-    def _warn(err: HostMemoryError) -> None:
-        if not _KeptGate._warned:
+    def _warn(self, err: HostMemoryError) -> None:
+        if not self.state.warned:
             log.warning("not paging MLP activations out (%s); recomputing them instead", err)
-            _KeptGate._warned = True
+            self.state.warned = True
 
 
 class LayerCheckpoint(torch.autograd.Function):
@@ -306,43 +290,43 @@ class LayerCheckpoint(torch.autograd.Function):
     `_HostCopy`); backward recomputes the layer from x.
 
     Backward: x is brought back (copied to the device when offloaded), the layer is re-run with
-    autograd on (`recomputing()` is True meanwhile: y's values are not used, only its graph),
-    and `torch.autograd.backward(y, dy)` accumulates the parameter gradients and gives dx.
+    autograd on (`owner.recomputing` is True meanwhile: y's values are not used, only its
+    graph), and `torch.autograd.backward(y, dy)` accumulates the parameter gradients and gives dx.
+    `owner.gate` is the layer's gate-product store during both passes (offload).
     """
 
     @staticmethod
-    def forward(
-        ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], offload: bool, hidden: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.run, ctx.saved_input = run, (_HostCopy(hidden) if offload else hidden.detach())
+    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], owner: Recompute, hidden: torch.Tensor) -> torch.Tensor:
+        ctx.run, ctx.owner = run, owner
+        ctx.saved_input = _HostCopy(owner.offloaded, hidden) if owner.offload else hidden.detach()
         ctx.gate = None
-        if offload and _pages_gate_out(ctx.saved_input.depth):
-            ctx.gate = ctx.saved_input.gate = _KeptGate(slot=ctx.saved_input.depth % 2)
-        token = _GATE_STORE.set(ctx.gate)
+        if owner.offload and owner.pages_gate_out(ctx.saved_input.depth):
+            ctx.gate = ctx.saved_input.gate = _KeptGate(owner.offloaded, slot=ctx.saved_input.depth % 2)
+        owner.gate = ctx.gate
         try:
             with torch.no_grad():
                 if isinstance(run, layer_graphs.GraphedLayer):
                     return run(hidden, ctx.gate)
                 return run(hidden)
         finally:
-            _GATE_STORE.reset(token)
+            owner.gate = None
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, torch.Tensor]:
         saved, ctx.saved_input = ctx.saved_input, None
-        token = _GATE_STORE.set(ctx.gate)
+        owner = ctx.owner
+        owner.gate = ctx.gate
         try:
             if isinstance(ctx.run, layer_graphs.GraphedLayer):  # hands the input over: not kept here
-                dx, hidden = ctx.run.backward(_taken(saved), grad_out, _recompute)
+                dx, hidden = ctx.run.backward(_taken(saved), grad_out, owner.recompute)
                 if dx is not None:
                     return None, None, dx
             else:
                 hidden = _taken(saved)
             hidden = hidden.detach().requires_grad_(True)
-            torch.autograd.backward(_recompute(ctx.run, hidden), grad_out)
+            torch.autograd.backward(owner.recompute(ctx.run, hidden), grad_out)
         finally:
-            _GATE_STORE.reset(token)
-            ctx.gate = None
+            owner.gate = ctx.gate = None
         return None, None, hidden.grad
 
 
@@ -351,17 +335,12 @@ def _taken(saved: _HostCopy | torch.Tensor) -> torch.Tensor:
     return saved.take() if isinstance(saved, _HostCopy) else saved
 
 
-def _pages_gate_out(depth: int) -> bool:
-    """Whether an offloaded layer (`depth` layers below it) pages its MLP's gate product out
-    too: a fraction KESTREL_OFFLOAD_GATE of the layers, spread evenly."""
-    share = gate_share()
-    return int((depth + 1) * share) > int(depth * share)
-
-
-def gate_share() -> float:
-    """KESTREL_OFFLOAD_GATE: the share of offloaded layers that page their gate product out,
-    0 to 1 (default 1, all)."""
-    raw = os.environ.get("KESTREL_OFFLOAD_GATE", "1").strip()
+def gate_share(configured: float = 1.0) -> float:
+    """The share of offloaded layers that page their gate product out, 0 to 1: KESTREL_OFFLOAD_GATE
+    (a debugging override) wins over the configured one."""
+    raw = os.environ.get("KESTREL_OFFLOAD_GATE", "").strip()
+    if not raw:
+        return configured
     try:
         share = float(raw)
     except ValueError:
@@ -369,16 +348,6 @@ def gate_share() -> float:
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"KESTREL_OFFLOAD_GATE={raw!r} is not valid: a share of the layers, 0 to 1")
     return share
-
-
-def _recompute(run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
-    """run(hidden) with autograd on, as a checkpoint's recompute (`recomputing()` is True)."""
-    token = _RECOMPUTING.set(True)
-    try:
-        with torch.enable_grad():
-            return run(hidden)
-    finally:
-        _RECOMPUTING.reset(token)
 
 
 class Recompute:
@@ -391,11 +360,33 @@ class Recompute:
     runs them.
     """
 
-    def __init__(self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser) -> None:
-        self.offload, self.chooser = offload, chooser
+    def __init__(
+        self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
+    ) -> None:
+        self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.first = weakref.ref(first_layer) if first_layer is not None else None
         self.graphed = False  # this forward's choice
         self.holds_graphs = False
+        self.offloaded = OffloadState()
+        # While a layer's checkpoint runs: True in its recompute for backward (its output's values
+        # are thrown away, only its graph is used, so the decoder layer tells its MLP to skip the
+        # down product and skips the last residual sum); its gate-product store (offload).
+        self.recomputing = False
+        self.gate: _KeptGate | None = None
+
+    def pages_gate_out(self, depth: int) -> bool:
+        """Whether an offloaded layer (`depth` layers below it) pages its MLP's gate product out
+        too: a `gate_share` of the layers, spread evenly."""
+        return int((depth + 1) * self.gate_share) > int(depth * self.gate_share)
+
+    def recompute(self, run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        """run(hidden) with autograd on, as a checkpoint's recompute (`recomputing` meanwhile)."""
+        self.recomputing = True
+        try:
+            with torch.enable_grad():
+                return run(hidden)
+        finally:
+            self.recomputing = False
 
     def __call__(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any) -> torch.Tensor:
         if self._starts_forward(run) and layer_graphs.graphable(run, hidden):
@@ -407,7 +398,7 @@ class Recompute:
                 self.holds_graphs = False
             self.holds_graphs |= self.graphed
         wrapped = layer_graphs.wrap(run, hidden, args, self.graphed)
-        return LayerCheckpoint.apply(wrapped, self.offload, hidden)
+        return LayerCheckpoint.apply(wrapped, self, hidden)
 
     def _starts_forward(self, run: Callable[..., torch.Tensor]) -> bool:
         layer = getattr(getattr(run, "func", None), "__self__", None)
@@ -428,9 +419,11 @@ def graph_mode(configured: GraphMode) -> GraphMode:
 
 def set_gradient_checkpointing(
     model: nn.Module, mode: str, cuda_graphs: GraphMode = "auto", on_decision: Callable[[Decision], None] | None = None,
+    offload_gate: float = 1.0,
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
-    the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s."""
+    the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
+    `offload_gate`: the share of offloaded layers that page their MLP gate product out."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layer_graphs.release()
@@ -445,7 +438,13 @@ def set_gradient_checkpointing(
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     chooser = GraphChooser(graph_mode(cuda_graphs), CudaClock() if torch.cuda.is_available() else None,
                            on_decision=on_decision)
-    recompute = Recompute(mode == "offload", layers[0] if layers else None, chooser)
+    recompute = Recompute(mode == "offload", layers[0] if layers else None, chooser, gate_share(offload_gate))
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
     return recompute
+
+
+def scope_of(layer: nn.Module) -> Recompute | None:
+    """The run's `Recompute` a checkpointed decoder layer is called through, or None."""
+    func = layer.__dict__.get("_gradient_checkpointing_func")
+    return func if isinstance(func, Recompute) and layer.gradient_checkpointing else None

@@ -109,10 +109,14 @@ class PerformanceSettings:
     # Decoder layers replayed as CUDA graphs (training with checkpointing, on CUDA): auto times
     # both ways on each batch layout and keeps the faster (`engine.graph_choice`); on | off force.
     cuda_graphs: str = "auto"
+    # Offloaded checkpointing: the share of layers (0 to 1, spread evenly) whose MLP gate product
+    # is also paged out to host memory, so the recompute skips its largest product.
+    offload_gate: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.cuda_graphs in GRAPH_MODES,
                f"performance.cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {self.cuda_graphs!r}")
+        _check(0.0 <= self.offload_gate <= 1.0, f"performance.offload_gate must be 0 to 1, got {self.offload_gate}")
 
 
 @dataclass

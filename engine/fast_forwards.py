@@ -147,31 +147,36 @@ def mlp_activation_matches(mlp: nn.Module, spec: FamilySpec) -> bool:
 def make_mlp_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
     glu = kernels.swiglu if spec.activation == "swiglu" else kernels.geglu
 
-    def forward(self: nn.Module, x: torch.Tensor, discard_output: bool = False) -> torch.Tensor:
+    def forward(
+        self: nn.Module, x: torch.Tensor, discard_output: bool = False, gate_store: Any = None,
+    ) -> torch.Tensor:
         """discard_output: the caller uses only the output's graph, not its values (see
-        `kernels.lora_mlp`); honoured by the fused LoRA path, ignored by the others, as is an
-        offloaded checkpoint's store for the gate product (`checkpointing.gate_store`)."""
+        `kernels.lora_mlp`); gate_store: where an offloaded checkpoint keeps the gate product
+        (`kernels.mlp.GateStore`). Both honoured by the fused LoRA path, ignored by the others."""
         fused = [fused_lora_weights(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         if all(w is not None for w in fused):
             return kernels.lora_mlp(
                 x, *fused, activation=spec.activation, discard_output=discard_output,
-                gate_store=checkpointing.gate_store(),
+                gate_store=gate_store,
             )
         return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
 
-    forward.takes_discard_output = True  # type: ignore[attr-defined]
+    forward.takes_layer_args = True  # type: ignore[attr-defined]
     return forward
 
 
-def _discards(layer: nn.Module, spec: FamilySpec) -> bool:
-    """Whether layer.mlp may skip computing its output: in a checkpoint's recompute the layer's
-    output values are thrown away, and when the MLP's output goes straight into the residual sum
-    (no post-MLP norm, whose backward would need them) only its gradient path matters."""
-    return (
-        not spec.sandwich_norm
-        and getattr(layer.mlp.forward, "takes_discard_output", False)
-        and checkpointing.recomputing()
-    )
+def _mlp_args(layer: nn.Module, spec: FamilySpec) -> dict[str, Any] | None:
+    """What the layer's checkpoint tells a patched MLP (its gate-product store), or None for an
+    unpatched MLP; `discard_output` when the MLP may skip computing its output: in a
+    checkpoint's recompute the layer's output values are thrown away, and when the MLP's output
+    goes straight into the residual sum (no post-MLP norm, whose backward would need them) only
+    its gradient path matters."""
+    if not getattr(layer.mlp.forward, "takes_layer_args", False):
+        return None
+    scope = checkpointing.scope_of(layer)
+    if scope is None:
+        return {}
+    return {"gate_store": scope.gate, "discard_output": scope.recomputing and not spec.sandwich_norm}
 
 
 class _GraphOnlySum(torch.autograd.Function):
@@ -234,9 +239,10 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         h = _residual_add(residual, h)
         residual = h
         h = self.pre_feedforward_layernorm(h) if spec.sandwich_norm else self.post_attention_layernorm(h)
-        if _discards(self, spec):  # a recompute: only the graph of the MLP and the last sum is used
-            return _GraphOnlySum.apply(residual, self.mlp(h, discard_output=True))
-        h = self.mlp(h)
+        args = _mlp_args(self, spec)
+        if args and args["discard_output"]:  # a recompute: only the graph of the MLP and the last sum is used
+            return _GraphOnlySum.apply(residual, self.mlp(h, **args))
+        h = self.mlp(h, **args) if args else self.mlp(h)
         if spec.sandwich_norm:
             h = self.post_feedforward_layernorm(h)
         return _residual_add(residual, h)

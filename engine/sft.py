@@ -113,8 +113,9 @@ def prepare_model(
         for p in model.parameters():
             p.requires_grad_(False)
         model = attach_lora(model, config.lora)
+    perf = config.performance
     recompute = set_gradient_checkpointing(
-        model, config.gradient_checkpointing, config.performance.cuda_graphs, graph_reporter(output_dir, cb))
+        model, config.gradient_checkpointing, perf.cuda_graphs, graph_reporter(output_dir, cb), perf.offload_gate)
     model.train()
     return model, recompute
 

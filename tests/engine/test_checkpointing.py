@@ -16,7 +16,8 @@ import torch
 
 from engine import checkpointing
 from engine import host_memory
-from engine.checkpointing import LayerCheckpoint, _HostCopy, _KeptGate
+from engine.checkpointing import LayerCheckpoint, OffloadState, Recompute, _HostCopy, _KeptGate
+from engine.graph_choice import GraphChooser
 from engine.host_memory import release_pinned_memory
 
 PAGE = mmap.PAGESIZE
@@ -36,9 +37,21 @@ def sized(request: pytest.FixtureRequest) -> tuple[str, int]:
     return device, numel
 
 
+class _Current:
+    now = OffloadState()
+
+
+STATE = _Current()  # each test's offload bookkeeping, as one run's `Recompute` holds it
+
+
+@pytest.fixture(autouse=True)
+def _fresh_offload_state() -> None:
+    STATE.now = OffloadState()
+
+
 def _chain(device: str, n: int = 3, numel: int = 1000) -> tuple[list[torch.Tensor], list[_HostCopy]]:
     inputs = [torch.randn(numel, device=device) for _ in range(n)]
-    return inputs, [_HostCopy(x) for x in inputs]
+    return inputs, [_HostCopy(STATE.now, x) for x in inputs]
 
 
 def test_copies_come_back_exactly_in_backward_order(sized: tuple[str, int]) -> None:
@@ -62,7 +75,7 @@ def test_gate_products_come_back_exactly(sized: tuple[str, int]) -> None:
     inputs, copies = _chain(device, numel=numel)
     gates = [torch.randn(2 * numel, device=device) for _ in copies]
     for copy, gate in zip(copies, gates):
-        copy.gate = _KeptGate()
+        copy.gate = _KeptGate(STATE.now)
         copy.gate.keep(gate)
     originals = [g.clone() for g in gates]
     del gates, inputs
@@ -88,8 +101,8 @@ def test_bound_gates_come_back_into_their_buffers(sized: tuple[str, int]) -> Non
     gates = [torch.randn(numel, device=device) for _ in range(4)]
     copies = []
     for i, e in enumerate(gates):
-        copy = _HostCopy(torch.randn(8, device=device))
-        copy.gate = gate = _KeptGate(slot=i % 2)
+        copy = _HostCopy(STATE.now, torch.randn(8, device=device))
+        copy.gate = gate = _KeptGate(STATE.now, slot=i % 2)
         gate.bind(statics[gate.slot])  # the compute stream waits for the copy out two layers down
         if i % 2:  # the MLP writes E where the gate says: its buffer, then keeps it (no copy)
             into = gate.target(tuple(e.shape), e.dtype)
@@ -112,15 +125,15 @@ def test_bound_gates_come_back_into_their_buffers(sized: tuple[str, int]) -> Non
 def test_a_gate_bound_to_nothing_or_not_copied_out_gives_nothing(
     fake_pinning: dict[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    unbound = _KeptGate()
+    unbound = _KeptGate(STATE.now)
     assert unbound.target((10,), torch.float32) is None  # eager: E goes to a new tensor
     unbound.bind(None)  # its first sighting kept no E (a deferred MLP): the graph computes E
     unbound.keep(torch.randn(10))
     unbound.copy_out()
     assert unbound.take() is None and unbound.host is None
     monkeypatch.setattr(host_memory, "_register_host", lambda ptr, nbytes: 2)
-    monkeypatch.setattr(_KeptGate, "_warned", False)
-    failed = _KeptGate()
+    STATE.now.warned = False
+    failed = _KeptGate(STATE.now)
     failed.bind(torch.zeros(1000))
     failed.keep(torch.randn(1000))
     failed.copy_out()  # host memory cannot be locked: E is not kept
@@ -131,8 +144,8 @@ def test_a_gate_kept_where_host_memory_cannot_be_locked_is_recomputed(
     fake_pinning: dict[int, int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(host_memory, "_register_host", lambda ptr, nbytes: 2)
-    monkeypatch.setattr(_KeptGate, "_warned", False)
-    gate = _KeptGate()
+    STATE.now.warned = False
+    gate = _KeptGate(STATE.now)
     gate.keep(torch.randn(1000))
     assert gate.take() is None  # nothing kept: the MLP computes E
     assert "recomputing them instead" in caplog.text
@@ -140,13 +153,13 @@ def test_a_gate_kept_where_host_memory_cannot_be_locked_is_recomputed(
 
 def test_a_kept_gate_gives_its_buffer_back(fake_pinning: dict[int, int]) -> None:
     e = torch.randn(30, 70)
-    gate = _KeptGate()
+    gate = _KeptGate(STATE.now)
     gate.keep(e)
     pool = host_memory._pool_for(torch.device("cpu"))
     ptr = gate.host.data_ptr()
     assert pool.free == [] and torch.equal(gate.take(), e)
     assert [b.data_ptr() for b in pool.free] == [ptr]
-    dropped = _KeptGate()
+    dropped = _KeptGate(STATE.now)
     dropped.keep(e)  # reuses the buffer; never taken (a step abandoned before its backward)
     assert dropped.host.data_ptr() == ptr and pool.free == []
     del dropped
@@ -159,7 +172,7 @@ def test_finished_copies_are_released() -> None:
     below = copies[0]
     del copies, below
     gc.collect()
-    fresh = _HostCopy(torch.zeros(3))
+    fresh = _HostCopy(STATE.now, torch.zeros(3))
     assert fresh.below is not None and fresh.below() is None  # no stale prefetch target
 
 
@@ -172,9 +185,9 @@ def test_offloaded_layer_gives_the_same_gradients(device: str) -> None:
     x = torch.randn(8, 64, device=device, requires_grad=True)
     grads = {}
     for offload in (False, True):
-        h = x
+        h, owner = x, Recompute(offload, None, GraphChooser("off"))
         for layer in layers:
-            h = LayerCheckpoint.apply(lambda t, layer=layer: torch.tanh(layer(t)), offload, h)
+            h = LayerCheckpoint.apply(lambda t, layer=layer: torch.tanh(layer(t)), owner, h)
         x.grad = None
         for layer in layers:
             layer.zero_grad()
@@ -186,14 +199,14 @@ def test_offloaded_layer_gives_the_same_gradients(device: str) -> None:
 
 def test_a_copy_gives_its_buffer_back_when_taken(fake_pinning: dict[int, int]) -> None:
     x = torch.randn(4, 250)
-    copy = _HostCopy(x)
+    copy = _HostCopy(STATE.now, x)
     pool = host_memory._pool_for(torch.device("cpu"))
     assert pool.free == [] and len(fake_pinning) == 1
     ptr = copy.host.data_ptr()
     got = copy.take()
     assert torch.equal(got, x) and copy.host is None
     assert [b.data_ptr() for b in pool.free] == [ptr]
-    again = _HostCopy(torch.zeros(4, 250))  # same size: the same buffer, and `got` is its own copy
+    again = _HostCopy(STATE.now, torch.zeros(4, 250))  # same size: the same buffer, and `got` is its own copy
     assert again.host.data_ptr() == ptr and torch.equal(got, x)
     del again
     gc.collect()
@@ -201,7 +214,7 @@ def test_a_copy_gives_its_buffer_back_when_taken(fake_pinning: dict[int, int]) -
 
 
 def test_a_copy_dropped_without_backward_gives_its_buffer_back(fake_pinning: dict[int, int]) -> None:
-    copies = [_HostCopy(torch.randn(1000)) for _ in range(3)]
+    copies = [_HostCopy(STATE.now, torch.randn(1000)) for _ in range(3)]
     pool = host_memory._pool_for(torch.device("cpu"))
     assert pool.free == []
     del copies
@@ -221,10 +234,10 @@ def test_offloaded_layers_on_cuda_use_exact_pinned_buffers(monkeypatch: pytest.M
     x = torch.randn(5, 7, 96, device="cuda", requires_grad=True)  # 13,440 bytes a layer input
     grads = {}
     for offload in (False, True, True):  # the second offloaded step reuses the first one's buffers
-        h, x.grad = x, None
+        h, x.grad, owner = x, None, Recompute(offload, None, GraphChooser("off"))
         for layer in layers:
             layer.zero_grad()
-            h = LayerCheckpoint.apply(lambda t, layer=layer: torch.tanh(layer(t)), offload, h)
+            h = LayerCheckpoint.apply(lambda t, layer=layer: torch.tanh(layer(t)), owner, h)
         if offload:
             host = h.grad_fn.saved_input.host
             assert host.is_pinned() and host.untyped_storage().nbytes() == -(-x.nbytes // PAGE) * PAGE
@@ -242,11 +255,12 @@ def test_the_offload_gate_share_spreads_over_the_layers(
     share: str, chosen: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KESTREL_OFFLOAD_GATE", share)
-    assert [int(checkpointing._pages_gate_out(depth)) for depth in range(4)] == chosen
+    owner = Recompute(True, None, GraphChooser("off"), checkpointing.gate_share())
+    assert [int(owner.pages_gate_out(depth)) for depth in range(4)] == chosen
 
 
 @pytest.mark.parametrize("bad", ["yes", "1.5", "-0.1"])
 def test_a_bad_offload_gate_share_says_what_is_valid(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_OFFLOAD_GATE", bad)
     with pytest.raises(ValueError, match="a share of the layers, 0 to 1"):
-        checkpointing._pages_gate_out(0)
+        checkpointing.gate_share()
