@@ -300,12 +300,10 @@ def graph_report(recompute: Any, system: str, cuda_graphs: str) -> dict[str, Any
     """Kestrel's CUDA-graph mode, the chooser's decisions and the layer graphs' counts."""
     if not system.startswith("kestrel"):
         return {}
-    from engine import layer_graphs
-
     chooser = recompute.chooser if recompute is not None else None
     return {"cuda_graphs": FORCED_GRAPHS.get(system, cuda_graphs),
             "graph_decisions": [dataclasses.asdict(d) for d in chooser.decisions()] if chooser else [],
-            "graph_layouts_seen": len(chooser.layouts) if chooser else 0, "layer_graphs": layer_graphs.stats()}
+            "graph_layouts_seen": len(chooser.layouts) if chooser else 0, "layer_graphs": recompute.graphs.stats() if recompute else None}
 
 
 def measure_cell(args: argparse.Namespace) -> dict[str, Any]:

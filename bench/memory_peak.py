@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.train import add_model_args, warmed_step  # noqa: E402
-from engine import layer_graphs  # noqa: E402
+from engine.checkpointing import recompute_of  # noqa: E402
 
 _OURS = ("/engine/", "/kernels/", "/bench/")
 
@@ -133,7 +133,8 @@ def main() -> None:
             step()
             torch.cuda.synchronize()
             lines.append(f"step {i + 1}: max allocated {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB, "
-                         f"max reserved {torch.cuda.max_memory_reserved() / 2**30:.3f}; graphs {layer_graphs.stats()}")
+                         f"max reserved {torch.cuda.max_memory_reserved() / 2**30:.3f}; "
+                         f"graphs {recompute_of(step.model).graphs.stats()}")
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         report = "\n".join([f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}",

@@ -280,9 +280,10 @@ def main() -> None:
     prof.export_chrome_trace(trace_path)
     report = f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}\n" + slack
     if args.impl == "kestrel":
-        from engine import layer_graphs
+        from engine.checkpointing import recompute_of
 
-        report += f"decoder-layer CUDA graphs: {layer_graphs.stats()}\n"
+        run = recompute_of(step.model)
+        report += f"decoder-layer CUDA graphs: {run.graphs.stats() if run else None}\n"
     report += analyse(json.loads(Path(trace_path).read_text()), args.steps)
     Path(args.out).write_text(report)
     print(report, flush=True)

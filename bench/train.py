@@ -224,13 +224,12 @@ def _graph_stats(impl: str, model) -> dict:
     the run's choice for each batch layout."""
     if impl != "kestrel":
         return {}
-    from engine import layer_graphs
-    from engine.checkpointing import Recompute
+    from engine.checkpointing import recompute_of
 
-    layers = [m for m in model.modules() if isinstance(getattr(m, "_gradient_checkpointing_func", None), Recompute)]
-    chooser = layers[0]._gradient_checkpointing_func.chooser if layers else None
-    decisions = [d.as_metrics() for d in chooser.decisions()] if chooser else []
-    return {"layer_graphs": layer_graphs.stats(), "graph_decisions": decisions}
+    run = recompute_of(model)
+    if run is None:
+        return {}
+    return {"layer_graphs": run.graphs.stats(), "graph_decisions": [d.as_metrics() for d in run.chooser.decisions()]}
 
 
 def main() -> None:

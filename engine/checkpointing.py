@@ -366,6 +366,7 @@ class Recompute:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.first = weakref.ref(first_layer) if first_layer is not None else None
         self.graphed = False  # this forward's choice
+        self.graphs = layer_graphs.GraphRegistry()
         self.holds_graphs = False
         self.offloaded = OffloadState()
         # While a layer's checkpoint runs: True in its recompute for backward (its output's values
@@ -394,11 +395,17 @@ class Recompute:
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
             self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
             if self.holds_graphs and not self.chooser.any_graphed():
-                layer_graphs.release()  # every layout runs eagerly: give the graphs' memory back
-                self.holds_graphs = False
+                self.release()  # every layout runs eagerly: give the graphs' memory back
             self.holds_graphs |= self.graphed
-        wrapped = layer_graphs.wrap(run, hidden, args, self.graphed)
+        wrapped = layer_graphs.wrap(run, hidden, args, self.graphs if self.graphed else None)
         return LayerCheckpoint.apply(wrapped, self, hidden)
+
+    def release(self) -> None:
+        """Drop the run's CUDA graphs and give their memory back."""
+        self.graphs.release()
+        self.holds_graphs = False
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _starts_forward(self, run: Callable[..., torch.Tensor]) -> bool:
         layer = getattr(getattr(run, "func", None), "__self__", None)
@@ -426,7 +433,9 @@ def set_gradient_checkpointing(
     `offload_gate`: the share of offloaded layers that page their MLP gate product out."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layer_graphs.release()
+    previous = recompute_of(model)
+    if previous is not None:
+        previous.release()
     if mode == "off":
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()
@@ -448,3 +457,12 @@ def scope_of(layer: nn.Module) -> Recompute | None:
     """The run's `Recompute` a checkpointed decoder layer is called through, or None."""
     func = layer.__dict__.get("_gradient_checkpointing_func")
     return func if isinstance(func, Recompute) and layer.gradient_checkpointing else None
+
+
+def recompute_of(model: nn.Module) -> Recompute | None:
+    """The run's `Recompute` that `model`'s decoder layers are checkpointed through, or None."""
+    for module in model.modules():
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(func, Recompute):
+            return func
+    return None

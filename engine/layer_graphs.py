@@ -64,7 +64,6 @@ log = logging.getLogger("kestrel")
 # in a bounded set of shapes (`engine.data.collate.bucket_width`), which a run cycles through.
 GRAPHS_PER_LAYER = 24
 MAX_CAPTURES = 4 * GRAPHS_PER_LAYER  # captures per layer before giving up on it: its signatures do not repeat
-_WARNED: set[str] = set()
 
 
 class GateKeeper(Protocol):
@@ -99,15 +98,6 @@ class _Device:
     stream: torch.cuda.Stream
 
 
-_DEVICES: dict[torch.device, _Device] = {}
-
-
-def _device(device: torch.device) -> _Device:
-    if device not in _DEVICES:
-        _DEVICES[device] = _Device(StaticBuffers(), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
-    return _DEVICES[device]
-
-
 # --- Per-layer graphs ----------------------------------------------------------------------------
 
 
@@ -136,22 +126,57 @@ class _LayerState:
         self.off = False
 
 
-_LAYERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+class GraphRegistry:
+    """One run's CUDA graphs: each layer's graphs and counters, and per device the static
+    buffers, the graphs' memory pool and the capture stream. Dropping it (`release`, or the run
+    ending) gives their memory back."""
+
+    def __init__(self) -> None:
+        self.devices: dict[torch.device, _Device] = {}
+        self.layers: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
+        self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
+        self.warned: set[str] = set()
+
+    def device(self, device: torch.device) -> _Device:
+        if device not in self.devices:
+            self.devices[device] = _Device(StaticBuffers(), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+        return self.devices[device]
+
+    def state(self, layer: nn.Module) -> _LayerState:
+        if layer not in self.layers:
+            self.layers[layer] = _LayerState()
+        return self.layers[layer]
+
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            log.warning(message)
+
+    def release(self) -> None:
+        """Drop every captured graph and static buffer."""
+        self.layers = weakref.WeakKeyDictionary()
+        self.devices.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Graphs captured, those keeping a gate product in a static buffer, and input copies made
+        so far (tests, profiling)."""
+        states = list(self.layers.values())
+        graphs = [g for state in states for g in state.graphs.values()]
+        return {
+            "forward": sum(g.forward is not None for g in graphs),
+            "backward": sum(g.backward is not None for g in graphs),
+            "failed": sum(g.failed for g in graphs),
+            "gates": sum(g.gate is not None for g in graphs),
+            "eager_backwards": sum(state.eager_backwards for state in states),
+            "copies": sum(d.buffers.copies for d in self.devices.values()),
+        }
 
 
-def _state(layer: nn.Module) -> _LayerState:
-    state = layer.__dict__.get("_kestrel_graphs")
-    if state is None:
-        state = layer.__dict__["_kestrel_graphs"] = _LayerState()
-        _LAYERS.add(layer)
-    return state
-
-
-def layer_state(layer: nn.Module) -> tuple:
+def layer_state(layer: nn.Module, registry: GraphRegistry) -> tuple:
     """What decides which kernels a layer's forward launches, beyond its arguments."""
-    loras = layer.__dict__.get("_kestrel_loras")
+    loras = registry.loras.get(layer)
     if loras is None:
-        loras = layer.__dict__["_kestrel_loras"] = [m for m in layer.modules() if hasattr(m, "lora_A")]
+        loras = registry.loras[layer] = [m for m in layer.modules() if hasattr(m, "lora_A")]
     adapters = tuple(
         (tuple(m.active_adapters), m.merged, m.disable_adapters, tuple(m.scaling.get(a) for a in m.active_adapters))
         for m in loras
@@ -159,12 +184,6 @@ def layer_state(layer: nn.Module) -> tuple:
     params = tuple((p.data_ptr(), p.requires_grad) for p in layer.parameters())
     autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
     return layer.training, adapters, params, autocast, dispatch.forced_backend()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        log.warning(message)
 
 
 # --- One call of a layer -------------------------------------------------------------------------
@@ -180,24 +199,25 @@ class GraphedLayer:
     returns dX, or returns None when this call is not graphed (the caller then runs eagerly).
     """
 
-    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple) -> None:
+    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple, registry: GraphRegistry) -> None:
+        self.registry = registry
         self.call, self.args, self.kwargs = run.func, args, run.keywords
         self.layer: nn.Module = run.func.__self__
         self.leaves: list[torch.Tensor] = []
         self.graphs: _Graphs | None = None
         self.gate: GateKeeper | None = None
         self.key: Any = None
-        if _state(self.layer).off:
+        if registry.state(self.layer).off:
             return
         try:
             self.key = (tuple(hidden.shape), hidden.dtype, hidden.device,
-                        signature((args, self.kwargs), self.leaves), layer_state(self.layer))
+                        signature((args, self.kwargs), self.leaves), layer_state(self.layer, registry))
         except NotGraphable as exc:
-            _warn_once(f"CUDA graphs off for some decoder layers: {exc}")
+            registry.warn_once(f"CUDA graphs off for some decoder layers: {exc}")
 
     def _lookup(self, hidden: torch.Tensor, gate: GateKeeper | None) -> _Graphs | None:
         """This call's graphs: made on its signature's second sighting, None on its first."""
-        state = _state(self.layer)
+        state = self.registry.state(self.layer)
         if self.key is None or state.off:
             return None
         seen = (self.key, None if gate is None else gate.slot)
@@ -216,9 +236,9 @@ class GraphedLayer:
             return None
         if state.captures >= MAX_CAPTURES:
             state.off = True
-            _warn_once("CUDA graphs off for decoder layers: their input shapes keep changing")
+            self.registry.warn_once("CUDA graphs off for decoder layers: their input shapes keep changing")
             return None
-        bufs = _device(hidden.device).buffers
+        bufs = self.registry.device(hidden.device).buffers
         graphs = _Graphs(bufs.like("x", hidden), [bufs.like(("arg", i), t) for i, t in enumerate(self.leaves)])
         if like is not None:
             graphs.gate = bufs.get(("gate", gate.slot), *like, hidden.device)
@@ -248,7 +268,7 @@ class GraphedLayer:
         if g is None:
             out = self.eager(hidden)
             if gate is not None and gate.like is not None and self.key is not None:
-                _state(self.layer).gate_like[(self.key, gate.slot)] = gate.like
+                self.registry.state(self.layer).gate_like[(self.key, gate.slot)] = gate.like
             return out
         if gate is not None:
             gate.bind(g.gate)
@@ -258,7 +278,7 @@ class GraphedLayer:
         if g.forward is None and g.backward is None:
             out = self.eager(hidden)
         else:
-            bufs = _device(hidden.device).buffers
+            bufs = self.registry.device(hidden.device).buffers
             self._feed(bufs, g, hidden)
             if g.forward is None:
                 layer = self._static_call(g)
@@ -292,9 +312,9 @@ class GraphedLayer:
             return None, hidden
         if (grad_out.shape != hidden.shape or not grad_out.is_contiguous()
                 or g.gate is not None and self.gate.take() is None):  # E not kept after all: recompute it
-            _state(self.layer).eager_backwards += 1
+            self.registry.state(self.layer).eager_backwards += 1
             return None, hidden
-        bufs = _device(hidden.device).buffers
+        bufs = self.registry.device(hidden.device).buffers
         if g.grad is None:
             g.grad = bufs.like("grad", grad_out)
         self._feed(bufs, g, hidden)
@@ -342,7 +362,7 @@ class GraphedLayer:
         layer on the capture stream: its first sighting already ran eagerly (kernels compiled,
         workspaces sized), and a warm-up there would take a layer's working set in new blocks
         (the allocator keeps blocks per stream): 0.7 GiB more reserved on the 8B shape."""
-        dev = _device(g.x.device)
+        dev = self.registry.device(g.x.device)
         graph = torch.cuda.CUDAGraph()
         try:
             # The capture empties the allocator's cache when it starts; emptied before the capture
@@ -355,7 +375,7 @@ class GraphedLayer:
                 body()
         except Exception as exc:  # noqa: BLE001 - any failure: this signature runs eagerly
             g.failed = True
-            _warn_once(f"a decoder layer did not capture as a CUDA graph ({type(exc).__name__}: {exc}); "
+            self.registry.warn_once(f"a decoder layer did not capture as a CUDA graph ({type(exc).__name__}: {exc}); "
                        "it runs eagerly")
             return None
         return graph
@@ -428,33 +448,10 @@ def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple) -> Any:
 
 
 def wrap(
-    run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple, graphed: bool,
+    run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple, graphs: GraphRegistry | None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What a layer checkpoint runs for this call: a `GraphedLayer` when `graphed` (the run's
-    choice for this forward) and the call can be graphed, else `run` with `args`."""
-    if graphed and graphable(run, hidden):
-        return GraphedLayer(run, hidden, args)
+    """What a layer checkpoint runs for this call: a `GraphedLayer` of the run's `graphs` when
+    given (the run's choice for this forward) and the call can be graphed, else `run` with `args`."""
+    if graphs is not None and graphable(run, hidden):
+        return GraphedLayer(run, hidden, args, graphs)
     return (lambda h: run(h, *args)) if args else run
-
-
-def release() -> None:
-    """Drop every captured graph and static buffer (a run ended; checkpointing turned off)."""
-    for layer in list(_LAYERS):
-        layer.__dict__.pop("_kestrel_graphs", None)
-    _LAYERS.clear()
-    _DEVICES.clear()
-
-
-def stats() -> dict[str, int]:
-    """Graphs captured, those keeping a gate product in a static buffer, and input copies made
-    so far (tests, profiling)."""
-    states = [layer.__dict__["_kestrel_graphs"] for layer in list(_LAYERS)]
-    graphs = [g for state in states for g in state.graphs.values()]
-    return {
-        "forward": sum(g.forward is not None for g in graphs),
-        "backward": sum(g.backward is not None for g in graphs),
-        "failed": sum(g.failed for g in graphs),
-        "gates": sum(g.gate is not None for g in graphs),
-        "eager_backwards": sum(state.eager_backwards for state in states),
-        "copies": sum(d.buffers.copies for d in _DEVICES.values()),
-    }

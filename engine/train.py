@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from engine import layer_graphs
 from engine.host_memory import release_pinned_memory
 from engine.config import TrainConfig
 from engine.errors import KestrelError, OutOfMemoryError, oom_message
@@ -50,7 +49,6 @@ def resolve_output_dir(config: TrainConfig) -> Path:
 def _release_memory() -> None:
     gc.collect()  # first: a failed step's graph gives its offloaded layer inputs' buffers back
     release_pinned_memory()  # page-locked host memory of offloaded checkpointing (up to ~100 GB)
-    layer_graphs.release()  # captured decoder-layer graphs, their memory pool and static buffers
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

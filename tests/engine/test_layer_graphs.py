@@ -77,7 +77,7 @@ def test_buffers_copy_only_what_they_do_not_hold() -> None:
 def test_off_cuda_the_checkpoint_runs_the_plain_call() -> None:
     layer = torch.nn.Linear(4, 4)
     run = functools.partial(layer.__call__)
-    fn = layer_graphs.wrap(run, torch.zeros(2, 4), (), graphed=True)
+    fn = layer_graphs.wrap(run, torch.zeros(2, 4), (), layer_graphs.GraphRegistry())
     assert not isinstance(fn, layer_graphs.GraphedLayer)
     x = torch.randn(2, 4)
     assert torch.equal(fn(x), layer(x))
@@ -112,11 +112,10 @@ def _train(folder: Path, graphs: bool | None, monkeypatch, *, qlora: bool, mode:
     from engine.lora import attach_lora
 
     monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
-    layer_graphs.release()
     torch.manual_seed(0)
     model, _ = load(str(folder), 64, load_in_4bit=qlora, dtype="bf16", device="cuda")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
-    set_gradient_checkpointing(model, mode, {True: "on", False: "off", None: "auto"}[graphs])
+    run = set_gradient_checkpointing(model, mode, {True: "on", False: "off", None: "auto"}[graphs])
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
@@ -130,9 +129,9 @@ def _train(folder: Path, graphs: bool | None, monkeypatch, *, qlora: bool, mode:
             losses.append(loss.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        copies.append(layer_graphs.stats()["copies"])
-    stats = {**layer_graphs.stats(), "last_step_copies": copies[-1] - copies[-2]}
-    layer_graphs.release()
+        copies.append(run.graphs.stats()["copies"])
+    stats = {**run.graphs.stats(), "last_step_copies": copies[-1] - copies[-2]}
+    run.release()
     return losses, [p.detach().float().cpu() for p in params], stats
 
 
@@ -174,22 +173,21 @@ def test_a_new_shape_runs_eagerly_then_gets_its_own_graphs(tiny_model_dir, monke
     from engine.loader import load
     from engine.lora import attach_lora
 
-    layer_graphs.release()
     model, _ = load(str(tiny_model_dir("llama")), 64, dtype="bf16", device="cuda")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
-    set_gradient_checkpointing(model, "standard", "on")
+    run = set_gradient_checkpointing(model, "standard", "on")
     model.train()
     for length in (32, 32, 40, 32, 40, 40):
         ids = torch.randint(5, 200, (2, length), device="cuda")
         model(input_ids=ids, labels=ids).loss.backward()
-    stats = layer_graphs.stats()
+    stats = run.graphs.stats()
     assert stats["forward"] == stats["backward"] == 4 and stats["failed"] == 0  # 2 layers x 2 shapes
     with model.disable_adapter():  # another adapter state: another signature, eager first
         ids = torch.randint(5, 200, (2, 32), device="cuda")
         model(input_ids=ids, labels=ids).loss.backward()
-    assert layer_graphs.stats()["forward"] == 4
+    assert run.graphs.stats()["forward"] == 4
     set_gradient_checkpointing(model, "off")
-    assert layer_graphs.stats() == {"forward": 0, "backward": 0, "failed": 0, "gates": 0, "eager_backwards": 0,
+    assert run.graphs.stats() == {"forward": 0, "backward": 0, "failed": 0, "gates": 0, "eager_backwards": 0,
                                     "copies": 0}
 
 
