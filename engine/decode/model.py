@@ -20,7 +20,7 @@ Two entry points, both returning only the last token's logits (B, V) in float32:
   tensor). Fixed shapes, no host reads: the function the generator compiles and graph-captures.
   Attention reads the cache in one kernel (`kernels/decode_attention.py`); batch 1 without an
   adapter runs `fast_layer.py`'s five launches a layer where the family allows. NF4 (QLoRA)
-  bases read their packed weights in one launch per group at up to 16 rows (`projections.py`).
+  bases read their packed weights in one launch per group at 2-16 rows (`projections.py`).
 
 RoPE positions: a row's token at column c has position c - pad[row]; cos/sin come from tables
 built once by the model's own rotary module (so every RoPE scaling variant matches HF).
@@ -227,9 +227,9 @@ class DecodeModel:
 
     @property
     def compilable(self) -> bool:
-        """True when a step of up to `nf4_gemv.MAX_ROWS` rows calls no quantized module (every
-        quantized group reads its NF4 weights through the Triton kernel), so it can be compiled;
-        `step` runs larger batches of a quantized model eagerly."""
+        """True when a step of `nf4_gemv.MIN_ROWS` to `MAX_ROWS` rows calls no quantized module
+        (every quantized group reads its NF4 weights through the Triton kernel), so it can be
+        compiled; `step` runs other batch sizes of a quantized model eagerly (the modules)."""
         return all(g.nf4 is not None for g in self.groups if g.quantized)
 
     def new_cache(self, batch: int, length: int) -> StaticKVCache:
@@ -350,8 +350,8 @@ class DecodeModel:
         x = self.embed(tok[:, None])  # (B, 1, H)
         h = self._rms(x, self.layers[0].input_norm)
         pre_fn, post_fn, head_fn = self._pre_fn, self._post_fn, self._head_fn
-        if tok.shape[0] > nf4_gemv.MAX_ROWS and self.quantized:  # quantized modules run: not compiled
-            pre_fn, post_fn, head_fn = self._pre_attention, self._post_attention, self._head
+        if self.quantized and not nf4_gemv.MIN_ROWS <= tok.shape[0] <= nf4_gemv.MAX_ROWS:
+            pre_fn, post_fn, head_fn = self._pre_attention, self._post_attention, self._head  # modules run
         for i, layer in enumerate(self.layers):
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             q = pre_fn(layer, h, col, pad, cache.k[i], cache.v[i], lora)

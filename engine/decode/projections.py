@@ -6,9 +6,10 @@ separate (quantized bases, full fine-tuning, lm_head):
     outs_i = x W_i^T (+ b_i)              one product per member (a module call for NF4)
     delta  = expand((x A^T) [* gate])     the LoRA bank's shrink, then its expand (adapters.py)
 
-    NF4 bases (bitsandbytes Linear4bit) at 1-16 rows on CUDA (a decode step) instead run ONE launch
-    for the whole group (`kernels/nf4_gemv.py`: the packed weights read in place, no dequantized
-    copy written), outs = split(x [W_1; ...; W_m]^T); more rows (prefill) call the modules.
+    NF4 bases (bitsandbytes Linear4bit) at 2-16 rows on CUDA (a decode batch) instead run ONE
+    launch for the whole group (`kernels/nf4_gemv.py`: the packed weights read in place, no
+    dequantized copy written), outs = split(x [W_1; ...; W_m]^T); more rows (prefill) call the
+    modules, and so does one row, where bitsandbytes' 4-bit GEMV measured faster (that file).
 
 fused (`fuse()`, a 16-bit base; see fused.py for the memory design):
     y = x [W_1; ...; W_m; A]^T            ONE product: (B, T, sum_out + R)
@@ -147,7 +148,7 @@ class ProjGroup:
     # --- NF4 bases -------------------------------------------------------------------------------
 
     def attach_nf4(self, dtype: torch.dtype) -> bool:
-        """Read the members' NF4 weights with `kernels/nf4_gemv.py` at 1-16 rows (values in `dtype`,
+        """Read the members' NF4 weights with `kernels/nf4_gemv.py` at 2-16 rows (values in `dtype`,
         the model's); True when done. Left off (modules called) unless every member is an NF4
         Linear4bit the kernel reads whose module would compute in `dtype` too."""
         self.nf4, self.nf4_source = None, []

@@ -133,8 +133,9 @@ def test_reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_rejects_what_it_cannot_read() -> None:
     weight, members = _weight((24,), 128, torch.bfloat16)
-    assert applies(_x(16, 128, torch.bfloat16), weight)
+    assert applies(_x(16, 128, torch.bfloat16), weight) and applies(_x(2, 128, torch.bfloat16), weight)
     assert not applies(_x(17, 128, torch.bfloat16), weight)
+    assert not applies(_x(1, 128, torch.bfloat16), weight)  # the decode path keeps bitsandbytes' GEMV there
     assert not applies(_x(2, 128, torch.float16), weight)
     with pytest.raises(ValueError, match="1-16 rows"):
         nf4_gemv(_x(17, 128, torch.bfloat16), weight)
