@@ -1,98 +1,13 @@
 """Kestrel Studio: fine-tune, watch, chat and export from the browser.
 
-    python app.py                                   # http://127.0.0.1:7860, this machine only
-    python app.py --host 0.0.0.0 --auth me:secret   # reachable from the network: a login is required
-    python app.py --share --auth me:secret          # a public Gradio link (the only outside connection)
+    python app.py [--host H --port P --auth USER:PASSWORD --share --max-upload-mb N]
 
-The studio reads and writes the job store (KESTREL_HOME/kestrel.db): training runs in worker
-processes that outlive the browser tab and the studio itself; reopen the page to see them live.
-It works offline with the built-in demo model and the sample datasets. Gradio's analytics and
-version check are off, and the page loads no web fonts.
+The studio itself is `kestrel.studio` (`kestrel/studio/launch.py` parses these options).
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
-import os
 import sys
-import threading
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python app.py", description="Kestrel Studio")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
-    p.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (needed off loopback and with --share)")
-    p.add_argument("--share", action="store_true", help="also serve through a public gradio.live link")
-    p.add_argument("--max-upload-mb", type=float, default=1024.0, help="largest dataset upload in MiB (default 1024)")
-    args = p.parse_args(argv)
-    args.auth_pair = check_access(args.host, args.share, args.auth, p.error)
-    if not 0 < args.port < 65536:
-        p.error(f"--port must be 1..65535, got {args.port}")
-    if args.max_upload_mb <= 0:
-        p.error("--max-upload-mb must be positive")
-    return args
-
-
-def check_access(host: str, share: bool, auth: str | None, fail: object) -> tuple[str, str] | None:
-    """The (user, password) pair; `fail(message)` when the settings would expose the studio
-    without a login or the login is malformed."""
-    pair = None
-    if auth is not None:
-        user, sep, password = auth.partition(":")
-        if not sep or not user or not password:
-            fail("--auth must be USER:PASSWORD with both parts non-empty")  # type: ignore[operator]
-        pair = (user, password)
-    if pair is None and (share or host not in LOOPBACK):
-        where = "--share" if share else f"--host {host}"
-        fail(f"{where} makes the studio reachable from other machines: add --auth USER:PASSWORD")  # type: ignore[operator]
-    return pair
-
-
-def configure_environment() -> None:
-    """Settings that must be in place before Gradio or Hugging Face libraries are imported."""
-    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from studio.files import gradio_tmp_dir
-
-    os.environ["GRADIO_TEMP_DIR"] = str(gradio_tmp_dir())  # uploads stay inside KESTREL_HOME
-
-
-def warm_up() -> None:
-    """Import the heavy modules and read the demo tokenizer in the background, so the first
-    click on a dataset or the memory estimate does not wait for them."""
-    try:
-        import engine.data  # noqa: F401 - imported for its side effect of loading torch
-        from studio.handlers.common import tokenizer_for
-        from studio.handlers.train import _gpu
-
-        tokenizer_for("demo")
-        _gpu()
-    except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first click time
-        logging.getLogger("kestrel.studio").warning("warm-up failed: %s", exc)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_environment()
-    from studio.files import served_dirs
-    from studio.interface import CSS, StudioSettings, build_app, theme
-
-    threading.Thread(target=warm_up, name="warm-up", daemon=True).start()
-    app = build_app(StudioSettings(max_upload_mb=args.max_upload_mb))
-    app.queue(default_concurrency_limit=8)  # twenty polling browsers must not wait in one line
-    app.launch(
-        server_name=args.host, server_port=args.port, auth=args.auth_pair, share=args.share,
-        max_file_size=f"{int(args.max_upload_mb * 1024)}kb", allowed_paths=served_dirs(),
-        ssr_mode=False, mcp_server=False, show_error=False, theme=theme(), css=CSS,
-    )
-    return 0
-
+from kestrel.studio.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

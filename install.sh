@@ -10,3 +10,5 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
 fi
 # llama-cpp-python compiles llama.cpp from source (several minutes on 2 cores, once).
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} python3 -m pip install -q -r requirements.txt
+# Kestrel itself, editable, with the console scripts `kestrel` and `kestrel-studio`.
+python3 -m pip install -q --no-deps --no-build-isolation -e .

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench.kernels as bk  # noqa: E402  (sets KESTREL_KERNELS=triton)
 from bench.common import copy_bandwidth  # noqa: E402
-from kernels import cross_entropy as ce  # noqa: E402
-from kernels._launch import launch  # noqa: E402
+from kestrel.kernels import cross_entropy as ce  # noqa: E402
+from kestrel.kernels._launch import launch  # noqa: E402
 
 try:
     from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel

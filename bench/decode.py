@@ -73,7 +73,7 @@ def build_model(smoke: bool, device: torch.device) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if smoke:
-        from engine.tiny import tiny_model
+        from tests.support.tiny import tiny_model
 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         return tiny_model("llama", 512, seed=0, dtype=dtype).to(device)
@@ -218,7 +218,7 @@ def measure_kestrel(report: Report, model, name: str, batches: list[tuple[int, t
     """One generator on `model`, measured at each (batch, ids); closed afterwards (weights unfused).
 
     `profile`: a folder; batch 1 then also gets a per-token kernel table (`profile_kernels`)."""
-    from engine.decode import Generator
+    from kestrel.decode import Generator
 
     held: dict[str, Any] = {}
 

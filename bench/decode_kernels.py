@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # before bench/kernels.py shadows the package
 
-import kernels.decode_attention as da  # noqa: E402
-import kernels.gemv_fused as gf  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-from kernels.gemv import _gemv_kernel, gemv  # noqa: E402
+from kestrel.kernels.decode import attention as da  # noqa: E402
+from kestrel.kernels.decode import gemv_fused as gf  # noqa: E402
+from kestrel.kernels.decode.attention import decode_attention, decode_attention_reference  # noqa: E402
+from kestrel.kernels.decode.gemv import _gemv_kernel, gemv  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV, D = 4096, 14336, 32, 8, 128
 COPIES, LAUNCHES = 8, 64

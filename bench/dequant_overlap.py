@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import cuda_time  # noqa: E402
-from kernels import nf4  # noqa: E402
+from kestrel.kernels import nf4  # noqa: E402
 
 
 def main() -> None:

@@ -60,7 +60,7 @@ def make_model(folder: Path, shape: dict) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from engine.export.fixtures import train_tokenizer
+    from tests.support.export_fixtures import train_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer("llama3", 4000)
@@ -112,7 +112,7 @@ def run_mode(work: Path, mode: str, quant: str) -> dict:
     """One export in this process; returns times, memory and checks."""
     import torch
 
-    from engine.export import export
+    from kestrel.export import export
 
     stages: dict[str, float] = {}
     start = last = time.perf_counter()

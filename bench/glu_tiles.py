@@ -4,7 +4,7 @@
 
 Session 13 found SwiGLU at 96-97% of the copy rate with 1,024-column tiles at 4 warps, and
 Liger's (one program per whole row) at 99-100%; session 14's run of this sweep chose the shipped
-tiles (`kernels.glu._tiles`). This times the forward and the backward kernels alone
+tiles (`kestrel.kernels.glu._tiles`). This times the forward and the backward kernels alone
 (`triton.testing.do_bench_cudagraph`: launches replayed from a CUDA graph) at the 8B MLP's width
 for every BLOCK in {1024 ... 16384} and warps in {4, 8, 16}, checks every output against the
 shipped configuration, and reports GB/s and the share of the measured copy rate, with Liger's
@@ -27,8 +27,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.common import copy_bandwidth  # noqa: E402
-from kernels import glu  # noqa: E402
-from kernels._launch import launch  # noqa: E402
+from kestrel.kernels import glu  # noqa: E402
+from kestrel.kernels._launch import launch  # noqa: E402
 
 
 def _forward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, gelu: bool, block: int, warps: int) -> None:

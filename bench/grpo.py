@@ -70,7 +70,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
     if args.smoke:
         from transformers import AutoTokenizer
 
-        from engine.tiny import tiny_model
+        from tests.support.tiny import tiny_model
 
         folder = Path(tempfile.gettempdir()) / "kestrel-bench" / "grpo-smoke"
         if not (folder / "config.json").exists():
@@ -85,11 +85,11 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 
 def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) -> dict[str, Any]:
-    from engine.config import config_from_dict
-    from engine.grpo import trainer
-    from engine.grpo.rollout import Rollouts
-    from engine.metrics import Callback
-    from engine.train import run
+    from kestrel.config import config_from_dict
+    from kestrel.training.grpo import trainer
+    from kestrel.training.grpo.rollout import Rollouts
+    from kestrel.training.metrics import Callback
+    from kestrel.training.run import run
 
     work = Path(tempfile.mkdtemp(prefix="kestrel-grpo-"))
     data = work / "prompts.jsonl"

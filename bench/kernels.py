@@ -37,17 +37,17 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
 
 from bench.common import copy_bandwidth  # noqa: E402
-from kernels.glu import geglu, swiglu  # noqa: E402
-from kernels.rms_norm import rms_norm  # noqa: E402
-from kernels.rope import rope_  # noqa: E402
+from kestrel.kernels.glu import geglu, swiglu  # noqa: E402
+from kestrel.kernels.rms_norm import rms_norm  # noqa: E402
+from kestrel.kernels.rope import rope_  # noqa: E402
 
 try:
-    from kernels.cross_entropy import fused_linear_cross_entropy
+    from kestrel.kernels.cross_entropy import fused_linear_cross_entropy
 except ImportError:
     fused_linear_cross_entropy = None
 try:
-    from kernels.lora import LoRAWeights
-    from kernels.mlp import lora_mlp
+    from kestrel.kernels.lora.lora import LoRAWeights
+    from kestrel.kernels.lora.mlp import lora_mlp
 except ImportError:
     LoRAWeights = lora_mlp = None
 try:
@@ -443,8 +443,8 @@ def main() -> None:
         "liger_kernel": liger is not None,
         "cut_cross_entropy": cce_loss is not None, "copy_gbs": copy_gbs,
         "missing": [n for n, m in (("liger_kernel", liger), ("cut_cross_entropy", cce_loss),
-                                   ("kernels.cross_entropy", fused_linear_cross_entropy),
-                                   ("kernels.lora", lora_mlp)) if m is None],
+                                   ("kestrel.kernels.cross_entropy", fused_linear_cross_entropy),
+                                   ("kestrel.kernels.lora.lora", lora_mlp)) if m is None],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2))

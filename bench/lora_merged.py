@@ -1,5 +1,5 @@
 """The QLoRA projections at the 8B shape with the adapter merged into the dequantized weight
-(`kernels.nf4_lora`) or added separately.
+(`kestrel.kernels.lora.nf4_lora`) or added separately.
 
     python bench/lora_merged.py --out lora_merged.json
 
@@ -21,11 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-import kernels.lora as lora_module  # noqa: E402
+from kestrel.kernels.lora import lora as lora_module  # noqa: E402
 from bench.common import cuda_time  # noqa: E402
-from kernels import nf4, nf4_lora  # noqa: E402
-from kernels.lora import LoRAWeights  # noqa: E402
-from kernels.mlp import lora_mlp  # noqa: E402
+from kestrel.kernels import nf4
+from kestrel.kernels.lora import nf4_lora  # noqa: E402
+from kestrel.kernels.lora.lora import LoRAWeights  # noqa: E402
+from kestrel.kernels.lora.mlp import lora_mlp  # noqa: E402
 
 H, I, R, M = 4096, 14336, 16, 4096
 

@@ -177,7 +177,7 @@ def sample_lengths(layout: str, n_batches: int, seed: int) -> list[int]:
 
 def make_samples(layout: str, vocab: int, n_batches: int, seed: int) -> list[Any]:
     """The layout's samples with random token ids (labels = input ids)."""
-    from engine.data.tokenize import Sample
+    from kestrel.data.tokenize import Sample
 
     rng = random.Random(f"ids:{layout}:{seed}")
     samples = []
@@ -190,7 +190,7 @@ def make_samples(layout: str, vocab: int, n_batches: int, seed: int) -> list[Any
 def plan_batches(layout: str, vocab: int, flat: bool, n_batches: int, seed: int) -> list[Any]:
     """`n_batches` batches (on the CPU) of the layout through `BatchPlan` (`flat`: Kestrel's varlen
     rows). Without `flat`: padded rows with a mask, packed rows with restarting position_ids, a plain row."""
-    from engine.data.collate import BatchPlan
+    from kestrel.data.collate import BatchPlan
 
     lay = LAYOUTS[layout]
     samples = make_samples(layout, vocab, n_batches, seed)
@@ -229,14 +229,14 @@ def useful_flops(b: Any, cfg: dict[str, Any]) -> float:
 # --- One (cell, system), in its own process ---------------------------------------------------
 
 def kestrel_model(folder: Path, method: str, seq: int, cuda_graphs: str) -> tuple[Any, bool, Any]:
-    """Kestrel as the product sets it up (`engine.sft`): loaded and patched, `runs_varlen` read
+    """Kestrel as the product sets it up (`kestrel.training.sft`): loaded and patched, `runs_varlen` read
     for the batch plan, LoRA attached, offloaded checkpointing with the run's CUDA-graph chooser."""
     from bench.train import TARGETS
-    from engine.checkpointing import set_gradient_checkpointing
-    from engine.config import LoraSettings
-    from engine.loader import load
-    from engine.lora import attach_lora
-    from engine.patching import runs_varlen
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+    from kestrel.model.patching import runs_varlen
 
     model, _ = load(str(folder), seq, load_in_4bit=method == "qlora", dtype="bf16")
     flat = runs_varlen(model)

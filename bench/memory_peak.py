@@ -5,7 +5,7 @@
 Runs two warm-up steps, then records one step with torch's CUDA allocator history
 (`torch.cuda.memory._record_memory_history`). Replays the allocation events to find the moment
 the allocated bytes peak, and reports the blocks alive then that were allocated during the step,
-grouped by the innermost frame of ours (engine/, kernels/, bench/) or else the innermost frame,
+grouped by the innermost frame of ours (kestrel/, bench/) or else the innermost frame,
 plus the baseline allocated before the step (weights, optimizer state, workspaces).
 
 `--reserved` records from before the model is built through the third step (no warm-up: CUDA
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.train import add_model_args, warmed_step  # noqa: E402
-from engine.checkpointing import recompute_of  # noqa: E402
+from kestrel.recompute.checkpoint import recompute_of  # noqa: E402
 
-_OURS = ("/engine/", "/kernels/", "/bench/")
+_OURS = ("/kestrel/", "/bench/")
 
 
 def _site(frames: list[dict]) -> str:

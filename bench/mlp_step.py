@@ -5,7 +5,7 @@ NF4 gate/up/down (4096 -> 14336 -> 4096), r = 16 adapters in fp32 (PEFT's), 2 x 
 - `recompute_backward_ms`: the recompute (output discarded) and the backward through it;
 - `attention_merged_ms`: the no-grad merged Q/K/V and O projections of the same layer.
 Median of CUDA-event timings, with the cast adapter copies kept (as between optimizer steps).
-Imports `kernels` from the working directory, so the same script times another tree:
+Imports `kestrel.kernels` from the working directory, so the same script times another tree:
 
     python bench/mlp_step.py --out mlp_step.json
     cd old_tree && PYTHONPATH=$PWD python ../bench/mlp_step.py --out ../mlp_step_old.json
@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path.cwd()))
 
 from bench.common import cuda_time  # noqa: E402
-from kernels.lora import LoRAWeights, lora_linear, lora_qkv  # noqa: E402
-from kernels.mlp import lora_mlp  # noqa: E402
+from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_qkv  # noqa: E402
+from kestrel.kernels.lora.mlp import lora_mlp  # noqa: E402
 
 H, I, R, M = 4096, 14336, 16, 4096
 

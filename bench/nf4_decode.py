@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import copy_bandwidth  # noqa: E402
 from bench.decode import Report, build_model, guarded, kestrel_runner, measure, prompts, quantize_nf4  # noqa: E402
-from kernels import nf4_gemv  # noqa: E402
+from kestrel.kernels.decode import nf4_gemv  # noqa: E402
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
@@ -71,7 +71,7 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 def step_bytes(backend: Any, batch: int, context: int) -> int:
     """Bytes one decode step of `batch` rows reads at a mean cache length of `context` columns."""
-    from engine.decode.projections import base_module
+    from kestrel.decode.projections import base_module
 
     total = 0
     for g in backend.groups:
@@ -147,7 +147,7 @@ class Bench:
     def variant(self, model: torch.nn.Module, name: str, batches: list | None = None, modules: bool = False,
                 **kw: Any) -> None:
         """One generator (`kw`: Generator options; `modules`: NF4 groups called as modules)."""
-        from engine.decode import Generator
+        from kestrel.decode import Generator
 
         gen = Generator(model, stop_ids=[], max_seq_len=self.max_seq_len, **kw)
         if modules:
@@ -155,7 +155,7 @@ class Bench:
                 g.nf4 = None
         self.tokens[name] = {}
         for batch, ids in batches or self.batches:
-            guarded(self.report, name, batch, lambda batch=batch, ids=ids: self.one(gen, name, batch, ids))
+            guarded(self.report, name, batch, lambda batch=batch, ids=ids, gen=gen: self.one(gen, name, batch, ids))
         gen.close()
         del gen
         gc.collect()

@@ -6,7 +6,7 @@ For q/k/v (three members, 6144 x 4096), o (4096 x 4096), gate/up (two members, 2
 down (4096 x 14336), at M = 1, 8 and 16 rows: every tile shape of a grid around the model's
 candidates, the model's own choice (`choose_tiles`), and for reference bitsandbytes (its 4-bit
 GEMV at one row, dequantize + GEMM above; one call per member) and the bf16 product over the
-dequantized weight (`kernels.gemv.linear`). Kernel time only: R launches over R copies of the
+dequantized weight (`kestrel.kernels.decode.gemv.linear`). Kernel time only: R launches over R copies of the
 weight (more bytes than L2 holds, so none is read from it) captured in one CUDA graph, replayed;
 time per launch = replay time / R. GB/s counts the bytes the kernel reads of the weight
 (packed + fp32 absmax). The kernels are compiled first in parallel worker processes (Triton's
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kernels.nf4_gemv import MAX_ROWS, Tiles, choose_tiles, nf4_gemv, nf4_weight, tile_cost  # noqa: E402
+from kestrel.kernels.decode.nf4_gemv import MAX_ROWS, Tiles, choose_tiles, nf4_gemv, nf4_weight, tile_cost  # noqa: E402
 
 SHAPES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gate_up": ((14336, 14336), 4096),
           "down": ((4096,), 14336)}
@@ -109,7 +109,7 @@ def graph_time_us(fns: list) -> float:
 
 def sweep_shape(name: str, sms: int) -> list[dict]:
     import bitsandbytes as bnb
-    from kernels.gemv import linear
+    from kestrel.kernels.decode.gemv import linear
 
     sizes, k = SHAPES[name]
     first, members = make_weight(sizes, k)

@@ -8,16 +8,16 @@ absmax, r = 16 adapters in fp32 (PEFT's dtype). Every merged variant's output is
 fp64 math: `err/bound` must stay below 1 (bound: bf16 rounding of W' plus bf16-operand products).
 
 Variants of the merged kernel:
-- `tiled`: kernels.nf4_lora's kernel (bytes decoded as (BI, BJ/2) pairs, joined, reshaped to
+- `tiled`: kestrel.kernels.nf4_lora's kernel (bytes decoded as (BI, BJ/2) pairs, joined, reshaped to
   (BI, NB, 64) for the block scales), the rank-r tl.dot on fp32 operands or on bf16 ones. (The
   session-7 sweep in bench/RESULTS.md also had TF32 operands, 3-5% behind bf16; the kernel kept
   bf16 for 16-bit outputs and exact fp32 for fp32 ones.)
 - `flat`: each output element decodes its own nibble (byte j // 2, high or low by parity) and
   gathers its block scale, with no join or reshape, so the values can be formed in whatever
   layout the tl.dot result has.
-Also the plain kernel (kernels.nf4) over quant-blocks-per-program and warps, and bitsandbytes.
+Also the plain kernel (kestrel.kernels.nf4) over quant-blocks-per-program and warps, and bitsandbytes.
 `--quick`: the two MLP shapes and the tiled bf16 configs only, each with the adapter given in
-fp32 (as PEFT holds it) and in bf16 (as `kernels.lora_casts` keeps it cast once a step).
+fp32 (as PEFT holds it) and in bf16 (as `kestrel.kernels.lora.casts` keeps it cast once a step).
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels import nf4, nf4_lora  # noqa: E402
-from kernels._launch import launch  # noqa: E402
-from kernels.nf4 import block_scales  # noqa: E402
+from kestrel.kernels import nf4
+from kestrel.kernels.lora import nf4_lora  # noqa: E402
+from kestrel.kernels._launch import launch  # noqa: E402
+from kestrel.kernels.nf4 import block_scales  # noqa: E402
 
 R = 16
 SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096))

@@ -52,11 +52,11 @@ def _set_adapters(model: torch.nn.Module, b_std: float) -> None:
 
 
 def _kestrel(folder: Path, args: argparse.Namespace, off: list[str]):
-    from engine.checkpointing import set_gradient_checkpointing
-    from engine.config import LoraSettings
-    from engine.loader import load
-    from engine.lora import attach_lora
-    from engine.patching import PatchFlags
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+    from kestrel.model.patching import PatchFlags
 
     flags = PatchFlags(**{name: False for name in off})
     model, _ = load(str(folder), args.seq, load_in_4bit=args.method == "qlora", dtype="bf16", patch=flags)

@@ -280,7 +280,7 @@ def main() -> None:
     prof.export_chrome_trace(trace_path)
     report = f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}\n" + slack
     if args.impl == "kestrel":
-        from engine.checkpointing import recompute_of
+        from kestrel.recompute.checkpoint import recompute_of
 
         run = recompute_of(step.model)
         report += f"decoder-layer CUDA graphs: {run.graphs.stats() if run else None}\n"

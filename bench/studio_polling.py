@@ -3,7 +3,7 @@
 A training job runs through `jobs` (its own worker process, as from the studio) three times on
 the same config: alone, with `--sessions` poller processes, and alone again (the two quiet runs
 bound the run-to-run noise). Each poller does what one open Runs tab does every `POLL_S` second:
-the job list, the chart series (downsampled, as `studio.handlers.runs.chart_frames` asks) and the
+the job list, the chart series (downsampled, as `kestrel.studio.handlers.runs.chart_frames` asks) and the
 log tail, through the same `jobs` functions the handler calls (the studio's gradio/pandas
 formatting runs in the studio process on the CPU and is left out). Throughput is the median of
 the per-step `tokens_per_s` the worker wrote to the store, warm-up steps excluded.
@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-POLL_S = 1.0  # studio.components.runs.POLL_S
-CHART_POINTS = 500  # studio.handlers.runs.CHART_POINTS
-LOG_LINES = 60  # studio.handlers.runs.LOG_LINES
+POLL_S = 1.0  # kestrel.studio.components.runs.POLL_S
+CHART_POINTS = 500  # kestrel.studio.handlers.runs.CHART_POINTS
+LOG_LINES = 60  # kestrel.studio.handlers.runs.LOG_LINES
 
 
 def _model_dir(root: Path, hidden: int) -> Path:
@@ -37,8 +37,8 @@ def _model_dir(root: Path, hidden: int) -> Path:
     interference would show)."""
     from transformers import AutoTokenizer
 
-    from engine.paths import ASSETS
-    from engine.tiny import tiny_model
+    from kestrel.paths import ASSETS
+    from tests.support.tiny import tiny_model
 
     folder = root / "model"
     if not (folder / "config.json").exists():
@@ -53,7 +53,7 @@ def _model_dir(root: Path, hidden: int) -> Path:
 def _poller(home: str, stop_at: float) -> int:
     """One browser tab's Runs polling until `stop_at`; returns how many polls it made."""
     os.environ["KESTREL_HOME"] = home
-    import jobs
+    from kestrel import jobs
 
     polls = 0
     while time.time() < stop_at:
@@ -69,7 +69,7 @@ def _poller(home: str, stop_at: float) -> int:
 
 
 def _train_once(model: Path, args: argparse.Namespace, sessions: int) -> dict:
-    import jobs
+    from kestrel import jobs
 
     config = dict(model=str(model), method="lora", dataset="arithmetic_chat", max_seq_length=args.seq, packing=True,
                   batch_size=8, max_steps=args.steps, learning_rate=1e-4, save_steps=0, seed=0,

@@ -82,10 +82,10 @@ def build(impl: str, folder: Path, args: argparse.Namespace):
             model, r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, bias="none",
             use_gradient_checkpointing={"offload": "unsloth", "standard": True, "off": False}[args.checkpointing],
         )
-    from engine.checkpointing import set_gradient_checkpointing
-    from engine.config import LoraSettings
-    from engine.loader import load
-    from engine.lora import attach_lora
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
 
     model, _ = load(str(folder), args.seq, load_in_4bit=args.method == "qlora", dtype="bf16")
     for p in model.parameters():
@@ -168,7 +168,7 @@ def _import_first(impl: str) -> None:
     Unsloth sets torch's CUDA allocator to expandable segments on import, which only counts
     when torch's allocator has not started yet."""
     if impl == "kestrel":
-        import engine  # noqa: F401
+        import kestrel  # noqa: F401
     elif impl == "unsloth":
         import unsloth  # noqa: F401
 
@@ -224,7 +224,7 @@ def _graph_stats(impl: str, model) -> dict:
     the run's choice for each batch layout."""
     if impl != "kestrel":
         return {}
-    from engine.checkpointing import recompute_of
+    from kestrel.recompute.checkpoint import recompute_of
 
     run = recompute_of(model)
     if run is None:

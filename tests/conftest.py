@@ -1,5 +1,6 @@
-"""Suite-wide settings: Triton's interpreter on machines without CUDA, the `gpu` marker, and a
-private KESTREL_HOME for every test session."""
+"""Suite-wide settings (Triton's interpreter on machines without CUDA, the `gpu` marker, a private
+KESTREL_HOME for every test session) and the fixtures many rooms share: tiny models of each
+family saved as local folders, fake pinned memory."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import tempfile
 
 # Triton reads TRITON_INTERPRET when it is first imported, so this must run before any test
-# module imports `kernels`. On a GPU machine the compiled kernels run instead.
+# module imports `kestrel.kernels`. On a GPU machine the compiled kernels run instead.
 if os.environ.get("KESTREL_TEST_CUDA", "auto") == "off" or not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KESTREL_HOME", tempfile.mkdtemp(prefix="kestrel-test-home-"))
@@ -18,6 +19,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import mmap  # noqa: E402
+from pathlib import Path  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from kestrel.recompute import host_memory  # noqa: E402
+from kestrel.recompute.host_memory import _PinnedPool  # noqa: E402
+from kestrel.paths import ASSETS  # noqa: E402
+from tests.support.tiny import tiny_model  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,3 +41,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- Tiny models of each family saved as local folders; fake pinned memory -------------------
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    return AutoTokenizer.from_pretrained(ASSETS / "demo")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer):
+    """`tiny_model_dir(family)` -> a folder holding a tiny random model and the demo tokenizer."""
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            tiny_model(family, len(demo_tokenizer), seed=0).save_pretrained(folder)
+            demo_tokenizer.save_pretrained(folder)
+            made[family] = folder
+        return made[family]
+
+    return make
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """Registered pointer -> registered bytes, kept by fake `cudaHostRegister`/`Unregister`; pools
+    for any device (CPU included), in a fresh pool table."""
+    registered: dict[int, int] = {}
+
+    def register(ptr: int, nbytes: int) -> int:
+        assert ptr % mmap.PAGESIZE == 0 and nbytes % mmap.PAGESIZE == 0 and ptr not in registered
+        registered[ptr] = nbytes
+        return 0
+
+    def unregister(ptr: int) -> int:
+        return 0 if registered.pop(ptr, None) is not None else 713  # cudaErrorHostMemoryNotRegistered
+
+    pools: dict[torch.device, _PinnedPool] = {}
+    monkeypatch.setattr(host_memory, "_register_host", register)
+    monkeypatch.setattr(host_memory, "_unregister_host", unregister)
+    monkeypatch.setattr(host_memory, "_POOLS", pools)
+    monkeypatch.setattr(host_memory, "_pool_for", lambda d: pools.setdefault(d, _PinnedPool(d)))
+    return registered

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import runner, store
+from kestrel.jobs import runner, store
 from tests.jobs.jobkit import stop_workers
 
 HERE = Path(__file__).resolve().parent

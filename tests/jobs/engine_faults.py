@@ -17,23 +17,23 @@ from typing import Any
 
 import torch
 
-import engine.sft
-from engine.train import TrainResult, run
+from kestrel.training import sft
+from kestrel.training.run import TrainResult, run
 
 
 def _run_with_step_hook(hook: Any, config: Any, callbacks: list[Any] | None) -> TrainResult:
     """`run` with `hook(step)` called before every SFT step (`step` counts from 0)."""
-    real_step = engine.sft.train_step
+    real_step = sft.train_step
 
     def train_step(s: Any, step: int) -> dict[str, float]:
         hook(step)
         return real_step(s, step)
 
-    engine.sft.train_step = train_step
+    sft.train_step = train_step
     try:
         return run(config, callbacks)
     finally:
-        engine.sft.train_step = real_step
+        sft.train_step = real_step
 
 
 def run_oom(config: Any, callbacks: list[Any] | None = None) -> TrainResult:

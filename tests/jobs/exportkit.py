@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-import jobs
-from jobs.models import COMPLETED, Job
-from jobs.store import reset_engines, session
+from kestrel import jobs
+from kestrel.jobs.models import COMPLETED, Job
+from kestrel.jobs.store import reset_engines, session
 
 
 def lora_run(folder: Path) -> Path:
@@ -24,10 +24,10 @@ def lora_run(folder: Path) -> Path:
     and the export's checks compare against exactly that change."""
     import torch
 
-    from engine.checkpoints import save_weights
-    from engine.config import LoraSettings, config_from_dict
-    from engine.loader import load
-    from engine.lora import attach_lora
+    from kestrel.training.checkpoints import save_weights
+    from kestrel.config import LoraSettings, config_from_dict
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
 
     model, tokenizer = load("demo", 256, patch=False)
     model = attach_lora(model, LoraSettings(r=4, alpha=8))

@@ -1,7 +1,7 @@
-"""A stand-in for `engine.train.run` that keeps its contract and costs no model: the worker runs
+"""A stand-in for `kestrel.training.run.run` that keeps its contract and costs no model: the worker runs
 it when KESTREL_ENGINE_ENTRY=fake_engine:run (tests/jobs is put on the worker's PYTHONPATH).
 
-Contract kept (see engine/train.py, engine/sft.py): resumes from the newest
+Contract kept (see kestrel/training/run.py, kestrel/training/sft.py): resumes from the newest
 `checkpoints/step-NNNNNN` in output_dir; reports metrics at every step, polls `should_stop`, then
 checkpoints every `save_steps` or when asked to stop (written to `step-N.tmp` and renamed, so a
 failed write leaves the previous one intact) and returns cancelled/interrupted; saves `adapter/`
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import KestrelError, OutOfMemoryError, oom_message
+from kestrel.errors import KestrelError, OutOfMemoryError, oom_message
 
 METRIC_NAMES = ("loss", "lr", "grad_norm", "tokens_per_s")
 

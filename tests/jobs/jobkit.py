@@ -10,9 +10,9 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from jobs import queries, runner
-from jobs.models import CANCELLED, FINISHED, QUEUED, RUNNING, Job, Metric
-from jobs.store import session
+from kestrel.jobs import queries, runner
+from kestrel.jobs.models import CANCELLED, FINISHED, QUEUED, RUNNING, Job, Metric
+from kestrel.jobs.store import session
 
 
 def config(**overrides: Any) -> dict[str, Any]:

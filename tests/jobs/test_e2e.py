@@ -2,7 +2,7 @@
 submitter, lose their worker and resume, stop, run out of memory, fill the disk.
 
 Each worker imports torch and transformers and loads the demo model, so these take seconds each;
-faults are injected by tests/jobs/engine_faults.py around the real `engine.train.run`.
+faults are injected by tests/jobs/engine_faults.py around the real `kestrel.training.run.run`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-import jobs
+from kestrel import jobs
 from jobkit import config, job, steps, wait_for, wait_status, wait_step
-from jobs import runner, store
-from jobs.models import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, Metric
+from kestrel.jobs import runner, store
+from kestrel.jobs.models import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, Metric
 
 REPORTED = {"loss", "lr", "grad_norm", "tokens_per_s", "epoch", "elapsed_s", "eta_s"}
 SLOW = 600.0  # generous deadlines: a loaded CI machine trains the demo at ~1 step a second
@@ -55,7 +55,7 @@ def _jsonl_steps(output_dir: str) -> list[int]:
 
 
 SUPERVISOR = """
-import jobs
+from kestrel import jobs
 job_id = jobs.submit({cfg!r})
 print(job_id, flush=True)
 for chunk in jobs.follow_log(job_id):
@@ -83,7 +83,7 @@ def test_demo_job_completes_after_its_submitter_is_killed(monkeypatch: pytest.Mo
     # The engine keeps the newest two checkpoints; rows of removed ones are pruned.
     assert [a.step for a in jobs.list_artifacts(job_id, "checkpoint")] == [8, 12]
     assert {a.kind for a in jobs.list_artifacts(job_id)} >= {"adapter", "checkpoint", "config", "log", "metrics"}
-    shown = subprocess.run([sys.executable, "-m", "jobs", "show", str(job_id), "--json"],
+    shown = subprocess.run([sys.executable, "-m", "kestrel", "jobs", "show", str(job_id), "--json"],
                            capture_output=True, text=True, check=True)
     summary = json.loads(shown.stdout)
     assert {k: summary[k] for k in ("id", "status", "step", "total_steps", "error")} == {

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-import jobs
-from engine.errors import ConfigError
+from kestrel import jobs
+from kestrel.errors import ConfigError
 from exportkit import completed_run, lora_run, sha256
 from jobkit import config, job, wait_for, wait_status, wait_step
-from jobs import store
-from jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, QUEUED, RUNNING, Job
+from kestrel.jobs import store
+from kestrel.jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, QUEUED, RUNNING, Job
 
 SLOW = 300.0  # each export worker imports torch and loads the demo model: seconds on a busy CPU
 
@@ -70,7 +70,8 @@ def test_export_job_writes_checked_files_with_progress_and_artifacts(lora_dir: P
 
 
 SUBMITTER = """
-import sys, time, jobs
+import sys, time
+from kestrel import jobs
 print(jobs.submit({cfg!r}), flush=True)
 time.sleep(600)
 """
@@ -189,7 +190,7 @@ def test_a_running_export_stops_on_cancel_leaving_no_partial_file(lora_dir: Path
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobs", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kestrel", "jobs", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_command_line_export_and_export_yaml(tmp_path: Path) -> None:

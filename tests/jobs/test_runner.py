@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-import jobs
-from engine.errors import ConfigError
+from kestrel import jobs
+from kestrel.errors import ConfigError
 from jobkit import config, job, steps, wait_for, wait_status, wait_step
-from jobs import runner, store
-from jobs.models import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, Job, Metric
+from kestrel.jobs import runner, store
+from kestrel.jobs.models import CANCELLED, COMPLETED, FAILED, INTERRUPTED, QUEUED, RUNNING, Job, Metric
 
 
 def test_submit_runs_to_completion_with_every_step_and_artifacts() -> None:
@@ -47,7 +47,7 @@ def test_malformed_configs_are_rejected_at_submit_naming_the_key(tmp_path: Path)
         jobs.submit(config(max_steps=0))
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: demo\nlearnin_rate: 0.1\n")
-    cli = subprocess.run([sys.executable, "-m", "jobs", "submit", str(bad)], capture_output=True, text=True)
+    cli = subprocess.run([sys.executable, "-m", "kestrel", "jobs", "submit", str(bad)], capture_output=True, text=True)
     assert cli.returncode == 2 and "learnin_rate" in cli.stderr and cli.stdout == ""
     assert jobs.list_jobs() == []
 
@@ -137,7 +137,8 @@ def test_killed_worker_is_interrupted_within_15_s_and_resume_finishes(monkeypatc
 
 
 SUPERVISOR = """
-import sys, jobs
+import sys
+from kestrel import jobs
 job_id = jobs.submit({cfg!r})
 print(job_id, flush=True)
 for chunk in jobs.follow_log(job_id):
@@ -225,7 +226,7 @@ def test_delete_refuses_a_running_job(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_worker_refuses_a_job_it_was_not_started_for() -> None:
-    from jobs import worker
+    from kestrel.jobs import worker
 
     job_id = jobs.submit(config(), start=False)
     assert worker.run_job(job_id) == 2 and job(job_id).status == QUEUED
@@ -243,14 +244,14 @@ def test_a_crashed_launch_window_is_settled_after_the_heartbeat_goes_stale() -> 
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobs", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kestrel", "jobs", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_command_line_interface(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_STEP_S", "0.05")
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: demo\ndataset: arithmetic_chat\nmax_steps: 30\nsave_steps: 5\n")
-    submitted = _cli("submit", str(cfg), "--max_steps", "20")  # overrides as in `python -m engine train`
+    submitted = _cli("submit", str(cfg), "--max_steps", "20")  # overrides as in `python -m kestrel train`
     assert submitted.returncode == 0, submitted.stderr
     job_id = int(submitted.stdout)
     queued = int(_cli("submit", str(cfg), "--max_steps", "3").stdout)

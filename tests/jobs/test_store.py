@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, text
 
-from engine.errors import KestrelError
-from jobs import queries, store
-from jobs.models import QUEUED, RUNNING, SCHEMA_VERSION, Job, Metric
+from kestrel.errors import KestrelError
+from kestrel.jobs import queries, store
+from kestrel.jobs.models import QUEUED, RUNNING, SCHEMA_VERSION, Job, Metric
 
 
 def _add_job(status: str = QUEUED, **kw: object) -> int:
@@ -180,8 +180,8 @@ def test_folder_checksum_covers_names_and_contents(tmp_path: Path) -> None:
 
 
 def test_db_callback_implements_the_engine_callback_interface() -> None:
-    from engine.metrics import Callback
-    from jobs.worker import DbCallback
+    from kestrel.training.metrics import Callback
+    from kestrel.jobs.worker import DbCallback
 
     for name, method in inspect.getmembers(Callback, inspect.isfunction):
         if not name.startswith("_"):

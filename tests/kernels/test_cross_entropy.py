@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cross_entropy as ce
-from kernels.cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
+from kestrel.kernels import cross_entropy as ce
+from kestrel.kernels.cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
 
 N, H, V = 37, 96, 1000  # V is not a multiple of the vocab block (512 below)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_reference, splits_for
+from kestrel.kernels.decode.attention import decode_attention, decode_attention_reference, splits_for
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gemv import gemv, gemv_applies, linear
+from kestrel.kernels.decode.gemv import gemv, gemv_applies, linear
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # (N, K): tiny, a K that is no power of two, N not a multiple of any block, K past one 2048 block
@@ -89,8 +89,8 @@ def test_torch_backend_never_launches(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_programmatic_dependent_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """PDL only on a Hopper-or-later CUDA device, never interpreted, never with KESTREL_PDL=0; the
     launch keywords carry Triton's `launch_pdl` only when on."""
-    from kernels import _utils
-    from kernels.gemv import k_launch
+    from kestrel.kernels import _utils
+    from kestrel.kernels.decode.gemv import k_launch
 
     assert not _utils.pdl(torch.device("cpu"))
     assert k_launch(4096, device=torch.device("cpu")) == {"BLOCK_K": 2048, "num_stages": 1, "PDL": False}

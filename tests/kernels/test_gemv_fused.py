@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gemv_fused import embed_start, glu, qkv_rope_cache, residual
+from kestrel.kernels.decode.gemv_fused import embed_start, glu, qkv_rope_cache, residual
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -190,7 +190,7 @@ def test_cuda_8b_shapes_many_launches() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embed_start_and_normed_head(dtype: torch.dtype, poisoned) -> None:
     """embed_start's (x, u, sums) then gemv's `norm` with float32 output = lm_head(RMSNorm(E[tok]))."""
-    from kernels.gemv import gemv
+    from kestrel.kernels.decode.gemv import gemv
 
     gen = torch.Generator().manual_seed(3)
     emb = torch.randn(11, 40, generator=gen, dtype=torch.float64)

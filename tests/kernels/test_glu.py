@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from kernels import glu
-from kernels.glu import geglu, geglu_reference, swiglu, swiglu_reference
+from kestrel.kernels import glu
+from kestrel.kernels.glu import geglu, geglu_reference, swiglu, swiglu_reference
 from tests.kernels.tolerance import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"

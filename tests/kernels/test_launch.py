@@ -1,4 +1,4 @@
-"""kernels._launch: Triton's own launch for the first call of each specialisation, the compiled
+"""kestrel.kernels._launch: Triton's own launch for the first call of each specialisation, the compiled
 kernel directly afterwards, and never a cached kernel where Triton could have picked another.
 
 A stand-in kernel records calls (the real path needs a GPU; the GPU-marked kernel tests run it)."""
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import _launch
+from kestrel.kernels import _launch
 
 
 class FakeCompiled:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cross_entropy as ce
-from kernels.cross_entropy import chunked_token_logprobs, token_logprobs_reference
+from kestrel.kernels import cross_entropy as ce
+from kestrel.kernels.cross_entropy import chunked_token_logprobs, token_logprobs_reference
 
 N, H, V = 37, 96, 1000
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

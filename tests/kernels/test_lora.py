@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import nf4
-from kernels.lora import LoRAWeights, lora_linear, lora_qkv
-from kernels.mlp import lora_mlp
+from kestrel.kernels import nf4
+from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_qkv
+from kestrel.kernels.lora.mlp import lora_mlp
 
 peft = pytest.importorskip("peft")
 
@@ -336,7 +336,7 @@ def test_discarded_mlp_output_keeps_every_gradient(
     # backward together in 3 full chunks and a partial one. In one chunk it would not: then the
     # down product is skipped and h is kept, not formed again. Either way x's and every
     # adapter's gradient are those of PEFT's MLP.
-    import kernels.mlp as mlp_module
+    from kestrel.kernels.lora import mlp as mlp_module
 
     monkeypatch.setenv("KESTREL_KERNELS", backend)
     monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", rows)
@@ -362,7 +362,7 @@ def test_discarded_mlp_output_keeps_every_gradient(
 def test_deferring_pays_only_where_it_lowers_the_peak() -> None:
     # The Llama-8B MLP over NF4: keeping W'_g and W'_u (2 x 4096 x 14336) beats keeping E, G, h
     # for every row only beyond 2048 + 2 x 4096 / 3 rows; over a 16-bit base beyond one chunk.
-    import kernels.mlp as mlp_module
+    from kestrel.kernels.lora import mlp as mlp_module
 
     def proj(out: int, inp: int, nf4_base: bool) -> LoRAWeights:
         meta = torch.empty(out, inp, device="meta")
@@ -377,7 +377,7 @@ def test_deferring_pays_only_where_it_lowers_the_peak() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deferred_mlp_in_16_bit_matches_peft(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.mlp as mlp_module
+    from kestrel.kernels.lora import mlp as mlp_module
 
     monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 5)  # 14 tokens: deferred, in 3 chunks
     block = _peft_block(dtype)

@@ -1,12 +1,12 @@
-"""kernels.lora_casts: 16-bit copies of adapter weights reused until the weight may have changed."""
+"""kestrel.kernels.lora.casts: 16-bit copies of adapter weights reused until the weight may have changed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import lora_casts
-from kernels.lora_casts import cast, mm_to, stacked
+from kestrel.kernels.lora import casts as lora_casts
+from kestrel.kernels.lora.casts import cast, mm_to, stacked
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ update's effect (bench/RESULTS.md, QLoRA "Session 13"). The fused path rounds on
 epilogue; for NF4: W' = W + s B A formed in fp32 and rounded once), so the change of the output is
 unbiased: over many elements, y(B) - y(0) regresses on the exact d with slope 1. A path that
 drops small updates shows slope 0. On CUDA only the NF4 path rounds once (cuBLAS rounds before its
-epilogue adds: see `kernels.lora`, "Rounding").
+epilogue adds: see `kestrel.kernels.lora.lora`, "Rounding").
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import nf4
-from kernels.lora import LoRAWeights, lora_linear, lora_qkv
-from kernels.mlp import lora_mlp
+from kestrel.kernels import nf4
+from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_qkv
+from kestrel.kernels.lora.mlp import lora_mlp
 
 bnb = pytest.importorskip("bitsandbytes")
 

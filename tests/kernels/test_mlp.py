@@ -1,4 +1,4 @@
-"""kernels.mlp's gate store: a checkpoint's first pass hands the gate product E to the store, and
+"""kestrel.kernels.lora.mlp's gate store: a checkpoint's first pass hands the gate product E to the store, and
 its recompute takes E back instead of computing it, with the gradients unchanged."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.lora as lora_module
-import kernels.mlp as mlp_module
-from kernels.mlp import lora_mlp
+from kestrel.kernels.lora import lora as lora_module
+from kestrel.kernels.lora import mlp as mlp_module
+from kestrel.kernels.lora.mlp import lora_mlp
 from tests.kernels.test_lora import MLP, _adapter_params, _close, _peft_block, _peft_mlp, _run, _weights, _x
 
 
@@ -31,7 +31,7 @@ class _Store:
 
 
 def _gate_products(monkeypatch: pytest.MonkeyPatch, gate_a: torch.Tensor) -> list[int]:
-    """Rows of every gate product formed from now on (a spy on kernels.lora._expand)."""
+    """Rows of every gate product formed from now on (a spy on kestrel.kernels.lora._expand)."""
     rows: list[int] = []
     real = lora_module._expand
 

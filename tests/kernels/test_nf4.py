@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import nf4
+from kestrel.kernels import nf4
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 

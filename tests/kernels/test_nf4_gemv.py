@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from kernels import nf4
-from kernels.nf4_gemv import (
+from kestrel.kernels import nf4
+from kestrel.kernels.decode.nf4_gemv import (
     MAX_ROWS, Tiles, applies, choose_tiles, dequantized, nf4_gemv, nf4_gemv_reference, nf4_weight, tile_cost,
 )
 from tests.kernels.tolerance import assert_close

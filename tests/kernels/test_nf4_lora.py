@@ -1,4 +1,4 @@
-"""NF4 dequantization with the LoRA update merged in (kernels.nf4_lora), and the fused LoRA
+"""NF4 dequantization with the LoRA update merged in (kestrel.kernels.nf4_lora), and the fused LoRA
 projections over it: W' = W + s B A against fp32 math, and lora_mlp / lora_qkv on merged bases
 against fp32 PEFT math on the dequantized weights, outputs and every gradient."""
 
@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels.lora as lora_module
-from kernels import nf4, nf4_lora
-from kernels.lora import LoRAWeights, lora_qkv
-from kernels.mlp import lora_mlp
+from kestrel.kernels.lora import lora as lora_module
+from kestrel.kernels import nf4
+from kestrel.kernels.lora import nf4_lora
+from kestrel.kernels.lora.lora import LoRAWeights, lora_qkv
+from kestrel.kernels.lora.mlp import lora_mlp
 from tests.kernels.test_lora import _close, _run
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -184,7 +185,7 @@ def test_deferred_mlp_forms_each_weight_once(backend: str, inter: int, monkeypat
     # A deferred MLP (a long sequence's recompute) runs forward and backward in its backward,
     # over gate's and up's W' formed once for both products (18 rows in chunks of 4 here): its
     # gradients are PEFT's fp32 math, with 2 merged dequantizations and W_d's plain one.
-    import kernels.mlp as mlp_module
+    from kestrel.kernels.lora import mlp as mlp_module
 
     monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 4)
     monkeypatch.setattr(mlp_module, "_defer_pays", lambda *a: True)  # at these tiny shapes it would not

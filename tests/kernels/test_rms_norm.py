@@ -12,8 +12,8 @@ import triton
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kernels._utils import as_rows, cdiv, next_pow2, row_stride
-from kernels.rms_norm import _round_up_coarse, rms_norm, rms_norm_reference
+from kestrel.kernels._utils import as_rows, cdiv, next_pow2, row_stride
+from kestrel.kernels.rms_norm import _round_up_coarse, rms_norm, rms_norm_reference
 from tests.kernels.tolerance import assert_close
 
 # Small tests run where the Triton kernels can: CUDA when compiled, the CPU under the interpreter.

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.rope import _grad_buffers, _plan_of, rope_, rope_reference_
+from kestrel.kernels.rope import _grad_buffers, _plan_of, rope_, rope_reference_
 from tests.kernels.tolerance import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -228,7 +228,7 @@ def test_in_place_contract(backend) -> None:
 def test_q_k_after_qk_norm_keep_their_gradient(backend: str) -> None:
     """Found on the GPU (Qwen3: QK-norm -> transpose -> rope_): the Triton RMSNorm's output must
     be a tensor rope_ may rotate in place, and the gradient must reach the norm's input and weight."""
-    from kernels.rms_norm import rms_norm
+    from kestrel.kernels.rms_norm import rms_norm
 
     rotary = _rotary(2, 1, 16)
     cos, sin = rotary(torch.zeros(1, device=DEVICE), torch.arange(5, device=DEVICE).unsqueeze(0))

@@ -6,8 +6,8 @@ from typing import Any
 
 import gradio as gr
 
-from studio.form import FORM_KEYS
-from studio.handlers import train
+from kestrel.studio.form import FORM_KEYS
+from kestrel.studio.handlers import train
 from tests.jobs.jobkit import wait_for  # noqa: F401  (the studio tests poll the same way)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import app
+from kestrel.studio import launch as app
 
 
 @pytest.mark.parametrize("argv", [["--host", "0.0.0.0"], ["--share"], ["--host", "192.168.1.5"],
@@ -36,7 +36,7 @@ def test_environment_keeps_everything_local(kestrel_home, monkeypatch: pytest.Mo
 
 
 def test_app_has_the_five_tabs_and_system_fonts() -> None:
-    from studio.interface import build_app, theme
+    from kestrel.studio.interface import build_app, theme
 
     config = build_app().get_config_file()
     tabs = [c["props"].get("label") for c in config["components"] if c["type"] == "tabitem"]
@@ -47,8 +47,8 @@ def test_app_has_the_five_tabs_and_system_fonts() -> None:
 
 def test_polling_timers_start_off_and_follow_their_tab() -> None:
     """A browser parked on another tab must not poll the store (twenty open tabs would)."""
-    from studio.events import _timers_for
-    from studio.interface import build_app
+    from kestrel.studio.events import _timers_for
+    from kestrel.studio.interface import build_app
 
     config = build_app().get_config_file()
     timers = [c for c in config["components"] if c["type"] == "timer"]

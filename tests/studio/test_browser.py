@@ -24,8 +24,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-import jobs
-from engine.paths import SAMPLE_DATASETS
+from kestrel import jobs
+from kestrel.paths import SAMPLE_DATASETS
 from tests.studio.helpers import wait_for
 
 CHROMIUM = "/usr/bin/chromium"
@@ -140,8 +140,8 @@ TIMED_INPUT = """async ([input, value, target, expect]) => {
 
 def _expected_estimate(max_seq_length: int) -> str:
     """The memory estimate the page must show for the demo form with this max_seq_length."""
-    from engine.config import TrainConfig
-    from studio.handlers import train
+    from kestrel.config import TrainConfig
+    from kestrel.studio.handlers import train
 
     data = {**TrainConfig().to_dict(), **train.PRESETS["demo"], "max_seq_length": max_seq_length, "batch_size": 32}
     return re.search(r"about [\d.]+ GiB", train.vram_text(data)).group(0)

@@ -11,8 +11,8 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from studio.handlers import chat, export
-from studio.models import LoadedModel, ModelPool, stream_rows
+from kestrel.studio.handlers import chat, export
+from kestrel.studio.models import LoadedModel, ModelPool, stream_rows
 from tests.jobs.exportkit import finished_run_in
 from tests.studio.helpers import error_text
 
@@ -64,7 +64,7 @@ def test_chat_streams_and_side_by_side_matches_each_model_alone(finished_run: in
 
 def test_stop_ends_an_endless_decode() -> None:
     """The producer thread checks Stop between chunks: a decode that would never end stops."""
-    from engine.decode import TokenChunk
+    from kestrel.decode import TokenChunk
 
     class EndlessGenerator:
         stop_ids: list[int] = []

@@ -9,9 +9,9 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-import jobs
-from engine.paths import SAMPLE_DATASETS
-from studio.handlers import datasets as ds
+from kestrel import jobs
+from kestrel.paths import SAMPLE_DATASETS
+from kestrel.studio.handlers import datasets as ds
 from tests.studio.helpers import error_text
 
 

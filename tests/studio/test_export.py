@@ -19,12 +19,12 @@ import gradio as gr
 import pytest
 from sqlalchemy import update
 
-import jobs
-from jobs.models import Job
-from jobs.queries import record_artifact, write_metrics
-from jobs.store import session
-from studio import files
-from studio.handlers import export
+from kestrel import jobs
+from kestrel.jobs.models import Job
+from kestrel.jobs.queries import record_artifact, write_metrics
+from kestrel.jobs.store import session
+from kestrel.studio import files
+from kestrel.studio.handlers import export
 from tests.jobs.exportkit import finished_run_in
 from tests.studio.helpers import error_text, wait_for
 

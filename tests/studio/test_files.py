@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import DatasetError
-from studio import files
+from kestrel.errors import DatasetError
+from kestrel.studio import files
 
 LINE = b'{"prompt": "a", "completion": "b"}\n'
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import gradio as gr
 import pytest
 
-import jobs
-from studio.handlers import runs
+from kestrel import jobs
+from kestrel.studio.handlers import runs
 from tests.studio.helpers import error_text, wait_for
 
 CONFIG = {"model": "demo", "dataset": "arithmetic_chat", "max_steps": 20, "save_steps": 5}

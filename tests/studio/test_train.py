@@ -9,10 +9,10 @@ import gradio as gr
 import pytest
 import yaml
 
-import jobs
-from engine.config import load_config
-from studio.form import FORM_KEYS
-from studio.handlers import train
+from kestrel import jobs
+from kestrel.config import load_config
+from kestrel.studio.form import FORM_KEYS
+from kestrel.studio.handlers import train
 from tests.studio.helpers import error_text, form
 
 

@@ -1,7 +1,0 @@
-"""`python -m jobs ...`: see jobs/cli.py."""
-
-import sys
-
-from jobs.cli import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from kestrel.cli import main
+
+sys.exit(main())

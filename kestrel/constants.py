@@ -1,0 +1,35 @@
+"""Facts several rooms share, in a module light enough for any of them to import (no torch): the
+command line and the studio import it without loading the engine."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+DEMO = "demo"  # the built-in demo model's name, in place of a hub id or a folder
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # sequence mean | token level | token level over a fixed length
+# Rows of an MLP call past which its fused LoRA MLP defers the recompute to its backward, in
+# chunks of this many rows (`kernels.lora.mlp`); the memory estimate models the same.
+DEFERRED_ROWS = 2048
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def slug(text: str, default: str, limit: int | None = None) -> str:
+    """`text` as a file or folder name: runs of anything but letters, digits, `.`, `_` and `-`
+    become one `-`; `default` when nothing is left."""
+    out = _UNSAFE.sub("-", text).strip("-")
+    return (out[:limit] if limit else out).strip("-") or default
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any], whole: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`base` with `extra` laid over it, nested mappings merged key by key, except the keys in
+    `whole`, whose mapping `extra` replaces entirely; neither input is changed."""
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in whole:
+            merged[key] = merge(merged[key], value, whole)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged

@@ -1,0 +1,289 @@
+"""Checking an exported model against the Hugging Face model it came from.
+
+    refs = reference_runs(src.model_dir, src.adapter_dir, tokenizer)   # HF greedy, fp32, adapter unmerged
+    gguf = check_gguf(path, refs, exact=True)                          # llama.cpp itself
+    gguf.passed, gguf.top1_agreement
+
+The reference is the plain Hugging Face model in fp32 with the PEFT adapter applied unmerged, so
+the merge, the layout changes and the quantization are all checked at once. For each prompt the
+reference generates 32 tokens greedily; llama.cpp then evaluates prompt + those tokens in one
+batch (teacher forcing) and its top-1 token is compared at every position. Teacher forcing keeps
+one disagreement from cascading, so agreement is a per-position rate. For a 16-bit file the
+generated tokens must all agree (the greedy output is then identical), except where the
+reference's top two logits are within TIE_TOL of the logits' standard deviation: there any
+rounding picks either, and the position is counted as a tie, not a failure. (f16 weights and
+activations move the demo model's logits by well under TIE_TOL.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+N_NEW = 32
+TIE_TOL = 0.02  # x logit std: top-2 closer than this is a tie that 16-bit rounding may flip
+PROMPTS = ("What is 12 + 7?", "Reverse the word. apple", "Write one short sentence about rivers.")
+TEST_TEXTS = (
+    "Hello world. The quick brown fox jumps over the lazy dog 12345 times!",
+    "  leading spaces,\ttabs\nnew lines\n\n and   runs of spaces   ",
+    "héllo wörld, naïve café; ünïcödé, 日本語 and emoji 🙂",
+    "What's the answer? It's 42. They'll see, we've done it, I'm sure. 3.14159 1,000,000",
+    "def f(x):\n    return x ** 2  # comment\n",
+)
+
+
+@dataclass
+class ReferenceRun:
+    prompt_ids: list[int]
+    tokens: list[int]  # greedy continuation, N_NEW tokens
+    logits: np.ndarray  # (len(prompt_ids) + N_NEW - 1, vocab) fp32, at every evaluated position
+    rounded: np.ndarray | None = None  # the same with the merged weights rounded to 16 bits (see reference_runs)
+
+
+@dataclass
+class GGUFCheck:
+    passed: bool
+    exact_required: bool
+    top1_agreement: float  # over generated positions, all prompts
+    prompt_top1_agreement: float  # over prompt positions
+    ties: int = 0
+    greedy_identical: bool = False
+    sample: str = ""  # llama.cpp's own top-1 continuation of the first prompt, decoded
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TokenizerCheck:
+    text_mismatches: list[str] = field(default_factory=list)  # plain text, BOS/EOS as the tokenizer adds them
+    chat_mismatches: list[str] = field(default_factory=list)  # prompts rendered by the chat template
+
+    @property
+    def matches(self) -> bool:
+        return not self.text_mismatches and not self.chat_mismatches
+
+    def cost(self) -> tuple[int, int]:
+        """Chat prompts first: they are what the exported model reads in use."""
+        return len(self.chat_mismatches), len(self.text_mismatches)
+
+
+def prompt_ids(tokenizer: Any, prompts: tuple[str, ...] = PROMPTS) -> list[list[int]]:
+    """Each prompt as one user message, rendered by the chat template with the assistant header."""
+    out = []
+    for text in prompts:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)
+        out.append(list(enc["input_ids"]))
+    return out
+
+
+def load_reference(model_dir: Path, adapter_dir: Path | None, device: str | None = None, tensors: Any = None) -> Any:
+    """The plain Hugging Face model in fp32, with the adapter applied unmerged by PEFT. A base
+    stored 4-bit is built from its dequantized tensors (`tensors`, an `kestrel.export.merge.ModelTensors`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if tensors is not None and tensors.dequantized:
+        config = AutoConfig.from_pretrained(model_dir)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = {name: tensors.checkpoint.get(name).float() for name in tensors.checkpoint.names()}
+        model.load_state_dict(state, strict=False)  # a tied lm_head is not in the checkpoint
+        model.tie_weights()
+    else:  # loaded straight onto the device: an 8B model in fp32 never passes through host memory
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map={"": dev})
+    model = model.to(dev)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy(model: Any, ids: list[int], n_new: int = N_NEW) -> ReferenceRun:
+    """Greedy decoding without stopping at EOS; logits kept at every position."""
+    dev = next(model.parameters()).device
+    out = model(torch.tensor([ids], device=dev), use_cache=True)
+    past, rows, tokens = out.past_key_values, [out.logits[0].float().cpu()], []
+    for step in range(n_new):
+        token = int(rows[-1][-1].argmax())
+        tokens.append(token)
+        if step == n_new - 1:
+            break
+        out = model(torch.tensor([[token]], device=dev), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        rows.append(out.logits[0].float().cpu())
+    return ReferenceRun(ids, tokens, torch.cat(rows).numpy())
+
+
+@torch.no_grad()
+def full_logits(model: Any, seq: list[int]) -> np.ndarray:
+    """(len(seq), vocab) fp32 logits of one forward pass."""
+    dev = next(model.parameters()).device
+    return model(torch.tensor([seq], device=dev)).logits[0].float().cpu().numpy()
+
+
+def reference_runs(model_dir: Path, adapter_dir: Path | None, tokenizer: Any, device: str | None = None,
+                   tensors: Any = None, round_to: torch.dtype | None = None) -> list[ReferenceRun]:
+    """Greedy runs of the reference model on the default prompts, rendered by the chat template.
+
+    With `round_to` (a 16-bit dtype), each run also gets `rounded`: the logits after PEFT merges
+    the adapter (in fp32) and every weight is rounded to that dtype. That is the error storing
+    the merged model in 16 bits causes by itself, the yardstick for a merged 16-bit export."""
+    model = load_reference(model_dir, adapter_dir, device, tensors)
+    try:
+        runs = [greedy(model, ids) for ids in prompt_ids(tokenizer)]
+        if round_to is not None and round_to != torch.float32:
+            if adapter_dir is not None:
+                model.merge_adapter()
+            for name, param in model.named_parameters():
+                if "lora_" not in name:
+                    param.data = param.data.to(round_to).float()
+            for run in runs:
+                run.rounded = full_logits(model, run.prompt_ids + run.tokens[:-1])
+        return runs
+    finally:
+        del model
+
+
+def _llama(path: Path, **kwargs: Any) -> Any:
+    import logging
+
+    import llama_cpp
+
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    return llama_cpp.Llama(str(path), verbose=False, n_threads=os.cpu_count() or 1, **kwargs)
+
+
+class _VocabModel:
+    """A GGUF file loaded vocabulary-only by llama.cpp (no weights, no context)."""
+
+    def __init__(self, path: Path) -> None:
+        import logging
+
+        import llama_cpp
+        from llama_cpp._internals import LlamaModel
+
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self.model = LlamaModel(path_model=str(path), params=params, verbose=False)
+
+    def __enter__(self) -> Any:
+        return self.model
+
+    def __exit__(self, *exc: Any) -> None:
+        self.model.close()
+
+
+def _mismatch(text: str, hf: list[int], ours: list[int]) -> str:
+    first = next((i for i, (a, b) in enumerate(zip(hf, ours)) if a != b), min(len(hf), len(ours)))
+    return f"{text[:40]!r}: from token {first}, Hugging Face {hf[first:first + 6]}, llama.cpp {ours[first:first + 6]}"
+
+
+def check_tokenizer(path: Path, tokenizer: Any, texts: tuple[str, ...] = TEST_TEXTS) -> TokenizerCheck:
+    """Tokenize `texts` with llama.cpp and Hugging Face: plain text with the tokenizer's own
+    BOS/EOS rule (llama.cpp reads it from the GGUF), and chat-rendered prompts as they are."""
+    result = TokenizerCheck()
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+             for t in texts]
+    with _VocabModel(path) as vocab:
+        for items, add_special, out in ((texts, True, result.text_mismatches), (chats, False, result.chat_mismatches)):
+            for text in items:
+                hf = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+                ours = vocab.tokenize(text.encode(), add_bos=add_special, special=True)
+                if ours != hf:
+                    out.append(_mismatch(text, hf, ours))
+    return result
+
+
+def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float = TIE_TOL) -> GGUFCheck:
+    """Load `path` with llama.cpp and compare its top-1 tokens with the references'.
+
+    `exact`: every generated position must agree (ties within `tie_tol` x the reference logits'
+    standard deviation excepted); otherwise the agreement is only reported and the file passes
+    when it loads and gives finite logits."""
+    longest = max(len(r.prompt_ids) + N_NEW for r in refs)
+    try:
+        llm = _llama(path, n_ctx=longest + 16, n_batch=longest + 16, logits_all=True)
+    except (ValueError, RuntimeError) as exc:
+        return GGUFCheck(False, exact, 0.0, 0.0, problems=[f"llama.cpp could not load {path.name}: {exc}"])
+    try:
+        gen_ok = gen_n = prompt_ok = prompt_n = ties = 0
+        problems: list[str] = []
+        sample = ""
+        for i, ref in enumerate(refs):
+            seq = ref.prompt_ids + ref.tokens[:-1]
+            llm.reset()
+            llm.eval(seq)
+            ours = np.asarray(llm.scores[: len(seq)], dtype=np.float32)  # (len(seq), vocab)
+            theirs = ref.logits
+            if ours.shape != theirs.shape or not np.isfinite(ours).all():
+                problems.append(f"prompt {i}: llama.cpp gave logits of shape {ours.shape}, the reference "
+                                f"{theirs.shape}, finite: {bool(np.isfinite(ours).all())}")
+                continue
+            top = ours.argmax(-1)
+            agree = top == theirs.argmax(-1)
+            tol = tie_tol * float(theirs.std())
+            n_prompt = len(ref.prompt_ids) - 1
+            prompt_ok, prompt_n = prompt_ok + int(agree[:n_prompt].sum()), prompt_n + n_prompt
+            gen = agree[n_prompt:]
+            gen_ok, gen_n = gen_ok + int(gen.sum()), gen_n + len(gen)
+            for pos in np.flatnonzero(~gen) + n_prompt:
+                margin = theirs[pos].max() - theirs[pos, top[pos]]
+                if margin <= tol:
+                    ties += 1
+                elif exact:
+                    problems.append(f"prompt {i}: token {pos - n_prompt} differs ({int(top[pos])} vs "
+                                    f"{int(theirs[pos].argmax())}, reference margin {margin:.3f})")
+            if i == 0:
+                sample = llm.detokenize([int(t) for t in top[n_prompt:]]).decode("utf-8", "replace")
+        identical = gen_n > 0 and gen_ok == gen_n
+        passed = not problems and gen_n > 0
+        return GGUFCheck(passed, exact, gen_ok / max(gen_n, 1), prompt_ok / max(prompt_n, 1), ties,
+                         identical, sample, problems[:5])
+    finally:
+        llm.close()
+
+
+def _llama_cpp_render(model: Any, messages: list[dict[str, str]]) -> str | None:
+    """The prompt llama.cpp's built-in template code writes for the GGUF's template (None: unknown)."""
+    import llama_cpp
+
+    template = llama_cpp.llama_model_chat_template(model, None)
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *[llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode()) for m in messages]
+    )
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = llama_cpp.llama_chat_apply_template(template, chat, len(messages), True, buf, len(buf))
+    return buf.raw[:n].decode("utf-8") if n >= 0 else None
+
+
+def check_template(path: Path, tokenizer: Any, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """Render `messages` with the template embedded in the GGUF (Jinja, as llama-cpp-python and
+    `llama-server --jinja` do, and with llama.cpp's built-in formats) and with the tokenizer."""
+    import llama_cpp
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    with _VocabModel(path) as vocab:
+        embedded = llama_cpp.llama_model_chat_template(vocab.model, None)
+        if not embedded:
+            return {"embedded": False, "jinja_matches": False, "builtin_matches": None}
+        builtin = _llama_cpp_render(vocab.model, messages)
+    jinja = Jinja2ChatFormatter(embedded.decode(), tokenizer.eos_token or "", tokenizer.bos_token or "")(messages=messages).prompt
+    bos = tokenizer.bos_token or ""
+    strip = (lambda s: s[len(bos):] if bos and s.startswith(bos) else s)
+    return {
+        "embedded": True,
+        "jinja_matches": jinja == expected,
+        # llama.cpp's own formats leave BOS to the tokenizer
+        "builtin_matches": None if builtin is None else strip(builtin) == strip(expected),
+    }

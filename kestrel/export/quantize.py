@@ -1,0 +1,80 @@
+"""GGUF quantization types, and llama.cpp's own quantizer run through `llama-cpp-python`.
+
+f32, f16, bf16 and q8_0 are written directly by `kestrel.export.gguf_writer`; every other type is
+made by `llama_model_quantize` from a 16-bit GGUF file, so the k-quant mixes (q4_k_m keeps some
+tensors at q6_k, for instance) are exactly llama.cpp's. Tensors whose rows do not fit a type's
+block (k-quants need rows of 256) get llama.cpp's fallback type, as with its command-line tool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+from kestrel.errors import KestrelError
+
+DIRECT = ("f32", "f16", "bf16", "q8_0")
+# name -> llama_ftype constant in llama_cpp; all of these need no importance matrix
+LLAMA_QUANTS = {
+    "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
+    "q3_k_s": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
+    "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+    "q3_k_l": "LLAMA_FTYPE_MOSTLY_Q3_K_L",
+    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+    "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
+    "q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
+    "q5_k_s": "LLAMA_FTYPE_MOSTLY_Q5_K_S",
+    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+    "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
+    "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+}
+QUANT_TYPES = DIRECT + tuple(LLAMA_QUANTS)
+
+# Upper bounds of bits per weight, for the disk-space check (k-quant mixes keep some tensors wider,
+# and tensors too narrow for a type's blocks fall back to wider types).
+BITS_PER_WEIGHT = {
+    "f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q6_k": 8.5, "q5_k_m": 8.5, "q5_k_s": 8.5,
+    "q5_0": 8.5, "q5_1": 8.5, "q4_k_m": 8.5, "q4_k_s": 8.5, "q4_0": 8.5, "q4_1": 8.5, "q3_k_l": 8.5,
+    "q3_k_m": 8.5, "q3_k_s": 8.5, "q2_k": 8.5, "iq4_nl": 8.5, "iq4_xs": 8.5,
+}
+# Typical bits per weight of a large model, for estimates shown to users.
+TYPICAL_BITS = {"q6_k": 6.6, "q5_k_m": 5.7, "q5_k_s": 5.5, "q5_0": 5.5, "q5_1": 6.0, "q4_k_m": 4.9,
+                "q4_k_s": 4.6, "q4_0": 4.5, "q4_1": 5.0, "q3_k_l": 4.3, "q3_k_m": 3.9, "q3_k_s": 3.5,
+                "q2_k": 3.4, "iq4_nl": 4.5, "iq4_xs": 4.3}
+
+
+def check_quant(quant: str | None) -> str:
+    """The normalised quantization name (default f16); an unknown one raises, listing the valid."""
+    name = (quant or "f16").lower()
+    if name not in QUANT_TYPES:
+        raise KestrelError(f"unknown quantization type {quant!r}; valid types: {', '.join(QUANT_TYPES)}")
+    return name
+
+
+def estimate_bytes(n_params: int, quant: str, large_model: bool) -> int:
+    """Bytes a GGUF file of `n_params` weights needs: typical size for large models, an upper
+    bound for small ones (whose narrow rows fall back to wider types)."""
+    bits = TYPICAL_BITS.get(quant, BITS_PER_WEIGHT[quant]) * 1.1 if large_model else BITS_PER_WEIGHT[quant]
+    return int(n_params * bits / 8)
+
+
+def quantize(src: Path, dst: Path, quant: str, threads: int | None = None) -> None:
+    """Quantize the 16-bit GGUF `src` to `dst` with llama.cpp (`llama_model_quantize`)."""
+    import llama_cpp
+
+    if quant not in LLAMA_QUANTS:
+        raise KestrelError(f"{quant} is not made by llama.cpp's quantizer; choose one of {', '.join(LLAMA_QUANTS)}")
+    # llama.cpp logs every tensor at INFO through llama-cpp-python's logger; keep errors only.
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, LLAMA_QUANTS[quant])
+    params.nthread = threads or os.cpu_count() or 1
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise KestrelError(f"llama.cpp could not quantize {src.name} to {quant} (error {rc})")

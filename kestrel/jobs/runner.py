@@ -1,0 +1,429 @@
+"""Starting, stopping and supervising jobs: the public API the studio and the command line call.
+
+    job_id = submit({"model": "demo", "dataset": "arithmetic_chat", "max_steps": 20})
+    export_id = submit({"kind": "export", "source": job_id, "format": "gguf", "quant": "q4_k_m"})
+    cancel(job_id); resume(job_id); wait(job_id)
+
+Every job runs in its own worker process (`python -m kestrel.jobs.worker ID`), in a new session, so it
+keeps running when the studio, the terminal or whatever started it goes away; its stdout and
+stderr go to `<output_dir>/job.log`, never to a pipe someone must drain.
+
+Two lanes, each first in, first out:
+- training (sft, grpo): one job per device at a time (KESTREL_JOBS_PER_DEVICE), the CPU when
+  there is no GPU;
+- export: one export at a time (KESTREL_EXPORT_SLOTS), whatever training runs. An export is
+  minutes of work that a user waits for, so it never queues behind a training run of hours:
+  it takes a GPU no training job holds, else the CPU, unless its config pins a device.
+Jobs on the CPU run at lower priority (`kestrel.jobs.worker.lower_priority`).
+
+There is no daemon. `schedule()` starts queued jobs on free devices and is called by `submit`,
+`resume`, every command-line command, the studio's poll (`list_jobs`/`get_job`) and each worker
+as it finishes, so the queue drains with nothing else open. It first calls `reconcile()`, which
+marks a running job whose process is gone and whose heartbeat is stale as `interrupted`, and
+kills a worker that ignored a cancel or pause request for KESTREL_CANCEL_TIMEOUT_S.
+POSIX only (process groups, /proc or kill(pid, 0)).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete as sql_delete
+from sqlalchemy import select, update
+
+from kestrel import env as kestrel_env
+from kestrel.constants import slug
+from kestrel.config import TrainConfig, config_from_dict
+from kestrel.errors import ConfigError
+from kestrel.paths import kestrel_home, runs_dir
+from kestrel.jobs import export_job, queries
+from kestrel.jobs.models import CANCELLED, EXPORT, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact, Job, Metric
+from kestrel.jobs.store import JobError, claim_next, remove_job_files, require_job, session
+
+HEARTBEAT_S = 2.0  # the worker's heartbeat period
+STALE_AFTER_S = 6.0  # three missed heartbeats: with a dead pid, the job is lost (well under 15 s)
+REFRESH_EVERY_S = 1.0  # list_jobs / get_job reconcile at most this often per process
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: workers import kestrel from it
+LOG_NAME = "job.log"
+
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # workers this process started, to reap them
+_last_refresh = 0.0
+
+
+def available_devices() -> list[str]:
+    """Devices a job may be given: KESTREL_DEVICES ("cpu", "cuda:0,cuda:1") when set, else one
+    entry per visible GPU (found without importing torch, so the command line stays fast), else
+    ["cpu"]."""
+    spec = kestrel_env.raw("KESTREL_DEVICES")
+    if spec:
+        return [d.strip() for d in spec.split(",") if d.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+    else:
+        count = len(list(Path("/dev").glob("nvidia[0-9]*")))
+    return [f"cuda:{i}" for i in range(count)] or ["cpu"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Submitting and controlling jobs
+
+
+def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, start: bool = True,
+           dataset_id: int | None = None) -> int:
+    """Validate `config` (a ConfigError names any bad key), queue it, start it if it can start.
+
+    A training config (TrainConfig or its dict) makes an sft or grpo job; an export config
+    (`kind: export`, see `kestrel.jobs.export_job`) an export job. Relative file paths in the config are
+    made absolute here, since the worker runs elsewhere. `device` pins the job ("cpu",
+    "cuda:1"); None takes the first free device (an export: see `_export_device` in kestrel.jobs.store).
+    """
+    if export_job.is_export_config(config):
+        prepared = export_job.prepare(dict(config))  # type: ignore[arg-type]
+        kind, name, data, root = EXPORT, prepared.name, prepared.config, export_job.exports_root()
+        device = device or prepared.device
+    else:
+        cfg = config if isinstance(config, TrainConfig) else config_from_dict(dict(config))
+        kind = "grpo" if cfg.method == "grpo" else "sft"
+        name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
+        data, root = _absolute_paths(cfg.to_dict()), runs_dir()
+    if device is not None and device != "cpu" and device not in available_devices():
+        raise ConfigError(f"device {device!r} is not available; choose one of "
+                          f"{', '.join(available_devices() + ['cpu'])}")
+    with session(immediate=True) as s:
+        job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",
+                  step=0, attempts=0, queued_at=time.time(), dataset_id=dataset_id)
+        s.add(job)
+        s.flush()  # assigns the id that names the default folder
+        out = Path(data["output_dir"]) if data.get("output_dir") else root / f"job-{job.id}-{_slug(name)}"
+        clash = s.scalar(select(Job.id).where(Job.output_dir == str(out), Job.status.in_((QUEUED, RUNNING))))
+        if clash is not None:
+            raise ConfigError(f"output_dir {out} is in use by job {clash}; choose another output_dir")
+        job.output_dir = str(out)
+        job.log_path = str(out / LOG_NAME)
+        job.config = {**data, "output_dir": str(out)}
+        job_id = job.id
+    out.mkdir(parents=True, exist_ok=True)
+    if start:
+        schedule()
+    return job_id
+
+
+def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
+    for key in ("model", "dataset"):
+        path = Path(str(data[key])).expanduser()
+        if path.exists() and not (key == "model" and data[key] == "demo"):  # the engine's built-in
+            data[key] = str(path.resolve())
+    if data.get("output_dir"):
+        data["output_dir"] = str(Path(data["output_dir"]).expanduser().resolve())
+    for reward in data.get("grpo", {}).get("rewards", []):
+        if reward.get("path"):
+            reward["path"] = str(Path(reward["path"]).expanduser().resolve())
+    return data
+
+
+def _slug(text: str) -> str:
+    return slug(text, "job", limit=60)
+
+
+def cancel(job_id: int) -> str:
+    """Cancel a job. Queued: `cancelled` at once. Running: the request is stored and the worker
+    stops at its next step boundary after a checkpoint, an export at its next progress report
+    with no partial file left (returns "stopping")."""
+    return _request_stop(job_id, "cancel")
+
+
+def pause(job_id: int) -> str:
+    """Like cancel, but the job ends `interrupted`, ready for `resume`."""
+    return _request_stop(job_id, "pause")
+
+
+def _request_stop(job_id: int, kind: str) -> str:
+    now = time.time()
+    with session(immediate=True) as s:
+        job = require_job(s, job_id)
+        if job.status == QUEUED:
+            job.status = CANCELLED if kind == "cancel" else INTERRUPTED
+            job.finished_at = now
+            return job.status
+        if job.status != RUNNING:
+            raise JobError(f"job {job_id} is already {job.status}; only queued or running jobs stop")
+        if job.stop_request != "cancel":  # a pause never softens an earlier cancel
+            job.stop_request = kind
+        job.stop_requested_at = job.stop_requested_at or now  # the clock of the kill fallback
+        return "stopping"
+
+
+def resume(job_id: int, start: bool = True) -> int:
+    """Queue an interrupted, cancelled or failed job again. The engine resumes from the last
+    checkpoint in the job's output_dir; its metrics past that step are replaced, not repeated.
+    An export runs again from the start."""
+    with session(immediate=True) as s:
+        job = require_job(s, job_id)
+        if job.status not in RESUMABLE:
+            raise JobError(f"job {job_id} is {job.status}; only {', '.join(RESUMABLE)} jobs resume")
+        for key in ("pid", "device", "stop_request", "stop_requested_at", "error", "finished_at"):
+            setattr(job, key, None)
+        job.status = QUEUED
+        job.queued_at = time.time()  # to the back of the queue
+    if start:
+        schedule()
+    return job_id
+
+
+def delete(job_id: int, remove_files: bool = False) -> None:
+    """Forget a job that is not running (its metrics and artifacts too); `remove_files` also
+    deletes its folder when that lies under KESTREL_HOME."""
+    with session(immediate=True) as s:
+        job = require_job(s, job_id)
+        if job.status == RUNNING:
+            raise JobError(f"job {job_id} is running; cancel it first (python -m kestrel jobs cancel {job_id})")
+        output_dir = job.output_dir
+        s.execute(sql_delete(Metric).where(Metric.job_id == job_id))
+        s.execute(sql_delete(Artifact).where(Artifact.job_id == job_id))
+        s.delete(job)
+    if remove_files:
+        remove_job_files(output_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling and supervision
+
+
+def schedule() -> list[int]:
+    """Reconcile, then start queued jobs while devices are free; returns the started ids."""
+    reconcile()
+    slots = int(kestrel_env.number("KESTREL_JOBS_PER_DEVICE", 1))
+    export_slots = int(kestrel_env.number("KESTREL_EXPORT_SLOTS", 1))
+    started = []
+    while (claim := claim_next(available_devices(), slots, export_slots)) is not None:
+        _launch(*claim)
+        started.append(claim[0])
+    return started
+
+
+def _launch(job_id: int, device: str) -> None:
+    """Start the worker of a job already claimed as running on `device`."""
+    job = queries.get_job(job_id)
+    Path(job.output_dir).mkdir(parents=True, exist_ok=True)
+    log_path = job.log_path or str(Path(job.output_dir) / LOG_NAME)
+    with open(log_path, "ab") as log:
+        log.write(f"--- job {job_id}, attempt {job.attempts}, on {device}, "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kestrel.jobs.worker", str(job_id)], cwd=job.output_dir,
+                env=_worker_env(device), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True)
+        except OSError as exc:
+            _finish_lost(job_id, job.heartbeat_at, None, "failed", f"could not start the worker: {exc}")
+            return
+    _CHILDREN[proc.pid] = proc
+    with session(immediate=True) as s:  # the worker writes its pid too; whichever comes first
+        s.execute(update(Job).where(Job.id == job_id, Job.status == RUNNING, Job.pid.is_(None))
+                  .values(pid=proc.pid))
+
+
+def _worker_env(device: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"  # the log file shows progress as it happens
+    env["KESTREL_HOME"] = str(kestrel_home())
+    env.update(kestrel_env.job_environment(device))
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif device.startswith("cuda:"):
+        index = int(device.split(":", 1)[1])
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[index] if index < len(visible) else str(index)
+    return env
+
+
+def reconcile() -> list[int]:
+    """Settle running jobs whose worker is gone; escalate stop requests that were ignored.
+
+    A job is lost when its pid no longer runs `kestrel.jobs.worker` for it and its heartbeat is older
+    than STALE_AFTER_S: it becomes `interrupted` (resumable), or `cancelled` if a cancel was
+    asked. A worker still alive KESTREL_CANCEL_TIMEOUT_S after a stop request gets SIGTERM on
+    its process group, and SIGKILL KESTREL_KILL_GRACE_S later. Returns the ids it settled.
+    """
+    for pid, proc in list(_CHILDREN.items()):
+        if proc.poll() is not None:  # reaps our own finished workers (no zombies)
+            _CHILDREN.pop(pid, None)
+    now = time.time()
+    with session() as s:
+        running = list(s.scalars(select(Job).where(Job.status == RUNNING)))
+    settled = []
+    for job in running:
+        alive = _worker_alive(job.pid, job.id)
+        killed = False
+        if alive and job.stop_request:
+            killed = _escalate(job, now)
+            alive = alive and not (killed and _wait_gone(job.pid, job.id, 3.0))
+        if alive:
+            continue
+        if not killed and job.heartbeat_at is not None and now - job.heartbeat_at < STALE_AFTER_S:
+            continue
+        status, error = _lost_status(job, killed)
+        if _finish_lost(job.id, job.heartbeat_at, job.pid, status, error):
+            settled.append(job.id)
+    return settled
+
+
+def _lost_status(job: Job, killed: bool) -> tuple[str, str | None]:
+    if killed:
+        waited = kestrel_env.number("KESTREL_CANCEL_TIMEOUT_S", 120)
+        note = f"the worker did not stop within {waited:g} s of the {job.stop_request} request and was killed"
+        return (CANCELLED if job.stop_request == "cancel" else INTERRUPTED), note
+    if job.stop_request == "cancel":
+        return CANCELLED, None
+    again = "runs the export again" if job.kind == EXPORT else "continues from the last checkpoint"
+    return INTERRUPTED, (f"the worker process (pid {job.pid}) ended without reporting a result "
+                         f"(killed, or the machine restarted); `python -m kestrel jobs resume {job.id}` {again}")
+
+
+def _finish_lost(job_id: int, heartbeat_at: float | None, pid: int | None, status: str,
+                 error: str | None) -> bool:
+    """Settle a running job, unless its worker wrote a heartbeat since we looked."""
+    beat = Job.heartbeat_at.is_(None) if heartbeat_at is None else Job.heartbeat_at == heartbeat_at
+    same_pid = Job.pid.is_(None) if pid is None else Job.pid == pid
+    with session(immediate=True) as s:
+        return s.execute(update(Job).where(Job.id == job_id, Job.status == RUNNING, beat, same_pid).values(
+            status=status, error=error, finished_at=time.time(), stop_request=None)).rowcount == 1
+
+
+def _escalate(job: Job, now: float) -> bool:
+    """Signal a worker that ignores its stop request; True when SIGKILL was sent."""
+    timeout = kestrel_env.number("KESTREL_CANCEL_TIMEOUT_S", 120)
+    waited = now - (job.stop_requested_at or now)
+    if waited < timeout or job.pid is None:
+        return False
+    kill = waited >= timeout + kestrel_env.number("KESTREL_KILL_GRACE_S", 10)
+    try:
+        # start_new_session made the worker a group leader: its group id is its pid, and the
+        # group holds whatever it started (data loader workers, a quantizer subprocess).
+        os.killpg(job.pid, signal.SIGKILL if kill else signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return kill
+
+
+def _wait_gone(pid: int | None, job_id: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _worker_alive(pid, job_id):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _worker_alive(pid: int | None, job_id: int) -> bool:
+    """Whether `pid` is a live (not zombie) `kestrel.jobs.worker` process for this job.
+
+    The command line is checked so a pid reused by another program after a reboot or a crash
+    does not keep a dead job `running` forever.
+    """
+    if pid is None:
+        return False
+    proc = _CHILDREN.get(pid)
+    if proc is not None and proc.poll() is not None:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    if not Path("/proc/self/stat").exists():  # no procfs (macOS): existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
+        state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except PermissionError:
+        return True
+    return state not in ("Z", "X") and b"kestrel.jobs.worker" in argv and str(job_id).encode() in argv
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading jobs (with supervision) and their logs
+
+
+def _refresh() -> None:
+    global _last_refresh
+    if time.monotonic() - _last_refresh >= REFRESH_EVERY_S:
+        _last_refresh = time.monotonic()
+        schedule()
+
+
+def list_jobs(status: str | None = None, limit: int | None = None, kind: str | None = None) -> list[Job]:
+    """Jobs, newest first, after settling lost jobs and starting queued ones (throttled)."""
+    _refresh()
+    return queries.list_jobs(status, limit, kind)
+
+
+def get_job(job_id: int) -> Job:
+    """One job, after settling lost jobs and starting queued ones (throttled)."""
+    _refresh()
+    return queries.get_job(job_id)
+
+
+def wait(job_id: int, timeout: float | None = None, poll_s: float = 0.2) -> Job:
+    """Block until the job has finished (any status in FINISHED); TimeoutError after `timeout`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        schedule()
+        job = queries.get_job(job_id)
+        if job.status in FINISHED:
+            return job
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {job.status} after {timeout:g} s")
+        time.sleep(poll_s)
+
+
+def log_tail(job_id: int, n: int = 200) -> str:
+    """The last `n` lines of the job's log ("" before it has started)."""
+    path = queries.get_job(job_id).log_path
+    if not path or not Path(path).exists():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = pos = f.tell()
+        block = b""
+        while pos > 0 and block.count(b"\n") <= n:
+            pos = max(0, pos - 65536)
+            f.seek(pos)
+            block = f.read(end - pos)
+    lines = block.decode("utf-8", errors="replace").splitlines(keepends=True)
+    return "".join(lines[-n:])
+
+
+def follow_log(job_id: int, poll_s: float = 0.5) -> Iterator[str]:
+    """The whole log, then what is appended, until the job has finished and the file is read."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offset = 0
+    while True:
+        job = get_job(job_id)
+        done = job.status in FINISHED
+        if job.log_path and Path(job.log_path).exists():
+            with open(job.log_path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            offset += len(data)
+            if data:
+                yield decoder.decode(data)
+                continue
+        if done:
+            return
+        time.sleep(poll_s)

@@ -1,0 +1,273 @@
+"""The job store: one SQLite file (KESTREL_HOME/kestrel.db) shared by the studio, the command
+line and every worker process.
+
+    with session() as s:                 # read: a consistent snapshot of the whole database
+        job = s.get(Job, 3)
+    with session(immediate=True) as s:   # write: takes the write lock up front (BEGIN IMMEDIATE)
+        s.add(Job(...))
+
+Why these settings: WAL lets readers (studio charts) run while a worker writes; a busy timeout
+makes writers wait their turn instead of failing; BEGIN is emitted by us because Python's sqlite3
+(legacy mode) starts no transaction for SELECTs, which would let two queries of one session see
+different data. Writers use BEGIN IMMEDIATE: a deferred transaction that reads and then writes
+can fail at once with "database is locked" when another writer committed in between.
+
+The chart queries live in `kestrel.jobs.queries`; this file holds the connection, the schema upgrade and
+the claim of a queued job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, select, update
+from sqlalchemy.orm import Session
+
+from kestrel.errors import KestrelError
+from kestrel.paths import kestrel_home
+from kestrel.jobs.models import EXPORT, QUEUED, RUNNING, SCHEMA_VERSION, Base, Job, SchemaVersion
+
+BUSY_TIMEOUT_S = 30.0
+
+# Steps that adding tables, columns and indexes cannot express (a changed constraint, a renamed
+# column, rewritten data), keyed by the version they upgrade to. Each runs inside the upgrade's
+# transaction, after new columns were added.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+
+class JobError(KestrelError):
+    """A job request that cannot be carried out (unknown id, wrong state)."""
+
+
+def db_path() -> Path:
+    return kestrel_home() / "kestrel.db"
+
+
+_ENGINES: dict[tuple[str, int], Engine] = {}
+_LOCK = threading.Lock()
+
+
+def get_engine() -> Engine:
+    """The engine for the current KESTREL_HOME, created and upgraded on first use.
+
+    Keyed by process id too: a forked child must not reuse its parent's pooled connections.
+    """
+    key = (str(db_path()), os.getpid())
+    with _LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = _create(Path(key[0]))
+            upgrade(engine)
+            _ENGINES[key] = engine
+    return engine
+
+
+def reset_engines() -> None:
+    """Close every pooled connection (tests switch KESTREL_HOME between cases)."""
+    with _LOCK:
+        for engine in _ENGINES.values():
+            engine.dispose()
+        _ENGINES.clear()
+
+
+def _create(path: Path) -> Engine:
+    engine = create_engine(
+        f"sqlite:///{path}",
+        connect_args={"timeout": BUSY_TIMEOUT_S, "check_same_thread": False},
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (see the module docstring)
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")  # with WAL: durable across process crashes
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get("kestrel_begin", "DEFERRED")
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if mode == "IMMEDIATE" else "BEGIN")
+
+    return engine
+
+
+@contextmanager
+def session(immediate: bool = False) -> Iterator[Session]:
+    """A session that commits on success, rolls back on any error, and always closes.
+
+    `immediate=True` for anything that writes. Objects stay usable after the block
+    (expire_on_commit=False) as plain detached rows.
+    """
+    bind = get_engine()
+    if immediate:
+        bind = bind.execution_options(kestrel_begin="IMMEDIATE")
+    s = Session(bind=bind, expire_on_commit=False)
+    try:
+        yield s
+        s.commit()
+    except BaseException:
+        s.rollback()
+        raise
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema version and in-place upgrade
+
+
+def upgrade(engine: Engine) -> int:
+    """Bring the database to SCHEMA_VERSION without losing rows; returns the version found.
+
+    A new file gets every table. An older one is first copied to `kestrel.db.bak-v<N>`, then gets
+    the missing tables, columns (existing rows take the column's default) and indexes, then the
+    explicit MIGRATIONS steps, all in one transaction: a failed upgrade leaves the file as it was.
+    """
+    with engine.connect() as raw:
+        conn = raw.execution_options(kestrel_begin="IMMEDIATE")
+        with conn.begin():
+            tables = set(inspect(conn).get_table_names())
+            if "jobs" not in tables:
+                Base.metadata.create_all(conn)
+                _write_version(conn, SCHEMA_VERSION)
+                return SCHEMA_VERSION
+            found = 0
+            if "schema_version" in tables:
+                found = conn.scalar(select(SchemaVersion.version).order_by(SchemaVersion.id.desc())) or 0
+            if found > SCHEMA_VERSION:
+                raise KestrelError(
+                    f"{engine.url.database} was written by a newer Kestrel (schema {found}, this one "
+                    f"knows {SCHEMA_VERSION}); upgrade Kestrel or set KESTREL_HOME to another folder")
+            if found == SCHEMA_VERSION:
+                return found
+            _backup(Path(str(engine.url.database)), found)
+            Base.metadata.create_all(conn)  # only the missing tables
+            _add_missing_columns(conn)
+            _add_missing_indexes(conn)
+            for version in range(found + 1, SCHEMA_VERSION + 1):
+                if version in MIGRATIONS:
+                    MIGRATIONS[version](conn)
+            _write_version(conn, SCHEMA_VERSION)
+            return found
+
+
+def _write_version(conn: Connection, version: int) -> None:
+    conn.execute(SchemaVersion.__table__.delete())
+    conn.execute(SchemaVersion.__table__.insert().values(id=1, version=version, upgraded_at=time.time()))
+
+
+def _backup(path: Path, version: int) -> None:
+    """A consistent copy through SQLite's backup API (a file copy could miss the WAL)."""
+    target = path.with_name(f"{path.name}.bak-v{version}")
+    src, dst = sqlite3.connect(path), sqlite3.connect(target)
+    try:
+        src.backup(dst)
+    finally:
+        dst.close()
+        src.close()
+
+
+def _add_missing_columns(conn: Connection) -> None:
+    insp = inspect(conn)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"] for c in insp.get_columns(table.name)}
+        for col in table.columns:
+            if col.name in have:
+                continue
+            # Added as nullable (SQLite cannot add NOT NULL without a constant default), then
+            # existing rows are filled with the model's default so the ORM never reads a gap.
+            col_type = col.type.compile(dialect=conn.dialect)
+            conn.exec_driver_sql(f'ALTER TABLE "{table.name}" ADD COLUMN "{col.name}" {col_type}')
+            default = col.default
+            if default is not None and default.is_scalar:
+                conn.execute(update(table).values({col.name: default.arg}))
+            elif default is not None and default.is_callable:
+                conn.execute(update(table).values({col.name: default.arg(None)}))
+
+
+def _add_missing_indexes(conn: Connection) -> None:
+    for table in Base.metadata.sorted_tables:
+        for index in table.indexes:
+            index.create(conn, checkfirst=True)
+
+
+def schema_version() -> int:
+    with session() as s:
+        return s.scalar(select(SchemaVersion.version)) or 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs: the state changes that must be atomic
+
+
+def require_job(s: Session, job_id: int) -> Job:
+    job = s.get(Job, job_id)
+    if job is None:
+        raise JobError(f"no job with id {job_id}; `python -m kestrel jobs list` shows the jobs")
+    return job
+
+
+def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -> tuple[int, str] | None:
+    """Mark the oldest queued job that can start now as running; returns (job id, device).
+
+    Inside one BEGIN IMMEDIATE transaction, so two schedulers (the studio and a finishing worker)
+    never both start a job on one device. Two lanes, counted apart (see `kestrel.jobs.runner`):
+    training jobs take `slots` per device; a job that asked for a device waits for that device,
+    one that did not takes the first free device of `auto_devices`. Export jobs take one of
+    `export_slots`, whatever training runs, on their requested device or `_export_device`.
+    """
+    now = time.time()
+    with session(immediate=True) as s:
+        running = s.execute(select(Job.kind, Job.device).where(Job.status == RUNNING)).tuples().all()
+        busy = Counter(device for kind, device in running if kind != EXPORT)
+        exporting = sum(1 for kind, _ in running if kind == EXPORT)
+
+        def free(device: str) -> bool:
+            return busy[device] < slots
+
+        queued = s.scalars(select(Job).where(Job.status == QUEUED).order_by(Job.queued_at, Job.id))
+        for job in queued:
+            if job.kind == EXPORT:
+                if exporting >= export_slots:
+                    continue
+                device: str | None = job.requested_device or _export_device(auto_devices, busy)
+            else:
+                wanted = job.requested_device
+                device = wanted if wanted else next((d for d in auto_devices if free(d)), None)
+                if device is None or not free(device):
+                    continue
+            claimed = s.execute(
+                update(Job).where(Job.id == job.id, Job.status == QUEUED).values(
+                    status=RUNNING, device=device, pid=None, started_at=now, heartbeat_at=now,
+                    finished_at=None, error=None, attempts=Job.attempts + 1)
+            ).rowcount
+            if claimed == 1:
+                return job.id, str(device)
+    return None
+
+
+def _export_device(auto_devices: list[str], training: Counter[str]) -> str:
+    """An idle GPU (merges run tens of times faster there), else the CPU: an export never shares
+    a GPU with a training job, whose memory it could exhaust."""
+    return next((d for d in auto_devices if d != "cpu" and not training[d]), "cpu")
+
+
+def remove_job_files(output_dir: str) -> None:
+    """Delete a job's folder, refusing anything outside KESTREL_HOME (a user-chosen output_dir)."""
+    path = Path(output_dir).resolve()
+    home = kestrel_home().resolve()
+    if home not in path.parents:
+        raise JobError(f"not deleting {path}: it is outside {home}; remove it by hand if unwanted")
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,468 @@
+"""Small-batch products over NF4 weights read packed: y = x dequant(W)^T for 1..16 rows.
+
+A decode step over a QLoRA base (chat, GRPO rollouts) multiplies 1-16 rows by every NF4 matrix
+once; its time is the bytes of the weights over memory bandwidth. bitsandbytes runs a 4-bit
+matrix-vector kernel at one row and dequantize + GEMM above it (the 16-bit weight written and
+read back: 4.5x the packed bytes), one launch per projection. This kernel reads the packed
+nibbles and the block scales and never writes a dequantized weight: the values are formed in
+registers, tile by tile, and every row of x is multiplied by each tile while it is there.
+
+Format (`kestrel/kernels/nf4.py`): an (out, K) matrix is `out * K / 2` bytes, row-major, element
+2j in the HIGH nibble of byte j; one absmax per `blocksize` (64) consecutive elements. K must be
+a multiple of the blocksize, so row r's bytes start at r K / 2 and its scales at r K / blocksize.
+Values are computed in fp32 and rounded once to x's dtype, exactly what the 16-bit dequantized
+weight holds (`nf4.dequantize_reference`): the product is the dequantized 16-bit product up to
+the order of its fp32 sums.
+
+`NF4Weight` groups up to three members with the same K along the output dimension (q/k/v,
+gate/up): one launch reads x once for the group, through one pointer per member (a concatenated
+buffer would either double the 4-bit weights in memory or move them under bitsandbytes). The
+double-quantized absmax is decoded to fp32 once, when the group is built: 36 bytes read per 64
+weights instead of 33, and ~0.44 GB kept beside the 8B shape's packed weights, for a kernel with
+no nested decode per tile (whose mul + add must not fuse into an FMA) and no per-member offsets.
+
+Two ways through a tile (BLOCK_N rows x BLOCK_K columns; byte j gives elements 2j, 2j + 1, which
+multiply x's even and odd columns): one row of x as fp32 multiply-adds into a (BLOCK_N,
+BLOCK_K / 2) accumulator reduced once at the end (as `kestrel/kernels/decode/gemv.py`); 2..16
+rows as the decoded tile times x^T on tensor cores (`tl.dot`, fp32 accumulation). Split-K, when
+N has too few row tiles, is finished in the same launch: the last of a tile's SPLIT programs
+(a ticket counter) adds the fp32 partials in split order (deterministic) and resets the counter.
+Tiles come from a cost model (`choose_tiles`, `tile_cost`).
+
+The kernel is bound by forming the values (a table lookup, a multiply and a rounding per
+weight), not by memory; bitsandbytes' one-row GEMV forms them faster (in bf16 arithmetic, not
+bit-exact with its own dequantize), so the decode path (`applies`) uses this kernel from
+MIN_ROWS = 2 rows and keeps bitsandbytes' at one (bench/RESULTS.md, Decode "Session 15").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kestrel.kernels import nf4
+from kestrel.kernels._utils import cdiv, interpreted, next_pow2, sm_count
+from kestrel.kernels.dispatch import use_triton
+
+MAX_ROWS = 16  # rows of x one launch takes (the tensor-core tile's M)
+MIN_ROWS = 2  # rows from which the decode path prefers this kernel (bench/RESULTS.md, Decode "Session 15")
+MAX_MEMBERS = 3
+_SPLIT_MIN_ROWS = 16  # split-K tiles have at least this many rows: one ticket per 16 rows suffices
+# Per path (one row; tensor cores): BLOCK_K, warps, programs an SM holds at once: the fastest at
+# every 8B shape and row count in a sweep of compiled variants (`python bench/nf4_gemv_tiles.py`).
+_FMA_K, _FMA_WARPS, _RESIDENT_FMA = 512, 2, 16
+_DOT_K, _DOT_WARPS, _RESIDENT_DOT = 128, 4, 4
+_VALUES_PER_THREAD = 64  # decoded weight values per thread per step (registers)
+_INFLIGHT_PER_SM = 32 * 1024  # bytes in flight per SM that cover memory latency (Little's law: bandwidth x latency / SMs)
+_X_COST = 0.4  # a byte of x from cache, against a byte of weight from HBM
+_PARTIAL_COST = 2.0  # a byte of split-K partials: written, then read back in series by the last split
+
+
+# --- kernel ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _member_ptrs(rows, end0, end1, P0, P1, P2, PER_ROW: tl.constexpr, MEMBERS: tl.constexpr):
+    """(BLOCK_N,) pointers to the first of PER_ROW elements of each row in its member's array:
+    rows [0, end0) are member 0's, [end0, end1) member 1's, the rest member 2's."""
+    r = rows.to(tl.int64)
+    if MEMBERS == 1:
+        ptrs = P0 + r * PER_ROW
+    elif MEMBERS == 2:
+        ptrs = tl.where(r >= end0, P1 + (r - end0) * PER_ROW, P0 + r * PER_ROW)
+    else:
+        first_two = tl.where(r >= end0, P1 + (r - end0) * PER_ROW, P0 + r * PER_ROW)
+        ptrs = tl.where(r >= end1, P2 + (r - end1) * PER_ROW, first_two)
+    return ptrs
+
+
+@triton.jit
+def _rounded(v, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 v rounded to nearest-even DTYPE, as torch's cast. Compiled: a DTYPE tensor.
+    Interpreted: fp32 holding the DTYPE value, bf16 rounded by hand (the interpreter truncates
+    fp32 -> bf16, and its tl.dot reads bf16 operands as raw integers)."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+            out = bits.to(tl.float32, bitcast=True)
+        else:
+            out = v.to(DTYPE).to(tl.float32)
+    else:
+        out = v.to(DTYPE)
+    return out
+
+
+@triton.jit
+def _weight_pairs(w_rows, s_rows, CODE, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
+                  EVEN: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Quant blocks blk0 .. blk0 + NB - 1 of each row, dequantized: (hi, lo), each (BLOCK_N, NB,
+    HB), hi[.., b, j] = element 2j of block b (byte j's high nibble), lo = element 2j + 1.
+    Blocks at or past N_BLK read as zeros (unless EVEN: none are)."""
+    blk = blk0 + tl.arange(0, NB)  # (NB,)
+    byte = blk[:, None] * HB + tl.arange(0, HB)[None, :]  # (NB, HB) byte offsets within a row
+    if EVEN:
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :])
+        scale = tl.load(s_rows[:, None] + blk[None, :])
+    else:
+        ok = (blk < N_BLK)[None, :]
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=ok[:, :, None], other=0)
+        scale = tl.load(s_rows[:, None] + blk[None, :], mask=ok, other=0.0)
+    scale = scale[:, :, None]
+    hi = _rounded(tl.load(CODE + (packed >> 4).to(tl.int32)) * scale, DTYPE, INTERPRETED)
+    lo = _rounded(tl.load(CODE + (packed & 15).to(tl.int32)) * scale, DTYPE, INTERPRETED)
+    return hi, lo
+
+
+@triton.jit
+def _fma_rows(X, w_rows, s_rows, CODE, blk_first, BLOCK_N: tl.constexpr, N_BLK: tl.constexpr,
+              NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr, EVEN: tl.constexpr,
+              DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(BLOCK_N, 1) fp32: one row of x times BLOCK_N weight rows over STEPS tiles of NB blocks."""
+    pair = tl.arange(0, HB)[:, None] * 2 + tl.arange(0, 2)[None, :]  # (HB, 2): columns 2j, 2j + 1
+    acc = tl.zeros((BLOCK_N, NB, HB), tl.float32)
+    for i in range(STEPS):
+        blk0 = blk_first + i * NB
+        hi, lo = _weight_pairs(w_rows, s_rows, CODE, blk0, N_BLK, NB, HB, EVEN, DTYPE, INTERPRETED)
+        blk = blk0 + tl.arange(0, NB)
+        cols = blk[:, None, None] * (2 * HB) + pair[None, :, :]  # (NB, HB, 2)
+        if EVEN:
+            x = tl.load(X + cols)
+        else:
+            x = tl.load(X + cols, mask=(blk < N_BLK)[:, None, None], other=0.0)
+        x_even, x_odd = tl.split(x.to(tl.float32))  # (NB, HB) each
+        acc += hi.to(tl.float32) * x_even[None, :, :] + lo.to(tl.float32) * x_odd[None, :, :]
+    return tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]
+
+
+@triton.jit
+def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, blk_first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr,
+              EVEN: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(BLOCK_N, BLOCK_M) fp32: the weight rows times up to BLOCK_M rows of x, on tensor cores."""
+    BLOCK_K: tl.constexpr = NB * 2 * HB
+    m = tl.arange(0, BLOCK_M)
+    x_rows = X + m.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for i in range(STEPS):
+        blk0 = blk_first + i * NB
+        hi, lo = _weight_pairs(w_rows, s_rows, CODE, blk0, N_BLK, NB, HB, EVEN, DTYPE, INTERPRETED)
+        cols = blk0 * (2 * HB) + tl.arange(0, BLOCK_K)
+        ok = (m < M)[:, None] & (cols < N_BLK * 2 * HB)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_K)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
+        lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2))
+        if INTERPRETED:  # fp32 operands holding 16-bit values: exact products, as on the GPU
+            acc = tl.dot(hi, tl.trans(x_even.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(lo, tl.trans(x_odd.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hi, tl.trans(x_even), acc)
+            acc = tl.dot(lo, tl.trans(x_odd), acc)
+    return acc
+
+
+@triton.jit
+def _store(y, Y, bias, rows, row_ok, M, stride_y, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y (BLOCK_N, BLOCK_M) fp32 (+ bias), rounded to Y's dtype, into Y[m, rows]."""
+    if HAS_BIAS:
+        y += bias[:, None]
+    m = tl.arange(0, BLOCK_M)
+    out = Y + m.to(tl.int64)[None, :] * stride_y + rows[:, None]
+    tl.store(out, y.to(Y.dtype.element_ty), mask=row_ok[:, None] & (m < M)[None, :])
+
+
+@triton.jit
+def _nf4_gemv_kernel(
+    X, Y, PART, TICKETS,  # x (M, K); y (M, N); split-K fp32 partials; int32 tickets, zero between launches
+    W0, W1, W2, S0, S1, S2, B0, B1, B2,  # per member: packed uint8, fp32 absmax, bias (unused ones repeat W0...)
+    CODE,  # fp32 (16,) NF4 levels
+    M, N, end0, end1, stride_x, stride_y,
+    K: tl.constexpr, BS: tl.constexpr, MEMBERS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_K // BS  # quant blocks a step
+    HB: tl.constexpr = BS // 2  # bytes a quant block
+    N_BLK: tl.constexpr = K // BS  # quant blocks a row
+    STEPS: tl.constexpr = (N_BLK + NB * SPLIT - 1) // (NB * SPLIT)  # steps a split
+    EVEN: tl.constexpr = N_BLK % (NB * SPLIT) == 0
+    DTYPE: tl.constexpr = X.dtype.element_ty
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    safe = tl.minimum(rows, N - 1)  # rows past N re-read row N - 1, never stored: loads need no mask
+    w_rows = _member_ptrs(safe, end0, end1, W0, W1, W2, K // 2, MEMBERS)
+    s_rows = _member_ptrs(safe, end0, end1, S0, S1, S2, N_BLK, MEMBERS)
+    if HAS_BIAS:
+        bias = tl.load(_member_ptrs(safe, end0, end1, B0, B1, B2, 1, MEMBERS)).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_N,), tl.float32)
+    blk_first = split * STEPS * NB
+    if BLOCK_M == 1:
+        y = _fma_rows(X, w_rows, s_rows, CODE, blk_first, BLOCK_N, N_BLK, NB, HB, STEPS, EVEN, DTYPE, INTERPRETED)
+    else:
+        y = _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, blk_first, BLOCK_M, BLOCK_N, N_BLK, NB, HB, STEPS,
+                      EVEN, DTYPE, INTERPRETED)
+    if SPLIT == 1:
+        _store(y, Y, bias, rows, row_ok, M, stride_y, BLOCK_M, HAS_BIAS)
+    else:
+        _split_k_finish(y, Y, PART, TICKETS, bias, rows, row_ok, M, stride_y, pid_n, split, BLOCK_M, BLOCK_N,
+                        SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _split_k_finish(y, Y, PART, TICKETS, bias, rows, row_ok, M, stride_y, pid_n, split, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Write this split's partial; the last split of the row tile to arrive (its ticket) sums
+    all SPLIT partials in split order, stores y and resets the ticket for the next launch."""
+    TILE: tl.constexpr = BLOCK_N * BLOCK_M
+    idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    part = PART + pid_n.to(tl.int64) * (SPLIT * TILE)
+    used = (tl.arange(0, BLOCK_M) < M)[None, :] & (idx >= 0)  # rows of x past M: never read back
+    tl.store(part + split * TILE + idx, y, mask=used)
+    tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
+    ticket = tl.atomic_add(TICKETS + pid_n, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLIT - 1:
+        total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for s in range(SPLIT):  # .cg: from L2, where the other programs' partials are
+            total += tl.load(part + s * TILE + idx, mask=used, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(TICKETS + pid_n, 0, sem="relaxed", scope="gpu")
+        _store(total, Y, bias, rows, row_ok, M, stride_y, BLOCK_M, HAS_BIAS)
+
+
+# --- the weight ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NF4Weight:
+    """Up to three NF4 matrices of the same K stacked along the output dimension, as the kernel
+    reads them (member i owns output rows [ends[i - 1], ends[i])). Built by `nf4_weight`.
+
+    packed: per member, uint8 (out_i * K / 2,): the Params4bit's own storage (an alias, no copy)
+    absmax: per member, fp32 (out_i * K / blocksize,): decoded once (the module docstring)
+    bias: per member, (out_i,) in the compute dtype (zeros for a member without one), or None
+    code: fp32 (16,) the NF4 levels
+    tickets: int32 (cdiv(N, 16),) zeros: split-K counters, left zero by every launch
+    """
+
+    packed: tuple[torch.Tensor, ...]
+    absmax: tuple[torch.Tensor, ...]
+    bias: tuple[torch.Tensor, ...] | None
+    code: torch.Tensor
+    tickets: torch.Tensor
+    sizes: tuple[int, ...]
+    k: int
+    blocksize: int
+    dtype: torch.dtype  # the compute dtype the values are rounded to (x's)
+    sms: int
+
+    @property
+    def n(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads from the weight: packed nibbles, fp32 absmax, bias."""
+        tensors = [*self.packed, *self.absmax, *(self.bias or ())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def unsupported(packed: torch.Tensor, quant_state: Any, k: int | None = None) -> str:
+    """Why an NF4 weight cannot be read by this kernel ("" when it can)."""
+    if getattr(quant_state, "quant_type", None) != "nf4" or packed.dtype != torch.uint8:
+        return "not an NF4 weight"
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        return "repacked for bitsandbytes' CPU kernel"
+    shape = tuple(int(d) for d in quant_state.shape)
+    bs = int(quant_state.blocksize)
+    if len(shape) != 2 or packed.numel() * 2 != shape[0] * shape[1]:
+        return f"packed bytes do not match shape {shape}"
+    if bs < 16 or bs & (bs - 1) or shape[1] % bs:
+        return f"in_features {shape[1]} is not a multiple of the power-of-two blocksize {bs}"
+    if k is not None and shape[1] != k:
+        return "members differ in in_features"
+    if not packed.is_contiguous():
+        return "packed weight is not contiguous"
+    return ""
+
+
+def nf4_weight(members: Sequence[tuple[torch.Tensor, Any, torch.Tensor | None]],
+               dtype: torch.dtype) -> NF4Weight:
+    """members: (packed uint8, quant_state, bias or None) each, same K and blocksize, at most
+    three -> the `NF4Weight` of them stacked, values rounded to `dtype` (fp16 or bf16).
+    Raises ValueError when they cannot be read together (`unsupported`)."""
+    if not 1 <= len(members) <= MAX_MEMBERS or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{len(members)} members in {dtype}: need 1-{MAX_MEMBERS} in fp16 or bf16")
+    k = int(members[0][1].shape[1])
+    bs = int(members[0][1].blocksize)
+    device = members[0][0].device
+    code = nf4._code(members[0][1], device)
+    for packed, state, _ in members:
+        reason = unsupported(packed, state, k)
+        if not reason and int(state.blocksize) != bs:
+            reason = "members differ in blocksize"
+        if not reason and not torch.equal(nf4._code(state, device), code):
+            reason = "members differ in their NF4 code"
+        if reason:
+            raise ValueError(reason)
+    sizes = tuple(int(state.shape[0]) for _, state, _ in members)
+    has_bias = any(b is not None for _, _, b in members)
+    bias = tuple(torch.zeros(n, dtype=dtype, device=device) if b is None else b.detach()
+                 for n, (_, _, b) in zip(sizes, members)) if has_bias else None
+    return NF4Weight(
+        packed=tuple(torch.Tensor.as_subclass(p, torch.Tensor).reshape(-1) for p, _, _ in members),
+        absmax=tuple(decoded_absmax(s, device) for _, s, _ in members), bias=bias, code=code,
+        tickets=torch.zeros(cdiv(sum(sizes), _SPLIT_MIN_ROWS), dtype=torch.int32, device=device),
+        sizes=sizes, k=k, blocksize=bs, dtype=dtype, sms=sm_count(device),
+    )
+
+
+def decoded_absmax(quant_state: Any, device: torch.device) -> torch.Tensor:
+    """fp32 (n_blocks,) absmax of a weight, decoded from double quantization exactly as
+    bitsandbytes does (`nf4._absmax_reference`: mul and add rounded separately); a plain fp32
+    absmax is returned as is (no copy)."""
+    n = 1
+    for d in quant_state.shape:
+        n *= int(d)
+    n_blocks = cdiv(n, int(quant_state.blocksize))
+    return nf4._absmax_reference(quant_state, n_blocks, device).contiguous()
+
+
+# --- tiles -----------------------------------------------------------------------------------------
+
+
+class Tiles(NamedTuple):
+    block_m: int  # 1: fp32 multiply-adds; 16: tensor cores
+    block_n: int
+    block_k: int
+    split: int
+    warps: int = 4
+    stages: int = 1
+
+
+def choose_tiles(m: int, n: int, k: int, blocksize: int, sms: int) -> Tiles:
+    """The tiles of least `tile_cost` for m rows of x times an (n, k) weight on `sms` SMs
+    (no cache: plain integer work, traced as is inside torch.compile): BLOCK_N and SPLIT from the
+    model, per shape and m; BLOCK_K and warps fixed per path (one row: _FMA_*; tensor cores:
+    _DOT_*). Checked against the sweep, the model's choices are the fastest measured or close
+    to it (bench/RESULTS.md, Decode "Session 15")."""
+    if m == 1:
+        block_m, warps, rows, splits = 1, _FMA_WARPS, (1, 2, 4, 8, 16), (1,)
+        block_k = _FMA_K
+    else:
+        block_m, warps, rows, splits = MAX_ROWS, _DOT_WARPS, (16, 32, 64, 128), (1, 2, 4, 8, 16)
+        block_k = _DOT_K
+    block_k = max(blocksize, min(block_k, next_pow2(k)))
+    best: tuple[float, int, Tiles] | None = None
+    for block_n in rows:
+        if block_n * block_k > _VALUES_PER_THREAD * 32 * warps and block_n > rows[0]:
+            break
+        for split in splits:
+            if split > 1 and cdiv(k, block_k) < 2 * split:
+                break
+            t = Tiles(block_m, block_n, block_k, split, warps)
+            key = (tile_cost(t, m, n, k, sms), cdiv(n, block_n) * split, t)
+            best = key if best is None or key[:2] < best[:2] else best
+    assert best is not None
+    return best[2]
+
+
+def tile_cost(t: Tiles, m: int, n: int, k: int, sms: int) -> float:
+    """Relative time of a launch with tiles `t`, in bytes of HBM:
+    - bytes in flight: a program has one (BLOCK_N, BLOCK_K / 2)-byte tile of packed weight in
+      flight at a time, and an SM holds _RESIDENT_* programs at once, so by Little's law a launch
+      streams at about min(bandwidth, resident programs x tile bytes / latency); the weight's
+      bytes are divided by that fraction of the bandwidth, reached at _INFLIGHT_PER_SM bytes per SM;
+    - balance: the busiest SM runs ceil(programs / SMs) programs, the bandwidth is divided by
+      programs / (SMs x that);
+    - x re-reads: every program loads its K range of all M rows of x (M x 2 bytes a column, from
+      L1/L2) against BLOCK_N x 9/16 bytes of weight: _X_COST a byte, which favours tall row tiles;
+    - split-K partials: 8 SPLIT M bytes a row (written, read back by the last split in series),
+      _PARTIAL_COST a byte.
+    `choose_tiles` also caps the decoded tile (BLOCK_N x BLOCK_K values over 32 x warps threads)
+    at _VALUES_PER_THREAD a thread: more spilled or starved occupancy in the sweep."""
+    programs = cdiv(n, t.block_n) * t.split
+    resident = min(programs, sms * (_RESIDENT_FMA if t.block_m == 1 else _RESIDENT_DOT))
+    inflight = resident * t.block_n * t.block_k // 2
+    balance = programs / (sms * cdiv(programs, sms))  # the busiest SM has ceil(programs / sms)
+    weight = n * k * 9 // 16  # packed nibbles + fp32 absmax
+    x_reads = programs * cdiv(k, t.split) * m * 2
+    partials = 8 * t.split * m * n if t.split > 1 else 0  # fp32, written and read back
+    streamed = weight / (min(1.0, inflight / (_INFLIGHT_PER_SM * sms)) * balance)
+    return streamed + x_reads * _X_COST + partials * _PARTIAL_COST
+
+
+# --- host ------------------------------------------------------------------------------------------
+
+
+def applies(x: torch.Tensor, weight: NF4Weight) -> bool:
+    """True when the decode path should run this product here: MIN_ROWS to MAX_ROWS rows of x in
+    the weight's compute dtype, and the Triton kernels chosen (`kestrel.kernels.dispatch`: CUDA tensors,
+    or forced). (`nf4_gemv` itself takes one row too.)"""
+    return (x.shape[-1] == weight.k and MIN_ROWS <= rows_of(x) <= MAX_ROWS and x.dtype == weight.dtype
+            and use_triton(x, weight.packed[0]))
+
+
+def rows_of(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
+
+
+def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> torch.Tensor:
+    """x (..., K) with at most MAX_ROWS rows, in `weight.dtype` -> (..., N) in x's dtype:
+    x dequant(W)^T (+ bias), fp32 sums, rounded once. `tiles`: override `choose_tiles` (tests).
+    The PyTorch reference where the Triton kernels are not chosen."""
+    k, n = weight.k, weight.n
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    if not 0 < m <= MAX_ROWS or x.dtype != weight.dtype:
+        raise ValueError(f"nf4_gemv takes 1-{MAX_ROWS} rows of {weight.dtype}, got {m} of {x.dtype}")
+    if not use_triton(x, weight.packed[0]):
+        return nf4_gemv_reference(x, weight)
+    t = tiles or choose_tiles(m, n, k, weight.blocksize, weight.sms)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid_n = cdiv(n, t.block_n)
+    if t.split > 1 and (t.block_n < _SPLIT_MIN_ROWS or grid_n > weight.tickets.numel()):
+        raise ValueError(f"split-K needs row tiles of at least {_SPLIT_MIN_ROWS} rows, got {t}")
+    part = torch.empty(grid_n * t.split * t.block_n * t.block_m if t.split > 1 else 1, dtype=torch.float32,
+                       device=x.device)
+    members = len(weight.sizes)
+    w, s = _padded(weight.packed), _padded(weight.absmax)
+    b = _padded(weight.bias) if weight.bias is not None else w
+    ends = [sum(weight.sizes[: i + 1]) for i in range(MAX_MEMBERS - 1)]
+    _nf4_gemv_kernel[(grid_n, t.split)](
+        rows, y, part, weight.tickets, *w, *s, *b, weight.code, m, n, ends[0], ends[1], rows.stride(0), y.stride(0),
+        K=k, BS=weight.blocksize, MEMBERS=members, HAS_BIAS=weight.bias is not None, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, INTERPRETED=interpreted(), num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return y.view(*x.shape[:-1], n)
+
+
+def _padded(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Exactly MAX_MEMBERS tensors: the unused pointer slots repeat the first (never read)."""
+    return tensors + (tensors[0],) * (MAX_MEMBERS - len(tensors))
+
+
+def dequantized(weight: NF4Weight) -> torch.Tensor:
+    """(N, K) in `weight.dtype`: the stacked members dequantized (PyTorch; tests, the reference)."""
+    parts = []
+    for packed, absmax, n in zip(weight.packed, weight.absmax, weight.sizes):
+        nibbles = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(n, weight.k).long()
+        scale = absmax.view(n, weight.k // weight.blocksize).repeat_interleave(weight.blocksize, dim=1)
+        parts.append((weight.code[nibbles] * scale).to(weight.dtype))
+    return torch.cat(parts)
+
+
+def nf4_gemv_reference(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:
+    """x (..., K) -> (..., N): the dequantized 16-bit weight times x in fp32, rounded to x's dtype."""
+    bias = None if weight.bias is None else torch.cat(weight.bias).float()
+    return F.linear(x.float(), dequantized(weight).float(), bias).to(x.dtype)

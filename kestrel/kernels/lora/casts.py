@@ -1,0 +1,111 @@
+"""Adapter weights in the compute dtype, cast once per optimizer step instead of once per use.
+
+PEFT keeps LoRA's A and B in fp32 (the optimizer's master copy) while the products run in bf16.
+Casting at every use made a QLoRA step of the 8B shape launch about a thousand small copy kernels
+(each projection's B in its forward, again in its backward, the stacked A's of Q/K/V and gate/up),
+and on that step the host, not the GPU, was the limit (bench/RESULTS.md, QLoRA "Session 7").
+`cast` and `stacked` keep the cast copy with the weight and reuse it until the weight may have changed. A copy is valid while
+- no optimizer has stepped since it was made (a global step post-hook drops every copy: torch's
+  fused AdamW updates parameters without bumping their version counters, and a copy that could
+  never be used again would otherwise stay until its weight is cast anew, or for ever where a
+  CUDA graph now does the casting),
+- the weight's version counter is unchanged (in-place updates: `load_state_dict`, `copy_`),
+- and so is its data pointer (a `.data` swap).
+The cache is keyed weakly by the weight, so it goes with it; its cost is one 16-bit copy of the
+adapter (about 85 MB for the 8B shape at r = 16), from a step's first use to the optimizer step.
+Under `uncached()` (while a CUDA graph is captured: a replay runs no Python, so a kept copy would
+go stale in it) every call casts afresh and nothing is kept.
+
+`mm_to` gives a product in another dtype: the fp32 adapter gradients are written by cuBLAS in
+fp32 directly (`out_dtype`, CUDA) rather than rounded to bf16 and copied up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Keyed by identity (a tensor's == is elementwise, so a plain WeakKeyDictionary cannot hold them).
+_CASTS = WeakIdKeyDictionary()  # weight -> (stamp, copy)
+_STACKS = WeakIdKeyDictionary()  # first weight -> (stamp, copy)
+
+
+_UNCACHED = contextvars.ContextVar("kestrel_casts_uncached", default=False)
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Within: cast on every call and keep nothing (for CUDA graph capture, whose replays must
+    cast the weights' current values, and whose memory must not end up in the cache)."""
+    token = _UNCACHED.set(True)
+    try:
+        yield
+    finally:
+        _UNCACHED.reset(token)
+
+
+def _drop_all(*_: object) -> None:
+    """After any optimizer's step: every kept copy may be stale."""
+    _CASTS.clear()
+    _STACKS.clear()
+
+
+register_optimizer_step_post_hook(_drop_all)
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int, int]:
+    """What changes when t's values may have, between optimizer steps: its identity, version and
+    address."""
+    return id(t), t._version, t.data_ptr()
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype` (t itself when it already is), the copy kept while t is unchanged. Not
+    autograd-aware: for use inside the LoRA autograd Functions, which do their own backward."""
+    if t.dtype == dtype:
+        return t
+    if _UNCACHED.get():
+        return t.detach().to(dtype)
+    stamp = (_stamp(t), dtype)
+    hit = _CASTS.get(t)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    copy = t.detach().to(dtype)
+    _CASTS[t] = (stamp, copy)
+    return copy
+
+
+def stacked(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """[t_1; ...; t_n] (concatenated along dim 0) in `dtype`, kept while every t_k is unchanged."""
+    if len(ts) == 1:
+        return cast(ts[0], dtype)
+    if _UNCACHED.get():
+        return torch.cat([t.detach() for t in ts]).to(dtype)
+    stamp = (tuple(_stamp(t) for t in ts), dtype)
+    hit = _STACKS.get(ts[0])
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    copy = torch.cat([t.detach() for t in ts]).to(dtype)
+    _STACKS[ts[0]] = (stamp, copy)
+    return copy
+
+
+def mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b (2-D) returned in `dtype`: for 16-bit a, b and an fp32 result on CUDA, cuBLAS writes
+    fp32 from its fp32 accumulator (no bf16 rounding, no copy kernel); elsewhere a cast after."""
+    if dtype == a.dtype:
+        return torch.mm(a, b)
+    if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b).to(dtype)
+
+
+def clear() -> None:
+    """Forget every kept copy (tests)."""
+    _CASTS.clear()
+    _STACKS.clear()

@@ -1,0 +1,158 @@
+"""The decoder stack's forward (`FamilySpec.model_class`: LlamaModel ... Gemma3TextModel).
+
+Rebound by `kestrel.model.patching` for the training / no-cache path, as Unsloth patches the model
+level: embeddings, position ids, rotary tables and the attention layout are computed once per
+forward, then every decoder layer is called through its `__call__` (so Hugging Face gradient
+checkpointing, which `kestrel.recompute.checkpoint` hooks into, keeps working), then the final norm.
+
+The attention layout (`kestrel.model.attention`) is where this differs from HF: packed and padded rows
+on CUDA in 16-bit run the varlen kernel instead of a (B, 1, T, T) mask. Everything else uses the very
+masks HF builds. Any call this forward does not handle (a cache, `use_cache`, attention or
+hidden-state outputs, a prepared 4-D mask, unknown keywords...) goes to the original class
+forward unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from kestrel.model import attention as attn
+from kestrel.model.registry import FamilySpec
+
+# Keywords HF hands down to the layers, which change nothing in the math.
+_PASSTHROUGH = frozenset({"num_items_in_batch"})
+# Keywords read here to decide whether to delegate, and not passed on.
+_CHECKED = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
+
+LayerInputs = tuple[Any, attn.VarlenCall | None]  # (HF attention mask or None, varlen call or None)
+
+
+def _use_cache(model: nn.Module, use_cache: bool | None) -> bool:
+    # As HF's merge_with_config_defaults: the config decides when the caller did not, and
+    # gradient checkpointing in training turns the cache off.
+    value = use_cache if use_cache is not None else getattr(model.config, "use_cache", False)
+    return bool(value) and not (getattr(model, "gradient_checkpointing", False) and model.training)
+
+
+def handles(
+    model: nn.Module, spec: FamilySpec, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+    attention_mask: Any, past_key_values: Any, use_cache: bool | None, kwargs: dict[str, Any],
+) -> bool:
+    """True when this forward computes the call exactly; False sends it to HF's own forward."""
+    config = model.config
+    if (input_ids is None) == (inputs_embeds is None):  # HF raises its own error
+        return False
+    if past_key_values is not None or _use_cache(model, use_cache):
+        return False
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
+        return False  # a prepared 4-D mask, a per-layer-type dict, a BlockMask
+    if set(kwargs) - _PASSTHROUGH - _CHECKED:
+        return False
+    for name in ("output_attentions", "output_hidden_states"):
+        if kwargs.get(name, getattr(config, name, False)):
+            return False
+    if kwargs.get("return_dict", getattr(config, "return_dict", True)) is False:
+        return False
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
+        return False
+    # HF 5.17's Gemma 3 ignores this cap; whatever HF does with it, it is HF's to do.
+    return not (spec.attn_softcap_attr and getattr(config, spec.attn_softcap_attr, None))
+
+
+def _hf_mask(model: nn.Module, window: int | None, embeds: torch.Tensor, attention_mask: Any, position_ids: Any) -> Any:
+    """The mask HF's own forward builds for layers of this window, with HF's own helpers."""
+    module = sys.modules[type(model).__module__]
+    build = module.create_causal_mask if window is None else module.create_sliding_window_causal_mask
+    return build(
+        config=model.config, inputs_embeds=embeds, attention_mask=attention_mask,
+        past_key_values=None, position_ids=position_ids,
+    )
+
+
+def attention_inputs(
+    model: nn.Module, mode: attn.VarlenMode, windows: list[int | None], embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+) -> dict[int | None, LayerInputs]:
+    """The attention layout of one forward: for each window size in `windows`, what its layers get.
+
+    embeds (B, T, H); attention_mask (B, T) or None; position_ids (B or 1, T) as the caller gave
+    them, None when defaulted (then there is nothing to detect). At most one host sync: the
+    sample starts, when the varlen path could run and the caller passed positions.
+    """
+    b, t = embeds.shape[:2]
+    dropout = model.training and getattr(model.config, "attention_dropout", 0.0) > 0
+    fn = attn.varlen_backend(mode, embeds.device, embeds.dtype, dropout)
+    padded, packed, samples, hf_positions = attention_mask is not None, False, None, position_ids
+    starts = attn.segment_starts(attention_mask, position_ids, b) if fn is not None else None  # the one host sync
+    if starts is not None:
+        packed = bool(starts[:, 1:].any())  # samples or runs of padding inside the rows
+        padded = False  # padding, if any, is a segment of its own now
+        if packed:
+            samples = attn.samples_from_starts(starts, embeds.device)
+        elif position_ids is not None:
+            hf_positions = None  # HF would find no packing either; spares its own sync
+    out: dict[int | None, LayerInputs] = {}
+    for window in dict.fromkeys(windows):
+        plan = attn.plan_layer(padded=padded, packed=packed, window=window, seq_len=t, varlen=fn is not None)
+        if plan == "hf_mask":
+            out[window] = (_hf_mask(model, window, embeds, attention_mask, hf_positions), None)
+        else:
+            rows = samples if plan == "varlen_samples" else attn.row_samples(b, t, embeds.device)
+            out[window] = (None, attn.VarlenCall(rows, attn.flash_window(window), fn))
+    return out
+
+
+def _rotary(model: nn.Module, spec: FamilySpec, h: torch.Tensor, position_ids: torch.Tensor) -> list[Any]:
+    """(cos, sin) for each layer, each (B or 1, T, D), computed once per table."""
+    layers = range(model.config.num_hidden_layers)
+    if not spec.rope_per_layer_type:
+        table = model.rotary_emb(h, position_ids)
+        return [table for _ in layers]
+    # Gemma 3: one table per layer type (local rope_theta for sliding layers, global for full ones).
+    types = model.config.layer_types
+    tables = {kind: model.rotary_emb(h, position_ids, kind) for kind in dict.fromkeys(types)}
+    return [tables[types[i]] for i in layers]
+
+
+def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Callable[..., BaseModelOutputWithPast]:
+    """The decoder stack's forward; `mode` is the varlen choice ("off" when attention is unpatched)."""
+
+    def forward(
+        self: nn.Module,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        if not handles(self, spec, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache, kwargs):
+            return type(self).forward(
+                self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+            )
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H); Gemma scales inside
+        given_positions = position_ids
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
+        n = self.config.num_hidden_layers
+        windows = [attn.layer_window(spec, self.config, i) for i in range(n)]
+        layouts = attention_inputs(self, mode, windows, h, attention_mask, given_positions)
+        rotary = _rotary(self, spec, h, position_ids)
+        passed = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH}
+        for i, layer in enumerate(self.layers[:n]):
+            mask, varlen = layouts[windows[i]]
+            extra = {attn.VARLEN_KWARG: varlen} if varlen is not None else {}
+            # hidden states go positionally: HF's checkpointing hands only *args to the checkpoint function.
+            h = layer(
+                h, attention_mask=mask, position_embeddings=rotary[i], position_ids=position_ids, **passed, **extra
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=None)
+
+    return forward

@@ -1,0 +1,302 @@
+"""The forwards that `kestrel.model.patching` binds onto a family's modules.
+
+Each `make_*_forward(spec)` returns a plain function `forward(self, ...)` with the signature of
+the Hugging Face forward it replaces, computing the same math through `kestrel.kernels` (Triton on CUDA,
+the PyTorch references elsewhere, chosen by `kestrel.kernels.dispatch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kestrel import kernels
+from kestrel.recompute import checkpoint as checkpointing
+from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
+from kestrel.model.registry import FamilySpec
+
+log = logging.getLogger("kestrel")
+_NOTICED: set[str] = set()
+
+
+def _notice_once(message: str) -> None:
+    if message not in _NOTICED:
+        _NOTICED.add(message)
+        log.warning(message)
+
+
+# --- LoRA: which PEFT layers can run through the fused kernels -----------------------------
+
+
+def fused_lora_weights(layer: nn.Module) -> Any | None:
+    """`kestrel.kernels.LoRAWeights` for a PEFT LoRA layer that the fused path can run now, else None.
+
+    None for a plain linear, a merged layer, or adapters disabled (base-only, e.g. the GRPO
+    reference pass); None with a one-time notice when PEFT carries something the kernel does not
+    support (dropout > 0, a bias, DoRA, several active adapters). The answer is cached on the
+    layer under the state it depends on, because this runs for every projection of every step.
+    """
+    if not hasattr(layer, "lora_A"):
+        return None
+    active = tuple(layer.active_adapters)
+    state = (active, layer.merged, layer.disable_adapters, tuple(layer.scaling.get(a) for a in active))
+    cached = layer.__dict__.get("_kestrel_fused")
+    if cached is not None and cached[0] == state:
+        return cached[1]
+    weights = None
+    if not state[1] and not state[2] and len(state[0]) == 1:
+        weights, reason = kernels.LoRAWeights.from_peft(layer, state[0][0])
+        if weights is None:
+            _notice_once(f"fused LoRA kernel off for some layers ({reason}); using PEFT's path for them")
+    layer.__dict__["_kestrel_fused"] = (state, weights)
+    return weights
+
+
+def lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PEFT LoRA linear: y = x W^T + s (x A^T) B^T through the fused kernel when possible."""
+    weights = fused_lora_weights(self) if not args and not kwargs else None
+    if weights is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    return kernels.lora_linear(x, weights)
+
+
+# --- RMSNorm ---------------------------------------------------------------------------------
+
+
+def make_rms_norm_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
+    offset, casting = spec.norm_offset, spec.norm_casting
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
+        return kernels.rms_norm(x, self.weight, eps, offset=offset, casting=casting)
+
+    return forward
+
+
+# --- Attention -------------------------------------------------------------------------------
+
+
+def _project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fused = [fused_lora_weights(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
+    if all(w is not None for w in fused):
+        return kernels.lora_qkv(x, *fused)
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+
+def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """Attention with QK-norm, in-place RoPE and fused LoRA QKV; varlen when the model forward says so."""
+
+    def forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = _project_qkv(self, hidden_states)
+        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)  # (B, T, h, d)
+        if spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, d)
+        cos, sin = position_embeddings
+        q, k = kernels.rope_(q, k, cos, sin)
+        varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
+        if varlen is not None:
+            return self.o_proj(varlen_attention(q, k, v, varlen, self.scaling)), None
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        eager = sys.modules[type(self).__module__].eager_attention_forward
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+        window = layer_window(spec, self.config, self.layer_idx)
+        if window is not None:  # flash / flex read the window from here (Mistral's included)
+            kwargs["sliding_window"] = window
+        out, weights = interface(
+            self, q, k, v, attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+    return forward
+
+
+# --- MLP -------------------------------------------------------------------------------------
+
+
+def mlp_activation_matches(mlp: nn.Module, spec: FamilySpec) -> bool:
+    """True when the module's activation is the one the family's fused GLU computes."""
+    act = getattr(mlp, "act_fn", None)
+    name = type(act).__name__.lower()
+    if spec.activation == "swiglu":
+        return isinstance(act, nn.SiLU) or "silu" in name
+    return "tanh" in name and "gelu" in name
+
+
+def make_mlp_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
+    glu = kernels.swiglu if spec.activation == "swiglu" else kernels.geglu
+
+    def forward(
+        self: nn.Module, x: torch.Tensor, discard_output: bool = False, gate_store: Any = None,
+    ) -> torch.Tensor:
+        """discard_output: the caller uses only the output's graph, not its values (see
+        `kestrel.kernels.lora_mlp`); gate_store: where an offloaded checkpoint keeps the gate product
+        (`kestrel.kernels.lora.mlp.GateStore`). Both honoured by the fused LoRA path, ignored by the others."""
+        fused = [fused_lora_weights(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
+        if all(w is not None for w in fused):
+            return kernels.lora_mlp(
+                x, *fused, activation=spec.activation, discard_output=discard_output,
+                gate_store=gate_store,
+            )
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
+
+    forward.takes_layer_args = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _mlp_args(layer: nn.Module, spec: FamilySpec) -> dict[str, Any] | None:
+    """What the layer's checkpoint tells a patched MLP (its gate-product store), or None for an
+    unpatched MLP; `discard_output` when the MLP may skip computing its output: in a
+    checkpoint's recompute the layer's output values are thrown away, and when the MLP's output
+    goes straight into the residual sum (no post-MLP norm, whose backward would need them) only
+    its gradient path matters."""
+    if not getattr(layer.mlp.forward, "takes_layer_args", False):
+        return None
+    scope = checkpointing.scope_of(layer)
+    if scope is None:
+        return {}
+    return {"gate_store": scope.gate, "discard_output": scope.recomputing and not spec.sandwich_norm}
+
+
+class _GraphOnlySum(torch.autograd.Function):
+    """residual + update where the sum's values are thrown away (a recompute's layer output):
+    the add's graph, so dOut reaches both operands unchanged, without the add (or its 3 passes
+    over a (tokens, hidden) tensor). The output is `update` itself (its values unspecified): no
+    new memory (a discarded MLP output is a broadcast element, `kestrel.kernels.lora.mlp`)."""
+
+    @staticmethod
+    def forward(ctx: Any, residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        return update
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad
+
+
+# --- Decoder layer ---------------------------------------------------------------------------
+
+
+def _residual_add(residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """residual + update, written into `update` (a sublayer's fresh output) where that is safe:
+    one (tokens, hidden) tensor less at a layer's end, which at long contexts (3 GiB at 400K
+    tokens) is what decides whether the recomputed layer fits. An add's backward needs neither
+    operand, and autograd raises, rather than computing wrong gradients, should a Function have
+    saved `update` itself. Out of place when `update` is a leaf or a view, or the sum would
+    change dtype or shape; without autograd (a checkpoint's first pass, decode, rollouts) a view
+    is written too."""
+    recorded = torch.is_grad_enabled() and (residual.requires_grad or update.requires_grad)
+    fresh = not recorded or (not update.is_leaf and update._base is None)
+    if fresh and update.shape == residual.shape and update.dtype == residual.dtype:
+        return update.add_(residual)
+    return residual + update
+
+
+def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
+    def forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        h = self.input_layernorm(hidden_states)
+        h, _ = self.self_attn(
+            hidden_states=h,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        if spec.sandwich_norm:
+            h = self.post_attention_layernorm(h)
+        h = _residual_add(residual, h)
+        residual = h
+        h = self.pre_feedforward_layernorm(h) if spec.sandwich_norm else self.post_attention_layernorm(h)
+        args = _mlp_args(self, spec)
+        if args and args["discard_output"]:  # a recompute: only the graph of the MLP and the last sum is used
+            return _GraphOnlySum.apply(residual, self.mlp(h, **args))
+        h = self.mlp(h, **args) if args else self.mlp(h)
+        if spec.sandwich_norm:
+            h = self.post_feedforward_layernorm(h)
+        return _residual_add(residual, h)
+
+    return forward
+
+
+# --- Causal-LM head: chunked loss from hidden states -----------------------------------------
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """(B, T) labels -> (B, T) targets where position t predicts token t+1; the last is ignored."""
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWithPast]:
+    def forward(
+        self: nn.Module,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        num_items = kwargs.pop("num_items_in_batch", None)
+        targets = kwargs.pop("shift_labels", None)
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        )
+        hidden = outputs.last_hidden_state  # (B, T, H)
+        softcap = getattr(self.config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+        loss, logits = None, None
+        if labels is not None or targets is not None:
+            targets = shift_labels(labels) if targets is None else targets
+            reduction = "sum" if num_items is not None else "mean"
+            loss = kernels.fused_linear_cross_entropy(
+                hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets.reshape(-1),
+                softcap=softcap, reduction=reduction,
+            )
+            if num_items is not None:
+                loss = loss / num_items
+        else:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden[:, keep, :])
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+
+    return forward

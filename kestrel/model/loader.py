@@ -1,0 +1,150 @@
+"""Loading a model and its tokenizer: a hub id, a local folder, or the built-in `demo` model.
+
+    model, tokenizer = load("demo", max_seq_length=1024)
+    model, tokenizer = load("/models/llama-3.1-8b", 4096, load_in_4bit=True)
+
+The model comes back patched onto Kestrel's fast paths (`kestrel.model.patching`) when its family is
+registered; an unknown family loads unpatched with a one-line notice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kestrel.constants import DEMO
+from kestrel.errors import ModelLoadError
+from kestrel.paths import ASSETS, models_dir
+from kestrel.model.patching import PatchFlags, patch_model
+
+log = logging.getLogger("kestrel")
+
+DEMO_ASSETS = ASSETS / "demo"
+CHATML_TEMPLATE = (DEMO_ASSETS / "chat_template.jinja").read_text()
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto` -> bf16 on a GPU that supports it, fp16 on older GPUs, fp32 on a CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    named = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype in named:
+        return named[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def demo_model_dir() -> Path:
+    """The built-in demo model: config and tokenizer from assets/, weights made once, seeded."""
+    target = models_dir() / DEMO
+    if (target / "model.safetensors").exists():
+        return target
+    config = AutoConfig.from_pretrained(DEMO_ASSETS)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_ASSETS)
+    # Written to a temporary folder and renamed, so two processes creating it never see half a model.
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=models_dir()))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process won the race; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(model: str) -> str:
+    """A local folder (checked for config.json), `demo`, or a hub id passed through unchanged."""
+    if model == DEMO:
+        return str(demo_model_dir())
+    path = Path(model).expanduser()
+    looks_local = path.is_absolute() or model.startswith((".", "~")) or path.exists()
+    if looks_local:
+        if not path.is_dir():
+            raise ModelLoadError(f"model folder {path} does not exist")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"model folder {path} has no config.json: point `model` at a Hugging Face model folder "
+                "(the one holding config.json and *.safetensors)"
+            )
+        return str(path)
+    return model
+
+
+def load_tokenizer(path: str, max_seq_length: int) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML_TEMPLATE  # ChatML when the model ships none
+    tokenizer.model_max_length = max_seq_length
+    return tokenizer
+
+
+def _quantization_config(compute_dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def load(
+    model: str,
+    max_seq_length: int = 2048,
+    load_in_4bit: bool = False,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = None,
+    patch: bool | PatchFlags = True,
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load `model` (hub id, local folder or `demo`) and its tokenizer, patched for speed.
+
+    `load_in_4bit` quantizes the weights to NF4 with double quantization and bf16 compute
+    (QLoRA); it needs CUDA. `patch=False` returns the plain Hugging Face model.
+    """
+    dev = torch.device(device) if device is not None else default_device()
+    if load_in_4bit and dev.type != "cuda":
+        raise ModelLoadError(
+            "4-bit loading (QLoRA) needs an NVIDIA GPU with CUDA, and none was found. "
+            "Train in 16-bit instead: set `method: lora` (or `full`)."
+        )
+    path = resolve_model_path(model)
+    compute_dtype = resolve_dtype(dtype, dev)
+    kwargs: dict = {"dtype": compute_dtype, "attn_implementation": attn_implementation}
+    if load_in_4bit:
+        kwargs["quantization_config"] = _quantization_config(compute_dtype)
+        kwargs["device_map"] = {"": dev.index or 0}
+    try:
+        tokenizer = load_tokenizer(path, max_seq_length)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as exc:
+        if Path(path).exists():
+            raise ModelLoadError(f"could not load model from {path}: {exc}") from exc
+        raise ModelLoadError(
+            f"could not find model {model!r}: it is not a local folder, and downloading it from the "
+            "Hugging Face hub failed (offline, a typo, or a gated model). Pick a local folder, "
+            f"or `demo` for the built-in model. ({exc.__class__.__name__})"
+        ) from exc
+    if not load_in_4bit:
+        hf_model.to(dev)
+    hf_model.config.use_cache = False
+    hf_model.kestrel_max_seq_length = max_seq_length
+    if patch:
+        patch_model(hf_model, patch if isinstance(patch, PatchFlags) else PatchFlags())
+    return hf_model, tokenizer

@@ -1,0 +1,76 @@
+"""Attaching LoRA adapters through PEFT (the saved adapter is a standard PEFT folder)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from torch import nn
+
+from kestrel.config import LoraSettings
+from kestrel.errors import ConfigError
+from kestrel.model.patching import patch_lora_layers
+
+log = logging.getLogger("kestrel")
+
+
+def adapter_folder(path: str) -> Path:
+    """The PEFT folder named by `path`: the folder itself or its `adapter/` (a finished run)."""
+    folder = Path(path).expanduser()
+    for candidate in (folder, folder / "adapter"):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise ConfigError(
+        f"lora.init_from: {folder} holds no adapter_config.json (nor does {folder / 'adapter'}); "
+        "give a PEFT adapter folder or the folder of a finished LoRA run"
+    )
+
+
+def _load_trainable(model: nn.Module, path: str) -> nn.Module:
+    from peft import PeftModel
+
+    folder = adapter_folder(path)
+    try:
+        return PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+    except (RuntimeError, ValueError, KeyError) as exc:  # shape or module mismatch with this model
+        raise ConfigError(f"lora.init_from: the adapter in {folder} does not fit this model ({exc})") from exc
+
+
+def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Wrap `model` in a PEFT LoRA model on `settings.targets` (or load the trained adapter named
+    by `settings.init_from`, trainable) and route its layers through the fused LoRA kernels. Only
+    the adapter weights are trainable afterwards."""
+    from peft import LoraConfig, get_peft_model
+
+    if settings.init_from:
+        peft_model = _load_trainable(model, settings.init_from)
+        patched = patch_lora_layers(peft_model)
+        log.info("LoRA from %s; %d layers on the fused path", settings.init_from, patched)
+        return peft_model
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in settings.targets if t not in present]
+    if missing:
+        raise ConfigError(
+            f"lora.targets {missing} are not modules of this model; it has e.g. "
+            + ", ".join(sorted(n for n in present if n.endswith("proj"))[:10])
+        )
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config)
+    patched = patch_lora_layers(peft_model)
+    log.info("LoRA r=%d on %s; %d layers on the fused path", settings.r, ",".join(settings.targets), patched)
+    return peft_model
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

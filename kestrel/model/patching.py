@@ -1,0 +1,173 @@
+"""One generic patcher that puts a loaded Hugging Face model onto Kestrel's fast paths.
+
+The family (`kestrel.model.registry.FamilySpec`, looked up by `config.model_type`) says which module
+classes to touch and how; `PatchFlags` says which kernels to use. Patching rebinds `forward` on
+the existing module instances (the loaded weights stay where they are) and records every
+rebinding in a `PatchHandle`, whose `undo()` restores the original forwards exactly.
+
+Levels patched, as Unsloth does: RMSNorm (layer norms, final norm, QK-norms), attention (QK-norm,
+in-place RoPE, fused LoRA QKV, varlen attention for packed rows), MLP (fused GLU, fused LoRA
+MLP), decoder layer (in-place residuals when no gradient is needed), the decoder stack (rotary
+tables and the attention layout once per forward, `kestrel.model.decoder_stack`), the causal-LM head
+(loss from hidden states in chunks: the `[tokens, vocab]` logits never exist in training) and
+PEFT's LoRA linears (fused LoRA).
+Nothing here edits source text; no `exec` or `eval`.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from kestrel.model import forwards as ff
+from kestrel.model.attention import VarlenMode, varlen_backend
+from kestrel.model.decoder_stack import make_model_forward
+from kestrel.model.registry import FamilySpec, family_of
+
+log = logging.getLogger("kestrel")
+
+
+@dataclass(frozen=True)
+class PatchFlags:
+    """Which fast paths to install. All on by default."""
+
+    rms_norm: bool = True
+    attention: bool = True  # QK-norm + in-place RoPE (+ fused LoRA QKV when LoRA is attached)
+    mlp: bool = True  # fused GLU (+ fused LoRA MLP when LoRA is attached)
+    decoder_layer: bool = True
+    model: bool = True  # the decoder stack: rotary + attention layout once per forward
+    causal_lm: bool = True  # chunked loss from hidden states
+    lora: bool = True  # PEFT LoRA linears through the fused LoRA kernel
+    # Packed rows: "auto" runs torch's varlen kernel on CUDA in fp16/bf16 (needs `attention` and
+    # `model`), "off" always uses HF's block mask, "reference" a slow SDPA loop (tests, debugging).
+    varlen: VarlenMode = "auto"
+
+
+@dataclass
+class PatchHandle:
+    """The record of every forward rebound on a model; `undo()` restores them all."""
+
+    family: FamilySpec
+    flags: PatchFlags
+    _saved: list[tuple[nn.Module, bool, Any]] = field(default_factory=list)
+
+    def rebind(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        had_own = "forward" in module.__dict__
+        self._saved.append((module, had_own, module.__dict__.get("forward")))
+        module.forward = types.MethodType(forward, module)
+
+    def undo(self) -> None:
+        for module, had_own, previous in reversed(self._saved):
+            if had_own:
+                module.forward = previous
+            else:
+                del module.forward
+        self._saved.clear()
+
+    @property
+    def count(self) -> int:
+        return len(self._saved)
+
+
+def _modules_named(model: nn.Module, class_name: str) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == class_name]
+
+
+def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandle | None:
+    """Patch `model` in place; returns the handle (also kept as `model.kestrel_patch`).
+
+    An unknown family is left unpatched (it trains through Hugging Face's own path) and a one-line
+    notice is logged. Patching twice is a no-op.
+    """
+    flags = flags or PatchFlags()
+    existing = getattr(model, "kestrel_patch", None)
+    if existing is not None:
+        return existing
+    spec = family_of(getattr(model.config, "model_type", ""))
+    if spec is None:
+        log.warning(
+            "Kestrel has no fast path for model type %r; training it through the plain Hugging Face path.",
+            getattr(model.config, "model_type", "?"),
+        )
+        return None
+    handle = PatchHandle(spec, flags)
+    if flags.rms_norm:
+        for norm in _modules_named(model, spec.norm_class):
+            handle.rebind(norm, ff.make_rms_norm_forward(spec))
+    if flags.attention:
+        for attn in _modules_named(model, spec.attention_class):
+            handle.rebind(attn, ff.make_attention_forward(spec))
+    if flags.mlp:
+        for mlp in _modules_named(model, spec.mlp_class):
+            if ff.mlp_activation_matches(mlp, spec):
+                handle.rebind(mlp, ff.make_mlp_forward(spec))
+            else:
+                log.warning("MLP activation %s is not %s; leaving that MLP unpatched.",
+                            type(mlp.act_fn).__name__, spec.activation)
+    if flags.decoder_layer:
+        for layer in _modules_named(model, spec.decoder_layer_class):
+            handle.rebind(layer, ff.make_decoder_layer_forward(spec))
+    if flags.model:
+        forward = make_model_forward(spec, flags.varlen if flags.attention else "off")
+        for stack in _modules_named(model, spec.model_class):
+            handle.rebind(stack, forward)
+    if flags.causal_lm:
+        for head in _modules_named(model, spec.causal_lm_class):
+            handle.rebind(head, ff.make_causal_lm_forward(spec))
+    model.kestrel_patch = handle
+    return handle
+
+
+def patch_lora_layers(model: nn.Module) -> int:
+    """Route PEFT's LoRA linears through the fused LoRA kernel; returns how many were patched.
+
+    Call after attaching LoRA. Layers the fused path cannot run (dropout > 0, a bias, DoRA...)
+    keep PEFT's forward at call time, with a one-time notice saying why.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    handle = _find_handle(model)
+    if handle is None or not handle.flags.lora:
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and isinstance(module, nn.Module) and hasattr(module, "lora_A"):
+            if type(module).__name__ in ("Linear", "Linear4bit"):
+                handle.rebind(module, ff.lora_linear_forward)
+                count += 1
+    return count
+
+
+def _find_handle(model: nn.Module) -> PatchHandle | None:
+    for module in (model, getattr(model, "base_model", None), getattr(getattr(model, "base_model", None), "model", None)):
+        handle = getattr(module, "kestrel_patch", None) if module is not None else None
+        if handle is not None:
+            return handle
+    return None
+
+
+def runs_varlen(model: nn.Module) -> bool:
+    """Whether `model`'s training forwards run variable-length attention over the samples of a
+    flattened batch (patched attention and decoder stack, and a varlen kernel for its device and
+    dtype): then a batch laid out as one padding-free row costs no padding."""
+    handle = _find_handle(model)
+    if handle is None or not (handle.flags.attention and handle.flags.model):
+        return False
+    embeddings = model.get_input_embeddings().weight
+    dropout = getattr(model.config, "attention_dropout", 0.0) > 0
+    return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout) is not None
+
+
+def unpatch_model(model: nn.Module) -> None:
+    """Undo every patch on `model` (LoRA-layer patches included)."""
+    handle = _find_handle(model)
+    if handle is None:
+        return
+    handle.undo()
+    for module in (model, getattr(model, "base_model", None), getattr(getattr(model, "base_model", None), "model", None)):
+        if module is not None and "kestrel_patch" in module.__dict__:
+            del module.kestrel_patch

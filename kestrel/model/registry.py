@@ -1,0 +1,118 @@
+"""Model families, described once as data.
+
+Each supported family is one `FamilySpec` keyed by `config.model_type`. The generic patcher
+(`kestrel.model.patching`) reads these fields and nothing else, so adding a family means adding an entry
+here, not writing another patch function. Export (`kestrel.export`) reads the GGUF fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What the patcher and the exporter need to know about one model family."""
+
+    model_type: str
+    causal_lm_class: str  # e.g. "LlamaForCausalLM"
+    model_class: str  # the decoder stack, e.g. "LlamaModel"
+    decoder_layer_class: str
+    attention_class: str
+    mlp_class: str
+    norm_class: str  # every RMSNorm of the family: layer norms, final norm, QK-norms
+    norm_offset: float = 0.0  # Gemma scales by (1 + w)
+    norm_casting: Literal["llama", "gemma"] = "llama"  # where the cast back to 16-bit happens
+    activation: Literal["swiglu", "geglu"] = "swiglu"
+    qk_norm: bool = False  # RMSNorm over head_dim on Q and K before RoPE
+    sandwich_norm: bool = False  # extra norms after attention and after the MLP (Gemma 3)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden) (Gemma)
+    logit_softcap_attr: str | None = None  # config attribute holding the final logit softcap
+    # Which layers use config.sliding_window: none, all (Mistral, when the window is set) or
+    # those config.layer_types marks "sliding_attention" (Qwen2/3, Gemma 3).
+    sliding_layers: Literal["none", "all", "by_layer_type"] = "none"
+    rope_per_layer_type: bool = False  # separate rotary tables for sliding and full layers (Gemma 3)
+    attn_softcap_attr: str | None = None  # config attribute of an attention-logit softcap, if any
+    gguf_arch: str = "llama"  # llama.cpp's architecture name
+    gguf_permute_qk: bool = False  # Llama-style Q/K row permutation for llama.cpp's RoPE
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.model_type: spec
+    for spec in (
+        FamilySpec(
+            model_type="llama",
+            causal_lm_class="LlamaForCausalLM",
+            model_class="LlamaModel",
+            decoder_layer_class="LlamaDecoderLayer",
+            attention_class="LlamaAttention",
+            mlp_class="LlamaMLP",
+            norm_class="LlamaRMSNorm",
+            gguf_arch="llama",
+            gguf_permute_qk=True,
+        ),
+        FamilySpec(
+            model_type="mistral",
+            causal_lm_class="MistralForCausalLM",
+            model_class="MistralModel",
+            decoder_layer_class="MistralDecoderLayer",
+            attention_class="MistralAttention",
+            mlp_class="MistralMLP",
+            norm_class="MistralRMSNorm",
+            sliding_layers="all",
+            gguf_arch="llama",
+            gguf_permute_qk=True,
+        ),
+        FamilySpec(
+            model_type="qwen2",
+            causal_lm_class="Qwen2ForCausalLM",
+            model_class="Qwen2Model",
+            decoder_layer_class="Qwen2DecoderLayer",
+            attention_class="Qwen2Attention",
+            mlp_class="Qwen2MLP",
+            norm_class="Qwen2RMSNorm",
+            sliding_layers="by_layer_type",
+            gguf_arch="qwen2",
+        ),
+        FamilySpec(
+            model_type="qwen3",
+            causal_lm_class="Qwen3ForCausalLM",
+            model_class="Qwen3Model",
+            decoder_layer_class="Qwen3DecoderLayer",
+            attention_class="Qwen3Attention",
+            mlp_class="Qwen3MLP",
+            norm_class="Qwen3RMSNorm",
+            sliding_layers="by_layer_type",
+            qk_norm=True,
+            gguf_arch="qwen3",
+        ),
+        FamilySpec(
+            model_type="gemma3_text",
+            causal_lm_class="Gemma3ForCausalLM",
+            model_class="Gemma3TextModel",
+            decoder_layer_class="Gemma3DecoderLayer",
+            attention_class="Gemma3Attention",
+            mlp_class="Gemma3MLP",
+            norm_class="Gemma3RMSNorm",
+            norm_offset=1.0,
+            norm_casting="gemma",
+            activation="geglu",
+            qk_norm=True,
+            sandwich_norm=True,
+            embed_scale=True,
+            logit_softcap_attr="final_logit_softcapping",
+            sliding_layers="by_layer_type",
+            rope_per_layer_type=True,
+            attn_softcap_attr="attn_logit_softcapping",
+            gguf_arch="gemma3",
+        ),
+    )
+}
+
+SUPPORTED = tuple(FAMILIES)
+
+
+def family_of(model_type: str) -> FamilySpec | None:
+    """The family registered for `config.model_type`, or None for an unknown family."""
+    return FAMILIES.get(model_type)

@@ -1,0 +1,40 @@
+"""Where Kestrel writes at run time: everything lives under KESTREL_HOME (default ~/.kestrel)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kestrel import env
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SAMPLE_DATASETS = ASSETS / "datasets"
+
+
+def kestrel_home() -> Path:
+    """The folder that holds models, datasets, runs and the job database; created on demand."""
+    home = Path(env.raw("KESTREL_HOME") or Path.home() / ".kestrel").expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def runs_dir() -> Path:
+    path = kestrel_home() / "runs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def models_dir() -> Path:
+    path = kestrel_home() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def resolve_dataset_path(name: str) -> Path:
+    """A dataset path as the user wrote it, or the name of a shipped sample (`arithmetic_chat`)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    for sample in SAMPLE_DATASETS.glob("*"):
+        if name in (sample.name, sample.stem):
+            return sample
+    return path

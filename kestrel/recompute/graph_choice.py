@@ -1,0 +1,239 @@
+"""Whether a training forward's decoder layers replay as CUDA graphs: chosen by timing both ways.
+
+Graphs take the host's Python off the step's path; they pay where the host, not the GPU, sets the
+pace, and cost a little where it does not (static-buffer copies, a second memory pool). Where
+that line falls depends on the model, the GPU, the host and the batch layout, so it is measured
+on the run's own shapes instead of fitted to one: each batch layout is timed both ways on the
+run's own steps and the faster way kept (`GraphChooser` says how); layouts bounded by decided
+ones in token count are inferred.
+
+`mode` "on" / "off" skips the timing (graphs always / never).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Hashable, Literal, Protocol
+
+GraphMode = Literal["auto", "on", "off"]
+GRAPH_MODES: tuple[str, ...] = ("auto", "on", "off")
+
+
+class Clock(Protocol):
+    """Marks points in a device's timeline and measures between two of them."""
+
+    def mark(self) -> Any:
+        """A point in the timeline now (for CUDA: an event recorded on the current stream)."""
+
+    def seconds(self, start: Any, end: Any) -> float | None:
+        """Seconds from `start` to `end`, or None while `end` has not been reached yet."""
+
+    def drain(self) -> None:
+        """Wait until the device has done all the work queued so far."""
+
+
+class WallClock:
+    """The host's clock: for devices with no timeline of their own, and tests."""
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
+
+    def mark(self) -> float:
+        return self.now()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def drain(self) -> None:
+        pass
+
+
+class CudaClock:
+    """CUDA events on the current stream; read only once passed, so timing never syncs."""
+
+    def mark(self) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float | None:
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+
+    def drain(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+@dataclasses.dataclass
+class Decision:
+    """One layout's choice and the medians it was made from (None: inferred, not timed)."""
+
+    layout: str
+    tokens: int
+    graphed: bool
+    graphed_s: float | None
+    eager_s: float | None
+    reason: str
+
+    def as_metrics(self) -> dict[str, Any]:
+        return {"event": "cuda_graphs", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass
+class _Layout:
+    tokens: int
+    name: str
+    sightings: int = 0
+    graph_warm: int = 0  # untimed graphed forwards so far
+    times: dict[bool, list[float]] = dataclasses.field(default_factory=lambda: {True: [], False: []})
+    decision: Decision | None = None
+
+
+class GraphChooser:
+    """Per run: graphs on or off for each training forward (`begin`), chosen by timing:
+
+    - A layout is the signature a graph replays for (the first decoder layer's input shape and its
+      other arguments' shapes, `GraphChooser.begin`'s key).
+    - A new layout first runs eagerly: one untimed forward (kernels compile, the allocator fills),
+      then `samples` timed ones; then graphed: `warmup` untimed forwards (the layer graphs need three
+      sightings: an eager one, the backward's capture, the first pass's capture), then `samples`
+      timed ones. The faster way's median wins; a tie within `margin` goes to eager (no graph pool
+      held). Eager first: a capture empties the allocator's cache, so the eager working set and the
+      graphs' pool are never reserved together.
+    - A forward's time is the time from its start to the next forward's start on the device's clock
+      (CUDA events, read without a sync once they have passed), so it counts its backward, the
+      optimizer step and any time the GPU sat waiting for the host. The first forward after the way
+      changes is not timed, and the device is drained before it: a graphed step lets the host run
+      ahead, and the queue it leaves would hide the host's cost of the eager step after it.
+    - Cost model, to spare probing every layout of a run whose shapes vary (padded rows): the host's
+      share of a step falls as its tokens grow, so once a layout of n tokens is decided graphed,
+      every layout of at most n tokens is graphed, and once one of n is decided eager, every layout
+      of at least n is eager, unless it is already being timed; a layout of exactly n tokens (the
+      same batch with another number of samples in it) takes the decision even while being timed.
+      Layouts between the bounds are probed. A decision that contradicts the rule (graphed above an
+      eager one) ends the inferring by bounds.
+
+    `on_decision(decision)` hears each choice as it is made (the run's log and metrics).
+    """
+
+    def __init__(
+        self, mode: GraphMode = "auto", clock: Clock | None = None, warmup: int = 3, samples: int = 3,
+        margin: float = 0.01, on_decision: Callable[[Decision], None] | None = None,
+    ) -> None:
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
+        self.mode, self.clock, self.warmup, self.samples, self.margin = mode, clock or WallClock(), warmup, samples, margin
+        self.on_decision = on_decision
+        self.layouts: dict[Hashable, _Layout] = {}
+        self._open: tuple[_Layout, bool, Any] | None = None  # the forward running now, if timed: layout, way, start
+        self._last: bool | None = None  # the way the last forward ran
+        self._pending: list[tuple[_Layout, bool, Any, Any]] = []  # timings whose end may not have passed
+
+    # --- The one call a forward makes ---------------------------------------------------------
+
+    def begin(self, key: Hashable, tokens: int, name: str = "") -> bool:
+        """A training forward starts with layout `key` of `tokens` tokens: whether to graph it.
+        Closes the previous forward's timing."""
+        if self.mode != "auto":
+            return self.mode == "on"
+        self._settle()
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self.layouts[key] = _Layout(tokens, name or str(key))
+        layout.sightings += 1
+        graphed, timed = self._way(layout)
+        switched = self._last is not None and graphed != self._last
+        if switched:
+            self.clock.drain()
+        mark = self.clock.mark()
+        if self._open is not None:  # after a switch, it ends once its own work has drained
+            self._pending.append((*self._open, mark))
+        self._open = (layout, graphed, mark) if timed and not switched else None
+        self._last = graphed
+        return graphed
+
+    def decisions(self) -> list[Decision]:
+        return [lay.decision for lay in self.layouts.values() if lay.decision is not None]
+
+    def any_graphed(self) -> bool:
+        """Whether graphs may still run (a layout decided or still probing graphed)."""
+        return self.mode == "on" or self.mode == "auto" and any(
+            lay.decision is None or lay.decision.graphed for lay in self.layouts.values())
+
+    # --- Inside -------------------------------------------------------------------------------
+
+    def _way(self, layout: _Layout) -> tuple[bool, bool]:
+        """(graphed, timed) for this forward of `layout`."""
+        if layout.decision is None:
+            self._infer(layout)
+        if layout.decision is not None:
+            return layout.decision.graphed, False
+        if layout.sightings == 1:
+            return False, False  # eager warm-up
+        if self._have(layout, False) < self.samples:
+            return False, True
+        if layout.graph_warm < self.warmup:
+            layout.graph_warm += 1
+            return True, False
+        return True, True
+
+    def _have(self, layout: _Layout, graphed: bool) -> int:
+        """Timings of `layout` run `graphed`, recorded or still to be read."""
+        waiting = [p for p in self._pending if p[0] is layout and p[1] == graphed]
+        running = self._open is not None and self._open[0] is layout and self._open[1] == graphed
+        return len(layout.times[graphed]) + len(waiting) + running
+
+    def _settle(self) -> None:
+        """Record every pending timing whose end has passed; decide the layouts now timed."""
+        still = []
+        for layout, graphed, start, end in self._pending:
+            seconds = self.clock.seconds(start, end)
+            if seconds is None:
+                still.append((layout, graphed, start, end))
+            elif layout.decision is None:
+                layout.times[graphed].append(seconds)
+                if min(len(t) for t in layout.times.values()) >= self.samples:
+                    self._decide(layout)
+        self._pending = still
+
+    def _decide(self, layout: _Layout) -> None:
+        graphed_s = statistics.median(layout.times[True])
+        eager_s = statistics.median(layout.times[False])
+        graphed = graphed_s < eager_s * (1 - self.margin)
+        faster = "graphed" if graphed else "eager"
+        ratio = max(graphed_s, eager_s) / max(min(graphed_s, eager_s), 1e-12)
+        reason = (f"timed {self.samples} forwards each way: graphed {graphed_s * 1e3:.1f} ms, eager "
+                  f"{eager_s * 1e3:.1f} ms a step; {faster} " +
+                  (f"is {ratio:.2f}x faster" if ratio > 1 + self.margin else "is level, and holds no graph pool"))
+        self._set(layout, Decision(layout.name, layout.tokens, graphed, graphed_s, eager_s, reason))
+
+    def _infer(self, layout: _Layout) -> None:
+        """The cost model's answer, where a timed decision gives one: a layout of as many tokens
+        takes its decision at any stage; a bound (fewer tokens than a graphed one, more than an
+        eager one) applies only before this layout's own timing has started."""
+        timed = [lay.decision for lay in self.layouts.values() if lay.decision is not None and lay.decision.graphed_s is not None]
+        same = [d for d in timed if d.tokens == layout.tokens]
+        if same:
+            self._set(layout, Decision(layout.name, layout.tokens, same[0].graphed, None, None,
+                                       f"as many tokens as {same[0].layout}, timed"))
+            return
+        graphed_at = [d.tokens for d in timed if d.graphed]
+        eager_at = [d.tokens for d in timed if not d.graphed]
+        if layout.sightings > 2 or graphed_at and eager_at and max(graphed_at) >= min(eager_at):
+            return  # being timed already, or the rule does not hold on this run
+        if graphed_at and layout.tokens <= max(graphed_at):
+            self._set(layout, Decision(layout.name, layout.tokens, True, None, None,
+                                       f"no more tokens than a layout timed faster graphed ({max(graphed_at)})"))
+        elif eager_at and layout.tokens >= min(eager_at):
+            self._set(layout, Decision(layout.name, layout.tokens, False, None, None,
+                                       f"no fewer tokens than a layout timed faster eager ({min(eager_at)})"))
+
+    def _set(self, layout: _Layout, decision: Decision) -> None:
+        layout.decision = decision
+        if self.on_decision is not None:
+            self.on_decision(decision)

@@ -1,0 +1,106 @@
+"""What a CUDA-graphed decoder layer's static inputs are made from (`kestrel.recompute.layer_graphs`): a
+call's arguments described as a hashable signature (tensors by shape and dtype, the rest by
+value), the same arguments with their tensors swapped for static copies, and the static input
+buffers shared by every layer, which copy only what they do not already hold."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+
+_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+class NotGraphable(Exception):
+    """The call has something a replay cannot reproduce; it runs eagerly."""
+
+
+def signature(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    """A hashable description of `obj` (tensors by shape and dtype, everything else by value);
+    its tensors are appended to `leaves` in order. Raises NotGraphable for what a static copy
+    cannot stand for: a tensor off CUDA, not contiguous or requiring grad; an unknown object."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_cuda or not obj.is_contiguous() or obj.requires_grad:
+            raise NotGraphable("a layer argument is a CPU, strided or grad-requiring tensor")
+        leaves.append(obj)
+        return ("T", tuple(obj.shape), obj.dtype, obj.device)
+    if isinstance(obj, _SCALARS):
+        return (type(obj), obj)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(signature(o, leaves) for o in obj))
+    if isinstance(obj, dict):
+        return (dict, tuple((k, signature(v, leaves)) for k, v in obj.items()))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return (type(obj), tuple(signature(getattr(obj, f.name), leaves) for f in dataclasses.fields(obj)))
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return ("F", obj)  # a function (an attention kernel): by identity
+    raise NotGraphable(f"a layer argument of type {type(obj).__name__}")
+
+
+def substitute(obj: Any, tensors: Any) -> Any:
+    """`obj` with its tensors replaced, in `signature`'s order, by those `tensors` yields."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(substitute(o, tensors) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(substitute(o, tensors) for o in obj)
+    if isinstance(obj, dict):
+        return {k: substitute(v, tensors) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, substitute(getattr(obj, f.name), tensors))
+        return out
+    return obj
+
+
+class StaticBuffers:
+    """The static input buffers of one device, shared by every layer's graphs: one storage per
+    slot and dtype, which each shape of that slot views from its start (a run's batch layouts
+    share it; it grows to the largest). Each storage remembers which tensor's values it holds
+    (weakly, with its version and shape), so feeding it that tensor again copies nothing."""
+
+    def __init__(self) -> None:
+        self.storage: dict[tuple, torch.Tensor] = {}  # (slot, dtype, device) -> flat buffer
+        self.views: dict[tuple, torch.Tensor] = {}  # (slot, shape, dtype, device) -> view of it
+        self.holds: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # data_ptr -> (tensor, version, shape)
+        self.copies = 0  # copies made (tests and profiling read it)
+
+    def get(self, slot: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (slot, tuple(shape), dtype, device)
+        view = self.views.get(key)
+        if view is not None:
+            return view
+        numel = 1
+        for n in shape:
+            numel *= n
+        base_key = (slot, dtype, device)
+        base = self.storage.get(base_key)
+        if base is None or base.numel() < numel:
+            # Graphs captured on the old storage keep it alive while they live.
+            base = self.storage[base_key] = torch.empty(numel, dtype=dtype, device=device)
+            self.views = {k: v for k, v in self.views.items() if k[0] != slot or k[2] != dtype or k[3] != device}
+        view = self.views[key] = base[:numel].view(shape)
+        return view
+
+    def like(self, slot: Any, t: torch.Tensor) -> torch.Tensor:
+        return self.get(slot, tuple(t.shape), t.dtype, t.device)
+
+    def feed(self, buf: torch.Tensor, t: torch.Tensor) -> None:
+        held = self.holds.get(buf.data_ptr())
+        if held is None or held[0]() is not t or held[1] != t._version or held[2] != tuple(buf.shape):
+            buf.copy_(t)
+            self.copies += 1
+            self.hold(buf, t)
+
+    def hold(self, buf: torch.Tensor, t: torch.Tensor) -> None:
+        """Record that `buf` now holds `t`'s values."""
+        self.holds[buf.data_ptr()] = (weakref.ref(t), t._version, tuple(buf.shape))
+
+    def forget(self, buf: torch.Tensor) -> None:
+        self.holds.pop(buf.data_ptr(), None)

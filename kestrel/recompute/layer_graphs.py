@@ -1,0 +1,439 @@
+"""CUDA graphs for checkpointed decoder layers: a layer's first pass, and its recompute together
+with its backward, each replayed as one launch.
+
+Why: a layer's first pass is a few dozen launches and its recompute and backward over a hundred,
+each behind Python (the LoRA Functions, the autograd engine, Triton's launcher). Where the host
+sets the pace (small models, short rows) graphs pay many times over; where the GPU does, they
+change little (bench/RESULTS.md, QLoRA "Session 8", "Session 12" and the matrix's "Session 15").
+`kestrel.recompute.graph_choice` times both ways per batch layout; `wrap` is told the answer.
+A checkpointed layer is a pure function of its input, a few tensors made once per forward
+(rotary tables, position ids, attention metadata) and its weights, which stay at fixed addresses
+(NF4 weights, the dequantization workspace, adapters updated in place), so it replays exactly.
+
+How (`GraphedLayer`): a call's signature (`kestrel.recompute.graph_inputs`: shapes, dtypes and
+values, plus the layer's state) runs eagerly on its first sighting, which compiles kernels and
+sizes workspaces; the second captures the recompute-and-backward, the third the first pass.
+Inputs are copied into static buffers shared by every layer, and each layer's output stays in its
+buffer as the next layer's input. The backward graph calls `torch.autograd.grad` and writes the
+parameter gradients into one flat buffer per dtype; after the replay one clone of each gives
+every parameter a view of it as `.grad` (parameter hooks do not run). All graphs allocate from one private pool per device
+that nothing outlives a replay in, so all layers share one layer's working set
+(`memory_allocated` no longer counts it; `memory_reserved` does). A signature that does not
+capture runs eagerly from then on, with one warning; a layer whose signatures keep changing
+stops capturing. Offloaded layers page their MLP gate product E through one of two static
+buffers (`GateKeeper`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import weakref
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from kestrel.recompute.graph_inputs import NotGraphable, StaticBuffers, signature, substitute
+from kestrel.kernels import dispatch, nf4
+from kestrel.kernels.lora import casts as lora_casts
+
+log = logging.getLogger("kestrel")
+
+# Signatures kept captured per layer (a first-pass and a backward graph each). Batches are laid out
+# in a bounded set of shapes (`kestrel.data.collate.bucket_width`), which a run cycles through.
+GRAPHS_PER_LAYER = 24
+MAX_CAPTURES = 4 * GRAPHS_PER_LAYER  # captures per layer before giving up on it: its signatures do not repeat
+
+
+class GateKeeper(Protocol):
+    """Where offloaded checkpointing keeps one layer call's MLP gate product E (M, I) between its
+    first pass and its backward (`kestrel.recompute.checkpoint._KeptGate`), as a graphed layer uses it:
+    E stays in a static device buffer that both graphs address, and the keeper moves that
+    buffer's contents to host memory and back around the replays."""
+
+    slot: int  # which of two static buffers: consecutive layers alternate
+
+    @property
+    def like(self) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """E's shape and dtype once an eager first pass has kept it."""
+
+    def bind(self, buf: torch.Tensor | None) -> None:
+        """The MLP keeps E in `buf` and takes it from there (None: keeps nothing); the compute
+        stream first waits until the buffer's last copy to or from the host is done."""
+
+    def copy_out(self) -> None:
+        """After the first pass: start copying the buffer to host memory."""
+
+    def take(self) -> torch.Tensor | None:
+        """Before the backward: E back in the buffer for the compute stream, or None."""
+
+
+@dataclasses.dataclass
+class _Device:
+    """Per device: the static buffers, the graphs' memory pool and the capture stream."""
+
+    buffers: StaticBuffers
+    pool: Any
+    stream: torch.cuda.Stream
+
+
+# --- Per-layer graphs ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Graphs:
+    """One signature's graphs of one layer and the static buffers they read and write."""
+
+    x: torch.Tensor  # layer input; the first pass leaves the output here
+    leaves: list[torch.Tensor]  # the other tensor arguments
+    forward: torch.cuda.CUDAGraph | None = None
+    backward: torch.cuda.CUDAGraph | None = None
+    grad: torch.Tensor | None = None  # incoming gradient; the backward leaves dX here
+    params: list[tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(default_factory=list)
+    flats: list[torch.Tensor] = dataclasses.field(default_factory=list)  # gradient buffers, one per dtype
+    gate: torch.Tensor | None = None  # the MLP gate product E between the passes (`GateKeeper`)
+    failed: bool = False
+
+
+class _LayerState:
+    def __init__(self) -> None:
+        self.seen: dict[Any, int] = {}
+        self.gate_like: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}  # E kept by a first sighting
+        self.graphs: collections.OrderedDict[Any, _Graphs] = collections.OrderedDict()
+        self.captures = 0
+        self.eager_backwards = 0  # backwards run eagerly after a graphed first pass
+        self.off = False
+
+
+class GraphRegistry:
+    """One run's CUDA graphs: each layer's graphs and counters, and per device the static
+    buffers, the graphs' memory pool and the capture stream. Dropping it (`release`, or the run
+    ending) gives their memory back."""
+
+    def __init__(self) -> None:
+        self.devices: dict[torch.device, _Device] = {}
+        self.layers: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
+        self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
+        self.warned: set[str] = set()
+
+    def device(self, device: torch.device) -> _Device:
+        if device not in self.devices:
+            self.devices[device] = _Device(StaticBuffers(), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+        return self.devices[device]
+
+    def state(self, layer: nn.Module) -> _LayerState:
+        if layer not in self.layers:
+            self.layers[layer] = _LayerState()
+        return self.layers[layer]
+
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            log.warning(message)
+
+    def release(self) -> None:
+        """Drop every captured graph and static buffer."""
+        self.layers = weakref.WeakKeyDictionary()
+        self.devices.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Graphs captured, those keeping a gate product in a static buffer, and input copies made
+        so far (tests, profiling)."""
+        states = list(self.layers.values())
+        graphs = [g for state in states for g in state.graphs.values()]
+        return {
+            "forward": sum(g.forward is not None for g in graphs),
+            "backward": sum(g.backward is not None for g in graphs),
+            "failed": sum(g.failed for g in graphs),
+            "gates": sum(g.gate is not None for g in graphs),
+            "eager_backwards": sum(state.eager_backwards for state in states),
+            "copies": sum(d.buffers.copies for d in self.devices.values()),
+        }
+
+
+def layer_state(layer: nn.Module, registry: GraphRegistry) -> tuple:
+    """What decides which kernels a layer's forward launches, beyond its arguments."""
+    loras = registry.loras.get(layer)
+    if loras is None:
+        loras = registry.loras[layer] = [m for m in layer.modules() if hasattr(m, "lora_A")]
+    adapters = tuple(
+        (tuple(m.active_adapters), m.merged, m.disable_adapters, tuple(m.scaling.get(a) for a in m.active_adapters))
+        for m in loras
+    )
+    params = tuple((p.data_ptr(), p.requires_grad) for p in layer.parameters())
+    autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    return layer.training, adapters, params, autocast, dispatch.forced_backend()
+
+
+# --- One call of a layer -------------------------------------------------------------------------
+
+
+class GraphedLayer:
+    """One call of a checkpointed decoder layer, as HF's checkpointing hands it over: `run`, a
+    partial of the layer's `__call__` holding its keyword arguments, and positional `args`.
+
+    Calling it runs the first pass: under no_grad its graph once captured, else eagerly (the
+    recompute, with grad on, always goes through `backward`). `backward(hidden, grad_out,
+    recompute)` replays the recompute-and-backward graph, sets the parameters' gradients and
+    returns dX, or returns None when this call is not graphed (the caller then runs eagerly).
+    """
+
+    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple, registry: GraphRegistry) -> None:
+        self.registry = registry
+        self.call, self.args, self.kwargs = run.func, args, run.keywords
+        self.layer: nn.Module = run.func.__self__
+        self.leaves: list[torch.Tensor] = []
+        self.graphs: _Graphs | None = None
+        self.gate: GateKeeper | None = None
+        self.key: Any = None
+        if registry.state(self.layer).off:
+            return
+        try:
+            self.key = (tuple(hidden.shape), hidden.dtype, hidden.device,
+                        signature((args, self.kwargs), self.leaves), layer_state(self.layer, registry))
+        except NotGraphable as exc:
+            registry.warn_once(f"CUDA graphs off for some decoder layers: {exc}")
+
+    def _lookup(self, hidden: torch.Tensor, gate: GateKeeper | None) -> _Graphs | None:
+        """This call's graphs: made on its signature's second sighting, None on its first."""
+        state = self.registry.state(self.layer)
+        if self.key is None or state.off:
+            return None
+        seen = (self.key, None if gate is None else gate.slot)
+        # Graphs read the NF4 workspace they saw, so its generation keys them; not the sightings,
+        # or the layer whose first pass grew the workspace would take a step more to be graphed.
+        key = (seen, nf4.WORKSPACE.generation)
+        graphs = state.graphs.get(key)
+        if graphs is not None:
+            state.graphs.move_to_end(key)
+            return None if graphs.failed else graphs
+        if len(state.seen) > 64:
+            state.seen.clear()
+        state.seen[seen] = state.seen.get(seen, 0) + 1
+        like = state.gate_like.get(seen)
+        if state.seen[seen] < 2:
+            return None
+        if state.captures >= MAX_CAPTURES:
+            state.off = True
+            self.registry.warn_once("CUDA graphs off for decoder layers: their input shapes keep changing")
+            return None
+        bufs = self.registry.device(hidden.device).buffers
+        graphs = _Graphs(bufs.like("x", hidden), [bufs.like(("arg", i), t) for i, t in enumerate(self.leaves)])
+        if like is not None:
+            graphs.gate = bufs.get(("gate", gate.slot), *like, hidden.device)
+        state.graphs[key] = graphs
+        state.captures += 1
+        while len(state.graphs) > GRAPHS_PER_LAYER:
+            state.graphs.popitem(last=False)
+        return graphs
+
+    def eager(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.call(hidden, *self.args, **self.kwargs)
+
+    def _feed(self, bufs: StaticBuffers, g: _Graphs, hidden: torch.Tensor) -> None:
+        bufs.feed(g.x, hidden)
+        for buf, t in zip(g.leaves, self.leaves):
+            bufs.feed(buf, t)
+
+    def _static_call(self, g: _Graphs) -> Callable[[torch.Tensor], torch.Tensor]:
+        args, kwargs = substitute((self.args, self.kwargs), iter(g.leaves))
+        return lambda h: self.call(h, *args, **kwargs)
+
+    def __call__(self, hidden: torch.Tensor, gate: GateKeeper | None = None) -> torch.Tensor:
+        """The first pass (under no_grad). `gate`: where offloaded checkpointing keeps this call's
+        MLP gate product; the graphs keep it in a static buffer, which `gate` copies out."""
+        self.gate = gate
+        g = self.graphs = None if torch.is_grad_enabled() else self._lookup(hidden, gate)
+        if g is None:
+            out = self.eager(hidden)
+            if gate is not None and gate.like is not None and self.key is not None:
+                self.registry.state(self.layer).gate_like[(self.key, gate.slot)] = gate.like
+            return out
+        if gate is not None:
+            gate.bind(g.gate)
+        # Captured once the backward graph is: the pool's segments are then cut for the
+        # backward's larger working set, and the first pass fits into them (the other way round
+        # the pool grows; bench/RESULTS.md, QLoRA "Session 12"). Until then it runs eagerly.
+        if g.forward is None and g.backward is None:
+            out = self.eager(hidden)
+        else:
+            bufs = self.registry.device(hidden.device).buffers
+            self._feed(bufs, g, hidden)
+            if g.forward is None:
+                layer = self._static_call(g)
+
+                def body() -> None:
+                    g.x.copy_(layer(g.x))
+
+                g.forward = self._capture(g, body)
+            if g.forward is None:
+                out = self.eager(hidden)
+            else:
+                g.forward.replay()
+                out = g.x.clone()
+                bufs.hold(g.x, out)  # the next layer's input: already in the buffer
+        if gate is not None:
+            gate.copy_out()
+        return out
+
+    def backward(
+        self, hidden: torch.Tensor, grad_out: torch.Tensor,
+        recompute: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(dX, None) for grad_out, the parameters' gradients set; or (None, hidden): run
+        eagerly. The caller hands `hidden` over without keeping it: once in the static buffer it
+        is let go before the replay (its memory serves the replay's eager neighbours). dX is the
+        static incoming-gradient buffer itself, which the layer below's backward reads in place
+        (no clone: autograd hands it straight to that backward, and a replay only overwrites it
+        after it has been read). `recompute(fn, h)` runs fn(h) as the checkpoint's recompute."""
+        g = self.graphs
+        if g is None or g.failed:
+            return None, hidden
+        if (grad_out.shape != hidden.shape or not grad_out.is_contiguous()
+                or g.gate is not None and self.gate.take() is None):  # E not kept after all: recompute it
+            self.registry.state(self.layer).eager_backwards += 1
+            return None, hidden
+        bufs = self.registry.device(hidden.device).buffers
+        if g.grad is None:
+            g.grad = bufs.like("grad", grad_out)
+        self._feed(bufs, g, hidden)
+        del hidden
+        bufs.feed(g.grad, grad_out)
+        del grad_out
+        if g.backward is None:
+            g.backward = self._capture(g, self._backward_body(g, bufs, recompute))
+            if g.backward is None:
+                return None, g.x.clone()
+        g.backward.replay()
+        bufs.hold(g.grad, g.grad)  # the layer below's incoming gradient: already in the buffer
+        _set_grads(g)
+        return g.grad, None
+
+    def _backward_body(self, g: _Graphs, bufs: StaticBuffers, recompute: Callable) -> Callable[[], None]:
+        """The captured backward: recompute, then the gradients of the input and the trainable
+        parameters into the static buffers (`g.params` keeps the parameters that got one)."""
+        params = [p for p in self.layer.parameters() if p.requires_grad]
+        slots = _flat_slots(g, bufs, params)
+        layer = self._static_call(g)
+        got: list[bool] = []
+
+        def body() -> None:
+            h = g.x.detach().requires_grad_(True)
+            out = recompute(layer, h)
+            if not isinstance(out, torch.Tensor):
+                raise NotGraphable("the layer returns more than a tensor")
+            grads = torch.autograd.grad(out, [h, *params], g.grad, allow_unused=True)
+            got[:] = [d is not None for d in grads[1:]]
+            for (p, i, start), d in zip(slots, grads[1:]):
+                if d is not None:
+                    g.flats[i][start : start + p.numel()].view(p.shape).copy_(d)
+            g.grad.copy_(grads[0])
+
+        def run() -> None:
+            body()
+            g.params = [slot for slot, ok in zip(slots, got) if ok]
+
+        return run
+
+    def _capture(self, g: _Graphs, body: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+        """Capture `body` (recording, not running it: the static inputs stay as fed); None, and
+        this signature eager from now on, when it does not capture. No eager warm-up run of the
+        layer on the capture stream: its first sighting already ran eagerly (kernels compiled,
+        workspaces sized), and a warm-up there would take a layer's working set in new blocks
+        (the allocator keeps blocks per stream; bench/RESULTS.md, QLoRA "Session 8")."""
+        dev = self.registry.device(g.x.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # The capture empties the allocator's cache when it starts; emptied before the capture
+            # stream's cuBLAS workspace is made, the eager cache and that workspace never peak together.
+            torch.cuda.empty_cache()
+            _warm_stream(dev.stream)
+            with lora_casts.uncached(), torch.cuda.graph(
+                graph, pool=dev.pool, stream=dev.stream, capture_error_mode="thread_local"
+            ):
+                body()
+        except Exception as exc:  # noqa: BLE001 - any failure: this signature runs eagerly
+            g.failed = True
+            self.registry.warn_once(f"a decoder layer did not capture as a CUDA graph ({type(exc).__name__}: {exc}); "
+                       "it runs eagerly")
+            return None
+        return graph
+
+
+def _warm_stream(stream: torch.cuda.Stream) -> None:
+    """Give this thread's cuBLAS handle its workspace on the capture stream before capturing
+    (made during a capture it would come from, and stay in, the graphs' pool)."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        a = torch.ones(16, 16, device=stream.device, dtype=torch.bfloat16)
+        torch.mm(a, a).addmm_(a, a)
+        torch.mm(a, a, out_dtype=torch.float32)
+    current.wait_stream(stream)
+
+
+def _flat_slots(g: _Graphs, bufs: StaticBuffers, params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int, int]]:
+    """(parameter, flat buffer index, offset) for each parameter; sets g.flats, one static
+    gradient buffer per dtype (shared by the layers with the same parameter sizes)."""
+    totals: dict[torch.dtype, int] = {}
+    slots = []
+    for p in params:
+        start = totals.get(p.dtype, 0)
+        totals[p.dtype] = start + p.numel()
+        slots.append((p, p.dtype, start))
+    dtypes = list(totals)
+    device = params[0].device if params else g.x.device
+    g.flats = [bufs.get(("grads", dt), (totals[dt],), dt, device) for dt in dtypes]
+    return [(p, dtypes.index(dt), start) for p, dt, start in slots]
+
+
+def _set_grads(g: _Graphs) -> None:
+    """Give each parameter its gradient from the replayed graph: one clone per flat buffer, a
+    view of it as `.grad`, or added into the gradient being accumulated."""
+    fresh = [f.clone() for f in g.flats]
+    into, add = [], []
+    for p, i, start in g.params:
+        view = fresh[i][start : start + p.numel()].view(p.shape)
+        if p.grad is None:
+            p.grad = view
+        else:
+            into.append(p.grad)
+            add.append(view)
+    if into:
+        torch._foreach_add_(into, add)
+
+
+def graphable(run: Callable[..., torch.Tensor], hidden: torch.Tensor) -> bool:
+    """Whether a checkpoint's call can run as a `GraphedLayer`: CUDA, a training forward, `run`
+    a layer's bound call."""
+    layer = getattr(run.func, "__self__", None) if isinstance(run, functools.partial) else None
+    return (
+        isinstance(layer, nn.Module)
+        and not run.args
+        and hidden.is_cuda
+        and hidden.is_contiguous()
+        and torch.is_grad_enabled()
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple) -> Any:
+    """The signature a layer's graphs replay for (input shape, the other arguments' shapes and
+    values), or None when a replay could not reproduce the call."""
+    try:
+        return tuple(hidden.shape), hidden.dtype, signature((args, run.keywords), [])
+    except NotGraphable:
+        return None
+
+
+def wrap(
+    run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple, graphs: GraphRegistry | None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a layer checkpoint runs for this call: a `GraphedLayer` of the run's `graphs` when
+    given (the run's choice for this forward) and the call can be graphed, else `run` with `args`."""
+    if graphs is not None and graphable(run, hidden):
+        return GraphedLayer(run, hidden, args, graphs)
+    return (lambda h: run(h, *args)) if args else run

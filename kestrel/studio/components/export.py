@@ -1,0 +1,34 @@
+"""Export tab layout: run, format, quantization, Export, progress, download and Modelfile, then
+the recent export jobs, re-read from the store every RECENT_EVERY_S."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from kestrel.studio import strings as S
+from kestrel.studio.handlers import export as ex_h
+
+RECENT_EVERY_S = 2.0  # exports run for minutes: a list two seconds behind is live enough
+
+
+def build() -> dict[str, gr.Component]:
+    """The tab's components by name (`kestrel.studio.events` wires source, format, quant, start and the outputs)."""
+    c: dict[str, gr.Component] = {}
+    with gr.Row():
+        c["source"] = gr.Dropdown(label=S.EX_RUN, choices=[], scale=3, elem_id="ex-source")
+        c["refresh"] = gr.Button(S.CH_REFRESH, size="sm", scale=1)
+    with gr.Row():
+        c["format"] = gr.Radio(label=S.EX_FORMAT, choices=[(v, k) for k, v in S.EX_FORMATS.items()],
+                               value="gguf", elem_id="ex-format")
+        c["quant"] = gr.Dropdown(label=S.EX_QUANT, choices=[], elem_id="ex-quant")
+    c["start"] = gr.Button(S.EX_START, variant="primary", elem_id="ex-start")
+    c["status"] = gr.Markdown(elem_id="ex-status")
+    c["file"] = gr.File(label=S.EX_FILE, file_count="multiple", interactive=False, elem_id="ex-file")
+    c["modelfile"] = gr.Code(label=S.EX_MODELFILE, language="dockerfile", interactive=False, elem_id="ex-modelfile")
+    # A value computed by a handler (on page load, then on each tick) is Gradio's declarative
+    # polling: the list needs no event wiring, and a reopened page or a restarted studio shows
+    # the exports still running and the finished ones' files.
+    # Ticks only while the Export tab is shown (kestrel.studio.events switches it with the tabs).
+    c["recent_timer"] = gr.Timer(RECENT_EVERY_S, active=False)
+    c["recent"] = gr.Markdown(value=ex_h.recent_exports, every=c["recent_timer"], elem_id="ex-recent")
+    return c

@@ -1,0 +1,53 @@
+"""Runs tab layout: job table, the selected run's progress, actions, live charts, log tail, and
+the comparison of several runs. A gr.Timer drives the polling."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from kestrel.studio import strings as S
+
+POLL_S = 1.0  # with the worker's 1 s metric flush, charts stay under 2 s behind
+
+
+def _chart(key: str) -> gr.LinePlot:
+    return gr.LinePlot(x="step", y="value", color="name", title=S.CHARTS[key], height=220, min_width=300,
+                       elem_id=f"chart-{key.replace('_', '-')}")
+
+
+def build() -> dict[str, gr.Component]:
+    # The timer runs only while this tab is shown (kestrel.studio.events switches it with the tabs).
+    c: dict[str, gr.Component] = {"seen": gr.State({}), "timer": gr.Timer(POLL_S, active=False),
+                                  "started": gr.State(None)}
+    c["table"] = gr.Dataframe(label=S.RU_TABLE, headers=S.RU_COLUMNS, interactive=False, max_height=260,
+                              elem_id="ru-table")
+    with gr.Row():
+        c["select"] = gr.Dropdown(label=S.RU_SELECT, choices=[], scale=3, elem_id="ru-select")
+        c["refresh"] = gr.Button(S.RU_REFRESH, size="sm", scale=1, elem_id="ru-refresh")
+    c["progress"] = gr.Markdown(elem_id="ru-progress")
+    with gr.Row():
+        c["pause"] = gr.Button(S.RU_PAUSE, size="sm")
+        c["resume"] = gr.Button(S.RU_RESUME, size="sm")
+        c["cancel"] = gr.Button(S.RU_CANCEL, size="sm", variant="stop")
+        c["delete"] = gr.Button(S.RU_DELETE, size="sm", variant="stop")
+        c["remove_files"] = gr.Checkbox(label=S.RU_DELETE_FILES, value=False)
+    c["notice"] = gr.Markdown(elem_id="ru-notice")
+    with gr.Row():
+        for key in ("loss", "lr", "grad_norm"):
+            c[f"chart_{key}"] = _chart(key)
+    with gr.Row():
+        for key in ("tokens_per_s", "memory"):
+            c[f"chart_{key}"] = _chart(key)
+    with gr.Row(visible=False) as grpo_row:
+        for key in ("reward", "kl"):
+            c[f"chart_{key}"] = _chart(key)
+    c["grpo"] = grpo_row
+    c["log"] = gr.Textbox(label=S.RU_LOG, lines=12, max_lines=12, autoscroll=True, interactive=False,
+                          elem_id="ru-log")
+    with gr.Accordion(S.RU_COMPARE, open=False):
+        with gr.Row():
+            c["compare_select"] = gr.Dropdown(label=S.RU_SELECT, choices=[], multiselect=True, scale=3)
+            c["compare"] = gr.Button(S.RU_COMPARE_BTN, size="sm", scale=1)
+        c["compare_loss"] = gr.LinePlot(x="step", y="value", color="run", title=S.RU_COMPARE_LOSS, height=260)
+        c["compare_diff"] = gr.Dataframe(label=S.RU_CONFIG_DIFF, interactive=False, wrap=True)
+    return c

@@ -1,0 +1,245 @@
+"""Binding widgets to handlers: the only place that knows both.
+
+Handlers return dicts of named outputs; `Outputs` turns such a dict into the tuple Gradio wants
+for a list of (name, component) pairs (a name may feed several components, a missing name
+leaves its component untouched). Event chains that touch two tabs (a dataset opened on the
+Datasets tab fills the Train form; Start switches to the Runs tab) are spelled out here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import gradio as gr
+
+from kestrel.studio.form import FORM_KEYS
+from kestrel.studio.handlers import chat as chat_h
+from kestrel.studio.handlers import datasets as ds_h
+from kestrel.studio.handlers import export as ex_h
+from kestrel.studio.handlers import runs as runs_h
+from kestrel.studio.handlers import train as train_h
+from kestrel.studio.handlers.datasets import roles
+from kestrel.studio.handlers.train import form_to_config
+from kestrel.studio.models import ModelPool
+
+C = dict[str, gr.Component]
+# Cheap handlers (milliseconds of work) skip Gradio's queue: a queued event pays a join request
+# and a server-sent-events round trip, which doubled the answer time of a click while a job
+# trained on the same CPU. Heavy or streaming handlers (dataset reading, Start, chat, export)
+# stay queued, where concurrency limits apply.
+LIGHT: dict[str, Any] = {"queue": False, "show_progress": "hidden"}
+
+
+class Outputs:
+    """(name, component) pairs; `wrap(fn)` adapts a dict-returning handler to them."""
+
+    def __init__(self, pairs: list[tuple[str, gr.Component]]) -> None:
+        self.pairs = pairs
+
+    @classmethod
+    def of(cls, c: C, *names: str) -> Outputs:
+        return cls([(n, c[n]) for n in names])
+
+    def __add__(self, other: Outputs) -> Outputs:
+        return Outputs(self.pairs + other.pairs)
+
+    @property
+    def components(self) -> list[gr.Component]:
+        return [comp for _, comp in self.pairs]
+
+    def _tuple(self, result: dict[str, Any]) -> Any:
+        values = tuple(result.get(name, gr.skip()) for name, _ in self.pairs)
+        return values[0] if len(values) == 1 else values
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isgeneratorfunction(fn) or inspect.isgeneratorfunction(getattr(fn, "func", None)):
+            def gen(*args: Any) -> Iterator[Any]:
+                for result in fn(*args):
+                    yield self._tuple(result)
+            return gen
+        return lambda *args: self._tuple(fn(*args))
+
+
+def _on(trigger: Any, fn: Callable[..., Any], inputs: list[gr.Component], outputs: Outputs, **kw: Any) -> Any:
+    kw.setdefault("show_progress", "minimal")
+    return trigger(outputs.wrap(fn), inputs=inputs, outputs=outputs.components, **kw)
+
+
+def model_name(source: str, text: str) -> str:
+    return form_to_config({"model_source": source, "model": text})["model"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets tab (+ the Train form it feeds)
+
+
+def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
+    model_in = [t["model_source"], t["model"]]
+    shown = Outputs.of(d, "state", "status", "summary", "format", "preview", "report", "histogram", "row",
+                       *[f"col_{r}" for r in roles()]) + Outputs([("datasets", d["datasets"]),
+                                                                  ("datasets", t["dataset"])])
+    tokens = Outputs.of(d, "tokens", "token_summary")
+    token_in = [d["state"], d["row"], *model_in, t["max_seq_length"], t["train_on_responses_only"]]
+    to_form = Outputs([("dataset", t["dataset"]), ("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
+
+    def preview_tokens(state: Any, row: Any, src: str, text: str, max_len: Any, responses: bool) -> dict[str, Any]:
+        if not state:
+            return {}
+        return ds_h.token_preview(state, row, model_name(src, text), max_len, responses)
+
+    def after_open(event: Any) -> None:
+        event.success(tokens.wrap(preview_tokens), token_in, tokens.components, show_progress="hidden") \
+             .then(to_form.wrap(train_h.use_dataset), [d["state"], t["extra"]], to_form.components) \
+             .then(*_preview_args(t))
+
+    after_open(_on(d["upload"].upload,
+                   lambda f, src, text: ds_h.upload_dataset(f, max_upload_mb, model_name(src, text)),
+                   [d["upload"], *model_in], shown))
+    after_open(_on(d["use_sample"].click, lambda p, src, text: ds_h.open_dataset(p, "auto", None, model_name(src, text)),
+                   [d["sample"], *model_in], shown))
+    after_open(_on(d["open"].click, lambda p, src, text: ds_h.open_dataset(p, "auto", None, model_name(src, text)),
+                   [d["datasets"], *model_in], shown))
+    after_open(_on(d["apply_mapping"].click,
+                   lambda state, fmt, src, text, *cols: ds_h.apply_mapping(state, fmt, model_name(src, text), *cols),
+                   [d["state"], d["format"], *model_in, *[d[f"col_{r}"] for r in roles()]], shown))
+    _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", **LIGHT)
+    picked = Outputs([("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
+    _on(t["dataset"].input, train_h.pick_dataset, [t["dataset"], d["state"], t["extra"]], picked, **LIGHT) \
+        .then(*_preview_args(t), **LIGHT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Train tab
+
+
+def _form(t: C) -> list[gr.Component]:
+    return [t[k] for k in FORM_KEYS]
+
+
+def _filled(t: C) -> Outputs:
+    return Outputs.of(t, *FORM_KEYS, "extra", "yaml", "download", "vram", "status")
+
+
+def _preview_args(t: C) -> tuple[Any, ...]:
+    out = Outputs.of(t, "yaml", "download", "vram", "status")
+    return out.wrap(train_h.preview), [t["extra"], *_form(t)], out.components
+
+
+def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
+    t["model_source"].change(lambda s: gr.update(visible=s != "demo"), t["model_source"], t["model"], **LIGHT)
+    fn, inputs, outputs = _preview_args(t)
+    gr.on([t[k].input for k in FORM_KEYS], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
+    filled = _filled(t)
+    _on(t["apply_preset"].click, train_h.apply_preset, [t["preset"], t["extra"], *_form(t)], filled, **LIGHT)
+    _on(t["apply_yaml"].click, train_h.apply_yaml, [t["yaml"]], filled, **LIGHT)
+    _on(t["load_yaml"].upload, train_h.load_yaml_file, [t["load_yaml"]], filled)
+    started = Outputs([("status", t["status"]), ("job", r["started"])])
+    runs_out = _runs_outputs(r)
+    _on(t["start"].click, train_h.start_training, [t["extra"], *_form(t)], started, concurrency_limit=1) \
+        .success(lambda: (gr.Tabs(selected="runs"), gr.Timer(active=True)), None, [tabs, r["timer"]], **LIGHT) \
+        .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"]], runs_out.components, **LIGHT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs tab
+
+
+def _runs_outputs(r: C) -> Outputs:
+    charts = [k for k in r if k.startswith("chart_")]
+    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "log", "seen")
+
+
+def _act(action: str, selected: Any, remove_files: bool) -> dict[str, Any]:
+    return {"notice": runs_h.act(action, selected, remove_files)}
+
+
+def wire_runs(r: C) -> None:
+    out = _runs_outputs(r)
+    state_in = [r["select"], r["seen"]]
+    _on(r["timer"].tick, runs_h.refresh, state_in, out, trigger_mode="always_last", **LIGHT)
+    _on(r["refresh"].click, runs_h.select_job, state_in, out, **LIGHT)
+    _on(r["select"].input, runs_h.select_job, state_in, out, **LIGHT)
+    r["table"].select(runs_h.select_row, r["table"], r["select"], **LIGHT) \
+        .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
+    notice = Outputs.of(r, "notice")
+    for action in ("pause", "resume", "cancel", "delete"):
+        _on(r[action].click, partial(_act, action), [r["select"], r["remove_files"]], notice, **LIGHT) \
+            .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
+    compare = Outputs.of(r, "compare_loss", "compare_diff")
+    _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat and Export tabs
+
+
+def wire_chat(ch: C, pool: ModelPool) -> None:
+    described = Outputs.of(ch, "template", "left", "right")
+    for trigger in (ch["target"].change, ch["side"].change):
+        _on(trigger, chat_h.describe_target, [ch["target"], ch["side"]], described, **LIGHT)
+    targets = Outputs.of(ch, "target")
+    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"]], targets, **LIGHT)
+    answer = Outputs.of(ch, "left", "right", "message")
+    inputs = [ch[k] for k in ("message", "left", "right", "target", "side", "system", "temperature", "top_p",
+                              "top_k", "max_new_tokens", "repetition_penalty", "seed")]
+    respond = partial(chat_h.respond, pool)
+    events = [_on(trigger, respond, inputs, answer, show_progress="hidden")
+              for trigger in (ch["send"].click, ch["message"].submit)]
+    ch["stop"].click(None, None, None, cancels=events)
+    ch["clear"].click(lambda: ([], []), None, [ch["left"], ch["right"]], cancels=events)
+
+
+def wire_export(ex: C) -> None:
+    _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)
+    _on(ex["format"].change, ex_h.quant_choices, [ex["format"]], Outputs.of(ex, "quant"), **LIGHT)
+    _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["format"], ex["quant"]],
+        Outputs.of(ex, "status", "file", "modelfile"), concurrency_limit=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Page load: fill every tab from the store (a reload shows running jobs live again)
+
+
+def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
+    runs_out = _runs_outputs(r)
+    outputs = (Outputs([("samples", d["sample"]), ("datasets", d["datasets"])])
+               + _filled(t) + runs_out + Outputs.of(ch, "target") + Outputs.of(ex, "source", "quant"))
+
+    def load(seen: Any) -> dict[str, Any]:
+        samples = ds_h.sample_choices()
+        result: dict[str, Any] = {"samples": gr.update(choices=samples, value=samples[0][1] if samples else None)}
+        result.update(ds_h.refresh_choices())
+        result.update(train_h.apply_preset("demo", {}, *[None] * len(FORM_KEYS)))
+        result["status"] = ""
+        result["dataset"] = gr.update(choices=ds_h.dataset_choices(), value=result["dataset"])
+        result.update(runs_h.refresh(None, {}, force=True))
+        result.update(chat_h.refresh_targets(None))
+        result.update(ex_h.refresh_sources(None))
+        result.update(ex_h.quant_choices("gguf"))
+        return result
+
+    return outputs.wrap(load), [r["seen"]], outputs.components
+
+
+def _timers_for(tab: str) -> tuple[gr.Timer, gr.Timer]:
+    """(Runs polling, Export's recent list) switched on only on their own tab."""
+    return gr.Timer(active=tab == "runs"), gr.Timer(active=tab == "export")
+
+
+def wire_tab_switches(tabs: dict[str, gr.Tab], r: C, ch: C, ex: C) -> None:
+    """Opening a tab refreshes the lists that other tabs (or the command line) may have changed.
+    The Runs tab and Export's list of recent exports poll only while their tab is shown: a browser
+    on another tab costs the server nothing."""
+    runs_out = _runs_outputs(r)
+    timers = [r["timer"], ex["recent_timer"]]
+    for name, tab in tabs.items():
+        if name != "runs":
+            tab.select(partial(_timers_for, name), None, timers, **LIGHT)
+    tabs["runs"].select(partial(_timers_for, "runs"), None, timers, **LIGHT) \
+        .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"]], runs_out.components, **LIGHT)
+    _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
+    _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"]], Outputs.of(ch, "target"), **LIGHT)
+    _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)

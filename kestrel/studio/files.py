@@ -1,0 +1,127 @@
+"""Where the studio keeps files, and how an upload gets there safely.
+
+Everything lives under KESTREL_HOME: uploaded datasets in `datasets/`, exports in `exports/`,
+config files offered for download in `studio/configs/`, Gradio's own upload cache in
+`studio/tmp/` (app.py points GRADIO_TEMP_DIR there). An uploaded file is copied under a
+sanitised name, so a crafted name (`../../.bashrc`, `C:\\x`, control characters) can never write
+outside `datasets/`, and an existing dataset is never overwritten by a different file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import unicodedata
+from pathlib import Path
+
+from kestrel.errors import DatasetError
+from kestrel.paths import kestrel_home
+from kestrel.studio import strings as S
+
+DATASET_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_SNIFF_BYTES = 64 * 1024
+
+
+def _subdir(*parts: str) -> Path:
+    path = kestrel_home().joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def datasets_dir() -> Path:
+    return _subdir("datasets")
+
+
+def exports_dir() -> Path:
+    return _subdir("exports")
+
+
+def configs_dir() -> Path:
+    return _subdir("studio", "configs")
+
+
+def gradio_tmp_dir() -> Path:
+    return _subdir("studio", "tmp")
+
+
+def served_dirs() -> list[str]:
+    """Folders whose files the browser may download (exports and config files; never the
+    database or the runs)."""
+    return [str(exports_dir()), str(configs_dir())]
+
+
+def safe_filename(name: str, default_stem: str = "dataset") -> str:
+    """A file name safe to create in one folder: no separators, no leading dot, ASCII only.
+
+    Both `/` and `\\` count as separators (a Windows browser may send `C:\\Users\\x.jsonl`), so
+    only the last component is kept; `..` and hidden names lose their leading dots.
+    """
+    base = re.split(r"[\\/]", name or "")[-1]
+    base = unicodedata.normalize("NFKD", base).encode("ascii", "ignore").decode()
+    stem, dot, ext = base.rpartition(".")
+    if not dot:
+        stem, ext = base, ""
+    stem = _UNSAFE.sub("_", stem).strip("._-")[:80] or default_stem
+    ext = _UNSAFE.sub("", ext).lower()[:10]
+    return f"{stem}.{ext}" if ext else stem
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sniff(path: Path, name: str) -> None:
+    """Raise DatasetError when the file's bytes contradict its extension (a renamed image, a
+    zip called .csv, a binary file called .jsonl)."""
+    ext = Path(name).suffix.lower()
+    with open(path, "rb") as fh:
+        head = fh.read(_SNIFF_BYTES)
+    if ext == ".parquet":
+        if not head.startswith(b"PAR1"):
+            raise DatasetError(S.ERR_NOT_PARQUET.format(name=name))
+        return
+    if b"\x00" in head:
+        raise DatasetError(S.ERR_BINARY.format(name=name, ext=ext))
+    text = head.decode("utf-8", errors="ignore").lstrip("\ufeff \t\r\n")
+    if ext in (".json", ".jsonl") and text and text[0] not in "[{":
+        raise DatasetError(S.ERR_NOT_JSON.format(name=name, ext=ext))
+
+
+def store_upload(src: str | Path, original_name: str | None, max_bytes: int) -> Path:
+    """Copy an uploaded file into `datasets/` under a safe, unused name; returns the new path.
+
+    Checks, in order: extension, empty, size limit, content matches the extension. The same
+    content uploaded again reuses the file it already has.
+    """
+    src = Path(src)
+    name = safe_filename(original_name or src.name)
+    ext = Path(name).suffix.lower()
+    if ext not in DATASET_EXTENSIONS:
+        raise DatasetError(S.ERR_EXTENSION.format(name=name, allowed=", ".join(DATASET_EXTENSIONS)))
+    size = src.stat().st_size
+    if size == 0:
+        raise DatasetError(S.ERR_EMPTY.format(name=name))
+    if size > max_bytes:
+        raise DatasetError(S.ERR_TOO_BIG.format(name=name, size=size / 2**20, limit=max_bytes / 2**20))
+    sniff(src, name)
+    folder = datasets_dir()
+    digest = file_digest(src)
+    stem, suffix = Path(name).stem, Path(name).suffix
+    for i in range(1000):
+        target = folder / (f"{stem}{suffix}" if i == 0 else f"{stem}-{i}{suffix}")
+        if target.resolve().parent != folder.resolve():  # belt and braces: never outside
+            raise DatasetError(S.ERR_BAD_NAME.format(name=original_name))
+        if not target.exists():
+            tmp = folder / f".upload-{digest[:16]}{suffix}"
+            shutil.copyfile(src, tmp)
+            tmp.replace(target)
+            return target
+        if file_digest(target) == digest:
+            return target
+    raise DatasetError(S.ERR_BAD_NAME.format(name=original_name))

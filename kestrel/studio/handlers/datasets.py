@@ -1,0 +1,276 @@
+"""Datasets tab handlers: upload, detect the format, map columns, preview, validate, tokens.
+
+Each handler returns a dict of named outputs (the keys of `kestrel.studio.components.datasets`); the
+tab's state is a plain dict `{"path", "name", "format", "columns"}` kept in `gr.State`.
+
+    out = upload_dataset("/tmp/x/my data.jsonl", max_mb=100)
+    out["state"]["format"]       # "messages"
+    token_preview(out["state"], line=1, model="demo", max_len=128, responses_only=True)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from kestrel.errors import DatasetError, KestrelError
+from kestrel.paths import SAMPLE_DATASETS
+from kestrel.studio import files
+from kestrel.studio import strings as S
+from kestrel.studio.handlers.common import tokenizer_for, user_errors
+
+PREVIEW_ROWS = 10
+HIST_ROWS = 2000  # rows tokenized for the histogram and the stats
+MAX_CELL = 200  # characters of a cell in the preview
+MAX_PREVIEW_TOKENS = 2048
+
+
+def _formats() -> dict[str, tuple[str, ...]]:
+    from kestrel.data.formats import FORMATS, OPTIONAL_ROLES
+
+    return {fmt: tuple(roles) + tuple(OPTIONAL_ROLES.get(fmt, ())) for fmt, roles in FORMATS.items()}
+
+
+def roles() -> list[str]:
+    """Every role any format uses, in a stable order (one column dropdown each)."""
+    out: list[str] = []
+    for fmt_roles in _formats().values():
+        out += [r for r in fmt_roles if r not in out]
+    return out
+
+
+def format_choices() -> list[str]:
+    return ["auto", *_formats()]
+
+
+def sample_choices() -> list[tuple[str, str]]:
+    return [(p.name, str(p)) for p in sorted(SAMPLE_DATASETS.glob("*")) if p.suffix in files.DATASET_EXTENSIONS]
+
+
+def dataset_choices() -> list[tuple[str, str]]:
+    """(label, path) of every registered dataset that still exists, then the samples."""
+    from kestrel import jobs
+
+    seen, out = set(), []
+    for d in jobs.list_datasets():
+        if Path(d.path).is_file() and d.path not in seen:
+            seen.add(d.path)
+            out.append((f"{d.name} · {d.format or '?'} · {d.rows or '?'} rows", d.path))
+    out += [(f"sample: {label}", path) for label, path in sample_choices() if path not in seen]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading (cached per file version: the preview, the report and the token view share one read)
+
+
+@functools.lru_cache(maxsize=4)
+def _rows(path: str, _mtime: float) -> list[dict[str, Any]]:
+    from kestrel.data.formats import read_rows
+
+    return read_rows(path)[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _conversations(path: str, _mtime: float, fmt: str, columns: tuple[tuple[str, str], ...]) -> tuple:
+    from kestrel.data.formats import load_conversations
+
+    return load_conversations(path, fmt, dict(columns))
+
+
+def _key(path: str) -> tuple[str, float]:
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(S.ERR_DATASET_MISSING.format(path=path))
+    return str(p), p.stat().st_mtime
+
+
+def conversations(state: dict[str, Any]) -> tuple[str, list, list]:
+    """(format, usable conversations, bad rows) of the dataset in `state`."""
+    path, mtime = _key(state["path"])
+    cols = tuple(sorted((state.get("columns") or {}).items()))
+    return _conversations(path, mtime, state.get("format") or "auto", cols)
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= MAX_CELL else text[:MAX_CELL] + "…"
+
+
+def preview_frame(rows: list[dict[str, Any]], csv: bool) -> pd.DataFrame:
+    head = rows[:PREVIEW_ROWS]
+    columns = list(dict.fromkeys(k for r in head for k in r))
+    data = [[i + (2 if csv else 1)] + [_cell(r.get(c, "")) for c in columns] for i, r in enumerate(head)]
+    return pd.DataFrame(data, columns=["line", *columns])
+
+
+def _mapping_updates(fmt: str | None, present: list[str], columns: dict[str, str]) -> dict[str, Any]:
+    needed = _formats().get(fmt or "", ())
+    out = {}
+    for role in roles():
+        value = columns.get(role) or (role if role in present else None)
+        out[f"col_{role}"] = gr.update(choices=present, value=value, visible=role in needed)
+    return out
+
+
+def token_lengths(convs: list, tokenizer: Any) -> list[int]:
+    """Tokens per conversation as training renders it (chat template, or raw text + EOS)."""
+    texts = [c.text if c.text is not None else
+             tokenizer.apply_chat_template(c.messages, tokenize=False, add_generation_prompt=False)
+             for c in convs]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def histogram_frame(lengths: list[int], bins: int = 20) -> pd.DataFrame:
+    """Rows per token-length bucket, from the shortest to the longest row; `tokens` labels each
+    bucket with its range ("24-31")."""
+    if not lengths:
+        return pd.DataFrame({"tokens": [], "rows": []})
+    lo, hi = min(lengths), max(lengths)
+    width = max(1, math.ceil((hi - lo + 1) / bins))
+    counts = [0] * math.ceil((hi - lo + 1) / width)
+    for n in lengths:
+        counts[(n - lo) // width] += 1
+    starts = [lo + i * width for i in range(len(counts))]
+    labels = [str(a) if width == 1 else f"{a}-{a + width - 1}" for a in starts]
+    return pd.DataFrame({"tokens": labels, "rows": counts})
+
+
+def histogram_update(lengths: list[int]) -> dict[str, Any]:
+    """The bar chart's update: buckets in length order (not alphabetical)."""
+    frame = histogram_frame(lengths)
+    return gr.update(value=frame, sort=list(frame["tokens"]))
+
+
+def _stats(lengths: list[int]) -> dict[str, float]:
+    ordered = sorted(lengths)
+    p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0
+    return {"total": sum(ordered), "mean": sum(ordered) / max(1, len(ordered)), "p95": p95,
+            "max": ordered[-1] if ordered else 0, "rows_measured": len(ordered)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Handlers
+
+
+@user_errors
+def upload_dataset(file_path: str | None, max_mb: float, model: str = "demo") -> dict[str, Any]:
+    """Copy an uploaded file into KESTREL_HOME/datasets and open it (see `open_dataset`)."""
+    if not file_path:
+        raise DatasetError(S.ERR_NO_FILE)
+    stored = files.store_upload(file_path, Path(file_path).name, int(max_mb * 2**20))
+    try:
+        return open_dataset(str(stored), model=model)
+    except gr.Error:
+        stored.unlink(missing_ok=True)  # unreadable: do not keep it (a reused file is readable)
+        raise
+
+
+@user_errors
+def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = None,
+                 model: str = "demo") -> dict[str, Any]:
+    """Read `path`, detect (or apply) its format and column mapping, validate every row.
+
+    Outputs: state, status, summary, format, col_<role> (one per role), preview, report,
+    histogram, row (the token-preview line number), datasets (choices of both dropdowns).
+    A dataset that matches no format still shows its preview and columns, so the user can map.
+    """
+    if not path:
+        raise DatasetError(S.DS_NO_DATASET)
+    path, mtime = _key(path)
+    rows = _rows(path, mtime)
+    present = list(dict.fromkeys(k for r in rows[:100] for k in r))
+    columns = {k: v for k, v in (columns or {}).items() if v and v != k}
+    name = Path(path).name
+    state = {"path": path, "name": name, "format": fmt, "columns": columns}
+    out: dict[str, Any] = {"state": state, "preview": preview_frame(rows, path.endswith(".csv")),
+                           "report": pd.DataFrame({"line": [], "reason": []}),
+                           "histogram": histogram_update([]), "row": gr.update()}
+    try:
+        found, good, bad = conversations(state)
+    except DatasetError as exc:
+        out.update(status=f"⚠️ {exc}", format=gr.update(value=fmt),
+                   summary=S.DS_SUMMARY_NOFORMAT.format(name=name, rows=len(rows), columns=", ".join(present)),
+                   datasets=gr.update(), **_mapping_updates(fmt if fmt != "auto" else None, present, columns))
+        return out
+    state["format"] = found
+    out.update(_analysis(state, rows, good, bad, model))
+    out.update(format=gr.update(value=found), **_mapping_updates(found, present, columns))
+    return out
+
+
+def _analysis(state: dict[str, Any], rows: list, good: list, bad: list, model: str) -> dict[str, Any]:
+    """Token statistics, histogram, validation report; registers the dataset in the job store."""
+    from kestrel import jobs
+
+    note, stats, hist = "", {"mean": 0, "p95": 0, "max": 0}, histogram_update([])
+    try:
+        lengths = token_lengths(good[:HIST_ROWS], tokenizer_for(model))
+        stats, hist = _stats(lengths), histogram_update(lengths)
+        note = S.DS_HIST_NOTE.format(n=HIST_ROWS) if len(good) > HIST_ROWS else ""
+    except KestrelError as exc:  # a model whose tokenizer cannot load: the rest still helps
+        note = S.ERR_NO_TOKEN_COUNTS.format(error=exc)
+    jobs.add_dataset(state["path"], name=state["name"], format=state["format"], rows=len(good),
+                     token_stats=stats if stats.get("max") else None)
+    summary = S.DS_SUMMARY.format(name=state["name"], format=state["format"], rows=len(rows), good=len(good),
+                                  bad=len(bad), mean=stats["mean"], p95=stats["p95"], max=stats["max"], note=note)
+    lines = [c.line for c in good]
+    return {"status": S.DS_LOADED.format(name=state["name"], good=len(good), format=state["format"]),
+            "summary": summary, "histogram": hist,
+            "report": pd.DataFrame({"line": [b.line for b in bad], "reason": [b.reason for b in bad]}),
+            "row": gr.update(value=lines[0], minimum=lines[0], maximum=lines[-1]),
+            "datasets": gr.update(choices=dataset_choices(), value=state["path"])}
+
+
+@user_errors
+def apply_mapping(state: dict[str, Any] | None, fmt: str, model: str, *role_columns: str | None) -> dict[str, Any]:
+    """Re-read the dataset with the format and role -> column mapping the user chose."""
+    if not state or not state.get("path"):
+        raise DatasetError(S.DS_NO_DATASET)
+    needed = _formats().get(fmt, ())
+    columns = {role: col for role, col in zip(roles(), role_columns) if col and role in needed}
+    return open_dataset(state["path"], fmt, columns, model)
+
+
+@user_errors
+def token_preview(state: dict[str, Any] | None, line: float | None, model: str, max_len: float,
+                  responses_only: bool = True) -> dict[str, Any]:
+    """The tokens of the row at `line`: each labelled trained, masked or cut (past max_len).
+
+    Outputs: tokens (HighlightedText value: (text, label) pairs), token_summary (markdown).
+    """
+    from kestrel.data.tokenize import IGNORE, tokenize_conversation
+
+    if not state or not state.get("path"):
+        raise DatasetError(S.DS_NO_DATASET)
+    _, good, _ = conversations(state)
+    wanted = int(line or good[0].line)
+    conv = next((c for c in good if c.line == wanted), None)
+    if conv is None:
+        raise DatasetError(S.DS_NO_ROW.format(line=wanted, first=good[0].line, last=good[-1].line))
+    tokenizer = tokenizer_for(model)
+    max_len = int(max_len or 1024)
+    sample = tokenize_conversation(tokenizer, conv, 1 << 30, bool(responses_only))
+    pieces = []
+    for i, (tok, label) in enumerate(zip(sample.input_ids[:MAX_PREVIEW_TOKENS], sample.labels)):
+        kind = "cut" if i >= max_len else ("masked" if label == IGNORE else "trained")
+        pieces.append((tokenizer.decode([tok]), S.DS_TOKEN_LABELS[kind]))
+    total = len(sample.input_ids)
+    trained = sum(1 for t in sample.labels[:max_len] if t != IGNORE)
+    cut = max(0, total - max_len)
+    summary = S.DS_TOKEN_SUMMARY.format(
+        line=wanted, total=total, trained=trained, masked=min(total, max_len) - trained, model=model,
+        cut=S.DS_TOKEN_CUT.format(cut=cut, max_len=max_len) if cut else "")
+    return {"tokens": pieces, "token_summary": summary}
+
+
+@user_errors
+def refresh_choices() -> dict[str, Any]:
+    """Fresh choices for the dataset dropdowns (after another tab or the command line added one)."""
+    return {"datasets": gr.update(choices=dataset_choices())}

@@ -1,0 +1,207 @@
+"""Export tab handlers: a finished run (or the demo model) to a LoRA adapter, a merged 16-bit
+model or a GGUF file with its Ollama Modelfile.
+
+Every export is a job (kind export, see kestrel/jobs/export_job.py) that a worker process runs, never
+the studio: Export submits it through `jobs`, and all the tab shows comes from the store: the
+job's progress and stage, its artifacts (the files to download: the GGUF and its Modelfile, or
+one zip of the adapter or merged model) and the Modelfile's text. An export therefore goes on
+when the page or the studio closes, and a new handler call (another page, a restarted studio)
+finds it again. Files land in KESTREL_HOME/exports/job-<id>-<name>/.
+
+    job_id = start_export("run:3", "gguf", "q4_k_m")   # or the same export already under way
+    export_view(job_id)     # {"status", "file", "modelfile"} of one export job
+    for out in run_export("run:3", "gguf", "q4_k_m"): ...   # Export's click: submit, then follow
+    recent_exports()        # the recent export jobs with status and download links (markdown)
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import gradio as gr
+
+from kestrel import jobs
+from kestrel.errors import KestrelError
+from kestrel.export import MERGED_DTYPES, QUANT_TYPES
+from kestrel.studio import files
+from kestrel.studio import strings as S
+from kestrel.studio.handlers.chat import finished_runs
+from kestrel.studio.handlers.common import DEMO, user_errors
+
+EXPORT = "export"  # kestrel.jobs.models.EXPORT: the job kind
+IN_FLIGHT = ("queued", "running")
+POLL_S = 0.5  # how often Export's click reads the job while it runs
+RECENT = 10  # export jobs listed under Recent exports
+
+
+def source_choices() -> list[tuple[str, str]]:
+    runs = [(S.CH_RUN_CHOICE.format(job=j.id, name=j.name or ""), f"run:{j.id}") for j in finished_runs()]
+    return runs + [(S.CH_BASE_CHOICE.format(model=DEMO), f"base:{DEMO}")]
+
+
+def refresh_sources(current: str | None) -> dict[str, Any]:
+    choices = source_choices()
+    values = [v for _, v in choices]
+    return {"source": gr.update(choices=choices, value=current if current in values else values[0])}
+
+
+def quant_choices(fmt: str) -> dict[str, Any]:
+    """The quantization dropdown for a format (hidden for the adapter)."""
+    if fmt == "gguf":
+        return {"quant": gr.update(choices=list(QUANT_TYPES), value="q4_k_m", visible=True)}
+    if fmt == "merged":
+        return {"quant": gr.update(choices=list(MERGED_DTYPES), value="auto", visible=True)}
+    return {"quant": gr.update(visible=False, value=None)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting an export and following it
+
+
+def export_config(source: str, fmt: str, quant: str | None) -> dict[str, Any]:
+    """The export job's config for a choice of the tab (`run:3` or `base:demo`); jobs.submit
+    checks it (a run that is not completed, an unknown quantization)."""
+    kind, _, rest = (source or "").partition(":")
+    if kind == "base" and rest == DEMO:
+        src: str | int = DEMO
+    elif kind == "run" and rest.isdigit():
+        src = int(rest)
+    else:
+        raise KestrelError(S.EX_NO_RUNS)
+    # The adapter or merged model goes to the browser as one zip, which the worker writes.
+    return {"kind": EXPORT, "source": src, "format": fmt, "quant": quant if fmt in ("gguf", "merged") else None,
+            "archive": fmt != "gguf"}
+
+
+def _same_export(config: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two exports the same: source (a run's id or a path), format, quantization."""
+    return (config.get("source_job") or config["source"], config["format"], (config["quant"] or "").lower())
+
+
+def start_export(source: str, fmt: str, quant: str | None) -> int:
+    """Submit an export job and return its id; the id of the same export when one is already
+    queued or running (Export pressed twice, or again after a restart), so none runs twice."""
+    config = export_config(source, fmt, quant)
+    wanted = _same_export(config)
+    for job in jobs.list_jobs(kind=EXPORT):
+        if job.status in IN_FLIGHT and _same_export(job.config) == wanted:
+            return job.id
+    return jobs.submit(config)
+
+
+def _bar(fraction: float, message: str) -> str:
+    filled = int(max(0.0, min(1.0, fraction)) * 20)
+    return f"`{'█' * filled}{'░' * (20 - filled)}` {fraction:.0%} · {html.escape(message)}"
+
+
+def status_text(job: jobs.Job) -> str:
+    """One line for an export job: a bar while it runs, else how it ended."""
+    if job.status == "queued":
+        return S.EX_QUEUED.format(job=job.id)
+    if job.status == "running":
+        return _bar(job.step / (job.total_steps or 100), job.stage or "starting")
+    if job.status == "failed":
+        return S.EX_FAILED.format(job=job.id, error=html.escape(job.error or ""))
+    if job.status != "completed":
+        return S.EX_STOPPED.format(job=job.id, status=job.status)
+    return S.EX_DONE.format(seconds=(job.finished_at or 0) - (job.started_at or 0), out=job.output_dir)
+
+
+def downloads(job: jobs.Job) -> tuple[list[str], str]:
+    """(files to offer, a note) of a completed export, from its artifacts: the GGUF and its
+    Modelfile, or the zip of the adapter / merged model (none when it was too large to zip)."""
+    arts = jobs.list_artifacts(job.id)
+    by_kind = {a.kind: a.path for a in arts if Path(a.path).is_file()}  # a file deleted since is not offered
+    if job.config.get("format") == "gguf":
+        return [by_kind[k] for k in ("gguf", "modelfile") if k in by_kind], ""
+    if "archive" in by_kind:
+        return [by_kind["archive"]], ""
+    size = sum(a.size_bytes or 0 for a in arts if a.kind not in ("log", "report"))
+    return [], S.EX_FOLDER_ONLY.format(size=size / 2**30, out=job.output_dir)
+
+
+def _notes(job: jobs.Job) -> str:
+    """The export's notes (from its export.json report), as markdown list lines."""
+    report = next((a.path for a in jobs.list_artifacts(job.id, "report")), None)
+    if report is None or not Path(report).is_file():
+        return ""
+    notes = json.loads(Path(report).read_text()).get("notes") or []
+    return "".join(f"\n- {html.escape(str(n))}" for n in notes)
+
+
+def export_view(job_id: int) -> dict[str, Any]:
+    """One export job as the tab shows it, read from the store. Outputs: status, file (paths to
+    download, None until completed), modelfile (the Modelfile's text beside a GGUF, else "")."""
+    job = jobs.get_job(job_id)
+    if job.status != "completed":
+        return {"status": status_text(job), "file": None, "modelfile": ""}
+    offered, note = downloads(job)
+    modelfile = next((Path(p) for p in offered if Path(p).name == "Modelfile"), None)
+    status = status_text(job) + (f"\n\n{note}" if note else "") + _notes(job)
+    return {"status": status, "file": offered or None,
+            "modelfile": modelfile.read_text() if modelfile and modelfile.is_file() else ""}
+
+
+@user_errors
+def run_export(source: str, fmt: str, quant: str | None) -> Iterator[dict[str, Any]]:
+    """Export's click: submit the export (or find the same one under way) and relay its progress
+    from the store until it ends. Outputs: status, file, modelfile. Closing the page ends only
+    this relay; the job goes on and is listed under Recent exports."""
+    job_id = start_export(source, fmt, quant)
+    shown: tuple[Any, ...] | None = None
+    while (job := jobs.get_job(job_id)).status in IN_FLIGHT:
+        state = (job.status, job.step, job.stage)
+        if state != shown:
+            update = {"file": None, "modelfile": ""} if shown is None else {"file": gr.skip(), "modelfile": gr.skip()}
+            yield {"status": status_text(job), **update}
+            shown = state
+        time.sleep(POLL_S)
+    yield export_view(job_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recent exports
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a markdown table cell."""
+    return html.escape(text).replace("|", "&#124;").replace("\n", " ")
+
+
+def _link(path: str) -> str:
+    """A download link for a file the studio serves (under exports/), else the path as text."""
+    p = Path(path)
+    if files.exports_dir().resolve() not in p.resolve().parents:
+        return f"`{_cell(path)}`"
+    # Relative to the page, so the studio works under a path prefix too; Gradio serves files
+    # below allowed_paths (files.served_dirs) at gradio_api/file=<absolute path>.
+    return f'<a href="gradio_api/file={quote(str(p.resolve()))}" download="{_cell(p.name)}">{_cell(p.name)}</a>'
+
+
+def _row(job: jobs.Job) -> str:
+    """One export job as a table row: id, name, status (percent and stage while running), links."""
+    if job.status == "running":
+        state = f"{job.step / (job.total_steps or 100):.0%} · {job.stage or 'starting'}"
+    elif job.status == "failed":
+        state = f"failed: {(job.error or '').splitlines()[0][:120] if job.error else ''}"
+    else:
+        state = job.status
+    offered, note = downloads(job) if job.status == "completed" else ([], "")
+    got = " ".join(_link(p) for p in offered) or (S.EX_IN_FOLDER.format(out=_cell(job.output_dir)) if note else "")
+    return f"| {job.id} | {_cell(job.name or '')} | {_cell(state)} | {got} |"
+
+
+def recent_exports() -> str:
+    """Markdown: the newest export jobs with their status (progress while running) and download
+    links, read from the store; the tab re-reads it on a timer, so a restart loses nothing."""
+    recent = jobs.list_jobs(kind=EXPORT, limit=RECENT)
+    if not recent:
+        return f"**{S.EX_RECENT}**\n\n{S.EX_RECENT_NONE}"
+    head = "| " + " | ".join(S.EX_RECENT_COLUMNS) + " |\n|" + "---|" * len(S.EX_RECENT_COLUMNS)
+    return f"**{S.EX_RECENT}**\n\n{head}\n" + "\n".join(_row(j) for j in recent)

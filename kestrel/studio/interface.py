@@ -1,0 +1,64 @@
+"""Assembles the studio: five tabs laid out by `kestrel.studio.components`, wired by `kestrel.studio.events`.
+
+    app = build_app(StudioSettings(max_upload_mb=512))
+    app.launch(**launch_options(...))   # app.py does this
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from kestrel.studio import events
+from kestrel.studio import strings as S
+from kestrel.studio.components import chat, datasets, export, runs, train
+from kestrel.studio.models import ModelPool
+
+# System fonts only: Gradio's default theme fetches web fonts, and the studio makes no outside
+# connections.
+SANS = ["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"]
+MONO = ["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"]
+CSS = """
+#ru-progress, #ds-summary, #tr-vram {min-height: 1.5em}
+footer {display: none !important}
+"""
+
+
+@dataclass(frozen=True)
+class StudioSettings:
+    max_upload_mb: float = 1024.0  # larger uploads are refused (Gradio and the handler both check)
+    loaded_models: int = 2  # base models the Chat tab keeps loaded at once
+
+
+def theme() -> gr.themes.Base:
+    return gr.themes.Default(font=SANS, font_mono=MONO)
+
+
+def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
+    """The studio as a gr.Blocks, not yet launched."""
+    settings = settings or StudioSettings()
+    pool = ModelPool(settings.loaded_models)
+    # delete_cache: Gradio's copies of uploads and downloads older than a day go, checked hourly.
+    with gr.Blocks(title=S.TITLE, analytics_enabled=False, delete_cache=(3600, 86400)) as app:
+        gr.Markdown(f"## {S.TITLE}\n{S.SUBTITLE}")
+        with gr.Tabs() as tabs:
+            with gr.Tab(S.TAB_DATASETS, id="datasets") as datasets_tab:
+                d = datasets.build()
+            with gr.Tab(S.TAB_TRAIN, id="train") as train_tab:
+                t = train.build()
+            with gr.Tab(S.TAB_RUNS, id="runs") as runs_tab:
+                r = runs.build()
+            with gr.Tab(S.TAB_CHAT, id="chat") as chat_tab:
+                ch = chat.build()
+            with gr.Tab(S.TAB_EXPORT, id="export") as export_tab:
+                ex = export.build()
+        events.wire_datasets(d, t, settings.max_upload_mb)
+        events.wire_train(t, r, tabs)
+        events.wire_runs(r)
+        events.wire_chat(ch, pool)
+        events.wire_export(ex)
+        events.wire_tab_switches({"datasets": datasets_tab, "train": train_tab, "runs": runs_tab,
+                                  "chat": chat_tab, "export": export_tab}, r, ch, ex)
+        app.load(*events.on_load(d, t, r, ch, ex))
+    return app

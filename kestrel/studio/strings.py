@@ -1,0 +1,217 @@
+"""Every piece of text the studio shows: tab names, labels, help, messages.
+
+Kept in one place so wording stays consistent and a translation touches one file. Messages with
+`{placeholders}` are filled with `str.format` by the handlers.
+"""
+
+from __future__ import annotations
+
+TITLE = "Kestrel Studio"
+SUBTITLE = "Fine-tune a language model on your own data: upload, train, watch, chat, export."
+
+# --- tabs ------------------------------------------------------------------------------------
+TAB_DATASETS, TAB_TRAIN, TAB_RUNS, TAB_CHAT, TAB_EXPORT = "Datasets", "Train", "Runs", "Chat", "Export"
+
+# --- datasets tab ----------------------------------------------------------------------------
+DS_UPLOAD = "Upload a dataset (.jsonl, .json, .csv, .parquet)"
+DS_SAMPLES = "Or pick a sample dataset"
+DS_USE_SAMPLE = "Use sample"
+DS_REGISTERED = "Datasets you have"
+DS_OPEN = "Open"
+DS_FORMAT = "Format"
+DS_FORMAT_INFO = "Detected from the columns; correct it if it is wrong."
+DS_MAPPING = "Column for each role"
+DS_APPLY_MAPPING = "Apply format and columns"
+DS_PREVIEW = "First 10 rows"
+DS_REPORT = "Validation report (rows that will be skipped)"
+DS_HISTOGRAM = "Tokens per row"
+DS_TOKEN_ROW = "Row to preview (line number)"
+DS_TOKENS = "Token preview: trained tokens, masked tokens (not in the loss), and what max_seq_length cuts off"
+DS_TOKEN_LABELS = {"trained": "trained", "masked": "masked", "cut": "cut off"}
+DS_SUMMARY = ("**{name}** · format **{format}** · {rows} rows, {good} usable, {bad} skipped · "
+              "tokens per row: mean {mean:.0f}, p95 {p95:.0f}, max {max}{note}")
+DS_SUMMARY_NOFORMAT = "**{name}** · {rows} rows · columns: {columns}"
+DS_HIST_NOTE = " (histogram of the first {n} rows)"
+DS_TOKEN_SUMMARY = ("Line {line}: {total} tokens, {trained} trained, {masked} masked{cut}. "
+                    "Tokenizer of model `{model}`.")
+DS_TOKEN_CUT = ", **{cut} cut off** by max_seq_length={max_len}"
+DS_NO_DATASET = "Upload a dataset or pick a sample first."
+DS_LOADED = "Loaded {name}: {good} usable rows as {format}."
+DS_NO_ROW = "There is no usable row at line {line}; usable lines run from {first} to {last}."
+
+# --- train tab -------------------------------------------------------------------------------
+TR_PRESET = "Preset"
+TR_APPLY_PRESET = "Apply preset"
+TR_MODEL_SOURCE = "Model"
+TR_MODEL_SOURCES = {"demo": "Built-in demo (offline)", "local": "Local folder", "hub": "Hugging Face hub id"}
+TR_MODEL = "Folder or hub id"
+TR_MODEL_INFO = "A folder holding config.json and *.safetensors, or an id like Qwen/Qwen2.5-0.5B-Instruct"
+TR_METHOD = "Method"
+TR_METHODS = {"qlora": "QLoRA (4-bit base, least memory)", "lora": "LoRA (16-bit base)",
+              "full": "Full fine-tune", "grpo": "GRPO (reinforcement learning with rewards)"}
+TR_DATASET = "Dataset"
+TR_START = "Start training"
+TR_ADVANCED = "Advanced"
+TR_GRPO = "GRPO settings"
+TR_YAML = "The run as YAML (the file `python -m kestrel train CONFIG.yaml` takes)"
+TR_APPLY_YAML = "Use this YAML"
+TR_LOAD_YAML = "Load a YAML file"
+TR_DOWNLOAD_YAML = "Download YAML"
+TR_VRAM = "Memory estimate"
+TR_STARTED = "Started job #{job} ({name}). Follow it on the Runs tab."
+TR_QUEUED = "Queued job #{job} ({name}); it starts when job #{running} frees the device."
+TR_TWICE = "This run was already started as job #{job}, which is {status}. Change something to start another."
+TR_YAML_APPLIED = "Form filled from the YAML."
+TR_PRESET_APPLIED = "Preset “{name}” applied."
+VRAM_LINE = ("{verdict_icon} **{verdict}** on {gpu} ({capacity:.1f} GiB): about **{total:.1f} GiB** peak "
+             "(weights {weights:.1f}, optimizer {optimizer:.1f}, activations {activations:.1f}, "
+             "other {other:.1f}); {trainable} trainable parameters.")
+VRAM_CPU = ("No NVIDIA GPU found: training runs on the CPU, which works for the demo model and tiny "
+            "models only (about {total:.1f} GiB of RAM for this run). QLoRA needs a GPU.")
+VRAM_UNKNOWN = "No estimate: {reason}"
+VRAM_HOST = ("{verdict_icon} Offloaded layer inputs: **{host:.1f} GiB** of host RAM "
+             "(this machine has {ram:.1f} GiB): **{verdict}**.")
+VRAM_HOST_NO_RAM = "Offloaded layer inputs: **{host:.1f} GiB** of host RAM (this machine's RAM is unknown)."
+# what sets the number of tokens whose layer inputs are offloaded (GRPO: its rollouts)
+VRAM_HOST_LOWER = {
+    "grpo": " Lower the batch size, the number of generations or the prompt/completion lengths, "
+            "or use gradient checkpointing “standard”.",
+    "other": " Lower the max sequence length or the batch size, or use gradient checkpointing “standard”.",
+}
+VRAM_ICONS = {"fits": "✅", "tight": "⚠️", "will not fit": "⛔"}
+
+# field labels of the train form (dotted config keys)
+FIELD_LABELS = {
+    "max_seq_length": "Max sequence length (tokens)", "max_steps": "Max steps (empty: use epochs)",
+    "epochs": "Epochs", "learning_rate": "Learning rate", "batch_size": "Batch size",
+    "grad_accum": "Gradient accumulation", "lora.r": "LoRA rank r", "lora.alpha": "LoRA alpha",
+    "lora.dropout": "LoRA dropout", "lora.targets": "LoRA target modules",
+    "grpo.rewards": "Rewards (one per row; the weighted sum is the reward)",
+    "grpo.allow_custom_rewards": "Allow custom reward code (runs inside the training job's process)",
+    "lora.init_from": "Start from adapter (optional: a LoRA run's folder, e.g. for GRPO after SFT)", "packing": "Packing",
+    "train_on_responses_only": "Train on responses only", "gradient_checkpointing": "Gradient checkpointing",
+    "save_steps": "Save every N steps (0: only at the end)", "seed": "Seed", "dtype": "Compute dtype",
+    "warmup_steps": "Warmup steps", "lr_scheduler": "LR schedule", "weight_decay": "Weight decay",
+    "max_grad_norm": "Max grad norm (0: no clipping)", "logging_steps": "Log every N steps",
+    "dataset_format": "Dataset format", "system_prompt": "System prompt (added when a row has none)",
+    "fast_kernels": "Fast kernels", "name": "Run name (optional)", "output_dir": "Output folder (optional)",
+    "grpo.num_generations": "Generations per prompt", "grpo.max_completion_length": "Max completion tokens",
+    "grpo.max_prompt_length": "Max prompt tokens", "grpo.beta": "KL weight beta", "grpo.epsilon": "Clip epsilon",
+    "grpo.loss_type": "Loss type", "grpo.temperature": "Sampling temperature", "grpo.top_p": "Sampling top-p",
+}
+
+# --- runs tab --------------------------------------------------------------------------------
+RU_TABLE = "Jobs"
+RU_SELECT = "Run"
+RU_REFRESH = "Refresh"
+RU_PAUSE = "Stop (resumable)"
+RU_RESUME = "Resume"
+RU_CANCEL = "Cancel"
+RU_DELETE = "Delete"
+RU_DELETE_FILES = "Also delete its files"
+RU_LOG = "Log (last lines)"
+RU_COMPARE = "Compare runs"
+RU_COMPARE_BTN = "Compare"
+RU_COMPARE_LOSS = "Loss of the compared runs"
+RU_CONFIG_DIFF = "Settings that differ"
+RU_COLUMNS = ["#", "name", "status", "progress", "ETA", "started"]
+RU_NO_JOBS = "No runs yet. Start one on the Train tab."
+RU_PROGRESS = "#{job} {name}: **{status}** · step {step} / {total}{eta}{error}"
+RU_ETA = "ETA {eta}"
+RU_ACTION_DONE = {"pause": "Job #{job}: stopping after its next checkpoint (resumable).",
+                  "cancel": "Job #{job}: {result}.", "resume": "Job #{job} queued again; it resumes from its last checkpoint.",
+                  "delete": "Job #{job} deleted."}
+RU_PICK = "Pick a run first."
+RU_PICK_TWO = "Pick at least two runs to compare."
+RU_SAME_CONFIG = "The runs have the same settings."
+CHARTS = {"loss": "Loss", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
+          "memory": "GPU memory (GiB)", "reward": "Reward (GRPO)", "kl": "KL (GRPO)"}
+
+# --- chat tab --------------------------------------------------------------------------------
+CH_MODEL = "Model"
+CH_SIDE = "Side by side with the base model"
+CH_BASE = "Base model"
+CH_TUNED = "Fine-tuned"
+CH_MESSAGE = "Message"
+CH_SEND = "Send"
+CH_STOP = "Stop"
+CH_CLEAR = "New conversation"
+CH_SYSTEM = "System prompt"
+CH_SAMPLING = "Sampling"
+CH_TEMPLATE = "Chat template of this model"
+CH_REFRESH = "Refresh models"
+CH_BASE_CHOICE = "Base: {model}"
+CH_RUN_CHOICE = "Run #{job}: {name}"
+CH_NEED_RUN = "Side by side needs a fine-tuned run: pick one under Model."
+CH_EMPTY = "Type a message first."
+CH_LOADING = "Loading {model}…"
+
+# --- export tab ------------------------------------------------------------------------------
+EX_RUN = "Run to export"
+EX_FORMAT = "Format"
+EX_FORMATS = {"adapter": "LoRA adapter (small; needs the base model)", "merged": "Merged 16-bit model",
+              "gguf": "GGUF for llama.cpp and Ollama"}
+EX_QUANT = "Quantization (GGUF) / dtype (merged)"
+EX_START = "Export"
+EX_FILE = "Download"
+EX_MODELFILE = "Ollama Modelfile (save beside the .gguf, then `ollama create NAME -f Modelfile`)"
+EX_DONE = "Exported in {seconds:.1f} s to `{out}`."
+EX_NO_RUNS = "No finished run to export yet."
+EX_FOLDER_ONLY = "The export is {size:.1f} GiB: too large to zip for the browser; it is in `{out}`."
+EX_QUEUED = "Export #{job} is queued: it starts when the export before it ends."
+EX_FAILED = "Export #{job} failed: {error}"
+EX_STOPPED = "Export #{job} was {status} before it finished; nothing was kept."
+EX_RECENT = "Recent exports (they go on when this page or the studio closes)"
+EX_RECENT_NONE = "No exports yet."
+EX_RECENT_COLUMNS = ["#", "export", "status", "download"]
+EX_IN_FOLDER = "in `{out}`"
+
+# --- errors (user-facing; never a traceback) -------------------------------------------------
+ERR_EXTENSION = "{name}: unsupported file type. Upload one of {allowed}."
+ERR_EMPTY = "{name} is empty: there is nothing to train on."
+ERR_TOO_BIG = "{name} is {size:.0f} MiB, over the upload limit of {limit:.0f} MiB (app.py --max-upload-mb)."
+ERR_NOT_PARQUET = "{name} is not a Parquet file (it lacks the PAR1 signature). Is it another kind of file renamed?"
+ERR_BINARY = "{name} contains binary data, so it is not a {ext} text file. Is it another kind of file renamed?"
+ERR_NOT_JSON = "{name} does not start like JSON ({ext} files start with {{ or [). Is it another kind of file renamed?"
+ERR_BAD_NAME = "Could not store the upload {name!r}: pick a simpler file name."
+ERR_NO_FILE = "No file was received; try the upload again."
+ERR_MODEL_FOLDER = "Model folder {path} does not exist."
+ERR_MODEL_NO_CONFIG = "Model folder {path} has no config.json: point at the folder holding config.json and *.safetensors."
+ERR_HUB_OFFLINE = ("Model {model!r} is not a local folder and is not in the Hugging Face cache, and this machine is "
+                   "offline (HF_HUB_OFFLINE is set). Pick a local folder or the built-in demo model.")
+ERR_MODEL_EMPTY = "Enter a model folder or a hub id, or pick the built-in demo model."
+ERR_DATASET_MISSING = "Dataset {path} does not exist any more; upload it again or pick a sample."
+ERR_NUMBER = "{field} must be a number, got {value!r}."
+ERR_YAML = "This is not valid YAML: {error}"
+ERR_YAML_MAPPING = "The YAML must be a mapping of keys to values (key: value lines)."
+ERR_QLORA_CPU = "QLoRA needs an NVIDIA GPU and none was found; choose LoRA (16-bit) instead."
+ERR_UNEXPECTED = "Something went wrong ({kind}); details are in the studio's terminal."
+
+# --- presets of the train form (values in kestrel.studio.handlers.train.PRESETS) ----------------------
+PRESET_NAMES = {
+    "demo": "Quick test: built-in demo model on the CPU (about a minute)",
+    "qlora_8b": "QLoRA: a 7-8B model on a 12-24 GB GPU",
+    "lora_quality": "LoRA 16-bit: higher rank, careful learning rate",
+    "long_context": "Long context: offloaded checkpointing, batch 1",
+    "full_small": "Full fine-tune: models up to about 1B",
+    "grpo": "GRPO on the arithmetic prompts (set Model to a finished demo run's model folder first)",
+}
+TR_REWARDS_INFO = (
+    "**Rewards.** `exact_answer`: the completion's final number (or `\\boxed{}` value, or `<answer>` tag) "
+    "equals the dataset's `answer` column. `format_regex`: 1 when `pattern` matches. `length_penalty`: 0 up "
+    "to `target_length` tokens, then down to -1. `json_valid`: 1 when the completion is valid JSON. "
+    "`custom`: `path` to a Python file defining `reward(prompts, completions, answers)`; it runs with your "
+    "permissions inside the training job's process, so it needs the box above ticked."
+)
+ERR_REWARD_ROW = "Rewards table, row {row}: {problem}."
+ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."
+ERR_SEED = "The seed must be a whole number, or empty for a random one; got {value!r}."
+ERR_HUB_ID = "{model!r} is not a valid hub id ({error})."
+ERR_TOKENIZER = "Could not load the tokenizer of {model!r}: {error}"
+ERR_NO_TOKEN_COUNTS = " (no token counts: {error})"
+ERR_UNKNOWN_ACTION = "Unknown action {action!r}."
+ERR_WHOLE = "{field} must be a whole number, got {value!r}."
+ERR_YAML_NUMBER = "{key} must be a number, got {value!r}."
+ERR_YAML_BOOL = "{key} must be true or false, got {value!r}."
+ERR_READ_FILE = "Could not read {name}: {error}"
+ERR_PRESET = "Unknown preset {preset!r}."

@@ -1,0 +1,217 @@
+"""Peak GPU memory of a training run, estimated from the model's config before anything loads.
+
+    shape = shape_from_config(json.load(open("model/config.json")))
+    est = estimate_training_memory(shape, method="qlora", lora_r=16, batch_size=2, max_seq_length=2048)
+    verdict(est.total_bytes, capacity_bytes)          # "fits" | "tight" | "will not fit"
+    host_verdict(est, detect_host_memory())           # the same for host RAM; None: nothing to judge
+
+The model of memory (bytes), written for the way the engine trains:
+- base weights: 2 per parameter in 16-bit; QLoRA stores the linear layers of the blocks in NF4
+  (0.5 per parameter plus about 0.04 of block scales with double quantization) and keeps the
+  embeddings, the head and the norms in 16-bit.
+- LoRA: r * (in + out) parameters per targeted linear, kept in fp32 by PEFT: weight, gradient
+  and two AdamW moments = 16 per trainable parameter. Full fine-tuning: bf16 weight, gradient
+  and AdamW moments in the parameter's dtype = 8 per parameter.
+- activations, per token (16-bit values, h = hidden, i = intermediate), fitted to the 8B shape's
+  measured peaks (bench/RESULTS.md, "Figures moved out of code comments"):
+  - `off` keeps every layer's saved tensors, (5 h + 2 i) a token a layer (the MLP keeps its gate
+    and up products).
+  - `standard` keeps each layer's input (h a token a layer) and recomputes one layer at a time;
+    `offload` keeps the layer inputs in host memory and two in flight on the GPU. A recomputed
+    layer's backward holds 12 h a token besides its MLP, whose E, G and h (3 i a token) are
+    kept whole for short rows; beyond `kestrel.kernels.lora.mlp._defer_pays`'s point (4,779 rows at the 8B
+    shape in QLoRA, 2,048 in 16-bit) the MLP runs in chunks of 2,048 rows instead, over dense
+    copies of the NF4 gate and up weights. The model errs above the measured allocated peaks
+    (it counts the CUDA context). The allocator reserves more: cached blocks, which it frees
+    and retries with before it reports out-of-memory.
+  The loss is chunked (logits never exist for the whole batch), so the head costs one chunk.
+- GRPO adds the rollouts' static KV cache and trains on num_generations sequences per prompt.
+- a fixed overhead for the CUDA context and allocator slack (0.6 GiB + 8 %).
+- host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in
+  page-locked host memory, layers x tokens x hidden x 2 bytes (100 GiB at 409,600 tokens on the
+  8B shape); pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
+These are estimates to within about 20 %: the verdict leaves a margin for that.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+from kestrel.constants import DEFERRED_ROWS
+
+GIB = 2**30
+FITS_BELOW = 0.80  # of the card's memory: room for the estimate's error
+TIGHT_BELOW = 1.00
+NF4_BYTES = 0.5 + 0.04  # 4-bit codes + double-quantized absmax per 64-block
+CONTEXT_BYTES = int(0.6 * GIB)
+SLACK = 0.08
+LOSS_CHUNK_TOKENS = 1024  # tokens whose logits exist at once in the chunked loss
+# Activations, in 16-bit values a token (module docstring): fitted to the 8B shape's peaks.
+SAVED_HIDDENS, SAVED_INTERMEDIATES = 5, 2  # one layer's saved tensors, no checkpointing
+RECOMPUTE_HIDDENS = 12  # a recomputed layer's backward, besides its MLP
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that decide memory, read from a Hugging Face `config.json`."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear of one block, by module name."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def block_linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.linear_shapes.values())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def params(self) -> int:
+        return self.block_linear_params + self.embedding_params + (2 * self.layers + 1) * self.hidden
+
+
+def shape_from_config(config: dict[str, Any]) -> ModelShape:
+    """A ModelShape from a config dict (multimodal configs: their `text_config`)."""
+    cfg = config.get("text_config") or config
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        shape = ModelShape(
+            vocab=int(cfg["vocab_size"]), hidden=hidden, layers=int(cfg["num_hidden_layers"]), heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"the model config lacks the sizes needed for an estimate ({exc})") from exc
+    return shape
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of each part of the peak, and their total."""
+
+    weights: int
+    trainable: int  # trainable parameter count
+    optimizer: int  # trainable weights' fp32/bf16 copies, gradients and AdamW moments
+    activations: int
+    extra: int  # GRPO rollout cache and logits chunk
+    overhead: int
+    offload_host_ram: int = 0  # pinned host RAM of the offloaded layer inputs; not GPU memory
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights + self.optimizer + self.activations + self.extra + self.overhead
+
+
+def estimate_training_memory(
+    shape: ModelShape, method: str = "lora", lora_r: int = 16, lora_targets: list[str] | None = None,
+    batch_size: int = 2, max_seq_length: int = 2048, gradient_checkpointing: str = "standard",
+    num_generations: int = 8, max_completion_length: int = 256, max_prompt_length: int = 512,
+) -> MemoryEstimate:
+    """Peak training memory of `shape` under these settings (see the module docstring)."""
+    # weights
+    other = shape.params - shape.block_linear_params
+    if method == "qlora":
+        weights = int(shape.block_linear_params * NF4_BYTES) + 2 * other
+    else:
+        weights = 2 * shape.params
+    # trainable parameters and their optimizer state
+    if method == "full":
+        trainable = shape.params
+        optimizer = 6 * trainable  # gradient + two moments, bf16 (weights counted above)
+    else:
+        targets = lora_targets or list(shape.linear_shapes)
+        trainable = shape.layers * sum(lora_r * (a + b) for name, (a, b) in shape.linear_shapes.items()
+                                       if name in targets)
+        optimizer = 16 * trainable
+    # activations: GRPO trains on every generation of a prompt at full rollout length
+    if method == "grpo":
+        seqs, length = batch_size * num_generations, max_prompt_length + max_completion_length
+    else:
+        seqs, length = batch_size, max_seq_length
+    tokens = seqs * length
+    activations = _activations(shape, method == "qlora", tokens, gradient_checkpointing)
+    logits = min(tokens, LOSS_CHUNK_TOKENS) * shape.vocab * 4  # one fp32 chunk; its gradient reuses it
+    kv_cache = 0
+    if method == "grpo":
+        kv_cache = 2 * shape.layers * seqs * length * shape.kv_heads * shape.head_dim * 2
+    extra = logits + kv_cache
+    overhead = CONTEXT_BYTES + int(SLACK * (weights + optimizer + activations + extra))
+    # offload moves the same layer inputs `standard` keeps on the GPU into pinned host memory
+    host = shape.layers * tokens * shape.hidden * 2 if gradient_checkpointing == "offload" else 0
+    return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host)
+
+
+def _activations(shape: ModelShape, qlora: bool, tokens: int, checkpointing: str) -> int:
+    """GPU bytes of activations at the peak (module docstring: activations)."""
+    h, i = shape.hidden, shape.intermediate
+    if checkpointing == "off":
+        return shape.layers * tokens * (SAVED_HIDDENS * h + SAVED_INTERMEDIATES * i) * 2
+    # the recomputed MLP: E, G, h whole, or chunked over dense gate/up weights (kestrel.kernels.lora.mlp)
+    dense = 2 * h * i if qlora else 0
+    mlp = min(3 * tokens * i, 3 * min(tokens, DEFERRED_ROWS) * i + dense) * 2
+    recompute = tokens * RECOMPUTE_HIDDENS * h * 2 + mlp
+    kept_inputs = (2 if checkpointing == "offload" else shape.layers) * tokens * h * 2
+    return recompute + kept_inputs
+
+
+def verdict(total_bytes: int, capacity_bytes: int) -> str:
+    """"fits" below 80 % of the card, "tight" up to 100 %, else "will not fit"."""
+    ratio = total_bytes / max(capacity_bytes, 1)
+    if ratio < FITS_BELOW:
+        return "fits"
+    return "tight" if ratio < TIGHT_BELOW else "will not fit"
+
+
+def detect_gpu() -> tuple[str, int] | None:
+    """(name, total bytes) of the first visible CUDA device, or None on a machine without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, int(props.total_memory)
+
+
+def meminfo_total_bytes(text: str) -> int | None:
+    """MemTotal of a /proc/meminfo text in bytes (the file's "kB" are KiB); None without one."""
+    match = re.search(r"^MemTotal:\s+(\d+)\s*kB", text, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
+
+
+def detect_host_memory(path: str = "/proc/meminfo") -> int | None:
+    """Total bytes of this machine's RAM, read from /proc/meminfo (Linux); None where it is not there.
+
+    The machine's total, not a container's memory limit: pinned pages count against both.
+    """
+    try:
+        with open(path) as f:
+            return meminfo_total_bytes(f.read())
+    except OSError:
+        return None
+
+
+def host_verdict(est: MemoryEstimate, ram_bytes: int | None) -> str | None:
+    """verdict() of the offloaded layer inputs against the host's RAM (the GPU's thresholds: the
+    OS and the loading model need RAM too); None when nothing is offloaded or the RAM is unknown."""
+    if est.offload_host_ram == 0 or ram_bytes is None:
+        return None
+    return verdict(est.offload_host_ram, ram_bytes)

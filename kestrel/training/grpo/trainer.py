@@ -1,0 +1,277 @@
+"""GRPO, read top to bottom: setup, then each step rollout -> reward -> score -> update.
+
+    status, last_step = run_grpo(config, output_dir, cb)   # cb: one `Callback` (a `CallbackList`)
+
+1. setup: rewards built first (a misconfigured reward fails before any model loads); seed; load
+   the model patched (NF4 with `grpo.load_in_4bit`); attach LoRA. The reference policy is the same
+   model with its adapter disabled: no second copy of the weights. Prompts tokenized once; one
+   decode `Generator` for the whole run; AdamW, schedule, resume as in SFT.
+2. rollout: a step takes `batch_size * grad_accum` prompts and samples `num_generations`
+   completions for each through the decode path, `batch_size` prompts per decode batch; the
+   decode cache is freed before the update so the two never hold memory together.
+3. reward: every completion scored (weighted sum of the rewards); advantages normalised per group.
+4. score, no grad: reference log-probs with the adapter disabled (beta > 0), and the sampling
+   policy's when a batch feeds several updates (`num_iterations` > 1).
+5. update: rows run in micro-batches of at most `max_seq_length` tokens (one row at least); each
+   micro-batch's loss is scaled by the step's totals, so they sum to the loss of the whole step.
+
+Metrics per step, besides SFT's (step, total_steps, epoch, loss, lr, grad_norm, memory, elapsed_s,
+eta_s): `reward`, `reward_std` (over the step's completions), `reward/<name>` (each reward's mean,
+unweighted), `frac_reward_zero_std` (groups with no signal), `kl` (k3, per completion token; only
+with beta > 0), `clip_frac` (completion tokens whose gradient the clip removed),
+`completion_len_mean/_max`, `completion_stopped_frac` (rows that ended with a stop token),
+`rollout_s`, `update_s`, and `tokens_per_s` (prompt + completion tokens of the step's rows per
+second of the whole step).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kestrel.config import TrainConfig
+from kestrel.decode.generate import Generator
+from kestrel.decode.model import UnsupportedModelError
+from kestrel.errors import ConfigError
+from kestrel.training.grpo.data import PromptRow, load_prompts, prompts_for_step
+from kestrel.training.grpo.logprobs import check_lm_head, completion_logprobs, pack_rows
+from kestrel.training.grpo.loss import group_advantages, policy_loss
+from kestrel.training.grpo.rewards import RewardBatch, RewardSet
+from kestrel.training.grpo.rollout import Rollouts, release, rollout
+from kestrel.model.loader import load
+from kestrel.model.lora import trainable_parameters
+from kestrel.training.metrics import Callback, memory_metrics
+from kestrel.training.recipe import (
+    end_of_step, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
+)
+
+
+@dataclass
+class GrpoSession:
+    """Everything a run holds between setup and the end."""
+
+    config: TrainConfig
+    output_dir: Path
+    model: nn.Module
+    tokenizer: Any
+    prompts: list[PromptRow]
+    rewards: RewardSet
+    generator: Generator
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    total_steps: int
+    start_step: int
+    device: torch.device
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.config.batch_size * self.config.grad_accum
+
+
+@dataclass
+class MicroBatch:
+    """Rows updated together: device tensors, plus their no-grad scores once computed."""
+
+    ids: torch.Tensor  # (r, T) prompt + completion, right-padded
+    starts: torch.Tensor  # (r,) first completion column
+    targets: torch.Tensor  # (r, L) completion ids, -100 past the end
+    advantages: torch.Tensor  # (r,)
+    ref: torch.Tensor | None = None  # (r, L) reference log-probs (beta > 0)
+    old: torch.Tensor | None = None  # (r, L) sampling-policy log-probs (num_iterations > 1)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.targets != -100
+
+
+@dataclass
+class StepBatch:
+    """One step's rollouts, their rewards and the micro-batches the update runs over."""
+
+    rollouts: Rollouts
+    rewards: torch.Tensor  # (S,) weighted total
+    parts: dict[str, torch.Tensor]  # reward key -> (S,)
+    micro: list[MicroBatch]
+    completion_tokens: int
+    prompt_tokens: int
+    rollout_s: float
+
+
+# --- 1. setup ---------------------------------------------------------------------------------
+
+
+def _generator(model: nn.Module, tokenizer: Any, max_len: int) -> Generator:
+    try:
+        return Generator(model, tokenizer, max_seq_len=max_len)
+    except UnsupportedModelError as exc:
+        raise ConfigError(f"GRPO samples through the fast decode path, which this model lacks: {exc}") from exc
+
+
+def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
+    g = config.grpo
+    rewards = RewardSet(g.rewards, allow_custom=g.allow_custom_rewards)
+    seed_everything(config.seed)
+    max_len = g.max_prompt_length + g.max_completion_length
+    model, tokenizer = load(config.model, max(config.max_seq_length, max_len),
+                            load_in_4bit=config.grpo.load_in_4bit,
+                            dtype=config.dtype, patch=config.fast_kernels)
+    device = next(model.parameters()).device
+    prompts, bad, too_long = load_prompts(config, tokenizer, rewards.needs_answers)
+    cb.on_log(f"dataset {config.dataset}: {len(prompts)} prompts, {len(bad)} bad rows skipped"
+              + (f", {too_long} longer than grpo.max_prompt_length skipped" if too_long else ""))
+    if bad:
+        cb.on_log("bad rows: " + "; ".join(f"line {b.line}: {b.reason}" for b in bad[:5]))
+    model, _ = prepare_model(config, model, output_dir, cb)  # LoRA on a frozen base (GRPO never trains all weights)
+    check_lm_head(model)
+    trainable, total = trainable_parameters(model)
+    cb.on_log(f"model {config.model} (grpo): {trainable:,} of {total:,} parameters trainable, on {device}")
+    per_step = config.batch_size * config.grad_accum
+    total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(prompts) / per_step))
+    optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
+    generator = _generator(model, tokenizer, max_len)
+    return GrpoSession(config, output_dir, model, tokenizer, prompts, rewards, generator, optimizer, scheduler,
+                       total_steps, start, device)
+
+
+# --- 2-4. rollout, reward, score ------------------------------------------------------------
+
+
+def split_rows(widths: list[int], budget: int) -> list[slice]:
+    """Consecutive row slices whose padded size (rows * widest row) stays within `budget` tokens."""
+    out, lo, widest = [], 0, 0
+    for i, w in enumerate(widths):
+        widest_with = max(widest, w)
+        if i > lo and (i - lo + 1) * widest_with > budget:
+            out.append(slice(lo, i))
+            lo, widest_with = i, w
+        widest = widest_with
+    out.append(slice(lo, len(widths)))
+    return out
+
+
+def _micro_batches(s: GrpoSession, ro: Rollouts, advantages: torch.Tensor) -> list[MicroBatch]:
+    widths = [len(p) + len(c) for p, c in zip(ro.prompt_ids, ro.completion_ids)]
+    pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else 0
+    out = []
+    for sl in split_rows(widths, s.config.max_seq_length):
+        ids, starts, targets = pack_rows(ro.prompt_ids[sl], ro.completion_ids[sl], pad, s.device)
+        out.append(MicroBatch(ids, starts, targets, advantages[sl].to(s.device)))
+    return out
+
+
+def collect(s: GrpoSession, step: int) -> StepBatch:
+    """Rollouts for step `step`, scored: rewards, advantages, micro-batches (no grad)."""
+    g, t0 = s.config.grpo, time.perf_counter()
+    rows = prompts_for_step(s.prompts, step, s.prompts_per_step, s.config.seed)
+    adapter = getattr(s.model, "active_adapter", None)
+    ro = Rollouts([], [], [], [])
+    for j in range(0, len(rows), s.config.batch_size):
+        seed = s.config.seed + (step * len(rows) + j) * g.num_generations  # distinct per row and step
+        ro.extend(rollout(s.generator, s.tokenizer, [r.ids for r in rows[j : j + s.config.batch_size]],
+                          g.num_generations, g.max_completion_length, g.temperature, g.top_p, seed, adapter))
+    release(s.generator)
+    per_row = [r for r in rows for _ in range(g.num_generations)]  # (S,) the prompt of each row
+    batch = RewardBatch([r.text for r in per_row], ro.texts, [r.answer for r in per_row],
+                        [len(c) for c in ro.completion_ids])
+    total, parts = s.rewards(batch)  # (S,), {key: (S,)}
+    advantages = group_advantages(total, g.num_generations, scale=g.loss_type != "dr_grpo")
+    micro = _micro_batches(s, ro, advantages)
+    score(s, micro)
+    return StepBatch(ro, total, parts, micro, sum(batch.lengths), sum(len(p) for p in ro.prompt_ids),
+                     time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def score(s: GrpoSession, micro: list[MicroBatch]) -> None:
+    """Reference log-probs (adapter disabled) and, for reused batches, the sampling policy's."""
+    g = s.config.grpo
+    reuse = s.config.grpo.num_iterations > 1
+    if g.beta == 0 and not reuse:
+        return
+    s.model.eval()  # no-grad passes: nothing to checkpoint
+    try:
+        for mb in micro:
+            if g.beta > 0:
+                with s.model.disable_adapter():
+                    mb.ref = completion_logprobs(s.model, mb.ids, mb.starts, mb.targets, g.temperature)
+            if reuse:
+                mb.old = completion_logprobs(s.model, mb.ids, mb.starts, mb.targets, g.temperature)
+    finally:
+        s.model.train()
+
+
+# --- 5. update --------------------------------------------------------------------------------
+
+
+def update(s: GrpoSession, batch: StepBatch) -> dict[str, float]:
+    """One optimizer step over every micro-batch of `batch`; returns the update's metrics."""
+    g = s.config.grpo
+    num_seq, num_tok = len(batch.rollouts), max(1, batch.completion_tokens)
+    sums = {"loss": torch.zeros((), device=s.device), "kl_sum": 0.0, "clipped": 0.0, "tokens": 0.0}
+    for mb in batch.micro:
+        logp = completion_logprobs(s.model, mb.ids, mb.starts, mb.targets, g.temperature)  # (r, L)
+        old = mb.old if mb.old is not None else logp.detach()  # first update of a batch: ratio 1
+        loss, stats = policy_loss(logp, old, mb.ref, mb.advantages, mb.mask, g.loss_type, g.epsilon, g.beta,
+                                  g.max_completion_length, num_sequences=num_seq, num_tokens=num_tok)
+        loss.backward()
+        sums["loss"] += loss.detach()
+        for key in ("kl_sum", "clipped", "tokens"):
+            sums[key] = sums[key] + stats[key]
+    grad_norm, lr = optimizer_step(s)
+    tokens = torch.as_tensor(sums["tokens"]).clamp(min=1)
+    # One host read per step, for the metrics. No reference pass when beta == 0: no `kl` to report.
+    out = {"loss": float(sums["loss"]), "grad_norm": float(grad_norm), "lr": lr,
+           "clip_frac": float(sums["clipped"] / tokens)}
+    if g.beta > 0:
+        out["kl"] = float(sums["kl_sum"] / tokens)
+    return out
+
+
+def batch_metrics(batch: StepBatch, group_size: int) -> dict[str, float]:
+    """Reward and completion statistics of a step's rollouts."""
+    lengths = [len(c) for c in batch.rollouts.completion_ids]
+    groups = batch.rewards.view(-1, group_size)
+    out = {"reward": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std(correction=0)),
+           "frac_reward_zero_std": float((groups.std(dim=1, correction=0) < 1e-8).float().mean()),
+           "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": float(max(lengths)),
+           "completion_stopped_frac": sum(batch.rollouts.stopped) / len(lengths), "rollout_s": batch.rollout_s}
+    out.update({f"reward/{key}": float(v.mean()) for key, v in batch.parts.items()})
+    return out
+
+
+def train_loop(s: GrpoSession, cb: Callback) -> str:
+    """Steps until done or asked to stop; returns the final status."""
+    iterations = max(1, s.config.grpo.num_iterations)
+    started, batch = time.perf_counter(), None
+    for step in range(s.start_step, s.total_steps):
+        t0 = time.perf_counter()
+        if batch is None or step % iterations == 0:
+            batch = collect(s, step)
+        t1 = time.perf_counter()
+        raw = update(s, batch)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
+        now, done = time.perf_counter(), step + 1
+        elapsed = now - started
+        metrics = {
+            "step": done, "total_steps": s.total_steps, "epoch": done * s.prompts_per_step / len(s.prompts),
+            **raw, **batch_metrics(batch, s.config.grpo.num_generations), "update_s": now - t1,
+            "tokens_per_s": (batch.prompt_tokens + batch.completion_tokens) / max(now - t0, 1e-9),
+            **memory_metrics(s.device), "elapsed_s": elapsed,
+            "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
+        }
+        stop = end_of_step(s, cb, done, metrics)
+        if stop:
+            return stop
+    return "completed"
+
+
+def run_grpo(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+    """Set up, train and save; returns (status, last step)."""
+    return run_recipe(setup, train_loop, config, output_dir, cb)

@@ -1,0 +1,158 @@
+"""The loop every training method shares: seed, model preparation, the optimizer and its schedule,
+resume, the end-of-step report and checkpoint, and saving at the end. A method (SFT, GRPO, the
+preference methods) supplies its setup, which returns its run state, and its loop over steps:
+
+    status, last_step = run_recipe(setup, train_loop, config, output_dir, callbacks)
+
+`RunState` is what this module needs of a method's state; each method's own dataclass adds what
+its steps need (batches, rollouts, a reference model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from kestrel.config import TrainConfig
+from kestrel.model.lora import attach_lora
+from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
+from kestrel.recompute.graph_choice import Decision
+from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
+from kestrel.training.metrics import Callback, RunInfo
+
+
+class RunState(Protocol):
+    """What the shared loop reads and writes of a method's run state."""
+
+    config: TrainConfig
+    output_dir: Path
+    model: nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    total_steps: int
+    start_step: int
+    device: torch.device
+
+
+Setup = Callable[[TrainConfig, Path, Callback], RunState]
+Loop = Callable[[Any, Callback], str]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def lr_lambda(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup, then cosine / linear decay to zero, or constant."""
+
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / (config.warmup_steps + 1)
+        if config.lr_scheduler == "constant":
+            return 1.0
+        progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+        progress = min(1.0, progress)
+        return 0.5 * (1 + math.cos(math.pi * progress)) if config.lr_scheduler == "cosine" else 1.0 - progress
+
+    return factor
+
+
+def graph_reporter(output_dir: Path, cb: Callback) -> Callable[[Decision], None]:
+    """Where a run's CUDA-graph choices go: a line in its log each, and all of them in
+    `output_dir/performance.json` (with the timings each was made from)."""
+    made: list[dict[str, Any]] = []
+
+    def report(decision: Decision) -> None:
+        way = "on" if decision.graphed else "off"
+        cb.on_log(f"CUDA graphs {way} for batches of {decision.layout}: {decision.reason}")
+        made.append(decision.as_metrics())
+        (output_dir / "performance.json").write_text(json.dumps({"cuda_graphs": made}, indent=1) + "\n")
+
+    return report
+
+
+def prepare_model(
+    config: TrainConfig, model: nn.Module, output_dir: Path, cb: Callback
+) -> tuple[nn.Module, Recompute | None]:
+    """LoRA attached (or every weight unfrozen), checkpointing on, train mode; returns the model
+    and the run's checkpointing (None when off)."""
+    if config.method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model = attach_lora(model, config.lora)
+    perf = config.performance
+    recompute = set_gradient_checkpointing(
+        model, config.gradient_checkpointing, perf.cuda_graphs, graph_reporter(output_dir, cb), perf.offload_gate)
+    model.train()
+    return model, recompute
+
+
+def optimizer_and_resume(
+    config: TrainConfig, model: nn.Module, total_steps: int, output_dir: Path, cb: Callback
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, int]:
+    """AdamW over the trainable parameters and the lr schedule, restored (with the model) from the
+    latest checkpoint in `output_dir` when there is one. Returns them and the step to start at."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = next(iter(params)).device.type == "cuda" if params else False
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total_steps))
+    start = 0
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is not None:
+        start = load_checkpoint(checkpoint, model, optimizer, scheduler)["step"]
+        cb.on_log(f"resuming from {checkpoint.name} (step {start} of {total_steps})")
+    return optimizer, scheduler, start
+
+
+def optimizer_step(s: RunState) -> tuple[torch.Tensor, float]:
+    """Clip the accumulated gradients (max_grad_norm; 0 = no clipping), step the optimizer and the
+    schedule, clear the gradients. Returns (grad norm before clipping, the lr this step used)."""
+    params = [p for g in s.optimizer.param_groups for p in g["params"]]
+    clip = s.config.max_grad_norm if s.config.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    lr = s.scheduler.get_last_lr()[0]
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
+def graph_metrics(recompute: Recompute | None) -> dict[str, float]:
+    """`cuda_graphs`: 1 when the step's last forward ran as CUDA graphs, else 0 (with checkpointing)."""
+    return {} if recompute is None else {"cuda_graphs": float(recompute.graphed)}
+
+
+def end_of_step(s: RunState, cb: Callback, done: int, metrics: dict[str, float]) -> str | None:
+    """Report the step, checkpoint when due or asked to stop, and return the final status
+    (cancelled / interrupted) when the run must end here."""
+    if done % s.config.logging_steps == 0 or done == s.total_steps:
+        cb.on_step(metrics)
+    stop = cb.should_stop()
+    if stop or (s.config.save_steps and done % s.config.save_steps == 0 and done < s.total_steps):
+        path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, {"total_steps": s.total_steps})
+        cb.on_checkpoint(done, str(path))
+    if stop:
+        return "cancelled" if stop == "cancel" else "interrupted"
+    return None
+
+
+def run_recipe(setup_fn: Setup, loop_fn: Loop, config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+    """Set up, train and save; returns (status, last step)."""
+    s = setup_fn(config, output_dir, cb)
+    cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
+    status = loop_fn(s, cb) if s.start_step < s.total_steps else "completed"
+    if status == "completed":
+        path = save_weights(s.model, output_dir, s.tokenizer)
+        cb.on_log(f"saved {path}")
+    return status, s.total_steps if status == "completed" else s.scheduler.last_epoch

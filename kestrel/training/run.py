@@ -1,0 +1,80 @@
+"""The one entry point every front end calls to train: `run(config, callbacks)`.
+
+It resolves the output folder, writes the resolved config, runs SFT or GRPO, and turns failures
+into a `TrainResult` the caller can show: out-of-memory names what to lower; a failed checkpoint
+write says the previous checkpoint is intact. Running the same config again resumes from the
+latest checkpoint in `output_dir`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kestrel.constants import slug
+from kestrel.recompute.host_memory import release_pinned_memory
+from kestrel.config import TrainConfig
+from kestrel.errors import KestrelError, OutOfMemoryError, oom_message
+from kestrel.training.metrics import Callback, CallbackList, JsonlWriter
+from kestrel.paths import runs_dir
+
+
+@dataclass
+class TrainResult:
+    status: str  # completed | cancelled | interrupted | failed
+    output_dir: str
+    step: int
+    error: str | None = None
+
+
+def default_run_name(config: TrainConfig) -> str:
+    base = slug(Path(config.model).name, "model")
+    return f"{base}-{config.method}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resolve_output_dir(config: TrainConfig) -> Path:
+    """`output_dir` as given, or KESTREL_HOME/runs/<name>; written back into the config."""
+    if not config.output_dir:
+        config.name = config.name or default_run_name(config)
+        config.output_dir = str(runs_dir() / config.name)
+    out = Path(config.output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _release_memory() -> None:
+    gc.collect()  # first: a failed step's graph gives its offloaded layer inputs' buffers back
+    release_pinned_memory()  # page-locked host memory of offloaded checkpointing (up to ~100 GB)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainResult:
+    """Train as `config` says, reporting to `callbacks`; never raises for a run that failed."""
+    output_dir = resolve_output_dir(config)
+    config.save(output_dir / "config.yaml")
+    cb = CallbackList([JsonlWriter(output_dir / "metrics.jsonl"), *(callbacks or [])])
+    step, error = 0, None
+    try:
+        if config.method == "grpo":
+            from kestrel.training.grpo import run_grpo
+
+            status, step = run_grpo(config, output_dir, cb)
+        else:
+            from kestrel.training.sft import run_sft
+
+            status, step = run_sft(config, output_dir, cb)
+    except torch.OutOfMemoryError:
+        status = "failed"
+        error = str(OutOfMemoryError(oom_message(config.batch_size, config.max_seq_length, config.gradient_checkpointing)))
+    except KestrelError as exc:
+        status, error = "failed", str(exc)
+    # Outside the except block: the traceback (and the frames holding the model) is gone, so
+    # collecting here really gives the GPU memory back.
+    _release_memory()
+    cb.on_end(status, error)
+    return TrainResult(status, str(output_dir), step, error)

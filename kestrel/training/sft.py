@@ -1,0 +1,154 @@
+"""Supervised fine-tuning, read top to bottom: setup, train, save.
+
+    status, last_step = run_sft(config, output_dir, cb)   # cb: one `Callback` (a `CallbackList`)
+
+Front ends call `kestrel.training.run.run(config, callbacks)` instead: it resolves `output_dir`,
+writes the config, runs this (or GRPO) and turns failures into a `TrainResult`.
+
+1. setup: seed, load the model (NF4 for QLoRA) patched, read + tokenize the dataset, plan batches,
+   attach LoRA (or unfreeze everything), checkpointing, optimizer, schedule, resume.
+2. train: each step accumulates `grad_accum` micro-batches; the loss is a sum over trained tokens
+   divided by the window's token count (so accumulation equals one big batch), then clip, step.
+3. save: checkpoints every `save_steps`; at the end `adapter/` (or `model/`) and `config.yaml`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kestrel.recompute.checkpoint import Recompute
+from kestrel.config import TrainConfig
+from kestrel.data import BatchPlan, load_conversations, tokenize_all
+from kestrel.data.tokenize import IGNORE
+from kestrel.model.forwards import shift_labels
+from kestrel.model.loader import load
+from kestrel.model.patching import runs_varlen
+from kestrel.model.lora import trainable_parameters
+from kestrel.training.metrics import Callback, memory_metrics
+from kestrel.training.recipe import (
+    end_of_step, graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
+)
+
+
+@dataclass
+class Session:
+    """Everything a run holds between setup and the end."""
+
+    config: TrainConfig
+    output_dir: Path
+    model: nn.Module
+    tokenizer: Any
+    plan: BatchPlan
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    total_steps: int
+    start_step: int
+    device: torch.device
+    recompute: Recompute | None = None  # checkpointing and its CUDA-graph choice
+
+
+
+
+
+
+def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False) -> BatchPlan:
+    """The dataset read, tokenized and planned into batches (`flat`: `BatchPlan`'s)."""
+    fmt, convs, bad = load_conversations(config.dataset, config.dataset_format, config.columns, config.system_prompt)
+    data = tokenize_all(tokenizer, convs, config.max_seq_length, config.train_on_responses_only, config.dataset)
+    cb.on_log(f"dataset {config.dataset}: format {fmt}, {len(convs)} rows used, {len(bad)} bad rows skipped")
+    if bad:
+        cb.on_log("bad rows: " + "; ".join(f"line {b.line}: {b.reason}" for b in bad[:5]))
+    if data.truncated:
+        cb.on_log(f"{data.truncated} rows were longer than max_seq_length={config.max_seq_length} and were truncated")
+    if data.fully_masked:
+        cb.on_log(f"{data.fully_masked} rows had no trained tokens left and were dropped")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return BatchPlan(data.samples, config.batch_size, config.packing, config.max_seq_length, pad, config.seed, flat)
+
+
+
+
+
+
+def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> Session:
+    seed_everything(config.seed)
+    model, tokenizer = load(
+        config.model, config.max_seq_length, load_in_4bit=config.load_in_4bit, dtype=config.dtype, patch=config.fast_kernels
+    )
+    device = next(model.parameters()).device
+    plan = prepare_data(config, tokenizer, cb, flat=runs_varlen(model))
+    model, recompute = prepare_model(config, model, output_dir, cb)
+    trainable, total = trainable_parameters(model)
+    cb.on_log(f"model {config.model} ({config.method}): {trainable:,} of {total:,} parameters trainable, on {device}")
+    total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(plan) / config.grad_accum))
+    optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
+    return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device,
+                   recompute)
+
+
+
+
+
+
+def train_step(s: Session, step: int) -> dict[str, float]:
+    """One optimizer step over `grad_accum` micro-batches; returns its metrics."""
+    accum = s.config.grad_accum
+    batches = []
+    for j in range(accum):
+        m = step * accum + j
+        batches.append(s.plan.batch(m // len(s.plan), m % len(s.plan)).to(s.device))
+    # The loss is summed over every trained token of the window and divided once by their count.
+    num_items = sum((shift_labels(b.labels) != IGNORE).sum() for b in batches).clamp(min=1)
+    total_loss = torch.zeros((), device=s.device)
+    for b in batches:
+        out = s.model(
+            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+            labels=b.labels, num_items_in_batch=num_items, use_cache=False,
+        )
+        out.loss.backward()
+        total_loss += out.loss.detach()
+    grad_norm, lr = optimizer_step(s)
+    tokens = sum(b.tokens for b in batches)
+    return {"loss": float(total_loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
+            "epoch": (step + 1) * accum / len(s.plan)}
+
+
+def train_loop(s: Session, cb: Callback) -> str:
+    """Steps until done or asked to stop; returns the final status."""
+    started = time.perf_counter()
+    for step in range(s.start_step, s.total_steps):
+        t0 = time.perf_counter()
+        raw = train_step(s, step)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
+        now = time.perf_counter()
+        done = step + 1
+        elapsed = now - started
+        metrics = {
+            "step": done, "total_steps": s.total_steps, "epoch": raw["epoch"], "loss": raw["loss"],
+            "lr": raw["lr"], "grad_norm": raw["grad_norm"], "tokens_per_s": raw["tokens"] / max(now - t0, 1e-9),
+            **memory_metrics(s.device), "elapsed_s": elapsed, **graph_metrics(s.recompute),
+            "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
+        }
+        stop = end_of_step(s, cb, done, metrics)
+        if stop:
+            return stop
+    return "completed"
+
+
+
+
+
+
+
+
+def run_sft(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+    """Set up, train and save; returns (status, last step)."""
+    return run_recipe(setup, train_loop, config, output_dir, cb)

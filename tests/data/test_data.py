@@ -1,0 +1,122 @@
+"""Dataset reading, format detection, response masking and packing."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from kestrel.data import BatchPlan, detect_format, load_conversations, tokenize_all
+from kestrel.data.collate import pack_rows
+from kestrel.data.formats import Conversation
+from kestrel.data.tokenize import IGNORE, tokenize_conversation
+from kestrel.errors import DatasetError
+
+ROWS = {
+    "messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    "sharegpt": {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+    "alpaca": {"instruction": "hi", "input": "", "output": "hello"},
+    "prompt_completion": {"prompt": "hi", "completion": "hello"},
+    "text": {"text": "hello world"},
+}
+
+
+@pytest.mark.parametrize("fmt", list(ROWS))
+@pytest.mark.parametrize("ext", [".jsonl", ".json", ".csv", ".parquet"])
+def test_each_format_in_each_file_type(tmp_path, fmt: str, ext: str) -> None:
+    if ext == ".csv" and fmt in ("messages", "sharegpt"):
+        pytest.skip("nested lists do not fit in a CSV cell")
+    rows = [ROWS[fmt]] * 3
+    path = tmp_path / f"data{ext}"
+    if ext == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif ext == ".json":
+        path.write_text(json.dumps(rows))
+    elif ext == ".csv":
+        pd.DataFrame(rows).to_csv(path, index=False)
+    else:
+        pd.DataFrame(rows).to_parquet(path)
+    found, convs, bad = load_conversations(str(path))
+    assert found == fmt and len(convs) == 3 and not bad
+    if fmt == "text":
+        assert convs[0].text == "hello world"
+    else:
+        assert convs[0].messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_unknown_format_lists_columns_and_formats() -> None:
+    with pytest.raises(DatasetError) as err:
+        detect_format([{"question": "a", "reply": "b"}], source="q.jsonl")
+    message = str(err.value)
+    assert "q.jsonl" in message and "[question, reply]" in message and "prompt_completion (prompt, completion)" in message
+
+
+def test_column_mapping(tmp_path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"question": "a", "reply": "b"}) + "\n")
+    fmt, convs, _ = load_conversations(str(path), columns={"prompt": "question", "completion": "reply"})
+    assert fmt == "prompt_completion" and convs[0].messages[1]["content"] == "b"
+
+
+def test_bad_rows_reported_with_line_numbers(tmp_path) -> None:
+    path = tmp_path / "d.jsonl"
+    good = {"prompt": "a", "completion": "b"}
+    lines = [good, {"prompt": "", "completion": "b"}, good, {"prompt": "a", "completion": None}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    _, convs, bad = load_conversations(str(path))
+    assert len(convs) == 2
+    assert [(b.line, b.reason) for b in bad] == [(2, "empty prompt"), (4, "empty completion")]
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [(None, "does not exist"), ("", "is empty"), ("{not json", "could not read")],
+)
+def test_unreadable_files(tmp_path, content, needle) -> None:
+    path = tmp_path / "d.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DatasetError, match=needle):
+        load_conversations(str(path))
+
+
+def test_wrong_extension(tmp_path) -> None:
+    path = tmp_path / "d.txt"
+    path.write_text("x")
+    with pytest.raises(DatasetError, match="unsupported extension '.txt'"):
+        load_conversations(str(path))
+
+
+def test_responses_only_masks_the_prompt(demo_tokenizer) -> None:
+    conv = Conversation(messages=[{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}])
+    sample = tokenize_conversation(demo_tokenizer, conv, 256, responses_only=True)
+    trained = demo_tokenizer.decode([t for t, l in zip(sample.input_ids, sample.labels) if l != IGNORE])
+    assert trained == "4<|im_end|>\n"
+    full = tokenize_conversation(demo_tokenizer, conv, 256, responses_only=False)
+    assert full.labels == full.input_ids
+
+
+def test_truncation_counted_and_mostly_masked_rejected(demo_tokenizer) -> None:
+    long_prompt = " ".join(["word"] * 200)
+    convs = [Conversation(messages=[{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "ok"}])] * 3
+    with pytest.raises(DatasetError, match="have no trained tokens.*Raise max_seq_length"):
+        tokenize_all(demo_tokenizer, convs, 64, True)
+    short = [Conversation(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": long_prompt}])]
+    data = tokenize_all(demo_tokenizer, short * 2, 64, True)
+    assert data.truncated == 2 and all(len(s.input_ids) == 64 for s in data.samples)
+
+
+def test_packing_restarts_positions_and_masks_boundaries(demo_tokenizer) -> None:
+    _, convs, _ = load_conversations("arithmetic_chat")
+    data = tokenize_all(demo_tokenizer, convs[:40], 128, True)
+    rows = pack_rows(data.samples, 128)
+    assert sum(len(r) for r in rows) == 40 and all(sum(len(s.input_ids) for s in r) <= 128 for r in rows)
+    plan = BatchPlan(data.samples, len(rows), True, 128, demo_tokenizer.pad_token_id, seed=0)
+    batch = plan.batch(0, 0)
+    pos = batch.position_ids[0].tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0]
+    assert len(starts) >= 2
+    assert all(batch.labels[0, s] == IGNORE for s in starts)
+    assert batch.attention_mask is None
+    assert batch.tokens == sum(len(s.input_ids) for s in data.samples)  # every row, no padding counted

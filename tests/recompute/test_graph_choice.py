@@ -1,0 +1,164 @@
+"""The CUDA-graph choice (`kestrel.recompute.graph_choice`): it keeps the faster of two timed ways per batch
+layout, remembers it, decides a new layout anew, infers by the stated cost model only where a
+timed decision bounds it, and never times in forced modes. Timing here is a fake clock that
+advances by what each way costs; nothing is timed for real."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel.recompute.checkpoint import graph_mode
+from kestrel.config import ConfigError, config_from_dict
+from kestrel.recompute.graph_choice import GraphChooser, WallClock
+
+
+class FakeRun:
+    """Forwards whose duration depends on the way they run: `cost(tokens, graphed)` seconds."""
+
+    def __init__(self, cost, **kwargs) -> None:
+        self.now = 0.0
+        self.cost = cost
+        self.decisions = []
+        self.chooser = GraphChooser("auto", WallClock(lambda: self.now), on_decision=self.decisions.append, **kwargs)
+        self.ways: list[bool] = []
+
+    def forward(self, key, tokens: int) -> bool:
+        graphed = self.chooser.begin(key, tokens)
+        self.ways.append(graphed)
+        self.now += self.cost(tokens, graphed)
+        return graphed
+
+
+def host_bound(tokens: int, graphed: bool) -> float:
+    """Small layouts wait on the host (graphs win); large ones on the GPU (graphs cost 2%)."""
+    gpu = tokens * 1e-5
+    return max(gpu, 0.05) if not graphed else gpu * 1.02 + 0.001
+
+
+def test_keeps_the_faster_way_of_each_layout_and_remembers_it() -> None:
+    run = FakeRun(host_bound)
+    for _ in range(14):
+        run.forward("small", 1000)  # host-bound: 50 ms eager, 11 ms graphed
+    assert [d.layout for d in run.decisions] == ["small"] and run.decisions[0].graphed
+    assert run.decisions[0].graphed_s == pytest.approx(0.0112) and run.decisions[0].eager_s == pytest.approx(0.05)
+    assert "graphed" in run.decisions[0].reason and "faster" in run.decisions[0].reason
+    # Eager first (a warm-up, then 3 timed), then graphed (3 warm-up: the graphs' eager sighting
+    # and two captures; then 3 timed).
+    assert run.ways[:10] == [False] * 4 + [True] * 6
+    assert all(run.ways[10:])  # decided: graphed from then on
+    for _ in range(14):
+        run.forward("large", 100_000)  # GPU-bound: 1.0 s eager, 1.02 s graphed
+    large = run.decisions[1]
+    assert large.layout == "large" and not large.graphed and large.eager_s < large.graphed_s
+    assert not any(run.ways[-2:])
+    assert run.forward("small", 1000)  # the first layout's choice still holds
+
+
+def test_a_tie_goes_to_eager() -> None:
+    run = FakeRun(lambda tokens, graphed: 0.1 * (0.997 if graphed else 1.0))
+    for _ in range(14):
+        run.forward("k", 10)
+    assert run.decisions and not run.decisions[0].graphed  # 0.3% faster is within the 1% margin
+    assert "level" in run.decisions[0].reason
+
+
+def test_the_cost_model_infers_only_inside_timed_bounds() -> None:
+    run = FakeRun(host_bound)
+    for _ in range(14):
+        run.forward(2000, 2000)
+        run.forward(90_000, 90_000)
+    timed = {d.tokens: d for d in run.decisions}
+    assert timed[2000].graphed and not timed[90_000].graphed
+    run.forward(1500, 1500)  # fewer tokens than a layout timed faster graphed: graphed, untimed
+    run.forward(120_000, 120_000)  # more than one timed faster eager: eager, untimed
+    inferred = {d.tokens: d for d in run.decisions[2:]}
+    assert inferred[1500].graphed and inferred[1500].graphed_s is None
+    assert not inferred[120_000].graphed and "90000" in inferred[120_000].reason
+    run.forward(30_000, 30_000)  # between the bounds: probed
+    assert 30_000 not in {d.tokens for d in run.decisions}
+    for _ in range(14):
+        run.forward(30_000, 30_000)
+    assert {d.tokens: d for d in run.decisions}[30_000].graphed_s is not None
+
+
+def test_when_the_rule_does_not_hold_every_layout_is_timed() -> None:
+    # Graphs pay on the large layout and not on the small one: the monotone rule is off.
+    run = FakeRun(lambda tokens, graphed: (0.1 if graphed else 0.2) if tokens > 5000 else (0.2 if graphed else 0.1))
+    for _ in range(14):
+        run.forward("small", 1000)
+        run.forward("large", 10_000)
+    assert not run.decisions[0].graphed and run.decisions[1].graphed
+    run.forward("mid", 3000)
+    run.forward("tiny", 10)
+    assert len(run.decisions) == 2  # neither inferred
+
+
+def test_timings_wait_until_the_device_has_passed_them() -> None:
+    class LaggingClock:
+        """Marks are read only two forwards later, as CUDA events are once passed."""
+
+        def __init__(self) -> None:
+            self.t, self.marks = 0.0, 0
+
+        def mark(self) -> tuple[int, float]:
+            self.marks += 1
+            return self.marks, self.t
+
+        def seconds(self, start, end):
+            return end[1] - start[1] if self.marks - end[0] >= 2 else None
+
+        def drain(self) -> None:
+            pass
+
+    clock = LaggingClock()
+    chooser = GraphChooser("auto", clock)
+    ways = []
+    for i in range(11):
+        ways.append(chooser.begin("k", 100))
+        clock.t += 0.01 if ways[-1] else 0.03
+    assert chooser.decisions() == []  # the last probes' ends have not been read yet
+    assert ways.count(True) > 6  # graphed forwards go on until their timings are read
+    for _ in range(3):
+        chooser.begin("k", 100)
+        clock.t += 0.01
+    assert chooser.decisions()[0].graphed
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_forced_modes_never_time(mode: str) -> None:
+    class NoClock:
+        def mark(self):
+            raise AssertionError("a forced mode timed a forward")
+
+    chooser = GraphChooser(mode, NoClock())  # type: ignore[arg-type]
+    assert all(chooser.begin(("k", i), 10) == (mode == "on") for i in range(20))
+    assert chooser.decisions() == []
+
+
+def test_the_mode_is_config_saved_with_the_run_and_the_variable_only_overrides(monkeypatch) -> None:
+    config = config_from_dict({"performance": {"cuda_graphs": "off"}})
+    assert "cuda_graphs: 'off'" in config.to_yaml() or "cuda_graphs: off" in config.to_yaml()
+    assert config_from_dict({}).performance.cuda_graphs == "auto"
+    with pytest.raises(ConfigError, match="performance.cuda_graphs"):
+        config_from_dict({"performance": {"cuda_graphs": "sometimes"}})
+    monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
+    assert graph_mode("off") == "off"
+    monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "1")
+    assert graph_mode("off") == "on"
+    monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="KESTREL_CUDA_GRAPHS"):
+        graph_mode("auto")
+
+
+def test_a_layout_of_as_many_tokens_takes_the_timed_decision_even_mid_probe() -> None:
+    """The same batch with another number of samples (another cu_seqlens capacity) is another
+    layout of the same work: it stops probing once one of them is decided."""
+    run = FakeRun(host_bound)
+    for i in range(14):
+        run.forward(("packed", 16), 4096)
+        if i == 4:
+            run.forward(("packed", 64), 4096)  # seen once, early: in its eager warm-up
+    run.forward(("packed", 64), 4096)
+    decided = {d.layout: d for d in run.decisions}
+    assert decided["('packed', 16)"].graphed_s is not None
+    assert decided["('packed', 64)"].graphed and decided["('packed', 64)"].graphed_s is None

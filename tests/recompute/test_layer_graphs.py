@@ -1,0 +1,205 @@
+"""CUDA graphs of checkpointed decoder layers (`kestrel.recompute.layer_graphs`).
+
+On CPU: the argument signatures and static copies, the input buffers' copy skipping, and that
+nothing is graphed off CUDA. On CUDA (`gpu`): training with graphs gives the very losses and
+adapter weights of training without them (16-bit LoRA and QLoRA, recompute and offload,
+gradient accumulation), the graphs are really captured and replayed, and the layer's inputs
+are copied in only where they must be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel.recompute import layer_graphs
+from kestrel.recompute.graph_inputs import NotGraphable, StaticBuffers, signature, substitute
+
+
+@dataclasses.dataclass(frozen=True)
+class _Meta:
+    starts: torch.Tensor
+    longest: int
+
+
+def test_signature_describes_shapes_and_values_and_substitute_puts_tensors_back(monkeypatch) -> None:
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # CPU stands in
+    cos, starts = torch.zeros(1, 5, 4), torch.tensor([0, 5], dtype=torch.int32)
+    args = {"position_embeddings": (cos, cos), "meta": _Meta(starts, 5), "mask": None, "fn": torch.add}
+    leaves: list[torch.Tensor] = []
+    sig = signature(args, leaves)
+    assert leaves == [cos, cos, starts] and hash(sig) is not None
+    other = {"position_embeddings": (cos, cos), "meta": _Meta(starts, 6), "mask": None, "fn": torch.add}
+    assert signature(other, []) != sig  # an int inside the metadata is part of the key
+    wider = {**args, "position_embeddings": (torch.zeros(1, 6, 4), cos)}
+    assert signature(wider, []) != sig
+    statics = [torch.ones(1, 5, 4), torch.ones(1, 5, 4) * 2, torch.tensor([0, 7], dtype=torch.int32)]
+    out = substitute(args, iter(statics))
+    assert out["position_embeddings"][0] is statics[0] and out["position_embeddings"][1] is statics[1]
+    assert out["meta"].starts is statics[2] and out["meta"].longest == 5 and out["fn"] is torch.add
+    assert args["meta"].starts is starts  # the original is untouched
+
+
+def test_what_a_static_copy_cannot_stand_for_is_refused() -> None:
+    with pytest.raises(NotGraphable, match="CPU"):
+        signature(torch.zeros(3), [])  # not on CUDA
+    with pytest.raises(NotGraphable, match="object"):
+        signature({"cache": object()}, [])
+
+
+def test_buffers_copy_only_what_they_do_not_hold() -> None:
+    bufs = StaticBuffers()
+    src = torch.arange(6.0).view(2, 3)
+    buf = bufs.like("x", src)
+    bufs.feed(buf, src)
+    assert torch.equal(buf, src) and bufs.copies == 1
+    bufs.feed(buf, src)
+    assert bufs.copies == 1  # same tensor, same version
+    src.add_(1)
+    bufs.feed(buf, src)
+    assert bufs.copies == 2 and torch.equal(buf, src)  # changed in place: copied again
+    other = src.clone()
+    bufs.feed(buf, other)
+    assert bufs.copies == 3  # equal values but another tensor: copied
+    bufs.hold(buf, src)
+    bufs.feed(buf, src)
+    assert bufs.copies == 3
+    bufs.forget(buf)
+    bufs.feed(buf, src)
+    assert bufs.copies == 4
+    assert bufs.like("x", src) is buf and bufs.like("x", torch.zeros(3, 3)) is not buf
+
+
+def test_off_cuda_the_checkpoint_runs_the_plain_call() -> None:
+    layer = torch.nn.Linear(4, 4)
+    run = functools.partial(layer.__call__)
+    fn = layer_graphs.wrap(run, torch.zeros(2, 4), (), layer_graphs.GraphRegistry())
+    assert not isinstance(fn, layer_graphs.GraphedLayer)
+    x = torch.randn(2, 4)
+    assert torch.equal(fn(x), layer(x))
+
+
+def test_buffers_of_one_slot_share_storage_across_shapes_and_never_mistake_one_for_another() -> None:
+    bufs = StaticBuffers()
+    big, small = torch.arange(12.0).view(3, 4), torch.arange(6.0).view(2, 3) + 100
+    b_big = bufs.like("x", big)
+    b_small = bufs.like("x", small)
+    assert b_small.data_ptr() == b_big.data_ptr()  # one storage, viewed from its start
+    bufs.feed(b_big, big)
+    bufs.feed(b_small, small)  # overwrites the start of the big one's values
+    assert torch.equal(b_small, small)
+    bufs.feed(b_big, big)  # what the storage holds now is `small`: copied again
+    assert torch.equal(b_big, big) and bufs.copies == 3
+    huge = torch.zeros(5, 5)
+    b_huge = bufs.like("x", huge)
+    assert b_huge.numel() == 25 and bufs.like("x", huge) is b_huge  # the storage grew; views cached
+    assert bufs.like("grad", big).data_ptr() != b_huge.data_ptr()  # other slots: their own storage
+
+
+# --- CUDA ----------------------------------------------------------------------------------------
+
+
+def _train(folder: Path, graphs: bool | None, monkeypatch, *, qlora: bool, mode: str, accumulate: int = 1,
+           steps: int = 4) -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
+    """Train the tiny model `steps` steps with graphs on, off, or (None) as the environment says."""
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+
+    monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
+    torch.manual_seed(0)
+    model, _ = load(str(folder), 64, load_in_4bit=qlora, dtype="bf16", device="cuda")
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    run = set_gradient_checkpointing(model, mode, {True: "on", False: "off", None: "auto"}[graphs])
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(5, 200, (2, 48), generator=gen).cuda() for _ in range(accumulate)]
+    losses, copies = [], []
+    for _ in range(steps):
+        for ids in batches:
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        copies.append(run.graphs.stats()["copies"])
+    stats = {**run.graphs.stats(), "last_step_copies": copies[-1] - copies[-2]}
+    run.release()
+    return losses, [p.detach().float().cpu() for p in params], stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("qlora", "mode", "accumulate"), [
+    (False, "standard", 1), (True, "standard", 1), (True, "offload", 1), (True, "standard", 2),
+], ids=["lora", "qlora", "qlora-offload", "qlora-accumulate"])
+def test_graphed_training_equals_eager_training(tiny_model_dir, monkeypatch, qlora, mode, accumulate) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    folder = tiny_model_dir("llama")
+    eager, eager_w, eager_stats = _train(folder, False, monkeypatch, qlora=qlora, mode=mode, accumulate=accumulate)
+    graphed, graphed_w, stats = _train(folder, True, monkeypatch, qlora=qlora, mode=mode, accumulate=accumulate)
+    layers = 2  # the tiny llama's
+    assert eager_stats["forward"] == 0
+    assert stats["forward"] == stats["backward"] == layers and stats["failed"] == 0, stats
+    # Offloaded, each layer's graphs keep its MLP gate product in a static buffer, paged out
+    # between the passes (the eager run pages it out from its own blocks).
+    assert stats["gates"] == (layers if mode == "offload" else 0) and stats["eager_backwards"] == 0, stats
+    # Same kernels on the same values: replays reproduce the eager step bit for bit, up to
+    # cuBLAS picking another algorithm on the capture stream (not seen, allowed a bf16 ulp).
+    for step, (a, b) in enumerate(zip(graphed, eager)):
+        assert abs(a - b) <= 1e-3 * abs(b), f"loss {step}: graphed {a} vs eager {b}"
+    for a, b in zip(graphed_w, eager_w):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-4)
+    # Copies in a replayed step, per micro-batch: layer 0's input and the forward's three tables
+    # (cos, sin, positions) in the first pass; each layer's saved input and the top layer's
+    # incoming gradient in the backward. The other layers' inputs and gradients are already in
+    # their buffers (without that it would be 2 x 4 + 2 x 5 = 18).
+    assert 0 < stats["last_step_copies"] <= (1 + 3 + layers + 1) * accumulate, stats
+
+
+@pytest.mark.gpu
+def test_a_new_shape_runs_eagerly_then_gets_its_own_graphs(tiny_model_dir, monkeypatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+
+    model, _ = load(str(tiny_model_dir("llama")), 64, dtype="bf16", device="cuda")
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    run = set_gradient_checkpointing(model, "standard", "on")
+    model.train()
+    for length in (32, 32, 40, 32, 40, 40):
+        ids = torch.randint(5, 200, (2, length), device="cuda")
+        model(input_ids=ids, labels=ids).loss.backward()
+    stats = run.graphs.stats()
+    assert stats["forward"] == stats["backward"] == 4 and stats["failed"] == 0  # 2 layers x 2 shapes
+    with model.disable_adapter():  # another adapter state: another signature, eager first
+        ids = torch.randint(5, 200, (2, 32), device="cuda")
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert run.graphs.stats()["forward"] == 4
+    set_gradient_checkpointing(model, "off")
+    assert run.graphs.stats() == {"forward": 0, "backward": 0, "failed": 0, "gates": 0, "eager_backwards": 0,
+                                    "copies": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["offload", "standard"])
+def test_auto_decides_each_layout_and_trains_as_the_forced_modes(tiny_model_dir, monkeypatch, mode) -> None:
+    """Auto probes graphed and eager forwards, then keeps one per layout; every step's loss is
+    the same whichever way it ran."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    auto, _, stats = _train(tiny_model_dir("llama"), None, monkeypatch, qlora=True, mode=mode, steps=12)
+    eager, _, _ = _train(tiny_model_dir("llama"), False, monkeypatch, qlora=True, mode=mode, steps=12)
+    for step, (a, b) in enumerate(zip(auto, eager)):
+        assert abs(a - b) <= 1e-3 * abs(b), f"loss {step}: auto {a} vs eager {b}"
+    assert stats["failed"] == 0

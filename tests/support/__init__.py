@@ -1,0 +1,1 @@
+"""Test scaffolding: tiny models of each family and export fixtures (never imported by the product)."""

@@ -1,0 +1,70 @@
+"""Tiny random models of every supported family, built from a config (no download).
+
+Used by the built-in `demo` model, by the tests (every fast path is checked against the
+unpatched Hugging Face model on these) and by smoke runs of the benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from kestrel.model.registry import SUPPORTED
+
+# Small but not degenerate: GQA (4 query heads, 2 KV heads), head_dim 32, two layers.
+_BASE: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+_PER_FAMILY: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_act="silu"),
+    "mistral": dict(hidden_act="silu", sliding_window=None),
+    "qwen2": dict(hidden_act="silu", tie_word_embeddings=True),
+    "qwen3": dict(hidden_act="silu", tie_word_embeddings=True),
+    "gemma3_text": dict(
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=32,
+        sliding_window=16,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def tiny_config(model_type: str, vocab_size: int, **overrides: Any) -> PretrainedConfig:
+    """A small config of `model_type` (one of `kestrel.model.registry.SUPPORTED`)."""
+    if model_type not in _PER_FAMILY:
+        raise ValueError(f"no tiny config for {model_type!r}; known: {', '.join(SUPPORTED)}")
+    kwargs = {**_BASE, **_PER_FAMILY[model_type], "vocab_size": vocab_size, **overrides}
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(
+    model_type: str,
+    vocab_size: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    **overrides: Any,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM of `model_type`, deterministic for a given seed."""
+    config = tiny_config(model_type, vocab_size, **overrides)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Hugging Face initialises norms to their identity; random weights make the tests see them.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0 if "gemma" in model_type else 1.0, 0.1)
+    return model.eval()

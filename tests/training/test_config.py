@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from kestrel.config import TrainConfig, config_from_dict, load_config, parse_overrides
+from kestrel.errors import ConfigError
+
+
+def test_yaml_round_trip_and_overrides(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("model: demo\nmethod: lora\nlora:\n  r: 4\n")
+    cfg = load_config(path, ["--lora.alpha", "8", "--max_steps", "3", "--packing", "true"])
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.max_steps, cfg.packing) == (4, 8, 3, True)
+    assert config_from_dict(__import__("yaml").safe_load(cfg.to_yaml())) == cfg
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"learning_rat": 1e-4}, "unknown config key learning_rat; valid keys: batch_size"),
+        ({"lora": {"rank": 8}}, "unknown config key lora.rank; valid keys under lora: alpha, dropout, init_from, r, targets"),
+        ({"grpo": {"rewards": [{"nam": "x"}]}}, "unknown config key grpo.rewards[].nam"),
+        ({"method": "dpo"}, "method must be one of qlora, lora, full, grpo"),
+        ({"gradient_checkpointing": "yes"}, "gradient_checkpointing must be one of off, standard, offload"),
+        ({"batch_size": 0}, "batch_size must be 1..4096"),
+        ({"learning_rate": 3}, "learning_rate must be in (0, 1)"),
+        ({"lora": {"dropout": 1.5}}, "lora.dropout must be in [0, 1)"),
+        ({"lora": "big"}, "lora must be a mapping"),
+        ({"batch_size": "many"}, "batch_size must be a whole number, got 'many'"),
+        ({"packing": "yes"}, "packing must be true or false, got 'yes'"),
+    ],
+)
+def test_bad_configs_name_the_problem(data: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert needle in str(err.value)
+
+
+def test_override_syntax_errors() -> None:
+    with pytest.raises(ConfigError, match="--key value pairs"):
+        parse_overrides(["--max_steps"])
+    assert parse_overrides(["--lora.targets", "[q_proj, v_proj]"]) == {"lora": {"targets": ["q_proj", "v_proj"]}}
+
+
+def test_missing_config_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_qlora_flag() -> None:
+    assert TrainConfig(method="qlora").load_in_4bit and not TrainConfig(method="lora").load_in_4bit

@@ -1,0 +1,122 @@
+"""The memory estimate: sizes read from a config, the parts that grow with each setting, and
+figures in the range measured for a Llama-3.1-8B-shaped model (bench: Unsloth QLoRA 7.0 GiB,
+HF+PEFT 12.8 GiB at batch 2 x 2048 with checkpointing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kestrel.training.estimate import (
+    CONTEXT_BYTES, DEFERRED_ROWS, GIB, detect_host_memory, estimate_training_memory, host_verdict,
+    meminfo_total_bytes, shape_from_config, verdict,
+)
+from kestrel.paths import ASSETS
+
+LLAMA_8B = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "intermediate_size": 14336, "tie_word_embeddings": False}
+
+
+def test_parameter_count_of_known_models() -> None:
+    assert shape_from_config(LLAMA_8B).params == pytest.approx(8.03e9, rel=0.01)
+    demo = shape_from_config(json.loads((ASSETS / "demo" / "config.json").read_text()))
+    assert demo.params == 3_437_568 - 295_936  # the demo's count printed by training, minus LoRA r=16
+
+
+def test_llama_8b_figures_are_in_the_measured_range() -> None:
+    shape = shape_from_config(LLAMA_8B)
+    qlora = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "standard").total_bytes / GIB
+    lora = estimate_training_memory(shape, "lora", 16, None, 2, 2048, "standard").total_bytes / GIB
+    full = estimate_training_memory(shape, "full", 16, None, 2, 2048, "standard").total_bytes / GIB
+    assert 7.0 <= qlora <= 12.8
+    assert 16.0 <= lora <= 24.0  # 15 GiB of bf16 weights plus the rest
+    assert 60.0 <= full <= 80.0  # 8 bytes a parameter
+    assert estimate_training_memory(shape, "qlora", 16).trainable == 41_943_040  # r=16, all 7 linears
+
+
+def test_each_setting_moves_the_estimate_the_right_way() -> None:
+    shape = shape_from_config(LLAMA_8B)
+
+    def total(**kw: object) -> int:
+        base = dict(method="qlora", lora_r=16, batch_size=2, max_seq_length=2048, gradient_checkpointing="standard")
+        return estimate_training_memory(shape, **{**base, **kw}).total_bytes  # type: ignore[arg-type]
+
+    assert total(lora_r=64) > total()
+    assert total(batch_size=4) > total() and total(max_seq_length=8192) > total()
+    assert total(gradient_checkpointing="off") > total() > total(gradient_checkpointing="offload")
+    assert total(method="grpo") > total()
+
+
+def test_verdict_thresholds() -> None:
+    assert verdict(7 * GIB, 10 * GIB) == "fits"
+    assert verdict(9 * GIB, 10 * GIB) == "tight"
+    assert verdict(11 * GIB, 10 * GIB) == "will not fit"
+
+
+def test_config_without_sizes_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="lacks the sizes"):
+        shape_from_config({"model_type": "llama"})
+
+
+# Peak allocated GiB of Kestrel runs on an H100, the 8B shape (bench/RESULTS.md): QLoRA with
+# offloaded checkpointing at 2 x 2,048 (session 14), 32,768 and 65,536 (session 9) and 409,600
+# tokens (session 12); 16-bit LoRA without checkpointing at 4,096 (session 5).
+MEASURED = [
+    ("qlora", 2, 2048, "offload", 6.96),
+    ("qlora", 1, 32_768, "offload", 10.26),
+    ("qlora", 1, 65_536, "offload", 14.29),
+    ("qlora", 1, 409_600, "offload", 54.33),
+    ("lora", 1, 4096, "off", 29.24),
+]
+
+
+@pytest.mark.parametrize(("method", "batch", "seq", "checkpointing", "allocated"), MEASURED)
+def test_estimate_covers_the_measured_peak_within_20_percent(method, batch, seq, checkpointing, allocated) -> None:
+    """The estimate errs toward "tight": at least the measured peak plus the CUDA context, and
+    at most 20% above it (the verdict's margin)."""
+    est = estimate_training_memory(shape_from_config(LLAMA_8B), method, 16, None, batch, seq,
+                                   checkpointing).total_bytes / GIB
+    needed = allocated + CONTEXT_BYTES / GIB
+    assert needed <= est <= 1.2 * needed
+
+
+def test_deferred_mlp_rows_match_the_kernel() -> None:
+    from kestrel.kernels.lora import mlp
+
+    assert DEFERRED_ROWS == mlp.DEFERRED_ROWS
+
+
+def test_offload_reports_the_layer_inputs_in_host_ram() -> None:
+    # 32 layers x 409,600 tokens x 4096 hidden x 2 bytes: the 107 GB that a 125 GiB host had to pin
+    shape = shape_from_config(LLAMA_8B)
+    est = estimate_training_memory(shape, "qlora", 16, None, 1, 409_600, "offload")
+    assert est.offload_host_ram == 32 * 409_600 * 4096 * 2 == 107_374_182_400
+    assert est.total_bytes == est.weights + est.optimizer + est.activations + est.extra + est.overhead  # GPU only
+    for mode in ("standard", "off"):
+        assert estimate_training_memory(shape, "qlora", 16, None, 1, 409_600, mode).offload_host_ram == 0
+    # GRPO: batch x num_generations sequences of prompt + completion tokens, as on the GPU
+    grpo = estimate_training_memory(shape, "grpo", 16, None, 2, 409_600, "offload", num_generations=4,
+                                    max_completion_length=256, max_prompt_length=512)
+    assert grpo.offload_host_ram == 32 * (2 * 4 * 768) * 4096 * 2
+
+
+def test_host_verdict_uses_the_gpu_thresholds() -> None:
+    est = estimate_training_memory(shape_from_config(LLAMA_8B), "qlora", 16, None, 1, 409_600, "offload")
+    assert host_verdict(est, 200 * GIB) == "fits"
+    assert host_verdict(est, 125 * GIB) == "tight"  # 100 GiB of 125: the host of the measured run
+    assert host_verdict(est, 64 * GIB) == "will not fit"
+    assert host_verdict(est, None) is None
+    standard = estimate_training_memory(shape_from_config(LLAMA_8B), "qlora", 16, None, 1, 409_600, "standard")
+    assert host_verdict(standard, 64 * GIB) is None
+
+
+def test_meminfo_parser(tmp_path: Path) -> None:
+    sample = "MemTotal:       131072000 kB\nMemFree:         1024000 kB\nMemAvailable:   98304000 kB\n"
+    assert meminfo_total_bytes(sample) == 131_072_000 * 1024
+    assert meminfo_total_bytes("MemFree: 1024 kB\n") is None
+    path = tmp_path / "meminfo"
+    path.write_text(sample)
+    assert detect_host_memory(str(path)) == 131_072_000 * 1024
+    assert detect_host_memory(str(tmp_path / "absent")) is None  # e.g. macOS, Windows
