@@ -1,6 +1,7 @@
 """Reading dataset files and recognising their format.
 
-Accepted files: .jsonl, .json, .csv, .parquet (read through `datasets`). Accepted formats, each
+Accepted files: .jsonl, .json, .csv, .parquet (read by `kestrel.data.reader`, which skips
+unreadable lines into the report with their line numbers). Accepted formats, each
 turned into one canonical shape, a list of `{"role", "content"}` messages (or plain text):
 
     messages           {"messages": [{"role": "user", "content": ...}, ...]}
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kestrel.data.reader import EXTENSIONS, RowIssue, Table, list_issues, read_table
 from kestrel.errors import DatasetError
-from kestrel.paths import kestrel_home, resolve_dataset_path
 
-EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+__all__ = ["EXTENSIONS", "FORMATS", "Conversation", "RowIssue", "Table", "detect_format", "load_conversations",
+           "read_rows", "read_table", "to_conversation"]
 
 # format -> the roles it needs (the default column for each role is the role's name)
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -37,14 +39,6 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 
 @dataclass
-class RowIssue:
-    """A row that cannot be used; `line` is 1-based (the line of a .jsonl, the row of a .csv)."""
-
-    line: int
-    reason: str
-
-
-@dataclass
 class Conversation:
     """One training sample: messages, or raw text when `text` is set."""
 
@@ -54,27 +48,10 @@ class Conversation:
 
 
 def read_rows(name: str) -> tuple[Path, list[dict[str, Any]]]:
-    """All rows of a dataset file (or shipped sample) as dicts."""
-    path = resolve_dataset_path(name)
-    if not path.is_file():
-        raise DatasetError(f"dataset file {path} does not exist (or is not a file); upload it again or pick a sample")
-    kind = EXTENSIONS.get(path.suffix.lower())
-    if kind is None:
-        raise DatasetError(
-            f"dataset file {path.name}: unsupported extension {path.suffix!r}; use .jsonl, .json, .csv or .parquet")
-    if path.stat().st_size == 0:
-        raise DatasetError(f"dataset file {path.name} is empty")
-    try:
-        from datasets import load_dataset
-
-        cache = kestrel_home() / "cache" / "datasets"
-        ds = load_dataset(kind, data_files=str(path), split="train", cache_dir=str(cache))
-    except Exception as exc:  # datasets raises many types for malformed files
-        raise DatasetError(f"could not read {path.name} as {path.suffix}: {str(exc).splitlines()[0][:300]}") from exc
-    rows = ds.to_list()
-    if not rows:
-        raise DatasetError(f"dataset file {path.name} has no rows")
-    return path, rows
+    """The usable rows of a dataset file (or shipped sample) as dicts; see `read_table` for their
+    line numbers and the lines that were skipped."""
+    table = read_table(name)
+    return table.path, table.rows
 
 
 def _column(role: str, columns: dict[str, str]) -> str:
@@ -155,14 +132,13 @@ def load_conversations(
 ) -> tuple[str, list[Conversation], list[RowIssue]]:
     """Read a dataset: (format, good rows, bad rows with their line numbers and why)."""
     columns = columns or {}
-    path, rows = read_rows(name)
+    table = read_table(name)
     if fmt == "auto":
-        fmt = detect_format(rows, columns, source=path.name)
+        fmt = detect_format(table.rows, columns, source=table.path.name)
     elif fmt not in FORMATS:
         raise DatasetError(f"dataset_format {fmt!r} is not known; use auto or one of {', '.join(FORMATS)}")
-    good, bad = [], []
-    for i, row in enumerate(rows):
-        line = i + 2 if path.suffix.lower() == ".csv" else i + 1  # csv line 1 is the header
+    good, bad = [], list(table.issues)
+    for row, line in zip(table.rows, table.lines):
         try:
             conv = to_conversation(row, fmt, columns, system_prompt)
         except ValueError as exc:
@@ -170,7 +146,9 @@ def load_conversations(
             continue
         conv.line = line
         good.append(conv)
+    bad.sort(key=lambda issue: issue.line)
     if not good:
-        first = f" (line {bad[0].line}: {bad[0].reason})" if bad else ""
-        raise DatasetError(f"{path.name}: none of its {len(rows)} rows is usable as {fmt}{first}")
+        total = len(table.rows) + len(table.issues)
+        raise DatasetError(f"{table.path.name}: none of its {total} rows is usable as {fmt} "
+                           f"({list_issues(bad, table.unit)})")
     return fmt, good, bad

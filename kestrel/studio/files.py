@@ -21,7 +21,9 @@ from kestrel.studio import strings as S
 
 DATASET_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_SNIFF_BYTES = 64 * 1024
+# The upload size limit when the studio is started without --max-upload-mb: uploads are read into
+# memory row by row, and a 1 GiB dataset is far past what one GPU trains on in a session.
+DEFAULT_MAX_UPLOAD_MB = 1024.0
 
 
 def _subdir(*parts: str) -> Path:
@@ -78,19 +80,11 @@ def file_digest(path: Path) -> str:
 
 def sniff(path: Path, name: str) -> None:
     """Raise DatasetError when the file's bytes contradict its extension (a renamed image, a
-    zip called .csv, a binary file called .jsonl)."""
-    ext = Path(name).suffix.lower()
-    with open(path, "rb") as fh:
-        head = fh.read(_SNIFF_BYTES)
-    if ext == ".parquet":
-        if not head.startswith(b"PAR1"):
-            raise DatasetError(S.ERR_NOT_PARQUET.format(name=name))
-        return
-    if b"\x00" in head:
-        raise DatasetError(S.ERR_BINARY.format(name=name, ext=ext))
-    text = head.decode("utf-8", errors="ignore").lstrip("\ufeff \t\r\n")
-    if ext in (".json", ".jsonl") and text and text[0] not in "[{":
-        raise DatasetError(S.ERR_NOT_JSON.format(name=name, ext=ext))
+    zip called .csv, a gzip-compressed .jsonl, NUL bytes, a cut-short Parquet file): the dataset
+    reader's own content check, so an upload is refused by the same rules as a training run."""
+    from kestrel.data.reader import check_file  # here: kestrel.data imports torch, and launch imports this module early
+
+    check_file(path, name)
 
 
 def store_upload(src: str | Path, original_name: str | None, max_bytes: int) -> Path:

@@ -13,6 +13,7 @@ import gradio as gr
 from kestrel.studio import events
 from kestrel.studio import strings as S
 from kestrel.studio.components import chat, datasets, export, runs, train
+from kestrel.studio.files import DEFAULT_MAX_UPLOAD_MB
 from kestrel.studio.models import ModelPool
 
 # System fonts only: Gradio's default theme fetches web fonts, and the studio makes no outside
@@ -27,7 +28,7 @@ footer {display: none !important}
 
 @dataclass(frozen=True)
 class StudioSettings:
-    max_upload_mb: float = 1024.0  # larger uploads are refused (Gradio and the handler both check)
+    max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB  # larger uploads are refused (Gradio and the handler both check)
     loaded_models: int = 2  # base models the Chat tab keeps loaded at once
 
 

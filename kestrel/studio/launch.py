@@ -27,7 +27,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     p.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (needed off loopback and with --share)")
     p.add_argument("--share", action="store_true", help="also serve through a public gradio.live link")
-    p.add_argument("--max-upload-mb", type=float, default=1024.0, help="largest dataset upload in MiB (default 1024)")
+    from kestrel.studio.files import DEFAULT_MAX_UPLOAD_MB
+
+    p.add_argument("--max-upload-mb", type=float, default=DEFAULT_MAX_UPLOAD_MB,
+                   help=f"largest dataset upload in MiB (default {DEFAULT_MAX_UPLOAD_MB:.0f})")
     args = p.parse_args(argv)
     args.auth_pair = check_access(args.host, args.share, args.auth, p.error)
     if not 0 < args.port < 65536:

@@ -71,10 +71,11 @@ def dataset_choices() -> list[tuple[str, str]]:
 
 
 @functools.lru_cache(maxsize=4)
-def _rows(path: str, _mtime: float) -> list[dict[str, Any]]:
-    from kestrel.data.formats import read_rows
+def _table(path: str, _mtime: float) -> Any:
+    """The file's usable rows with their line numbers (a `kestrel.data.reader.Table`)."""
+    from kestrel.data.reader import read_table
 
-    return read_rows(path)[1]
+    return read_table(path)
 
 
 @functools.lru_cache(maxsize=8)
@@ -103,10 +104,11 @@ def _cell(value: Any) -> str:
     return text if len(text) <= MAX_CELL else text[:MAX_CELL] + "…"
 
 
-def preview_frame(rows: list[dict[str, Any]], csv: bool) -> pd.DataFrame:
+def preview_frame(rows: list[dict[str, Any]], lines: list[int]) -> pd.DataFrame:
+    """The first rows, each with the line of the file it came from (skipped lines leave gaps)."""
     head = rows[:PREVIEW_ROWS]
     columns = list(dict.fromkeys(k for r in head for k in r))
-    data = [[i + (2 if csv else 1)] + [_cell(r.get(c, "")) for c in columns] for i, r in enumerate(head)]
+    data = [[line] + [_cell(r.get(c, "")) for c in columns] for line, r in zip(lines, head)]
     return pd.DataFrame(data, columns=["line", *columns])
 
 
@@ -184,28 +186,31 @@ def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = 
     if not path:
         raise DatasetError(S.DS_NO_DATASET)
     path, mtime = _key(path)
-    rows = _rows(path, mtime)
+    table = _table(path, mtime)
+    rows = table.rows
     present = list(dict.fromkeys(k for r in rows[:100] for k in r))
     columns = {k: v for k, v in (columns or {}).items() if v and v != k}
     name = Path(path).name
     state = {"path": path, "name": name, "format": fmt, "columns": columns}
-    out: dict[str, Any] = {"state": state, "preview": preview_frame(rows, path.endswith(".csv")),
-                           "report": pd.DataFrame({"line": [], "reason": []}),
+    out: dict[str, Any] = {"state": state, "preview": preview_frame(rows, table.lines),
+                           "report": pd.DataFrame({"line": [i.line for i in table.issues],
+                                                   "reason": [i.reason for i in table.issues]}),
                            "histogram": histogram_update([]), "row": gr.update()}
     try:
         found, good, bad = conversations(state)
     except DatasetError as exc:
         out.update(status=f"⚠️ {exc}", format=gr.update(value=fmt),
-                   summary=S.DS_SUMMARY_NOFORMAT.format(name=name, rows=len(rows), columns=", ".join(present)),
+                   summary=S.DS_SUMMARY_NOFORMAT.format(name=name, rows=len(rows) + len(table.issues),
+                                                        columns=", ".join(present)),
                    datasets=gr.update(), **_mapping_updates(fmt if fmt != "auto" else None, present, columns))
         return out
     state["format"] = found
-    out.update(_analysis(state, rows, good, bad, model))
+    out.update(_analysis(state, len(rows) + len(table.issues), good, bad, model))
     out.update(format=gr.update(value=found), **_mapping_updates(found, present, columns))
     return out
 
 
-def _analysis(state: dict[str, Any], rows: list, good: list, bad: list, model: str) -> dict[str, Any]:
+def _analysis(state: dict[str, Any], rows: int, good: list, bad: list, model: str) -> dict[str, Any]:
     """Token statistics, histogram, validation report; registers the dataset in the job store."""
     from kestrel import jobs
 
@@ -218,7 +223,7 @@ def _analysis(state: dict[str, Any], rows: list, good: list, bad: list, model: s
         note = S.ERR_NO_TOKEN_COUNTS.format(error=exc)
     jobs.add_dataset(state["path"], name=state["name"], format=state["format"], rows=len(good),
                      token_stats=stats if stats.get("max") else None)
-    summary = S.DS_SUMMARY.format(name=state["name"], format=state["format"], rows=len(rows), good=len(good),
+    summary = S.DS_SUMMARY.format(name=state["name"], format=state["format"], rows=rows, good=len(good),
                                   bad=len(bad), mean=stats["mean"], p95=stats["p95"], max=stats["max"], note=note)
     lines = [c.line for c in good]
     return {"status": S.DS_LOADED.format(name=state["name"], good=len(good), format=state["format"]),

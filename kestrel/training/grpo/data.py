@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.config import TrainConfig
-from kestrel.data.formats import RowIssue, read_rows
+from kestrel.data.reader import RowIssue, list_issues, read_table
 from kestrel.decode.chat import encode_chat
 from kestrel.errors import DatasetError
 
@@ -61,12 +61,11 @@ def load_prompts(
     config: TrainConfig, tokenizer: Any, needs_answers: bool
 ) -> tuple[list[PromptRow], list[RowIssue], int]:
     """The usable prompts, the bad rows (line, reason) and how many were too long."""
-    path, rows = read_rows(config.dataset)
+    table = read_table(config.dataset)
     columns = dict(config.columns)
     answer_col = columns.get("answer", "answer")
-    good, bad, too_long = [], [], 0
-    for i, row in enumerate(rows):
-        line = i + 2 if path.suffix.lower() == ".csv" else i + 1
+    good, bad, too_long = [], list(table.issues), 0
+    for row, line in zip(table.rows, table.lines):
         try:
             msgs, answer = _messages(row, columns)
         except ValueError as exc:
@@ -85,11 +84,13 @@ def load_prompts(
             continue
         text = next(m["content"] for m in reversed(msgs) if m["role"] == "user")
         good.append(PromptRow(ids, text, answer, line))
+    bad.sort(key=lambda issue: issue.line)
     if not good:
-        reason = f" (line {bad[0].line}: {bad[0].reason})" if bad else ""
+        reason = f" ({list_issues(bad, table.unit)})" if bad else ""
         if too_long and not bad:
             reason = f" (all {too_long} are longer than grpo.max_prompt_length={config.grpo.max_prompt_length} tokens)"
-        raise DatasetError(f"{path.name}: none of its {len(rows)} rows is a usable GRPO prompt{reason}")
+        total = len(table.rows) + len(table.issues)
+        raise DatasetError(f"{table.path.name}: none of its {total} rows is a usable GRPO prompt{reason}")
     return good, bad, too_long
 
 
