@@ -104,6 +104,27 @@ def test_bad_files_get_a_message_and_are_not_kept(tmp_path: Path, kestrel_home: 
     assert not any((kestrel_home / "datasets").glob("*.*")) and jobs.list_datasets() == []
 
 
+def test_deeply_nested_upload_is_refused_and_the_studio_lives(tmp_path: Path, kestrel_home: Path) -> None:
+    """Issue 30: a 20 KB file nested 10,000 deep passed the upload check and segfaulted the studio
+    inside pyarrow. Now the reader refuses it, naming the file and the line, and drops the copy."""
+    with pytest.raises(gr.Error) as excinfo:
+        _upload(tmp_path, "deep.jsonl", '{"messages": ' + "[" * 10_000 + "]" * 10_000 + "}\n")
+    message = error_text(excinfo)
+    assert "deep.jsonl" in message and "line 1: is nested deeper than 64 levels" in message
+    assert not any((kestrel_home / "datasets").glob("*.*")) and jobs.list_datasets() == []
+
+
+def test_one_broken_line_is_reported_not_fatal(tmp_path: Path) -> None:
+    """Issue 29: one cut-short line rejected the whole JSONL ('could not read … An error occurred
+    while generating the dataset'). Now it is a line of the validation report, the rest is used."""
+    good = json.dumps({"prompt": "What is 1 + 1?", "completion": "2"})
+    out = _upload(tmp_path, "cut.jsonl", "\n".join([good, good[:25], good, "null", good]) + "\n")
+    assert out["state"]["format"] == "prompt_completion" and "3 usable" in out["status"]
+    assert out["report"]["line"].tolist() == [2, 4]
+    assert "cut short" in out["report"]["reason"][0] and out["report"]["reason"][1] == "is null, not a JSON object {...}"
+    assert out["preview"]["line"].tolist() == [1, 3, 5]  # each row shown with its own line
+
+
 def test_no_usable_row_is_a_notice_with_the_preview(tmp_path: Path) -> None:
     out = _upload(tmp_path, "x.jsonl", '{"prompt": "", "completion": ""}\n')
     assert "none of its 1 rows is usable" in out["status"] and "line 1: empty prompt" in out["status"]
