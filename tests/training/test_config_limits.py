@@ -229,3 +229,36 @@ def test_long_run_names_in_the_studio(tmp_path: Path) -> None:
     cfg = config_from_dict({"name": "r" * 100})
     cfg.name = "r" * 300  # even past the config's limit, the download's file name stays short
     assert len(Path(train._yaml_file(cfg)).name) < 120
+
+
+# --- 30.5: a non-finite loss stops the run `failed` -----------------------------------------------
+
+
+def test_a_non_finite_loss_stops_training_failed(tiny_model_dir, tmp_path: Path) -> None:
+    from kestrel.training.run import run
+
+    cfg = config_from_dict(dict(model=str(tiny_model_dir("llama")), dataset="arithmetic_chat",
+                                output_dir=str(tmp_path / "run"), max_seq_length=64, batch_size=2, max_steps=5,
+                                learning_rate=1e-3, save_steps=0, seed=0, gradient_checkpointing="off",
+                                method="full"))
+    cfg.weight_decay = math.inf  # what `weight_decay: .inf` did before the config refused it
+    result = run(cfg)
+    assert result.status == "failed" and result.step < 5, result
+    assert "training stopped at step 2" in result.error and "learning_rate" in result.error
+    assert "weight_decay (now inf)" in result.error
+    assert not (tmp_path / "run" / "model").exists()  # no NaN model saved as a result
+
+
+def test_an_infinite_reward_weight_stops_grpo_failed(tiny_model_dir, tmp_path: Path) -> None:
+    from kestrel.training.run import run
+
+    cfg = config_from_dict(dict(model=str(tiny_model_dir("llama")), method="grpo", dataset="arithmetic_prompts",
+                                output_dir=str(tmp_path / "grpo"), max_seq_length=256, batch_size=2, max_steps=3,
+                                save_steps=0, seed=0, gradient_checkpointing="off", dtype="fp32",
+                                grpo=dict(num_generations=2, max_completion_length=4, max_prompt_length=48,
+                                          rewards=[{"name": "format_regex", "pattern": "[0-9]"}])))
+    cfg.grpo.rewards[0].weight = math.inf  # what `weight: .inf` did before the config refused it
+    result = run(cfg)
+    assert result.status == "failed" and "training stopped at step 1" in result.error, result
+    assert "grpo.beta" in result.error and "reward weights" in result.error
+    assert not (tmp_path / "grpo" / "adapter").exists()
