@@ -12,6 +12,12 @@ GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # sequence mean | token level | t
 # Rows of an MLP call past which its fused LoRA MLP defers the recompute to its backward, in
 # chunks of this many rows (`kernels.lora.mlp`); the memory estimate models the same.
 DEFERRED_ROWS = 2048
+# Dataset formats the reader knows (`kestrel.data.formats.FORMATS`, plus auto-detection), named
+# here so a config is checked without importing the reader (tests/test_config_limits.py keeps
+# the two lists equal).
+DATASET_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
+# GRPO reward names (`kestrel.training.grpo.rewards`): the built-ins, and `custom` for a Python file.
+REWARD_NAMES = ("exact_answer", "format_regex", "length_penalty", "json_valid", "custom")
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
 
 class KestrelError(Exception):
     """An error caused by the user's input or machine, with a message meant for them."""
@@ -19,6 +23,10 @@ class ModelLoadError(KestrelError):
     """A model that cannot be found or loaded."""
 
 
+class TrainingDivergedError(KestrelError):
+    """The loss or the gradients stopped being finite numbers; the run cannot go on."""
+
+
 class OutOfMemoryError(KestrelError):
     """The GPU ran out of memory; the message says what to lower."""
 
@@ -30,3 +38,10 @@ def oom_message(batch_size: int, max_seq_length: int, gradient_checkpointing: st
     if gradient_checkpointing != "offload":
         steps.append("set gradient_checkpointing: offload (layer inputs kept in CPU memory)")
     return "GPU out of memory. To fit, " + "; or ".join(steps) + "."
+
+
+def one_line(text: object, limit: int = 2000) -> str:
+    """An error message as one line for a terminal: newlines and other control characters become
+    a space, and a message past `limit` characters is cut (the command line promises one line)."""
+    flat = _CONTROL.sub(" ", str(text)).strip()
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from kestrel.errors import KestrelError
+from kestrel.errors import KestrelError, one_line
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -23,7 +23,7 @@ def run_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     result = run(config, [ProgressBar()])
     if result.status == "failed":
-        print(f"error: {result.error}", file=sys.stderr)
+        print(f"error: {one_line(result.error)}", file=sys.stderr)
         return 1
     print(f"{result.status}: step {result.step}, output in {result.output_dir}")
     return 0
@@ -55,5 +55,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except KestrelError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2

@@ -19,16 +19,15 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kestrel.config import load_config, parse_overrides
-from kestrel.errors import ConfigError, KestrelError
+from kestrel.config import config_from_dict, parse_overrides
+from kestrel.constants import merge
+from kestrel.errors import ConfigError, KestrelError, one_line
 from kestrel.export import FORMATS
 from kestrel.jobs import export_job, queries, runner
 from kestrel.jobs.models import Job
+from kestrel.safe_yaml import read_config_file
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,32 +81,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args, extra)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     except (KestrelError, TimeoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `python -m kestrel jobs logs 3 | head`
         return 0
 
 
 def _submit(args: argparse.Namespace, overrides: list[str]) -> int:
-    raw = _peek(args.config)
+    """Read the file once (size, depth and alias limits: `kestrel.safe_yaml`), tell an export
+    config from a training one, validate, queue; nothing is stored when any check fails."""
+    raw = read_config_file(args.config)
     if export_job.is_export_config(raw):
         config: Any = {**raw, **parse_overrides(overrides)}
     else:
-        config = load_config(args.config, overrides)
+        config = config_from_dict(merge(raw, parse_overrides(overrides)))
     print(runner.submit(config, device=args.device, start=not args.no_start))
     return 0
-
-
-def _peek(path: str) -> Any:
-    """The YAML file's content, to tell an export config from a training one; None when it cannot
-    be read (load_config then says why)."""
-    try:
-        return yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return None
 
 
 def _export(args: argparse.Namespace, _: list[str]) -> int:

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kestrel.errors import KestrelError
+from kestrel.errors import ConfigError, KestrelError
 from kestrel.model.registry import FamilySpec, SUPPORTED, family_of
+from kestrel.safe_yaml import read_config_file
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -90,8 +89,12 @@ def _run_method(folder: Path) -> str | None:
     config = folder / "config.yaml"
     if not config.is_file():
         return None
-    data = yaml.safe_load(config.read_text()) or {}
-    return data.get("method") if isinstance(data, dict) else None
+    try:  # the size, depth and alias limits of every config read; an unreadable one names no method
+        data = read_config_file(config)
+    except ConfigError:
+        return None
+    method = data.get("method")
+    return method if isinstance(method, str) else None
 
 
 def _locate(path: Path) -> tuple[Path | None, Path | None, str | None]:

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import select, update
 
 from kestrel.constants import DEMO
-from kestrel.config import build_checked  # the validated dataclass builder that names unknown keys
+from kestrel.config import build_checked, check_output_dir, expand_path  # build_checked names unknown keys
 from kestrel.errors import ConfigError, KestrelError
 from kestrel.export import FORMATS, MERGED_DTYPES, QUANT_TYPES
 from kestrel.paths import kestrel_home
@@ -98,12 +98,14 @@ def prepare(data: dict[str, Any]) -> Prepared:
     cfg: ExportConfig = build_checked(ExportConfig, dict(data), "")
     if cfg.kind != EXPORT:
         raise ConfigError(f"kind must be {EXPORT} for an export config, got {cfg.kind!r}")
+    if cfg.name is not None and (len(cfg.name) > 100 or not cfg.name.isprintable()):
+        raise ConfigError("name must be at most 100 characters, without control characters")
     fmt = cfg.format.lower()
     if fmt not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {cfg.format!r}")
     quant = _quant(fmt, cfg.quant)
     source, run_id, stem = _resolve_source(cfg.source)
-    output_dir = str(Path(cfg.output_dir).expanduser().resolve()) if cfg.output_dir else None
+    output_dir = str(check_output_dir(cfg.output_dir)) if cfg.output_dir else None
     config = {**asdict(cfg), "format": fmt, "quant": quant, "source": source, "source_job": run_id,
               "output_dir": output_dir}
     return Prepared(config, cfg.name or "-".join(x for x in (stem, fmt, quant) if x), cfg.device)
@@ -129,7 +131,7 @@ def _resolve_source(value: str | int) -> tuple[str, int | None, str]:
     """(what kestrel.export reads, the run's job id or None, a short name) of a source."""
     text = str(value).strip()
     number = text.split(":", 1)[1] if text.startswith(("job:", "run:")) else text
-    if number.isdigit():
+    if number.isascii() and number.isdigit() and len(number) <= 18:  # a job id (int64 in the store)
         try:
             job = queries.get_job(int(number))
         except JobError as exc:
@@ -141,11 +143,12 @@ def _resolve_source(value: str | int) -> tuple[str, int | None, str]:
         return job.output_dir, job.id, f"run-{job.id}"
     if text == DEMO:
         return DEMO, None, DEMO
-    path = Path(text).expanduser()
-    if not path.exists():
+    path = expand_path(text, "export source")
+    try:
+        path = path.resolve(strict=True)
+    except (OSError, ValueError, RuntimeError):
         raise ConfigError(f"export source {path} does not exist; give a finished run's job id or folder, "
-                          "an adapter or model folder, or demo")
-    path = path.resolve()
+                          "an adapter or model folder, or demo") from None
     return str(path), None, path.parent.name if path.name in ("adapter", "model") else path.name
 
 

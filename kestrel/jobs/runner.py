@@ -27,6 +27,7 @@ POSIX only (process groups, /proc or kill(pid, 0)).
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 import signal
 import subprocess
@@ -41,10 +42,10 @@ from sqlalchemy import select, update
 
 from kestrel import env as kestrel_env
 from kestrel.constants import slug
-from kestrel.config import TrainConfig, config_from_dict
+from kestrel.config import TrainConfig, check_output_dir, config_from_dict, expand_path
 from kestrel.errors import ConfigError
 from kestrel.paths import kestrel_home, runs_dir
-from kestrel.jobs import export_job, queries
+from kestrel.jobs import export_job, preflight, queries
 from kestrel.jobs.models import CANCELLED, EXPORT, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact, Job, Metric
 from kestrel.jobs.store import JobError, claim_next, remove_job_files, require_job, session
 
@@ -54,6 +55,7 @@ REFRESH_EVERY_S = 1.0  # list_jobs / get_job reconcile at most this often per pr
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: workers import kestrel from it
 LOG_NAME = "job.log"
 
+log = logging.getLogger("kestrel.jobs")
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # workers this process started, to reap them
 _last_refresh = 0.0
 
@@ -85,6 +87,10 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
     (`kind: export`, see `kestrel.jobs.export_job`) an export job. Relative file paths in the config are
     made absolute here, since the worker runs elsewhere. `device` pins the job ("cpu",
     "cuda:1"); None takes the first free device (an export: see `_export_device` in kestrel.jobs.store).
+
+    Everything that would fail in the worker for a reason known now (a missing dataset or model,
+    an output folder that is a file or cannot be created) is refused here, and a refused config
+    stores nothing: the output folder is created inside the transaction that adds the job.
     """
     if export_job.is_export_config(config):
         prepared = export_job.prepare(dict(config))  # type: ignore[arg-type]
@@ -92,6 +98,8 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
         device = device or prepared.device
     else:
         cfg = config if isinstance(config, TrainConfig) else config_from_dict(dict(config))
+        for note in preflight.check_training(cfg):
+            log.info("note: %s", note)
         kind = "grpo" if cfg.method == "grpo" else "sft"
         name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
         data, root = _absolute_paths(cfg.to_dict()), runs_dir()
@@ -111,22 +119,34 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
         job.log_path = str(out / LOG_NAME)
         job.config = {**data, "output_dir": str(out)}
         job_id = job.id
-    out.mkdir(parents=True, exist_ok=True)
+        _make_output_dir(out)  # before the commit: a folder that cannot be made leaves no job behind
     if start:
         schedule()
     return job_id
 
 
+def _make_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"output_dir {out} cannot be created: {reason}; choose another output_dir") from None
+
+
 def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
+    """Paths in a checked training config made absolute (the worker runs in its output folder)."""
     for key in ("model", "dataset"):
-        path = Path(str(data[key])).expanduser()
-        if path.exists() and not (key == "model" and data[key] == "demo"):  # the engine's built-in
+        path = expand_path(str(data[key]), key)
+        if preflight.exists(path) and not (key == "model" and data[key] == "demo"):  # the engine's built-in
             data[key] = str(path.resolve())
     if data.get("output_dir"):
-        data["output_dir"] = str(Path(data["output_dir"]).expanduser().resolve())
+        data["output_dir"] = str(check_output_dir(data["output_dir"]))
+    init_from = data.get("lora", {}).get("init_from")
+    if init_from and preflight.exists(path := expand_path(init_from, "lora.init_from")):
+        data["lora"]["init_from"] = str(path.resolve())
     for reward in data.get("grpo", {}).get("rewards", []):
         if reward.get("path"):
-            reward["path"] = str(Path(reward["path"]).expanduser().resolve())
+            reward["path"] = str(expand_path(reward["path"], "grpo.rewards path").resolve())
     return data
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kestrel.config import TrainConfig
+from kestrel.errors import TrainingDivergedError
 from kestrel.model.lora import attach_lora
 from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
@@ -115,17 +116,50 @@ def optimizer_and_resume(
     return optimizer, scheduler, start
 
 
-def optimizer_step(s: RunState) -> tuple[torch.Tensor, float]:
+def optimizer_step(s: RunState, loss: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Clip the accumulated gradients (max_grad_norm; 0 = no clipping), step the optimizer and the
-    schedule, clear the gradients. Returns (grad norm before clipping, the lr this step used)."""
+    schedule, clear the gradients. Returns (grad norm before clipping, the lr this step used).
+
+    Before the weights change, the step's `loss` and the gradient norm must be finite: the first
+    NaN or inf stops the run with a TrainingDivergedError naming the step and what to change,
+    so it ends `failed` with the last checkpoint intact, never `completed` with a NaN model."""
     params = [p for g in s.optimizer.param_groups for p in g["params"]]
     clip = s.config.max_grad_norm if s.config.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    check_finite(s, loss, grad_norm)
     lr = s.scheduler.get_last_lr()[0]
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr
+
+
+def check_finite(s: RunState, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
+    """Raise TrainingDivergedError when the loss or the gradient norm is NaN or infinite (one
+    host read of both)."""
+    values = [grad_norm.detach().float().reshape(())]
+    if loss is not None:
+        values.append(loss.detach().float().reshape(()).to(values[0].device))
+    if bool(torch.isfinite(torch.stack(values)).all()):
+        return
+    s.optimizer.zero_grad(set_to_none=True)
+    step = s.scheduler.last_epoch + 1
+    raise TrainingDivergedError(divergence_message(
+        s.config, step, float(values[1]) if loss is not None else None, float(values[0])))
+
+
+def divergence_message(config: TrainConfig, step: int, loss: float | None, grad_norm: float) -> str:
+    """Why a run stopped on a non-finite loss or gradient, and what to change."""
+    seen = ([f"the loss is {loss:g}"] if loss is not None else []) + [f"the gradient norm is {grad_norm:g}"]
+    causes = [f"lower learning_rate (now {config.learning_rate:g})",
+              f"check weight_decay (now {config.weight_decay:g})",
+              f"keep max_grad_norm on (now {config.max_grad_norm:g}; 0 turns clipping off)"]
+    if config.method == "grpo":
+        causes.append(f"check grpo.beta (now {config.grpo.beta:g}) and the reward weights")
+    if config.dtype == "fp16":
+        causes.append("use dtype bf16 or fp32 (fp16 overflows easily)")
+    return (f"training stopped at step {step}: {' and '.join(seen)}, not a finite number, so the model "
+            f"would turn to NaN. The weights were not updated at this step; {'; '.join(causes)}.")
 
 
 def graph_metrics(recompute: Recompute | None) -> dict[str, float]:

@@ -17,8 +17,8 @@ import torch
 
 from kestrel.constants import slug
 from kestrel.recompute.host_memory import release_pinned_memory
-from kestrel.config import TrainConfig
-from kestrel.errors import KestrelError, OutOfMemoryError, oom_message
+from kestrel.config import TrainConfig, check_output_dir, expand_path
+from kestrel.errors import ConfigError, KestrelError, OutOfMemoryError, oom_message
 from kestrel.training.metrics import Callback, CallbackList, JsonlWriter
 from kestrel.paths import runs_dir
 
@@ -37,12 +37,17 @@ def default_run_name(config: TrainConfig) -> str:
 
 
 def resolve_output_dir(config: TrainConfig) -> Path:
-    """`output_dir` as given, or KESTREL_HOME/runs/<name>; written back into the config."""
+    """`output_dir` as given, or KESTREL_HOME/runs/<name>; written back into the config, and
+    created. ConfigError when it is a file or cannot be created."""
     if not config.output_dir:
         config.name = config.name or default_run_name(config)
         config.output_dir = str(runs_dir() / config.name)
-    out = Path(config.output_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(config.output_dir)
+    out = expand_path(config.output_dir, "output_dir")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"output_dir {out} cannot be created: {exc.strerror or exc}") from None
     return out
 
 
@@ -54,7 +59,8 @@ def _release_memory() -> None:
 
 
 def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainResult:
-    """Train as `config` says, reporting to `callbacks`; never raises for a run that failed."""
+    """Train as `config` says, reporting to `callbacks`; never raises for a run that failed (a
+    ConfigError when the output folder cannot be made: then nothing ran)."""
     output_dir = resolve_output_dir(config)
     config.save(output_dir / "config.yaml")
     cb = CallbackList([JsonlWriter(output_dir / "metrics.jsonl"), *(callbacks or [])])

@@ -114,7 +114,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
         )
         out.loss.backward()
         total_loss += out.loss.detach()
-    grad_norm, lr = optimizer_step(s)
+    grad_norm, lr = optimizer_step(s, total_loss)
     tokens = sum(b.tokens for b in batches)
     return {"loss": float(total_loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
             "epoch": (step + 1) * accum / len(s.plan)}

@@ -29,6 +29,7 @@ from kestrel.training.estimate import (
     shape_from_config, verdict,
 )
 from kestrel.paths import ASSETS, resolve_dataset_path
+from kestrel.safe_yaml import parse_config_text, read_config_file
 from kestrel.studio import files
 from kestrel.studio import strings as S
 from kestrel.studio.form import FIELD_BY_KEY, FORM_KEYS, REWARD_COLUMNS
@@ -200,7 +201,7 @@ def _values(args: tuple[Any, ...]) -> dict[str, Any]:
 def _yaml_file(cfg: TrainConfig) -> str:
     text = cfg.to_yaml()
     digest = hashlib.sha256(text.encode()).hexdigest()[:10]
-    stem = slug(cfg.name or "", "kestrel-run")
+    stem = slug(cfg.name or "", "kestrel-run", limit=80)  # file names stop at 255 bytes
     path = files.configs_dir() / f"{stem}-{digest}.yaml"
     if not path.exists():
         path.write_text(text)
@@ -306,13 +307,10 @@ def _fill(cfg: TrainConfig, status: str) -> dict[str, Any]:
 
 @user_errors
 def apply_yaml(text: str) -> dict[str, Any]:
-    """Fill the form from YAML text. Outputs: every form key, extra, yaml, download, vram, status."""
-    try:
-        data = yaml.safe_load(text or "") or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(S.ERR_YAML.format(error=str(exc).splitlines()[0])) from exc
-    if not isinstance(data, dict):
-        raise ConfigError(S.ERR_YAML_MAPPING)
+    """Fill the form from YAML text. Outputs: every form key, extra, yaml, download, vram, status.
+
+    The text is read by `kestrel.safe_yaml` (size, depth and alias-expansion limits), as files are."""
+    data = parse_config_text(text or "", "the YAML box")
     _check_types(data)
     return _fill(config_from_dict(data), S.TR_YAML_APPLIED)
 
@@ -322,11 +320,9 @@ def load_yaml_file(path: str | None) -> dict[str, Any]:
     """Fill the form from an uploaded YAML file (same outputs as `apply_yaml`)."""
     if not path:
         raise ConfigError(S.ERR_NO_FILE)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(S.ERR_READ_FILE.format(name=Path(path).name, error=exc)) from exc
-    return apply_yaml(text)
+    data = read_config_file(path, f"the file {Path(path).name}")
+    _check_types(data)
+    return _fill(config_from_dict(data), S.TR_YAML_APPLIED)
 
 
 @user_errors

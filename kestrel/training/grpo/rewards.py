@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from kestrel.config import RewardSpec, custom_reward_refusal
+from kestrel.constants import REWARD_NAMES
 from kestrel.errors import ConfigError, KestrelError
 
-BUILTINS = ("exact_answer", "format_regex", "length_penalty", "json_valid", "custom")
+BUILTINS = REWARD_NAMES
 
 
 class RewardError(KestrelError):

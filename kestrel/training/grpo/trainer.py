@@ -223,7 +223,7 @@ def update(s: GrpoSession, batch: StepBatch) -> dict[str, float]:
         sums["loss"] += loss.detach()
         for key in ("kl_sum", "clipped", "tokens"):
             sums[key] = sums[key] + stats[key]
-    grad_norm, lr = optimizer_step(s)
+    grad_norm, lr = optimizer_step(s, sums["loss"])
     tokens = torch.as_tensor(sums["tokens"]).clamp(min=1)
     # One host read per step, for the metrics. No reference pass when beta == 0: no `kl` to report.
     out = {"loss": float(sums["loss"]), "grad_norm": float(grad_norm), "lr": lr,

@@ -1,0 +1,102 @@
+"""Checks a training config must pass before it is queued, so what would only fail minutes
+later in the worker (a missing dataset or model, an output folder that is a file) is refused at
+submit, with nothing stored. No network: a hub id is checked for its form, and found in the local
+Hugging Face cache or accepted with a note.
+
+    notes = check_training(cfg)   # ConfigError / DatasetError / ModelLoadError, else notes to show
+
+Light on purpose (no torch): the command line and the studio call it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from kestrel.config import TrainConfig, check_output_dir, expand_path
+from kestrel.constants import DEMO
+from kestrel.errors import ConfigError, DatasetError, ModelLoadError
+from kestrel.paths import resolve_dataset_path
+
+# A Hugging Face repo id: `name` or `owner/name`, letters, digits, `-`, `_`, `.`, at most 96.
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def exists(path: Path) -> bool:
+    """`path.exists()`, False for a path the OS refuses (too long, a NUL)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def looks_local(model: str) -> bool:
+    """Whether `model` names a folder rather than a hub id (the model loader's own rule)."""
+    if model.startswith((".", "~", "/")):
+        return True
+    return exists(Path(model))
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _in_hub_cache(model: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(model, "config.json"), str)
+    except Exception:  # noqa: BLE001 - no hub library or an odd cache: treat as not cached
+        return False
+
+
+def check_model(model: str) -> str | None:
+    """`demo`, a folder holding config.json, or a well-formed hub id; returns a note for a hub
+    id that is not in the local cache (the job downloads it), refuses it when offline."""
+    if model == DEMO:
+        return None
+    if looks_local(model):
+        path = expand_path(model, "model")
+        if not exists(path / "config.json"):
+            what = "has no config.json" if path.is_dir() else "does not exist"
+            raise ModelLoadError(f"model folder {path} {what}: point `model` at a Hugging Face model folder "
+                                 "(the one holding config.json and *.safetensors), or use demo")
+        return None
+    if not _HUB_ID.match(model) or ".." in model or "--" in model or model.endswith((".", "-")):
+        raise ModelLoadError(f"model {model!r} is neither a local folder nor a Hugging Face hub id "
+                             "(owner/name, e.g. Qwen/Qwen3-0.6B), nor demo")
+    if _in_hub_cache(model):
+        return None
+    if _offline():
+        raise ModelLoadError(f"model {model!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
+                             "set; download it first or point `model` at a local folder")
+    return f"model {model} is not in the local Hugging Face cache; the job downloads it when it starts"
+
+
+def check_dataset(dataset: str) -> None:
+    """The dataset is a file, or the name of a shipped sample."""
+    try:
+        found = resolve_dataset_path(dataset).is_file()
+    except (OSError, ValueError, RuntimeError):
+        found = False
+    if not found:
+        raise DatasetError(f"dataset {dataset} does not exist (or is not a file); give the path of a .jsonl, "
+                           ".json, .csv or .parquet file, or a sample name such as arithmetic_chat")
+
+
+def check_training(cfg: TrainConfig) -> list[str]:
+    """Every submit-time check of a training config; returns notes worth showing the user."""
+    check_dataset(cfg.dataset)
+    note = check_model(cfg.model)
+    if cfg.output_dir:
+        check_output_dir(cfg.output_dir)
+    if cfg.lora.init_from and not exists(expand_path(cfg.lora.init_from, "lora.init_from")):
+        raise ConfigError(f"lora.init_from {cfg.lora.init_from} does not exist; point it at a trained adapter "
+                          "or a finished run's folder")
+    for spec in cfg.grpo.rewards if cfg.method == "grpo" else []:
+        if spec.name == "custom":
+            path = expand_path(str(spec.path), "grpo.rewards path")
+            if path.suffix != ".py" or not path.is_file():
+                raise ConfigError(f"grpo.rewards: custom reward file {path} does not exist or is not a .py file")
+    return [note] if note else []
