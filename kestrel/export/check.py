@@ -13,18 +13,22 @@ generated tokens must all agree (the greedy output is then identical), except wh
 reference's top two logits are within TIE_TOL of the logits' standard deviation: there any
 rounding picks either, and the position is counted as a tie, not a failure. (f16 weights and
 activations move the demo model's logits by well under TIE_TOL.)
+
+Every llama.cpp call runs in a child process (`kestrel.export.llama_child`): a crash there is a
+clear error naming the stage, not the end of this process.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from kestrel.export import llama_child
+from kestrel.export.llama_child import run_in_child
 
 N_NEW = 32
 TIE_TOL = 0.02  # x logit std: top-2 closer than this is a tie that 16-bit rounding may flip
@@ -153,36 +157,6 @@ def reference_runs(model_dir: Path, adapter_dir: Path | None, tokenizer: Any, de
         del model
 
 
-def _llama(path: Path, **kwargs: Any) -> Any:
-    import logging
-
-    import llama_cpp
-
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    return llama_cpp.Llama(str(path), verbose=False, n_threads=os.cpu_count() or 1, **kwargs)
-
-
-class _VocabModel:
-    """A GGUF file loaded vocabulary-only by llama.cpp (no weights, no context)."""
-
-    def __init__(self, path: Path) -> None:
-        import logging
-
-        import llama_cpp
-        from llama_cpp._internals import LlamaModel
-
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        self.model = LlamaModel(path_model=str(path), params=params, verbose=False)
-
-    def __enter__(self) -> Any:
-        return self.model
-
-    def __exit__(self, *exc: Any) -> None:
-        self.model.close()
-
-
 def _mismatch(text: str, hf: list[int], ours: list[int]) -> str:
     first = next((i for i, (a, b) in enumerate(zip(hf, ours)) if a != b), min(len(hf), len(ours)))
     return f"{text[:40]!r}: from token {first}, Hugging Face {hf[first:first + 6]}, llama.cpp {ours[first:first + 6]}"
@@ -194,13 +168,13 @@ def check_tokenizer(path: Path, tokenizer: Any, texts: tuple[str, ...] = TEST_TE
     result = TokenizerCheck()
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
              for t in texts]
-    with _VocabModel(path) as vocab:
-        for items, add_special, out in ((texts, True, result.text_mismatches), (chats, False, result.chat_mismatches)):
-            for text in items:
-                hf = tokenizer(text, add_special_tokens=add_special)["input_ids"]
-                ours = vocab.tokenize(text.encode(), add_bos=add_special, special=True)
-                if ours != hf:
-                    out.append(_mismatch(text, hf, ours))
+    items = [(text, True) for text in texts] + [(text, False) for text in chats]
+    stage = f"loading the vocabulary of {path.name} and tokenizing test texts (the tokenizer check)"
+    found = run_in_child(stage, llama_child.tokenize, path, items)
+    for (text, add_special), ours in zip(items, found):
+        hf = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+        if ours != hf:
+            (result.text_mismatches if add_special else result.chat_mismatches).append(_mismatch(text, hf, ours))
     return result
 
 
@@ -211,74 +185,52 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
     standard deviation excepted); otherwise the agreement is only reported and the file passes
     when it loads and gives finite logits."""
     longest = max(len(r.prompt_ids) + N_NEW for r in refs)
+    seqs = [r.prompt_ids + r.tokens[:-1] for r in refs]
+    stage = f"loading {path.name} and evaluating the test prompts (the {path.name} check)"
     try:
-        llm = _llama(path, n_ctx=longest + 16, n_batch=longest + 16, logits_all=True)
+        all_scores, sample = run_in_child(stage, llama_child.evaluate, path, seqs, longest + 16,
+                                          len(refs[0].prompt_ids) - 1)
     except (ValueError, RuntimeError) as exc:
         return GGUFCheck(False, exact, 0.0, 0.0, problems=[f"llama.cpp could not load {path.name}: {exc}"])
-    try:
-        gen_ok = gen_n = prompt_ok = prompt_n = ties = 0
-        problems: list[str] = []
-        sample = ""
-        for i, ref in enumerate(refs):
-            seq = ref.prompt_ids + ref.tokens[:-1]
-            llm.reset()
-            llm.eval(seq)
-            ours = np.asarray(llm.scores[: len(seq)], dtype=np.float32)  # (len(seq), vocab)
-            theirs = ref.logits
-            if ours.shape != theirs.shape or not np.isfinite(ours).all():
-                problems.append(f"prompt {i}: llama.cpp gave logits of shape {ours.shape}, the reference "
-                                f"{theirs.shape}, finite: {bool(np.isfinite(ours).all())}")
-                continue
-            top = ours.argmax(-1)
-            agree = top == theirs.argmax(-1)
-            tol = tie_tol * float(theirs.std())
-            n_prompt = len(ref.prompt_ids) - 1
-            prompt_ok, prompt_n = prompt_ok + int(agree[:n_prompt].sum()), prompt_n + n_prompt
-            gen = agree[n_prompt:]
-            gen_ok, gen_n = gen_ok + int(gen.sum()), gen_n + len(gen)
-            for pos in np.flatnonzero(~gen) + n_prompt:
-                margin = theirs[pos].max() - theirs[pos, top[pos]]
-                if margin <= tol:
-                    ties += 1
-                elif exact:
-                    problems.append(f"prompt {i}: token {pos - n_prompt} differs ({int(top[pos])} vs "
-                                    f"{int(theirs[pos].argmax())}, reference margin {margin:.3f})")
-            if i == 0:
-                sample = llm.detokenize([int(t) for t in top[n_prompt:]]).decode("utf-8", "replace")
-        identical = gen_n > 0 and gen_ok == gen_n
-        passed = not problems and gen_n > 0
-        return GGUFCheck(passed, exact, gen_ok / max(gen_n, 1), prompt_ok / max(prompt_n, 1), ties,
-                         identical, sample, problems[:5])
-    finally:
-        llm.close()
-
-
-def _llama_cpp_render(model: Any, messages: list[dict[str, str]]) -> str | None:
-    """The prompt llama.cpp's built-in template code writes for the GGUF's template (None: unknown)."""
-    import llama_cpp
-
-    template = llama_cpp.llama_model_chat_template(model, None)
-    chat = (llama_cpp.llama_chat_message * len(messages))(
-        *[llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode()) for m in messages]
-    )
-    buf = ctypes.create_string_buffer(1 << 16)
-    n = llama_cpp.llama_chat_apply_template(template, chat, len(messages), True, buf, len(buf))
-    return buf.raw[:n].decode("utf-8") if n >= 0 else None
+    gen_ok = gen_n = prompt_ok = prompt_n = ties = 0
+    problems: list[str] = []
+    for i, (ref, ours) in enumerate(zip(refs, all_scores)):
+        theirs = ref.logits
+        if ours.shape != theirs.shape or not np.isfinite(ours).all():
+            problems.append(f"prompt {i}: llama.cpp gave logits of shape {ours.shape}, the reference "
+                            f"{theirs.shape}, finite: {bool(np.isfinite(ours).all())}")
+            continue
+        top = ours.argmax(-1)
+        agree = top == theirs.argmax(-1)
+        tol = tie_tol * float(theirs.std())
+        n_prompt = len(ref.prompt_ids) - 1
+        prompt_ok, prompt_n = prompt_ok + int(agree[:n_prompt].sum()), prompt_n + n_prompt
+        gen = agree[n_prompt:]
+        gen_ok, gen_n = gen_ok + int(gen.sum()), gen_n + len(gen)
+        for pos in np.flatnonzero(~gen) + n_prompt:
+            margin = theirs[pos].max() - theirs[pos, top[pos]]
+            if margin <= tol:
+                ties += 1
+            elif exact:
+                problems.append(f"prompt {i}: token {pos - n_prompt} differs ({int(top[pos])} vs "
+                                f"{int(theirs[pos].argmax())}, reference margin {margin:.3f})")
+    identical = gen_n > 0 and gen_ok == gen_n
+    passed = not problems and gen_n > 0
+    return GGUFCheck(passed, exact, gen_ok / max(gen_n, 1), prompt_ok / max(prompt_n, 1), ties,
+                     identical, sample, problems[:5])
 
 
 def check_template(path: Path, tokenizer: Any, messages: list[dict[str, str]]) -> dict[str, Any]:
     """Render `messages` with the template embedded in the GGUF (Jinja, as llama-cpp-python and
     `llama-server --jinja` do, and with llama.cpp's built-in formats) and with the tokenizer."""
-    import llama_cpp
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # Python only: no llama.cpp call here
 
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    with _VocabModel(path) as vocab:
-        embedded = llama_cpp.llama_model_chat_template(vocab.model, None)
-        if not embedded:
-            return {"embedded": False, "jinja_matches": False, "builtin_matches": None}
-        builtin = _llama_cpp_render(vocab.model, messages)
-    jinja = Jinja2ChatFormatter(embedded.decode(), tokenizer.eos_token or "", tokenizer.bos_token or "")(messages=messages).prompt
+    stage = f"reading the chat template of {path.name} (the template check)"
+    embedded, builtin = run_in_child(stage, llama_child.chat_template, path, messages)
+    if embedded is None:
+        return {"embedded": False, "jinja_matches": False, "builtin_matches": None}
+    jinja = Jinja2ChatFormatter(embedded, tokenizer.eos_token or "", tokenizer.bos_token or "")(messages=messages).prompt
     bos = tokenizer.bos_token or ""
     strip = (lambda s: s[len(bos):] if bos and s.startswith(bos) else s)
     return {

@@ -102,6 +102,7 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
     chat_format = detect_chat_format(tokenizer.chat_template)
     stops = end_of_turn_tokens(chat_format, tokenizer)
     vocab = build_vocab(tokenizer, int(src.config.vocab_size), tokenizer.chat_template, tuple(stops))
+    result.notes += vocab.notes
     base_type = quant if quant in DIRECT else "f16"
     check_disk_space(stage, _needed_bytes(tensors, src, base_type, quant, vocab), f"the {quant} GGUF file")
 

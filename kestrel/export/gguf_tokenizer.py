@@ -17,6 +17,11 @@ folder holding only `tokenizer.model` works too) becomes one of three llama.cpp 
 
 Special tokens are CONTROL (llama.cpp never produces them from plain text and hides them when
 printing), other added tokens USER_DEFINED, rows of the embedding past the tokenizer UNUSED.
+
+A BPE that claims byte fallback but has no `<0xNN>` byte tokens (what `AutoTokenizer` makes of a
+GGUF vocabulary such as llama.cpp's Llama 3 one) would make llama.cpp abort its process; with a
+byte-level pre-tokenizer it is exported as the byte-level BPE it is (noted), otherwise refused
+before anything is written (`_kind`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class GGUFVocab:
     add_space_prefix: bool | None = None
     chat_template: str | None = None
     precompiled_charsmap: bytes | None = None  # Unigram only
+    notes: list[str] = field(default_factory=list)  # for the export's notes; not written to the file
 
     def add_to(self, writer: Any) -> None:
         """Write the vocabulary into a `gguf.GGUFWriter` (before its header is written)."""
@@ -225,12 +231,40 @@ def _token_table(tok_json: dict, vocab_size: int, kind: str) -> tuple[list[str],
     return tokens, types
 
 
-def _kind(tok_json: dict) -> str:
+def _byte_tokens_missing(vocab: dict[str, int]) -> int:
+    """How many of the 256 byte tokens `<0x00>` .. `<0xFF>` of byte fallback `vocab` lacks."""
+    return sum(f"<0x{b:02X}>" not in vocab for b in range(256))
+
+
+def _splits_into_bytes(tok_json: dict) -> bool:
+    """Whether the pre-tokenizer maps text to byte-level symbols (GPT-2's ByteLevel)."""
+    pre = tok_json.get("pre_tokenizer") or {}
+    return any(step.get("type") == "ByteLevel" for step in pre.get("pretokenizers", [pre]))
+
+
+def _kind(tok_json: dict, notes: list[str] | None = None) -> str:
+    """llama.cpp's name for the tokenizer's kind. A BPE that claims byte fallback without the 256
+    byte tokens is inconsistent, and llama.cpp aborts the process loading it (`byte_to_token`
+    throws): when its pre-tokenizer is byte-level its bytes never fall back, so it is byte-level
+    BPE (noted in `notes`); otherwise it cannot be exported, which is said before anything is written."""
     model = tok_json["model"]
     if model["type"] == "Unigram":
         return "t5"  # llama.cpp's name for its SentencePiece-Unigram tokenizer
     if model["type"] == "BPE":
-        return "llama" if _is_spm(tok_json) else "gpt2"
+        if not _is_spm(tok_json):
+            return "gpt2"
+        missing = _byte_tokens_missing(model["vocab"])
+        if not missing:
+            return "llama"
+        if _splits_into_bytes(tok_json):
+            if notes is not None:
+                notes.append("the tokenizer claims byte fallback but is byte-level BPE (a ByteLevel pre-tokenizer, no "
+                             "<0xNN> byte tokens), as a conversion from GGUF writes it; exported as byte-level BPE")
+            return "gpt2"
+        raise KestrelError(
+            f"the tokenizer is inconsistent: it claims byte fallback but lacks {missing} of the 256 byte tokens "
+            "<0x00>..<0xFF> that needs, and llama.cpp would abort loading it. Re-save the tokenizer from its original "
+            "model (tokenizer.json with byte_fallback matching its vocabulary) and export again")
     raise KestrelError(
         f"GGUF export supports BPE (byte-level or SentencePiece-style) and Unigram tokenizers; this one is {model['type']}"
     )
@@ -254,11 +288,13 @@ def build_vocab(tokenizer: Any, vocab_size: int, chat_template: str | None,
     if not getattr(tokenizer, "is_fast", False):
         raise KestrelError("GGUF export needs a fast tokenizer (tokenizer.json); this one is a slow tokenizer")
     tok_json = json.loads(tokenizer.backend_tokenizer.to_str())
-    kind = _kind(tok_json)
+    notes: list[str] = []
+    kind = _kind(tok_json, notes)
     tokens, types = _token_table(tok_json, vocab_size, kind)
     add_bos, add_eos = _adds_bos_eos(tokenizer)
     vocab = GGUFVocab(model=kind, tokens=tokens, types=types, special_ids=_special_ids(tokenizer, eot_texts),
-                      add_bos=add_bos, add_eos=add_eos, chat_template=chat_template, add_space_prefix=False)
+                      add_bos=add_bos, add_eos=add_eos, chat_template=chat_template, add_space_prefix=False,
+                      notes=notes)
     model = tok_json["model"]
     if kind == "gpt2":
         vocab.merges = _merge_strings(model.get("merges", []))

@@ -8,8 +8,6 @@ block (k-quants need rows of 256) get llama.cpp's fallback type, as with its com
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import os
 from pathlib import Path
 
@@ -65,16 +63,13 @@ def estimate_bytes(n_params: int, quant: str, large_model: bool) -> int:
 
 
 def quantize(src: Path, dst: Path, quant: str, threads: int | None = None) -> None:
-    """Quantize the 16-bit GGUF `src` to `dst` with llama.cpp (`llama_model_quantize`)."""
-    import llama_cpp
+    """Quantize the 16-bit GGUF `src` to `dst` with llama.cpp (`llama_model_quantize`), in a child
+    process (`kestrel.export.llama_child`): a crash there is an error naming this stage."""
+    from kestrel.export import llama_child
 
     if quant not in LLAMA_QUANTS:
         raise KestrelError(f"{quant} is not made by llama.cpp's quantizer; choose one of {', '.join(LLAMA_QUANTS)}")
-    # llama.cpp logs every tensor at INFO through llama-cpp-python's logger; keep errors only.
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, LLAMA_QUANTS[quant])
-    params.nthread = threads or os.cpu_count() or 1
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    rc = llama_child.run_in_child(f"quantizing {src.name} to {quant}", llama_child.quantize_file, src, dst,
+                                  LLAMA_QUANTS[quant], threads or os.cpu_count() or 1)
     if rc != 0:
         raise KestrelError(f"llama.cpp could not quantize {src.name} to {quant} (error {rc})")

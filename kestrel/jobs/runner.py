@@ -5,8 +5,10 @@
     cancel(job_id); resume(job_id); wait(job_id)
 
 Every job runs in its own worker process (`python -m kestrel.jobs.worker ID`), in a new session, so it
-keeps running when the studio, the terminal or whatever started it goes away; its stdout and
-stderr go to `<output_dir>/job.log`, never to a pipe someone must drain.
+keeps running when the studio, the terminal or whatever started it goes away. That process forks
+once: the child runs the job, the parent supervises it (`kestrel.jobs.supervisor`), settling the
+job the moment the worker dies without settling it itself. Their stdout and stderr go to
+`<output_dir>/job.log`, never to a pipe someone must drain.
 
 Two lanes, each first in, first out:
 - training (sft, grpo): one job per device at a time (KESTREL_JOBS_PER_DEVICE), the CPU when
@@ -18,9 +20,10 @@ Jobs on the CPU run at lower priority (`kestrel.jobs.worker.lower_priority`).
 
 There is no daemon. `schedule()` starts queued jobs on free devices and is called by `submit`,
 `resume`, every command-line command, the studio's poll (`list_jobs`/`get_job`) and each worker
-as it finishes, so the queue drains with nothing else open. It first calls `reconcile()`, which
-marks a running job whose process is gone and whose heartbeat is stale as `interrupted`, and
-kills a worker that ignored a cancel or pause request for KESTREL_CANCEL_TIMEOUT_S.
+and each supervisor as its worker ends, so the queue drains with nothing else open. It first calls
+`reconcile()`, which marks a running job whose process is gone and whose heartbeat is stale as
+`interrupted` (the fallback for a job whose supervisor is gone too: a machine restart, a kill of
+both), and kills a worker that ignored a cancel or pause request for KESTREL_CANCEL_TIMEOUT_S.
 POSIX only (process groups, /proc or kill(pid, 0)).
 """
 
@@ -47,7 +50,7 @@ from kestrel.errors import ConfigError
 from kestrel.paths import kestrel_home, runs_dir
 from kestrel.jobs import export_job, preflight, queries
 from kestrel.jobs.models import CANCELLED, EXPORT, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact, Job, Metric
-from kestrel.jobs.store import JobError, claim_next, remove_job_files, require_job, session
+from kestrel.jobs.store import JobError, StoreWriteError, claim_next, remove_job_files, require_job, session
 
 HEARTBEAT_S = 2.0  # the worker's heartbeat period
 STALE_AFTER_S = 6.0  # three missed heartbeats: with a dead pid, the job is lost (well under 15 s)
@@ -55,9 +58,9 @@ REFRESH_EVERY_S = 1.0  # list_jobs / get_job reconcile at most this often per pr
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: workers import kestrel from it
 LOG_NAME = "job.log"
 
-log = logging.getLogger("kestrel.jobs")
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # workers this process started, to reap them
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # worker processes (supervisors) started here, to reap them
 _last_refresh = 0.0
+log = logging.getLogger("kestrel.jobs")
 
 
 def available_devices() -> list[str]:
@@ -231,26 +234,38 @@ def schedule() -> list[int]:
 
 
 def _launch(job_id: int, device: str) -> None:
-    """Start the worker of a job already claimed as running on `device`."""
+    """Start the worker process of a job already claimed as running on `device`. It forks into a
+    supervisor and the worker; the worker's pid is recorded by both (whichever comes first)."""
     job = queries.get_job(job_id)
     Path(job.output_dir).mkdir(parents=True, exist_ok=True)
     log_path = job.log_path or str(Path(job.output_dir) / LOG_NAME)
-    with open(log_path, "ab") as log:
-        log.write(f"--- job {job_id}, attempt {job.attempts}, on {device}, "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
-        log.flush()
+    with open(log_path, "ab") as log_file:
+        log_file.write(f"--- job {job_id}, attempt {job.attempts}, on {device}, "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
+        log_file.flush()
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kestrel.jobs.worker", str(job_id)], cwd=job.output_dir,
-                env=_worker_env(device), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=_worker_env(device), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True)
         except OSError as exc:
-            _finish_lost(job_id, job.heartbeat_at, None, "failed", f"could not start the worker: {exc}")
+            fail_launch(job_id, f"could not start the worker: {exc}")
             return
     _CHILDREN[proc.pid] = proc
-    with session(immediate=True) as s:  # the worker writes its pid too; whichever comes first
-        s.execute(update(Job).where(Job.id == job_id, Job.status == RUNNING, Job.pid.is_(None))
-                  .values(pid=proc.pid))
+
+
+def fail_launch(job_id: int, error: str) -> None:
+    """Mark a claimed job whose worker could not be started `failed` with `error`."""
+    with session() as s:
+        job = s.get(Job, job_id)
+    if job is not None and job.pid is None:
+        _finish_lost(job_id, job.heartbeat_at, None, "failed", error)
+
+
+def record_worker_pid(job_id: int, pid: int) -> None:
+    """Record the pid of a job's worker (the worker writes it too; whichever comes first)."""
+    with session(immediate=True) as s:
+        s.execute(update(Job).where(Job.id == job_id, Job.status == RUNNING, Job.pid.is_(None)).values(pid=pid))
 
 
 def _worker_env(device: str) -> dict[str, str]:
@@ -299,16 +314,47 @@ def reconcile() -> list[int]:
     return settled
 
 
-def _lost_status(job: Job, killed: bool) -> tuple[str, str | None]:
+def _lost_status(job: Job, killed: bool, how: str = "ended") -> tuple[str, str | None]:
+    """The status and message of a running job whose worker is gone; `how` says how it ended
+    ("was killed by SIGKILL", "exited with code 1"), `killed`: by our escalation of a stop request."""
     if killed:
         waited = kestrel_env.number("KESTREL_CANCEL_TIMEOUT_S", 120)
         note = f"the worker did not stop within {waited:g} s of the {job.stop_request} request and was killed"
         return (CANCELLED if job.stop_request == "cancel" else INTERRUPTED), note
     if job.stop_request == "cancel":
-        return CANCELLED, None
+        return CANCELLED, None if how == "ended" else f"the worker process (pid {job.pid}) {how} while stopping"
     again = "runs the export again" if job.kind == EXPORT else "continues from the last checkpoint"
-    return INTERRUPTED, (f"the worker process (pid {job.pid}) ended without reporting a result "
-                         f"(killed, or the machine restarted); `python -m kestrel jobs resume {job.id}` {again}")
+    cause = "killed, or the machine restarted" if how == "ended" else "the job log shows its last words"
+    return INTERRUPTED, (f"the worker process (pid {job.pid}) {how} without reporting a result "
+                         f"({cause}); `python -m kestrel jobs resume {job.id}` {again}")
+
+
+def exit_description(returncode: int) -> str:
+    """How a process ended, from its wait status: "was killed by SIGKILL", "exited with code 1"."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+def settle_exited(job_id: int, pid: int, returncode: int) -> str | None:
+    """Called by a worker's supervisor once the worker (`pid`) has exited with `returncode`:
+    settle its job if it is still running under that pid (the worker died before writing its
+    result): `interrupted` (resumable), or what its stop request asked for. Returns the status
+    it set, None when there was nothing to settle."""
+    with session() as s:
+        job = s.get(Job, job_id)
+    if job is None or job.status != RUNNING or job.pid != pid:
+        return None
+    how = exit_description(returncode)
+    timeout = kestrel_env.number("KESTREL_CANCEL_TIMEOUT_S", 120)
+    escalated = bool(job.stop_request and returncode in (-signal.SIGKILL, -signal.SIGTERM)
+                     and job.stop_requested_at is not None and time.time() - job.stop_requested_at >= timeout)
+    status, error = _lost_status(job, escalated, how)
+    return status if _finish_lost(job.id, job.heartbeat_at, pid, status, error) else None
 
 
 def _finish_lost(job_id: int, heartbeat_at: float | None, pid: int | None, status: str,
@@ -381,10 +427,15 @@ def _worker_alive(pid: int | None, job_id: int) -> bool:
 
 
 def _refresh() -> None:
+    """Reconcile and schedule, at most every REFRESH_EVERY_S; on a disk too full for the job
+    database to be written, reading goes on (with a warning) since nothing can be settled."""
     global _last_refresh
     if time.monotonic() - _last_refresh >= REFRESH_EVERY_S:
         _last_refresh = time.monotonic()
-        schedule()
+        try:
+            schedule()
+        except StoreWriteError as exc:
+            log.warning("warning: jobs shown as last recorded: %s", exc)
 
 
 def list_jobs(status: str | None = None, limit: int | None = None, kind: str | None = None) -> list[Job]:

@@ -12,12 +12,17 @@ makes writers wait their turn instead of failing; BEGIN is emitted by us because
 different data. Writers use BEGIN IMMEDIATE: a deferred transaction that reads and then writes
 can fail at once with "database is locked" when another writer committed in between.
 
+A write that SQLite refuses because the disk is full ("database or disk is full", "disk I/O
+error") becomes a `StoreWriteError` (a KestrelError: the command line prints one line, not a
+traceback) naming the file and the free space; reads keep working on a full disk.
+
 The chart queries live in `kestrel.jobs.queries`; this file holds the connection, the schema upgrade and
 the claim of a queued job.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sqlite3
@@ -30,13 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, select, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
 from kestrel.errors import KestrelError
 from kestrel.paths import kestrel_home
 from kestrel.jobs.models import EXPORT, QUEUED, RUNNING, SCHEMA_VERSION, Base, Job, SchemaVersion
 
 BUSY_TIMEOUT_S = 30.0
+DISK_ERRORS = ("database or disk is full", "disk i/o error")  # SQLITE_FULL, SQLITE_IOERR
 
 # Steps that adding tables, columns and indexes cannot express (a changed constraint, a renamed
 # column, rewritten data), keyed by the version they upgrade to. Each runs inside the upgrade's
@@ -48,12 +56,48 @@ class JobError(KestrelError):
     """A job request that cannot be carried out (unknown id, wrong state)."""
 
 
+class StoreWriteError(JobError):
+    """The job database could not be written: its disk is full (or failing). `reason` is the
+    message without the advice."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}. Free disk space (a job's checkpoints are the largest files), "
+                         "then run the command again")
+        self.reason = reason
+
+
+def store_write_error(exc: BaseException) -> StoreWriteError | None:
+    """The StoreWriteError for a database error caused by a full or failing disk, else None."""
+    if not isinstance(exc, (OperationalError, sqlite3.OperationalError)):
+        return None
+    text = str(getattr(exc, "orig", None) or exc)
+    if not any(word in text.lower() for word in DISK_ERRORS):
+        return None
+    path = db_path()
+    try:
+        free = f"{size_text(shutil.disk_usage(path.parent).free)} free there"
+    except OSError:
+        free = "free space unknown"
+    return StoreWriteError(f"the job database {path} could not be written ({text}; {free})")
+
+
+def size_text(n: float) -> str:
+    """Bytes as people read them: 512 bytes, 3.4 MB, 12.0 GB."""
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
 def db_path() -> Path:
     return kestrel_home() / "kestrel.db"
 
 
 _ENGINES: dict[tuple[str, int], Engine] = {}
 _LOCK = threading.Lock()
+_warned_snapshot = False
+log = logging.getLogger(__name__)
 
 
 def get_engine() -> Engine:
@@ -110,18 +154,41 @@ def session(immediate: bool = False) -> Iterator[Session]:
     `immediate=True` for anything that writes. Objects stay usable after the block
     (expire_on_commit=False) as plain detached rows.
     """
-    bind = get_engine()
+    snapshot = None
+    try:
+        bind = get_engine()
+    except OperationalError as exc:
+        if (full := store_write_error(exc)) is None:
+            raise
+        if immediate:
+            raise full from exc
+        bind = snapshot = _snapshot_engine(full)  # a full disk: read what the file holds
     if immediate:
         bind = bind.execution_options(kestrel_begin="IMMEDIATE")
     s = Session(bind=bind, expire_on_commit=False)
     try:
         yield s
         s.commit()
-    except BaseException:
+    except BaseException as exc:
         s.rollback()
+        if (full := store_write_error(exc)) is not None:
+            raise full from exc
         raise
     finally:
         s.close()
+        if snapshot is not None:
+            snapshot.dispose()
+
+
+def _snapshot_engine(cause: StoreWriteError) -> Engine:
+    """The database opened read-only and immutable: no -wal or -shm file is created, so it opens
+    on a full disk, where WAL mode cannot start (SQLite then says "disk I/O error"). When no
+    connection is open the file holds every committed row. Logged once per process."""
+    global _warned_snapshot
+    if not _warned_snapshot:
+        _warned_snapshot = True
+        log.warning("warning: %s; reading it read-only meanwhile", cause.reason)
+    return create_engine(f"sqlite:///file:{db_path()}?mode=ro&immutable=1&uri=true", poolclass=NullPool)
 
 
 # ---------------------------------------------------------------------------------------------

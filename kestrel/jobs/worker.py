@@ -2,9 +2,11 @@
 
 It claims nothing itself: the scheduler has already marked the job running on a device and set
 CUDA_VISIBLE_DEVICES. On the CPU it first lowers its own priority (`lower_priority`), so the
-studio stays responsive on a small machine. It records its pid, beats a heartbeat every
-HEARTBEAT_S on a thread, runs the job, writes the final status, records the artifacts, then
-starts the next queued job so the queue drains with no studio or terminal open.
+studio stays responsive on a small machine. Then it forks: the parent stays behind as the
+worker's supervisor (`kestrel.jobs.supervisor`: it settles the job at once if the worker dies),
+the child goes on. It records its pid, beats a heartbeat every HEARTBEAT_S on a thread, runs the
+job, writes the final status, records the artifacts, then starts the next queued job so the queue
+drains with no studio or terminal open.
 
 A training job runs the engine with `DbCallback` (metrics in batches, stop requests polled at
 each step boundary). The engine is reached through one function named by ENGINE_ENTRY
@@ -32,16 +34,17 @@ from sqlalchemy import select, update
 from kestrel import env
 from kestrel.config import config_from_dict
 from kestrel.errors import KestrelError
-from kestrel.jobs import export_job, queries
+from kestrel.jobs import export_job, queries, runner, supervisor
 from kestrel.jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, INTERRUPTED, RUNNING, Job
 from kestrel.jobs.runner import HEARTBEAT_S, schedule
-from kestrel.jobs.store import session
+from kestrel.jobs.store import StoreWriteError, session
 
 ENGINE_ENTRY = "kestrel.training.run:run"
 FLUSH_EVERY_S = 1.0  # metrics reach the store at most this late (charts stay < 2 s behind)
 STOP_POLL_S = 0.2  # should_stop reads the store at most this often
 RESULT_STATUSES = (COMPLETED, CANCELLED, INTERRUPTED, FAILED)
 CPU_NICE = 10  # added niceness of a job on the CPU (0 normal .. 19 lowest)
+RESULT_RETRY_S = 10.0  # how long a worker retries storing its result on a full disk
 
 
 def resolve_entry() -> Callable[..., Any]:
@@ -243,12 +246,29 @@ def run_job(job_id: int) -> int:
             status, error = _train(job_id, pid, dict(job.config))
     finally:
         heartbeat.stopped.set()
-    with session(immediate=True) as s:
-        s.execute(update(Job).where(Job.id == job_id, Job.pid == pid, Job.status == RUNNING).values(
-            status=status, error=error, finished_at=time.time(), heartbeat_at=time.time(),
-            stop_request=None))
     print(f"[jobs] job {job_id} {status}" + (f": {error}" if error else ""), flush=True)
+    if not _write_result(job_id, pid, status, error):
+        return 3  # the supervisor records that the worker ended without a result
     return 0 if status != FAILED else 1
+
+
+def _write_result(job_id: int, pid: int, status: str, error: str | None) -> bool:
+    """Store the job's result. A database that cannot be written (a full disk: a failed
+    checkpoint has just given its space back, or another program may) is retried for
+    RESULT_RETRY_S; False when it never could be, after saying so in the log."""
+    deadline = time.monotonic() + RESULT_RETRY_S
+    while True:
+        try:
+            with session(immediate=True) as s:
+                s.execute(update(Job).where(Job.id == job_id, Job.pid == pid, Job.status == RUNNING).values(
+                    status=status, error=error, finished_at=time.time(), heartbeat_at=time.time(),
+                    stop_request=None))
+            return True
+        except StoreWriteError as exc:
+            if time.monotonic() > deadline:
+                print(f"[jobs] could not record the result of job {job_id}: {exc}", flush=True)
+                return False
+            time.sleep(1.0)
 
 
 def _record_log(job: Job) -> None:
@@ -281,8 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or not args[0].isdigit():
         print("usage: python -m kestrel.jobs.worker JOB_ID", file=sys.stderr)
         return 2
+    job_id = int(args[0])
     lower_priority(env.raw("KESTREL_JOB_DEVICE") or None)
-    code = run_job(int(args[0]))
+    try:
+        worker_pid = supervisor.fork_worker()  # before any thread starts (see kestrel.jobs.supervisor)
+    except OSError as exc:
+        runner.fail_launch(job_id, f"could not start the worker: {exc}")
+        return 1
+    if worker_pid != 0:
+        return supervisor.supervise(job_id, worker_pid)
+    code = run_job(job_id)
     try:
         schedule()  # the device is free: start whatever waits for it
     except Exception as exc:  # noqa: BLE001 - the job itself is settled already

@@ -5,13 +5,23 @@
 
 A checkpoint is written into `step-N.tmp` and renamed when complete, so a crash or a full disk
 never leaves a half-written checkpoint under a final name, and the previous one stays intact.
+The final weights (`output_dir/adapter` or `output_dir/model`) are written the same way.
+
+Whatever a writer raises (OSError from Python's files, SafetensorError from safetensors,
+RuntimeError "unexpected pos" from `torch.save` on a full disk, anything else) becomes a
+`CheckpointWriteError`: the partial folder is removed first (a full disk gets its space back),
+and the message names the file that failed, the checkpoint that is intact, the space free on that
+disk and about how much a checkpoint needs. A `.tmp` folder left by a process killed mid-save is
+removed at the next start (`remove_stale_writes`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,48 +31,191 @@ from torch import nn
 from kestrel.errors import KestrelError
 
 KEEP = 2  # checkpoints kept; older ones are removed once a newer one is complete
+TMP_SUFFIX = ".tmp"
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL_WORDS = ("no space left", "disk full", "quota exceeded", "file too large")
+
+NEARLY_FULL_BYTES = 16 << 20  # a write that fails with less than this left is taken for a full disk
+
+Writer = tuple[str, Callable[[], Any]]  # (what it writes, the call that writes it)
+Failure = Callable[[str, Exception, bool], str]  # (what failed, the error, disk nearly full) -> message
+
+
+class CheckpointWriteError(KestrelError):
+    """A checkpoint or the final weights could not be written; the message says what failed,
+    which checkpoint is intact and how much disk space to free."""
 
 
 def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None) -> Path:
-    """The adapter (PEFT folder) or the full model, plus the tokenizer, into `folder`."""
-    target = folder / ("adapter" if _is_peft(model) else "model")
-    model.save_pretrained(target)
+def _weights_writers(model: nn.Module, target: Path, tokenizer: Any = None) -> list[Writer]:
+    writers: list[Writer] = [(f"{target.name}/ (the weights)", lambda: model.save_pretrained(target))]
     if tokenizer is not None:
-        tokenizer.save_pretrained(target)
+        writers.append((f"{target.name}/ (the tokenizer)", lambda: tokenizer.save_pretrained(target)))
+    return writers
+
+
+def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None) -> Path:
+    """The adapter (PEFT folder) or the full model, plus the tokenizer, into `folder`/adapter or
+    `folder`/model, written to a `.tmp` folder and renamed. Raises CheckpointWriteError."""
+    target = folder / ("adapter" if _is_peft(model) else "model")
+    tmp = target.with_name(target.name + TMP_SUFFIX)
+    failure = _failure(f"the final weights ({target.name}/)", folder, lambda: _weights_bytes(model))
+    _write_atomically(tmp, target, _weights_writers(model, tmp, tokenizer), failure)
     return target
 
 
 def save_checkpoint(
     output_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any]
 ) -> Path:
+    """Write the checkpoint of `step` (weights, optimizer, scheduler, state) and keep the newest
+    KEEP. Raises CheckpointWriteError, with the partial folder removed, when any write fails."""
     root = output_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = root / f"step-{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        save_weights(model, tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(output_dir)
-        kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
-        raise KestrelError(
-            f"could not write the checkpoint at step {step} to {root} ({exc.strerror or exc}); {kept}. "
-            "Free disk space (or raise save_steps) and resume."
-        ) from exc
+    tmp = root / f"step-{step:06d}{TMP_SUFFIX}"
+    inner = tmp / ("adapter" if _is_peft(model) else "model")
+    writers = [
+        *_weights_writers(model, inner),
+        ("optimizer.pt", lambda: torch.save(optimizer.state_dict(), tmp / "optimizer.pt")),
+        ("scheduler.pt", lambda: torch.save(scheduler.state_dict(), tmp / "scheduler.pt")),
+        ("state.json", lambda: (tmp / "state.json").write_text(json.dumps({**state, "step": step}))),
+    ]
+    need = lambda: _checkpoint_bytes(output_dir, model, optimizer)
+    _write_atomically(tmp, final, writers, _failure(f"the checkpoint of step {step}", output_dir, need))
     for old in sorted(root.glob("step-*[0-9]"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_atomically(tmp: Path, final: Path, writers: list[Writer], failure: Failure) -> None:
+    """Run `writers` into the fresh folder `tmp`, then rename it to `final`. On any error the
+    partial folder is removed first, then CheckpointWriteError(failure(what, error)) is raised;
+    a KeyboardInterrupt or SystemExit also removes it and goes on as it was."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    what = f"the folder {tmp.name}"
+    try:
+        tmp.mkdir(parents=True)
+        for name, write in writers:
+            what = name  # named in the error if this write fails
+            write()
+        what = f"the rename of {tmp.name} to {final.name}"
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException as exc:
+        nearly_full = (free_bytes(tmp) or 0) < NEARLY_FULL_BYTES  # before the partial files go
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise
+        raise CheckpointWriteError(failure(what, exc, nearly_full)) from exc
+
+
+def _failure(subject: str, output_dir: Path, need: Callable[[], int]) -> Failure:
+    """A function that words the error for a failed write of `subject` (see write_failure)."""
+    return lambda what, exc, nearly_full: write_failure(subject, what, exc, output_dir, need(), nearly_full)
+
+
+def write_failure(subject: str, what: str, exc: BaseException, output_dir: Path, need: int,
+                  nearly_full: bool = False) -> str:
+    """The message for a failed write: what failed and why, which checkpoint is intact, the space
+    free on that disk (after the partial folder was removed) against what a checkpoint needs, and
+    what to do. `nearly_full`: the disk had almost nothing left when the write failed (torch.save
+    then says only "unexpected pos")."""
+    previous = latest_checkpoint(output_dir)
+    kept = (f"the previous checkpoint {previous.name} is intact ({previous})" if previous
+            else "no earlier checkpoint exists, so a resumed run starts from step 0")
+    free = free_bytes(output_dir)
+    full = nearly_full or looks_like_full_disk(exc) or (free is not None and free < need)
+    space = (f"{_size(free)} free on the disk holding {output_dir}" if free is not None
+             else f"the free space on the disk holding {output_dir} is unknown")
+    if full:
+        more = need - free if free is not None and free < need else need
+        advice = (f"The disk is full: {space}, and a checkpoint needs about {_size(need)}; "
+                  f"free at least {_size(more)} there, then resume the run.")
+    else:
+        advice = f"Fix the cause and resume the run ({space}; a checkpoint needs about {_size(need)})."
+    return f"could not write {subject}: writing {what} failed ({describe(exc)}); {kept}. {advice}"
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one short line: OSError's own words, else the type and the first line."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    text = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def looks_like_full_disk(exc: BaseException) -> bool:
+    """Whether an error (or one it was raised from) says the disk or the quota is full."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
+            return True
+        if any(word in str(seen).lower() for word in DISK_FULL_WORDS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the disk holding `path` (its nearest existing parent); None if unknown."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free
+            except OSError:
+                return None
+    return None
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _weights_bytes(model: nn.Module) -> int:
+    """What save_pretrained writes: the trainable tensors of an adapter, every weight otherwise."""
+    params = [p for p in model.parameters() if p.requires_grad or not _is_peft(model)]
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _checkpoint_bytes(output_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About what one checkpoint takes: the last complete one's size, else the weights plus the
+    optimizer's state tensors."""
+    previous = latest_checkpoint(output_dir)
+    if previous is not None:
+        try:
+            return _folder_bytes(previous)
+        except OSError:
+            pass
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return _weights_bytes(model) + sum(t.numel() * t.element_size() for t in state)
+
+
+def remove_stale_writes(output_dir: Path) -> list[Path]:
+    """Remove `.tmp` folders a killed process left mid-save (checkpoints and final weights);
+    returns what was removed. Call only while no other process writes into `output_dir`."""
+    candidates = [*(output_dir / "checkpoints").glob(f"step-*{TMP_SUFFIX}"),
+                  *(output_dir / f"{name}{TMP_SUFFIX}" for name in ("adapter", "model"))]
+    removed = []
+    for path in sorted(candidates):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:

@@ -2,13 +2,16 @@
 
 It resolves the output folder, writes the resolved config, runs SFT or GRPO, and turns failures
 into a `TrainResult` the caller can show: out-of-memory names what to lower; a failed checkpoint
-write says the previous checkpoint is intact. Running the same config again resumes from the
-latest checkpoint in `output_dir`.
+write (any writer's error, see `kestrel.training.checkpoints`) says which checkpoint is intact and
+how much disk space to free; a full disk anywhere else says the same. Running the same config
+again resumes from the latest checkpoint in `output_dir`, after removing the `.tmp` folders a
+process killed mid-save left behind (logged).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +22,13 @@ from kestrel.constants import slug
 from kestrel.recompute.host_memory import release_pinned_memory
 from kestrel.config import TrainConfig, check_output_dir, expand_path
 from kestrel.errors import ConfigError, KestrelError, OutOfMemoryError, oom_message
+from kestrel.training.checkpoints import (
+    describe, free_bytes, latest_checkpoint, looks_like_full_disk, remove_stale_writes,
+)
 from kestrel.training.metrics import Callback, CallbackList, JsonlWriter
 from kestrel.paths import runs_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,14 +66,32 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _clean_stale_writes(output_dir: Path, cb: Callback) -> None:
+    """Remove what a run killed mid-save left (`step-N.tmp`, `adapter.tmp`), saying so."""
+    for path in remove_stale_writes(output_dir):
+        cb.on_log(f"removed {path}: an unfinished save left by an earlier run that was stopped while saving")
+
+
+def disk_full_message(output_dir: Path, exc: OSError) -> str:
+    """A full disk met outside a checkpoint (metrics, config): what failed, what is intact, the
+    free space."""
+    free = free_bytes(output_dir)
+    previous = latest_checkpoint(output_dir)
+    kept = f"the checkpoint {previous.name} is intact" if previous else "no checkpoint was written yet"
+    space = f"{free / 1e6:.1f} MB free there" if free is not None else "free space unknown"
+    return (f"the disk holding {output_dir} is full ({describe(exc)}; {space}); {kept}. "
+            "Free disk space, then resume the run.")
+
+
 def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainResult:
     """Train as `config` says, reporting to `callbacks`; never raises for a run that failed (a
     ConfigError when the output folder cannot be made: then nothing ran)."""
     output_dir = resolve_output_dir(config)
-    config.save(output_dir / "config.yaml")
     cb = CallbackList([JsonlWriter(output_dir / "metrics.jsonl"), *(callbacks or [])])
     step, error = 0, None
     try:
+        config.save(output_dir / "config.yaml")
+        _clean_stale_writes(output_dir, cb)
         if config.method == "grpo":
             from kestrel.training.grpo import run_grpo
 
@@ -79,8 +105,15 @@ def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainRe
         error = str(OutOfMemoryError(oom_message(config.batch_size, config.max_seq_length, config.gradient_checkpointing)))
     except KestrelError as exc:
         status, error = "failed", str(exc)
+    except OSError as exc:
+        if not looks_like_full_disk(exc):
+            raise
+        status, error = "failed", disk_full_message(output_dir, exc)
     # Outside the except block: the traceback (and the frames holding the model) is gone, so
     # collecting here really gives the GPU memory back.
     _release_memory()
-    cb.on_end(status, error)
+    try:
+        cb.on_end(status, error)
+    except Exception as exc:  # noqa: BLE001 - a watcher that cannot record the end must not hide the result
+        log.warning("could not report the end of the run: %s", describe(exc))
     return TrainResult(status, str(output_dir), step, error)

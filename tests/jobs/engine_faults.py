@@ -2,7 +2,9 @@
 "engine_faults:run_oom" or "engine_faults:run_disk_full"; FAULT_STEP picks the step).
 
 run_oom: the optimizer step FAULT_STEP raises torch's CUDA out-of-memory error, as a GPU would.
-run_disk_full: writing the checkpoint of step FAULT_STEP fails with ENOSPC, as a full disk would.
+run_disk_full: writing the checkpoint of step FAULT_STEP fails as a full disk makes it fail: with
+OSError(ENOSPC), or with FAULT_ERROR=torch the RuntimeError torch.save raises on a full disk
+("unexpected pos", no word of space), after writing part of the file.
 run_paced: no fault, but every step takes at least PACE_S seconds, so a test can act mid-run
 however fast the machine is.
 """
@@ -52,6 +54,9 @@ def run_disk_full(config: Any, callbacks: list[Any] | None = None) -> TrainResul
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if Path(str(f)).parent.name == target:
+            Path(str(f)).write_bytes(b"\0" * 4096)
+            if os.environ.get("FAULT_ERROR") == "torch":
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
         real_save(obj, f, *args, **kwargs)
 

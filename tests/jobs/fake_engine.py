@@ -10,7 +10,8 @@ the worker must handle too.
 
 Behaviour knobs (environment): FAKE_STEP_S (seconds a step), FAKE_FAIL = "oom@K" (raise
 OutOfMemoryError at step K), "disk@K" (checkpoint write at step K fails with a disk-full OSError,
-raised as KestrelError), "hang@K" (ignore stop requests and block from step K on).
+raised as KestrelError), "hang@K" (ignore stop requests and block from step K on), "abort@K"
+(abort the process at step K, as a crash in native code does: SIGABRT).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def run(config: Any, callbacks: list[Any] | None = None) -> Result:
                    "grad_norm": 1.0 + step, "tokens_per_s": 100.0 * step}
         for cb in cbs:
             cb.on_step(metrics)
+        if fail == f"abort@{step}":
+            os.abort()
         while fail == f"hang@{step}":
             time.sleep(0.05)  # stuck (a deadlocked data loader, say): only a signal ends this
         stop = next((k for k in (cb.should_stop() for cb in cbs) if k), None)

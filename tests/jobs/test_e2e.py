@@ -151,3 +151,28 @@ def test_demo_disk_full_while_checkpointing_keeps_the_previous_checkpoint(monkey
     checkpoints = Path(failed.output_dir) / "checkpoints"
     assert [p.name for p in checkpoints.iterdir()] == ["step-000002"]  # no half-written step 4
     assert json.loads((checkpoints / "step-000002" / "state.json").read_text())["step"] == 2
+
+
+def test_demo_torch_save_failing_on_a_full_disk_fails_the_job_and_every_command_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save on a full disk raises RuntimeError ("unexpected pos"), not OSError: the job still
+    ends `failed` with the checkpoint that is intact and the space to free, no .tmp is left, the
+    command line answers, and a resume finishes."""
+    monkeypatch.setenv("KESTREL_ENGINE_ENTRY", "engine_faults:run_disk_full")
+    monkeypatch.setenv("FAULT_STEP", "4")
+    monkeypatch.setenv("FAULT_ERROR", "torch")
+    job_id = jobs.submit(demo(max_steps=6, save_steps=2))
+    failed = wait_status(job_id, timeout=SLOW)
+    assert failed.status == FAILED, jobs.log_tail(job_id)
+    assert "could not write the checkpoint of step 4: writing optimizer.pt failed (RuntimeError" in failed.error
+    assert "step-000002 is intact" in failed.error and "a checkpoint needs about" in failed.error
+    checkpoints = Path(failed.output_dir) / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["step-000002"]
+    for command in (["list"], ["show", str(job_id)], ["logs", str(job_id)]):
+        done = subprocess.run([sys.executable, "-m", "kestrel", "jobs", *command], capture_output=True, text=True)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
+    monkeypatch.setenv("KESTREL_ENGINE_ENTRY", "engine_faults:run_paced")
+    monkeypatch.setenv("PACE_S", "0")
+    jobs.resume(job_id)
+    done = wait_status(job_id, timeout=SLOW)
+    assert done.status == COMPLETED and steps(job_id) == list(range(1, 7)), jobs.log_tail(job_id)
