@@ -57,6 +57,7 @@ STALE_AFTER_S = 6.0  # three missed heartbeats: with a dead pid, the job is lost
 REFRESH_EVERY_S = 1.0  # list_jobs / get_job reconcile at most this often per process
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: workers import kestrel from it
 LOG_NAME = "job.log"
+NO_RESULT_EXIT = 3  # a worker's exit code when it finished but could not store its result
 
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # worker processes (supervisors) started here, to reap them
 _last_refresh = 0.0
@@ -324,7 +325,9 @@ def _lost_status(job: Job, killed: bool, how: str = "ended") -> tuple[str, str |
     if job.stop_request == "cancel":
         return CANCELLED, None if how == "ended" else f"the worker process (pid {job.pid}) {how} while stopping"
     again = "runs the export again" if job.kind == EXPORT else "continues from the last checkpoint"
-    cause = "killed, or the machine restarted" if how == "ended" else "the job log shows its last words"
+    cause = {"ended": "killed, or the machine restarted",
+             exit_description(NO_RESULT_EXIT): "it could not store its result, which the job log shows"
+             }.get(how, "the job log shows its last words")
     return INTERRUPTED, (f"the worker process (pid {job.pid}) {how} without reporting a result "
                          f"({cause}); `python -m kestrel jobs resume {job.id}` {again}")
 

@@ -36,7 +36,7 @@ from kestrel.config import config_from_dict
 from kestrel.errors import KestrelError
 from kestrel.jobs import export_job, queries, runner, supervisor
 from kestrel.jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, INTERRUPTED, RUNNING, Job
-from kestrel.jobs.runner import HEARTBEAT_S, schedule
+from kestrel.jobs.runner import HEARTBEAT_S, NO_RESULT_EXIT, schedule
 from kestrel.jobs.store import StoreWriteError, session
 
 ENGINE_ENTRY = "kestrel.training.run:run"
@@ -248,7 +248,7 @@ def run_job(job_id: int) -> int:
         heartbeat.stopped.set()
     print(f"[jobs] job {job_id} {status}" + (f": {error}" if error else ""), flush=True)
     if not _write_result(job_id, pid, status, error):
-        return 3  # the supervisor records that the worker ended without a result
+        return NO_RESULT_EXIT  # its supervisor records that it ended without a stored result
     return 0 if status != FAILED else 1
 
 

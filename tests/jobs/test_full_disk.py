@@ -96,3 +96,21 @@ def test_every_command_answers_on_a_full_disk(tmp_path: Path) -> None:
     assert len(cancel["err"].strip().splitlines()) == 1
     # Space freed: the next command settles the lost job.
     assert after["code"] == 0 and json.loads(after["out"])[0]["status"] == "interrupted"
+
+
+def test_a_worker_that_cannot_store_its_result_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    from kestrel.jobs import runner, worker
+    from kestrel.jobs.models import Job
+
+    def full(*_: object, **__: object) -> None:
+        raise StoreWriteError("the job database x could not be written (database or disk is full; 0 bytes free there)")
+
+    monkeypatch.setattr(worker, "RESULT_RETRY_S", 0.0)
+    monkeypatch.setattr(worker, "session", full)
+    assert worker._write_result(1, 2, "failed", "the checkpoint could not be written") is False
+    assert "could not record the result of job 1: the job database x could not be written" in capsys.readouterr().out
+    # Its supervisor then settles the job, saying where the result went.
+    lost = Job(id=1, pid=2, kind="sft", stop_request=None)
+    status, error = runner._lost_status(lost, False, runner.exit_description(runner.NO_RESULT_EXIT))
+    assert status == "interrupted" and "could not store its result, which the job log shows" in error
