@@ -31,7 +31,7 @@ def test_a_database_that_cannot_grow_refuses_writes_in_one_line_and_still_reads(
     engine.dispose()  # new connections: at most the pages the file has now
     with pytest.raises(StoreWriteError, match="could not be written .database or disk is full") as caught:
         for _ in range(50):
-            jobs.submit(config(name="x" * 2000), start=False)
+            jobs.submit(config(system_prompt="x" * 4000), start=False)  # a long config row
     assert "Free disk space" in str(caught.value) and "\n" not in str(caught.value)
     assert [j.id for j in jobs.list_jobs()][-1] == first
 
