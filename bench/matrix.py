@@ -48,69 +48,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.matrix_table import FORCED_GRAPHS, METHODS, record_key, render_table  # noqa: E402
+from bench.model_shapes import ARCHITECTURES, MODELS  # noqa: E402
+
 MODEL_ROOT = Path("/tmp/kestrel-bench/matrix")  # on the GPU machine: one folder per model, reused
 PAD_ID = 0  # padding id; sample tokens are drawn from 1..vocab-1 so padding is recognisable
-METHODS = ("qlora", "lora")
 SYSTEMS = ("kestrel", "kestrel-on", "kestrel-off", "unsloth", "hf")
-FORCED_GRAPHS = {"kestrel-on": "on", "kestrel-off": "off"}
-
-
-# --- Model shapes: the public configs' values -------------------------------------------------
-
-def _gemma_layers(n: int) -> list[str]:
-    """Gemma 3's pattern: five sliding-window layers, then one full-attention layer."""
-    return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
-
-
-_LLAMA3 = dict(model_type="llama", vocab_size=128256, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-               max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
-               bos_token_id=128000, eos_token_id=128001)
-_QWEN2 = dict(model_type="qwen2", head_dim=128, rope_theta=1000000.0, max_position_embeddings=131072,
-              rms_norm_eps=1e-6, hidden_act="silu", vocab_size=152064, tie_word_embeddings=False)
-_QWEN3 = dict(model_type="qwen3", head_dim=128, num_key_value_heads=8, rope_theta=1000000.0, vocab_size=151936,
-              max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu")
-_GEMMA3 = dict(model_type="gemma3_text", head_dim=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-               query_pre_attn_scalar=256, sliding_window=1024, vocab_size=262208, max_position_embeddings=131072,
-               rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
-
-MODELS: dict[str, dict[str, Any]] = {
-    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, head_dim=64, tie_word_embeddings=True),
-    "llama-3.2-3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                         num_attention_heads=24, tie_word_embeddings=True),
-    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, tie_word_embeddings=False),
-    "qwen2.5-0.5b": dict(_QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
-                         max_position_embeddings=32768, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(_QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4),
-    "qwen2.5-14b": dict(_QWEN2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-                        num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5),
-    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, tie_word_embeddings=True),
-    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, tie_word_embeddings=True),
-    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, tie_word_embeddings=False),
-    "qwen3-14b": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-                      num_attention_heads=40, tie_word_embeddings=False),
-    "gemma3-1b": dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-                      num_attention_heads=4, num_key_value_heads=1, sliding_window=512, vocab_size=262144,
-                      max_position_embeddings=32768, layer_types=_gemma_layers(26)),
-    "gemma3-4b": dict(_GEMMA3, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-                      num_attention_heads=8, num_key_value_heads=4, layer_types=_gemma_layers(34)),
-    "gemma3-12b": dict(_GEMMA3, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
-                       num_attention_heads=16, num_key_value_heads=8, layer_types=_gemma_layers(48)),
-    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
-                       sliding_window=None, hidden_act="silu", tie_word_embeddings=False),
-}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,10 +296,6 @@ def load_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def record_key(r: dict[str, Any]) -> tuple[str, str, str, str]:
-    return r.get("model", ""), r.get("method", ""), r.get("layout", ""), r.get("system", "")
-
-
 def append_record(path: Path, record: dict[str, Any], mirror: str | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
@@ -469,78 +408,7 @@ def run_matrix(args: argparse.Namespace) -> None:
         append_record(Path(args.out), record, args.mirror)
         skip = ("losses", "step_s", "graph_decisions", "versions")
         print(json.dumps({k: v for k, v in record.items() if k not in skip})[:1500], flush=True)
-    print(render_table(load_records(Path(args.out))))
-
-
-# --- The table ---------------------------------------------------------------------------------
-
-def _failure(r: dict[str, Any]) -> str:
-    text = str(r.get("error", ""))
-    if "out of memory" in text.lower() or "OutOfMemory" in text:
-        return "OOM"
-    if text.startswith("timeout"):
-        return "timeout"
-    if "NotImplementedError" in text or "not supported" in text.lower() or "unsupported" in text.lower():
-        return "unsupported"
-    return "error"
-
-
-def _tps(r: dict[str, Any] | None) -> str:
-    if r is None:
-        return ""
-    return _failure(r) if "error" in r else f"{r['tokens_per_s']:,.0f}"
-
-
-def _ok(r: dict[str, Any] | None) -> bool:
-    return r is not None and "error" not in r and bool(r.get("tokens_per_s"))
-
-
-def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
-    return f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if _ok(a) and _ok(b) else ""
-
-
-def _mem(r: dict[str, Any] | None) -> str:
-    return f"{r['peak_alloc_gib']:.2f} / {r['peak_reserved_gib']:.2f}" if _ok(r) else ""
-
-
-def _auto_vs_forced(by: dict[str, dict[str, Any]]) -> str:
-    """Kestrel auto's tokens/s over the faster forced mode's, and which mode that was."""
-    auto = by.get("kestrel")
-    forced = [(by[s]["tokens_per_s"], s) for s in FORCED_GRAPHS if _ok(by.get(s))]
-    if not _ok(auto) or auto.get("cuda_graphs", "auto") != "auto" or not forced:
-        return ""
-    best, name = max(forced)
-    return f"{auto['tokens_per_s'] / best:.2f}x (vs {FORCED_GRAPHS[name]})"
-
-
-def _graphs(r: dict[str, Any] | None) -> str:
-    """What Kestrel auto's chooser decided: layouts graphed of those decided (of those seen)."""
-    if not _ok(r) or r.get("cuda_graphs") != "auto":
-        return ""
-    decided = r.get("graph_decisions", [])
-    return f"{sum(d['graphed'] for d in decided)}/{len(decided)} graphed ({r.get('graph_layouts_seen', 0)} seen)"
-
-
-def _order(cell: tuple[str, str, str]) -> tuple[int, ...]:
-    lists = (list(MODELS), list(METHODS), list(LAYOUTS))
-    return tuple(lst.index(v) if v in lst else len(lst) for lst, v in zip(lists, cell))
-
-
-def render_table(records: list[dict[str, Any]]) -> str:
-    """One markdown row per (model, method, layout): the latest record of each system."""
-    cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
-    for r in records:
-        cells.setdefault(record_key(r)[:3], {})[r.get("system", "")] = r
-    lines = ["| model | method | layout | kestrel tok/s | unsloth tok/s | hf tok/s | kestrel / unsloth "
-             "| auto / best forced | kestrel GiB alloc / reserved | unsloth GiB | hf GiB | auto's CUDA graphs "
-             "| device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for cell in sorted(cells, key=_order):
-        by = cells[cell]
-        k, u, h = by.get("kestrel"), by.get("unsloth"), by.get("hf")
-        device = next((r["device"] for r in by.values() if r.get("device")), "")
-        lines.append(f"| {' | '.join(cell)} | {_tps(k)} | {_tps(u)} | {_tps(h)} | {_ratio(k, u)} "
-                     f"| {_auto_vs_forced(by)} | {_mem(k)} | {_mem(u)} | {_mem(h)} | {_graphs(k)} | {device} |")
-    return "\n".join(lines)
+    print(render_table(load_records(Path(args.out)), list(LAYOUTS)))
 
 
 # --- Command line ------------------------------------------------------------------------------
@@ -591,7 +459,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.table:
-        print(render_table(load_records(Path(args.table))))
+        print(render_table(load_records(Path(args.table)), list(LAYOUTS)))
     elif args.prepare:
         folder = build_model_dir(args.prepare)
         Path(args.out).write_text(json.dumps({"folder": str(folder)}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import signal
 from typing import Any
 
 DEMO = "demo"  # the built-in demo model's name, in place of a hub id or a folder
@@ -39,3 +40,13 @@ def merge(base: dict[str, Any], extra: dict[str, Any], whole: tuple[str, ...] = 
         else:
             merged[key] = copy.deepcopy(value)
     return merged
+
+
+def signal_name(returncode: int) -> str | None:
+    """The signal that ended a process, from its return code ("SIGKILL"), or None for an exit."""
+    if returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"

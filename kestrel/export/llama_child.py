@@ -23,7 +23,6 @@ import importlib
 import logging
 import os
 import pickle
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from kestrel.constants import signal_name
 from kestrel.errors import KestrelError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `kestrel/`, for the child's import
@@ -41,13 +41,8 @@ class LlamaCrashError(KestrelError):
 
 
 def _how(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"killed by {name}, exit code {128 - returncode}"
-    return f"exit code {returncode}"
+    name = signal_name(returncode)
+    return f"exit code {returncode}" if name is None else f"killed by {name}, exit code {128 - returncode}"
 
 
 def crash_message(stage: str, returncode: int) -> str:

@@ -44,7 +44,7 @@ from sqlalchemy import delete as sql_delete
 from sqlalchemy import select, update
 
 from kestrel import env as kestrel_env
-from kestrel.constants import slug
+from kestrel.constants import signal_name, slug
 from kestrel.config import TrainConfig, check_output_dir, config_from_dict, expand_path
 from kestrel.errors import ConfigError
 from kestrel.paths import kestrel_home, runs_dir
@@ -334,13 +334,8 @@ def _lost_status(job: Job, killed: bool, how: str = "ended") -> tuple[str, str |
 
 def exit_description(returncode: int) -> str:
     """How a process ended, from its wait status: "was killed by SIGKILL", "exited with code 1"."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with code {returncode}"
+    name = signal_name(returncode)
+    return f"exited with code {returncode}" if name is None else f"was killed by {name}"
 
 
 def settle_exited(job_id: int, pid: int, returncode: int) -> str | None:

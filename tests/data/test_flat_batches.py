@@ -17,6 +17,7 @@ from kestrel.data.collate import BatchPlan, bucket_width
 from kestrel.data.tokenize import IGNORE, Sample
 from kestrel.model.patching import PatchFlags, patch_lora_layers, patch_model, runs_varlen
 from kestrel.model.registry import SUPPORTED
+from tests.support.compare import assert_same_trainable_grads
 from tests.support.tiny import tiny_model
 from tests.model.test_patching import VOCAB, _lora
 
@@ -71,10 +72,7 @@ def test_a_flat_batch_trains_as_the_padded_batch_through_hf(family: str, packing
     torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-5)
     ref_loss.backward()
     fast_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    for name, p in fast.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+    assert_same_trainable_grads(fast, ref)
 
 
 def test_a_runs_batches_take_few_shapes() -> None:

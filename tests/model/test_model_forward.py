@@ -19,6 +19,7 @@ from kestrel.model import decoder_stack as model_forward
 from kestrel.recompute.checkpoint import set_gradient_checkpointing
 from kestrel.model.patching import PatchFlags, patch_lora_layers, patch_model
 from kestrel.model.registry import SUPPORTED
+from tests.support.compare import assert_same_trainable_grads
 from tests.support.tiny import tiny_model
 from tests.model.test_patching import VOCAB, _lora
 
@@ -117,10 +118,7 @@ def test_logits_loss_and_lora_grads_match_hf(family: str, case: str, mode: str, 
     torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-5)
     ref_loss.backward()
     fast_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    for name, p in fast.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+    assert_same_trainable_grads(fast, ref)
     assert counts["model"] == 2  # the logits and the loss forward, neither delegated
     # Right-padded rows run as segments (real tokens, then padding) through varlen; left padding
     # and a mask with a hole take HF's mask.
@@ -153,10 +151,7 @@ def test_checkpointed_packed_training_matches_hf(family: str, monkeypatch: pytes
     batch = _batch("packed")
     ref(**batch, use_cache=False).loss.backward()
     fast(**batch, use_cache=False).loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    for name, p in fast.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+    assert_same_trainable_grads(fast, ref)
     layers = fast.config.num_hidden_layers
     sandwich = family.startswith("gemma")
     # forward under no_grad (kept), then one recompute per layer (discarded unless sandwich)

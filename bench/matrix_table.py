@@ -1,0 +1,84 @@
+"""`bench/matrix.py --table`: the markdown table of a matrix results file, one row per cell."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.model_shapes import MODELS
+
+METHODS = ("qlora", "lora")
+FORCED_GRAPHS = {"kestrel-on": "on", "kestrel-off": "off"}  # Kestrel with its CUDA graphs forced
+
+
+def record_key(r: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(model, method, layout, system): what one result line is of."""
+    return r.get("model", ""), r.get("method", ""), r.get("layout", ""), r.get("system", "")
+
+
+def _failure(r: dict[str, Any]) -> str:
+    text = str(r.get("error", ""))
+    if "out of memory" in text.lower() or "OutOfMemory" in text:
+        return "OOM"
+    if text.startswith("timeout"):
+        return "timeout"
+    if "NotImplementedError" in text or "not supported" in text.lower() or "unsupported" in text.lower():
+        return "unsupported"
+    return "error"
+
+
+def _tps(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return ""
+    return _failure(r) if "error" in r else f"{r['tokens_per_s']:,.0f}"
+
+
+def _ok(r: dict[str, Any] | None) -> bool:
+    return r is not None and "error" not in r and bool(r.get("tokens_per_s"))
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+    return f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if _ok(a) and _ok(b) else ""
+
+
+def _mem(r: dict[str, Any] | None) -> str:
+    return f"{r['peak_alloc_gib']:.2f} / {r['peak_reserved_gib']:.2f}" if _ok(r) else ""
+
+
+def _auto_vs_forced(by: dict[str, dict[str, Any]]) -> str:
+    """Kestrel auto's tokens/s over the faster forced mode's, and which mode that was."""
+    auto = by.get("kestrel")
+    forced = [(by[s]["tokens_per_s"], s) for s in FORCED_GRAPHS if _ok(by.get(s))]
+    if not _ok(auto) or auto.get("cuda_graphs", "auto") != "auto" or not forced:
+        return ""
+    best, name = max(forced)
+    return f"{auto['tokens_per_s'] / best:.2f}x (vs {FORCED_GRAPHS[name]})"
+
+
+def _graphs(r: dict[str, Any] | None) -> str:
+    """What Kestrel auto's chooser decided: layouts graphed of those decided (of those seen)."""
+    if not _ok(r) or r.get("cuda_graphs") != "auto":
+        return ""
+    decided = r.get("graph_decisions", [])
+    return f"{sum(d['graphed'] for d in decided)}/{len(decided)} graphed ({r.get('graph_layouts_seen', 0)} seen)"
+
+
+def _order(cell: tuple[str, str, str], layouts: list[str]) -> tuple[int, ...]:
+    lists = (list(MODELS), list(METHODS), layouts)
+    return tuple(lst.index(v) if v in lst else len(lst) for lst, v in zip(lists, cell))
+
+
+def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
+    """One markdown row per (model, method, layout): the latest record of each system."""
+    cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    for r in records:
+        cells.setdefault(record_key(r)[:3], {})[r.get("system", "")] = r
+    lines = ["| model | method | layout | kestrel tok/s | unsloth tok/s | hf tok/s | kestrel / unsloth "
+             "| auto / best forced | kestrel GiB alloc / reserved | unsloth GiB | hf GiB | auto's CUDA graphs "
+             "| device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for cell in sorted(cells, key=lambda c: _order(c, layouts)):
+        by = cells[cell]
+        k, u, h = by.get("kestrel"), by.get("unsloth"), by.get("hf")
+        device = next((r["device"] for r in by.values() if r.get("device")), "")
+        lines.append(f"| {' | '.join(cell)} | {_tps(k)} | {_tps(u)} | {_tps(h)} | {_ratio(k, u)} "
+                     f"| {_auto_vs_forced(by)} | {_mem(k)} | {_mem(u)} | {_mem(h)} | {_graphs(k)} | {device} |")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""The real configs of the model families `bench/matrix.py` measures (the public configs' values;
+random-init weights at these shapes change neither speed nor memory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+def _gemma_layers(n: int) -> list[str]:
+    """Gemma 3's pattern: five sliding-window layers, then one full-attention layer."""
+    return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+
+
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+               max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+               bos_token_id=128000, eos_token_id=128001)
+_QWEN2 = dict(model_type="qwen2", head_dim=128, rope_theta=1000000.0, max_position_embeddings=131072,
+              rms_norm_eps=1e-6, hidden_act="silu", vocab_size=152064, tie_word_embeddings=False)
+_QWEN3 = dict(model_type="qwen3", head_dim=128, num_key_value_heads=8, rope_theta=1000000.0, vocab_size=151936,
+              max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu")
+_GEMMA3 = dict(model_type="gemma3_text", head_dim=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+               query_pre_attn_scalar=256, sliding_window=1024, vocab_size=262208, max_position_embeddings=131072,
+               rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, head_dim=64, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(_QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                         max_position_embeddings=32768, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4),
+    "qwen2.5-14b": dict(_QWEN2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5),
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+    "qwen3-14b": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, tie_word_embeddings=False),
+    "gemma3-1b": dict(_GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, sliding_window=512, vocab_size=262144,
+                      max_position_embeddings=32768, layer_types=_gemma_layers(26)),
+    "gemma3-4b": dict(_GEMMA3, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                      num_attention_heads=8, num_key_value_heads=4, layer_types=_gemma_layers(34)),
+    "gemma3-12b": dict(_GEMMA3, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                       num_attention_heads=16, num_key_value_heads=8, layer_types=_gemma_layers(48)),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                       sliding_window=None, hidden_act="silu", tie_word_embeddings=False),
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}
