@@ -22,6 +22,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kestrel.model import attention as attn
+from kestrel.model import moe
 from kestrel.model.registry import FamilySpec
 
 # Keywords HF hands down to the layers, which change nothing in the math.
@@ -146,13 +147,18 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
         layouts = attention_inputs(self, mode, windows, h, attention_mask, given_positions)
         rotary = _rotary(self, spec, h, position_ids)
         passed = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH}
+        stats = moe.router_stats_for(self.config, spec, attention_mask)
         for i, layer in enumerate(self.layers[:n]):
             mask, varlen = layouts[windows[i]]
             extra = {attn.VARLEN_KWARG: varlen} if varlen is not None else {}
+            if stats is not None and "forward" in layer.__dict__:  # a patched layer hands it to its block
+                extra[moe.ROUTER_STATS_KWARG] = stats
             # hidden states go positionally: HF's checkpointing hands only *args to the checkpoint function.
             h = layer(
                 h, attention_mask=mask, position_embeddings=rotary[i], position_ids=position_ids, **passed, **extra
             )
+        if stats is not None:
+            return moe.MoeStackOutput(last_hidden_state=self.norm(h), past_key_values=None, router_stats=stats)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=None)
 
     return forward

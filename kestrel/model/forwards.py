@@ -14,12 +14,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kestrel import kernels
 from kestrel.recompute import checkpoint as checkpointing
 from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
+from kestrel.model.moe import ROUTER_STATS_KWARG
 from kestrel.model.registry import FamilySpec
 
 log = logging.getLogger("kestrel")
@@ -109,6 +110,8 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, d)
         cos, sin = position_embeddings
+        if spec.rope_half_table and 2 * cos.shape[-1] == q.shape[-1]:  # gpt-oss: halves rotate as rotate_half's
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         q, k = kernels.rope_(q, k, cos, sin)
         varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
         if varlen is not None:
@@ -120,6 +123,8 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         window = layer_window(spec, self.config, self.layer_idx)
         if window is not None:  # flash / flex read the window from here (Mistral's included)
             kwargs["sliding_window"] = window
+        if spec.attention_sinks:  # gpt-oss: HF's eager, flash and flex kernels take the sinks as s_aux
+            kwargs["s_aux"] = self.sinks
         out, weights = interface(
             self, q, k, v, attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
@@ -197,6 +202,17 @@ class _GraphOnlySum(torch.autograd.Function):
 # --- Decoder layer ---------------------------------------------------------------------------
 
 
+def _moe_mlp(layer: nn.Module, h: torch.Tensor, router_stats: Any) -> torch.Tensor:
+    """The layer's sparse block on h; its router's sums go to `router_stats` in the forward
+    that builds the loss, not again in a checkpoint's recompute."""
+    scope = checkpointing.scope_of(layer)
+    if getattr(layer.mlp.forward, "takes_router_stats", False):
+        out = layer.mlp(h, router_stats=None if scope is not None and scope.recomputing else router_stats)
+    else:
+        out = layer.mlp(h)
+    return out[0] if isinstance(out, tuple) else out  # gpt-oss's block also returns its router scores
+
+
 def _residual_add(residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     """residual + update, written into `update` (a sublayer's fresh output) where that is safe:
     one (tokens, hidden) tensor less at a layer's end, which at long contexts (3 GiB at 400K
@@ -223,6 +239,7 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        router_stats = kwargs.pop(ROUTER_STATS_KWARG, None)
         residual = hidden_states
         h = self.input_layernorm(hidden_states)
         h, _ = self.self_attn(
@@ -239,6 +256,8 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         h = _residual_add(residual, h)
         residual = h
         h = self.pre_feedforward_layernorm(h) if spec.sandwich_norm else self.post_attention_layernorm(h)
+        if spec.moe is not None and type(self.mlp).__name__ == spec.moe.block_class:
+            return _residual_add(residual, _moe_mlp(self, h, router_stats))
         args = _mlp_args(self, spec)
         if args and args["discard_output"]:  # a recompute: only the graph of the MLP and the last sum is used
             return _GraphOnlySum.apply(residual, self.mlp(h, **args))
@@ -273,6 +292,8 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
     ) -> CausalLMOutputWithPast:
         num_items = kwargs.pop("num_items_in_batch", None)
         targets = kwargs.pop("shift_labels", None)
+        add_aux = kwargs.pop("output_router_logits", None)
+        add_aux = getattr(self.config, "output_router_logits", False) if add_aux is None else add_aux
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
@@ -294,8 +315,17 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
             logits = self.lm_head(hidden[:, keep, :])
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+        if spec.moe is None:
+            return CausalLMOutputWithPast(
+                loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            )
+        stats = getattr(outputs, "router_stats", None)
+        aux = stats.loss() if stats is not None else None
+        if aux is not None and loss is not None and add_aux:  # as HF: only with output_router_logits
+            loss = loss + self.config.router_aux_loss_coef * aux.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss, aux_loss=aux, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 

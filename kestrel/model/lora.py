@@ -10,6 +10,7 @@ from torch import nn
 from kestrel.config import LoraSettings
 from kestrel.errors import ConfigError
 from kestrel.model.patching import patch_lora_layers
+from kestrel.model.registry import family_of
 
 log = logging.getLogger("kestrel")
 
@@ -24,6 +25,22 @@ def adapter_folder(path: str) -> Path:
         f"lora.init_from: {folder} holds no adapter_config.json (nor does {folder / 'adapter'}); "
         "give a PEFT adapter folder or the folder of a finished LoRA run"
     )
+
+
+# A mixture-of-experts block keeps its experts' MLP weights as 3-D parameters, not linears: the MLP
+# targets name them there, through PEFT's parameter targets (`lora.ParamWrapper`).
+_MLP_NAMES = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def expert_parameters(model: nn.Module, targets: list[str]) -> list[str]:
+    """PEFT `target_parameters` (e.g. `mlp.experts.gate_up_proj`) for the MLP names in `targets`
+    on a mixture-of-experts model; empty for a dense one."""
+    spec = family_of(getattr(model.config, "model_type", ""))
+    if spec is None or spec.moe is None:
+        return []
+    stored = {name.rsplit(".", 1)[-1] for name, _ in model.named_parameters() if ".experts." in name}
+    wanted = dict.fromkeys(_MLP_NAMES[t] for t in targets if t in _MLP_NAMES)
+    return [f"experts.{name}" for name in wanted if name in stored]
 
 
 def _load_trainable(model: nn.Module, path: str) -> nn.Module:
@@ -49,7 +66,8 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         return peft_model
 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in settings.targets if t not in present]
+    experts = expert_parameters(model, settings.targets)
+    missing = [t for t in settings.targets if t not in present and not (experts and t in _MLP_NAMES)]
     if missing:
         raise ConfigError(
             f"lora.targets {missing} are not modules of this model; it has e.g. "
@@ -59,13 +77,15 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=list(settings.targets),
+        target_modules=[t for t in settings.targets if t in present],
+        target_parameters=experts or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)
     patched = patch_lora_layers(peft_model)
-    log.info("LoRA r=%d on %s; %d layers on the fused path", settings.r, ",".join(settings.targets), patched)
+    log.info("LoRA r=%d on %s%s; %d layers on the fused path", settings.r, ",".join(settings.targets),
+             f" (experts: {', '.join(experts)})" if experts else "", patched)
     return peft_model
 
 

@@ -7,7 +7,8 @@ rebinding in a `PatchHandle`, whose `undo()` restores the original forwards exac
 
 Levels patched, as Unsloth does: RMSNorm (layer norms, final norm, QK-norms), attention (QK-norm,
 in-place RoPE, fused LoRA QKV, varlen attention for packed rows), MLP (fused GLU, fused LoRA
-MLP), decoder layer (in-place residuals when no gradient is needed), the decoder stack (rotary
+MLP; a mixture-of-experts block as one grouped expert product, `kestrel.model.moe`), decoder
+layer (in-place residuals when no gradient is needed), the decoder stack (rotary
 tables and the attention layout once per forward, `kestrel.model.decoder_stack`), the causal-LM head
 (loss from hidden states in chunks: the `[tokens, vocab]` logits never exist in training) and
 PEFT's LoRA linears (fused LoRA).
@@ -26,6 +27,7 @@ from torch import nn
 from kestrel.model import forwards as ff
 from kestrel.model.attention import VarlenMode, varlen_backend
 from kestrel.model.decoder_stack import make_model_forward
+from kestrel.model.moe import make_moe_forward
 from kestrel.model.registry import FamilySpec, family_of
 
 log = logging.getLogger("kestrel")
@@ -101,7 +103,10 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
     if flags.attention:
         for attn in _modules_named(model, spec.attention_class):
             handle.rebind(attn, ff.make_attention_forward(spec))
-    if flags.mlp:
+    if flags.mlp and spec.moe is not None:
+        for block in _modules_named(model, spec.moe.block_class):
+            handle.rebind(block, make_moe_forward(spec))
+    if flags.mlp and (spec.moe is None or spec.mlp_class != spec.moe.block_class):
         for mlp in _modules_named(model, spec.mlp_class):
             if ff.mlp_activation_matches(mlp, spec):
                 handle.rebind(mlp, ff.make_mlp_forward(spec))
@@ -112,7 +117,8 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
         for layer in _modules_named(model, spec.decoder_layer_class):
             handle.rebind(layer, ff.make_decoder_layer_forward(spec))
     if flags.model:
-        forward = make_model_forward(spec, flags.varlen if flags.attention else "off")
+        # No varlen kernel takes gpt-oss's attention sinks: its layers get HF's masks.
+        forward = make_model_forward(spec, flags.varlen if flags.attention and not spec.attention_sinks else "off")
         for stack in _modules_named(model, spec.model_class):
             handle.rebind(stack, forward)
     if flags.causal_lm:
@@ -155,7 +161,7 @@ def runs_varlen(model: nn.Module) -> bool:
     flattened batch (patched attention and decoder stack, and a varlen kernel for its device and
     dtype): then a batch laid out as one padding-free row costs no padding."""
     handle = _find_handle(model)
-    if handle is None or not (handle.flags.attention and handle.flags.model):
+    if handle is None or not (handle.flags.attention and handle.flags.model) or handle.family.attention_sinks:
         return False
     embeddings = model.get_input_embeddings().weight
     dropout = getattr(model.config, "attention_dropout", 0.0) > 0

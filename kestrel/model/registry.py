@@ -12,6 +12,20 @@ from typing import Literal
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts family's sparse MLP block (router + experts with 3-D weight tensors)."""
+
+    block_class: str  # e.g. "Qwen3MoeSparseMoeBlock"; its `experts` hold gate_up_proj and down_proj
+    router_attr: str  # the block's router module: it returns (logits, top-k weights, top-k index)
+    num_experts_attr: str  # config attribute holding the number of experts
+    expert_intermediate_attr: str  # config attribute holding one expert's intermediate size
+    activation: Literal["swiglu", "gpt_oss"] = "swiglu"  # [gate | up] halves, or gpt-oss's clamped interleave
+    transposed: bool = False  # weights stored (E, in, out) (gpt-oss) rather than (E, out, in)
+    bias: bool = False  # per-expert biases gate_up_proj_bias, down_proj_bias
+    returns_scores: bool = False  # the block returns (hidden, router scores) rather than hidden
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What the patcher and the exporter need to know about one model family."""
 
@@ -34,6 +48,10 @@ class FamilySpec:
     sliding_layers: Literal["none", "all", "by_layer_type"] = "none"
     rope_per_layer_type: bool = False  # separate rotary tables for sliding and full layers (Gemma 3)
     attn_softcap_attr: str | None = None  # config attribute of an attention-logit softcap, if any
+    # --- mixture of experts and gpt-oss's attention (issue 26, item 2) ---
+    moe: MoeSpec | None = None  # the sparse MLP, for mixture-of-experts families
+    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
+    rope_half_table: bool = False  # the rotary tables hold head_dim / 2 columns (gpt-oss), not head_dim
     gguf_arch: str = "llama"  # llama.cpp's architecture name
     gguf_permute_qk: bool = False  # Llama-style Q/K row permutation for llama.cpp's RoPE
 
@@ -109,6 +127,55 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
     )
 }
+
+# --- Mixture-of-experts families (issue 26, item 2) ----------------------------------------
+# Qwen3.5-MoE shares Qwen3-MoE's experts but not its attention (gated delta-rule layers): it is
+# registered where its linear attention is.
+_MOE_FAMILIES = (
+    FamilySpec(
+        model_type="qwen3_moe",
+        causal_lm_class="Qwen3MoeForCausalLM",
+        model_class="Qwen3MoeModel",
+        decoder_layer_class="Qwen3MoeDecoderLayer",
+        attention_class="Qwen3MoeAttention",
+        mlp_class="Qwen3MoeMLP",  # the dense MLP of `mlp_only_layers`
+        norm_class="Qwen3MoeRMSNorm",
+        qk_norm=True,
+        sliding_layers="all",  # config.sliding_window is None unless use_sliding_window
+        moe=MoeSpec(
+            block_class="Qwen3MoeSparseMoeBlock",
+            router_attr="gate",
+            num_experts_attr="num_experts",
+            expert_intermediate_attr="moe_intermediate_size",
+        ),
+        gguf_arch="qwen3moe",
+    ),
+    FamilySpec(
+        model_type="gpt_oss",
+        causal_lm_class="GptOssForCausalLM",
+        model_class="GptOssModel",
+        decoder_layer_class="GptOssDecoderLayer",
+        attention_class="GptOssAttention",
+        mlp_class="GptOssMLP",  # every layer's MLP is the sparse block
+        norm_class="GptOssRMSNorm",
+        norm_casting="gemma",  # (w * normed).to(dtype), fp32 weights; offset 0
+        sliding_layers="by_layer_type",
+        moe=MoeSpec(
+            block_class="GptOssMLP",
+            router_attr="router",
+            num_experts_attr="num_local_experts",
+            expert_intermediate_attr="intermediate_size",
+            activation="gpt_oss",
+            transposed=True,
+            bias=True,
+            returns_scores=True,
+        ),
+        attention_sinks=True,
+        rope_half_table=True,
+        gguf_arch="gpt-oss",
+    ),
+)
+FAMILIES.update({spec.model_type: spec for spec in _MOE_FAMILIES})
 
 SUPPORTED = tuple(FAMILIES)
 

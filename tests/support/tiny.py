@@ -38,7 +38,20 @@ _PER_FAMILY: dict[str, dict[str, Any]] = {
         final_logit_softcapping=30.0,
         tie_word_embeddings=True,
     ),
+    # --- mixture of experts: the real configs' structure (Qwen3-30B-A3B, gpt-oss-20b), scaled down ---
+    "qwen3_moe": dict(
+        hidden_act="silu", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],  # layer 1 dense: both MLP kinds
+    ),
+    "gpt_oss": dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, attention_bias=True,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+        max_position_embeddings=131072,  # YaRN: original 4096 x factor 32, as gpt-oss-20b
+    ),
 }
+
+# Families whose attention HF runs only in eager, flash or flex (attention sinks: gpt-oss).
+_EAGER_ONLY = frozenset({"gpt_oss"})
 
 
 def tiny_config(model_type: str, vocab_size: int, **overrides: Any) -> PretrainedConfig:
@@ -59,7 +72,7 @@ def tiny_model(
 ) -> PreTrainedModel:
     """A randomly initialised causal LM of `model_type`, deterministic for a given seed."""
     config = tiny_config(model_type, vocab_size, **overrides)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = "eager" if model_type in _EAGER_ONLY else attn_implementation
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Hugging Face initialises norms to their identity; random weights make the tests see them.
@@ -67,4 +80,6 @@ def tiny_model(
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(0.0 if "gemma" in model_type else 1.0, 0.1)
+            elif "bias" in name or "sinks" in name:  # HF zeroes the experts' biases: make them count
+                param.normal_(0.0, 0.1)
     return model.eval()
