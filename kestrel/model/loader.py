@@ -22,6 +22,7 @@ from kestrel.constants import DEMO
 from kestrel.errors import ModelLoadError
 from kestrel.paths import ASSETS, models_dir
 from kestrel.model.patching import PatchFlags, patch_model
+from kestrel.model.registry import family_of
 
 log = logging.getLogger("kestrel")
 
@@ -104,6 +105,42 @@ def _quantization_config(compute_dtype: torch.dtype):
     )
 
 
+def _family_kwargs(path: str, kwargs: dict, load_in_4bit: bool) -> None:
+    """What a family's checkpoint needs on top of `kwargs` (changed in place).
+
+    gpt-oss: HF runs its attention sinks only in eager, flash or flex attention, not SDPA. Its
+    checkpoints ship the experts in MXFP4; they are dequantized to 16-bit on load. MXFP4 compute in
+    transformers is inference-only (the `kernels` hub's triton_kernels, not installed here, and no
+    backward), while LoRA on the experts needs a differentiable expert product; gpt-oss-20b in
+    bf16 (about 42 GB) trains with LoRA on one 80 GB GPU."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return  # from_pretrained below reports it
+    spec = family_of(getattr(config, "model_type", ""))
+    if spec is not None and spec.attention_sinks and kwargs.get("attn_implementation") == "sdpa":
+        kwargs["attn_implementation"] = "eager"
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
+        if load_in_4bit:
+            raise ModelLoadError(
+                f"{path} ships MXFP4 (4-bit) expert weights, which Kestrel dequantizes to 16-bit for training; "
+                "4-bit loading (QLoRA) of it is not supported. Set `load_in_4bit: false` (method `lora`)."
+            )
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+        log.info("%s: MXFP4 experts dequantized to %s", path, kwargs.get("dtype"))
+
+
+def _match_expert_dtype(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """HF dequantizes MXFP4 experts to bf16 whatever dtype was asked for: bring them to it."""
+    for name, param in model.named_parameters():
+        if ".experts." in name and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
 def load(
     model: str,
     max_seq_length: int = 2048,
@@ -130,6 +167,7 @@ def load(
     if load_in_4bit:
         kwargs["quantization_config"] = _quantization_config(compute_dtype)
         kwargs["device_map"] = {"": dev.index or 0}
+    _family_kwargs(path, kwargs, load_in_4bit)
     try:
         tokenizer = load_tokenizer(path, max_seq_length)
         hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -143,6 +181,7 @@ def load(
         ) from exc
     if not load_in_4bit:
         hf_model.to(dev)
+    _match_expert_dtype(hf_model, compute_dtype)
     hf_model.config.use_cache = False
     hf_model.kestrel_max_seq_length = max_seq_length
     if patch:

@@ -6,6 +6,8 @@ a callback that writes to the database; the command line uses `JsonlWriter` and 
 Metric names reported at each step (GRPO adds its own, e.g. `reward`, `kl`):
     step, total_steps, epoch, loss, lr, grad_norm, tokens_per_s (trained tokens, no padding),
     vram_alloc_gib, vram_reserved_gib, vram_peak_gib, elapsed_s, eta_s
+    aux_loss: mixture-of-experts models only, the router's load-balancing loss (mean over the
+    step's micro-batches; part of `loss` only when the model config sets output_router_logits)
 """
 
 from __future__ import annotations

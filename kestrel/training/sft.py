@@ -107,6 +107,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     # The loss is summed over every trained token of the window and divided once by their count.
     num_items = sum((shift_labels(b.labels) != IGNORE).sum() for b in batches).clamp(min=1)
     total_loss = torch.zeros((), device=s.device)
+    aux = []  # mixture of experts: each micro-batch's router load-balancing loss
     for b in batches:
         out = s.model(
             input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
@@ -114,10 +115,15 @@ def train_step(s: Session, step: int) -> dict[str, float]:
         )
         out.loss.backward()
         total_loss += out.loss.detach()
+        if getattr(out, "aux_loss", None) is not None:
+            aux.append(out.aux_loss.detach())
     grad_norm, lr = optimizer_step(s, total_loss)
     tokens = sum(b.tokens for b in batches)
-    return {"loss": float(total_loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
-            "epoch": (step + 1) * accum / len(s.plan)}
+    metrics = {"loss": float(total_loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
+               "epoch": (step + 1) * accum / len(s.plan)}
+    if aux:
+        metrics["aux_loss"] = float(torch.stack(aux).mean())
+    return metrics
 
 
 def train_loop(s: Session, cb: Callback) -> str:
@@ -135,6 +141,7 @@ def train_loop(s: Session, cb: Callback) -> str:
             "step": done, "total_steps": s.total_steps, "epoch": raw["epoch"], "loss": raw["loss"],
             "lr": raw["lr"], "grad_norm": raw["grad_norm"], "tokens_per_s": raw["tokens"] / max(now - t0, 1e-9),
             **memory_metrics(s.device), "elapsed_s": elapsed, **graph_metrics(s.recompute),
+            **({"aux_loss": raw["aux_loss"]} if "aux_loss" in raw else {}),
             "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
         }
         stop = end_of_step(s, cb, done, metrics)

@@ -187,3 +187,11 @@ def test_lora_init_from_a_folder_without_adapter_is_a_clear_error(tiny_model_dir
                                        lora={"init_from": str(tmp_path / "nowhere")})))
     assert result.status == "failed"
     assert "lora.init_from" in result.error and "adapter_config.json" in result.error
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_run_reports_the_router_aux_loss(family: str, tiny_model_dir, tmp_path: Path) -> None:
+    result = run(config_from_dict(_cfg(str(tiny_model_dir(family)), tmp_path / "moe", max_steps=3)))
+    assert result.status == "completed"
+    rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(row["aux_loss"] > 0 for row in rows)
