@@ -57,5 +57,24 @@ MODELS: dict[str, dict[str, Any]] = {
                        rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
                        sliding_window=None, hidden_act="silu", tie_word_embeddings=False),
 }
+
+# --- mixture of experts (issue 26, item 2): Qwen3-30B-A3B's and gpt-oss-20b's public configs ---
+MOE_MODELS: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                          model_type="qwen3_moe"),
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+                        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                             beta_slow=1.0, original_max_position_embeddings=4096, truncate=False),
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                        router_aux_loss_coef=0.9, tie_word_embeddings=False),
+}
+MODELS.update(MOE_MODELS)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}

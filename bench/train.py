@@ -60,7 +60,13 @@ def hf_model(folder: Path, args: argparse.Namespace, dtype: torch.dtype = torch.
     if args.checkpointing != "off":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, bias="none"))
+    # A mixture of experts: the MLP targets are its experts' 3-D parameters, as Kestrel targets them.
+    from kestrel.model.lora import expert_parameters
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return get_peft_model(model, LoraConfig(
+        r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[t for t in TARGETS if t in present], bias="none",
+        target_parameters=expert_parameters(model, TARGETS) or None))
 
 
 def build(impl: str, folder: Path, args: argparse.Namespace):
@@ -140,6 +146,8 @@ SPEC_PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
 def useful_flops_per_token(seq: int, cfg: dict = SHAPES["llama-8b"]) -> float:
     """4N for the frozen base's products plus causal attention (forward + backward) at length `seq`."""
     h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    if cfg.get("num_experts_per_tok"):  # a mixture of experts: the k routed experts' products
+        i = cfg["num_experts_per_tok"] * (cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     n = L * (h * q + 2 * h * kv + q * h + 3 * h * i) + cfg["vocab_size"] * h

@@ -30,6 +30,11 @@ The model of memory (bytes), written for the way the engine trains:
 - host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in
   page-locked host memory, layers x tokens x hidden x 2 bytes (100 GiB at 409,600 tokens on the
   8B shape); pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
+- mixture of experts (Qwen3-MoE, gpt-oss): every expert's weights count (E x 3 h ie, plus the
+  router's E h); they stay 16-bit under QLoRA (bitsandbytes quantizes linears, and the experts
+  are 3-D parameters). LoRA on the MLP targets puts per-expert factors on the experts,
+  E r (h + 2 ie) + E r (ie + h) a layer. Activations use the k routed experts' intermediate,
+  k ie a token, plus the token rows copied into expert order and back (2 k h).
 These are estimates to within about 20 %: the verdict leaves a margin for that.
 """
 
@@ -64,14 +69,34 @@ class ModelShape:
     head_dim: int
     intermediate: int
     tied: bool
+    experts: int = 0  # mixture of experts: experts per layer (0 for a dense model)
+    experts_per_token: int = 0  # k, the experts each token is routed to
+    expert_intermediate: int = 0  # one expert's intermediate size
+
+    @property
+    def expert_params(self) -> int:
+        """Every layer's experts (gate, up, down) and router."""
+        return self.layers * self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP intermediate a token's activations hold: k experts' worth in a MoE."""
+        return self.experts_per_token * self.expert_intermediate if self.experts else self.intermediate
+
+    def expert_lora_params(self, r: int) -> int:
+        """Per-expert LoRA factors of gate_up (h -> 2 ie) and down (ie -> h), all layers."""
+        h, ie = self.hidden, self.expert_intermediate
+        return self.layers * self.experts * r * ((h + 2 * ie) + (ie + h))
 
     @property
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear of one block, by module name."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if self.experts:  # the MLP is the experts (`expert_params`), not linears
+            return attention
+        return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     @property
     def block_linear_params(self) -> int:
@@ -83,7 +108,17 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return self.block_linear_params + self.embedding_params + (2 * self.layers + 1) * self.hidden
+        return self.block_linear_params + self.expert_params + self.embedding_params + (2 * self.layers + 1) * self.hidden
+
+
+def _moe_sizes(cfg: dict[str, Any]) -> dict[str, int]:
+    """Expert count, k and expert intermediate of a MoE config (Qwen3-MoE: num_experts and
+    moe_intermediate_size; gpt-oss: num_local_experts and intermediate_size); empty when dense."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    return dict(experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
+                expert_intermediate=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]))
 
 
 def shape_from_config(config: dict[str, Any]) -> ModelShape:
@@ -98,6 +133,7 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
             tied=bool(cfg.get("tie_word_embeddings", False)),
+            **_moe_sizes(cfg),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"the model config lacks the sizes needed for an estimate ({exc})") from exc
@@ -141,6 +177,8 @@ def estimate_training_memory(
         targets = lora_targets or list(shape.linear_shapes)
         trainable = shape.layers * sum(lora_r * (a + b) for name, (a, b) in shape.linear_shapes.items()
                                        if name in targets)
+        if shape.experts and (lora_targets is None or {"gate_proj", "up_proj", "down_proj"} & set(targets)):
+            trainable += shape.expert_lora_params(lora_r)
         optimizer = 16 * trainable
     # activations: GRPO trains on every generation of a prompt at full rollout length
     if method == "grpo":
@@ -162,13 +200,14 @@ def estimate_training_memory(
 
 def _activations(shape: ModelShape, qlora: bool, tokens: int, checkpointing: str) -> int:
     """GPU bytes of activations at the peak (module docstring: activations)."""
-    h, i = shape.hidden, shape.intermediate
+    h, i = shape.hidden, shape.active_intermediate
+    rows = 2 * shape.experts_per_token * h  # a MoE's token rows in expert order and back
     if checkpointing == "off":
-        return shape.layers * tokens * (SAVED_HIDDENS * h + SAVED_INTERMEDIATES * i) * 2
+        return shape.layers * tokens * (SAVED_HIDDENS * h + SAVED_INTERMEDIATES * i + rows) * 2
     # the recomputed MLP: E, G, h whole, or chunked over dense gate/up weights (kestrel.kernels.lora.mlp)
     dense = 2 * h * i if qlora else 0
     mlp = min(3 * tokens * i, 3 * min(tokens, DEFERRED_ROWS) * i + dense) * 2
-    recompute = tokens * RECOMPUTE_HIDDENS * h * 2 + mlp
+    recompute = tokens * (RECOMPUTE_HIDDENS * h + rows) * 2 + mlp
     kept_inputs = (2 if checkpointing == "offload" else shape.layers) * tokens * h * 2
     return recompute + kept_inputs
 

@@ -120,3 +120,18 @@ def test_meminfo_parser(tmp_path: Path) -> None:
     path.write_text(sample)
     assert detect_host_memory(str(path)) == 131_072_000 * 1024
     assert detect_host_memory(str(tmp_path / "absent")) is None  # e.g. macOS, Windows
+
+
+def test_moe_shapes_count_every_expert_and_keep_experts_16_bit_in_qlora() -> None:
+    from bench.model_shapes import MODELS
+
+    qwen, oss = shape_from_config(MODELS["qwen3-30b-a3b"]), shape_from_config(MODELS["gpt-oss-20b"])
+    assert abs(qwen.params / 30.53e9 - 1) < 0.02  # Qwen3-30B-A3B: 30.5B parameters, 3.3B active
+    assert abs(oss.params / 20.91e9 - 1) < 0.02  # gpt-oss-20b: 20.9B
+    lora = estimate_training_memory(qwen, "lora", 16, None, 1, 2048, "standard")
+    qlora = estimate_training_memory(qwen, "qlora", 16, None, 1, 2048, "standard")
+    assert qlora.weights > 2 * qwen.expert_params  # experts stay 16-bit; only attention is NF4
+    assert lora.trainable == qwen.layers * (16 * sum(a + b for a, b in qwen.linear_shapes.values())) \
+        + qwen.expert_lora_params(16)
+    attention_only = estimate_training_memory(qwen, "lora", 16, ["q_proj", "v_proj"], 1, 2048, "standard")
+    assert attention_only.trainable < lora.trainable / 10
