@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from kestrel.errors import KestrelError
+from kestrel.export.experts import GGUFView
 from kestrel.export.gguf_tokenizer import GGUFVocab
 from kestrel.export.merge import ModelTensors
 from kestrel.model.registry import FamilySpec
@@ -156,8 +157,17 @@ def add_metadata(writer: Any, config: Any, family: FamilySpec, name: str, file_t
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
     notes = _add_rope(writer, config, family)
+    if family.moe is not None:
+        writer.add_expert_count(int(getattr(config, family.moe.num_experts_attr)))
+        writer.add_expert_used_count(int(config.num_experts_per_tok))
+        writer.add_expert_feed_forward_length(int(getattr(config, family.moe.expert_intermediate_attr)))
     if family.gguf_arch == "gemma3":
         notes += _gemma3_metadata(writer, config)
+    elif family.gguf_arch == "gpt-oss":  # llama.cpp alternates sliding and full layers, sliding first
+        writer.add_sliding_window(int(config.sliding_window))
+        layout = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
+        if list(getattr(config, "layer_types", layout)) != layout:
+            notes.append("llama.cpp alternates gpt-oss's sliding and full layers; this model's layer_types differ")
     elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         notes.append(f"llama.cpp's {family.gguf_arch} attends to the whole context; this model's sliding "
                      f"window ({config.sliding_window}) matters only past that many tokens")
@@ -189,8 +199,16 @@ def _matrix_type(shape: tuple[int, ...], wanted: Any) -> Any:
     return wanted
 
 
+def gguf_tensors(tensors: Any, family: FamilySpec) -> Any:
+    """The tensors as llama.cpp names them: a MoE's experts stacked per projection (`GGUFView`)."""
+    if family.moe is None or isinstance(tensors, GGUFView):
+        return tensors
+    return GGUFView(tensors, family.moe)
+
+
 def plan_tensors(tensors: ModelTensors, config: Any, family: FamilySpec, file_type: str) -> list[PlannedTensor]:
     """Every tensor of the GGUF file, in order, with its name, shape and type; no data read."""
+    tensors = gguf_tensors(tensors, family)
     name_map = gguf.TensorNameMap(_arch_enum(family.gguf_arch), int(config.num_hidden_layers))
     wanted = DIRECT_TYPES[file_type][0]
     plan = []
@@ -203,7 +221,9 @@ def plan_tensors(tensors: ModelTensors, config: Any, family: FamilySpec, file_ty
         if gguf_name is None:
             raise KestrelError(f"no GGUF name for tensor {hf_name} of a {family.model_type} model")
         shape = tensors.shape(hf_name)
-        plan.append(PlannedTensor(gguf_name, hf_name, shape, _matrix_type(shape, wanted)))
+        # biases stay F32 whatever their rank (llama.cpp adds a MoE's (E, I) expert biases in F32)
+        qtype = Q.F32 if hf_name.endswith(".bias") else _matrix_type(shape, wanted)
+        plan.append(PlannedTensor(gguf_name, hf_name, shape, qtype))
     if rope_parameters(config)["rope_type"] == "llama3":
         dim = len(llama3_rope_factors(config))
         plan.append(PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", None, (dim,), Q.F32))
@@ -241,6 +261,7 @@ def write_gguf(path: Path, tensors: ModelTensors | None, config: Any, family: Fa
     try:
         notes = add_metadata(writer, config, family, name, DIRECT_TYPES[file_type][1])
         vocab.add_to(writer)
+        tensors = gguf_tensors(tensors, family) if tensors is not None else None
         plan = plan_tensors(tensors, config, family, file_type) if tensors is not None else []
         for p in plan:
             shape = p.shape if p.qtype in (Q.F32, Q.F16, Q.BF16) else gguf.quants.quant_shape_to_byte_shape(p.shape, p.qtype)

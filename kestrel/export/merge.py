@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from kestrel.errors import KestrelError
+from kestrel.export.experts import ExpertTensors, moe_of, split_expert_pairs
 
 _BNB_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".quant_state.bitsandbytes__nf4",
                  ".quant_state.bitsandbytes__fp4", ".SCB", ".weight_format")
@@ -117,6 +118,7 @@ class LoraDeltas:
         with safe_open(adapter_dir / "adapter_model.safetensors", "pt") as f:
             for key in f.keys():
                 self._add(key, f.get_tensor(key))
+        self.expert_pairs = split_expert_pairs(self.pairs)  # per-expert LoRA (`kestrel.export.experts`)
 
     def _add(self, key: str, tensor: torch.Tensor) -> None:
         name = key.removeprefix("base_model.model.")
@@ -180,8 +182,17 @@ class ModelTensors:
         self.lora = LoraDeltas(adapter_dir) if adapter_dir is not None else None
         self.dequantized = self.checkpoint.quantized
         names = self.checkpoint.names()
+        self.experts = _experts(model_dir, names, self.lora)
+        if self.experts is not None:
+            self.dequantized = self.dequantized or bool(self.experts.mxfp4)
+            names = self.experts.names(names)
         if self.lora is not None:
             missing = sorted(self.lora.touched() - set(names) - set(self.lora.replaced))
+            if self.experts is None and self.lora.expert_pairs:
+                missing = sorted(self.lora.expert_pairs) + missing
+            elif self.experts is not None:
+                fused = {m.group(1) for m in map(_PER_EXPERT_NAME.match, names) if m}
+                missing += sorted(k for k in self.experts.touched() if k not in names and k.rsplit(".", 1)[0] not in fused)
             if missing:
                 raise KestrelError(
                     f"the adapter changes {missing[0]} (and {len(missing) - 1} more), which the base model "
@@ -202,18 +213,26 @@ class ModelTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         if self.lora is not None and name in self.lora.replaced:
             return tuple(self.lora.replaced[name].shape)
+        if self.experts is not None:
+            return self.experts.shape(name, self.checkpoint.shape)
         return self.checkpoint.shape(name)
 
     def stored_dtype(self, name: str) -> torch.dtype:
         if self.lora is not None and name in self.lora.replaced:
             return self.lora.replaced[name].dtype
+        if self.experts is not None and name in self.experts.mxfp4:
+            return torch.bfloat16  # what MXFP4 dequantizes to
         return self.checkpoint.stored_dtype(name)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor in fp32 on `self.device`, adapter merged."""
         if self.lora is not None and name in self.lora.replaced:
             return self.lora.apply(name, self.lora.replaced[name].to(self.device, torch.float32))
-        tensor = self.checkpoint.get(name).to(self.device).float()
+        if self.experts is not None:
+            tensor = self.experts.read(name, self.checkpoint.get).to(self.device)
+            tensor = self.experts.merge(name, tensor)
+        else:
+            tensor = self.checkpoint.get(name).to(self.device).float()
         return self.lora.apply(name, tensor) if self.lora is not None else tensor
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
@@ -223,6 +242,18 @@ class ModelTensors:
             size = (dtype or self.stored_dtype(name)).itemsize
             total += math.prod(self.shape(name)) * size
         return total
+
+
+_PER_EXPERT_NAME = re.compile(r"^(.+\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _experts(model_dir: Path, names: list[str], lora: LoraDeltas | None) -> ExpertTensors | None:
+    """The expert view of a mixture-of-experts checkpoint (None for a dense one)."""
+    found = moe_of(model_dir) if (model_dir / "config.json").is_file() else None
+    if found is None:
+        return None
+    pairs = lora.expert_pairs if lora is not None else {}
+    return ExpertTensors(found[0], found[1], names, pairs, lora.scale if lora is not None else lambda n: 1.0)
 
 
 def _shards(tensors: ModelTensors, dtype: torch.dtype, max_bytes: int) -> list[list[str]]:

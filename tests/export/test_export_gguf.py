@@ -26,9 +26,11 @@ from kestrel.export.merge import ModelTensors
 from kestrel.export.source import resolve_source
 from kestrel.model.registry import FAMILIES, SUPPORTED
 
-EXPECTED_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": None, "gemma3_text": None}
+EXPECTED_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": None, "gemma3_text": None,
+                "qwen3_moe": "qwen2", "gpt_oss": "llama-bpe"}
 EXPECTED_STOPS = {"llama": ["<|eot_id|>"], "qwen2": ["<|im_end|>"], "qwen3": ["<|im_end|>"],
-                  "mistral": ["</s>"], "gemma3_text": ["<end_of_turn>", "<eos>"]}
+                  "mistral": ["</s>"], "gemma3_text": ["<end_of_turn>", "<eos>"],
+                  "qwen3_moe": ["<|im_end|>"], "gpt_oss": ["<|eot_id|>"]}
 
 
 @pytest.fixture(scope="module")

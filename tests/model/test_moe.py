@@ -18,6 +18,8 @@ from tests.support.tiny import tiny_model
 VOCAB = 512
 MOE = ("qwen3_moe", "gpt_oss")
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# Qwen3-MoE's mlp_only_layers: a dense MLP in layer 1, so both MLP kinds run side by side.
+MIXED = {"qwen3_moe": dict(mlp_only_layers=[1]), "gpt_oss": {}}
 
 
 def _batch(seed: int = 0, b: int = 2, t: int = 19) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -45,7 +47,7 @@ def _lora(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("family", MOE)
 def test_moe_logits_loss_and_aux_match_hf(family: str) -> None:
-    ref = tiny_model(family, VOCAB, seed=1)
+    ref = tiny_model(family, VOCAB, seed=1, **MIXED[family])
     ref.config.output_router_logits = True  # HF then adds coef * aux to the loss
     fast = copy.deepcopy(ref)
     patch_model(fast)
@@ -62,7 +64,7 @@ def test_moe_logits_loss_and_aux_match_hf(family: str) -> None:
 
 @pytest.mark.parametrize("family", MOE)
 def test_moe_lora_on_experts_gradients_match_hf(family: str) -> None:
-    base = tiny_model(family, VOCAB, seed=2)
+    base = tiny_model(family, VOCAB, seed=2, **MIXED[family])
     ref = _lora(copy.deepcopy(base), seed=3)
     fast_base = copy.deepcopy(base)
     patch_model(fast_base)

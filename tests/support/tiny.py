@@ -41,7 +41,7 @@ _PER_FAMILY: dict[str, dict[str, Any]] = {
     # --- mixture of experts: the real configs' structure (Qwen3-30B-A3B, gpt-oss-20b), scaled down ---
     "qwen3_moe": dict(
         hidden_act="silu", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],  # layer 1 dense: both MLP kinds
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
     ),
     "gpt_oss": dict(
         num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, attention_bias=True,
