@@ -97,7 +97,7 @@ def load_reference(model_dir: Path, adapter_dir: Path | None, device: str | None
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        state = {name: tensors.checkpoint.get(name).float() for name in tensors.checkpoint.names()}
+        state = {name: tensors.base(name) for name in tensors.base_names()}
         model.load_state_dict(state, strict=False)  # a tied lm_head is not in the checkpoint
         model.tie_weights()
     else:  # loaded straight onto the device: an 8B model in fp32 never passes through host memory

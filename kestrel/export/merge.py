@@ -224,6 +224,17 @@ class ModelTensors:
             return torch.bfloat16  # what MXFP4 dequantizes to
         return self.checkpoint.stored_dtype(name)
 
+    def base_names(self) -> list[str]:
+        """The base checkpoint's tensor names (an MXFP4 pair named as its 16-bit tensor)."""
+        names = self.checkpoint.names()
+        return self.experts.names(names) if self.experts is not None else names
+
+    def base(self, name: str) -> torch.Tensor:
+        """A base tensor dequantized (4-bit, MXFP4), adapter not merged, fp32 on the CPU."""
+        if self.experts is not None:
+            return self.experts.read(name, self.checkpoint.get)
+        return self.checkpoint.get(name).float()
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor in fp32 on `self.device`, adapter merged."""
         if self.lora is not None and name in self.lora.replaced:
