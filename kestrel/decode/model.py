@@ -49,6 +49,12 @@ from kestrel.kernels.rms_norm import rms_norm
 from kestrel.kernels.rope import rope_
 
 
+def fast_decode_supported(spec: FamilySpec | None) -> bool:
+    """Whether `DecodeModel` has a forward for this family: not for mixture-of-experts blocks or
+    attention sinks (those decode through `kestrel.decode.hf_backend`)."""
+    return spec is not None and spec.moe is None and not spec.attention_sinks
+
+
 class UnsupportedModelError(KestrelError, ValueError):
     """The model's family has no decode path (see `kestrel.model.registry.SUPPORTED`)."""
 
@@ -98,8 +104,8 @@ class DecodeModel:
         self._unfused_by_request = False
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         spec = family_of(getattr(lm.config, "model_type", ""))
-        if spec is None:
-            raise UnsupportedModelError(f"no decode path for model type {lm.config.model_type!r}")
+        if not fast_decode_supported(spec):
+            raise UnsupportedModelError(f"no fast decode path for model type {lm.config.model_type!r}")
         self.spec: FamilySpec = spec
         self.config = lm.config
         stack = lm.model
