@@ -7,6 +7,9 @@ from typing import Any, Sequence
 # End-of-turn markers of the common chat templates (ChatML, Llama 3, Gemma, Phi); a marker counts
 # only when the tokenizer's own template writes it and the vocabulary has it as one token.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
+# gpt-oss's harmony closes every message, its reasoning included, with <|end|>: its reply ends at
+# <|return|>, or at <|call|> for a tool call. A template writing <|channel|> is harmony.
+HARMONY_END_OF_TURN = ("<|return|>", "<|call|>")
 
 
 def _as_list(value: Any) -> list[int]:
@@ -22,8 +25,9 @@ def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
     template = getattr(tokenizer, "chat_template", None) or ""
     template = template if isinstance(template, str) else " ".join(str(t) for t in template.values())
     unk = getattr(tokenizer, "unk_token_id", None)
-    for marker in END_OF_TURN:
-        if marker in template:
+    harmony = "<|channel|>" in template
+    for marker in HARMONY_END_OF_TURN if harmony else END_OF_TURN:
+        if harmony or marker in template:
             tid = tokenizer.convert_tokens_to_ids(marker)
             if isinstance(tid, int) and tid != unk:
                 ids.append(tid)

@@ -1,6 +1,6 @@
 """Chat formats and the Ollama `Modelfile` written beside a GGUF file.
 
-    fmt = detect_chat_format(tokenizer.chat_template)   # "chatml", "llama3", "gemma", "mistral" or None
+    fmt = detect_chat_format(tokenizer.chat_template)   # "chatml", "llama3", "gemma", "mistral", "harmony" or None
     text = modelfile("model-q4_k_m.gguf", fmt, stops=end_of_turn_tokens(fmt, tokenizer))
 
 The `TEMPLATE` is a Go template (Ollama's language) that renders a conversation the way the
@@ -15,13 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kestrel.decode.chat import HARMONY_END_OF_TURN
+
 
 @dataclass(frozen=True)
 class ChatFormat:
     name: str
     markers: tuple[str, ...]  # all present in a Jinja template of this format
     end_of_turn: tuple[str, ...]  # tokens that close a turn, the first being the usual one
-    go_template: str
+    go_template: str | None  # None: Ollama renders the Jinja template embedded in the GGUF
 
 
 CHATML = ChatFormat(
@@ -43,7 +45,11 @@ MISTRAL = ChatFormat(
     "{{- range .Messages }}{{ if eq .Role \"user\" }}[INST] {{ .Content }} [/INST]"
     "{{ else if eq .Role \"assistant\" }}{{ .Content }}</s>{{ end }}{{ end }}",
 )
-FORMATS = {f.name: f for f in (CHATML, LLAMA3, GEMMA, MISTRAL)}
+# gpt-oss's harmony: `<|start|>{role}<|message|>...<|end|>`, the assistant's reply on channels
+# (`<|channel|>final<|message|>`) ending in <|return|> (or <|call|> for a tool call). Its system
+# header (reasoning effort, dates, tools) is the Jinja template's: no Go template stands in for it.
+HARMONY = ChatFormat("harmony", ("<|start|>", "<|message|>", "<|end|>"), HARMONY_END_OF_TURN, None)
+FORMATS = {f.name: f for f in (CHATML, LLAMA3, GEMMA, MISTRAL, HARMONY)}
 
 
 def detect_chat_format(template: str | None) -> str | None:
@@ -76,7 +82,7 @@ def _quote(text: str) -> str:
 def modelfile(gguf_name: str, format_name: str | None, stops: list[str]) -> str:
     """The Modelfile's text: FROM the GGUF beside it, TEMPLATE for a known format, the stops."""
     lines = [f"FROM ./{gguf_name}", ""]
-    if format_name:
+    if format_name and FORMATS[format_name].go_template:
         # Triple quotes hold the template verbatim (newlines included); it never contains them.
         lines += [f'TEMPLATE """{FORMATS[format_name].go_template}"""', ""]
     lines += [f"PARAMETER stop {_quote(s)}" for s in stops]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 from pathlib import Path
 
@@ -65,3 +66,15 @@ def test_interactive_chat_switches_and_quits(monkeypatch, capsys) -> None:
     captured = capsys.readouterr()
     assert captured.out.count("\n") >= 2  # two answers, then end of input
     assert "/reset" in captured.err
+
+
+def test_harmony_stops_at_the_reply_end_not_at_each_message_end(demo_tokenizer) -> None:
+    """gpt-oss writes <|end|> after its reasoning message too: the reply stops at <|return|>/<|call|>."""
+    tokenizer = copy.deepcopy(demo_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|start|>", "<|message|>", "<|channel|>", "<|end|>",
+                                                                "<|return|>", "<|call|>"]})
+    tokenizer.chat_template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|channel|>final<|message|>"
+                               "{{ m['content'] }}<|end|>{% endfor %}<|start|>assistant")
+    stops = stop_token_ids(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["<|end|>", "<|return|>", "<|call|>"])
+    assert ids[0] not in stops and ids[1] in stops and ids[2] in stops

@@ -138,3 +138,18 @@ def test_unknown_chat_format_gets_no_template() -> None:
 
 def test_quotes_in_stops_are_escaped() -> None:
     assert 'PARAMETER stop "a\\"b"' in modelfile("m.gguf", None, ['a"b'])
+
+
+def test_harmony_format_stops_at_return_and_call_and_keeps_the_jinja_template() -> None:
+    """gpt-oss's harmony: detected from its markers, stops at <|return|> and <|call|>, and no Go
+    template (Ollama renders the embedded Jinja, which writes harmony's system header)."""
+    tokenizer = train_tokenizer("llama3", 400)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|start|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|channel|>"]})
+    template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+    assert detect_chat_format(template) == "harmony"
+    stops = end_of_turn_tokens("harmony", tokenizer)
+    assert stops[:2] == ["<|return|>", "<|call|>"]
+    text = modelfile("m.gguf", "harmony", stops)
+    assert "TEMPLATE" not in text and 'PARAMETER stop "<|return|>"' in text and 'PARAMETER stop "<|call|>"' in text
