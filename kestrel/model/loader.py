@@ -118,6 +118,9 @@ def _family_kwargs(path: str, kwargs: dict, load_in_4bit: bool) -> None:
     except (OSError, ValueError):
         return  # from_pretrained below reports it
     spec = family_of(getattr(config, "model_type", ""))
+    if spec is not None and spec.moe is not None and load_in_4bit:
+        # bitsandbytes quantizes nn.Linear only: the experts' 3-D weights keep the compute dtype.
+        log.info("%s: 4-bit loading quantizes attention to NF4; the experts stay %s", path, kwargs.get("dtype"))
     if spec is not None and spec.attention_sinks and kwargs.get("attn_implementation") == "sdpa":
         kwargs["attn_implementation"] = "eager"
     quant = getattr(config, "quantization_config", None) or {}
