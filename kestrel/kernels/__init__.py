@@ -3,7 +3,8 @@ PyTorch reference that runs on the CPU and in tests. Nothing here imports `trans
 
 Each op picks its implementation through `kestrel.kernels.dispatch.backend` (Triton on CUDA, the
 reference elsewhere, `KESTREL_KERNELS=triton|torch` to force one). The fused-LoRA pieces live
-in `lora/`, the decode step's kernels in `decode/`.
+in `lora/`, the decode step's kernels in `decode/`, the mixture-of-experts grouped product (torch's
+grouped GEMM or a padded `bmm`, not Triton) in `moe/`.
 """
 
 from kestrel.kernels.cross_entropy import chunked_token_logprobs, fused_linear_cross_entropy
