@@ -101,7 +101,9 @@ def _factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     a = wrapper.lora_A[name].weight  # (E*r, in), row e*r + i
     b = wrapper.lora_B[name].weight  # (out, r*E), column i*E + e
     a = a.reshape(experts, -1, a.shape[-1]).transpose(1, 2)  # (E, in, r)
-    b = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)  # (E, r, out)
+    # (E, r, out) made contiguous (a small copy): torch's grouped GEMM needs a unit stride in one
+    # of the last two dimensions, and PEFT's column order gives B none.
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).contiguous()
     return a.to(dtype), b.to(dtype), float(wrapper.scaling[name])
 
 

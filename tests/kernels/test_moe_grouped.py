@@ -105,3 +105,25 @@ def test_routing_offsets_and_order() -> None:
     assert routing.offsets.tolist() == [2, 3, 6, 6]
     assert routing.experts.tolist() == [0, 0, 1, 2, 2, 2]
     assert routing.tokens.tolist() == [0, 2, 1, 0, 1, 2]
+
+
+def test_peft_expert_factors_take_torch_grouped_gemm() -> None:
+    """PEFT's per-expert LoRA factors, as `expert_projections` hands them over, are laid out so
+    torch's grouped GEMM takes them (no padded fallback with its host sync on the GPU)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from kestrel.kernels.moe import grouped_impl
+    from kestrel.model.moe import expert_projections
+    from kestrel.model.registry import family_of
+    from tests.support.tiny import tiny_model
+
+    model = get_peft_model(copy.deepcopy(tiny_model("gpt_oss", 64)), LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    block = model.base_model.model.model.layers[0].mlp
+    x = torch.randn(6, 128)
+    for proj in expert_projections(block.experts, family_of("gpt_oss").moe):
+        low = torch.randn(6, 8)
+        assert grouped_impl(x if proj.lora_a.shape[1] == 128 else torch.randn(6, 64), proj.lora_a) == "grouped_mm"
+        assert grouped_impl(low, proj.lora_b) == "grouped_mm"
