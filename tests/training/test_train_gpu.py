@@ -13,6 +13,7 @@ import torch
 
 from kestrel.config import config_from_dict
 from kestrel.model.registry import SUPPORTED
+from tests.model.test_model_forward import PACKING_BLIND
 from tests.support.tiny import tiny_model
 from kestrel.training.run import run
 
@@ -33,6 +34,8 @@ def _losses(out: Path) -> list[float]:
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("family", SUPPORTED)
 def test_patched_bf16_curve_matches_unpatched_on_cuda(family: str, packing: bool, tiny_model_dir, tmp_path: Path) -> None:
+    if packing and family in PACKING_BLIND:
+        pytest.skip("HF's own forward lets packed samples see each other here; ours keeps them apart")
     model = str(tiny_model_dir(family))
     fast = run(config_from_dict(_cfg(model, tmp_path / "fast", packing=packing)))
     slow = run(config_from_dict(_cfg(model, tmp_path / "slow", packing=packing, fast_kernels=False)))
