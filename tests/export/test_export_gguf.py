@@ -85,7 +85,8 @@ def test_f16_gguf_gives_hugging_face_greedy_tokens(family: str, family_dir, tmp_
         [f'"{s}"' for s in EXPECTED_STOPS[family]]
 
 
-@pytest.mark.parametrize("family,quant,floor", [("llama", "q8_0", 0.9), ("llama", "q4_k_m", 0.6), ("qwen3", "q4_k_m", 0.6)])
+@pytest.mark.parametrize("family,quant,floor", [("llama", "q8_0", 0.9), ("llama", "q4_k_m", 0.6), ("qwen3", "q4_k_m", 0.6),
+                                               ("qwen3_moe", "q8_0", 0.9), ("gpt_oss", "q4_k_m", 0.6)])
 def test_quantized_gguf_loads_and_answers(family: str, quant: str, floor: float, family_dir, tmp_path: Path) -> None:
     result = export(family_dir(family), "gguf", tmp_path / "out", quant=quant)
     check = result.checks[f"gguf_{quant}"]
