@@ -52,6 +52,7 @@ MAX_PATH = 1024  # characters of a path (output_dir, dataset, model)
 MAX_NAME = 100  # characters of a run name (it names folders and files)
 MAX_ITEMS = 100  # items of a list or mapping value (lora.targets, columns, grpo.rewards)
 MAX_REWARD_WEIGHT = 1e6
+MAX_DEVICES = 64
 
 # Text fields that YAML users write unquoted as booleans (`off` and `on` are YAML 1.1 booleans).
 BOOLEAN_WORDS: dict[str, dict[bool, str]] = {
@@ -236,6 +237,9 @@ class TrainConfig:
     gradient_checkpointing: str = "standard"
     save_steps: int = 100  # 0 saves only at the end
     seed: int = 42
+    # 1, a count N (N GPUs, or N CPU processes without a GPU), auto (every visible GPU) or a list
+    # of GPU ids: one run, data parallel across them (kestrel.training.distributed)
+    devices: int | str | list[int] = 1
     # advanced
     dtype: str = "auto"  # compute dtype: bf16 where supported, else fp32 on CPU
     warmup_steps: int = 0
@@ -260,6 +264,25 @@ class TrainConfig:
                f"dataset_format must be one of {', '.join(DATASET_FORMATS)}, got {_show(self.dataset_format)}")
         self._check_numbers()
         self._check_texts()
+        self._check_devices()
+
+    def _check_devices(self) -> None:
+        """`devices`: auto, a count 1..MAX_DEVICES, or a list of distinct GPU ids; one device for GRPO."""
+        d = self.devices
+        if isinstance(d, str):
+            _check(d == "auto", f"devices must be auto, a number of devices or a list of GPU ids, got {_show(d)}")
+        elif isinstance(d, list):
+            _check(0 < len(d) <= MAX_DEVICES, f"devices must list 1..{MAX_DEVICES} GPU ids, got {_show(d)}")
+            bad = next((i for i in d if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < MAX_DEVICES), None)
+            _check(bad is None, f"devices: each GPU id must be a whole number 0..{MAX_DEVICES - 1}, got {_show(bad)}")
+            _check(len(set(d)) == len(d), f"devices lists a GPU twice: {_show(d)}")
+        else:
+            _check(not isinstance(d, bool) and isinstance(d, int) and 1 <= d <= MAX_DEVICES,
+                   f"devices must be 1..{MAX_DEVICES}, auto or a list of GPU ids, got {_show(d)}")
+        if self.method == "grpo":
+            one = d == 1 or (isinstance(d, list) and len(d) == 1)
+            _check(one, f"GRPO runs on one device: set devices: 1, got {_show(d)} (several devices train lora, "
+                        "qlora and full)")
 
     def _check_numbers(self) -> None:
         """Steps, epochs, lengths, rates and the seed within sane ranges, naming the field."""

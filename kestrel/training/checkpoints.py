@@ -50,35 +50,69 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def _weights_writers(model: nn.Module, target: Path, tokenizer: Any = None) -> list[Writer]:
-    writers: list[Writer] = [(f"{target.name}/ (the weights)", lambda: model.save_pretrained(target))]
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards the model's parameters (a full fine-tune on several devices)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _full_states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict | None, dict | None]:
+    """The whole model's (and optimizer's) state gathered from FSDP2's shards onto the CPU; every
+    rank must call it (it is a collective). (None, None) for a model that is not sharded."""
+    if not _sharded(model):
+        return None, None
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    return weights, (get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None)
+
+
+def _weights_writers(model: nn.Module, target: Path, tokenizer: Any = None, weights: dict | None = None) -> list[Writer]:
+    writers: list[Writer] = [(f"{target.name}/ (the weights)", lambda: model.save_pretrained(target, state_dict=weights))]
     if tokenizer is not None:
         writers.append((f"{target.name}/ (the tokenizer)", lambda: tokenizer.save_pretrained(target)))
     return writers
 
 
-def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None) -> Path:
+def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None, world: Any = None) -> Path:
     """The adapter (PEFT folder) or the full model, plus the tokenizer, into `folder`/adapter or
-    `folder`/model, written to a `.tmp` folder and renamed. Raises CheckpointWriteError."""
+    `folder`/model, written to a `.tmp` folder and renamed. Raises CheckpointWriteError. On
+    several devices (`world`, a `kestrel.training.distributed.World`) every rank calls it and
+    rank 0 writes."""
     target = folder / ("adapter" if _is_peft(model) else "model")
-    tmp = target.with_name(target.name + TMP_SUFFIX)
-    failure = _failure(f"the final weights ({target.name}/)", folder, lambda: _weights_bytes(model))
-    _write_atomically(tmp, target, _weights_writers(model, tmp, tokenizer), failure)
+    weights, _ = _full_states(model, None)
+    if world is None or world.is_main:
+        tmp = target.with_name(target.name + TMP_SUFFIX)
+        failure = _failure(f"the final weights ({target.name}/)", folder, lambda: _weights_bytes(model))
+        _write_atomically(tmp, target, _weights_writers(model, tmp, tokenizer, weights), failure)
+    if world is not None:
+        world.barrier()
     return target
 
 
 def save_checkpoint(
-    output_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any]
+    output_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any],
+    world: Any = None,
 ) -> Path:
     """Write the checkpoint of `step` (weights, optimizer, scheduler, state) and keep the newest
-    KEEP. Raises CheckpointWriteError, with the partial folder removed, when any write fails."""
+    KEEP. Raises CheckpointWriteError, with the partial folder removed, when any write fails.
+    On several devices (`world`) every rank calls it; rank 0 writes (FSDP2's shards gathered first)."""
     root = output_dir / "checkpoints"
     final = root / f"step-{step:06d}"
+    weights, optim_state = _full_states(model, optimizer)
+    if world is not None and not world.is_main:
+        world.barrier()
+        return final
     tmp = root / f"step-{step:06d}{TMP_SUFFIX}"
     inner = tmp / ("adapter" if _is_peft(model) else "model")
+    optim_state = optim_state if optim_state is not None else optimizer.state_dict()
     writers = [
-        *_weights_writers(model, inner),
-        ("optimizer.pt", lambda: torch.save(optimizer.state_dict(), tmp / "optimizer.pt")),
+        *_weights_writers(model, inner, weights=weights),
+        ("optimizer.pt", lambda: torch.save(optim_state, tmp / "optimizer.pt")),
         ("scheduler.pt", lambda: torch.save(scheduler.state_dict(), tmp / "scheduler.pt")),
         ("state.json", lambda: (tmp / "state.json").write_text(json.dumps({**state, "step": step}))),
     ]
@@ -86,6 +120,8 @@ def save_checkpoint(
     _write_atomically(tmp, final, writers, _failure(f"the checkpoint of step {step}", output_dir, need))
     for old in sorted(root.glob("step-*[0-9]"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
+    if world is not None:
+        world.barrier()
     return final
 
 
@@ -234,9 +270,28 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
         weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(device))
         set_peft_model_state_dict(model, weights)
+    elif _sharded(model):
+        return _load_sharded(path, model, optimizer, scheduler)
     else:
         loaded = type(model).from_pretrained(path / "model", dtype=next(model.parameters()).dtype)
         model.load_state_dict(loaded.state_dict())
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    return json.loads((path / "state.json").read_text())
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """A full checkpoint (as `save_checkpoint` writes it) loaded into FSDP2's shards: every rank
+    reads the whole files and keeps its own shard."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted((path / "model").glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    set_model_state_dict(model, weights, options=options)
+    optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     return json.loads((path / "state.json").read_text())

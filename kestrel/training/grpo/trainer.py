@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from kestrel.training.grpo.rewards import RewardBatch, RewardSet
 from kestrel.training.grpo.rollout import Rollouts, release, rollout
 from kestrel.model.loader import load
 from kestrel.model.lora import trainable_parameters
+from kestrel.training.distributed import World
 from kestrel.training.metrics import Callback, memory_metrics
 from kestrel.training.recipe import (
     end_of_step, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
@@ -68,6 +69,7 @@ class GrpoSession:
     total_steps: int
     start_step: int
     device: torch.device
+    world: World = field(default_factory=World)  # one device: TrainConfig refuses GRPO on several
 
     @property
     def prompts_per_step(self) -> int:
@@ -113,7 +115,7 @@ def _generator(model: nn.Module, tokenizer: Any, max_len: int) -> Generator:
         raise ConfigError(f"GRPO samples through the fast decode path, which this model lacks: {exc}") from exc
 
 
-def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
+def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> GrpoSession:
     g = config.grpo
     rewards = RewardSet(g.rewards, allow_custom=g.allow_custom_rewards)
     seed_everything(config.seed)
