@@ -100,3 +100,22 @@ def check_training(cfg: TrainConfig) -> list[str]:
             if path.suffix != ".py" or not path.is_file():
                 raise ConfigError(f"grpo.rewards: custom reward file {path} does not exist or is not a .py file")
     return [note] if note else []
+
+
+def check_devices(spec: int | str | list[int], device: str | None, available: list[str]) -> None:
+    """A run's `devices` must fit the devices jobs may use (`available`: the job runner's list)
+    and leave the choice of GPUs to the queue."""
+    gpus = [d for d in available if d != "cpu"]
+    if spec in (1, "auto"):
+        return
+    if device is not None:
+        raise ConfigError(f"devices: {spec} and a device ({device}) were both given; a run on several devices "
+                          "takes its GPUs from the queue: leave the device out")
+    if isinstance(spec, list):
+        missing = [i for i in spec if f"cuda:{i}" not in gpus]
+        if missing:
+            raise ConfigError(f"devices lists GPU {missing[0]}, which jobs may not use here; "
+                              f"available: {', '.join(gpus) or 'no GPU (write devices: N for N CPU processes)'}")
+    elif gpus and spec > len(gpus):
+        raise ConfigError(f"devices: {spec} asks for more GPUs than the {len(gpus)} jobs may use here "
+                          f"({', '.join(gpus)})")

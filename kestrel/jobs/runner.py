@@ -50,7 +50,9 @@ from kestrel.errors import ConfigError
 from kestrel.paths import kestrel_home, runs_dir
 from kestrel.jobs import export_job, preflight, queries
 from kestrel.jobs.models import CANCELLED, EXPORT, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact, Job, Metric
-from kestrel.jobs.store import JobError, StoreWriteError, claim_next, remove_job_files, require_job, session
+from kestrel.jobs.store import (
+    JobError, StoreWriteError, claim_next, device_group, remove_job_files, require_job, session,
+)
 
 HEARTBEAT_S = 2.0  # the worker's heartbeat period
 STALE_AFTER_S = 6.0  # three missed heartbeats: with a dead pid, the job is lost (well under 15 s)
@@ -110,6 +112,8 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
     if device is not None and device != "cpu" and device not in available_devices():
         raise ConfigError(f"device {device!r} is not available; choose one of "
                           f"{', '.join(available_devices() + ['cpu'])}")
+    if kind != EXPORT:
+        preflight.check_devices(data.get("devices", 1), device, available_devices())
     with session(immediate=True) as s:
         job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",
                   step=0, attempts=0, queued_at=time.time(), dataset_id=dataset_id)
@@ -277,10 +281,10 @@ def _worker_env(device: str) -> dict[str, str]:
     env.update(kestrel_env.job_environment(device))
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    elif device.startswith("cuda:"):
-        index = int(device.split(":", 1)[1])
+    elif device.startswith("cuda:"):  # one GPU, or a group of them ("cuda:0,cuda:1") for one run
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        env["CUDA_VISIBLE_DEVICES"] = visible[index] if index < len(visible) else str(index)
+        indices = [int(d.split(":", 1)[1]) for d in device_group(device)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if i < len(visible) else str(i) for i in indices)
     return env
 
 
