@@ -147,7 +147,7 @@ def histogram_frame(lengths: list[int], bins: int = 20) -> pd.DataFrame:
 def histogram_update(lengths: list[int]) -> dict[str, Any]:
     """The bar chart's update: buckets in length order (not alphabetical)."""
     frame = histogram_frame(lengths)
-    return gr.update(value=frame, sort=list(frame["tokens"]))
+    return gr.update(value=frame)
 
 
 def _stats(lengths: list[int]) -> dict[str, float]:
