@@ -78,16 +78,16 @@ def model_name(source: str, text: str) -> str:
 
 def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
     model_in = [t["model_source"], t["model"]]
+    tokens = Outputs.of(d, "tokens", "token_summary", "truncation")
     shown = Outputs.of(d, "state", "status", "summary", "format", "preview", "report", "histogram", "row",
                        *[f"col_{r}" for r in roles()]) + Outputs([("datasets", d["datasets"]),
-                                                                  ("datasets", t["dataset"])])
-    tokens = Outputs.of(d, "tokens", "token_summary")
+                                                                  ("datasets", t["dataset"])]) + tokens
     token_in = [d["state"], d["row"], *model_in, t["max_seq_length"], t["train_on_responses_only"]]
     to_form = Outputs([("dataset", t["dataset"]), ("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
 
     def preview_tokens(state: Any, row: Any, src: str, text: str, max_len: Any, responses: bool) -> dict[str, Any]:
-        if not state:
-            return {}
+        if not state or not state.get("usable", True):
+            return {}  # no format found: open_dataset cleared the preview
         return ds_h.token_preview(state, row, model_name(src, text), max_len, responses)
 
     def after_open(event: Any) -> None:

@@ -26,6 +26,7 @@ def build() -> dict[str, gr.Component]:
         with gr.Column(scale=2):
             c["status"] = gr.Markdown(elem_id="ds-status")
             c["summary"] = gr.Markdown(elem_id="ds-summary")
+            c["truncation"] = gr.Markdown(elem_id="ds-truncation")
             c["format"] = gr.Dropdown(label=S.DS_FORMAT, info=S.DS_FORMAT_INFO, choices=format_choices(),
                                       value="auto", elem_id="ds-format")
             with gr.Row():
