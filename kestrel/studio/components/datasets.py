@@ -31,7 +31,8 @@ def build() -> dict[str, gr.Component]:
                                       value="auto", elem_id="ds-format")
             with gr.Row():
                 for role in roles():
-                    c[f"col_{role}"] = gr.Dropdown(label=role, choices=[], visible=False, min_width=120)
+                    c[f"col_{role}"] = gr.Dropdown(label=role, choices=[], visible=False, min_width=120,
+                                                   elem_id=f"ds-col-{role}")
             c["apply_mapping"] = gr.Button(S.DS_APPLY_MAPPING, size="sm")
     c["preview"] = gr.Dataframe(label=S.DS_PREVIEW, interactive=False, wrap=True, max_height=360,
                                 elem_id="ds-preview")

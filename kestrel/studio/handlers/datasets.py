@@ -279,6 +279,13 @@ def _analysis(state: dict[str, Any], rows: int, good: list, bad: list, model: st
             "datasets": gr.update(choices=dataset_choices(), value=state["path"])}
 
 
+def show_roles(fmt: str | None) -> dict[str, Any]:
+    """The column dropdowns of the format just picked (before Apply reads the file with it).
+    Outputs: col_<role>."""
+    needed = _formats().get(fmt or "", ())
+    return {f"col_{role}": gr.update(visible=role in needed) for role in roles()}
+
+
 @user_errors
 def apply_mapping(state: dict[str, Any] | None, fmt: str, model: str, *role_columns: str | None) -> dict[str, Any]:
     """Re-read the dataset with the format and role -> column mapping the user chose."""
