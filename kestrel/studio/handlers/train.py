@@ -266,7 +266,8 @@ def vram_text(data: dict[str, Any]) -> str:
 
 
 def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "") -> dict[str, Any]:
-    cut = truncation_note(data["dataset"], data["dataset_format"], data["columns"], data["model"], data["max_seq_length"])
+    cut = "" if data["method"] == "grpo" else truncation_note(  # GRPO's limits are its prompt and completion lengths
+        data["dataset"], data["dataset_format"], data["columns"], data["model"], data["max_seq_length"])
     return {"yaml": cfg.to_yaml(), "download": _yaml_file(cfg), "vram": vram_text(data) + (cut and "\n\n" + cut),
             "status": status}
 
