@@ -61,6 +61,9 @@ def test_unknown_columns_then_mapping(tmp_path: Path) -> None:
     out = _upload(tmp_path, "qa.csv", text)
     assert "no known format matches" in out["status"]  # a notice, with the preview still shown
     assert out["tokens"] is None and out["token_summary"] == "" and not out["state"]["usable"]  # no stale rows
+    from kestrel.studio.handlers import train
+
+    assert isinstance(train.use_dataset(out["state"], {})["dataset"], type(gr.skip()))  # the Train form keeps its own
     assert list(out["preview"].columns) == ["line", "q", "a"]
     assert out["preview"]["line"].tolist() == [2, 3]  # csv line 1 is the header
     mapped = _map(out["state"], "prompt_completion", prompt="q", completion="a")

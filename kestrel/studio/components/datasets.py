@@ -39,8 +39,10 @@ def build() -> dict[str, gr.Component]:
     with gr.Row():
         c["report"] = gr.Dataframe(label=S.DS_REPORT, interactive=False, wrap=True, max_height=300,
                                    headers=["line", "reason"], elem_id="ds-report")
-        c["histogram"] = gr.BarPlot(x="tokens", y="rows", label=S.DS_HISTOGRAM, height=260, y_lim=[0, None], sort=[],
-                                      x_label_angle=-30, elem_id="ds-hist")
+        # sort=[]: bars in the frame's order (buckets by length), fixed once. A `sort` sent with each
+        # new value made Gradio redraw the plot with the previous dataset's data.
+        c["histogram"] = gr.BarPlot(x="tokens", y="rows", label=S.DS_HISTOGRAM, height=260, y_lim=[0, None],
+                                    sort=[], x_label_angle=-30, elem_id="ds-hist")
     with gr.Row():
         c["row"] = gr.Number(label=S.DS_TOKEN_ROW, value=1, precision=0, minimum=1, scale=0, min_width=200,
                              elem_id="ds-row")

@@ -181,7 +181,8 @@ def histogram_frame(lengths: list[int], bins: int = 20) -> pd.DataFrame:
 
 
 def histogram_update(lengths: list[int]) -> dict[str, Any]:
-    """The bar chart's update: buckets in length order (not alphabetical)."""
+    """The bar chart's update: the value only (buckets in length order, which the plot keeps: its
+    `sort=[]` is set once in the layout; a changing `sort` made it draw the previous dataset)."""
     frame = histogram_frame(lengths)
     return gr.update(value=frame)
 

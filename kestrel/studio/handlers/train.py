@@ -344,8 +344,8 @@ def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any) -> dict[
 
 def use_dataset(ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -> dict[str, Any]:
     """Carry the dataset opened on the Datasets tab (with its format and column mapping) into the
-    form. Outputs: dataset, dataset_format, extra."""
-    if not ds_state or not ds_state.get("path"):
+    form; one whose format was not found stays out of it. Outputs: dataset, dataset_format, extra."""
+    if not ds_state or not ds_state.get("path") or not ds_state.get("usable", True):
         return {"dataset": gr.skip(), "dataset_format": gr.skip(), "extra": gr.skip()}
     extra = copy.deepcopy(extra or {})
     extra["columns"] = dict(ds_state.get("columns") or {})
