@@ -26,7 +26,7 @@ from kestrel.data.reader import EXTENSIONS, RowIssue, Table, list_issues, read_t
 from kestrel.errors import DatasetError
 
 __all__ = ["COLUMN_ALIASES", "EXTENSIONS", "FORMATS", "Conversation", "RowIssue", "Table", "detect", "detect_format",
-           "load_conversations", "read_rows", "read_table", "resolve_columns", "to_conversation"]
+           "load_conversations", "match_columns", "read_rows", "read_table", "resolve_columns", "to_conversation"]
 
 # format -> the roles it needs (the default column for each role is the role's name)
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -50,6 +50,7 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
     "completion": ("completion", "answer", "response", "output", "reply", "target", "assistant", "gpt",
                    "solution", "result"),
     "system": ("system", "system_prompt"),
+    "answer": ("answer", "solution", "target", "output", "completion", "response", "reply"),  # GRPO's reference
     "text": ("text", "content", "document", "body"),
 }
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -80,17 +81,18 @@ def _key(name: str) -> str:
     return name.strip().lower().replace(" ", "_").replace("-", "_")
 
 
-def resolve_columns(present: Iterable[str], fmt: str, columns: dict[str, str] | None = None) -> dict[str, str] | None:
-    """role -> column for each role of `fmt` (required and optional) found among `present`: the
-    explicit mapping in `columns` first, then `COLUMN_ALIASES`. None when a required role has none."""
+def match_columns(present: Iterable[str], roles: Iterable[str], columns: dict[str, str] | None = None) -> dict[str, str]:
+    """role -> column for each of `roles` found among `present`: the explicit mapping in `columns`
+    first (a mapped column that is absent finds nothing), then `COLUMN_ALIASES`; a column serves
+    one role only."""
     columns = columns or {}
     present = list(present)
-    by_key = {}
+    by_key: dict[str, str] = {}
     for name in present:
         by_key.setdefault(_key(name), name)
     used = {c for c in columns.values() if c in present}
     out: dict[str, str] = {}
-    for role in FORMATS[fmt] + OPTIONAL_ROLES.get(fmt, ()):
+    for role in roles:
         if role in columns:
             found = columns[role] if columns[role] in present else None
         else:
@@ -99,9 +101,14 @@ def resolve_columns(present: Iterable[str], fmt: str, columns: dict[str, str] | 
         if found is not None:
             out[role] = found
             used.add(found)
-        elif role in FORMATS[fmt]:
-            return None
     return out
+
+
+def resolve_columns(present: Iterable[str], fmt: str, columns: dict[str, str] | None = None) -> dict[str, str] | None:
+    """role -> column for each role of `fmt` (required and optional) found among `present` (see
+    `match_columns`); None when a required role has none."""
+    found = match_columns(present, FORMATS[fmt] + OPTIONAL_ROLES.get(fmt, ()), columns)
+    return found if all(role in found for role in FORMATS[fmt]) else None
 
 
 def detect(rows: list[dict[str, Any]], columns: dict[str, str] | None = None,
