@@ -92,6 +92,10 @@ def test_a_mapping_is_kept_with_the_dataset(tmp_path: Path, fake_engine: None) -
     assert job.config["columns"] == {"prompt": "q", "completion": "a"}
     failed = _map(reopened["state"], "auto")  # a failed try keeps what was saved
     assert "no known format" in failed["status"] and jobs.saved_mapping(path) is not None
+    Path(path).write_text("question,answer\nWhat is 1 + 1?,2\n")  # the file edited: other columns
+    replaced = ds.open_dataset(path)
+    assert replaced["state"]["format"] == "prompt_completion" and "1 usable" in replaced["status"]
+    assert jobs.saved_mapping(path) is None  # the old mapping no longer fits: detected, and forgotten
 
 
 def test_common_column_names_are_mapped_without_asking(tmp_path: Path) -> None:

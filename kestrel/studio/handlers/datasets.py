@@ -216,7 +216,8 @@ def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = 
                  model: str = "demo") -> dict[str, Any]:
     """Read `path`, detect (or apply) its format and column mapping, validate every row.
 
-    `columns` None: the mapping saved with the dataset in the job store, if any, with its format.
+    `columns` None: the mapping saved with the dataset in the job store, with its format, when the
+    file still has those columns.
     Outputs: state, status, summary, format, col_<role> (one per role), preview, report,
     histogram, row (the token-preview line number), datasets (choices of both dropdowns), and
     tokens, token_summary, truncation (cleared; the token preview refills them).
@@ -227,11 +228,12 @@ def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = 
     if not path:
         raise DatasetError(S.DS_NO_DATASET)
     path, mtime = _key(path)
-    if columns is None:
-        fmt, columns = jobs.saved_mapping(path) or (fmt, {})
     table = _table(path, mtime)
     rows = table.rows
     present = list(dict.fromkeys(k for r in rows[:100] for k in r))
+    if columns is None:  # the saved mapping, while the file still has its columns (a new upload may not)
+        saved = jobs.saved_mapping(path)
+        fmt, columns = saved if saved and set(saved[1].values()) <= set(present) else (fmt, {})
     columns = {k: v for k, v in columns.items() if v and v != k}
     name = Path(path).name
     state = {"path": path, "name": name, "format": fmt, "columns": columns, "usable": False}
