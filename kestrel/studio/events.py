@@ -106,6 +106,9 @@ def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
                    lambda state, fmt, src, text, *cols: ds_h.apply_mapping(state, fmt, model_name(src, text), *cols),
                    [d["state"], d["format"], *model_in, *[d[f"col_{r}"] for r in roles()]], shown))
     _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", **LIGHT)
+    # The token view and the truncation warning follow the Train form's length and masking.
+    gr.on([t["max_seq_length"].change, t["train_on_responses_only"].change], tokens.wrap(preview_tokens), token_in,
+          tokens.components, trigger_mode="always_last", **LIGHT)
     _on(d["format"].input, ds_h.show_roles, [d["format"]], Outputs.of(d, *[f"col_{r}" for r in roles()]), **LIGHT)
     picked = Outputs([("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
     _on(t["dataset"].input, train_h.pick_dataset, [t["dataset"], d["state"], t["extra"]], picked, **LIGHT) \

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -119,7 +120,7 @@ def test_each_dataset_shows_its_own_histogram_and_a_failed_one_clears_the_tokens
         _wait_text(pg, "#ds-token-summary", "trained")
         if name == "mid":  # the cut-short line is skipped into the report, with its number and why
             _wait_text(pg, "#ds-report", "cut short")
-            assert "3" in _text(pg, "#ds-report").split("cut short")[0]
+            assert re.search(r"\b3\s+is not valid JSON", _text(pg, "#ds-report")), _text(pg, "#ds-report")
             pg.screenshot(path=str(ARTIFACTS / "01-mid-report.png"), full_page=True)  # type: ignore[attr-defined]
     assert "word" in _text(pg, "#ds-tokens")
     pg.screenshot(path=str(ARTIFACTS / "02-long.png"), full_page=True)  # type: ignore[attr-defined]
@@ -151,6 +152,12 @@ def test_a_mapping_is_kept_characters_show_whole_and_truncation_warns(page: obje
     assert all(ch in tokens for ch in ("°", "×", "−", "🙂")) and "\ufffd" not in tokens
     _wait_text(pg, "#ds-truncation", "20% of rows (2 of 10) are longer than max_seq_length=64")
     pg.screenshot(path=str(ARTIFACTS / "04-mapped.png"), full_page=True)  # type: ignore[attr-defined]
+    for length, warned in (("128", False), ("64", True)):  # the Datasets tab follows the Train form's length
+        pg.get_by_role("tab", name="Train").click()  # type: ignore[attr-defined]
+        pg.locator("#tr-max-seq-length input").fill(length)  # type: ignore[attr-defined]
+        pg.get_by_role("tab", name="Datasets").click()  # type: ignore[attr-defined]
+        pg.wait_for_function(f"w => {TEXT}('#ds-truncation').includes('are longer than') === w",  # type: ignore[attr-defined]
+                             arg=warned)
     # Another dataset, then units.csv again through Open: read with the saved mapping, no detection.
     pg.get_by_role("button", name="Use sample", exact=True).click()  # type: ignore[attr-defined]
     _wait_text(pg, "#ds-status", "arithmetic_chat")
@@ -166,4 +173,6 @@ def test_a_mapping_is_kept_characters_show_whole_and_truncation_warns(page: obje
     pg.wait_for_function(  # type: ignore[attr-defined]
         "() => (document.querySelector('#tr-dataset-format input') || {}).value === 'prompt_completion'")
     _wait_text(pg, "#tr-vram", "are longer than max_seq_length=64")
+    pg.locator("#tr-max-seq-length input").fill("128")  # type: ignore[attr-defined]  # long enough: no warning
+    pg.wait_for_function(f"() => !{TEXT}('#tr-vram').includes('are longer than')")  # type: ignore[attr-defined]
     pg.screenshot(path=str(ARTIFACTS / "05-train.png"), full_page=True)  # type: ignore[attr-defined]
