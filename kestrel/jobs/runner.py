@@ -108,7 +108,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
             log.info("note: %s", note)
         kind = "grpo" if cfg.method == "grpo" else "sft"
         name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
-        data, root = _absolute_paths(cfg.to_dict()), runs_dir()
+        data, root = queries.apply_saved_mapping(_absolute_paths(cfg.to_dict())), runs_dir()
     if device is not None and device != "cpu" and device not in available_devices():
         raise ConfigError(f"device {device!r} is not available; choose one of "
                           f"{', '.join(available_devices() + ['cpu'])}")

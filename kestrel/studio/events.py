@@ -78,16 +78,16 @@ def model_name(source: str, text: str) -> str:
 
 def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
     model_in = [t["model_source"], t["model"]]
+    tokens = Outputs.of(d, "tokens", "token_summary", "truncation")
     shown = Outputs.of(d, "state", "status", "summary", "format", "preview", "report", "histogram", "row",
                        *[f"col_{r}" for r in roles()]) + Outputs([("datasets", d["datasets"]),
-                                                                  ("datasets", t["dataset"])])
-    tokens = Outputs.of(d, "tokens", "token_summary")
+                                                                  ("datasets", t["dataset"])]) + tokens
     token_in = [d["state"], d["row"], *model_in, t["max_seq_length"], t["train_on_responses_only"]]
     to_form = Outputs([("dataset", t["dataset"]), ("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
 
     def preview_tokens(state: Any, row: Any, src: str, text: str, max_len: Any, responses: bool) -> dict[str, Any]:
-        if not state:
-            return {}
+        if not state or not state.get("usable", True):
+            return {}  # no format found: open_dataset cleared the preview
         return ds_h.token_preview(state, row, model_name(src, text), max_len, responses)
 
     def after_open(event: Any) -> None:
@@ -106,6 +106,10 @@ def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
                    lambda state, fmt, src, text, *cols: ds_h.apply_mapping(state, fmt, model_name(src, text), *cols),
                    [d["state"], d["format"], *model_in, *[d[f"col_{r}"] for r in roles()]], shown))
     _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", **LIGHT)
+    # The token view and the truncation warning follow the Train form's length and masking.
+    gr.on([t["max_seq_length"].change, t["train_on_responses_only"].change], tokens.wrap(preview_tokens), token_in,
+          tokens.components, trigger_mode="always_last", **LIGHT)
+    _on(d["format"].input, ds_h.show_roles, [d["format"]], Outputs.of(d, *[f"col_{r}" for r in roles()]), **LIGHT)
     picked = Outputs([("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
     _on(t["dataset"].input, train_h.pick_dataset, [t["dataset"], d["state"], t["extra"]], picked, **LIGHT) \
         .then(*_preview_args(t), **LIGHT)

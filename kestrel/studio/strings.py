@@ -35,6 +35,7 @@ DS_HIST_NOTE = " (histogram of the first {n} rows)"
 DS_TOKEN_SUMMARY = ("Line {line}: {total} tokens, {trained} trained, {masked} masked{cut}. "
                     "Tokenizer of model `{model}`.")
 DS_TOKEN_CUT = ", **{cut} cut off** by max_seq_length={max_len}"
+DS_MAPPING_SAVED = " · columns saved with the dataset: {mapping}"
 DS_NO_DATASET = "Upload a dataset or pick a sample first."
 DS_LOADED = "Loaded {name}: {good} usable rows as {format}."
 DS_NO_ROW = "There is no usable row at line {line}; usable lines run from {first} to {last}."

@@ -154,6 +154,14 @@ def test_prompt_datasets(demo_tokenizer, tmp_path: Path) -> None:
         load_prompts(cfg, demo_tokenizer, needs_answers=False)
 
 
+def test_prompt_datasets_with_common_column_names_need_no_mapping(demo_tokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"Question": "What is 1 + 1?", "solution": "2"}) + "\n")
+    cfg = config_from_dict(_grpo("demo", tmp_path / "o", str(path)))
+    good, bad, _ = load_prompts(cfg, demo_tokenizer, needs_answers=True)
+    assert [(g.text, g.answer) for g in good] == [("What is 1 + 1?", "2")] and not bad
+
+
 def test_demo_configs_parse() -> None:
     from kestrel.config import load_config
     from kestrel.paths import ASSETS

@@ -34,6 +34,7 @@ from kestrel.studio import files
 from kestrel.studio import strings as S
 from kestrel.studio.form import FIELD_BY_KEY, FORM_KEYS, REWARD_COLUMNS
 from kestrel.studio.handlers.common import DEMO, check_model, is_local, model_config, user_errors
+from kestrel.studio.handlers.datasets import truncation_note
 
 def _shipped(name: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """A config from assets/configs/ as a preset: the shipped demo YAML is the one source of these
@@ -265,7 +266,10 @@ def vram_text(data: dict[str, Any]) -> str:
 
 
 def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "") -> dict[str, Any]:
-    return {"yaml": cfg.to_yaml(), "download": _yaml_file(cfg), "vram": vram_text(data), "status": status}
+    cut = "" if data["method"] == "grpo" else truncation_note(  # GRPO's limits are its prompt and completion lengths
+        data["dataset"], data["dataset_format"], data["columns"], data["model"], data["max_seq_length"])
+    return {"yaml": cfg.to_yaml(), "download": _yaml_file(cfg), "vram": vram_text(data) + (cut and "\n\n" + cut),
+            "status": status}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,8 +344,8 @@ def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any) -> dict[
 
 def use_dataset(ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -> dict[str, Any]:
     """Carry the dataset opened on the Datasets tab (with its format and column mapping) into the
-    form. Outputs: dataset, dataset_format, extra."""
-    if not ds_state or not ds_state.get("path"):
+    form; one whose format was not found stays out of it. Outputs: dataset, dataset_format, extra."""
+    if not ds_state or not ds_state.get("path") or not ds_state.get("usable", True):
         return {"dataset": gr.skip(), "dataset_format": gr.skip(), "extra": gr.skip()}
     extra = copy.deepcopy(extra or {})
     extra["columns"] = dict(ds_state.get("columns") or {})
@@ -350,15 +354,18 @@ def use_dataset(ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -
 
 def pick_dataset(path: str, ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -> dict[str, Any]:
     """A dataset chosen in the form's dropdown: the Datasets tab's format and column mapping
-    when it is the one open there, else auto-detection (another file's mapping would not fit).
-    Outputs: dataset_format, extra."""
+    when it is the one open there, else the mapping saved with it in the job store, else
+    auto-detection (another file's mapping would not fit). Outputs: dataset_format, extra."""
+    from kestrel import jobs
+
     if ds_state and ds_state.get("path") == path:
         out = use_dataset(ds_state, extra)
         out.pop("dataset")
         return out
+    fmt, columns = jobs.saved_mapping(path) or ("auto", {})  # the mapping saved with the dataset
     extra = copy.deepcopy(extra or {})
-    extra["columns"] = {}
-    return {"dataset_format": "auto", "extra": extra}
+    extra["columns"] = columns
+    return {"dataset_format": fmt, "extra": extra}
 
 
 def _comparable(data: dict[str, Any]) -> dict[str, Any]:
