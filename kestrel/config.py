@@ -27,6 +27,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from kestrel.config_evaluation import EarlyStoppingSettings, check_evaluation
 from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, REWARD_NAMES, merge
 from kestrel.errors import ConfigError
 from kestrel.recompute.graph_choice import GRAPH_MODES
@@ -249,6 +250,12 @@ class TrainConfig:
     fast_kernels: bool = True  # false trains through the plain Hugging Face path (for comparison)
     grpo: GrpoSettings = field(default_factory=GrpoSettings)
     performance: PerformanceSettings = field(default_factory=PerformanceSettings)
+    # evaluation (kestrel.config_evaluation): a held-out file or a seeded fraction of `dataset`
+    eval_dataset: str | None = None
+    eval_split: float = 0.0  # 0 = no split
+    eval_steps: int | None = None  # null: evaluation costs at most 5% of the training tokens
+    early_stopping: EarlyStoppingSettings = field(default_factory=EarlyStoppingSettings)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard | wandb | mlflow
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
@@ -260,6 +267,7 @@ class TrainConfig:
                f"dataset_format must be one of {', '.join(DATASET_FORMATS)}, got {_show(self.dataset_format)}")
         self._check_numbers()
         self._check_texts()
+        check_evaluation(self)
 
     def _check_numbers(self) -> None:
         """Steps, epochs, lengths, rates and the seed within sane ranges, naming the field."""
@@ -285,7 +293,7 @@ class TrainConfig:
         """Names and paths: present where needed, free of control characters, not too long."""
         _check(bool(str(self.model).strip()), "model must name a hub id, a local folder or `demo`")
         _check(bool(str(self.dataset).strip()), "dataset must name a file or a sample dataset")
-        for name in ("model", "dataset", "output_dir"):
+        for name in ("model", "dataset", "output_dir", "eval_dataset"):
             _check_path_text(name, getattr(self, name))
         if self.name is not None:
             _check(bool(self.name.strip()) and self.name.strip() not in (".", ".."),

@@ -25,7 +25,8 @@ from kestrel.errors import ConfigError, KestrelError, OutOfMemoryError, oom_mess
 from kestrel.training.checkpoints import (
     describe, free_bytes, latest_checkpoint, looks_like_full_disk, remove_stale_writes,
 )
-from kestrel.training.metrics import Callback, CallbackList, JsonlWriter
+from kestrel.training.metrics import Callback, CallbackList
+from kestrel.training.reporters import metric_sinks
 from kestrel.paths import runs_dir
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainRe
     """Train as `config` says, reporting to `callbacks`; never raises for a run that failed (a
     ConfigError when the output folder cannot be made: then nothing ran)."""
     output_dir = resolve_output_dir(config)
-    cb = CallbackList([JsonlWriter(output_dir / "metrics.jsonl"), *(callbacks or [])])
+    cb = CallbackList([*metric_sinks(config, output_dir), *(callbacks or [])])
     step, error = 0, None
     try:
         config.save(output_dir / "config.yaml")

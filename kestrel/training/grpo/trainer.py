@@ -68,6 +68,7 @@ class GrpoSession:
     total_steps: int
     start_step: int
     device: torch.device
+    evaluator: None = None  # GRPO has no evaluation set yet (config validation refuses one)
 
     @property
     def prompts_per_step(self) -> int:
