@@ -16,13 +16,12 @@ well under that. The eval set itself is bounded first (`cap_eval_tokens`) so tha
 evaluations fit in the budget.
 
 The best weights (lowest eval loss so far) are written to `output_dir/best/` (adapter/ or model/,
-with the tokenizer) and marked by `best/best.json` ({"step", "metric", "value"}), written after the
-weights, so a marker always describes complete weights. Export picks them by default.
+with the tokenizer) and marked by `best/best.json` (`kestrel.training.best`). Export picks them
+by default.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from kestrel.config_evaluation import EarlyStoppingSettings
+from kestrel.training.best import BEST_DIR, BEST_MARKER, write_marker
 from kestrel.training.checkpoints import save_weights
 
 if TYPE_CHECKING:
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 EVAL_BUDGET = 0.05  # evaluation tokens, at most this share of the run's training tokens
 MAX_EVALS = 25  # automatic interval: at most this many evaluations a run (each may save the best)
-BEST_DIR = "best"
-BEST_MARKER = "best.json"
 
 
 @dataclass
@@ -122,20 +120,6 @@ def replay(history: list[tuple[int, float]], min_delta: float) -> EarlyStopState
     return state
 
 
-def read_best(output_dir: Path) -> dict[str, Any] | None:
-    """The best marker of a run folder ({"step", "metric", "value", "path"}), or None when there
-    is none or its weights are missing."""
-    marker = Path(output_dir) / BEST_DIR / BEST_MARKER
-    try:
-        data = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return None
-    weights = next((marker.parent / name for name in ("adapter", "model") if (marker.parent / name).is_dir()), None)
-    if not isinstance(data, dict) or weights is None:
-        return None
-    return {**data, "path": str(weights)}
-
-
 class Evaluator:
     """Runs a recipe's eval batches through its `measure` and keeps the run's best weights;
     `history` ((step, eval value) of earlier evaluations: a resumed run's) restores early
@@ -202,4 +186,4 @@ class Evaluator:
         marker.unlink(missing_ok=True)
         folder.mkdir(parents=True, exist_ok=True)
         save_weights(model, folder, tokenizer)
-        marker.write_text(json.dumps({"step": step, "metric": f"eval_{self.metric}", "value": value}) + "\n")
+        write_marker(self.output_dir, step, f"eval_{self.metric}", value)
