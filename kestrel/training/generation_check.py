@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from kestrel.data.formats import Conversation
 from kestrel.training.scores import exact_match, rouge_l
+
+if TYPE_CHECKING:  # the studio reads GENERATION_FILE without importing torch
+    from torch import nn
+
+    from kestrel.data.formats import Conversation
 
 GENERATION_PROMPTS = 8  # prompts of the check: enough to read, few enough to cost seconds
 MAX_NEW_TOKENS = 256
