@@ -25,8 +25,8 @@ MAX_PATIENCE = 1_000_000
 
 @dataclass
 class EarlyStoppingSettings:
-    """Stop when `patience` evaluations in a row have not lowered the best eval loss by more than
-    `min_delta` (patience 0 turns it off). Needs an evaluation set."""
+    """Stop when `patience` evaluations in a row have not improved on the best eval metric (eval_loss;
+    GRPO: eval_reward) by more than `min_delta` (patience 0 turns it off). Needs an evaluation set."""
 
     patience: int = 0
     min_delta: float = 0.0
@@ -61,9 +61,6 @@ def check_evaluation(config: Any) -> None:
     if steps is not None and not 1 <= steps <= 10_000_000:
         raise ConfigError(f"eval_steps must be at least 1 (or null for the automatic interval), got {steps!r}")
     evaluates = bool(config.eval_dataset) or split > 0
-    if evaluates and config.method == "grpo":
-        raise ConfigError("eval_dataset / eval_split: evaluation is not available for method grpo yet (its "
-                          "held-out score would need sampled completions); leave them out for GRPO runs")
     if config.early_stopping.patience and not evaluates:
         raise ConfigError("early_stopping needs an evaluation set: set eval_dataset (a file) or eval_split "
                           "(a fraction of dataset held out)")

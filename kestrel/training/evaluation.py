@@ -121,16 +121,18 @@ def replay(history: list[tuple[int, float]], min_delta: float) -> EarlyStopState
 
 
 class Evaluator:
-    """Runs a recipe's eval batches through its `measure` and keeps the run's best weights;
-    `history` ((step, eval value) of earlier evaluations: a resumed run's) restores early
-    stopping; `generation` holds the prompts of the end-of-run generation check."""
+    """Runs a recipe's eval batches through its `measure` and keeps the run's best weights:
+    those with the lowest eval_<metric> (the highest with `greater_is_better`, e.g. GRPO's
+    reward). `history` ((step, eval value) of earlier evaluations: a resumed run's) restores
+    early stopping; `generation` holds the prompts of the end-of-run generation check."""
 
     def __init__(self, batches: list[Any], measure: Measure, plan: EvalPlan, output_dir: Path,
-                 early_stopping: EarlyStoppingSettings, metric: str = "loss",
+                 early_stopping: EarlyStoppingSettings, metric: str = "loss", greater_is_better: bool = False,
                  history: list[tuple[int, float]] | None = None, generation: GenerationCheck | None = None) -> None:
         self.batches, self.measure, self.plan, self.generation = batches, measure, plan, generation
         self.output_dir, self.early_stopping, self.metric = Path(output_dir), early_stopping, metric
-        self.state = replay(history or [], early_stopping.min_delta)
+        self.sign = -1.0 if greater_is_better else 1.0  # the state compares sign * value, lower is better
+        self.state = replay([(step, self.sign * v) for step, v in history or []], early_stopping.min_delta)
         self.tokens_evaluated = 0  # over this process's evaluations (the cost test counts them)
 
     def due(self, done: int, total_steps: int) -> bool:
@@ -168,14 +170,15 @@ class Evaluator:
         if not math.isfinite(value):
             log(f"eval_{self.metric} at step {step} is {value}: not compared for the best weights")
             return False
-        if self.state.update(step, value, self.early_stopping.min_delta):
+        if self.state.update(step, self.sign * value, self.early_stopping.min_delta):
             self.save_best(step, value, model, tokenizer)
             log(f"step {step}: best eval_{self.metric} so far ({value:.4f}); weights kept in {self.output_dir / BEST_DIR}")
         patience = self.early_stopping.patience
         if patience and self.state.stale >= patience:
             log(f"early stopping at step {step}: eval_{self.metric} has not improved by more than "
                 f"{self.early_stopping.min_delta:g} for {patience} evaluations; the best was "
-                f"{self.state.best:.4f} at step {self.state.best_step} (kept in {self.output_dir / BEST_DIR})")
+                f"{self.sign * (self.state.best or 0.0):.4f} at step {self.state.best_step} "
+                f"(kept in {self.output_dir / BEST_DIR})")
             return True
         return False
 

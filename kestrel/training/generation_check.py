@@ -40,8 +40,9 @@ class GenerationCase:
 class GenerationCheck:
     """Held-out prompts and their references; `run` answers and scores them."""
 
-    def __init__(self, cases: list[GenerationCase], max_new_tokens: int) -> None:
-        self.cases, self.max_new_tokens = cases, max_new_tokens
+    def __init__(self, cases: list[GenerationCase], max_new_tokens: int, generator: Any = None) -> None:
+        """`generator`: the run's own decode `Generator` when it has one (GRPO), else one is made."""
+        self.cases, self.max_new_tokens, self.generator = cases, max_new_tokens, generator
 
     @classmethod
     def from_conversations(cls, convs: list[Conversation], tokenizer: Any, max_prompt_tokens: int,
@@ -75,13 +76,14 @@ class GenerationCheck:
         was_training = model.training
         model.eval()
         longest = max(len(c.ids) for c in self.cases)
-        generator = Generator(model, tokenizer, max_seq_len=longest + self.max_new_tokens)
+        generator = self.generator or Generator(model, tokenizer, max_seq_len=longest + self.max_new_tokens)
         try:
             out = generator.generate([c.ids for c in self.cases], max_new_tokens=self.max_new_tokens,
                                      adapter=getattr(model, "active_adapter", None))
             answers = decode_completions(tokenizer, out.tokens, generator.stop_ids)
         finally:
-            generator.close()  # the model's projections get their own storage back
+            # Ours: the model's projections get their own storage back. The run's: its cache goes.
+            generator.close() if self.generator is None else generator.release()
             model.train(was_training)
         return self.write(answers, output_dir, step)
 

@@ -63,7 +63,6 @@ def test_config_checks_name_the_field() -> None:
         "eval_steps must be at least 1": dict(eval_steps=0, eval_split=0.1),
         "early_stopping.min_delta": dict(eval_split=0.1, early_stopping={"patience": 2, "min_delta": -1}),
         "report_to: unknown reporter 'comet'": dict(report_to=["comet"]),
-        "not available for method grpo": dict(method="grpo", eval_split=0.1),
     }
     for words, data in cases.items():
         with pytest.raises(ConfigError, match=words):
@@ -237,3 +236,60 @@ def test_generation_check_answers_held_out_prompts_and_scores_them(tiny_model_di
     assert check["rouge_l"] == pytest.approx(sum(r["rouge_l"] for r in check["rows"]) / 8)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1] == {"step": 4, "eval_exact_match": check["exact_match"], "eval_rouge_l": check["rouge_l"]}
+
+
+class PauseAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step, self.seen = step, 0
+
+    def on_step(self, metrics: dict) -> None:
+        self.seen = int(metrics["step"])
+
+    def should_stop(self):
+        return "pause" if self.seen == self.step else None
+
+
+def test_resume_restores_early_stopping_from_the_evaluations_before_the_checkpoint(tiny_model_dir, tmp_path: Path) -> None:
+    cfg = _cfg(str(tiny_model_dir("llama")), tmp_path / "straight", max_steps=40, eval_split=0.1, eval_steps=2,
+               early_stopping={"patience": 3, "min_delta": 100.0})
+    straight = run(config_from_dict(cfg))
+    resumed_cfg = {**cfg, "output_dir": str(tmp_path / "resumed")}
+    paused = run(config_from_dict(resumed_cfg), [PauseAt(4)])  # after two evaluations: one to go
+    resumed = run(config_from_dict(resumed_cfg))
+    assert (straight.step, paused.status, paused.step, resumed.step) == (8, "interrupted", 4, 8)
+    evals = lambda out: [(r["step"], r["eval_loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())  # noqa: E731
+                         if "eval_loss" in r]
+    got, want = evals(tmp_path / "resumed"), evals(tmp_path / "straight")
+    assert [s for s, _ in got] == [s for s, _ in want] == [2, 4, 6, 8]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-4)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the GRPO run (two shared cores; as in test_grpo_train)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_grpo_evaluates_held_out_prompts_by_reward(tiny_model_dir, tmp_path: Path, one_thread) -> None:
+    out = tmp_path / "grpo"
+    grpo = dict(num_generations=4, max_completion_length=8, max_prompt_length=48,
+                rewards=[{"name": "format_regex", "pattern": "[0-9]"}, {"name": "exact_answer", "weight": 0.5}])
+    cfg = dict(model=str(tiny_model_dir("llama")), method="grpo", dataset="arithmetic_prompts", output_dir=str(out),
+               max_seq_length=256, batch_size=2, max_steps=4, learning_rate=2e-3, save_steps=0, seed=0,
+               gradient_checkpointing="off", dtype="fp32", grpo=grpo, lora={"r": 8, "alpha": 16}, eval_split=0.05,
+               eval_steps=2)
+    result = run(config_from_dict(cfg))
+    assert result.status == "completed", result.error
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        parts = r["eval_reward/format_regex"] + 0.5 * r["eval_reward/exact_answer"]
+        assert r["eval_reward"] == pytest.approx(parts, abs=1e-6) and 0.0 <= r["eval_reward/format_regex"] <= 1.0
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["metric"] == "eval_reward" and best["value"] == pytest.approx(max(r["eval_reward"] for r in evals))
+    check = json.loads((out / "generation_check.json").read_text())
+    assert 1 <= len(check["rows"]) <= 8 and all(row["reference"].strip() for row in check["rows"])
