@@ -293,3 +293,13 @@ def test_grpo_evaluates_held_out_prompts_by_reward(tiny_model_dir, tmp_path: Pat
     assert best["metric"] == "eval_reward" and best["value"] == pytest.approx(max(r["eval_reward"] for r in evals))
     check = json.loads((out / "generation_check.json").read_text())
     assert 1 <= len(check["rows"]) <= 8 and all(row["reference"].strip() for row in check["rows"])
+
+
+def test_a_best_save_killed_midway_is_cleaned_at_the_next_start(tmp_path: Path) -> None:
+    from kestrel.training.best import read_best
+    from kestrel.training.checkpoints import remove_stale_writes
+
+    (tmp_path / "best" / "adapter.tmp").mkdir(parents=True)  # killed inside save_weights: no marker yet
+    assert read_best(tmp_path) is None
+    assert remove_stale_writes(tmp_path) == [tmp_path / "best" / "adapter.tmp"]
+    assert not (tmp_path / "best" / "adapter.tmp").exists()
