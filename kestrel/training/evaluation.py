@@ -1,7 +1,9 @@
 """Evaluation during training: the held-out metrics every `eval_steps` and at the end, the best
 weights kept, early stopping. Method-agnostic: a recipe supplies its eval batches and a `Measure`
 (what one batch contributes: metric sums and the weight they are summed over), so SFT scores
-token-mean loss and a preference method its per-pair loss and rewards through the same loop.
+token-mean loss, GRPO the rewards of greedy answers, and a preference method its per-pair loss
+and rewards through the same loop: a new recipe builds `Evaluator(its batches, its measure, ...)`
+in its setup and sets it as its run state's `evaluator`; `kestrel.training.recipe` does the rest.
 
     ev = Evaluator(batches, measure, EvalPlan(every=50, ...), output_dir, config.early_stopping)
     ev.due(done, total)        -> bool
@@ -15,7 +17,7 @@ is held to EVAL_BUDGET (5%) of the run's training tokens, so in work (and wall t
 well under that. The eval set itself is bounded first (`cap_eval_tokens`) so that at least two
 evaluations fit in the budget.
 
-The best weights (lowest eval loss so far) are written to `output_dir/best/` (adapter/ or model/,
+The best weights (lowest eval loss so far; GRPO: highest eval reward) go to `output_dir/best/` (adapter/ or model/,
 with the tokenizer) and marked by `best/best.json` (`kestrel.training.best`). Export picks them
 by default.
 """
