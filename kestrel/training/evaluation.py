@@ -14,12 +14,12 @@ The default interval (`plan_interval`), a cost model in tokens: an evaluation ru
 token through one forward, a training step runs each of its tokens through a forward and a
 backward (about 3x a forward's work, more with recomputation). Counting tokens alone, evaluation
 is held to EVAL_BUDGET (5%) of the run's training tokens, so in work (and wall time) it costs
-well under that. The eval set itself is bounded first (`cap_eval_tokens`) so that at least two
-evaluations fit in the budget.
+well under that. The eval set itself is bounded first (`cap_eval_tokens`) so that at least
+MIN_EVALS (and patience + 2) evaluations fit in the budget.
 
-The best weights (lowest eval loss so far; GRPO: highest eval reward) go to `output_dir/best/` (adapter/ or model/,
-with the tokenizer) and marked by `best/best.json` (`kestrel.training.best`). Export picks them
-by default.
+The best weights (lowest eval loss so far; GRPO: highest eval reward) go to `output_dir/best/`
+(adapter/ or model/, with the tokenizer), marked by `best/best.json` (`kestrel.training.best`);
+the export picks them by default.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 EVAL_BUDGET = 0.05  # evaluation tokens, at most this share of the run's training tokens
 MAX_EVALS = 25  # automatic interval: at most this many evaluations a run (each may save the best)
+MIN_EVALS = 5  # automatic interval: the eval set is bounded so that at least this many fit
 
 
 @dataclass
@@ -75,10 +76,11 @@ class EvalPlan:
         return self.evaluations(total_steps) * self.eval_tokens / max(1.0, total_steps * self.train_tokens_per_step)
 
 
-def cap_eval_tokens(total_steps: int, train_tokens_per_step: float) -> int:
-    """The most tokens the automatic plan evaluates at a time: half the run's eval budget, so an
-    evaluation mid-run and one at the end both fit."""
-    return int(EVAL_BUDGET * total_steps * train_tokens_per_step / 2)
+def cap_eval_tokens(total_steps: int, train_tokens_per_step: float, patience: int = 0) -> int:
+    """The most tokens the automatic plan evaluates at a time: the run's eval budget shared by
+    max(MIN_EVALS, patience + 2) evaluations, enough points for the chart and for early stopping
+    to act (a smaller eval set is noisier; eval_steps set by hand lifts the bound)."""
+    return int(EVAL_BUDGET * total_steps * train_tokens_per_step / max(MIN_EVALS, patience + 2))
 
 
 def plan_interval(total_steps: int, train_tokens_per_step: float, eval_tokens: int, eval_steps: int | None) -> EvalPlan:

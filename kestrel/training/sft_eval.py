@@ -77,7 +77,7 @@ def sft_evaluator(config: TrainConfig, tokenizer: Any, convs: list[Conversation]
     per_step = sum(unit_tokens) / max(1, len(unit_tokens)) * config.batch_size * config.grad_accum
     samples = data.samples
     if config.eval_steps is None:
-        samples = _within(samples, cap_eval_tokens(total_steps, per_step))
+        samples = _within(samples, cap_eval_tokens(total_steps, per_step, config.early_stopping.patience))
     evals = BatchPlan(samples, config.batch_size, config.packing, config.max_seq_length, plan.pad_id, config.seed,
                       plan.flat)
     batches = evals.in_order()

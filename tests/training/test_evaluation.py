@@ -17,7 +17,9 @@ from kestrel.data import BatchPlan, load_conversations, tokenize_all
 from kestrel.data.split import split_rows
 from kestrel.errors import ConfigError, DatasetError
 from kestrel.model.loader import load
-from kestrel.training.evaluation import EVAL_BUDGET, EvalSums, Evaluator, plan_interval, replay
+from kestrel.training.evaluation import (
+    EVAL_BUDGET, MAX_EVALS, MIN_EVALS, EvalSums, Evaluator, cap_eval_tokens, plan_interval, replay,
+)
 from kestrel.training.metrics import Callback
 from kestrel.training.run import run
 from kestrel.training.sft_eval import held_out, sft_evaluator, sft_measure
@@ -130,6 +132,16 @@ def test_default_interval_keeps_eval_within_5_percent_of_training_tokens(
             evaluations += 1
     assert evaluations >= 1 and per_eval > 0
     assert evaluated <= EVAL_BUDGET * trained, (evaluated, trained, ev.plan)
+
+
+def test_a_large_eval_set_is_bounded_so_enough_evaluations_fit() -> None:
+    # 1,000 steps of 2,048 tokens: a 5% budget of 102,400 eval tokens.
+    for patience, evaluations in ((0, MIN_EVALS), (8, 10)):
+        cap = cap_eval_tokens(1000, 2048.0, patience)
+        plan = plan_interval(1000, 2048.0, cap, None)
+        assert plan.evaluations(1000) == evaluations and plan.share(1000) <= EVAL_BUDGET
+    small = plan_interval(1000, 2048.0, 100, None)  # a tiny eval set: at most MAX_EVALS evaluations
+    assert small.evaluations(1000) == MAX_EVALS and small.every == 40
 
 
 def test_explicit_eval_steps_is_kept_and_evaluates_every_held_out_row(demo_tokenizer, tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ def grpo_evaluator(config: TrainConfig, s: Any, held: list[PromptRow], cb: Callb
     per_step = (sum(row_tokens(r) for r in s.prompts) / len(s.prompts)) * s.prompts_per_step * g.num_generations
     rows = held
     if config.eval_steps is None:
-        budget, used, rows = cap_eval_tokens(s.total_steps, per_step), 0, []
+        budget, used, rows = cap_eval_tokens(s.total_steps, per_step, config.early_stopping.patience), 0, []
         for r in held:
             if rows and used + row_tokens(r) > budget:
                 break
