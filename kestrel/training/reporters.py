@@ -17,6 +17,7 @@ they were measured.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from kestrel.config import TrainConfig
 from kestrel.training.metrics import METRICS_FILE, Callback, JsonlWriter, RunInfo
 
+log = logging.getLogger("kestrel")
 TENSORBOARD_DIR = "tensorboard"
 NOT_LOGGED = ("step", "total_steps")
 
@@ -46,8 +48,12 @@ class TensorBoardWriter(Callback):
         self.folder, self.writer = Path(folder), None
 
     def on_start(self, info: RunInfo) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # requirements.txt pins it; a run never fails for want of a log format
+            log.warning("TensorBoard event files are not written: the tensorboard package is not installed "
+                        "(pip install tensorboard)")
+            return
         purge = info.start_step + 1 if info.start_step > 0 else None
         self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=purge, flush_secs=10)
 

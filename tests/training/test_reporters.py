@@ -98,3 +98,13 @@ def test_tensorboard_resume_purges_events_past_the_checkpoint(tmp_path: Path) ->
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
         (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 15.0), (6, 16.0), (7, 17.0), (8, 18.0)]
+
+
+def test_a_missing_tensorboard_package_does_not_fail_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    writer = TensorBoardWriter(tmp_path)
+    writer.on_start(_info(tmp_path))
+    writer.on_step({"step": 1, "loss": 1.0})
+    writer.on_end("completed")
+    assert "pip install tensorboard" in caplog.text and not any(tmp_path.iterdir())
