@@ -27,6 +27,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from kestrel.config_devices import check_devices_setting
+from kestrel.config_evaluation import EarlyStoppingSettings, check_evaluation
 from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, REWARD_NAMES, merge
 from kestrel.errors import ConfigError
 from kestrel.recompute.graph_choice import GRAPH_MODES
@@ -52,7 +54,6 @@ MAX_PATH = 1024  # characters of a path (output_dir, dataset, model)
 MAX_NAME = 100  # characters of a run name (it names folders and files)
 MAX_ITEMS = 100  # items of a list or mapping value (lora.targets, columns, grpo.rewards)
 MAX_REWARD_WEIGHT = 1e6
-MAX_DEVICES = 64
 
 # Text fields that YAML users write unquoted as booleans (`off` and `on` are YAML 1.1 booleans).
 BOOLEAN_WORDS: dict[str, dict[bool, str]] = {
@@ -253,6 +254,12 @@ class TrainConfig:
     fast_kernels: bool = True  # false trains through the plain Hugging Face path (for comparison)
     grpo: GrpoSettings = field(default_factory=GrpoSettings)
     performance: PerformanceSettings = field(default_factory=PerformanceSettings)
+    # evaluation (kestrel.config_evaluation): a held-out file or a seeded fraction of `dataset`
+    eval_dataset: str | None = None
+    eval_split: float = 0.0  # 0 = no split
+    eval_steps: int | None = None  # null: evaluation costs at most 5% of the training tokens
+    early_stopping: EarlyStoppingSettings = field(default_factory=EarlyStoppingSettings)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard | wandb | mlflow
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
@@ -264,25 +271,8 @@ class TrainConfig:
                f"dataset_format must be one of {', '.join(DATASET_FORMATS)}, got {_show(self.dataset_format)}")
         self._check_numbers()
         self._check_texts()
-        self._check_devices()
-
-    def _check_devices(self) -> None:
-        """`devices`: auto, a count 1..MAX_DEVICES, or a list of distinct GPU ids; one device for GRPO."""
-        d = self.devices
-        if isinstance(d, str):
-            _check(d == "auto", f"devices must be auto, a number of devices or a list of GPU ids, got {_show(d)}")
-        elif isinstance(d, list):
-            _check(0 < len(d) <= MAX_DEVICES, f"devices must list 1..{MAX_DEVICES} GPU ids, got {_show(d)}")
-            bad = next((i for i in d if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < MAX_DEVICES), None)
-            _check(bad is None, f"devices: each GPU id must be a whole number 0..{MAX_DEVICES - 1}, got {_show(bad)}")
-            _check(len(set(d)) == len(d), f"devices lists a GPU twice: {_show(d)}")
-        else:
-            _check(not isinstance(d, bool) and isinstance(d, int) and 1 <= d <= MAX_DEVICES,
-                   f"devices must be 1..{MAX_DEVICES}, auto or a list of GPU ids, got {_show(d)}")
-        if self.method == "grpo":
-            one = d == 1 or (isinstance(d, list) and len(d) == 1)
-            _check(one, f"GRPO runs on one device: set devices: 1, got {_show(d)} (several devices train lora, "
-                        "qlora and full)")
+        check_devices_setting(self)
+        check_evaluation(self)
 
     def _check_numbers(self) -> None:
         """Steps, epochs, lengths, rates and the seed within sane ranges, naming the field."""
@@ -308,7 +298,7 @@ class TrainConfig:
         """Names and paths: present where needed, free of control characters, not too long."""
         _check(bool(str(self.model).strip()), "model must name a hub id, a local folder or `demo`")
         _check(bool(str(self.dataset).strip()), "dataset must name a file or a sample dataset")
-        for name in ("model", "dataset", "output_dir"):
+        for name in ("model", "dataset", "output_dir", "eval_dataset"):
             _check_path_text(name, getattr(self, name))
         if self.name is not None:
             _check(bool(self.name.strip()) and self.name.strip() not in (".", ".."),

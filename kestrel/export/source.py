@@ -4,7 +4,9 @@
     src.family.gguf_arch, src.tokenizer_dir, src.adapter_dir
 
 A training output folder holds `adapter/` (LoRA / QLoRA: a PEFT folder whose adapter_config.json
-names the base model), or `model/` (a full fine-tune), and `config.yaml`.
+names the base model), or `model/` (a full fine-tune), and `config.yaml`. When the run evaluated,
+its best weights (`best/`, marked by `best/best.json`) are exported instead, and the notes say so;
+point at `RUN/adapter` (or `RUN/model`) for the final weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from kestrel.errors import ConfigError, KestrelError
 from kestrel.model.registry import FamilySpec, SUPPORTED, family_of
 from kestrel.safe_yaml import read_config_file
+from kestrel.training.best import BEST_DIR, read_best
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -128,6 +131,13 @@ def resolve_source(source: str | Path) -> ExportSource:
     if not path.is_dir():
         raise KestrelError(f"export source {path} is not a folder")
     model_dir, adapter_dir, method = _locate(path)
+    notes = []
+    best = read_best(path) if model_dir != path and adapter_dir != path else None  # a run folder
+    if best is not None and (model_dir or adapter_dir):
+        final = model_dir or adapter_dir
+        model_dir, adapter_dir, _ = _locate(path / BEST_DIR)
+        notes.append(f"exporting the run's best weights: {best['metric']} {best['value']:.4f} at step {best['step']} "
+                     f"({path / BEST_DIR}); export {final} for the final weights instead")
     if model_dir is None and adapter_dir is None:
         raise KestrelError(
             f"{path} is neither a training output folder (adapter/ or model/), a PEFT adapter folder "
@@ -148,4 +158,4 @@ def resolve_source(source: str | Path) -> ExportSource:
         )
     name = path.name if path.name not in ("adapter", "model") else path.parent.name
     return ExportSource(name=name or "model", model_dir=model_dir, config=config, family=family,
-                        adapter_dir=adapter_dir, method=method)
+                        adapter_dir=adapter_dir, method=method, notes=notes)

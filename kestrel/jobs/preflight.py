@@ -74,20 +74,22 @@ def check_model(model: str) -> str | None:
     return f"model {model} is not in the local Hugging Face cache; the job downloads it when it starts"
 
 
-def check_dataset(dataset: str) -> None:
-    """The dataset is a file, or the name of a shipped sample."""
+def check_dataset(dataset: str, field: str = "dataset") -> None:
+    """The dataset (or the file named by `field`) is a file, or the name of a shipped sample."""
     try:
         found = resolve_dataset_path(dataset).is_file()
     except (OSError, ValueError, RuntimeError):
         found = False
     if not found:
-        raise DatasetError(f"dataset {dataset} does not exist (or is not a file); give the path of a .jsonl, "
+        raise DatasetError(f"{field} {dataset} does not exist (or is not a file); give the path of a .jsonl, "
                            ".json, .csv or .parquet file, or a sample name such as arithmetic_chat")
 
 
 def check_training(cfg: TrainConfig) -> list[str]:
     """Every submit-time check of a training config; returns notes worth showing the user."""
     check_dataset(cfg.dataset)
+    if cfg.eval_dataset:
+        check_dataset(cfg.eval_dataset, "eval_dataset")
     note = check_model(cfg.model)
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)

@@ -153,7 +153,8 @@ def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
 
 def _runs_outputs(r: C) -> Outputs:
     charts = [k for k in r if k.startswith("chart_")]
-    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "log", "seen")
+    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "generation_summary", "generation_table",
+                      "log", "seen")
 
 
 def _act(action: str, selected: Any, remove_files: bool) -> dict[str, Any]:

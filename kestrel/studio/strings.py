@@ -125,7 +125,11 @@ RU_ACTION_DONE = {"pause": "Job #{job}: stopping after its next checkpoint (resu
 RU_PICK = "Pick a run first."
 RU_PICK_TWO = "Pick at least two runs to compare."
 RU_SAME_CONFIG = "The runs have the same settings."
-CHARTS = {"loss": "Loss", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
+RU_GENERATION = "Generation check (held-out prompts, answered greedily at the end of the run)"
+RU_GEN_COLUMNS = ["prompt", "reference", "answer", "exact match", "ROUGE-L"]
+RU_GEN_SUMMARY = "{n} held-out prompts at step {step}: exact match **{exact:.0%}**, ROUGE-L **{rouge:.3f}**"
+RU_GEN_NONE = "No generation check for this run (it runs at the end of a run with eval_split or eval_dataset)."
+CHARTS = {"loss": "Loss (train, eval)", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
           "memory": "GPU memory (GiB)", "reward": "Reward (GRPO)", "kl": "KL (GRPO)"}
 
 # --- chat tab --------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from kestrel.errors import KestrelError
+from kestrel.training.best import BEST_DIR
 
 KEEP = 2  # checkpoints kept; older ones are removed once a newer one is complete
 TMP_SUFFIX = ".tmp"
@@ -242,10 +243,11 @@ def _checkpoint_bytes(output_dir: Path, model: nn.Module, optimizer: torch.optim
 
 
 def remove_stale_writes(output_dir: Path) -> list[Path]:
-    """Remove `.tmp` folders a killed process left mid-save (checkpoints and final weights);
+    """Remove `.tmp` folders a killed process left mid-save (checkpoints, final and best weights);
     returns what was removed. Call only while no other process writes into `output_dir`."""
     candidates = [*(output_dir / "checkpoints").glob(f"step-*{TMP_SUFFIX}"),
-                  *(output_dir / f"{name}{TMP_SUFFIX}" for name in ("adapter", "model"))]
+                  *(folder / f"{name}{TMP_SUFFIX}" for folder in (output_dir, output_dir / BEST_DIR)
+                    for name in ("adapter", "model"))]
     removed = []
     for path in sorted(candidates):
         if path.is_dir():

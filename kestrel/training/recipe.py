@@ -5,7 +5,10 @@ preference methods) supplies its setup, which returns its run state, and its loo
     status, last_step = run_recipe(setup, train_loop, config, output_dir, callbacks)
 
 `RunState` is what this module needs of a method's state; each method's own dataclass adds what
-its steps need (batches, rollouts, a reference model).
+its steps need (batches, rollouts, a reference model). Its `evaluator` (None: no evaluation set)
+carries the method's own eval batches and `Measure` (`kestrel.training.evaluation`): this loop
+evaluates when due, reports eval_* metrics, keeps the best weights, stops early, and runs the
+generation check at the end.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
 from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
 from kestrel.training.distributed import World, shard_full_model
+from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback, RunInfo
 
 
@@ -43,6 +47,7 @@ class RunState(Protocol):
     start_step: int
     device: torch.device
     world: World  # this process's rank on a run over several devices; World() on one
+    evaluator: Evaluator | None
 
 
 Setup = Callable[[TrainConfig, Path, Callback, World], RunState]
@@ -196,6 +201,7 @@ def end_of_step(s: RunState, cb: Callback, done: int, metrics: dict[str, float])
     (cancelled / interrupted) when the run must end here."""
     if done % s.config.logging_steps == 0 or done == s.total_steps:
         cb.on_step(metrics)
+    early = evaluate_if_due(s, cb, done)
     stop = s.world.agree_stop(cb.should_stop())
     if stop or (s.config.save_steps and done % s.config.save_steps == 0 and done < s.total_steps):
         path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, {"total_steps": s.total_steps},
@@ -204,7 +210,37 @@ def end_of_step(s: RunState, cb: Callback, done: int, metrics: dict[str, float])
             cb.on_checkpoint(done, str(path))
     if stop:
         return "cancelled" if stop == "cancel" else "interrupted"
-    return None
+    return "completed" if early else None
+
+
+def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
+    """Evaluate when the interval or the last step says so; report eval_* at step `done`, keep
+    the best weights. Returns True when early stopping ends the run before its last step."""
+    ev = s.evaluator
+    if ev is None or not ev.due(done, s.total_steps):
+        return False
+    metrics = ev.evaluate(s.model)
+    cb.on_step({"step": done, **metrics})
+    return ev.record(done, metrics, s.model, s.tokenizer, cb.on_log) and done < s.total_steps
+
+
+def generation_check(s: RunState, cb: Callback, step: int) -> None:
+    """The end-of-run generation check, when the method has held-out prompts; a model the
+    decode path lacks only skips it (said in the log)."""
+    from kestrel.decode.model import UnsupportedModelError
+    from kestrel.training.generation_check import GENERATION_FILE
+
+    check = s.evaluator.generation if s.evaluator is not None else None
+    if check is None or not check.cases:
+        return
+    try:
+        summary = check.run(s.model, s.tokenizer, s.output_dir, step)
+    except UnsupportedModelError as exc:
+        cb.on_log(f"generation check skipped: the fast decode path does not run this model ({exc})")
+        return
+    cb.on_step({"step": step, "eval_exact_match": summary["exact_match"], "eval_rouge_l": summary["rouge_l"]})
+    cb.on_log(f"generation check on {len(check.cases)} held-out prompts: exact match {summary['exact_match']:.0%}, "
+              f"ROUGE-L {summary['rouge_l']:.3f} (in {s.output_dir / GENERATION_FILE})")
 
 
 def run_recipe(
@@ -215,7 +251,10 @@ def run_recipe(
     s = setup_fn(config, output_dir, cb, world or World())
     cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
     status = loop_fn(s, cb) if s.start_step < s.total_steps else "completed"
+    last = s.scheduler.last_epoch  # steps done: below total_steps when stopped (or stopped early)
     if status == "completed":
         path = save_weights(s.model, output_dir, s.tokenizer, s.world)
         cb.on_log(f"saved {path}")
-    return status, s.total_steps if status == "completed" else s.scheduler.last_epoch
+        if s.start_step < s.total_steps:
+            generation_check(s, cb, last)
+    return status, last

@@ -28,7 +28,8 @@ from kestrel.training.checkpoints import (
 )
 from kestrel.training.distributed import World, join, leave, plan_devices, world_from_env
 from kestrel.training.launch import RankGroup
-from kestrel.training.metrics import Callback, CallbackList, JsonlWriter
+from kestrel.training.metrics import Callback, CallbackList
+from kestrel.training.reporters import metric_sinks
 from kestrel.paths import runs_dir
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainRe
     devices = plan_devices(config.devices, torch.cuda.device_count()) if not world.distributed else []
     output_dir = resolve_output_dir(config)
     main = world.is_main
-    cb = CallbackList([JsonlWriter(output_dir / "metrics.jsonl"), *(callbacks or [])] if main else [])
+    cb = CallbackList([*metric_sinks(config, output_dir), *(callbacks or [])] if main else [])
     step, error, group, status = 0, None, None, "failed"
     try:
         if main:

@@ -25,14 +25,16 @@ from torch import nn
 
 from kestrel.recompute.checkpoint import Recompute
 from kestrel.config import TrainConfig
-from kestrel.data import BatchPlan, load_conversations, tokenize_all
+from kestrel.data import BatchPlan, Conversation, load_conversations, tokenize_all
 from kestrel.data.tokenize import IGNORE
 from kestrel.model.forwards import shift_labels
 from kestrel.model.loader import load
 from kestrel.model.patching import runs_varlen
 from kestrel.model.lora import trainable_parameters
 from kestrel.training.distributed import World
+from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback, memory_metrics
+from kestrel.training.sft_eval import held_out, sft_evaluator
 from kestrel.training.recipe import (
     end_of_step, graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
 )
@@ -54,15 +56,20 @@ class Session:
     device: torch.device
     recompute: Recompute | None = None  # checkpointing and its CUDA-graph choice
     world: World = field(default_factory=World)  # this rank of a run on several devices
+    evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
 
 
 
 
 
 
-def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False) -> BatchPlan:
-    """The dataset read, tokenized and planned into batches (`flat`: `BatchPlan`'s)."""
+def prepare_data(
+    config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False
+) -> tuple[BatchPlan, list[Conversation]]:
+    """The dataset read, the eval rows held out (`held_out`), the rest tokenized and planned into
+    batches (`flat`: `BatchPlan`'s). Returns the plan and the eval rows."""
     fmt, convs, bad = load_conversations(config.dataset, config.dataset_format, config.columns, config.system_prompt)
+    convs, eval_convs = held_out(config, convs, cb)
     data = tokenize_all(tokenizer, convs, config.max_seq_length, config.train_on_responses_only, config.dataset)
     cb.on_log(f"dataset {config.dataset}: format {fmt}, {len(convs)} rows used, {len(bad)} bad rows skipped")
     if bad:
@@ -72,7 +79,8 @@ def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool =
     if data.fully_masked:
         cb.on_log(f"{data.fully_masked} rows had no trained tokens left and were dropped")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return BatchPlan(data.samples, config.batch_size, config.packing, config.max_seq_length, pad, config.seed, flat)
+    plan = BatchPlan(data.samples, config.batch_size, config.packing, config.max_seq_length, pad, config.seed, flat)
+    return plan, eval_convs
 
 
 
@@ -85,15 +93,16 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
         config.model, config.max_seq_length, load_in_4bit=config.load_in_4bit, dtype=config.dtype, patch=config.fast_kernels
     )
     device = next(model.parameters()).device
-    plan = prepare_data(config, tokenizer, cb, flat=runs_varlen(model))
+    plan, eval_convs = prepare_data(config, tokenizer, cb, flat=runs_varlen(model))
     model, recompute = prepare_model(config, model, output_dir, cb, world)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}): {trainable:,} of {total:,} parameters trainable, on {device}")
     window = config.grad_accum * world.size  # micro-batches a step takes, over every rank
     total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(plan) / window))
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
+    evaluator = sft_evaluator(config, tokenizer, eval_convs, plan, total_steps, output_dir, start, cb)
     return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device,
-                   recompute, world)
+                   recompute, world, evaluator)
 
 
 

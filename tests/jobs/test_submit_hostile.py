@@ -51,6 +51,8 @@ def test_bad_configs_at_submit_leave_the_job_table_empty(tmp_path: Path, capsys:
         ({"output_dir": "x" * 300}, "over 255 bytes"),
         ({"max_steps": 2**63}, "max_steps"),
         ({"dataset": str(tmp_path / "gone.jsonl")}, "does not exist"),
+        ({"eval_dataset": str(tmp_path / "gone-val.jsonl")}, "eval_dataset"),
+        ({"eval_split": 0.9}, "eval_split"),
         ({"dataset_format": "xml"}, "dataset_format"),
         ({"model": str(tmp_path / "no-model")}, "does not exist"),
         ({"model": str(tmp_path)}, "has no config.json"),

@@ -94,3 +94,31 @@ def test_clicking_a_table_row_selects_its_job() -> None:
 
     table = pd.DataFrame([[5, "a"], [7, "b"]], columns=["#", "name"])
     assert runs.select_row(table, gr.SelectData(None, {"index": [1, 3], "value": "b", "selected": True})) == 7
+
+
+def test_eval_loss_beside_train_loss_and_the_generation_check(fake_engine: None) -> None:
+    import json
+    from pathlib import Path
+
+    from kestrel.jobs import queries
+
+    job_id = jobs.submit({**CONFIG, "max_steps": 4})
+    job = jobs.wait(job_id, timeout=60)
+    assert runs.refresh(job_id, {}, force=True)["generation_summary"].startswith("No generation check")
+    queries.write_metrics(job_id, [(2, "eval_loss", 3.0), (4, "eval_loss", 2.5)])
+    check = {"step": 4, "exact_match": 0.5, "rouge_l": 0.75, "rows": [
+        {"line": 3, "prompt": "1+1?", "reference": "2", "answer": "2", "exact_match": 1.0, "rouge_l": 1.0},
+        {"line": 9, "prompt": "2+2?", "reference": "4", "answer": "four", "exact_match": 0.0, "rouge_l": 0.5}]}
+    (Path(job.output_dir) / "generation_check.json").write_text(json.dumps(check))
+    out = runs.refresh(job_id, {}, force=True)
+    loss = out["chart_loss"]
+    assert loss[loss["name"] == "eval_loss"][["step", "value"]].values.tolist() == [[2, 3.0], [4, 2.5]]
+    assert len(loss[loss["name"] == "loss"]) == 4
+    assert "2 held-out prompts at step 4" in out["generation_summary"] and "50%" in out["generation_summary"]
+    table = out["generation_table"]
+    assert table.values.tolist() == [["1+1?", "2", "2", "yes", 1.0], ["2+2?", "4", "four", "no", 0.5]]
+    other = jobs.submit({**CONFIG, "max_steps": 3})
+    jobs.wait(other, timeout=60)
+    compared = runs.compare([job_id, other])["compare_loss"]
+    assert sorted(set(compared["run"])) == sorted({f"#{job_id} {job.name}", f"#{job_id} {job.name} eval",
+                                                   f"#{other} {jobs.get_job(other).name}"})

@@ -15,6 +15,14 @@ def _chart(key: str) -> gr.LinePlot:
                        elem_id=f"chart-{key.replace('_', '-')}")
 
 
+def _generation_panel(c: dict[str, gr.Component]) -> None:
+    """The end-of-run generation check: a summary line and prompt / reference / answer rows."""
+    with gr.Accordion(S.RU_GENERATION, open=False, elem_id="ru-generation"):
+        c["generation_summary"] = gr.Markdown(S.RU_GEN_NONE, elem_id="ru-generation-summary")
+        c["generation_table"] = gr.Dataframe(headers=S.RU_GEN_COLUMNS, interactive=False, wrap=True, max_height=360,
+                                             elem_id="ru-generation-table")
+
+
 def build() -> dict[str, gr.Component]:
     # The timer runs only while this tab is shown (kestrel.studio.events switches it with the tabs).
     c: dict[str, gr.Component] = {"seen": gr.State({}), "timer": gr.Timer(POLL_S, active=False),
@@ -42,6 +50,7 @@ def build() -> dict[str, gr.Component]:
         for key in ("reward", "kl"):
             c[f"chart_{key}"] = _chart(key)
     c["grpo"] = grpo_row
+    _generation_panel(c)
     c["log"] = gr.Textbox(label=S.RU_LOG, lines=12, max_lines=12, autoscroll=True, interactive=False,
                           elem_id="ru-log")
     with gr.Accordion(S.RU_COMPARE, open=False):

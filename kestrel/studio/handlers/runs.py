@@ -21,13 +21,14 @@ from kestrel import jobs
 from kestrel.errors import KestrelError
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import fmt_duration, user_errors
+from kestrel.studio.handlers.generation import OUTPUTS as GENERATION_OUTPUTS, generation_view
 
 CHART_POINTS = 500
 LOG_LINES = 60
 BAR_CELLS = 12
 # chart key -> metric names drawn on it (a name ending in "*" is a prefix)
 CHART_SERIES: dict[str, tuple[str, ...]] = {
-    "loss": ("loss",), "lr": ("lr",), "grad_norm": ("grad_norm",), "tokens_per_s": ("tokens_per_s",),
+    "loss": ("loss", "eval_loss"), "lr": ("lr",), "grad_norm": ("grad_norm",), "tokens_per_s": ("tokens_per_s",),
     "memory": ("vram_alloc_gib", "vram_peak_gib"), "reward": ("reward*",), "kl": ("kl",),
 }
 GRPO_CHARTS = ("reward", "kl")
@@ -103,8 +104,9 @@ def _find(job_list: list[jobs.Job], job_id: Any) -> jobs.Job | None:
 
 @user_errors
 def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> dict[str, Any]:
-    """Poll the store. Outputs: table, select, progress, chart_<key> (one per chart), grpo
-    (visibility of the GRPO charts), log, seen. Unchanged parts come back as gr.skip().
+    """Poll the store. Outputs: table, select, progress, chart_<key> (one per chart; eval_loss
+    beside loss), grpo (visibility of the GRPO charts), generation_summary / generation_table (the
+    end-of-run generation check), log, seen. Unchanged parts come back as gr.skip().
 
     `selected` is the chosen job id (None: the newest running job, else the newest job).
     `seen` is this browser's record of what it drew: {"jobs": signature, "job", "step", "log"}.
@@ -113,7 +115,7 @@ def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> 
     job_list = jobs.list_jobs()
     job = _find(job_list, selected) or _find(job_list, _default_job(job_list))
     signature = [(j.id, j.status, j.step, j.total_steps) for j in job_list]
-    out: dict[str, Any] = {key: gr.skip() for key in ("table", "select", "progress", "grpo", "log")}
+    out: dict[str, Any] = {key: gr.skip() for key in ("table", "select", "progress", "grpo", "log", *GENERATION_OUTPUTS)}
     out.update({f"chart_{key}": gr.skip() for key in CHART_SERIES})
     if force or signature != seen.get("jobs"):
         out["table"] = jobs_frame(job_list)
@@ -124,6 +126,7 @@ def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> 
         out["progress"] = progress_text(job)
         out.update(chart_frames(job.id if job else None))
         out["grpo"] = gr.update(visible=bool(job and job.kind == "grpo"))
+        out.update(generation_view(job))
     log = jobs.log_tail(job.id, LOG_LINES) if job else ""
     if force or log != seen.get("log"):
         out["log"] = log
@@ -175,16 +178,18 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 @user_errors
 def compare(selected: list[Any] | None) -> dict[str, Any]:
-    """Outputs: compare_loss (loss of each run, coloured by run), compare_diff (differing settings)."""
+    """Outputs: compare_loss (train and eval loss of each run, coloured by run), compare_diff
+    (differing settings)."""
     ids = [int(s) for s in (selected or [])]
     if len(ids) < 2:
         raise KestrelError(S.RU_PICK_TWO)
     runs = [jobs.get_job(i) for i in ids]
     frames = []
     for job in runs:
-        pts = jobs.metric_series(job.id, ["loss"], CHART_POINTS)
+        pts = jobs.metric_series(job.id, ["loss", "eval_loss"], CHART_POINTS)
+        label = f"#{job.id} {job.name or ''}"
         frames.append(pd.DataFrame({"step": [p.step for p in pts], "value": [p.value for p in pts],
-                                    "run": f"#{job.id} {job.name or ''}"}))
+                                    "run": [label + (" eval" if p.name == "eval_loss" else "") for p in pts]}))
     flats = [_flat(job.config) for job in runs]
     keys = sorted(set().union(*flats) - {"output_dir"})
     diff = [[k, *[str(f.get(k, "-")) for f in flats]] for k in keys if len({str(f.get(k)) for f in flats}) > 1]
