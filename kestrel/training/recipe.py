@@ -85,7 +85,7 @@ def prepare_model(
 ) -> tuple[nn.Module, Recompute | None]:
     """LoRA attached (or every weight unfrozen), checkpointing on, train mode; returns the model
     and the run's checkpointing (None when off)."""
-    if config.method == "full":
+    if config.trains_all_weights:
         for p in model.parameters():
             p.requires_grad_(True)
     else:
