@@ -96,6 +96,10 @@ def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainRe
             from kestrel.training.grpo import run_grpo
 
             status, step = run_grpo(config, output_dir, cb)
+        elif config.is_preference:
+            from kestrel.training.preference import run_preference
+
+            status, step = run_preference(config, output_dir, cb)
         else:
             from kestrel.training.sft import run_sft
 
