@@ -10,6 +10,7 @@ lengths; the reference's log-probs come from the base with the adapter disabled 
            rewards  beta (log pi - log ref), per answer
     ORPO   mean log-probs a_c, a_r;  log odds(a) = a - log(1 - e^a)
            L = NLL(chosen) - beta * mean log sigma(log odds(a_c) - log odds(a_r))    (beta: the paper's lambda)
+           NLL is the chosen answers' mean token NLL, as in the paper (TRL also counts prompt tokens)
            rewards  beta a
     SimPO  L = -log sigma(beta (a_c - a_r) - gamma) + cpo_alpha * NLL(chosen);  rewards beta a
     KTO    (unpaired rows, label y)  z = beta (log pi - log ref)

@@ -6,7 +6,8 @@ log-prob path: `(rows, length, vocab)` logits never exist.
     seq = logp.sum(-1); tokens = rows.tokens         # (R,) sequence log-probs and answer lengths
 
 Paired methods put the chosen rows first and the rejected rows after them (concatenated along
-the batch), so one forward of the decoder stack scores both. Two layouts, as SFT batches:
+the batch), so one forward of the decoder stack scores both. Two layouts, as SFT batches (widths
+rounded up by `bucket_width`):
 
     padded  (R, T) right-padded rows; plain causal attention is exact for every real token
     flat    (1, sum of lengths) one padding-free row, `position_ids` restarting at 0 for each
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from kestrel import kernels
+from kestrel.data.collate import bucket_width
 from kestrel.errors import ConfigError
 
 PAD = -100  # a target that is no answer token: log-prob 0, no gradient
@@ -56,7 +58,9 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
     """(prompt ids, answer ids) rows -> the tensors of one forward (see the module docstring)."""
     rows, length = len(pairs), max(len(a) for _, a in pairs)
     lengths = [len(p) + len(a) for p, a in pairs]
-    width = sum(lengths) if flat else max(lengths)
+    # Widths rounded up as SFT's batches are (at most 1/8 more), so the shapes of a run's forwards
+    # repeat and its per-layout choices (CUDA graphs) are made once per bucket.
+    width = bucket_width(sum(lengths) if flat else max(lengths))
     ids = torch.full((1 if flat else rows, width), pad_id, dtype=torch.long)
     positions = torch.zeros((1, width), dtype=torch.long) if flat else None
     index = torch.zeros((rows, length), dtype=torch.long)
@@ -74,6 +78,8 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
         index[r, : len(a)] = start + len(p) - 1 + torch.arange(len(a))
         targets[r, : len(a)] = torch.tensor(a, dtype=torch.long)
         at += n if flat else 0
+    if positions is not None:
+        positions[0, at:] = torch.arange(width - at)  # the padding tail is one more "sequence"
     tokens = torch.tensor([len(a) for _, a in pairs], dtype=torch.long)
     move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     return AnswerRows(move(ids), move(positions), move(index), move(targets), move(tokens), sum(lengths))

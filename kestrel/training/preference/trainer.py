@@ -105,6 +105,9 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> PreferenceSess
     s = PreferenceSession(config, output_dir, model, tokenizer, samples, None, None, 0, 0, device,  # type: ignore[arg-type]
                           pad, runs_varlen(model), recompute=recompute)
     s.partner = kl_partners(len(samples), config.seed) if config.method == "kto" else None
+    if config.method in NEEDS_REFERENCE and config.lora.init_from and not config.trains_all_weights:
+        cb.on_log(f"the reference is the base model {config.model} with the adapter disabled, not the adapter "
+                  f"lora.init_from starts from; merge that adapter into a model folder to make it the reference")
     if config.method in NEEDS_REFERENCE and (config.preference.precompute_ref_logps or config.trains_all_weights):
         # Before resume loads trained weights: with no adapter, the weights as loaded are the reference.
         rows = config.batch_size * (2 if s.paired else 1)
