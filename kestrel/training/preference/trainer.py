@@ -101,23 +101,23 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> PreferenceSess
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}, {config.preference.finetune}): {trainable:,} of {total:,} "
               f"parameters trainable, on {device}")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    s = PreferenceSession(config, output_dir, model, tokenizer, samples, None, None, 0, 0, device,  # type: ignore[arg-type]
-                          pad, runs_varlen(model), recompute=recompute)
-    s.partner = kl_partners(len(samples), config.seed) if config.method == "kto" else None
+    pad, flat = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0), runs_varlen(model)
+    partner = kl_partners(len(samples), config.seed) if config.method == "kto" else None
+    reference = None
     if config.method in NEEDS_REFERENCE and config.lora.init_from and not config.trains_all_weights:
         cb.on_log(f"the reference is the base model {config.model} with the adapter disabled, not the adapter "
                   f"lora.init_from starts from; merge that adapter into a model folder to make it the reference")
     if config.method in NEEDS_REFERENCE and (config.preference.precompute_ref_logps or config.trains_all_weights):
         # Before resume loads trained weights: with no adapter, the weights as loaded are the reference.
-        rows = config.batch_size * (2 if s.paired else 1)
-        s.reference = precompute(model, samples, pad, device, s.flat, rows, s.partner)
+        rows = config.batch_size * (2 if data_kind(config.method) == "paired" else 1)
+        reference = precompute(model, samples, pad, device, flat, rows, partner)
         why = "every weight is trained, so there is no adapter to disable" if config.trains_all_weights else "asked"
         cb.on_log(f"reference log-probs precomputed for {len(samples)} rows ({why})")
-    s.total_steps = config.max_steps or max(
+    total_steps = config.max_steps or max(
         1, math.ceil((config.epochs or 1.0) * per_epoch(len(samples), config.batch_size) / config.grad_accum))
-    s.optimizer, s.scheduler, s.start_step = optimizer_and_resume(config, model, s.total_steps, output_dir, cb)
-    return s
+    optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
+    return PreferenceSession(config, output_dir, model, tokenizer, samples, optimizer, scheduler, total_steps, start,
+                             device, pad, flat, reference, partner, recompute)
 
 
 # --- 2-3. score and reference -----------------------------------------------------------------
