@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import gradio as gr
 import pytest
 import yaml
 
@@ -16,7 +17,7 @@ from kestrel.paths import SAMPLE_DATASETS
 from kestrel.studio import strings as S
 from kestrel.studio.handlers import datasets, train
 from kestrel.training.estimate import training_rows
-from tests.studio.helpers import form
+from tests.studio.helpers import error_text, form
 
 
 def test_preference_pairs_previewed_side_by_side(tmp_path: Path) -> None:
@@ -77,3 +78,10 @@ def test_memory_estimate_counts_chosen_and_rejected_rows(monkeypatch: pytest.Mon
 
     assert peak(method="dpo") > 1.5 * peak(method="lora")  # chosen and rejected rows: twice the activations
     assert peak(method="kto") == peak(method="lora")
+
+
+def test_qlora_preference_needs_a_gpu() -> None:
+    extra, values = form(method="dpo", dataset="arithmetic_preferences", preference__finetune="qlora")
+    with pytest.raises(gr.Error) as err:
+        train.start_training(extra, *values)
+    assert error_text(err) == S.ERR_QLORA_CPU

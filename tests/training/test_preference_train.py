@@ -139,3 +139,10 @@ def test_demo_dpo_config_parses() -> None:
     cfg = load_config(ASSETS / "configs" / "demo_dpo.yaml")
     assert cfg.method == "dpo" and cfg.dataset == "arithmetic_preferences"
     assert (SAMPLE_DATASETS / "arithmetic_preferences.jsonl").is_file()
+
+
+def test_qlora_without_a_gpu_names_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = _config("demo", tmp_path / "q", "arithmetic_preferences", preference={"finetune": "qlora"})
+    result = run(config_from_dict(cfg))
+    assert result.status == "failed" and "set preference.finetune: lora" in result.error

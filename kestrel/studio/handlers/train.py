@@ -392,11 +392,12 @@ def start_training(extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
     """Validate the form and submit it to the job store. Outputs: status, job (the new id)."""
     from kestrel import jobs
 
-    data = config_from_dict(form_to_config(_values(args), extra)).to_dict()
+    cfg = config_from_dict(form_to_config(_values(args), extra))
+    data = cfg.to_dict()
     check_model(data["model"])
     if not resolve_dataset_path(data["dataset"]).is_file():
         raise DatasetError(S.ERR_DATASET_MISSING.format(path=data["dataset"]))
-    if data["method"] == "qlora" and not any(d.startswith("cuda") for d in jobs.available_devices()):
+    if cfg.load_in_4bit and not any(d.startswith("cuda") for d in jobs.available_devices()):
         raise ConfigError(S.ERR_QLORA_CPU)
     same = _duplicate_of(data)
     if same is not None:

@@ -35,6 +35,7 @@ from torch import nn
 
 from kestrel.config import TrainConfig
 from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.errors import ConfigError
 from kestrel.model.loader import load
 from kestrel.model.lora import trainable_parameters
 from kestrel.model.patching import runs_varlen
@@ -91,6 +92,9 @@ class StepStats:
 
 
 def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> PreferenceSession:
+    if config.load_in_4bit and not torch.cuda.is_available():
+        raise ConfigError("preference.finetune: qlora loads the base in 4-bit NF4, which needs an NVIDIA GPU with "
+                          "CUDA, and none was found; set preference.finetune: lora (or full)")
     seed_everything(config.seed)
     model, tokenizer = load(config.model, config.max_seq_length, load_in_4bit=config.load_in_4bit,
                             dtype=config.dtype, patch=config.fast_kernels)
