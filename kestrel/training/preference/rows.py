@@ -28,7 +28,7 @@ from torch import nn
 
 from kestrel import kernels
 from kestrel.data.collate import bucket_width
-from kestrel.errors import ConfigError
+from kestrel.training.grpo.logprobs import causal_lm
 
 PAD = -100  # a target that is no answer token: log-prob 0, no gradient
 
@@ -41,17 +41,6 @@ class AnswerRows:
     targets: torch.Tensor  # (R, L) answer ids, PAD past each answer's end
     tokens: torch.Tensor  # (R,) answer lengths
     real_tokens: int  # prompt + answer tokens of all rows (no padding)
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The Hugging Face causal LM inside a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def check_lm_head(model: nn.Module, method: str) -> None:
-    """An adapter on lm_head would be skipped by the chunked path, which reads its weight."""
-    if hasattr(causal_lm(model).lm_head, "lora_A"):
-        raise ConfigError(f"{method} does not train a LoRA adapter on lm_head; remove lm_head from lora.targets")
 
 
 def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: torch.device, flat: bool) -> AnswerRows:

@@ -44,7 +44,8 @@ from kestrel.training.metrics import Callback, memory_metrics
 from kestrel.training.preference import loss as L
 from kestrel.training.preference.data import data_kind, kl_partners, micro_batch, per_epoch, prepare_samples
 from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, as_reference, precompute, sequence_logps
-from kestrel.training.preference.rows import answer_logprobs, answer_rows, check_lm_head
+from kestrel.training.grpo.logprobs import check_lm_head
+from kestrel.training.preference.rows import answer_logprobs, answer_rows
 from kestrel.training.recipe import (
     end_of_step, graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
 )
