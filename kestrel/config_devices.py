@@ -32,8 +32,9 @@ def check_devices_setting(cfg: Any) -> None:
         _check(not isinstance(d, bool) and isinstance(d, int) and 1 <= d <= MAX_DEVICES,
                f"devices must be 1..{MAX_DEVICES}, auto or a list of GPU ids, got {d!r:.40}")
     one = d == 1 or (isinstance(d, list) and len(d) == 1)
-    if cfg.method == "grpo":
-        _check(one, f"GRPO runs on one device: set devices: 1, got {d!r:.40} (several devices train lora, qlora and full)")
+    if cfg.method == "grpo" or cfg.is_preference:
+        _check(one, f"{cfg.method} runs on one device for now: set devices: 1, got {d!r:.40} (several devices "
+                    "train lora, qlora and full)")
     if cfg.eval_dataset or cfg.eval_split:
         _check(one, "evaluation (eval_dataset / eval_split) runs on one device for now: set devices: 1, "
                     "or leave the evaluation set out")

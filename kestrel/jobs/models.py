@@ -26,7 +26,7 @@ STATUSES = (QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED)
 FINISHED = (COMPLETED, FAILED, CANCELLED, INTERRUPTED)
 RESUMABLE = (INTERRUPTED, CANCELLED, FAILED)
 EXPORT = "export"
-KINDS = ("sft", "grpo", EXPORT)
+KINDS = ("sft", "grpo", "preference", EXPORT)
 ARTIFACT_KINDS = ("adapter", "model", "checkpoint", "log", "metrics", "config", "gguf", "modelfile", "report",
                   "archive")
 

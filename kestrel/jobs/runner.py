@@ -11,7 +11,7 @@ job the moment the worker dies without settling it itself. Their stdout and stde
 `<output_dir>/job.log`, never to a pipe someone must drain.
 
 Two lanes, each first in, first out:
-- training (sft, grpo): one job per device at a time (KESTREL_JOBS_PER_DEVICE), the CPU when
+- training (sft, grpo, preference): one job per device at a time (KESTREL_JOBS_PER_DEVICE), the CPU when
   there is no GPU;
 - export: one export at a time (KESTREL_EXPORT_SLOTS), whatever training runs. An export is
   minutes of work that a user waits for, so it never queues behind a training run of hours:
@@ -89,7 +89,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
            dataset_id: int | None = None) -> int:
     """Validate `config` (a ConfigError names any bad key), queue it, start it if it can start.
 
-    A training config (TrainConfig or its dict) makes an sft or grpo job; an export config
+    A training config (TrainConfig or its dict) makes an sft, grpo or preference job; an export config
     (`kind: export`, see `kestrel.jobs.export_job`) an export job. Relative file paths in the config are
     made absolute here, since the worker runs elsewhere. `device` pins the job ("cpu",
     "cuda:1"); None takes the first free device (an export: see `_export_device` in kestrel.jobs.store).
@@ -106,7 +106,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
         cfg = config if isinstance(config, TrainConfig) else config_from_dict(dict(config))
         for note in preflight.check_training(cfg):
             log.info("note: %s", note)
-        kind = "grpo" if cfg.method == "grpo" else "sft"
+        kind = "grpo" if cfg.method == "grpo" else "preference" if cfg.is_preference else "sft"
         name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
         data, root = queries.apply_saved_mapping(_absolute_paths(cfg.to_dict())), runs_dir()
     if device is not None and device != "cpu" and device not in available_devices():

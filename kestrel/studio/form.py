@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kestrel.config import ALL_LINEAR, CHECKPOINTING, DTYPES, LOSS_TYPES, SCHEDULERS
+from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE
 
 
 @dataclass(frozen=True)
 class Field:
     key: str  # dotted TrainConfig key
     kind: str  # int | float | opt_int | opt_float | bool | choice | text | opt_text | multi | rewards
-    section: str  # main | advanced | grpo
+    section: str  # main | advanced | grpo | preference
     choices: tuple[str, ...] = ()
     step: float | None = None  # the Number widget's step
 
@@ -59,6 +60,14 @@ FIELDS: tuple[Field, ...] = (
     Field("grpo.top_p", "float", "grpo", step=0.05),
     Field("grpo.rewards", "rewards", "grpo"),
     Field("grpo.allow_custom_rewards", "bool", "grpo"),
+    Field("preference.finetune", "choice", "preference", PREFERENCE_FINETUNE),
+    Field("preference.beta", "float", "preference", step=0.05),
+    Field("preference.loss_type", "choice", "preference", DPO_LOSS_TYPES),
+    Field("preference.precompute_ref_logps", "bool", "preference"),
+    Field("preference.simpo_gamma", "float", "preference", step=0.1),
+    Field("preference.cpo_alpha", "float", "preference", step=0.1),
+    Field("preference.desirable_weight", "float", "preference", step=0.1),
+    Field("preference.undesirable_weight", "float", "preference", step=0.1),
 )
 
 # The columns of the GRPO rewards table: one row per `kestrel.config.RewardSpec`.

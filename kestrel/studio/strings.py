@@ -39,6 +39,11 @@ DS_MAPPING_SAVED = " · columns saved with the dataset: {mapping}"
 DS_NO_DATASET = "Upload a dataset or pick a sample first."
 DS_LOADED = "Loaded {name}: {good} usable rows as {format}."
 DS_NO_ROW = "There is no usable row at line {line}; usable lines run from {first} to {last}."
+DS_PREFERENCE_FORMATS = {"paired": "preference pairs ({layout}; for DPO, ORPO, SimPO)",
+                         "unpaired": "labelled answers ({layout}; for KTO)"}
+DS_KTO_LABELS = {True: "👍 desirable", False: "👎 undesirable"}
+DS_PREFERENCE_TOKENS = ("Line {line}: prompt {prompt} tokens (masked: context only); answers {answers} tokens "
+                        "(scored). Tokenizer of model `{model}`.")
 
 # --- train tab -------------------------------------------------------------------------------
 TR_PRESET = "Preset"
@@ -49,11 +54,21 @@ TR_MODEL = "Folder or hub id"
 TR_MODEL_INFO = "A folder holding config.json and *.safetensors, or an id like Qwen/Qwen2.5-0.5B-Instruct"
 TR_METHOD = "Method"
 TR_METHODS = {"qlora": "QLoRA (4-bit base, least memory)", "lora": "LoRA (16-bit base)",
-              "full": "Full fine-tune", "grpo": "GRPO (reinforcement learning with rewards)"}
+              "full": "Full fine-tune", "grpo": "GRPO (reinforcement learning with rewards)",
+              **{  # preference methods: what they train is their settings' `finetune` (LoRA, QLoRA or full)
+                  "dpo": "DPO (preferences: chosen vs rejected)", "orpo": "ORPO (preferences, no reference model)",
+                  "simpo": "SimPO (preferences, length-normalised, no reference)",
+                  "kto": "KTO (answers labelled good or bad)"}}
 TR_DATASET = "Dataset"
 TR_START = "Start training"
 TR_ADVANCED = "Advanced"
 TR_GRPO = "GRPO settings"
+TR_PREFERENCE = "Preference settings (DPO, ORPO, SimPO, KTO)"
+TR_PREFERENCE_INFO = (
+    "**Data.** DPO, ORPO and SimPO take `prompt`, `chosen`, `rejected` (text or message lists; whole "
+    "conversations as in UltraFeedback, or Anthropic HH `Human:`/`Assistant:` transcripts, need no prompt). "
+    "KTO takes `prompt`, `completion` and a true/false `label`. **Beta** is DPO's and KTO's KL strength, "
+    "ORPO's odds-ratio weight (its lambda) and SimPO's reward scale; the loss type applies to DPO.")
 TR_YAML = "The run as YAML (the file `python -m kestrel train CONFIG.yaml` takes)"
 TR_APPLY_YAML = "Use this YAML"
 TR_LOAD_YAML = "Load a YAML file"
@@ -99,6 +114,10 @@ FIELD_LABELS = {
     "grpo.num_generations": "Generations per prompt", "grpo.max_completion_length": "Max completion tokens",
     "grpo.max_prompt_length": "Max prompt tokens", "grpo.beta": "KL weight beta", "grpo.epsilon": "Clip epsilon",
     "grpo.loss_type": "Loss type", "grpo.temperature": "Sampling temperature", "grpo.top_p": "Sampling top-p",
+    "preference.finetune": "Trains", "preference.beta": "Beta", "preference.loss_type": "DPO loss type",
+    "preference.simpo_gamma": "SimPO margin gamma", "preference.cpo_alpha": "SimPO NLL weight (cpo_alpha)",
+    "preference.desirable_weight": "KTO desirable weight", "preference.undesirable_weight": "KTO undesirable weight",
+    "preference.precompute_ref_logps": "Precompute reference log-probs",
 }
 
 # --- runs tab --------------------------------------------------------------------------------
@@ -130,7 +149,7 @@ RU_GEN_COLUMNS = ["prompt", "reference", "answer", "exact match", "ROUGE-L"]
 RU_GEN_SUMMARY = "{n} held-out prompts at step {step}: exact match **{exact:.0%}**, ROUGE-L **{rouge:.3f}**"
 RU_GEN_NONE = "No generation check for this run (it runs at the end of a run with eval_split or eval_dataset)."
 CHARTS = {"loss": "Loss (train, eval)", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
-          "memory": "GPU memory (GiB)", "reward": "Reward (GRPO)", "kl": "KL (GRPO)"}
+          "memory": "GPU memory (GiB)", "reward": "Reward (GRPO) / rewards (preference)", "kl": "KL (GRPO, KTO)"}
 
 # --- chat tab --------------------------------------------------------------------------------
 CH_MODEL = "Model"
@@ -195,6 +214,7 @@ PRESET_NAMES = {
     "long_context": "Long context: offloaded checkpointing, batch 1",
     "full_small": "Full fine-tune: models up to about 1B",
     "grpo": "GRPO on the arithmetic prompts (set Model to a finished demo run's model folder first)",
+    "dpo": "DPO on the arithmetic preference pairs (set Model to a finished demo run's model folder first)",
 }
 TR_REWARDS_INFO = (
     "**Rewards.** `exact_answer`: the completion's final number (or `\\boxed{}` value, or `<answer>` tag) "

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
-from kestrel.constants import DEFERRED_ROWS
+from kestrel.constants import DEFERRED_ROWS, PREFERENCE_METHODS
 
 GIB = 2**30
 FITS_BELOW = 0.80  # of the card's memory: room for the estimate's error
@@ -119,6 +119,15 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> int:
         return self.weights + self.optimizer + self.activations + self.extra + self.overhead
+
+
+def training_rows(method: str, finetune: str, batch_size: int) -> tuple[str, int]:
+    """(what a run trains like, rows in one training forward). A preference method trains as its
+    `finetune` (lora, qlora, full); paired ones (DPO, ORPO, SimPO) run chosen and rejected rows
+    together, twice `batch_size` rows."""
+    if method not in PREFERENCE_METHODS:
+        return method, batch_size
+    return finetune, batch_size * (1 if method == "kto" else 2)
 
 
 def estimate_training_memory(

@@ -97,7 +97,7 @@ def prepare_model(
     CUDA graphs: a graph cannot hold FSDP's gathers)."""
     world = world or World()
     cuda_graphs = config.performance.cuda_graphs
-    if config.method == "full":
+    if config.trains_all_weights:
         for p in model.parameters():
             p.requires_grad_(True)
     else:
@@ -105,10 +105,10 @@ def prepare_model(
             p.requires_grad_(False)
         model = attach_lora(model, config.lora)
     recompute = set_gradient_checkpointing(
-        model, config.gradient_checkpointing, "off" if world.distributed and config.method == "full" else cuda_graphs,
+        model, config.gradient_checkpointing, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
         graph_reporter(output_dir, cb), config.performance.offload_gate)
     if world.distributed:
-        if config.method == "full":
+        if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)
             cb.on_log(f"full fine-tuning sharded with FSDP2 over {world.size} devices (CUDA graphs off)")
         else:

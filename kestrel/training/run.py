@@ -92,6 +92,10 @@ def _train(config: TrainConfig, output_dir: Path, cb: Callback, world: World) ->
         from kestrel.training.grpo import run_grpo
 
         return run_grpo(config, output_dir, cb)
+    if config.is_preference:
+        from kestrel.training.preference import run_preference
+
+        return run_preference(config, output_dir, cb)
     from kestrel.training.sft import run_sft
 
     return run_sft(config, output_dir, cb, world)

@@ -36,6 +36,13 @@ def _fields(c: dict[str, gr.Component], section: str, per_row: int = 4) -> None:
                 c[field.key] = _widget(field)
 
 
+def _preference_section(c: dict[str, gr.Component]) -> None:
+    """The settings of the preference methods (DPO, ORPO, SimPO, KTO) and what data they take."""
+    with gr.Accordion(S.TR_PREFERENCE, open=False, elem_id="tr-preference"):
+        _fields(c, "preference")
+        gr.Markdown(S.TR_PREFERENCE_INFO)
+
+
 def build() -> dict[str, gr.Component]:
     c: dict[str, gr.Component] = {"extra": gr.State({})}
     with gr.Row():
@@ -58,6 +65,7 @@ def build() -> dict[str, gr.Component]:
     with gr.Accordion(S.TR_GRPO, open=False):
         _fields(c, "grpo")
         gr.Markdown(S.TR_REWARDS_INFO)
+    _preference_section(c)
     with gr.Row():
         c["start"] = gr.Button(S.TR_START, variant="primary", elem_id="tr-start")
     c["status"] = gr.Markdown(elem_id="tr-status")

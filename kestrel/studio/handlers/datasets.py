@@ -26,6 +26,7 @@ from kestrel.paths import SAMPLE_DATASETS, resolve_dataset_path
 from kestrel.studio import files
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import model_config, tokenizer_for, user_errors
+from kestrel.studio.handlers.preference_data import preference_kind_of, preference_tokens, preference_view
 
 PREVIEW_ROWS = 10
 HIST_ROWS = 2000  # rows tokenized for the histogram and the stats
@@ -242,6 +243,12 @@ def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = 
                                                    "reason": [i.reason for i in table.issues]}),
                            "histogram": histogram_update([]), "row": gr.update(),
                            "tokens": None, "token_summary": "", "truncation": ""}
+    kind = preference_kind_of(present, columns) if fmt == "auto" else None
+    if kind:  # chosen / rejected, or KTO's prompt / completion / label: previewed side by side
+        state["preference"] = kind
+        out.update(_mapping_updates(None, present, columns))
+        out.update(preference_view(state, len(rows) + len(table.issues), model))
+        return out
     try:
         found, good, bad = conversations(state)
     except DatasetError as exc:
@@ -311,6 +318,8 @@ def token_preview(state: dict[str, Any] | None, line: float | None, model: str, 
 
     if not state or not state.get("path"):
         raise DatasetError(S.DS_NO_DATASET)
+    if state.get("preference"):
+        return preference_tokens(state, line, model, max_len)
     _, good, _ = conversations(state)
     wanted = int(line or good[0].line)
     conv = next((c for c in good if c.line == wanted), None)

@@ -32,6 +32,7 @@ CHART_SERIES: dict[str, tuple[str, ...]] = {
     "memory": ("vram_alloc_gib", "vram_peak_gib"), "reward": ("reward*",), "kl": ("kl",),
 }
 GRPO_CHARTS = ("reward", "kl")
+REWARD_KINDS = ("grpo", "preference")  # jobs whose metrics the reward and KL charts draw
 
 
 def _label(job: jobs.Job) -> str:
@@ -125,7 +126,7 @@ def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> 
     if force or "job" not in seen or job_state != seen["job"]:
         out["progress"] = progress_text(job)
         out.update(chart_frames(job.id if job else None))
-        out["grpo"] = gr.update(visible=bool(job and job.kind == "grpo"))
+        out["grpo"] = gr.update(visible=bool(job and job.kind in REWARD_KINDS))
         out.update(generation_view(job))
     log = jobs.log_tail(job.id, LOG_LINES) if job else ""
     if force or log != seen.get("log"):

@@ -26,7 +26,7 @@ from kestrel.config import TrainConfig, config_from_dict
 from kestrel.errors import ConfigError, DatasetError, KestrelError
 from kestrel.training.estimate import (
     GIB, MemoryEstimate, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
-    shape_from_config, verdict,
+    shape_from_config, training_rows, verdict,
 )
 from kestrel.paths import ASSETS, resolve_dataset_path
 from kestrel.safe_yaml import parse_config_text, read_config_file
@@ -55,6 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The model stays what the form holds: GRPO starts from the user's SFT result (for the demo, the
     # `model/` folder of a finished run of the demo preset).
     "grpo": _shipped("demo_grpo.yaml", drop=("model",)),
+    "dpo": _shipped("demo_dpo.yaml", drop=("model",)),  # like GRPO: from the user's SFT result
 }
 
 
@@ -65,7 +66,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict) and key in ("lora", "grpo"):
+        if isinstance(value, dict) and key in ("lora", "grpo", "preference"):
             out.update(_flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -250,8 +251,10 @@ def vram_text(data: dict[str, Any]) -> str:
     except ValueError as exc:
         return S.VRAM_UNKNOWN.format(reason=str(exc))
     lora, grpo = data.get("lora", {}), data.get("grpo", {})
+    method, rows = training_rows(data["method"], data.get("preference", {}).get("finetune", "lora"),
+                                 int(data["batch_size"]))
     est = estimate_training_memory(
-        shape, data["method"], int(lora.get("r", 16)), lora.get("targets"), int(data["batch_size"]),
+        shape, method, int(lora.get("r", 16)), lora.get("targets"), rows,
         int(data["max_seq_length"]), data["gradient_checkpointing"], int(grpo.get("num_generations", 8)),
         int(grpo.get("max_completion_length", 256)), int(grpo.get("max_prompt_length", 512)))
     gpu = _gpu()
@@ -396,11 +399,12 @@ def start_training(extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
     """Validate the form and submit it to the job store. Outputs: status, job (the new id)."""
     from kestrel import jobs
 
-    data = config_from_dict(form_to_config(_values(args), extra)).to_dict()
+    cfg = config_from_dict(form_to_config(_values(args), extra))
+    data = cfg.to_dict()
     check_model(data["model"])
     if not resolve_dataset_path(data["dataset"]).is_file():
         raise DatasetError(S.ERR_DATASET_MISSING.format(path=data["dataset"]))
-    if data["method"] == "qlora" and not any(d.startswith("cuda") for d in jobs.available_devices()):
+    if cfg.load_in_4bit and not any(d.startswith("cuda") for d in jobs.available_devices()):
         raise ConfigError(S.ERR_QLORA_CPU)
     same = _duplicate_of(data)
     if same is not None:

@@ -30,11 +30,11 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def check_lm_head(model: nn.Module) -> None:
+def check_lm_head(model: nn.Module, method: str = "GRPO") -> None:
     """The LM head must be a plain linear: an adapter on it would be skipped by the chunked path."""
     head = causal_lm(model).lm_head
     if hasattr(head, "lora_A"):
-        raise ConfigError("GRPO does not train a LoRA adapter on lm_head; remove lm_head from lora.targets")
+        raise ConfigError(f"{method} does not train a LoRA adapter on lm_head; remove lm_head from lora.targets")
 
 
 def completion_logprobs(
