@@ -43,7 +43,7 @@ def test_keys_without_widgets_survive_the_form() -> None:
 
 def test_grpo_rewards_are_chosen_in_the_form() -> None:
     """The GRPO section's rewards table: rows become `grpo.rewards`, blank rows and cells drop out,
-    pandas' NaN for an empty number cell is blank, and a custom reward needs the opt-in box."""
+    pandas' NaN for an empty number cell is blank, and a custom reward needs the studio's launch flag."""
     import pandas as pd
 
     table = pd.DataFrame([["exact_answer", 2, None, None, None], ["length_penalty", 0.5, "", 12, ""],
@@ -62,7 +62,7 @@ def test_grpo_rewards_are_chosen_in_the_form() -> None:
                          **{"grpo__rewards": [["custom", 1, "", "", "/tmp/reward.py"]]})
     with pytest.raises(gr.Error) as excinfo:
         train.start_training(extra, *values)
-    assert "allow_custom_rewards" in error_text(excinfo)
+    assert "--allow-custom-rewards" in error_text(excinfo)
 
 
 def test_load_yaml_file(tmp_path: Path) -> None:
@@ -135,7 +135,8 @@ def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch:
     ({"model_source": "local", "model": "/no/such/folder"}, "does not exist"),
     ({"model_source": "hub", "model": "someone/not-cached"}, "offline"),
     ({"model_source": "hub", "model": ""}, "model must name a hub id"),
-    ({"dataset": "/no/such/data.jsonl"}, "does not exist any more"),
+    ({"dataset": "gone.jsonl"}, "does not exist any more"),
+    ({"dataset": "/no/such/data.jsonl"}, "is outside the studio's folder"),
     ({"method": "qlora"}, "QLoRA needs an NVIDIA GPU"),
     ({"max_seq_length": 8}, "max_seq_length must be 16"),
 ])
