@@ -80,6 +80,7 @@ def test_load_yaml_file(tmp_path: Path) -> None:
     ("batch_size: many", "batch_size"),
     ("[1, 2]", "must be a mapping"),
     ("a: : b", "not valid YAML"),
+    ("model: demo\x16\n", "the YAML box is not valid YAML: character 12 is #x0016, a control character"),  # was "Something went wrong"
 ])
 def test_bad_yaml_is_a_message(text: str, words: str) -> None:
     with pytest.raises(gr.Error) as excinfo:
