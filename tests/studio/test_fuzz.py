@@ -265,6 +265,9 @@ def test_hostile_paths_and_names_in_the_train_form(kestrel_home: Path, tmp_path:
     the field; nothing created outside."""
     monkeypatch.setattr(runner, "schedule", lambda: None)
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    cwd = tmp_path / "cwd" / "a" / "b"  # a relative path that escaped would land in tmp_path, not in the repo
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
     secret = tmp_path / "secret.jsonl"
     secret.write_text('{"prompt": "SECRET", "completion": "x"}\n')
     (tmp_path / "afile").write_text("x")
