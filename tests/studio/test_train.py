@@ -183,3 +183,11 @@ def test_picking_another_dataset_drops_the_old_mapping() -> None:
     assert same == {"dataset_format": "prompt_completion", "extra": {"columns": {"prompt": "question"}}}
     other = train.pick_dataset("/x/chat.jsonl", state, {"columns": {"prompt": "question"}, "grpo": {}})
     assert other == {"dataset_format": "auto", "extra": {"columns": {}, "grpo": {}}}
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_a_model_folder_with_a_broken_config_is_a_notice_in_the_estimate(tmp_path: Path, content: bytes) -> None:
+    """Old: the live preview raised JSONDecodeError (an error box) on every edit of the form."""
+    (tmp_path / "config.json").write_bytes(content)
+    extra, values = form(model_source="local", model=str(tmp_path))
+    assert "config.json cannot be read" in train.preview(extra, *values)["vram"]

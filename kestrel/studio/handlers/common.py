@@ -103,7 +103,8 @@ def check_model(model: str) -> None:
 
 
 def model_config(model: str) -> dict[str, Any] | None:
-    """The model's config.json as a dict, when it can be read without a download."""
+    """The model's config.json as a dict, when it can be read without a download (None when it
+    cannot, or is not a JSON object)."""
     from kestrel.paths import ASSETS
 
     model = (model or "").strip()
@@ -115,7 +116,11 @@ def model_config(model: str) -> dict[str, Any] | None:
         path = _cached_hub_file(model, "config.json") if model else None
     if path is None or not Path(path).is_file():
         return None
-    return _read_json(str(path), Path(path).stat().st_mtime)
+    try:
+        data = _read_json(str(path), Path(path).stat().st_mtime)
+    except (OSError, ValueError):  # unreadable, not UTF-8 or not JSON: no estimate, not an error box
+        return None
+    return data if isinstance(data, dict) else None
 
 
 @functools.lru_cache(maxsize=16)

@@ -270,7 +270,7 @@ def vram_text(data: dict[str, Any]) -> str:
     second for the host RAM of offloaded layer inputs)."""
     config = model_config(str(data.get("model", "")))
     if config is None:
-        return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read without a download")
+        return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read (not downloaded yet, or not valid JSON)")
     try:
         shape = shape_from_config(config)
     except ValueError as exc:
