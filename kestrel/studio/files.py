@@ -6,8 +6,9 @@ config files offered for download in `studio/configs/`, Gradio's own upload cach
 sanitised name, so a crafted name (`../../.bashrc`, `C:\\x`, control characters) can never write
 outside `datasets/`, and an existing dataset is never overwritten by a different file.
 
-Paths a studio user types are confined the same way (`studio_dataset`, `studio_output_dir`): a
-logged-in remote user must not read the host's files or write runs anywhere but `runs/`. The
+Paths a studio user types are confined the same way (`studio_dataset`, `studio_output_dir`,
+`studio_folder` for a local model or adapter): a logged-in remote user must not read the host's
+files (nor train on a private model and download the export) or write runs anywhere but `runs/`. The
 check runs before the file is opened, so an error never shows content from outside. (The command
 line has no such limit: a path given there is its user's own choice.)
 """
@@ -21,7 +22,7 @@ import unicodedata
 from pathlib import Path
 
 from kestrel.errors import ConfigError, DatasetError
-from kestrel.paths import SAMPLE_DATASETS, is_inside, kestrel_home, runs_dir, sample_dataset
+from kestrel.paths import SAMPLE_DATASETS, is_inside, kestrel_home, models_dir, runs_dir, sample_dataset
 from kestrel.studio import strings as S
 
 DATASET_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
@@ -165,4 +166,13 @@ def studio_output_dir(text: str) -> Path:
     path = _resolve_from(text, "output_dir", runs)
     if path == runs or not is_inside(path, runs):
         raise ConfigError(S.ERR_OUTPUT_OUTSIDE.format(path=text, runs=runs))
+    return path
+
+
+def studio_folder(text: str, field: str, base: Path | None = None) -> Path:
+    """A local model or adapter folder named in the studio: inside KESTREL_HOME (a relative path
+    is taken from `base`, default `models/`). ConfigError naming the field otherwise."""
+    path = _resolve_from(text, field, base or models_dir())
+    if not is_inside(path, kestrel_home().resolve()):
+        raise ConfigError(S.ERR_FOLDER_OUTSIDE.format(field=field, path=text, home=kestrel_home()))
     return path

@@ -183,6 +183,9 @@ ERR_DATASET_OUTSIDE = ("dataset {path!r} is outside the studio's folder: the stu
 ERR_OUTPUT_OUTSIDE = ("output_dir {path!r} is outside {runs}: runs started in the studio are written there. Give a "
                       "folder name such as my-run (it becomes {runs}/my-run), or leave it empty; the command line "
                       "(python -m kestrel train) can write anywhere.")
+ERR_FOLDER_OUTSIDE = ("{field} {path!r} is outside the studio's folder: the studio reads local models and adapters only "
+                      "inside {home} (KESTREL_HOME), e.g. {home}/models/<name> or a run's folder. Copy the folder "
+                      "there, or use a hub id; the command line (python -m kestrel train) can read it anywhere.")
 ERR_PATH_UNUSABLE = "{field} {path!r} cannot be used: {error}"
 ERR_NUMBER = "{field} must be a number, got {value!r}."
 ERR_QLORA_CPU = "QLoRA needs an NVIDIA GPU and none was found; choose LoRA (16-bit) instead."

@@ -80,6 +80,33 @@ def test_datasets_inside_home_and_samples_still_open(kestrel_home: Path) -> None
     assert "bad.jsonl" in error_text(excinfo) and "line 1" in error_text(excinfo)
 
 
+def test_local_models_and_adapters_outside_home_are_refused(kestrel_home: Path, tiny_model_dir) -> None:
+    """A model folder elsewhere on the host could be trained on and its export downloaded."""
+    outside = tiny_model_dir("llama")
+    for changes, field in (({"model_source": "local", "model": str(outside)}, "model"),
+                           ({"model_source": "local", "model": "../../elsewhere"}, "model"),
+                           ({"lora__init_from": str(outside)}, "lora.init_from"),
+                           ({"lora__init_from": "../../x"}, "lora.init_from")):
+        extra, values = form(**changes)
+        assert f"{field} " in train.preview(extra, *values)["status"]
+        with pytest.raises(gr.Error) as excinfo:
+            train.start_training(extra, *values)
+        assert error_text(excinfo).startswith(f"{field} ") and "is outside the studio's folder" in error_text(excinfo)
+    # The Datasets tab's token counts would read that model's tokenizer: the dataset opens without them.
+    summary = ds.open_dataset("arithmetic_chat", model=str(outside))["summary"]
+    assert "no token counts: model" in summary and "is outside the studio's folder" in summary
+    assert jobs.list_jobs() == []
+
+
+def test_a_local_model_inside_home_trains(kestrel_home: Path, tiny_model_dir, fake_engine: None) -> None:
+    import shutil
+
+    shutil.copytree(tiny_model_dir("llama"), kestrel_home / "models" / "tiny")
+    extra, values = form(model_source="local", model="./tiny", max_steps=2)
+    job = jobs.get_job(train.start_training(extra, *values)["job"])
+    assert job.config["model"] == str((kestrel_home / "models" / "tiny").resolve())
+
+
 @pytest.mark.parametrize("name", ["../../escaped", "a/b", "a\\b", "a\x00b", "..", "."])
 def test_run_names_never_become_paths(name: str, kestrel_home: Path) -> None:
     extra, values = form(name=name)

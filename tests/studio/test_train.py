@@ -133,7 +133,8 @@ def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch:
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"model_source": "local", "model": "/no/such/folder"}, "does not exist"),
+    ({"model_source": "local", "model": "./no-such-folder"}, "does not exist"),
+    ({"model_source": "local", "model": "/no/such/folder"}, "is outside the studio's folder"),
     ({"model_source": "hub", "model": "someone/not-cached"}, "offline"),
     ({"model_source": "hub", "model": ""}, "model must name a hub id"),
     ({"dataset": "gone.jsonl"}, "does not exist any more"),
@@ -149,8 +150,9 @@ def test_start_refuses_bad_input(changes: dict, words: str) -> None:
     assert jobs.list_jobs() == []
 
 
-def test_local_folder_without_config(tmp_path: Path) -> None:
-    extra, values = form(model_source="local", model=str(tmp_path))
+def test_local_folder_without_config(kestrel_home: Path) -> None:
+    (kestrel_home / "models" / "empty").mkdir(parents=True)
+    extra, values = form(model_source="local", model=str(kestrel_home / "models" / "empty"))
     with pytest.raises(gr.Error) as excinfo:
         train.start_training(extra, *values)
     assert "has no config.json" in error_text(excinfo)
@@ -186,8 +188,10 @@ def test_picking_another_dataset_drops_the_old_mapping() -> None:
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe"])
-def test_a_model_folder_with_a_broken_config_is_a_notice_in_the_estimate(tmp_path: Path, content: bytes) -> None:
+def test_a_model_folder_with_a_broken_config_is_a_notice_in_the_estimate(kestrel_home: Path, content: bytes) -> None:
     """Old: the live preview raised JSONDecodeError (an error box) on every edit of the form."""
-    (tmp_path / "config.json").write_bytes(content)
-    extra, values = form(model_source="local", model=str(tmp_path))
+    folder = kestrel_home / "models" / "broken"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_bytes(content)
+    extra, values = form(model_source="local", model=str(folder))
     assert "config.json cannot be read" in train.preview(extra, *values)["vram"]

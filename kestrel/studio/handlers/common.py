@@ -129,7 +129,12 @@ def _read_json(path: str, _mtime: float) -> dict[str, Any]:
 
 
 def tokenizer_for(model: str) -> Any:
-    """The tokenizer training would use for `model` (ChatML when it ships no template)."""
+    """The tokenizer training would use for `model` (ChatML when it ships no template); a local
+    folder must lie inside KESTREL_HOME, as for training."""
+    from kestrel.studio.files import studio_folder
+
+    if model.strip() != DEMO and is_local(model.strip()):
+        model = str(studio_folder(model.strip(), "model"))
     check_model(model)
     return _tokenizer(model.strip())
 

@@ -33,7 +33,7 @@ from kestrel.training.estimate import (
     GIB, MemoryEstimate, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
     shape_from_config, verdict,
 )
-from kestrel.paths import ASSETS, resolve_dataset_path
+from kestrel.paths import ASSETS, resolve_dataset_path, runs_dir
 from kestrel.safe_yaml import parse_config_text, read_config_file
 from kestrel.studio import files
 from kestrel.studio import strings as S
@@ -196,7 +196,7 @@ def config_to_form(config: dict[str, Any]) -> dict[str, Any]:
 def studio_config(data: dict[str, Any], allow_custom: bool) -> TrainConfig:
     """`data` checked as a config and by the studio's rules: `grpo.allow_custom_rewards` is the
     studio's launch setting whatever `data` says (a custom reward without it is refused, naming
-    the flag); the dataset and the output folder must lie inside KESTREL_HOME."""
+    the flag); the dataset, the output folder and local model and adapter folders must lie inside KESTREL_HOME."""
     data = copy.deepcopy(data)
     grpo = data.setdefault("grpo", {})
     if isinstance(grpo, dict):  # anything else: config_from_dict names the mistake
@@ -209,6 +209,10 @@ def studio_config(data: dict[str, Any], allow_custom: bool) -> TrainConfig:
     files.studio_dataset(cfg.dataset)
     if cfg.output_dir:
         files.studio_output_dir(cfg.output_dir)
+    if cfg.model != DEMO and is_local(cfg.model):
+        files.studio_folder(cfg.model, "model")
+    if cfg.lora.init_from:
+        files.studio_folder(cfg.lora.init_from, "lora.init_from", runs_dir())
     return cfg
 
 
@@ -422,6 +426,10 @@ def start_training(extra: dict[str, Any] | None, *args: Any, allow_custom: bool 
     from kestrel import jobs
 
     data = studio_config(form_to_config(_values(args), extra), allow_custom).to_dict()
+    if data["model"] != DEMO and is_local(data["model"]):
+        data["model"] = str(files.studio_folder(data["model"], "model"))
+    if data["lora"].get("init_from"):
+        data["lora"]["init_from"] = str(files.studio_folder(data["lora"]["init_from"], "lora.init_from", runs_dir()))
     check_model(data["model"])
     dataset = files.studio_dataset(data["dataset"])
     if not dataset.is_file():
