@@ -260,9 +260,9 @@ def test_malformed_configs_through_the_yaml_box_the_file_button_and_train(kestre
 @pytest.mark.timeout(120)
 def test_hostile_paths_and_names_in_the_train_form(kestrel_home: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """100 forms with hostile output folders, datasets and run names pressed Start: a queued job
-    inside KESTREL_HOME/runs reading a file inside KESTREL_HOME or a sample, or a message naming
-    the field; nothing created outside."""
+    """100 forms with hostile output folders, datasets, adapters and run names pressed Start: a
+    queued job inside KESTREL_HOME/runs reading files inside KESTREL_HOME or a sample, or a message
+    naming the field; nothing created outside."""
     monkeypatch.setattr(runner, "schedule", lambda: None)
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
     cwd = tmp_path / "cwd" / "a" / "b"  # a relative path that escaped would land in tmp_path, not in the repo
@@ -276,9 +276,9 @@ def test_hostile_paths_and_names_in_the_train_form(kestrel_home: Path, tmp_path:
                str(secret), "../secret.jsonl", "../../secret.jsonl", "run/../../../x", "ok-run", "nested/run"]
     before = _files(tmp_path) - _files(kestrel_home)
     for case in range(100):
-        field = rng.choice(["output_dir", "dataset", "name"])
+        field = rng.choice(["output_dir", "dataset", "name", "lora.init_from"])
         value = rng.choice(escapes + [v for v in config_values(rng, tmp_path) if isinstance(v, str)])
-        extra, values = form(**{field: value})
+        extra, values = form(**{field.replace(".", "__"): value})
         out, error = cases.run(f"Start {field}={value!r:.60}", train.start_training, extra, *values)
         if error is not None and "SECRET" in str(getattr(error, "message", error)):
             cases.fail(f"Start {field}={value!r:.60}", "the message shows the file's content")
@@ -291,6 +291,9 @@ def test_hostile_paths_and_names_in_the_train_form(kestrel_home: Path, tmp_path:
             dataset = Path(job.config["dataset"]).resolve()
             if not (dataset.is_relative_to(kestrel_home.resolve()) or dataset.is_relative_to(ASSETS)):
                 cases.fail(f"Start {field}={value!r:.60}", f"dataset {dataset}")
+            init_from = job.config["lora"].get("init_from")
+            if init_from and not Path(init_from).resolve().is_relative_to(kestrel_home.resolve()):
+                cases.fail(f"Start {field}={value!r:.60}", f"lora.init_from {init_from}")
             runner.delete(job.id, remove_files=True)  # the next case may submit the same form
         outcomes["queued" if out is not None else "refused"] += 1
     assert outcomes["queued"] >= 10 and outcomes["refused"] >= 30, outcomes
