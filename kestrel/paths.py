@@ -29,12 +29,22 @@ def models_dir() -> Path:
     return path
 
 
+def sample_dataset(name: str) -> Path | None:
+    """The shipped sample called `name` (`arithmetic_chat` or `arithmetic_chat.jsonl`), or None."""
+    for sample in SAMPLE_DATASETS.glob("*"):
+        if name in (sample.name, sample.stem):
+            return sample
+    return None
+
+
 def resolve_dataset_path(name: str) -> Path:
     """A dataset path as the user wrote it, or the name of a shipped sample (`arithmetic_chat`)."""
     path = Path(name).expanduser()
     if path.exists():
         return path
-    for sample in SAMPLE_DATASETS.glob("*"):
-        if name in (sample.name, sample.stem):
-            return sample
-    return path
+    return sample_dataset(name) or path
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """Whether resolved `path` is `root` or lies below it (both already resolved)."""
+    return path == root or root in path.parents

@@ -4,6 +4,7 @@
     python -m kestrel chat MODEL [--adapter DIR] [--prompt TEXT] [--max-new-tokens N] [--temperature T]
     python -m kestrel export SOURCE --format adapter|merged|gguf [--quant q4_k_m] --out DIR
     python -m kestrel jobs submit|list|show|logs|resume|cancel|export ...   # see kestrel/cli/jobs.py
+    python -m kestrel convert FOLDER   # pickled .bin weights -> safetensors (the only form Kestrel loads)
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value pairs; dotted keys reach nested ones")
     train.set_defaults(handler=run_train)
     sub.add_parser("jobs", help="background training and export jobs (python -m kestrel jobs --help)")
-    for module, adder in (("kestrel.cli.chat", "add_chat_parser"), ("kestrel.cli.export", "add_export_parser")):
+    for module, adder in (("kestrel.cli.chat", "add_chat_parser"), ("kestrel.cli.export", "add_export_parser"),
+                          ("kestrel.cli.convert", "add_convert_parser")):
         getattr(__import__(module, fromlist=[adder]), adder)(sub)
     return parser
 

@@ -29,6 +29,7 @@ import torch
 
 from kestrel.export import llama_child
 from kestrel.export.llama_child import run_in_child
+from kestrel.model.safe_weights import refuse_pickled
 
 N_NEW = 32
 TIE_TOL = 0.02  # x logit std: top-2 closer than this is a tie that 16-bit rounding may flip
@@ -101,11 +102,13 @@ def load_reference(model_dir: Path, adapter_dir: Path | None, device: str | None
         model.load_state_dict(state, strict=False)  # a tied lm_head is not in the checkpoint
         model.tie_weights()
     else:  # loaded straight onto the device: an 8B model in fp32 never passes through host memory
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map={"": dev})
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map={"": dev},
+                                                     use_safetensors=True)
     model = model.to(dev)
     if adapter_dir is not None:
         from peft import PeftModel
 
+        refuse_pickled(adapter_dir)
         model = PeftModel.from_pretrained(model, adapter_dir)
     return model.eval()
 

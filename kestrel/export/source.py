@@ -18,6 +18,7 @@ from typing import Any
 
 from kestrel.errors import ConfigError, KestrelError
 from kestrel.model.registry import FamilySpec, SUPPORTED, family_of
+from kestrel.model.safe_weights import refuse_pickled
 from kestrel.safe_yaml import read_config_file
 from kestrel.training.best import BEST_DIR, read_best
 
@@ -51,11 +52,7 @@ def _has_weights(folder: Path) -> bool:
 def _check_weights(folder: Path) -> None:
     if _has_weights(folder):
         return
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-        raise KestrelError(
-            f"{folder} holds PyTorch .bin weights; export reads safetensors only. Load the model and "
-            "save it again with save_pretrained(..., safe_serialization=True)"
-        )
+    refuse_pickled(folder)
     raise KestrelError(
         f"{folder} has no weights (*.safetensors): point SOURCE at a training output folder "
         "(holding adapter/ or model/), a PEFT adapter folder, or a model folder"

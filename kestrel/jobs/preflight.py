@@ -17,6 +17,7 @@ from pathlib import Path
 from kestrel.config import TrainConfig, check_output_dir, expand_path
 from kestrel.constants import DEMO
 from kestrel.errors import ConfigError, DatasetError, ModelLoadError
+from kestrel.model.safe_weights import refuse_pickled
 from kestrel.paths import resolve_dataset_path
 
 # A Hugging Face repo id: `name` or `owner/name`, letters, digits, `-`, `_`, `.`, at most 96.
@@ -62,6 +63,7 @@ def check_model(model: str) -> str | None:
             what = "has no config.json" if path.is_dir() else "does not exist"
             raise ModelLoadError(f"model folder {path} {what}: point `model` at a Hugging Face model folder "
                                  "(the one holding config.json and *.safetensors), or use demo")
+        refuse_pickled(path)
         return None
     if not _HUB_ID.match(model) or ".." in model or "--" in model or model.endswith((".", "-")):
         raise ModelLoadError(f"model {model!r} is neither a local folder nor a Hugging Face hub id "

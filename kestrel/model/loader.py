@@ -22,6 +22,7 @@ from kestrel.constants import DEMO
 from kestrel.errors import ModelLoadError
 from kestrel.paths import ASSETS, models_dir
 from kestrel.model.patching import PatchFlags, patch_model
+from kestrel.model.safe_weights import refuse_pickled
 
 log = logging.getLogger("kestrel")
 
@@ -125,8 +126,9 @@ def load(
             "Train in 16-bit instead: set `method: lora` (or `full`)."
         )
     path = resolve_model_path(model)
+    refuse_pickled(path)  # a hub id is no folder: use_safetensors below refuses its pickles
     compute_dtype = resolve_dtype(dtype, dev)
-    kwargs: dict = {"dtype": compute_dtype, "attn_implementation": attn_implementation}
+    kwargs: dict = {"dtype": compute_dtype, "attn_implementation": attn_implementation, "use_safetensors": True}
     if load_in_4bit:
         kwargs["quantization_config"] = _quantization_config(compute_dtype)
         kwargs["device_map"] = {"": dev.index or 0}
@@ -136,6 +138,11 @@ def load(
     except OSError as exc:
         if Path(path).exists():
             raise ModelLoadError(f"could not load model from {path}: {exc}") from exc
+        if ".safetensors" in str(exc):  # the hub repo has pickled weights only
+            raise ModelLoadError(
+                f"model {model!r} has no safetensors weights on the Hugging Face hub, and Kestrel does not load "
+                "pickled ones (unpickling can run code). Download it to a folder, convert it with "
+                "`python -m kestrel convert FOLDER` if you trust it, and point `model` at that folder.") from exc
         raise ModelLoadError(
             f"could not find model {model!r}: it is not a local folder, and downloading it from the "
             "Hugging Face hub failed (offline, a typo, or a gated model). Pick a local folder, "

@@ -10,6 +10,7 @@ from torch import nn
 from kestrel.config import LoraSettings
 from kestrel.errors import ConfigError
 from kestrel.model.patching import patch_lora_layers
+from kestrel.model.safe_weights import refuse_pickled
 
 log = logging.getLogger("kestrel")
 
@@ -30,6 +31,7 @@ def _load_trainable(model: nn.Module, path: str) -> nn.Module:
     from peft import PeftModel
 
     folder = adapter_folder(path)
+    refuse_pickled(folder)
     try:
         return PeftModel.from_pretrained(model, str(folder), is_trainable=True)
     except (RuntimeError, ValueError, KeyError) as exc:  # shape or module mismatch with this model

@@ -24,6 +24,7 @@ from kestrel.studio.handlers import train as train_h
 from kestrel.studio.handlers.datasets import roles
 from kestrel.studio.handlers.train import form_to_config
 from kestrel.studio.models import ModelPool
+from kestrel.studio.settings import StudioSettings
 
 C = dict[str, gr.Component]
 # Cheap handlers (milliseconds of work) skip Gradio's queue: a queued event pays a join request
@@ -76,7 +77,7 @@ def model_name(source: str, text: str) -> str:
 # Datasets tab (+ the Train form it feeds)
 
 
-def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
+def wire_datasets(d: C, t: C, settings: StudioSettings) -> None:
     model_in = [t["model_source"], t["model"]]
     tokens = Outputs.of(d, "tokens", "token_summary", "truncation")
     shown = Outputs.of(d, "state", "status", "summary", "format", "preview", "report", "histogram", "row",
@@ -93,10 +94,10 @@ def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
     def after_open(event: Any) -> None:
         event.success(tokens.wrap(preview_tokens), token_in, tokens.components, show_progress="hidden") \
              .then(to_form.wrap(train_h.use_dataset), [d["state"], t["extra"]], to_form.components) \
-             .then(*_preview_args(t))
+             .then(*_preview_args(t, settings))
 
     after_open(_on(d["upload"].upload,
-                   lambda f, src, text: ds_h.upload_dataset(f, max_upload_mb, model_name(src, text)),
+                   lambda f, src, text: ds_h.upload_dataset(f, settings.max_upload_mb, model_name(src, text)),
                    [d["upload"], *model_in], shown))
     after_open(_on(d["use_sample"].click, lambda p, src, text: ds_h.open_dataset(p, "auto", None, model_name(src, text)),
                    [d["sample"], *model_in], shown))
@@ -112,7 +113,7 @@ def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
     _on(d["format"].input, ds_h.show_roles, [d["format"]], Outputs.of(d, *[f"col_{r}" for r in roles()]), **LIGHT)
     picked = Outputs([("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
     _on(t["dataset"].input, train_h.pick_dataset, [t["dataset"], d["state"], t["extra"]], picked, **LIGHT) \
-        .then(*_preview_args(t), **LIGHT)
+        .then(*_preview_args(t, settings), **LIGHT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,22 +128,27 @@ def _filled(t: C) -> Outputs:
     return Outputs.of(t, *FORM_KEYS, "extra", "yaml", "download", "vram", "status")
 
 
-def _preview_args(t: C) -> tuple[Any, ...]:
+def _preview_args(t: C, settings: StudioSettings) -> tuple[Any, ...]:
     out = Outputs.of(t, "yaml", "download", "vram", "status")
-    return out.wrap(train_h.preview), [t["extra"], *_form(t)], out.components
+    return out.wrap(partial(train_h.preview, allow_custom=settings.allow_custom_rewards)), [t["extra"], *_form(t)], \
+        out.components
 
 
-def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
+def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
+    """The Train tab; `settings.allow_custom_rewards` (the launch flag) reaches every handler that builds a config."""
+    allow = {"allow_custom": settings.allow_custom_rewards}
     t["model_source"].change(lambda s: gr.update(visible=s != "demo"), t["model_source"], t["model"], **LIGHT)
-    fn, inputs, outputs = _preview_args(t)
+    fn, inputs, outputs = _preview_args(t, settings)
     gr.on([t[k].input for k in FORM_KEYS], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
     filled = _filled(t)
-    _on(t["apply_preset"].click, train_h.apply_preset, [t["preset"], t["extra"], *_form(t)], filled, **LIGHT)
-    _on(t["apply_yaml"].click, train_h.apply_yaml, [t["yaml"]], filled, **LIGHT)
-    _on(t["load_yaml"].upload, train_h.load_yaml_file, [t["load_yaml"]], filled)
+    _on(t["apply_preset"].click, partial(train_h.apply_preset, **allow), [t["preset"], t["extra"], *_form(t)], filled,
+        **LIGHT)
+    _on(t["apply_yaml"].click, partial(train_h.apply_yaml, **allow), [t["yaml"]], filled, **LIGHT)
+    _on(t["load_yaml"].upload, partial(train_h.load_yaml_file, **allow), [t["load_yaml"]], filled)
     started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
-    _on(t["start"].click, train_h.start_training, [t["extra"], *_form(t)], started, concurrency_limit=1) \
+    _on(t["start"].click, partial(train_h.start_training, **allow), [t["extra"], *_form(t)], started,
+        concurrency_limit=1) \
         .success(lambda: (gr.Tabs(selected="runs"), gr.Timer(active=True)), None, [tabs, r["timer"]], **LIGHT) \
         .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"]], runs_out.components, **LIGHT)
 
@@ -208,7 +214,8 @@ def wire_export(ex: C) -> None:
 # Page load: fill every tab from the store (a reload shows running jobs live again)
 
 
-def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
+def on_load(d: C, t: C, r: C, ch: C, ex: C,
+            settings: StudioSettings) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
     runs_out = _runs_outputs(r)
     outputs = (Outputs([("samples", d["sample"]), ("datasets", d["datasets"])])
                + _filled(t) + runs_out + Outputs.of(ch, "target") + Outputs.of(ex, "source", "quant"))
@@ -217,7 +224,8 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr
         samples = ds_h.sample_choices()
         result: dict[str, Any] = {"samples": gr.update(choices=samples, value=samples[0][1] if samples else None)}
         result.update(ds_h.refresh_choices())
-        result.update(train_h.apply_preset("demo", {}, *[None] * len(FORM_KEYS)))
+        result.update(train_h.apply_preset("demo", {}, *[None] * len(FORM_KEYS),
+                                           allow_custom=settings.allow_custom_rewards))
         result["status"] = ""
         result["dataset"] = gr.update(choices=ds_h.dataset_choices(), value=result["dataset"])
         result.update(runs_h.refresh(None, {}, force=True))

@@ -59,7 +59,6 @@ FIELDS: tuple[Field, ...] = (
     Field("grpo.temperature", "float", "grpo", step=0.1),
     Field("grpo.top_p", "float", "grpo", step=0.05),
     Field("grpo.rewards", "rewards", "grpo"),
-    Field("grpo.allow_custom_rewards", "bool", "grpo"),
     Field("preference.finetune", "choice", "preference", PREFERENCE_FINETUNE),
     Field("preference.beta", "float", "preference", step=0.05),
     Field("preference.loss_type", "choice", "preference", DPO_LOSS_TYPES),
@@ -68,7 +67,7 @@ FIELDS: tuple[Field, ...] = (
     Field("preference.cpo_alpha", "float", "preference", step=0.1),
     Field("preference.desirable_weight", "float", "preference", step=0.1),
     Field("preference.undesirable_weight", "float", "preference", step=0.1),
-)
+)  # no widget for grpo.allow_custom_rewards: the studio's owner decides it (`--allow-custom-rewards`)
 
 # The columns of the GRPO rewards table: one row per `kestrel.config.RewardSpec`.
 REWARD_COLUMNS = ("name", "weight", "pattern", "target_length", "path")
@@ -77,3 +76,5 @@ REWARD_COLUMNS = ("name", "weight", "pattern", "target_length", "path")
 HEAD_KEYS = ("model_source", "model", "method", "dataset")
 FORM_KEYS: tuple[str, ...] = HEAD_KEYS + tuple(f.key for f in FIELDS)
 FIELD_BY_KEY = {f.key: f for f in FIELDS}
+# Config keys whoever started the studio decides (`kestrel.studio.settings`): a form or YAML value is ignored.
+OWNER_KEYS = ("grpo.allow_custom_rewards",)

@@ -103,7 +103,6 @@ FIELD_LABELS = {
     "grad_accum": "Gradient accumulation", "lora.r": "LoRA rank r", "lora.alpha": "LoRA alpha",
     "lora.dropout": "LoRA dropout", "lora.targets": "LoRA target modules",
     "grpo.rewards": "Rewards (one per row; the weighted sum is the reward)",
-    "grpo.allow_custom_rewards": "Allow custom reward code (runs inside the training job's process)",
     "lora.init_from": "Start from adapter (optional: a LoRA run's folder, e.g. for GRPO after SFT)", "packing": "Packing",
     "train_on_responses_only": "Train on responses only", "gradient_checkpointing": "Gradient checkpointing",
     "save_steps": "Save every N steps (0: only at the end)", "seed": "Seed", "dtype": "Compute dtype",
@@ -202,6 +201,16 @@ ERR_HUB_OFFLINE = ("Model {model!r} is not a local folder and is not in the Hugg
                    "offline (HF_HUB_OFFLINE is set). Pick a local folder or the built-in demo model.")
 ERR_MODEL_EMPTY = "Enter a model folder or a hub id, or pick the built-in demo model."
 ERR_DATASET_MISSING = "Dataset {path} does not exist any more; upload it again or pick a sample."
+ERR_DATASET_OUTSIDE = ("dataset {path!r} is outside the studio's folder: the studio reads only files inside {home} "
+                       "(KESTREL_HOME) and the shipped samples. Upload the file on the Datasets tab, or copy it into "
+                       "{home}/datasets.")
+ERR_OUTPUT_OUTSIDE = ("output_dir {path!r} is outside {runs}: runs started in the studio are written there. Give a "
+                      "folder name such as my-run (it becomes {runs}/my-run), or leave it empty; the command line "
+                      "(python -m kestrel train) can write anywhere.")
+ERR_FOLDER_OUTSIDE = ("{field} {path!r} is outside the studio's folder: the studio reads local models and adapters only "
+                      "inside {home} (KESTREL_HOME), e.g. {home}/models/<name> or a run's folder. Copy the folder "
+                      "there, or use a hub id; the command line (python -m kestrel train) can read it anywhere.")
+ERR_PATH_UNUSABLE = "{field} {path!r} cannot be used: {error}"
 ERR_NUMBER = "{field} must be a number, got {value!r}."
 ERR_QLORA_CPU = "QLoRA needs an NVIDIA GPU and none was found; choose LoRA (16-bit) instead."
 ERR_UNEXPECTED = "Something went wrong ({kind}); details are in the studio's terminal."
@@ -221,8 +230,15 @@ TR_REWARDS_INFO = (
     "equals the dataset's `answer` column. `format_regex`: 1 when `pattern` matches. `length_penalty`: 0 up "
     "to `target_length` tokens, then down to -1. `json_valid`: 1 when the completion is valid JSON. "
     "`custom`: `path` to a Python file defining `reward(prompts, completions, answers)`; it runs with your "
-    "permissions inside the training job's process, so it needs the box above ticked."
+    "permissions inside the training job's process, so only whoever started the studio can allow it."
 )
+TR_CUSTOM_ON = ("Custom reward code: **allowed** (this studio was started with `--allow-custom-rewards`; a `custom` "
+                "reward's file runs inside the training job).")
+TR_CUSTOM_OFF = ("Custom reward code: **off**. Whoever starts the studio can allow it with "
+                 "`python app.py --allow-custom-rewards`.")
+ERR_CUSTOM_OFF = ("grpo.rewards: a `custom` reward runs code from {path}, and custom reward code is off in this "
+                  "studio; whoever started it can allow it with `python app.py --allow-custom-rewards`, or use a "
+                  "built-in reward.")
 ERR_REWARD_ROW = "Rewards table, row {row}: {problem}."
 ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."
 ERR_SEED = "The seed must be a whole number, or empty for a random one; got {value!r}."

@@ -275,8 +275,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     elif _sharded(model):
         return _load_sharded(path, model, optimizer, scheduler)
     else:
-        loaded = type(model).from_pretrained(path / "model", dtype=next(model.parameters()).dtype)
+        loaded = type(model).from_pretrained(path / "model", dtype=next(model.parameters()).dtype, use_safetensors=True)
         model.load_state_dict(loaded.state_dict())
+    # Kestrel's own files in the run's folder (optimizer moments, scheduler counters: nested dicts
+    # safetensors cannot hold), read with torch's restricted loader; never weights a user supplies.
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     return json.loads((path / "state.json").read_text())

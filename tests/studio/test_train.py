@@ -43,7 +43,7 @@ def test_keys_without_widgets_survive_the_form() -> None:
 
 def test_grpo_rewards_are_chosen_in_the_form() -> None:
     """The GRPO section's rewards table: rows become `grpo.rewards`, blank rows and cells drop out,
-    pandas' NaN for an empty number cell is blank, and a custom reward needs the opt-in box."""
+    pandas' NaN for an empty number cell is blank, and a custom reward needs the studio's launch flag."""
     import pandas as pd
 
     table = pd.DataFrame([["exact_answer", 2, None, None, None], ["length_penalty", 0.5, "", 12, ""],
@@ -62,7 +62,7 @@ def test_grpo_rewards_are_chosen_in_the_form() -> None:
                          **{"grpo__rewards": [["custom", 1, "", "", "/tmp/reward.py"]]})
     with pytest.raises(gr.Error) as excinfo:
         train.start_training(extra, *values)
-    assert "allow_custom_rewards" in error_text(excinfo)
+    assert "--allow-custom-rewards" in error_text(excinfo)
 
 
 def test_load_yaml_file(tmp_path: Path) -> None:
@@ -80,6 +80,7 @@ def test_load_yaml_file(tmp_path: Path) -> None:
     ("batch_size: many", "batch_size"),
     ("[1, 2]", "must be a mapping"),
     ("a: : b", "not valid YAML"),
+    ("model: demo\x16\n", "the YAML box is not valid YAML: character 12 is #x0016, a control character"),  # was "Something went wrong"
 ])
 def test_bad_yaml_is_a_message(text: str, words: str) -> None:
     with pytest.raises(gr.Error) as excinfo:
@@ -132,10 +133,12 @@ def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch:
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"model_source": "local", "model": "/no/such/folder"}, "does not exist"),
+    ({"model_source": "local", "model": "./no-such-folder"}, "does not exist"),
+    ({"model_source": "local", "model": "/no/such/folder"}, "is outside the studio's folder"),
     ({"model_source": "hub", "model": "someone/not-cached"}, "offline"),
     ({"model_source": "hub", "model": ""}, "model must name a hub id"),
-    ({"dataset": "/no/such/data.jsonl"}, "does not exist any more"),
+    ({"dataset": "gone.jsonl"}, "does not exist any more"),
+    ({"dataset": "/no/such/data.jsonl"}, "is outside the studio's folder"),
     ({"method": "qlora"}, "QLoRA needs an NVIDIA GPU"),
     ({"max_seq_length": 8}, "max_seq_length must be 16"),
 ])
@@ -147,8 +150,9 @@ def test_start_refuses_bad_input(changes: dict, words: str) -> None:
     assert jobs.list_jobs() == []
 
 
-def test_local_folder_without_config(tmp_path: Path) -> None:
-    extra, values = form(model_source="local", model=str(tmp_path))
+def test_local_folder_without_config(kestrel_home: Path) -> None:
+    (kestrel_home / "models" / "empty").mkdir(parents=True)
+    extra, values = form(model_source="local", model=str(kestrel_home / "models" / "empty"))
     with pytest.raises(gr.Error) as excinfo:
         train.start_training(extra, *values)
     assert "has no config.json" in error_text(excinfo)
@@ -181,3 +185,13 @@ def test_picking_another_dataset_drops_the_old_mapping() -> None:
     assert same == {"dataset_format": "prompt_completion", "extra": {"columns": {"prompt": "question"}}}
     other = train.pick_dataset("/x/chat.jsonl", state, {"columns": {"prompt": "question"}, "grpo": {}})
     assert other == {"dataset_format": "auto", "extra": {"columns": {}, "grpo": {}}}
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_a_model_folder_with_a_broken_config_is_a_notice_in_the_estimate(kestrel_home: Path, content: bytes) -> None:
+    """Old: the live preview raised JSONDecodeError (an error box) on every edit of the form."""
+    folder = kestrel_home / "models" / "broken"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_bytes(content)
+    extra, values = form(model_source="local", model=str(folder))
+    assert "config.json cannot be read" in train.preview(extra, *values)["vram"]

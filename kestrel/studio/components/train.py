@@ -43,7 +43,8 @@ def _preference_section(c: dict[str, gr.Component]) -> None:
         gr.Markdown(S.TR_PREFERENCE_INFO)
 
 
-def build() -> dict[str, gr.Component]:
+def build(allow_custom_rewards: bool = False) -> dict[str, gr.Component]:
+    """The tab's widgets by name; `allow_custom_rewards` (the studio's launch setting) is shown, not editable."""
     c: dict[str, gr.Component] = {"extra": gr.State({})}
     with gr.Row():
         c["preset"] = gr.Dropdown(label=S.TR_PRESET, choices=[(v, k) for k, v in S.PRESET_NAMES.items()],
@@ -65,6 +66,8 @@ def build() -> dict[str, gr.Component]:
     with gr.Accordion(S.TR_GRPO, open=False):
         _fields(c, "grpo")
         gr.Markdown(S.TR_REWARDS_INFO)
+        c["custom_rewards"] = gr.Markdown(S.TR_CUSTOM_ON if allow_custom_rewards else S.TR_CUSTOM_OFF,
+                                          elem_id="tr-custom-rewards")
     _preference_section(c)
     with gr.Row():
         c["start"] = gr.Button(S.TR_START, variant="primary", elem_id="tr-start")

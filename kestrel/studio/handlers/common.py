@@ -103,7 +103,8 @@ def check_model(model: str) -> None:
 
 
 def model_config(model: str) -> dict[str, Any] | None:
-    """The model's config.json as a dict, when it can be read without a download."""
+    """The model's config.json as a dict, when it can be read without a download (None when it
+    cannot, or is not a JSON object)."""
     from kestrel.paths import ASSETS
 
     model = (model or "").strip()
@@ -115,7 +116,11 @@ def model_config(model: str) -> dict[str, Any] | None:
         path = _cached_hub_file(model, "config.json") if model else None
     if path is None or not Path(path).is_file():
         return None
-    return _read_json(str(path), Path(path).stat().st_mtime)
+    try:
+        data = _read_json(str(path), Path(path).stat().st_mtime)
+    except (OSError, ValueError):  # unreadable, not UTF-8 or not JSON: no estimate, not an error box
+        return None
+    return data if isinstance(data, dict) else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -124,7 +129,12 @@ def _read_json(path: str, _mtime: float) -> dict[str, Any]:
 
 
 def tokenizer_for(model: str) -> Any:
-    """The tokenizer training would use for `model` (ChatML when it ships no template)."""
+    """The tokenizer training would use for `model` (ChatML when it ships no template); a local
+    folder must lie inside KESTREL_HOME, as for training."""
+    from kestrel.studio.files import studio_folder
+
+    if model.strip() != DEMO and is_local(model.strip()):
+        model = str(studio_folder(model.strip(), "model"))
     check_model(model)
     return _tokenizer(model.strip())
 

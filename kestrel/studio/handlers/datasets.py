@@ -204,7 +204,11 @@ def upload_dataset(file_path: str | None, max_mb: float, model: str = "demo") ->
     """Copy an uploaded file into KESTREL_HOME/datasets and open it (see `open_dataset`)."""
     if not file_path:
         raise DatasetError(S.ERR_NO_FILE)
-    stored = files.store_upload(file_path, Path(file_path).name, int(max_mb * 2**20))
+    try:
+        stored = files.store_upload(file_path, Path(file_path).name, int(max_mb * 2**20))
+    except DatasetError:
+        files.discard_upload(file_path)  # a refused file (a .py, a renamed binary) leaves no copy behind
+        raise
     try:
         return open_dataset(str(stored), model=model)
     except gr.Error:
@@ -215,7 +219,8 @@ def upload_dataset(file_path: str | None, max_mb: float, model: str = "demo") ->
 @user_errors
 def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = None,
                  model: str = "demo") -> dict[str, Any]:
-    """Read `path`, detect (or apply) its format and column mapping, validate every row.
+    """Read `path` (a sample's name or a file inside KESTREL_HOME), detect (or apply) its format and
+    column mapping, validate every row.
 
     `columns` None: the mapping saved with the dataset in the job store, with its format, when the
     file still has those columns.
@@ -228,7 +233,7 @@ def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = 
 
     if not path:
         raise DatasetError(S.DS_NO_DATASET)
-    path, mtime = _key(path)
+    path, mtime = _key(str(files.studio_dataset(path)))  # inside KESTREL_HOME, checked before any read
     table = _table(path, mtime)
     rows = table.rows
     present = list(dict.fromkeys(k for r in rows[:100] for k in r))

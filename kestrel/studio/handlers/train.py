@@ -6,7 +6,12 @@ so loading a YAML file and starting it keeps them.
 
     values = config_to_form(TrainConfig().to_dict())["form"]
     out = preview(extra, *[values[k] for k in FORM_KEYS])   # {"yaml", "download", "vram", "status"}
-    out = start_training(extra, *[values[k] for k in FORM_KEYS])  # {"status", "job"}
+    out = start_training(extra, *[values[k] for k in FORM_KEYS], allow_custom=False)  # {"status", "job"}
+
+Every config the tab builds goes through `studio_config`: the studio's rules on top of the config's
+own checks. `allow_custom` is the studio's launch setting (`--allow-custom-rewards`), passed down by
+`kestrel.studio.events`; nothing a browser sends can turn it on. Datasets and output folders must lie
+inside KESTREL_HOME (`kestrel.studio.files`).
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ from kestrel.training.estimate import (
     GIB, MemoryEstimate, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
     shape_from_config, training_rows, verdict,
 )
-from kestrel.paths import ASSETS, resolve_dataset_path
+from kestrel.paths import ASSETS, resolve_dataset_path, runs_dir
 from kestrel.safe_yaml import parse_config_text, read_config_file
 from kestrel.studio import files
 from kestrel.studio import strings as S
-from kestrel.studio.form import FIELD_BY_KEY, FORM_KEYS, REWARD_COLUMNS
+from kestrel.studio.form import FIELD_BY_KEY, FORM_KEYS, OWNER_KEYS, REWARD_COLUMNS
 from kestrel.studio.handlers.common import DEMO, check_model, is_local, model_config, user_errors
 from kestrel.studio.handlers.datasets import truncation_note
+
+YAML_EXTENSIONS = (".yaml", ".yml")
+
 
 def _shipped(name: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """A config from assets/configs/ as a preset: the shipped demo YAML is the one source of these
@@ -181,10 +189,33 @@ def config_to_form(config: dict[str, Any]) -> dict[str, Any]:
             out[key] = list(value) if isinstance(value, list) else value
     extra: dict[str, Any] = {}
     for key, value in flat.items():
-        if key not in FORM_KEYS:
+        if key not in FORM_KEYS and key not in OWNER_KEYS:
             _set(extra, key, copy.deepcopy(value))
     out["extra"] = extra
     return out
+
+
+def studio_config(data: dict[str, Any], allow_custom: bool) -> TrainConfig:
+    """`data` checked as a config and by the studio's rules: `grpo.allow_custom_rewards` is the
+    studio's launch setting whatever `data` says (a custom reward without it is refused, naming
+    the flag); the dataset, the output folder and local model and adapter folders must lie inside KESTREL_HOME."""
+    data = copy.deepcopy(data)
+    grpo = data.setdefault("grpo", {})
+    if isinstance(grpo, dict):  # anything else: config_from_dict names the mistake
+        rewards = grpo.get("rewards")
+        for spec in rewards if isinstance(rewards, list) else []:
+            if isinstance(spec, dict) and spec.get("name") == "custom" and not allow_custom:
+                raise ConfigError(S.ERR_CUSTOM_OFF.format(path=spec.get("path")))
+        grpo["allow_custom_rewards"] = allow_custom
+    cfg = config_from_dict(data)
+    files.studio_dataset(cfg.dataset)
+    if cfg.output_dir:
+        files.studio_output_dir(cfg.output_dir)
+    if cfg.model != DEMO and is_local(cfg.model):
+        files.studio_folder(cfg.model, "model")
+    if cfg.lora.init_from:
+        files.studio_folder(cfg.lora.init_from, "lora.init_from", runs_dir())
+    return cfg
 
 
 def default_form() -> dict[str, Any]:
@@ -245,7 +276,7 @@ def vram_text(data: dict[str, Any]) -> str:
     second for the host RAM of offloaded layer inputs)."""
     config = model_config(str(data.get("model", "")))
     if config is None:
-        return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read without a download")
+        return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read (not downloaded yet, or not valid JSON)")
     try:
         shape = shape_from_config(config)
     except ValueError as exc:
@@ -279,14 +310,14 @@ def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "") -> dict[
 # Handlers
 
 
-def preview(extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
+def preview(extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
     """Live view of the form as YAML, its download file and the memory estimate.
 
     Called on every edit, so a half-typed value is a notice in `status`, not an error box.
     """
     try:
         data = form_to_config(_values(args), extra)
-        cfg = config_from_dict(data)
+        cfg = studio_config(data, allow_custom)
     except KestrelError as exc:
         return {"yaml": gr.skip(), "download": gr.skip(), "vram": gr.skip(), "status": f"⚠️ {exc}"}
     return _rendered(cfg, cfg.to_dict())
@@ -313,35 +344,37 @@ def _fill(cfg: TrainConfig, status: str) -> dict[str, Any]:
 
 
 @user_errors
-def apply_yaml(text: str) -> dict[str, Any]:
+def apply_yaml(text: str, allow_custom: bool = False) -> dict[str, Any]:
     """Fill the form from YAML text. Outputs: every form key, extra, yaml, download, vram, status.
 
     The text is read by `kestrel.safe_yaml` (size, depth and alias-expansion limits), as files are."""
     data = parse_config_text(text or "", "the YAML box")
     _check_types(data)
-    return _fill(config_from_dict(data), S.TR_YAML_APPLIED)
+    return _fill(studio_config(data, allow_custom), S.TR_YAML_APPLIED)
 
 
 @user_errors
-def load_yaml_file(path: str | None) -> dict[str, Any]:
+def load_yaml_file(path: str | None, allow_custom: bool = False) -> dict[str, Any]:
     """Fill the form from an uploaded YAML file (same outputs as `apply_yaml`)."""
     if not path:
         raise ConfigError(S.ERR_NO_FILE)
+    if Path(path).suffix.lower() not in YAML_EXTENSIONS:  # the upload button's file_types, checked here too
+        raise ConfigError(S.ERR_EXTENSION.format(name=Path(path).name, allowed=", ".join(YAML_EXTENSIONS)))
     data = read_config_file(path, f"the file {Path(path).name}")
     _check_types(data)
-    return _fill(config_from_dict(data), S.TR_YAML_APPLIED)
+    return _fill(studio_config(data, allow_custom), S.TR_YAML_APPLIED)
 
 
 @user_errors
-def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
+def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
     """Put a preset's values over the current form (or over the defaults if it does not parse)."""
     if preset not in PRESETS:
         raise ConfigError(S.ERR_PRESET.format(preset=preset))
     try:
-        base = config_from_dict(form_to_config(_values(args), extra)).to_dict()
+        base = studio_config(form_to_config(_values(args), extra), allow_custom).to_dict()
     except KestrelError:
         base = TrainConfig().to_dict()
-    cfg = config_from_dict(_merge(base, PRESETS[preset]))
+    cfg = studio_config(_merge(base, PRESETS[preset]), allow_custom)
     return _fill(cfg, S.TR_PRESET_APPLIED.format(name=S.PRESET_NAMES[preset]))
 
 
@@ -395,15 +428,26 @@ def _duplicate_of(data: dict[str, Any]) -> Any:
 
 
 @user_errors
-def start_training(extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
-    """Validate the form and submit it to the job store. Outputs: status, job (the new id)."""
+def start_training(extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
+    """Validate the form and submit it to the job store. Outputs: status, job (the new id).
+
+    The dataset and output folder are submitted as the absolute paths that were checked, so the
+    worker (which runs in another folder) reads and writes exactly there."""
     from kestrel import jobs
 
-    cfg = config_from_dict(form_to_config(_values(args), extra))
+    cfg = studio_config(form_to_config(_values(args), extra), allow_custom)
     data = cfg.to_dict()
+    if data["model"] != DEMO and is_local(data["model"]):
+        data["model"] = str(files.studio_folder(data["model"], "model"))
+    if data["lora"].get("init_from"):
+        data["lora"]["init_from"] = str(files.studio_folder(data["lora"]["init_from"], "lora.init_from", runs_dir()))
     check_model(data["model"])
-    if not resolve_dataset_path(data["dataset"]).is_file():
+    dataset = files.studio_dataset(data["dataset"])
+    if not dataset.is_file():
         raise DatasetError(S.ERR_DATASET_MISSING.format(path=data["dataset"]))
+    data["dataset"] = str(dataset)
+    if data.get("output_dir"):
+        data["output_dir"] = str(files.studio_output_dir(data["output_dir"]))
     if cfg.load_in_4bit and not any(d.startswith("cuda") for d in jobs.available_devices()):
         raise ConfigError(S.ERR_QLORA_CPU)
     same = _duplicate_of(data)
