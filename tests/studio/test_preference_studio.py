@@ -20,8 +20,9 @@ from kestrel.training.estimate import training_rows
 from tests.studio.helpers import error_text, form
 
 
-def test_preference_pairs_previewed_side_by_side(tmp_path: Path) -> None:
-    path = tmp_path / "hh.jsonl"
+def test_preference_pairs_previewed_side_by_side(kestrel_home: Path) -> None:
+    path = kestrel_home / "datasets" / "hh.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello!", "rejected": "\n\nHuman: Hi?\n\nAssistant: Go away."},
             {"chosen": "\n\nHuman: A\n\nAssistant: B", "rejected": "\n\nHuman: C\n\nAssistant: D"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
