@@ -155,6 +155,15 @@ def metric_series(job_id: int, names: list[str] | None = None, max_points: int =
     return out
 
 
+def attempt_start_step(job_id: int, since: float) -> int | None:
+    """The step the job's current attempt started from: one before the first step it stored at
+    or after `since` (its `started_at`); None before it has stored any. A resumed run repeats
+    nothing before its checkpoint, so this is the checkpoint's step (0 for a first run)."""
+    with session() as s:
+        first = s.scalar(select(func.min(Metric.step)).where(Metric.job_id == job_id, Metric.time >= since))
+    return None if first is None else int(first) - 1
+
+
 def latest_metrics(job_id: int) -> dict[str, float]:
     """The most recent value of each metric of a job (its latest step for that name)."""
     last = (select(Metric.name, func.max(Metric.step).label("step"))

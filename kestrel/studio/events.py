@@ -149,11 +149,7 @@ def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
 
 def _runs_outputs(r: C) -> Outputs:
     charts = [k for k in r if k.startswith("chart_")]
-    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "log", "seen")
-
-
-def _act(action: str, selected: Any, remove_files: bool) -> dict[str, Any]:
-    return {"notice": runs_h.act(action, selected, remove_files)}
+    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", *runs_h.ACTIONS, "notice", "log", "seen")
 
 
 def wire_runs(r: C) -> None:
@@ -164,9 +160,10 @@ def wire_runs(r: C) -> None:
     _on(r["select"].input, runs_h.select_job, state_in, out, **LIGHT)
     r["table"].select(runs_h.select_row, r["table"], r["select"], **LIGHT) \
         .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
-    notice = Outputs.of(r, "notice")
-    for action in ("pause", "resume", "cancel", "delete"):
-        _on(r[action].click, partial(_act, action), [r["select"], r["remove_files"]], notice, **LIGHT) \
+    notice = Outputs.of(r, "notice", "seen")
+    for action in runs_h.ACTIONS:
+        _on(r[action].click, partial(runs_h.act_and_note, action), [r["select"], r["remove_files"], r["seen"]], notice,
+            **LIGHT) \
             .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
     compare = Outputs.of(r, "compare_loss", "compare_diff")
     _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)

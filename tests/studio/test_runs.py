@@ -3,10 +3,15 @@ store, log tail, skipped redraws, stop / resume / cancel / delete, comparison.""
 
 from __future__ import annotations
 
+import time
+
 import gradio as gr
+import pandas as pd
 import pytest
+from sqlalchemy import update
 
 from kestrel import jobs
+from kestrel.jobs import queries
 from kestrel.studio.handlers import runs
 from tests.studio.helpers import error_text, wait_for
 
@@ -31,7 +36,8 @@ def test_refresh_draws_the_running_job_then_skips_what_did_not_change(fake_engin
     assert list(loss.columns) == ["step", "value", "name"] and set(loss["name"]) == {"loss"}
     assert loss["step"].tolist() == list(range(1, len(loss) + 1)) and len(loss) >= 3
     assert loss["value"].tolist()[:3] == pytest.approx([10.0, 5.0, 10 / 3])
-    assert set(out["chart_tokens_per_s"]["name"]) == {"tokens_per_s"} and out["chart_memory"].empty
+    assert set(out["chart_tokens_per_s"]["name"]) == {"tokens_per_s"}
+    assert out["chart_memory"]["value"].empty and "trains on the CPU" in out["chart_memory"]["caption"]
     assert "fake engine" in out["log"]
     # A poll with nothing new redraws nothing (twenty open tabs stay cheap).
     seen = out["seen"]
@@ -94,3 +100,87 @@ def test_clicking_a_table_row_selects_its_job() -> None:
 
     table = pd.DataFrame([[5, "a"], [7, "b"]], columns=["#", "name"])
     assert runs.select_row(table, gr.SelectData(None, {"index": [1, 3], "value": "b", "selected": True})) == 7
+
+
+def _set_job(job_id: int, **values: object) -> None:
+    with jobs.session(immediate=True) as s:
+        s.execute(update(jobs.Job).where(jobs.Job.id == job_id).values(**values))
+
+
+def test_charts_are_numeric_before_the_first_point() -> None:
+    """gr.LinePlot takes each axis's type from the column's dtype: an empty frame must already be
+    numeric, or the first run in a fresh page is drawn with categorical axes."""
+    frames = runs.chart_frames(None)
+    for key in runs.CHART_SERIES:
+        value = frames[f"chart_{key}"]
+        frame = value["value"] if isinstance(value, dict) else value
+        types = gr.LinePlot(x="step", y="value", color="name").postprocess(frame).datatypes
+        assert types["step"] == types["value"] == "quantitative", (key, types)
+
+
+def test_eta_counts_only_the_steps_since_the_resume() -> None:
+    """Resumed at step 50 and 10 s into the new attempt at step 60 of 100: 40 steps at 1 s each.
+    Counting all 60 steps over those 10 s would promise under 7 s."""
+    job_id = jobs.submit(CONFIG, start=False)
+    now = time.time()
+    queries.write_metrics(job_id, [(s, "loss", 1.0) for s in range(1, 51)], at=now - 500)
+    queries.write_metrics(job_id, [(s, "loss", 1.0) for s in range(51, 61)], at=now - 5)
+    _set_job(job_id, status="running", started_at=now - 10, total_steps=100, step=60)
+    eta = runs._eta(jobs.get_job(job_id), now)
+    assert eta == pytest.approx(40.0, rel=0.01)
+    assert "ETA 0:40" in runs.progress_text(jobs.get_job(job_id))
+
+
+def _enabled(out: dict[str, object]) -> set[str]:
+    return {a for a in runs.ACTIONS if out[a]["interactive"]}  # type: ignore[index]
+
+
+def test_buttons_follow_the_selected_runs_status() -> None:
+    assert _enabled(runs.refresh(None, {})) == set()
+    job_id = jobs.submit(CONFIG, start=False)
+    expected = {"queued": {"pause", "cancel", "delete"}, "running": {"pause", "cancel"},
+                "interrupted": {"resume", "delete"}, "failed": {"resume", "delete"},
+                "cancelled": {"resume", "delete"}, "completed": {"delete"}}
+    for status, actions in expected.items():
+        _set_job(job_id, status=status)
+        assert _enabled(runs.refresh(job_id, {}, force=True)) == actions, status
+
+
+def test_a_notice_stays_on_its_run_and_goes_when_it_has_finished(fake_engine: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    other = jobs.submit({**CONFIG, "max_steps": 2})
+    jobs.wait(other, timeout=60)
+    job_id = jobs.submit({**CONFIG, "max_steps": 60})
+    wait_for(lambda: jobs.get_job(job_id).step >= 1, what="a step")
+    noted = runs.act_and_note("pause", job_id, False, {})
+    assert "stopping" in noted["notice"]
+    seen = runs.refresh(job_id, noted["seen"])["seen"]
+    # Shown while its run is the one on screen and still stopping ...
+    assert not isinstance(runs.refresh(job_id, seen)["notice"], str)
+    # ... gone when another run is picked,
+    assert runs.refresh(other, dict(seen))["notice"] == ""
+    # and gone once the run has stopped.
+    jobs.wait(job_id, timeout=60)
+    after = runs.refresh(job_id, seen)
+    assert after["notice"] == "" and "notice" not in after["seen"]
+    noted = runs.act_and_note("resume", job_id, False, after["seen"])
+    assert "queued again" in noted["notice"]
+    seen = noted["seen"]
+    wait_for(lambda: jobs.get_job(job_id).status == "running", what="the job running again")
+    assert not isinstance(runs.refresh(job_id, seen)["notice"], str)
+    jobs.wait(job_id, timeout=60)
+    assert runs.refresh(job_id, seen)["notice"] == ""
+
+
+def test_the_total_reward_is_not_hidden_under_an_identical_single_reward() -> None:
+    steps = [1, 2, 3]
+    frame = pd.DataFrame({"step": steps * 3, "value": [0.1, 0.5, 0.9] * 2 + [0.2, 0.1, 0.3],
+                          "name": ["reward"] * 3 + ["reward/exact_answer"] * 3 + ["reward_std"] * 3})
+    assert set(runs._without_twins(frame)["name"]) == {"reward", "reward_std"}
+    two = pd.DataFrame({"step": steps * 3, "value": [0.3, 0.5, 0.7, 0.1, 0.5, 0.9, 0.5, 0.5, 0.5],
+                        "name": ["reward"] * 3 + ["reward/a"] * 3 + ["reward/b"] * 3})
+    assert set(runs._without_twins(two)["name"]) == {"reward", "reward/a", "reward/b"}
+    job_id = jobs.submit(CONFIG, start=False)
+    queries.write_metrics(job_id, [(s, n, v) for s, v, n in zip(frame["step"], frame["value"], frame["name"])])
+    assert set(runs.chart_frames(jobs.get_job(job_id))["chart_reward"]["name"]) == {"reward", "reward_std"}
