@@ -123,19 +123,25 @@ def _filled(t: C) -> Outputs:
     return Outputs.of(t, *FORM_KEYS, "extra", "yaml", "download", "vram", "status")
 
 
+def _preview(extra: Any, gpu: str | None, *values: Any) -> dict[str, Any]:
+    return train_h.preview(extra, *values, gpu=gpu)
+
+
 def _preview_args(t: C) -> tuple[Any, ...]:
     out = Outputs.of(t, "yaml", "download", "vram", "status")
-    return out.wrap(train_h.preview), [t["extra"], *_form(t)], out.components
+    return out.wrap(_preview), [t["extra"], t["gpu"], *_form(t)], out.components
 
 
 def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
     t["model_source"].change(lambda s: gr.update(visible=s != "demo"), t["model_source"], t["model"], **LIGHT)
     fn, inputs, outputs = _preview_args(t)
-    gr.on([t[k].input for k in FORM_KEYS], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
+    gr.on([t[k].input for k in (*FORM_KEYS, "gpu")], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
     filled = _filled(t)
-    _on(t["apply_preset"].click, train_h.apply_preset, [t["preset"], t["extra"], *_form(t)], filled, **LIGHT)
-    _on(t["apply_yaml"].click, train_h.apply_yaml, [t["yaml"]], filled, **LIGHT)
-    _on(t["load_yaml"].upload, train_h.load_yaml_file, [t["load_yaml"]], filled)
+    # then the preview again: its memory estimate is for the GPU picked on a machine without one
+    _on(t["apply_preset"].click, train_h.apply_preset, [t["preset"], t["extra"], *_form(t)], filled, **LIGHT) \
+        .then(fn, inputs, outputs, **LIGHT)
+    _on(t["apply_yaml"].click, train_h.apply_yaml, [t["yaml"]], filled, **LIGHT).then(fn, inputs, outputs, **LIGHT)
+    _on(t["load_yaml"].upload, train_h.load_yaml_file, [t["load_yaml"]], filled).then(fn, inputs, outputs, **LIGHT)
     started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
     _on(t["start"].click, train_h.start_training, [t["extra"], *_form(t)], started, concurrency_limit=1) \
@@ -203,7 +209,8 @@ def wire_export(ex: C) -> None:
 def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
     runs_out = _runs_outputs(r)
     outputs = (Outputs([("samples", d["sample"]), ("datasets", d["datasets"])])
-               + _filled(t) + runs_out + Outputs.of(ch, "target") + Outputs.of(ex, "source", "quant"))
+               + _filled(t) + Outputs.of(t, "gpu") + runs_out + Outputs.of(ch, "target")
+               + Outputs.of(ex, "source", "quant"))
 
     def load(seen: Any) -> dict[str, Any]:
         samples = ds_h.sample_choices()
@@ -211,6 +218,7 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr
         result.update(ds_h.refresh_choices())
         result.update(train_h.apply_preset("demo", {}, *[None] * len(FORM_KEYS)))
         result["status"] = ""
+        result.update(train_h.gpu_picker())
         result["dataset"] = gr.update(choices=ds_h.dataset_choices(), value=result["dataset"])
         result.update(runs_h.refresh(None, {}, force=True))
         result.update(chat_h.refresh_targets(None))

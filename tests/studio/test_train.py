@@ -103,6 +103,37 @@ def test_presets_change_only_their_keys() -> None:
         assert train.apply_preset(name, extra, *values)["yaml"]
 
 
+def _again(out: dict) -> list:
+    """The filled form as apply_preset's arguments after the preset's name."""
+    return [out["extra"], *[out[k] for k in FORM_KEYS]]
+
+
+def test_a_preset_sets_every_field_it_owns_keeps_the_users_dataset_and_says_what_changed() -> None:
+    extra, values = form(dataset="/data/mine.jsonl", model_source="hub", model="someone/model")
+    qlora = train.apply_preset("qlora_8b", extra, *values)
+    assert qlora["grad_accum"] == 4 and qlora["dataset"] == "/data/mine.jsonl" and qlora["model"] == "someone/model"
+    assert "Gradient accumulation: 1 → 4" in qlora["status"] and "Kept your model and dataset" in qlora["status"]
+    # The quick test has no gradient accumulation of its own: it sets the default, not the last preset's.
+    quick = train.apply_preset("demo", *_again(qlora))
+    assert quick["grad_accum"] == 1 and quick["gradient_checkpointing"] == "off" and quick["max_steps"] == 300
+    assert quick["dataset"] == "/data/mine.jsonl" and quick["model_source"] == "demo"  # it needs the demo model
+    assert "Gradient accumulation: 4 → 1" in quick["status"] and "Folder or hub id: someone/model → demo" in quick["status"]
+    assert "Kept your dataset" in quick["status"]
+    # Every preset over every other sets what it owns as it does alone: nothing leaks from the one before.
+    owned = [k for k in FORM_KEYS if k in train._owned()]
+    assert {"grad_accum", "method", "max_steps", "epochs", "gradient_checkpointing"} <= set(owned)
+    for first in train.PRESETS:
+        for second in train.PRESETS:
+            out = train.apply_preset(second, *_again(train.apply_preset(first, extra, *values)))
+            alone = train.apply_preset(second, extra, *values)
+            assert {k: out[k] for k in owned} == {k: alone[k] for k in owned}, (first, second)
+
+
+def test_a_preset_fills_an_empty_dataset() -> None:
+    extra, values = form(dataset="")
+    assert train.apply_preset("demo", extra, *values)["dataset"] == "arithmetic_chat"
+
+
 def test_vram_estimate_on_cpu_and_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     extra, values = form()
     assert "No NVIDIA GPU found" in train.preview(extra, *values)["vram"]
@@ -110,6 +141,35 @@ def test_vram_estimate_on_cpu_and_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert "fits" in train.preview(extra, *values)["vram"]
     extra, values = form(batch_size=512, max_seq_length=8192, gradient_checkpointing="off")
     assert "will not fit" in train.preview(extra, *values)["vram"]
+
+
+LLAMA_8B = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "intermediate_size": 14336, "tie_word_embeddings": False}
+
+
+def test_without_a_gpu_the_estimate_is_for_a_picked_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine without a GPU the user picks a common card; the estimate is for the model
+    in the form on that card, so QLoRA at 2,048 tokens costs more than at 512 (and more than
+    the 1 GiB a tiny model would)."""
+    import json
+
+    monkeypatch.setattr(train, "_gpu", lambda: None)
+    assert train.gpu_picker()["gpu"]["visible"] is True
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    card = "NVIDIA GeForce RTX 4090 (24 GB)"
+    texts = {}
+    for length in (512, 2048, 16384):
+        extra, values = form(model_source="local", model=str(tmp_path), method="qlora", batch_size=2,
+                             max_seq_length=length, gradient_checkpointing="standard")
+        assert "No NVIDIA GPU found" in train.preview(extra, *values)["vram"]
+        texts[length] = train.preview(extra, *values, gpu=card)["vram"]
+        assert card in texts[length] and "(24.0 GiB)" in texts[length], texts[length]
+    peaks = {n: float(__import__("re").search(r"about \*\*([\d.]+) GiB", t).group(1)) for n, t in texts.items()}
+    assert 5 < peaks[512] < peaks[2048] < peaks[16384], peaks
+    assert "fits" in texts[512]
+    monkeypatch.setattr(train, "_gpu", lambda: ("NVIDIA Test 8GB", 8 * 2**30))
+    assert train.gpu_picker()["gpu"]["visible"] is False
+    assert "NVIDIA Test 8GB" in train.preview(extra, *values, gpu=card)["vram"]  # a real GPU wins
 
 
 def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
