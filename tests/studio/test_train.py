@@ -3,6 +3,7 @@ estimate, and Start with every kind of bad input answered by a message."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -241,3 +242,65 @@ def test_picking_another_dataset_drops_the_old_mapping() -> None:
     assert same == {"dataset_format": "prompt_completion", "extra": {"columns": {"prompt": "question"}}}
     other = train.pick_dataset("/x/chat.jsonl", state, {"columns": {"prompt": "question"}, "grpo": {}})
     assert other == {"dataset_format": "auto", "extra": {"columns": {}, "grpo": {}}}
+
+
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An online machine whose hub is a local server: `someone/real` exists, every other id is
+    unknown (404 RepoNotFound), `someone/gated` is gated (401 GatedRepo)."""
+    import http.server
+    import json
+    import threading
+
+    from huggingface_hub import constants
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            known = self.path.startswith("/api/models/someone/real")
+            gated = self.path.startswith("/api/models/someone/gated")
+            self.send_response(200 if known else 401 if gated else 404)
+            self.send_header("Content-Type", "application/json")
+            if not known:
+                self.send_header("X-Error-Code", "GatedRepo" if gated else "RepoNotFound")
+            self.end_headers()
+            self.wfile.write(json.dumps({"id": "someone/real"} if known else {"error": "no"}).encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read once, when huggingface_hub was imported
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    yield constants.ENDPOINT
+    server.shutdown()
+
+
+def test_start_looks_an_unknown_hub_id_up_before_queueing(fake_hub: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    from kestrel.studio.handlers.common import check_model
+
+    check_model("someone/real", look_up=True)  # exists on the hub: accepted, the job downloads it
+    for model, words in (("someone/no-such-model", "neither in the local Hugging Face cache nor on the hub"),
+                         ("someone/gated", "is gated")):
+        extra, values = form(model_source="hub", model=model)
+        with pytest.raises(gr.Error) as excinfo:
+            train.start_training(extra, *values)
+        assert words in error_text(excinfo)
+    # No network: a port nobody listens on stands for an unreachable hub; the answer comes at once.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed}")
+    extra, values = form(model_source="hub", model="someone/real")
+    began = time.monotonic()
+    with pytest.raises(gr.Error) as excinfo:
+        train.start_training(extra, *values)
+    assert time.monotonic() - began < 10
+    assert "not in the local Hugging Face cache, and the hub could not be reached" in error_text(excinfo)
+    assert "offline" in error_text(excinfo) and jobs.list_jobs() == []

@@ -443,7 +443,7 @@ def start_training(extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
     from kestrel import jobs
 
     data = config_from_dict(form_to_config(_values(args), extra)).to_dict()
-    check_model(data["model"])
+    check_model(data["model"], look_up=True)  # an unknown hub id is refused now, not 25 s into the job
     if not resolve_dataset_path(data["dataset"]).is_file():
         raise DatasetError(S.ERR_DATASET_MISSING.format(path=data["dataset"]))
     if data["method"] == "qlora" and not any(d.startswith("cuda") for d in jobs.available_devices()):
