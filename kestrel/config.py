@@ -29,6 +29,7 @@ import yaml
 
 from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, REWARD_NAMES, merge
 from kestrel.errors import ConfigError
+from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
@@ -251,6 +252,12 @@ class TrainConfig:
     performance: PerformanceSettings = field(default_factory=PerformanceSettings)
 
     def __post_init__(self) -> None:
+        # `$KESTREL_HOME/...` paths (the shipped configs use them) become real paths once, here
+        for name in ("model", "dataset", "output_dir"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, expand_home(getattr(self, name)))
+        if isinstance(self.lora.init_from, str):
+            self.lora.init_from = expand_home(self.lora.init_from)
         _check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         _check(self.gradient_checkpointing in CHECKPOINTING,
                f"gradient_checkpointing must be one of {', '.join(CHECKPOINTING)}, got {self.gradient_checkpointing!r}")

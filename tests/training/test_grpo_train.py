@@ -154,11 +154,15 @@ def test_prompt_datasets(demo_tokenizer, tmp_path: Path) -> None:
         load_prompts(cfg, demo_tokenizer, needs_answers=False)
 
 
-def test_demo_configs_parse() -> None:
+def test_demo_configs_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel.config import load_config
     from kestrel.paths import ASSETS
 
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
     sft, grpo = (load_config(ASSETS / "configs" / f"demo_{name}.yaml") for name in ("sft", "grpo"))
     assert (sft.method, grpo.method) == ("full", "grpo")
+    # Under KESTREL_HOME, where the studio lists runs from, whatever it is set to.
+    assert sft.output_dir == str(tmp_path / "home" / "runs" / "demo-sft")
+    assert grpo.output_dir == str(tmp_path / "home" / "runs" / "demo-grpo")
     assert grpo.model == str(sft.output_dir) + "/model"  # step 2 starts where step 1 saved
     assert [r.name for r in grpo.grpo.rewards] == ["exact_answer"]
