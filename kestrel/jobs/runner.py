@@ -84,7 +84,7 @@ def available_devices() -> list[str]:
 
 
 def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, start: bool = True,
-           dataset_id: int | None = None) -> int:
+           dataset_id: int | None = None, held_by: int | None = None) -> int:
     """Validate `config` (a ConfigError names any bad key), queue it, start it if it can start.
 
     A training config (TrainConfig or its dict) makes an sft or grpo job; an export config
@@ -95,6 +95,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
     Everything that would fail in the worker for a reason known now (a missing dataset or model,
     an output folder that is a file or cannot be created) is refused here, and a refused config
     stores nothing: the output folder is created inside the transaction that adds the job.
+    `held_by`: the pid of a process that trains the run itself (kestrel.jobs.external); stored running.
     """
     if export_job.is_export_config(config):
         prepared = export_job.prepare(dict(config))  # type: ignore[arg-type]
@@ -111,8 +112,10 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
         raise ConfigError(f"device {device!r} is not available; choose one of "
                           f"{', '.join(available_devices() + ['cpu'])}")
     with session(immediate=True) as s:
-        job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",
-                  step=0, attempts=0, queued_at=time.time(), dataset_id=dataset_id)
+        now, held = time.time(), held_by is not None
+        job = Job(name=name, kind=kind, config=data, status=RUNNING if held else QUEUED, requested_device=device,
+                  output_dir="", step=0, attempts=int(held), queued_at=now, dataset_id=dataset_id, pid=held_by,
+                  device=(device or "cpu") if held else None, **({"started_at": now, "heartbeat_at": now} if held else {}))
         s.add(job)
         s.flush()  # assigns the id that names the default folder
         out = Path(data["output_dir"]) if data.get("output_dir") else root / f"job-{job.id}-{_slug(name)}"

@@ -4,6 +4,7 @@ store, log tail, skipped redraws, stop / resume / cancel / delete, comparison.""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import gradio as gr
 import pandas as pd
@@ -184,3 +185,33 @@ def test_the_total_reward_is_not_hidden_under_an_identical_single_reward() -> No
     job_id = jobs.submit(CONFIG, start=False)
     queries.write_metrics(job_id, [(s, n, v) for s, v, n in zip(frame["step"], frame["value"], frame["name"])])
     assert set(runs.chart_frames(jobs.get_job(job_id))["chart_reward"]["name"]) == {"reward", "reward_std"}
+
+
+def test_a_run_started_from_the_command_line_is_listed_and_follows_the_runs_tab(
+        fake_engine: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m kestrel train CONFIG` records its run in the store: the Runs tab lists it live
+    with its charts, and its Stop button reaches the command line's process."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    config = tmp_path / "run.yaml"
+    config.write_text("model: demo\ndataset: arithmetic_chat\nmax_steps: 300\nsave_steps: 5\nname: from-cli\n")
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel", "train", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: jobs.list_jobs() and jobs.list_jobs()[0].step >= 3, timeout=60, what="the run's steps")
+        out = runs.refresh(None, {})
+        job = jobs.list_jobs()[0]
+        assert job.name == "from-cli" and out["table"].iloc[0, 2] == "running"
+        assert len(out["chart_loss"]) >= 3 and out["pause"]["interactive"]
+        runs.act("pause", job.id)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert f"recorded as job #{job.id}" in output and "interrupted" in output
+    done = jobs.get_job(job.id)
+    assert done.status == "interrupted" and done.step >= 3, (done.status, done.step)
+    assert runs.refresh(job.id, {})["resume"]["interactive"]
