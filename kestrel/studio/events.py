@@ -15,6 +15,7 @@ from typing import Any
 
 import gradio as gr
 
+from kestrel.studio.components.runs import FOLLOW_LOG_JS
 from kestrel.studio.form import FORM_KEYS
 from kestrel.studio.handlers import chat as chat_h
 from kestrel.studio.handlers import datasets as ds_h
@@ -171,6 +172,7 @@ def wire_runs(r: C) -> None:
         _on(r[action].click, partial(runs_h.act_and_note, action), [r["select"], r["remove_files"], r["seen"]], notice,
             **LIGHT) \
             .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
+    r["log"].change(None, None, None, js=FOLLOW_LOG_JS, **LIGHT)
     compare = Outputs.of(r, "compare_loss", "compare_diff")
     _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)
 

@@ -129,7 +129,7 @@ RU_ACTION_DONE = {"pause": "Job #{job}: stopping after its next checkpoint (resu
 RU_PICK = "Pick a run first."
 RU_PICK_TWO = "Pick at least two runs to compare."
 RU_SAME_CONFIG = "The runs have the same settings."
-RU_MEMORY_CPU = "Empty: this run trains on the CPU, and the chart shows GPU memory only."
+RU_MEMORY_CPU = "GPU memory: none, this run trains on the CPU"
 CHARTS = {"loss": "Loss", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
           "memory": "GPU memory (GiB)", "reward": "Reward (GRPO)", "kl": "KL (GRPO)"}
 

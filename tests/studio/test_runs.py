@@ -19,6 +19,11 @@ from tests.studio.helpers import error_text, wait_for
 CONFIG = {"model": "demo", "dataset": "arithmetic_chat", "max_steps": 20, "save_steps": 5}
 
 
+def _frame(value: object) -> pd.DataFrame:
+    """A chart's new value, whether sent alone or in a gr.update."""
+    return value["value"] if isinstance(value, dict) else value  # type: ignore[return-value,index]
+
+
 def _skipped(value: object) -> bool:
     return isinstance(value, dict) and value.get("__type__") == "update" and len(value) == 1
 
@@ -33,15 +38,19 @@ def test_refresh_draws_the_running_job_then_skips_what_did_not_change(fake_engin
     assert table.iloc[0, 0] == job_id and table.iloc[0, 2] == "running" and "%" in table.iloc[0, 3]
     assert out["select"]["value"] == job_id
     assert f"#{job_id}" in out["progress"] and "running" in out["progress"]
-    loss = out["chart_loss"]
+    loss = _frame(out["chart_loss"])
     assert list(loss.columns) == ["step", "value", "name"] and set(loss["name"]) == {"loss"}
     assert loss["step"].tolist() == list(range(1, len(loss) + 1)) and len(loss) >= 3
     assert loss["value"].tolist()[:3] == pytest.approx([10.0, 5.0, 10 / 3])
-    assert set(out["chart_tokens_per_s"]["name"]) == {"tokens_per_s"}
-    assert out["chart_memory"]["value"].empty and "trains on the CPU" in out["chart_memory"]["caption"]
+    assert set(_frame(out["chart_tokens_per_s"])["name"]) == {"tokens_per_s"}
+    assert out["chart_memory"]["value"].empty and "trains on the CPU" in out["chart_memory"]["title"]
+    # The poll after new series rebuilds the page's chart with them (its colour domain is fixed at build).
+    rebuilt = runs.refresh(job_id, out["seen"])
+    assert rebuilt["chart_loss"]["colors_in_legend"] == ["loss"] and "colors_in_legend" not in out["chart_loss"]
+    assert isinstance(runs.refresh(job_id, rebuilt["seen"])["chart_loss"], (pd.DataFrame, dict))
     assert "fake engine" in out["log"]
     # A poll with nothing new redraws nothing (twenty open tabs stay cheap).
-    seen = out["seen"]
+    seen = rebuilt["seen"]
     step = jobs.get_job(job_id).step
     again = runs.refresh(job_id, {**seen, "job": (job_id, "running", step),
                                   "jobs": [(j.id, j.status, step, j.total_steps) for j in jobs.list_jobs()],
@@ -49,7 +58,7 @@ def test_refresh_draws_the_running_job_then_skips_what_did_not_change(fake_engin
     assert _skipped(again["chart_loss"]) and _skipped(again["table"]) and _skipped(again["log"])
     jobs.wait(job_id, timeout=60)
     done = runs.refresh(job_id, seen)
-    assert done["table"].iloc[0, 2] == "completed" and len(done["chart_loss"]) == 20
+    assert done["table"].iloc[0, 2] == "completed" and len(_frame(done["chart_loss"])) == 20
 
 
 def test_pause_resume_cancel_delete(fake_engine: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +102,7 @@ def test_compare_overlays_loss_and_lists_differences(fake_engine: None) -> None:
 
 def test_no_jobs_yet() -> None:
     out = runs.refresh(None, {})
-    assert out["table"].empty and "No runs yet" in out["progress"] and out["chart_loss"].empty
+    assert out["table"].empty and "No runs yet" in out["progress"] and _frame(out["chart_loss"]).empty
 
 
 def test_clicking_a_table_row_selects_its_job() -> None:
@@ -113,8 +122,7 @@ def test_charts_are_numeric_before_the_first_point() -> None:
     numeric, or the first run in a fresh page is drawn with categorical axes."""
     frames = runs.chart_frames(None)
     for key in runs.CHART_SERIES:
-        value = frames[f"chart_{key}"]
-        frame = value["value"] if isinstance(value, dict) else value
+        frame = frames[f"chart_{key}"]
         types = gr.LinePlot(x="step", y="value", color="name").postprocess(frame).datatypes
         assert types["step"] == types["value"] == "quantitative", (key, types)
 

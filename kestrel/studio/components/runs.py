@@ -8,6 +8,19 @@ import gradio as gr
 from kestrel.studio import strings as S
 
 POLL_S = 1.0  # with the worker's 1 s metric flush, charts stay under 2 s behind
+# The log box follows its end unless the user has scrolled up to read (Gradio's own autoscroll
+# reacts only to its first update). Run in the page after each new value of the log.
+FOLLOW_LOG_JS = """() => requestAnimationFrame(() => {
+  const t = document.querySelector('#ru-log textarea');
+  if (!t) return;
+  if (!t.dataset.follow) {
+    t.dataset.follow = 'yes';
+    t.addEventListener('scroll', () => {
+      t.dataset.follow = t.scrollTop + t.clientHeight >= t.scrollHeight - 8 ? 'yes' : 'no';
+    });
+  }
+  if (t.dataset.follow === 'yes') t.scrollTop = t.scrollHeight;
+})"""
 
 
 def _chart(key: str) -> gr.LinePlot:

@@ -97,19 +97,44 @@ def _without_twins(frame: pd.DataFrame, total: str = "reward") -> pd.DataFrame:
     return frame[~frame["name"].isin(drop)].reset_index(drop=True)
 
 
-def chart_frames(job: jobs.Job | None) -> dict[str, Any]:
-    """One long-format DataFrame (step, value, name) per chart, from the store's downsampled series.
-    The memory chart of a run on the CPU comes with a caption saying why it is empty."""
+def chart_frames(job: jobs.Job | None) -> dict[str, pd.DataFrame]:
+    """One long-format DataFrame (step, value, name) per chart, from the store's downsampled series."""
     points = jobs.metric_series(job.id, None, CHART_POINTS) if job is not None else []
     frame = _series_frame([p for p in points if not math.isnan(p.value)])
-    out: dict[str, Any] = {f"chart_{key}": frame[frame["name"].map(lambda n, pats=pats: _matches(n, pats)).astype(bool)]
-                           .reset_index(drop=True) for key, pats in CHART_SERIES.items()}
+    out = {f"chart_{key}": frame[frame["name"].map(lambda n, pats=pats: _matches(n, pats)).astype(bool)]
+           .reset_index(drop=True) for key, pats in CHART_SERIES.items()}
     out["chart_reward"] = _without_twins(out["chart_reward"])
     memory = out["chart_memory"]
     if len(memory) and not memory["value"].any():  # a CPU run reports 0 GiB: nothing to draw
-        memory = memory.iloc[0:0]
+        out["chart_memory"] = memory.iloc[0:0]
+    return out
+
+
+def _rebuild_pending(seen: dict[str, Any]) -> bool:
+    """Whether a chart of this browser still waits to be rebuilt for series it was sent."""
+    return any(names != seen.get("built", {}).get(key) for key, names in seen.get("series", {}).items())
+
+
+def chart_updates(job: jobs.Job | None, seen: dict[str, Any]) -> dict[str, Any]:
+    """The charts' new values. The page's chart fixes its colour domain (the series names) when it
+    is built and keeps it through later values, so series it was built without stay invisible. A
+    chart is rebuilt by a change of its `colors_in_legend`; the page applies that before the new
+    value of the same update, so it is sent on the poll after the one that brought new series
+    (`seen["series"]`: names sent; `seen["built"]`: names a chart was rebuilt for). The memory
+    chart of a run on the CPU says in its title why it is empty."""
+    sent = seen["series"] = dict(seen.get("series") or {})
+    built = seen["built"] = dict(seen.get("built") or {})
     on_cpu = job is not None and (job.device or job.requested_device) == "cpu"
-    out["chart_memory"] = gr.update(value=memory, caption=S.RU_MEMORY_CPU if on_cpu and memory.empty else None)
+    out: dict[str, Any] = {}
+    for key, frame in chart_frames(job).items():
+        change: dict[str, Any] = {}
+        names = sorted(frame["name"].unique())
+        if names == sent.get(key) and names != built.get(key):
+            built[key] = change["colors_in_legend"] = names
+        sent[key] = names
+        if key == "chart_memory":  # in the title: a caption falls below the chart's fixed height
+            change["title"] = S.RU_MEMORY_CPU if on_cpu and frame.empty else S.CHARTS["memory"]
+        out[key] = gr.update(value=frame, **change) if change else frame
     return out
 
 
@@ -183,9 +208,9 @@ def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> 
         out["select"] = gr.update(choices=[(_label(j), j.id) for j in job_list],
                                   value=job.id if job else None)
     job_state = (job.id, job.status, job.step) if job else None
-    if force or "job" not in seen or job_state != seen["job"]:
+    if force or "job" not in seen or job_state != seen["job"] or _rebuild_pending(seen):
         out["progress"] = progress_text(job)
-        out.update(chart_frames(job))
+        out.update(chart_updates(job, seen))
         out.update(action_buttons(job))
         out["grpo"] = gr.update(visible=bool(job and job.kind == "grpo"))
     out["notice"] = _notice(job, job_list, seen)
