@@ -88,6 +88,21 @@ def test_bad_yaml_is_a_message(text: str, words: str) -> None:
     assert words in error_text(excinfo)
 
 
+@pytest.mark.parametrize("changes, words", [
+    ({"max_steps": 1e12}, "max_steps must be at most 10,000,000"),
+    ({"epochs": 1e9}, "epochs must be at most 1,000"),
+    ({"max_seq_length": 10**9}, "max_seq_length must be 16..1048576"),
+    ({"learning_rate": 50.0}, "learning_rate must be in (0, 1)"),
+    ({"batch_size": 10**6}, "batch_size must be 1..4096"),
+])
+def test_absurd_values_name_their_field_in_the_form(changes: dict, words: str) -> None:
+    extra, values = form(**changes)
+    assert words in train.preview(extra, *values)["status"]
+    with pytest.raises(gr.Error) as excinfo:
+        train.start_training(extra, *values)
+    assert words in error_text(excinfo) and jobs.list_jobs() == []
+
+
 def test_half_typed_values_are_a_notice_not_an_error() -> None:
     extra, values = form(batch_size=2.5)
     out = train.preview(extra, *values)
