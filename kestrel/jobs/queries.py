@@ -155,13 +155,14 @@ def metric_series(job_id: int, names: list[str] | None = None, max_points: int =
     return out
 
 
-def attempt_start_step(job_id: int, since: float) -> int | None:
-    """The step the job's current attempt started from: one before the first step it stored at
-    or after `since` (its `started_at`); None before it has stored any. A resumed run repeats
-    nothing before its checkpoint, so this is the checkpoint's step (0 for a first run)."""
+def attempt_start_step(job_id: int, since: float) -> int:
+    """The step the job's current attempt (started at `since`) resumed from: its newest checkpoint
+    recorded before then, 0 for a first run. Read from the small artifacts table, so the studio
+    may ask at every poll."""
     with session() as s:
-        first = s.scalar(select(func.min(Metric.step)).where(Metric.job_id == job_id, Metric.time >= since))
-    return None if first is None else int(first) - 1
+        step = s.scalar(select(func.max(Artifact.step)).where(
+            Artifact.job_id == job_id, Artifact.kind == "checkpoint", Artifact.created_at < since))
+    return int(step or 0)
 
 
 def latest_metrics(job_id: int) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """The Runs tab in a real Chromium, against `python app.py` with the fake engine (tests/jobs/fake_engine.py):
-charts numeric from the first payload of a fresh page, the log box following its end, the action
-buttons enabled by the run's status, a notice that leaves with its run, and the empty GPU memory
-chart of a CPU run saying why. Screenshots land in test-artifacts/studio/runs-*.png.
+the Train form's GPU picker on a machine without one; charts numeric and drawn from the first run
+of a fresh page; the log box following its end; the action buttons enabled by the run's status; a
+notice that leaves with its run; the empty GPU memory chart of a CPU run saying why.
+Screenshots land in test-artifacts/studio/runs-*.png.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from kestrel import jobs
 from tests.studio.helpers import wait_for
-from tests.studio.test_browser import ARGS, ARTIFACTS, CHROMIUM, REPO, TEXT, _free_port, _wait_text, shot
+from tests.studio.test_browser import ARGS, ARTIFACTS, CHROMIUM, REPO, TEXT, _choose, _free_port, _wait_text, shot
 
 SHARED_HOME = True
 JOBS_TESTS = REPO / "tests" / "jobs"
@@ -100,9 +101,14 @@ def _collect(types: list[dict[str, str]], request: object) -> None:
 
 
 def _walk(pg: Any, url: str) -> None:
-    """The Runs tab through one run: start, charts, log, Stop."""
-    # A fresh page with no run yet, then the first run: the charts it is sent are numeric throughout.
+    """The Train form's GPU picker, then the Runs tab through one run: start, charts, log, Stop."""
     pg.goto(url)
+    # No GPU here: the memory estimate is for a card picked from the list.
+    pg.get_by_role("tab", name="Train").click()
+    _choose(pg, "#tr-gpu", "NVIDIA GeForce RTX 4090")
+    _wait_text(pg, "#tr-vram", "for the card you picked")
+    assert "RTX 4090" in pg.locator("#tr-vram").inner_text()
+    # A fresh page with no run yet, then the first run: the charts it is sent are numeric throughout.
     pg.get_by_role("tab", name="Runs").click()
     _wait_text(pg, "#ru-progress", "No runs yet")
     assert all(_disabled(pg, a) for a in ("pause", "resume", "cancel", "delete"))

@@ -132,12 +132,17 @@ def test_eta_counts_only_the_steps_since_the_resume() -> None:
     Counting all 60 steps over those 10 s would promise under 7 s."""
     job_id = jobs.submit(CONFIG, start=False)
     now = time.time()
-    queries.write_metrics(job_id, [(s, "loss", 1.0) for s in range(1, 51)], at=now - 500)
+    queries.write_metrics(job_id, [(s, "loss", 1.0) for s in range(1, 61)], at=now - 500)
+    checkpoint = Path(jobs.get_job(job_id).output_dir) / "checkpoints" / "step-000050"
+    checkpoint.mkdir(parents=True)
+    queries.record_artifact(job_id, "checkpoint", checkpoint, 50)
+    with jobs.session(immediate=True) as s:  # written during the first attempt
+        s.execute(update(jobs.Artifact).where(jobs.Artifact.job_id == job_id).values(created_at=now - 400))
     queries.write_metrics(job_id, [(s, "loss", 1.0) for s in range(51, 61)], at=now - 5)
     _set_job(job_id, status="running", started_at=now - 10, total_steps=100, step=60)
     eta = runs._eta(jobs.get_job(job_id), now)
     assert eta == pytest.approx(40.0, rel=0.01)
-    assert "ETA 0:40" in runs.progress_text(jobs.get_job(job_id))
+    assert "ETA 0:4" in runs.progress_text(jobs.get_job(job_id))  # 0:40, and the seconds this test took
 
 
 def _enabled(out: dict[str, object]) -> set[str]:

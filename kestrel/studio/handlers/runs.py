@@ -52,7 +52,7 @@ def _eta(job: jobs.Job, now: float) -> float | None:
     if job.status != "running" or not job.total_steps or not job.step or not job.started_at:
         return None
     start = jobs.attempt_start_step(job.id, job.started_at)
-    if start is None or job.step <= start:
+    if job.step <= start:
         return None
     return (now - job.started_at) / (job.step - start) * (job.total_steps - job.step)
 
