@@ -112,10 +112,11 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
         raise ConfigError(f"device {device!r} is not available; choose one of "
                           f"{', '.join(available_devices() + ['cpu'])}")
     with session(immediate=True) as s:
-        now, held = time.time(), held_by is not None
-        job = Job(name=name, kind=kind, config=data, status=RUNNING if held else QUEUED, requested_device=device,
-                  output_dir="", step=0, attempts=int(held), queued_at=now, dataset_id=dataset_id, pid=held_by,
-                  device=(device or "cpu") if held else None, **({"started_at": now, "heartbeat_at": now} if held else {}))
+        job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",
+                  step=0, attempts=0, queued_at=time.time(), dataset_id=dataset_id)
+        if held_by is not None:  # trained by that process itself: running from the start, never claimed
+            job.status, job.pid, job.device, job.attempts = RUNNING, held_by, device or "cpu", 1
+            job.started_at = job.heartbeat_at = job.queued_at
         s.add(job)
         s.flush()  # assigns the id that names the default folder
         out = Path(data["output_dir"]) if data.get("output_dir") else root / f"job-{job.id}-{_slug(name)}"
