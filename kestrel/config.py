@@ -33,6 +33,7 @@ from kestrel.constants import (
     DATASET_FORMATS, DPO_LOSS_TYPES, GRPO_LOSS_TYPES, PREFERENCE_FINETUNE, PREFERENCE_METHODS, REWARD_NAMES, merge,
 )
 from kestrel.errors import ConfigError
+from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
@@ -299,6 +300,12 @@ class TrainConfig:
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard | wandb | mlflow
 
     def __post_init__(self) -> None:
+        # `$KESTREL_HOME/...` paths (the shipped configs use them) become real paths once, here
+        for name in ("model", "dataset", "output_dir"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, expand_home(getattr(self, name)))
+        if isinstance(self.lora.init_from, str):
+            self.lora.init_from = expand_home(self.lora.init_from)
         _check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         _check(self.gradient_checkpointing in CHECKPOINTING,
                f"gradient_checkpointing must be one of {', '.join(CHECKPOINTING)}, got {self.gradient_checkpointing!r}")

@@ -17,6 +17,19 @@ def kestrel_home() -> Path:
     return home
 
 
+HOME_VARS = ("${KESTREL_HOME}", "$KESTREL_HOME")  # how a config names KESTREL_HOME in a path
+
+
+def expand_home(text: str) -> str:
+    """A path that starts with `$KESTREL_HOME` (or `${KESTREL_HOME}`) with that part replaced by
+    `kestrel_home()`, so a shared config file writes where the studio looks, whatever KESTREL_HOME
+    is (~/.kestrel when unset); any other text unchanged."""
+    for var in HOME_VARS:
+        if text == var or text.startswith((var + "/", var + "\\")):
+            return str(kestrel_home()) + text[len(var):]
+    return text
+
+
 def runs_dir() -> Path:
     path = kestrel_home() / "runs"
     path.mkdir(parents=True, exist_ok=True)

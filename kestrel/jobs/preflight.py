@@ -76,6 +76,32 @@ def check_model(model: str) -> str | None:
     return f"model {model} is not in the local Hugging Face cache; the job downloads it when it starts"
 
 
+HUB_LOOKUP_S = 5.0  # the most a submit waits for the hub to say whether a model id exists
+
+
+def look_up_on_hub(model: str, timeout: float = HUB_LOOKUP_S) -> None:
+    """Ask the Hugging Face hub whether the hub id `model` (not in the local cache) exists and can
+    be downloaded, waiting at most `timeout` seconds; a ModelLoadError says what to do when not:
+    misspelt, gated, or the hub out of reach (an offline machine)."""
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(model, timeout=timeout)
+    except GatedRepoError:
+        raise ModelLoadError(f"model {model!r} is gated on the Hugging Face hub: accept its licence on its page, "
+                             "log in (`hf auth login`), then start again") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"model {model!r} is neither in the local Hugging Face cache nor on the hub "
+                             "(or it is private): check the id (owner/name, e.g. Qwen/Qwen3-0.6B)") from None
+    except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"model {model!r} is not in the local Hugging Face cache, and the hub could not be "
+                             f"reached to look it up ({reason}): this machine seems offline. Connect it to the "
+                             "network, or pick a local model folder or the demo model") from None
+
+
 def check_dataset(dataset: str, field: str = "dataset") -> None:
     """The dataset (or the file named by `field`) is a file, or the name of a shipped sample."""
     try:

@@ -155,6 +155,16 @@ def metric_series(job_id: int, names: list[str] | None = None, max_points: int =
     return out
 
 
+def attempt_start_step(job_id: int, since: float) -> int:
+    """The step the job's current attempt (started at `since`) resumed from: its newest checkpoint
+    recorded before then, 0 for a first run. Read from the small artifacts table, so the studio
+    may ask at every poll."""
+    with session() as s:
+        step = s.scalar(select(func.max(Artifact.step)).where(
+            Artifact.job_id == job_id, Artifact.kind == "checkpoint", Artifact.created_at < since))
+    return int(step or 0)
+
+
 def latest_metrics(job_id: int) -> dict[str, float]:
     """The most recent value of each metric of a job (its latest step for that name)."""
     last = (select(Metric.name, func.max(Metric.step).label("step"))

@@ -86,7 +86,7 @@ def available_devices() -> list[str]:
 
 
 def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, start: bool = True,
-           dataset_id: int | None = None) -> int:
+           dataset_id: int | None = None, held_by: int | None = None) -> int:
     """Validate `config` (a ConfigError names any bad key), queue it, start it if it can start.
 
     A training config (TrainConfig or its dict) makes an sft, grpo or preference job; an export config
@@ -97,6 +97,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
     Everything that would fail in the worker for a reason known now (a missing dataset or model,
     an output folder that is a file or cannot be created) is refused here, and a refused config
     stores nothing: the output folder is created inside the transaction that adds the job.
+    `held_by`: the pid of a process that trains the run itself (kestrel.jobs.external); stored running.
     """
     if export_job.is_export_config(config):
         prepared = export_job.prepare(dict(config))  # type: ignore[arg-type]
@@ -117,6 +118,9 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
     with session(immediate=True) as s:
         job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",
                   step=0, attempts=0, queued_at=time.time(), dataset_id=dataset_id)
+        if held_by is not None:  # trained by that process itself: running from the start, never claimed
+            job.status, job.pid, job.device, job.attempts = RUNNING, held_by, device or "cpu", 1
+            job.started_at = job.heartbeat_at = job.queued_at
         s.add(job)
         s.flush()  # assigns the id that names the default folder
         out = Path(data["output_dir"]) if data.get("output_dir") else root / f"job-{job.id}-{_slug(name)}"

@@ -15,6 +15,7 @@ from typing import Any
 
 import gradio as gr
 
+from kestrel.studio.components.runs import FOLLOW_LOG_JS
 from kestrel.studio.form import FORM_KEYS
 from kestrel.studio.handlers import chat as chat_h
 from kestrel.studio.handlers import datasets as ds_h
@@ -130,8 +131,11 @@ def _filled(t: C) -> Outputs:
 
 def _preview_args(t: C, settings: StudioSettings) -> tuple[Any, ...]:
     out = Outputs.of(t, "yaml", "download", "vram", "status")
-    return out.wrap(partial(train_h.preview, allow_custom=settings.allow_custom_rewards)), [t["extra"], *_form(t)], \
-        out.components
+
+    def preview(extra: Any, gpu: str | None, *values: Any) -> dict[str, Any]:
+        return train_h.preview(extra, *values, gpu=gpu, allow_custom=settings.allow_custom_rewards)
+
+    return out.wrap(preview), [t["extra"], t["gpu"], *_form(t)], out.components
 
 
 def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
@@ -139,12 +143,15 @@ def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
     allow = {"allow_custom": settings.allow_custom_rewards}
     t["model_source"].change(lambda s: gr.update(visible=s != "demo"), t["model_source"], t["model"], **LIGHT)
     fn, inputs, outputs = _preview_args(t, settings)
-    gr.on([t[k].input for k in FORM_KEYS], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
+    gr.on([t[k].input for k in (*FORM_KEYS, "gpu")], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
     filled = _filled(t)
+    # then the preview again: its memory estimate is for the GPU picked on a machine without one
     _on(t["apply_preset"].click, partial(train_h.apply_preset, **allow), [t["preset"], t["extra"], *_form(t)], filled,
-        **LIGHT)
-    _on(t["apply_yaml"].click, partial(train_h.apply_yaml, **allow), [t["yaml"]], filled, **LIGHT)
-    _on(t["load_yaml"].upload, partial(train_h.load_yaml_file, **allow), [t["load_yaml"]], filled)
+        **LIGHT).then(fn, inputs, outputs, **LIGHT)
+    _on(t["apply_yaml"].click, partial(train_h.apply_yaml, **allow), [t["yaml"]], filled, **LIGHT) \
+        .then(fn, inputs, outputs, **LIGHT)
+    _on(t["load_yaml"].upload, partial(train_h.load_yaml_file, **allow), [t["load_yaml"]], filled) \
+        .then(fn, inputs, outputs, **LIGHT)
     started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
     _on(t["start"].click, partial(train_h.start_training, **allow), [t["extra"], *_form(t)], started,
@@ -160,11 +167,7 @@ def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
 def _runs_outputs(r: C) -> Outputs:
     charts = [k for k in r if k.startswith("chart_")]
     return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "generation_summary", "generation_table",
-                      "log", "seen")
-
-
-def _act(action: str, selected: Any, remove_files: bool) -> dict[str, Any]:
-    return {"notice": runs_h.act(action, selected, remove_files)}
+                      *runs_h.ACTIONS, "notice", "log", "seen")
 
 
 def wire_runs(r: C) -> None:
@@ -175,10 +178,12 @@ def wire_runs(r: C) -> None:
     _on(r["select"].input, runs_h.select_job, state_in, out, **LIGHT)
     r["table"].select(runs_h.select_row, r["table"], r["select"], **LIGHT) \
         .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
-    notice = Outputs.of(r, "notice")
-    for action in ("pause", "resume", "cancel", "delete"):
-        _on(r[action].click, partial(_act, action), [r["select"], r["remove_files"]], notice, **LIGHT) \
+    notice = Outputs.of(r, "notice", "seen")
+    for action in runs_h.ACTIONS:
+        _on(r[action].click, partial(runs_h.act_and_note, action), [r["select"], r["remove_files"], r["seen"]], notice,
+            **LIGHT) \
             .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
+    r["log"].change(None, None, None, js=FOLLOW_LOG_JS, **LIGHT)
     compare = Outputs.of(r, "compare_loss", "compare_diff")
     _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)
 
@@ -218,7 +223,8 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C,
             settings: StudioSettings) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
     runs_out = _runs_outputs(r)
     outputs = (Outputs([("samples", d["sample"]), ("datasets", d["datasets"])])
-               + _filled(t) + runs_out + Outputs.of(ch, "target") + Outputs.of(ex, "source", "quant"))
+               + _filled(t) + Outputs.of(t, "gpu") + runs_out + Outputs.of(ch, "target")
+               + Outputs.of(ex, "source", "quant"))
 
     def load(seen: Any) -> dict[str, Any]:
         samples = ds_h.sample_choices()
@@ -227,6 +233,7 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C,
         result.update(train_h.apply_preset("demo", {}, *[None] * len(FORM_KEYS),
                                            allow_custom=settings.allow_custom_rewards))
         result["status"] = ""
+        result.update(train_h.gpu_picker())
         result["dataset"] = gr.update(choices=ds_h.dataset_choices(), value=result["dataset"])
         result.update(runs_h.refresh(None, {}, force=True))
         result.update(chat_h.refresh_targets(None))

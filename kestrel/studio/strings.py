@@ -78,12 +78,17 @@ TR_STARTED = "Started job #{job} ({name}). Follow it on the Runs tab."
 TR_QUEUED = "Queued job #{job} ({name}); it starts when job #{running} frees the device."
 TR_TWICE = "This run was already started as job #{job}, which is {status}. Change something to start another."
 TR_YAML_APPLIED = "Form filled from the YAML."
-TR_PRESET_APPLIED = "Preset “{name}” applied."
+TR_PRESET_APPLIED = "Preset “{name}” applied. Changed: {changes}."
+TR_PRESET_NO_CHANGE = "nothing (the form already matched it)"
+TR_PRESET_KEPT = "Kept your {what}."
 VRAM_LINE = ("{verdict_icon} **{verdict}** on {gpu} ({capacity:.1f} GiB): about **{total:.1f} GiB** peak "
              "(weights {weights:.1f}, optimizer {optimizer:.1f}, activations {activations:.1f}, "
              "other {other:.1f}); {trainable} trainable parameters.")
 VRAM_CPU = ("No NVIDIA GPU found: training runs on the CPU, which works for the demo model and tiny "
-            "models only (about {total:.1f} GiB of RAM for this run). QLoRA needs a GPU.")
+            "models only (about {total:.1f} GiB of RAM for this run). QLoRA needs a GPU: pick one below "
+            "to see whether this run would fit it.")
+VRAM_PICKED = "No NVIDIA GPU here; for the card you picked: "
+TR_GPU = "GPU to estimate for (this machine has none)"
 VRAM_UNKNOWN = "No estimate: {reason}"
 VRAM_HOST = ("{verdict_icon} Offloaded layer inputs: **{host:.1f} GiB** of host RAM "
              "(this machine has {ram:.1f} GiB): **{verdict}**.")
@@ -149,6 +154,7 @@ RU_GEN_SUMMARY = "{n} held-out prompts at step {step}: exact match **{exact:.0%}
 RU_GEN_NONE = "No generation check for this run (it runs at the end of a run with eval_split or eval_dataset)."
 CHARTS = {"loss": "Loss (train, eval)", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
           "memory": "GPU memory (GiB)", "reward": "Reward (GRPO) / rewards (preference)", "kl": "KL (GRPO, KTO)"}
+RU_MEMORY_CPU = "GPU memory: none, this run trains on the CPU"
 
 # --- chat tab --------------------------------------------------------------------------------
 CH_MODEL = "Model"

@@ -182,6 +182,25 @@ def _activations(shape: ModelShape, qlora: bool, tokens: int, checkpointing: str
     return recompute + kept_inputs
 
 
+# Common cards to estimate for on a machine without one: name -> total memory as the card reports it
+# (MiB, what `torch.cuda.get_device_properties(0).total_memory` gives, a little under the marketing GB).
+COMMON_GPUS_MIB: dict[str, int] = {
+    "NVIDIA GeForce RTX 3060 (12 GB)": 12_288, "NVIDIA GeForce RTX 3080 (10 GB)": 10_240,
+    "NVIDIA GeForce RTX 3090 (24 GB)": 24_576, "NVIDIA GeForce RTX 4060 Ti (16 GB)": 16_380,
+    "NVIDIA GeForce RTX 4070 (12 GB)": 12_282, "NVIDIA GeForce RTX 4080 (16 GB)": 16_376,
+    "NVIDIA GeForce RTX 4090 (24 GB)": 24_564, "NVIDIA GeForce RTX 5090 (32 GB)": 32_607,
+    "NVIDIA T4 (16 GB, Colab free tier)": 15_360, "NVIDIA L4 (24 GB)": 23_034, "NVIDIA A10G (24 GB)": 23_028,
+    "NVIDIA RTX A6000 (48 GB)": 49_140, "NVIDIA L40S (48 GB)": 46_068, "NVIDIA A100 (40 GB)": 40_536,
+    "NVIDIA A100 (80 GB)": 81_920, "NVIDIA H100 (80 GB)": 81_559, "NVIDIA H200 (141 GB)": 143_771,
+}
+
+
+def common_gpu(name: str | None) -> tuple[str, int] | None:
+    """(name, total bytes) of a card of COMMON_GPUS_MIB, or None for a name not in it."""
+    mib = COMMON_GPUS_MIB.get(name or "")
+    return None if mib is None else (str(name), mib * 2**20)
+
+
 def verdict(total_bytes: int, capacity_bytes: int) -> str:
     """"fits" below 80 % of the card, "tight" up to 100 %, else "will not fit"."""
     ratio = total_bytes / max(capacity_bytes, 1)

@@ -57,3 +57,13 @@ def test_missing_config_file(tmp_path) -> None:
 
 def test_qlora_flag() -> None:
     assert TrainConfig(method="qlora").load_in_4bit and not TrainConfig(method="lora").load_in_4bit
+
+
+def test_kestrel_home_in_a_path_is_expanded(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from kestrel.config import config_from_dict
+
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path))
+    cfg = config_from_dict({"output_dir": "${KESTREL_HOME}/runs/a", "model": "$KESTREL_HOME/runs/b/model",
+                            "dataset": "$KESTREL_HOMEX/data.jsonl", "lora": {"init_from": "$KESTREL_HOME"}})
+    assert cfg.output_dir == f"{tmp_path}/runs/a" and cfg.model == f"{tmp_path}/runs/b/model"
+    assert cfg.dataset == "$KESTREL_HOMEX/data.jsonl" and cfg.lora.init_from == str(tmp_path)  # only the whole name

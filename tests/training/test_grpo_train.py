@@ -162,11 +162,15 @@ def test_prompt_datasets_with_common_column_names_need_no_mapping(demo_tokenizer
     assert [(g.text, g.answer) for g in good] == [("What is 1 + 1?", "2")] and not bad
 
 
-def test_demo_configs_parse() -> None:
+def test_demo_configs_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel.config import load_config
     from kestrel.paths import ASSETS
 
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
     sft, grpo = (load_config(ASSETS / "configs" / f"demo_{name}.yaml") for name in ("sft", "grpo"))
     assert (sft.method, grpo.method) == ("full", "grpo")
+    # Under KESTREL_HOME, where the studio lists runs from, whatever it is set to.
+    assert sft.output_dir == str(tmp_path / "home" / "runs" / "demo-sft")
+    assert grpo.output_dir == str(tmp_path / "home" / "runs" / "demo-grpo")
     assert grpo.model == str(sft.output_dir) + "/model"  # step 2 starts where step 1 saved
     assert [r.name for r in grpo.grpo.rewards] == ["exact_answer"]

@@ -7,6 +7,7 @@ import gradio as gr
 
 from kestrel.studio import strings as S
 from kestrel.studio.form import FIELDS, REWARD_COLUMNS, Field
+from kestrel.training.estimate import COMMON_GPUS_MIB
 
 
 def _widget(field: Field) -> gr.Component:
@@ -61,6 +62,8 @@ def build(allow_custom_rewards: bool = False) -> dict[str, gr.Component]:
                                    elem_id="tr-dataset")
     _fields(c, "main")
     c["vram"] = gr.Markdown(elem_id="tr-vram")
+    # Shown on page load where no GPU is found (kestrel.studio.handlers.train.gpu_picker).
+    c["gpu"] = gr.Dropdown(label=S.TR_GPU, choices=list(COMMON_GPUS_MIB), value=None, visible=False, elem_id="tr-gpu")
     with gr.Accordion(S.TR_ADVANCED, open=False):
         _fields(c, "advanced")
     with gr.Accordion(S.TR_GRPO, open=False):

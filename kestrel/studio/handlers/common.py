@@ -84,8 +84,9 @@ def _cached_hub_file(repo_id: str, filename: str) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def check_model(model: str) -> None:
-    """Raise a KestrelError that says what to do when `model` cannot be used as named."""
+def check_model(model: str, look_up: bool = False) -> None:
+    """Raise a KestrelError that says what to do when `model` cannot be used as named. With
+    `look_up`, a hub id not in the local cache is looked up on the hub (a few seconds at most)."""
     model = (model or "").strip()
     if not model:
         raise KestrelError(S.ERR_MODEL_EMPTY)
@@ -98,8 +99,13 @@ def check_model(model: str) -> None:
         if not (path / "config.json").is_file():
             raise KestrelError(S.ERR_MODEL_NO_CONFIG.format(path=path))
         return
-    if _cached_hub_file(model, "config.json") is None and offline():
-        raise KestrelError(S.ERR_HUB_OFFLINE.format(model=model))
+    if _cached_hub_file(model, "config.json") is None:
+        if offline():
+            raise KestrelError(S.ERR_HUB_OFFLINE.format(model=model))
+        if look_up:
+            from kestrel.jobs.preflight import look_up_on_hub
+
+            look_up_on_hub(model)
 
 
 def model_config(model: str) -> dict[str, Any] | None:

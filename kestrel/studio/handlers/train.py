@@ -30,7 +30,7 @@ from kestrel.constants import merge, slug
 from kestrel.config import TrainConfig, config_from_dict
 from kestrel.errors import ConfigError, DatasetError, KestrelError
 from kestrel.training.estimate import (
-    GIB, MemoryEstimate, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
+    GIB, MemoryEstimate, common_gpu, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
     shape_from_config, training_rows, verdict,
 )
 from kestrel.paths import ASSETS, resolve_dataset_path, runs_dir
@@ -65,6 +65,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "grpo": _shipped("demo_grpo.yaml", drop=("model",)),
     "dpo": _shipped("demo_dpo.yaml", drop=("model",)),  # like GRPO: from the user's SFT result
 }
+# The model and dataset are the user's: a preset sets them only where it cannot work with another
+# (the quick test is the built-in demo model; GRPO's exact-answer reward needs a dataset with an
+# `answer` column), or where the form has none yet.
+PRESET_NEEDS: dict[str, tuple[str, ...]] = {"demo": ("model",), "grpo": ("dataset",)}
+# Settings of the user's own, never reset by a preset that does not name them.
+PERSONAL = ("model", "dataset", "name", "output_dir", "seed", "dataset_format", "system_prompt", "columns")
+
+
+def _owned() -> tuple[str, ...]:
+    """Every (dotted) setting some preset names, less the personal ones: each preset sets all of
+    them, to its value or the default, so nothing is left over from the preset applied before."""
+    keys = {key for values in PRESETS.values() for key in _flatten(values)}
+    return tuple(sorted(keys - set(PERSONAL)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +233,7 @@ def studio_config(data: dict[str, Any], allow_custom: bool) -> TrainConfig:
 
 def default_form() -> dict[str, Any]:
     """The form at start: TrainConfig's defaults with the demo preset on top."""
-    return config_to_form(_merge(TrainConfig().to_dict(), PRESETS["demo"]))
+    return config_to_form(preset_config("demo", TrainConfig().to_dict())[0])
 
 
 def _values(args: tuple[Any, ...]) -> dict[str, Any]:
@@ -271,9 +284,10 @@ def _host_text(est: MemoryEstimate, method: str) -> str:
     return "\n\n" + text
 
 
-def vram_text(data: dict[str, Any]) -> str:
-    """The memory estimate for this config against the detected GPU, as one markdown line (and a
-    second for the host RAM of offloaded layer inputs)."""
+def vram_text(data: dict[str, Any], picked_gpu: str | None = None) -> str:
+    """The memory estimate for this config against the detected GPU, or on a machine without one
+    against `picked_gpu` (a name of `COMMON_GPUS_MIB`), as one markdown line (and a second for the
+    host RAM of offloaded layer inputs)."""
     config = model_config(str(data.get("model", "")))
     if config is None:
         return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read (not downloaded yet, or not valid JSON)")
@@ -289,20 +303,22 @@ def vram_text(data: dict[str, Any]) -> str:
         int(data["max_seq_length"]), data["gradient_checkpointing"], int(grpo.get("num_generations", 8)),
         int(grpo.get("max_completion_length", 256)), int(grpo.get("max_prompt_length", 512)))
     gpu = _gpu()
-    if gpu is None:
+    picked = common_gpu(picked_gpu) if gpu is None else None
+    if gpu is None and picked is None:
         return S.VRAM_CPU.format(total=est.total_bytes / GIB) + _host_text(est, data["method"])
-    name, capacity = gpu
+    name, capacity = gpu or picked  # type: ignore[misc]
     v = verdict(est.total_bytes, capacity)
-    return S.VRAM_LINE.format(
+    prefix = S.VRAM_PICKED if picked else ""
+    return prefix + S.VRAM_LINE.format(
         verdict_icon=S.VRAM_ICONS[v], verdict=v, gpu=name, capacity=capacity / GIB, total=est.total_bytes / GIB,
         weights=est.weights / GIB, optimizer=est.optimizer / GIB, activations=est.activations / GIB,
         other=(est.extra + est.overhead) / GIB, trainable=f"{est.trainable:,}") + _host_text(est, data["method"])
 
 
-def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "") -> dict[str, Any]:
+def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "", gpu: str | None = None) -> dict[str, Any]:
     cut = "" if data["method"] == "grpo" else truncation_note(  # GRPO's limits are its prompt and completion lengths
         data["dataset"], data["dataset_format"], data["columns"], data["model"], data["max_seq_length"])
-    return {"yaml": cfg.to_yaml(), "download": _yaml_file(cfg), "vram": vram_text(data) + (cut and "\n\n" + cut),
+    return {"yaml": cfg.to_yaml(), "download": _yaml_file(cfg), "vram": vram_text(data, gpu) + (cut and "\n\n" + cut),
             "status": status}
 
 
@@ -310,8 +326,9 @@ def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "") -> dict[
 # Handlers
 
 
-def preview(extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
-    """Live view of the form as YAML, its download file and the memory estimate.
+def preview(extra: dict[str, Any] | None, *args: Any, gpu: str | None = None, allow_custom: bool = False) -> dict[str, Any]:
+    """Live view of the form as YAML, its download file and the memory estimate (for `gpu`, a
+    card picked by name, on a machine without one).
 
     Called on every edit, so a half-typed value is a notice in `status`, not an error box.
     """
@@ -320,7 +337,12 @@ def preview(extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False
         cfg = studio_config(data, allow_custom)
     except KestrelError as exc:
         return {"yaml": gr.skip(), "download": gr.skip(), "vram": gr.skip(), "status": f"⚠️ {exc}"}
-    return _rendered(cfg, cfg.to_dict())
+    return _rendered(cfg, cfg.to_dict(), gpu=gpu)
+
+
+def gpu_picker() -> dict[str, Any]:
+    """The picker of a GPU to estimate for: shown only on a machine without one. Output: gpu."""
+    return {"gpu": gr.update(visible=_gpu() is None)}
 
 
 def _check_types(data: dict[str, Any]) -> None:
@@ -365,17 +387,48 @@ def load_yaml_file(path: str | None, allow_custom: bool = False) -> dict[str, An
     return _fill(studio_config(data, allow_custom), S.TR_YAML_APPLIED)
 
 
+def _shown(value: Any) -> str:
+    return "empty" if value is None or value == "" else str(value)
+
+
+def preset_config(preset: str, base: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`base` (a checked config dict) with the preset applied, and what changed as "label: old → new"."""
+    values, defaults = _flatten(PRESETS[preset]), _flatten(TrainConfig().to_dict())
+    out = copy.deepcopy(base)
+    for key in _owned():
+        _set(out, key, copy.deepcopy(values.get(key, defaults.get(key))))
+    for key, value in values.items():
+        if key not in ("model", "dataset") and key in PERSONAL:
+            _set(out, key, copy.deepcopy(value))
+    for key in ("model", "dataset"):
+        if key in values and (key in PRESET_NEEDS.get(preset, ()) or not str(base.get(key) or "").strip()):
+            out[key] = values[key]
+    out = config_from_dict(out).to_dict()
+    before, after = _flatten(base), _flatten(out)
+    labels = {**S.FIELD_LABELS, "model": S.TR_MODEL, "dataset": S.TR_DATASET, "method": S.TR_METHOD}
+    changes = [f"{labels.get(k, k)}: {_shown(before.get(k))} → {_shown(after[k])}"
+               for k in after if k in FORM_KEYS + ("model", "dataset") and after[k] != before.get(k)]
+    return out, changes
+
+
 @user_errors
 def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
-    """Put a preset's values over the current form (or over the defaults if it does not parse)."""
+    """Put a preset over the current form (or over the defaults if it does not parse): it sets
+    every setting it owns and keeps the user's model and dataset unless it needs its own. The
+    status lists what changed."""
     if preset not in PRESETS:
         raise ConfigError(S.ERR_PRESET.format(preset=preset))
     try:
         base = studio_config(form_to_config(_values(args), extra), allow_custom).to_dict()
     except KestrelError:
         base = TrainConfig().to_dict()
-    cfg = studio_config(_merge(base, PRESETS[preset]), allow_custom)
-    return _fill(cfg, S.TR_PRESET_APPLIED.format(name=S.PRESET_NAMES[preset]))
+    data, changes = preset_config(preset, base)
+    kept = [k for k in ("model", "dataset") if k not in PRESET_NEEDS.get(preset, ()) and base.get(k)]
+    status = S.TR_PRESET_APPLIED.format(name=S.PRESET_NAMES[preset],
+                                        changes="; ".join(changes) if changes else S.TR_PRESET_NO_CHANGE)
+    if kept:
+        status += " " + S.TR_PRESET_KEPT.format(what=" and ".join(kept))
+    return _fill(studio_config(data, allow_custom), status)
 
 
 def use_dataset(ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -441,7 +494,7 @@ def start_training(extra: dict[str, Any] | None, *args: Any, allow_custom: bool 
         data["model"] = str(files.studio_folder(data["model"], "model"))
     if data["lora"].get("init_from"):
         data["lora"]["init_from"] = str(files.studio_folder(data["lora"]["init_from"], "lora.init_from", runs_dir()))
-    check_model(data["model"])
+    check_model(data["model"], look_up=True)  # an unknown hub id is refused now, not 25 s into the job
     dataset = files.studio_dataset(data["dataset"])
     if not dataset.is_file():
         raise DatasetError(S.ERR_DATASET_MISSING.format(path=data["dataset"]))
