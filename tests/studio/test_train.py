@@ -125,15 +125,16 @@ def _again(out: dict) -> list:
     return [out["extra"], *[out[k] for k in FORM_KEYS]]
 
 
-def test_a_preset_sets_every_field_it_owns_keeps_the_users_dataset_and_says_what_changed() -> None:
-    extra, values = form(dataset="/data/mine.jsonl", model_source="hub", model="someone/model")
+def test_a_preset_sets_every_field_it_owns_keeps_the_users_dataset_and_says_what_changed(kestrel_home: Path) -> None:
+    mine = str(kestrel_home / "datasets" / "mine.jsonl")
+    extra, values = form(dataset=mine, model_source="hub", model="someone/model")
     qlora = train.apply_preset("qlora_8b", extra, *values)
-    assert qlora["grad_accum"] == 4 and qlora["dataset"] == "/data/mine.jsonl" and qlora["model"] == "someone/model"
+    assert qlora["grad_accum"] == 4 and qlora["dataset"] == mine and qlora["model"] == "someone/model"
     assert "Gradient accumulation: 1 → 4" in qlora["status"] and "Kept your model and dataset" in qlora["status"]
     # The quick test has no gradient accumulation of its own: it sets the default, not the last preset's.
     quick = train.apply_preset("demo", *_again(qlora))
     assert quick["grad_accum"] == 1 and quick["gradient_checkpointing"] == "off" and quick["max_steps"] == 300
-    assert quick["dataset"] == "/data/mine.jsonl" and quick["model_source"] == "demo"  # it needs the demo model
+    assert quick["dataset"] == mine and quick["model_source"] == "demo"  # it needs the demo model
     assert "Gradient accumulation: 4 → 1" in quick["status"] and "Folder or hub id: someone/model → demo" in quick["status"]
     assert "Kept your dataset" in quick["status"]
     # Every preset over every other sets what it owns as it does alone: nothing leaks from the one before.
@@ -164,7 +165,7 @@ LLAMA_8B = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32, 
             "num_key_value_heads": 8, "intermediate_size": 14336, "tie_word_embeddings": False}
 
 
-def test_without_a_gpu_the_estimate_is_for_a_picked_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_gpu_the_estimate_is_for_a_picked_card(kestrel_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a machine without a GPU the user picks a common card; the estimate is for the model
     in the form on that card, so QLoRA at 2,048 tokens costs more than at 512 (and more than
     the 1 GiB a tiny model would)."""
@@ -172,6 +173,8 @@ def test_without_a_gpu_the_estimate_is_for_a_picked_card(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(train, "_gpu", lambda: None)
     assert train.gpu_picker()["gpu"]["visible"] is True
+    tmp_path = kestrel_home / "models" / "llama-8b"  # the studio reads local models inside KESTREL_HOME only
+    tmp_path.mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
     card = "NVIDIA GeForce RTX 4090 (24 GB)"
     texts = {}
