@@ -63,6 +63,14 @@ def n_params(tensors: ModelTensors) -> int:
     return sum(math.prod(tensors.shape(n)) for n in tensors.names())
 
 
+def parameter_count(source: str | Path) -> int:
+    """Weights an export of `source` (as `export` takes it) writes, read from the safetensors
+    headers: no tensor is loaded. An adapter merges into its base, so the base's count."""
+    from kestrel.export.source import resolve_source
+
+    return n_params(ModelTensors(resolve_source(source).model_dir))
+
+
 # --- adapter -------------------------------------------------------------------------------------
 
 def check_adapter(stage: Path, src: ExportSource, tokenizer: Any, device: str | None) -> dict[str, Any]:
