@@ -121,7 +121,7 @@ def respond(pool: ModelPool, message: str, left: list | None, right: list | None
         raise KestrelError(S.CH_NEED_RUN)
     sampling = _sampling(temperature, top_p, top_k, repetition_penalty, seed)
     panels = [_messages(left)] + ([_messages(right)] if side_by_side else [])
-    names = [tgt.run_base, tgt.label] if side_by_side else [tgt.label]
+    names = [S.CH_BASE_CHOICE.format(model=tgt.run_base), tgt.label] if side_by_side else [tgt.label]
     for p in panels:
         p.append({"role": "user", "content": message})
         p.append({"role": "assistant", "content": S.CH_LOADING.format(model=tgt.model)})
