@@ -113,6 +113,8 @@ def test_export_configs_are_checked_at_submit(tmp_path: Path) -> None:
         (export_config(f"job:{queued}"), "only completed runs"),
         (export_config(str(tmp_path / "missing")), "does not exist"),
         (export_config("demo", check="maybe"), "check must be true or false"),
+        (export_config("demo", checkpoint=3), "checkpoint applies to a run"),
+        (export_config(f"job:{queued}", checkpoint=3), "no complete checkpoint of step 3 .*; kept: none"),
     ]
     for cfg, words in cases:
         with pytest.raises(ConfigError, match=words):
