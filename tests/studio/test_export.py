@@ -79,7 +79,8 @@ def test_gguf_export_goes_on_after_the_page_closes_and_is_found_again(finished_r
     assert [a.path for a in jobs.list_artifacts(job_id, "gguf")] == [str(gguf)]  # served: the artifact itself
     assert view["modelfile"] == modelfile.read_text() and f"FROM ./{gguf.name}" in view["modelfile"]
     assert "Exported in" in view["status"]
-    assert "- tokenizer: **passed**" in view["status"] and "- chat_template: **passed**" in view["status"]
+    assert "- tokenizer: **passed**" in view["status"] and "- gguf_q8_0: **passed** · " in view["status"]
+    assert "- chat_template: embedded=True" in view["status"]
     listed = export.recent_exports()
     assert f"| {job_id} | run-{finished_run}-gguf-q8_0 | completed |" in listed
     assert f'download="{gguf.name}"' in listed and 'download="Modelfile"' in listed

@@ -222,9 +222,13 @@ def checks_text(report: dict[str, Any]) -> str:
     lines = []
     for name, check in found.items():
         passed = check.get("passed") if isinstance(check, dict) else None
-        verdict = "info" if passed is None else ("passed" if passed else "FAILED")
-        details = describe_check({k: v for k, v in check.items() if k != "passed"}) if isinstance(check, dict) else check
-        lines.append(S.EX_CHECK_LINE.format(name=html.escape(name), verdict=verdict, details=html.escape(str(details))))
+        details = html.escape(str(describe_check({k: v for k, v in check.items() if k != "passed"})
+                                  if isinstance(check, dict) else check))
+        if passed is None:  # facts of the export (the Modelfile's chat format...), no verdict
+            lines.append(S.EX_CHECK_INFO.format(name=html.escape(name), details=details))
+        else:
+            verdict = "passed" if passed else "FAILED"
+            lines.append(S.EX_CHECK_LINE.format(name=html.escape(name), verdict=verdict, details=details))
     return "\n\n" + S.EX_CHECKS + "\n" + "\n".join(lines)
 
 
