@@ -135,6 +135,11 @@ def test_a_full_fine_tune_answers_beside_its_base_in_one_batched_decode(runs: di
     both = _answer(pool, target, None, side=True)
     assert loops == [2]  # one decode loop of two rows, not two loops one after the other
     assert both["left"][-1]["content"] == base and both["right"][-1]["content"] == tuned
+    # Models whose tokenizers differ cannot share a loop: one after the other, both stats kept.
+    monkeypatch.setattr(ModelPool, "pair", lambda self, models: None)
+    apart = _answer(pool, target, None, side=True)
+    assert loops == [2, 1, 1] and len(apart["stats"].split("  \n")) == 2
+    assert apart["left"][-1]["content"] == base and apart["right"][-1]["content"] == tuned
 
 
 def test_each_answer_shows_its_tokens_per_second(runs: dict[str, int], pool: ModelPool) -> None:

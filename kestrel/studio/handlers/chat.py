@@ -122,18 +122,22 @@ def respond(pool: ModelPool, message: str, left: list | None, right: list | None
     sampling = _sampling(temperature, top_p, top_k, repetition_penalty, seed)
     panels = [_messages(left)] + ([_messages(right)] if side_by_side else [])
     names = [S.CH_BASE_CHOICE.format(model=tgt.run_base), tgt.label] if side_by_side else [tgt.label]
-    for p in panels:
+    for p, model in zip(panels, [tgt.run_base, tgt.model] if side_by_side else [tgt.model]):
         p.append({"role": "user", "content": message})
-        p.append({"role": "assistant", "content": S.CH_LOADING.format(model=tgt.model)})
+        p.append({"role": "assistant", "content": S.CH_LOADING.format(model=model)})
     yield {**_out(panels, side_by_side), "message": "", "stats": ""}
     max_new = int(max_new_tokens)
     if side_by_side and tgt.adapter is None:  # a full fine-tune: its base is another model
         models = [pool.get(tgt.run_base), pool.get(tgt.model)]
         loaded = pool.pair(models)
         if loaded is None:  # tokenizers differ: no shared sampler or stop list, one after the other
+            done = ""  # the first answer's stats line, kept while the second streams
             for i, m in enumerate(models):
-                yield from _stream(m, [_prompt(m, system, panels[i], max_new)], [None], panels, [i], sampling, max_new,
-                                   [names[i]], side_by_side)
+                for out in _stream(m, [_prompt(m, system, panels[i], max_new)], [None], panels, [i], sampling,
+                                   max_new, [names[i]], side_by_side):
+                    out["stats"] = done + out["stats"]
+                    yield out
+                done = out["stats"] + "  \n"
             return
         prompts = [_prompt(m, system, p, max_new) for m, p in zip(models, panels)]
         yield from _stream(loaded, prompts, [None, None], panels, [0, 1], sampling, max_new, names, side_by_side)
