@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kestrel.errors import KestrelError
 
@@ -75,9 +76,22 @@ QUANTS = {
 }
 
 
-def typical_bytes(n_params: int, quant: str) -> int:
-    """About how large a GGUF file of `n_params` weights is in `quant` (a large model's mix)."""
-    return int(n_params * QUANTS[quant].bits / 8)
+K_BLOCK = 256  # weights a k-quant block spans along a row: narrower rows fall back to wider types
+
+
+def rows_fit_blocks(config: Any) -> bool:
+    """Whether the model's rows fill k-quant blocks (hidden and MLP widths multiples of K_BLOCK).
+    If not, llama.cpp stores those tensors in wider fallback types and the typical bits per weight
+    no longer hold: sizes reach BITS_PER_WEIGHT."""
+    return config.hidden_size % K_BLOCK == 0 and config.intermediate_size % K_BLOCK == 0
+
+
+def size_hint(n_params: int, quant: str, rows_fit: bool) -> tuple[int, bool]:
+    """(bytes, is it an upper bound) of a GGUF file of `n_params` weights in `quant`: the typical
+    size when the rows fit the blocks (or the type has none), else the upper bound."""
+    if rows_fit or quant in ("f32", "f16", "bf16"):
+        return int(n_params * QUANTS[quant].bits / 8), False
+    return int(n_params * BITS_PER_WEIGHT[quant] / 8), True
 
 
 def check_quant(quant: str | None) -> str:

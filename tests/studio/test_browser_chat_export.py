@@ -117,7 +117,7 @@ def test_chat_and_export_follow_the_newest_run(page: object, server: str, module
     _wait_value(pg, "#ex-source", f"Run #{job}")
     _wait_value(pg, "#ex-checkpoint", S.WEIGHTS_FINAL)
     quants = _options(pg, "#ex-quant")
-    assert any(q.startswith("q4_k_m · about ") and "recommended" in q for q in quants), quants
+    assert any(q.startswith("q4_k_m · up to ") and "recommended" in q for q in quants), quants
     assert any(q.startswith("f16 · about ") for q in quants), quants
     _shot(pg, "01-export")
     pg.get_by_role("tab", name="Chat").click()  # type: ignore[attr-defined]

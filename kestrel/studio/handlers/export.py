@@ -31,7 +31,7 @@ import gradio as gr
 from kestrel import jobs
 from kestrel.errors import KestrelError
 from kestrel.export import MERGED_DTYPES, QUANT_TYPES, describe_check
-from kestrel.export.quantize import QUANTS, typical_bytes
+from kestrel.export.quantize import QUANTS, size_hint
 from kestrel.studio import files
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import DEMO, log, user_errors
@@ -72,38 +72,41 @@ def _folder(source: str | None, checkpoint: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def _parameters(folder: str, _mtime: float) -> int:
-    from kestrel.export.formats import parameter_count
+def _size_basis(folder: str, _mtime: float) -> tuple[int, bool]:
+    from kestrel.export.formats import size_basis
 
-    return parameter_count(folder)
+    return size_basis(folder)
 
 
-def parameters(source: str | None, checkpoint: str | None) -> int | None:
-    """The weights an export of the choice writes (read from file headers), None when unreadable:
-    the export itself then says why."""
+def size_basis(source: str | None, checkpoint: str | None) -> tuple[int, bool] | None:
+    """(weights an export of the choice writes, whether its rows fill k-quant blocks), read from
+    file headers; None when unreadable: the export itself then says why."""
     try:
         folder = _folder(source, checkpoint)
         mtime = Path(folder).stat().st_mtime if folder != DEMO else 0.0
-        return _parameters(folder, mtime)
+        return _size_basis(folder, mtime)
     except (KestrelError, OSError, ValueError) as exc:
         log.info("no parameter count for %s: %s", source, exc)
         return None
 
 
-def quant_label(quant: str, n_params: int | None) -> str:
-    """`q4_k_m · about 4.5 GB · balanced size and quality; recommended`."""
+def quant_label(quant: str, basis: tuple[int, bool] | None) -> str:
+    """`q4_k_m · about 4.9 GB · balanced size and quality; recommended` (`up to` where the rows
+    are too narrow for the type's blocks)."""
     note = QUANTS[quant].quality
-    if not n_params:
+    if not basis:
         return S.EX_QUANT_NO_SIZE.format(quant=quant, note=note)
-    return S.EX_QUANT_HINT.format(quant=quant, size="about " + human_size(typical_bytes(n_params, quant)), note=note)
+    nbytes, bound = size_hint(basis[0], quant, basis[1])
+    size = (S.EX_SIZE_UP_TO if bound else S.EX_SIZE_ABOUT).format(size=human_size(nbytes))
+    return S.EX_QUANT_HINT.format(quant=quant, size=size, note=note)
 
 
-def quant_choices(fmt: str, n_params: int | None = None, current: str | None = None) -> dict[str, Any]:
+def quant_choices(fmt: str, basis: tuple[int, bool] | None = None, current: str | None = None) -> dict[str, Any]:
     """The quantization dropdown for a format (hidden for the adapter); GGUF types carry their
-    size for `n_params` weights and their quality note."""
+    size for the weights of `basis` (see `size_basis`) and their quality note."""
     if fmt == "gguf":
         value = current if current in QUANT_TYPES else "q4_k_m"
-        return {"quant": gr.update(choices=[(quant_label(q, n_params), q) for q in QUANT_TYPES], value=value,
+        return {"quant": gr.update(choices=[(quant_label(q, basis), q) for q in QUANT_TYPES], value=value,
                                    visible=True)}
     if fmt == "merged":
         return {"quant": gr.update(choices=list(MERGED_DTYPES), value=current if current in MERGED_DTYPES else "auto",
@@ -122,8 +125,8 @@ def pick_source(source: str | None, checkpoint: str | None, fmt: str, quant: str
         values = [v for _, v in choices]
         checkpoint = checkpoint if checkpoint in values else (values[0] if values else None)
         ckpt = gr.update(visible=True, choices=choices, value=checkpoint)
-    n_params = parameters(source, checkpoint) if fmt == "gguf" else None
-    return {"checkpoint": ckpt, **quant_choices(fmt, n_params, quant)}
+    basis = size_basis(source, checkpoint) if fmt == "gguf" else None
+    return {"checkpoint": ckpt, **quant_choices(fmt, basis, quant)}
 
 
 # ---------------------------------------------------------------------------------------------
