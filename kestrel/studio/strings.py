@@ -178,7 +178,10 @@ EX_CHECK_INFO = "- {name}: {details}"
 EX_QUANT_HINT = "{quant} · {size} · {note}"
 EX_QUANT_NO_SIZE = "{quant} · {note}"
 EX_SIZE_ABOUT = "about {size}"
-EX_SIZE_UP_TO = "up to {size} (rows too narrow for its blocks)"
+EX_SIZE_UP_TO = "up to {size}"
+EX_QUANT_INFO = "Sizes for this model's {params} weights at each type's typical bits per weight."
+EX_QUANT_INFO_BOUND = ("Sizes are upper bounds: this model's rows ({params} weights) are too narrow for k-quant "
+                       "blocks of 256, so llama.cpp stores some tensors in wider types.")
 EX_RECENT = "Recent exports (they go on when this page or the studio closes)"
 EX_RECENT_NONE = "No exports yet."
 EX_RECENT_COLUMNS = ["#", "export", "status", "download"]

@@ -184,8 +184,9 @@ def test_quantization_list_gives_size_and_quality(runs: dict[str, int]) -> None:
     # The demo's MLP rows (688) do not fill k-quant blocks of 256: quantized sizes are upper bounds.
     for quant, label in labels.items():
         size = (f"about {human_size(int(n * QUANTS[quant].bits / 8))}" if quant in ("f32", "f16", "bf16") else
-                f"up to {human_size(int(n * BITS_PER_WEIGHT[quant] / 8))} (rows too narrow for its blocks)")
+                f"up to {human_size(int(n * BITS_PER_WEIGHT[quant] / 8))}")
         assert label == f"{quant} · {size} · {QUANTS[quant].quality}"
+    assert "upper bounds" in picked["quant"]["info"] and f"{n:,} weights" in picked["quant"]["info"]
     assert labels["f16"].split(" · ")[1] == f"about {human_size(2 * n)}"
     # A model whose rows fill the blocks gets each type's typical size.
     wide = export.quant_label("q4_k_m", (8_000_000_000, True))

@@ -106,8 +106,11 @@ def quant_choices(fmt: str, basis: tuple[int, bool] | None = None, current: str 
     size for the weights of `basis` (see `size_basis`) and their quality note."""
     if fmt == "gguf":
         value = current if current in QUANT_TYPES else "q4_k_m"
+        info = None
+        if basis:
+            info = (S.EX_QUANT_INFO if basis[1] else S.EX_QUANT_INFO_BOUND).format(params=f"{basis[0]:,}")
         return {"quant": gr.update(choices=[(quant_label(q, basis), q) for q in QUANT_TYPES], value=value,
-                                   visible=True)}
+                                   visible=True, info=info)}
     if fmt == "merged":
         return {"quant": gr.update(choices=list(MERGED_DTYPES), value=current if current in MERGED_DTYPES else "auto",
                                    visible=True)}
