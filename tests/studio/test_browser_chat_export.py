@@ -80,12 +80,13 @@ def _value(pg: object, selector: str) -> str:
 
 def _wait_value(pg: object, selector: str, prefix: str) -> None:
     pg.wait_for_function(f"([s, p]) => {VALUE}(s).startsWith(p)", arg=[f"{selector} input", prefix],  # type: ignore[attr-defined]
-                         timeout=30_000)
+                         timeout=60_000)
 
 
 def _options(pg: object, selector: str) -> list[str]:
     """The option labels of a dropdown, as the user sees them when opening it."""
     pg.locator(f"{selector} input").click()  # type: ignore[attr-defined]
+    pg.get_by_role("option").first.wait_for()  # type: ignore[attr-defined]  # the list opens after the click
     labels = [t.split("\n")[-1] for t in pg.get_by_role("option").all_inner_texts()]  # type: ignore[attr-defined]  # "✓\n" marks the chosen
     pg.keyboard.press("Escape")  # type: ignore[attr-defined]
     return labels
