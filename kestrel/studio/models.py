@@ -170,14 +170,19 @@ def stream_rows(loaded: LoadedModel, prompts: list[list[int]], adapters: list[st
     def produce() -> None:
         try:
             with loaded.lock:
-                chunks = loaded.generator.chunks(prompts, max_new, sampling=sampling, adapter=adapters)
+                decode = loaded.generator.chunks(prompts, max_new, sampling=sampling, adapter=adapters)
                 if speed is not None:
                     speed.start = time.perf_counter()
-                    chunks = speed.count(chunks)
-                for row_pieces in stream_text(chunks, loaded.tokenizer, loaded.generator.stop_ids):
-                    if stop.is_set():
-                        break
-                    pieces.put(row_pieces)
+                chunks = speed.count(decode) if speed is not None else decode
+                texts = stream_text(chunks, loaded.tokenizer, loaded.generator.stop_ids)
+                try:
+                    for row_pieces in texts:
+                        if stop.is_set():
+                            break
+                        pieces.put(row_pieces)
+                finally:  # ends the decode (the generator is free again) before the lock goes
+                    texts.close()
+                    decode.close()
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
             pieces.put(exc)
         finally:
