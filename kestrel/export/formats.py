@@ -63,6 +63,17 @@ def n_params(tensors: ModelTensors) -> int:
     return sum(math.prod(tensors.shape(n)) for n in tensors.names())
 
 
+def size_basis(source: str | Path) -> tuple[int, bool]:
+    """(weights an export of `source` writes, whether its rows fill k-quant blocks), read from the
+    config and the safetensors headers: no tensor is loaded. An adapter merges into its base, so
+    the base's count."""
+    from kestrel.export.quantize import rows_fit_blocks
+    from kestrel.export.source import resolve_source
+
+    src = resolve_source(source)
+    return n_params(ModelTensors(src.model_dir)), rows_fit_blocks(src.config)
+
+
 # --- adapter -------------------------------------------------------------------------------------
 
 def check_adapter(stage: Path, src: ExportSource, tokenizer: Any, device: str | None) -> dict[str, Any]:

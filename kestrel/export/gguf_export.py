@@ -23,7 +23,7 @@ from kestrel.export.gguf_tokenizer import GGUFVocab, build_vocab
 from kestrel.export.gguf_writer import gguf_nbytes, write_gguf
 from kestrel.export.merge import ModelTensors
 from kestrel.export.modelfile import detect_chat_format, end_of_turn_tokens, modelfile
-from kestrel.export.quantize import DIRECT, estimate_bytes, quantize
+from kestrel.export.quantize import DIRECT, estimate_bytes, quantize, rows_fit_blocks
 from kestrel.export.source import ExportSource
 
 Progress = Callable[[float, str], None]
@@ -85,8 +85,7 @@ def _tokenizer_passed(found: checks.TokenizerCheck, vocab: GGUFVocab, result: An
 def _needed_bytes(tensors: ModelTensors, src: ExportSource, base_type: str, quant: str, vocab: GGUFVocab) -> int:
     need = gguf_nbytes(tensors, src.config, src.family, base_type) + sum(len(t) + 16 for t in vocab.tokens) + 64 * _MB
     if quant not in DIRECT:
-        large = src.config.hidden_size % 256 == 0 and src.config.intermediate_size % 256 == 0
-        need += estimate_bytes(n_params(tensors), quant, large)
+        need += estimate_bytes(n_params(tensors), quant, rows_fit_blocks(src.config))
     return need
 
 

@@ -98,8 +98,8 @@ def _run_method(folder: Path) -> str | None:
 
 
 def _locate(path: Path) -> tuple[Path | None, Path | None, str | None]:
-    """(model folder, adapter folder, method) for a source folder."""
-    method = _run_method(path)
+    """(model folder, adapter folder, method) for a source folder (a checkpoint's method is its run's)."""
+    method = _run_method(path) or (_run_method(path.parent.parent) if path.parent.name == "checkpoints" else None)
     if (path / "model" / "config.json").is_file():  # a full fine-tune's output
         return path / "model", None, method
     if (path / "adapter" / "adapter_config.json").is_file():

@@ -193,25 +193,33 @@ def wire_runs(r: C) -> None:
 
 
 def wire_chat(ch: C, pool: ModelPool) -> None:
-    described = Outputs.of(ch, "template", "left", "right")
-    for trigger in (ch["target"].change, ch["side"].change):
-        _on(trigger, chat_h.describe_target, [ch["target"], ch["side"]], described, **LIGHT)
-    targets = Outputs.of(ch, "target")
-    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"]], targets, **LIGHT)
-    answer = Outputs.of(ch, "left", "right", "message")
-    inputs = [ch[k] for k in ("message", "left", "right", "target", "side", "system", "temperature", "top_p",
-                              "top_k", "max_new_tokens", "repetition_penalty", "seed")]
+    described = Outputs.of(ch, "checkpoint", "template", "left", "right", "note", "stats")
+    pick = [ch["target"], ch["checkpoint"], ch["side"]]
+    for trigger in (ch["target"].change, ch["side"].change, ch["checkpoint"].input):
+        _on(trigger, chat_h.describe_target, pick, described, **LIGHT)
+    targets = Outputs.of(ch, "target", "seen")
+    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"], ch["seen"]], targets, **LIGHT)
+    answer = Outputs.of(ch, "left", "right", "message", "stats")
+    inputs = [ch[k] for k in ("message", "left", "right", "target", "checkpoint", "side", "system", "temperature",
+                              "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")]
     respond = partial(chat_h.respond, pool)
     events = [_on(trigger, respond, inputs, answer, show_progress="hidden")
               for trigger in (ch["send"].click, ch["message"].submit)]
-    ch["stop"].click(None, None, None, cancels=events)
-    ch["clear"].click(lambda: ([], []), None, [ch["left"], ch["right"]], cancels=events)
+    panels = Outputs.of(ch, "left", "right")
+    # Stop cancels the answer, then replaces an answer that had not begun (its loading note).
+    ch["stop"].click(None, None, None, cancels=events) \
+        .then(panels.wrap(chat_h.stopped), [ch["left"], ch["right"]], panels.components, **LIGHT)
+    ch["clear"].click(lambda: ([], [], ""), None, [ch["left"], ch["right"], ch["stats"]], cancels=events)
 
 
 def wire_export(ex: C) -> None:
-    _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)
-    _on(ex["format"].change, ex_h.quant_choices, [ex["format"]], Outputs.of(ex, "quant"), **LIGHT)
-    _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["format"], ex["quant"]],
+    _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
+        **LIGHT)
+    picked = Outputs.of(ex, "checkpoint", "quant")
+    pick_in = [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]]
+    for trigger in (ex["source"].change, ex["format"].change, ex["checkpoint"].input):
+        _on(trigger, ex_h.pick_source, pick_in, picked, **LIGHT)
+    _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]],
         Outputs.of(ex, "status", "file", "modelfile"), concurrency_limit=1)
 
 
@@ -223,8 +231,9 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C,
             settings: StudioSettings) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
     runs_out = _runs_outputs(r)
     outputs = (Outputs([("samples", d["sample"]), ("datasets", d["datasets"])])
-               + _filled(t) + Outputs.of(t, "gpu") + runs_out + Outputs.of(ch, "target")
-               + Outputs.of(ex, "source", "quant"))
+               + _filled(t) + Outputs.of(t, "gpu") + runs_out + Outputs([("target", ch["target"]), ("ch_seen", ch["seen"]),
+                                                  ("source", ex["source"]), ("ex_seen", ex["seen"]),
+                                                  ("ex_checkpoint", ex["checkpoint"]), ("quant", ex["quant"])]))
 
     def load(seen: Any) -> dict[str, Any]:
         samples = ds_h.sample_choices()
@@ -236,9 +245,14 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C,
         result.update(train_h.gpu_picker())
         result["dataset"] = gr.update(choices=ds_h.dataset_choices(), value=result["dataset"])
         result.update(runs_h.refresh(None, {}, force=True))
-        result.update(chat_h.refresh_targets(None))
-        result.update(ex_h.refresh_sources(None))
-        result.update(ex_h.quant_choices("gguf"))
+        # Each tab's list remembers the newest run it has shown (its own `seen`, not the Runs tab's).
+        targets = chat_h.refresh_targets(None, None)
+        result.update(target=targets["target"], ch_seen=targets["seen"])
+        sources = ex_h.refresh_sources(None, None)
+        source = sources["source"]["value"]
+        picked = ex_h.pick_source(source, None, "gguf", None)
+        result.update(source=sources["source"], ex_seen=sources["seen"], ex_checkpoint=picked["checkpoint"],
+                      quant=picked["quant"])
         return result
 
     return outputs.wrap(load), [r["seen"]], outputs.components
@@ -261,5 +275,7 @@ def wire_tab_switches(tabs: dict[str, gr.Tab], r: C, ch: C, ex: C) -> None:
     tabs["runs"].select(partial(_timers_for, "runs"), None, timers, **LIGHT) \
         .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"]], runs_out.components, **LIGHT)
     _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
-    _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"]], Outputs.of(ch, "target"), **LIGHT)
-    _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)
+    _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"], ch["seen"]], Outputs.of(ch, "target", "seen"),
+        **LIGHT)
+    _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
+        **LIGHT)

@@ -174,6 +174,16 @@ CH_RUN_CHOICE = "Run #{job}: {name}"
 CH_NEED_RUN = "Side by side needs a fine-tuned run: pick one under Model."
 CH_EMPTY = "Type a message first."
 CH_LOADING = "Loading {model}…"
+CH_STOPPED = "(stopped)"
+CH_BAD_TARGET = "Unknown model choice {target!r}: press Refresh models and pick again."
+CH_AT_STEP = " · step {step}"
+CH_CHECKPOINT = "Weights of the run"
+CH_SPEED = "**{name}**: {tokens} tokens in {seconds:.1f} s · {rate:.1f} tokens/s (prompt included)"
+CH_DEMO_NOTE = ("**Note:** the built-in demo model is a tiny model with random weights, there to try the studio "
+                "in a minute on any machine. Its answers are gibberish; that is expected, not a fault.")
+CH_DEMO_RUN_NOTE = ("**Note:** this run was trained from the built-in demo model, a tiny model with random weights. "
+                    "A few steps of training teach it little, so its answers are still mostly gibberish; train a "
+                    "real model (a hub id or a local folder) for real answers.")
 
 # --- export tab ------------------------------------------------------------------------------
 EX_RUN = "Run to export"
@@ -190,6 +200,17 @@ EX_FOLDER_ONLY = "The export is {size:.1f} GiB: too large to zip for the browser
 EX_QUEUED = "Export #{job} is queued: it starts when the export before it ends."
 EX_FAILED = "Export #{job} failed: {error}"
 EX_STOPPED = "Export #{job} was {status} before it finished; nothing was kept."
+EX_CHECKPOINT = "Weights of the run"
+EX_CHECKS = "**Checks** (the same as `python -m kestrel export` prints):"
+EX_CHECK_LINE = "- {name}: **{verdict}** · {details}"
+EX_CHECK_INFO = "- {name}: {details}"
+EX_QUANT_HINT = "{quant} · {size} · {note}"
+EX_QUANT_NO_SIZE = "{quant} · {note}"
+EX_SIZE_ABOUT = "about {size}"
+EX_SIZE_UP_TO = "up to {size}"
+EX_QUANT_INFO = "Sizes for this model's {params} weights at each type's typical bits per weight."
+EX_QUANT_INFO_BOUND = ("Sizes are upper bounds: this model's rows ({params} weights) are too narrow for k-quant "
+                       "blocks of 256, so llama.cpp stores some tensors in wider types.")
 EX_RECENT = "Recent exports (they go on when this page or the studio closes)"
 EX_RECENT_NONE = "No exports yet."
 EX_RECENT_COLUMNS = ["#", "export", "status", "download"]
@@ -246,6 +267,11 @@ ERR_CUSTOM_OFF = ("grpo.rewards: a `custom` reward runs code from {path}, and cu
                   "studio; whoever started it can allow it with `python app.py --allow-custom-rewards`, or use a "
                   "built-in reward.")
 ERR_REWARD_ROW = "Rewards table, row {row}: {problem}."
+WEIGHTS_FINAL = "Final weights"
+WEIGHTS_STEP = "Checkpoint at step {step}"
+ERR_CHECKPOINT_CHOICE = "Weights {value!r}: choose the final weights or a checkpoint's step from the list."
+ERR_CHECKPOINT_GONE = ("Run #{job} has no checkpoint of step {step} any more (training keeps only the newest); "
+                       "checkpoints kept: {kept}. Pick another from the list.")
 ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."
 ERR_SEED = "The seed must be a whole number, or empty for a random one; got {value!r}."
 ERR_HUB_ID = "{model!r} is not a valid hub id ({error})."

@@ -102,13 +102,12 @@ def save_checkpoint(
     """Write the checkpoint of `step` (weights, optimizer, scheduler, state) and keep the newest
     KEEP. Raises CheckpointWriteError, with the partial folder removed, when any write fails.
     On several devices (`world`) every rank calls it; rank 0 writes (FSDP2's shards gathered first)."""
-    root = output_dir / "checkpoints"
-    final = root / f"step-{step:06d}"
+    final = checkpoint_dir(output_dir, step)
     weights, optim_state = _full_states(model, optimizer)
     if world is not None and not world.is_main:
         world.barrier()
         return final
-    tmp = root / f"step-{step:06d}{TMP_SUFFIX}"
+    root, tmp = final.parent, final.with_name(final.name + TMP_SUFFIX)
     inner = tmp / ("adapter" if _is_peft(model) else "model")
     optim_state = optim_state if optim_state is not None else optimizer.state_dict()
     writers = [
@@ -164,14 +163,14 @@ def write_failure(subject: str, what: str, exc: BaseException, output_dir: Path,
             else "no earlier checkpoint exists, so a resumed run starts from step 0")
     free = free_bytes(output_dir)
     full = nearly_full or looks_like_full_disk(exc) or (free is not None and free < need)
-    space = (f"{_size(free)} free on the disk holding {output_dir}" if free is not None
+    space = (f"{human_size(free)} free on the disk holding {output_dir}" if free is not None
              else f"the free space on the disk holding {output_dir} is unknown")
     if full:
         more = need - free if free is not None and free < need else need
-        advice = (f"The disk is full: {space}, and a checkpoint needs about {_size(need)}; "
-                  f"free at least {_size(more)} there, then resume the run.")
+        advice = (f"The disk is full: {space}, and a checkpoint needs about {human_size(need)}; "
+                  f"free at least {human_size(more)} there, then resume the run.")
     else:
-        advice = f"Fix the cause and resume the run ({space}; a checkpoint needs about {_size(need)})."
+        advice = f"Fix the cause and resume the run ({space}; a checkpoint needs about {human_size(need)})."
     return f"could not write {subject}: writing {what} failed ({describe(exc)}); {kept}. {advice}"
 
 
@@ -208,7 +207,8 @@ def free_bytes(path: Path) -> int | None:
     return None
 
 
-def _size(n: int | None) -> str:
+def human_size(n: float | None) -> str:
+    """`512 bytes`, `1.5 MB`, `4.2 GB` (powers of 1000), `?` when unknown."""
     if n is None:
         return "?"
     value = float(n)
@@ -256,10 +256,21 @@ def remove_stale_writes(output_dir: Path) -> list[Path]:
     return removed
 
 
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives (complete or not)."""
+    return output_dir / "checkpoints" / f"step-{step:06d}"
+
+
+def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first."""
+    done = [p for p in sorted((output_dir / "checkpoints").glob("step-*[0-9]")) if (p / "state.json").is_file()]
+    return [(int(p.name[5:]), p) for p in done]
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete checkpoint, or None."""
-    done = [p for p in sorted((output_dir / "checkpoints").glob("step-*[0-9]")) if (p / "state.json").is_file()]
-    return done[-1] if done else None
+    done = complete_checkpoints(output_dir)
+    return done[-1][1] if done else None
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
