@@ -9,6 +9,7 @@ from torch import nn
 
 from kestrel.config import LoraSettings
 from kestrel.errors import ConfigError
+from kestrel.model.multimodal import lora_targets
 from kestrel.model.patching import patch_lora_layers
 
 log = logging.getLogger("kestrel")
@@ -59,7 +60,7 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=list(settings.targets),
+        target_modules=lora_targets(model, list(settings.targets)),  # an image-text model: its LM only
         bias="none",
         task_type="CAUSAL_LM",
     )

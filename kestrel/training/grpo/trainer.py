@@ -37,8 +37,6 @@ from torch import nn
 
 from kestrel.config import TrainConfig
 from kestrel.decode.generate import Generator
-from kestrel.decode.model import UnsupportedModelError
-from kestrel.errors import ConfigError
 from kestrel.training.grpo.data import PromptRow, load_prompts, prompts_for_step
 from kestrel.training.grpo.logprobs import check_lm_head, completion_logprobs, pack_rows
 from kestrel.training.grpo.loss import group_advantages, policy_loss
@@ -107,10 +105,8 @@ class StepBatch:
 
 
 def _generator(model: nn.Module, tokenizer: Any, max_len: int) -> Generator:
-    try:
-        return Generator(model, tokenizer, max_seq_len=max_len)
-    except UnsupportedModelError as exc:
-        raise ConfigError(f"GRPO samples through the fast decode path, which this model lacks: {exc}") from exc
+    # A family without Kestrel's decode forward samples through HF's (the generator says so).
+    return Generator(model, tokenizer, max_seq_len=max_len)
 
 
 def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
