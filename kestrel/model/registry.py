@@ -44,6 +44,8 @@ class FamilySpec:
     # more than attention + MLP, e.g. Qwen3.5's linear attention or Gemma 4's per-layer inputs).
     levels: frozenset[str] = ALL_LEVELS
     linear_attention_class: str | None = None  # gated-delta-rule layers (Qwen3.5), `kestrel.model.linear_attention`
+    # Linears beyond attention + MLP that "every linear" LoRA also covers (linear attention's projections).
+    extra_lora_targets: tuple[str, ...] = ()
     attn_output_gate: bool = False  # q_proj yields (query, gate) per head; output * sigmoid(gate) (Qwen3.5)
     decode: bool = True  # Kestrel's decode forward (`kestrel.decode.model`) covers it; else HF's cached forward
     gguf: bool = True  # `kestrel.export` writes its GGUF (llama.cpp's tensor layout is mapped)
@@ -135,6 +137,7 @@ FAMILIES: dict[str, FamilySpec] = {
             qk_norm=True,
             attn_output_gate=True,
             linear_attention_class="Qwen3_5GatedDeltaNet",
+            extra_lora_targets=("in_proj_qkv", "in_proj_z", "out_proj"),
             levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "causal_lm")),
             decode=False,
             gguf=False,
