@@ -61,6 +61,20 @@ def freeze_outside_language_model(model: nn.Module) -> int:
     return frozen
 
 
+def causal_lm_name(name: str) -> str:
+    """A tensor or module name of an image-text checkpoint as the family's text-only causal LM
+    names it: the `language_model` segment dropped (`language_model.model.layers.0...`, as HF
+    saves Gemma 3 and Mistral 3, and `model.language_model.layers.0...`, as it saves Qwen3.5 and
+    names the modules at run time, both become `model.layers.0...`). Other names are unchanged."""
+    return ".".join(part for part in name.split(".") if part != "language_model")
+
+
+def is_language_tensor(name: str) -> bool:
+    """Whether checkpoint tensor `name` of an image-text model belongs to its language model."""
+    parts = name.split(".")
+    return "language_model" in parts or parts[0] == HEAD
+
+
 def lora_targets(model: nn.Module, targets: list[str]) -> list[str]:
     """PEFT `target_modules` for LoRA on `targets` (short names such as "q_proj"): the names
     themselves for a text-only model; for an image-text model the qualified names of the
