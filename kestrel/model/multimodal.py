@@ -14,14 +14,9 @@ from typing import Any
 
 from torch import nn
 
-from kestrel.model.registry import FamilySpec, family_for
+from kestrel.model.registry import FamilySpec, family_for, is_image_text
 
 HEAD = "lm_head"
-
-
-def is_image_text(config: Any) -> bool:
-    """True for the config of an image-text checkpoint (one with a vision tower)."""
-    return getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
 
 
 def language_stack(model: nn.Module, spec: FamilySpec | None = None) -> tuple[str, nn.Module]:

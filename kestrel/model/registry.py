@@ -183,13 +183,24 @@ def family_of(model_type: str) -> FamilySpec | None:
     return FAMILIES.get(model_type)
 
 
+def _field(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
 def text_config(config: Any) -> Any:
-    """The language model's config: `config` itself, or an image-text model's `text_config`."""
-    inner = getattr(config, "text_config", None)
-    return inner if inner is not None and getattr(config, "vision_config", None) is not None else config
+    """The language model's config (a config object or a config.json dict): `config` itself, or
+    an image-text model's `text_config`."""
+    inner = _field(config, "text_config")
+    return inner if inner is not None and _field(config, "vision_config") is not None else config
+
+
+def is_image_text(config: Any) -> bool:
+    """True for the config (object or config.json dict) of an image-text checkpoint (one with a vision tower)."""
+    return text_config(config) is not config
 
 
 def family_for(config: Any) -> FamilySpec | None:
-    """The family of a model's language model: `config.model_type`, else (an image-text
-    checkpoint such as Gemma 3 4B, Qwen3.5 or Mistral 3) its `text_config.model_type`."""
-    return family_of(getattr(config, "model_type", "")) or family_of(getattr(text_config(config), "model_type", ""))
+    """The family of a model's language model (config object or config.json dict):
+    `model_type`, else (an image-text checkpoint such as Gemma 3 4B, Qwen3.5 or Mistral 3) its
+    `text_config`'s."""
+    return family_of(_field(config, "model_type") or "") or family_of(_field(text_config(config), "model_type") or "")
