@@ -89,3 +89,32 @@ def test_chat_gives_hf_greedy_tokens(kind: str, image_text_dir) -> None:
     with torch.no_grad():
         ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 11:].tolist()
     assert ours == ref
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
+def test_a_training_run_on_an_image_text_folder(kind: str, image_text_dir, tmp_path: Path) -> None:
+    """The product's run: recomputed layers start at the language model's first decoder layer (the
+    vision encoder's come first in module order), the adapter saved covers the language model only."""
+    import json
+
+    from kestrel.config import config_from_dict
+    from kestrel.recompute import checkpoint as checkpointing
+    from kestrel.training.run import run
+
+    firsts: list[str] = []
+    real = checkpointing._first_decoder_layer
+
+    def spy(model: torch.nn.Module, layers: list[torch.nn.Module]) -> torch.nn.Module | None:
+        first = real(model, layers)
+        firsts.append(type(first).__name__)
+        return first
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpointing, "_first_decoder_layer", spy)
+        result = run(config_from_dict(dict(
+            model=str(image_text_dir(kind)), dataset="arithmetic_chat", output_dir=str(tmp_path), max_seq_length=64,
+            batch_size=2, max_steps=3, learning_rate=1e-3, save_steps=0, seed=0, gradient_checkpointing="standard")))
+    assert result.status == "completed", result
+    assert firsts and all(name.endswith("DecoderLayer") for name in firsts), firsts
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert all("language_model" in name for name in adapter["target_modules"])
