@@ -173,6 +173,16 @@ def runs_varlen(model: nn.Module) -> bool:
     return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout) is not None
 
 
+def packing_refusal(model: nn.Module) -> str | None:
+    """Why `model` must not train on packed rows (several samples side by side in one row), or
+    None. Attention keeps inside each sample (masks, varlen); a recurrent layer would not."""
+    spec = family_for(model.config)
+    if spec is not None and spec.linear_attention_class:
+        return (f"{spec.model_type}'s linear-attention layers would carry their state (and short convolution) "
+                "from one packed sample into the next")
+    return None
+
+
 def unpatch_model(model: nn.Module) -> None:
     """Undo every patch on `model` (LoRA-layer patches included)."""
     handle = _find_handle(model)

@@ -29,7 +29,7 @@ from kestrel.data import BatchPlan, load_conversations, tokenize_all
 from kestrel.data.tokenize import IGNORE
 from kestrel.model.forwards import shift_labels
 from kestrel.model.loader import load
-from kestrel.model.patching import runs_varlen
+from kestrel.model.patching import packing_refusal, runs_varlen
 from kestrel.model.lora import trainable_parameters
 from kestrel.training.metrics import Callback, memory_metrics
 from kestrel.training.recipe import (
@@ -58,8 +58,10 @@ class Session:
 
 
 
-def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False) -> BatchPlan:
-    """The dataset read, tokenized and planned into batches (`flat`: `BatchPlan`'s)."""
+def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False,
+                 packing: bool | None = None) -> BatchPlan:
+    """The dataset read, tokenized and planned into batches (`flat`: `BatchPlan`'s; `packing`:
+    None = the config's)."""
     fmt, convs, bad = load_conversations(config.dataset, config.dataset_format, config.columns, config.system_prompt)
     data = tokenize_all(tokenizer, convs, config.max_seq_length, config.train_on_responses_only, config.dataset)
     cb.on_log(f"dataset {config.dataset}: format {fmt}, {len(convs)} rows used, {len(bad)} bad rows skipped")
@@ -70,7 +72,8 @@ def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool =
     if data.fully_masked:
         cb.on_log(f"{data.fully_masked} rows had no trained tokens left and were dropped")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return BatchPlan(data.samples, config.batch_size, config.packing, config.max_seq_length, pad, config.seed, flat)
+    packing = config.packing if packing is None else packing
+    return BatchPlan(data.samples, config.batch_size, packing, config.max_seq_length, pad, config.seed, flat)
 
 
 
@@ -83,7 +86,10 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> Session:
         config.model, config.max_seq_length, load_in_4bit=config.load_in_4bit, dtype=config.dtype, patch=config.fast_kernels
     )
     device = next(model.parameters()).device
-    plan = prepare_data(config, tokenizer, cb, flat=runs_varlen(model))
+    refusal = packing_refusal(model) if config.packing else None
+    if refusal:
+        cb.on_log(f"packing off: {refusal}; each row holds one sample")
+    plan = prepare_data(config, tokenizer, cb, flat=runs_varlen(model), packing=config.packing and refusal is None)
     model, recompute = prepare_model(config, model, output_dir, cb)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}): {trainable:,} of {total:,} parameters trainable, on {device}")
