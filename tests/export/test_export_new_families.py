@@ -58,6 +58,18 @@ def test_image_text_gguf_holds_the_language_model(kind: str, tokenizers: dict, t
     assert any("vision tower is not exported" in n for n in result.notes)
 
 
+@pytest.mark.parametrize("kind,quant", [("gemma3", "q8_0"), ("mistral3", "q4_k_m")])
+def test_image_text_quantized_gguf_answers(kind: str, quant: str, tokenizers: dict, tmp_path: Path) -> None:
+    folder = save_tiny_image_text_model(kind, tokenizers[STYLE[kind]], tmp_path / kind)
+    result = export(folder, "gguf", tmp_path / "out", quant=quant)
+    check = result.checks[f"gguf_{quant}"]
+    assert result.passed and check.passed and check.top1_agreement >= 0.6, result.summary()
+    assert result.checks["chat_template"]["jinja_matches"]
+    stops = {"gemma3": ["<end_of_turn>", "<eos>"], "mistral3": ["</s>"]}[kind]
+    assert result.checks["modelfile"]["stops"] == stops
+    assert all(f'PARAMETER stop "{stop}"' in (tmp_path / "out" / "Modelfile").read_text() for stop in stops)
+
+
 @pytest.mark.parametrize("kind", IMAGE_TEXT)
 def test_image_text_merged_export_keeps_the_whole_model(kind: str, tokenizers: dict, tmp_path: Path) -> None:
     folder = save_tiny_image_text_model(kind, tokenizers[STYLE[kind]], tmp_path / kind)
