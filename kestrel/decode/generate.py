@@ -495,13 +495,6 @@ def _default_max_seq_len(model: Any) -> int:
 
 
 def _decode_model(model: Any, max_seq_len: int, fuse: bool | None) -> DecodeBackend:
-    """Kestrel's decode forward, or Hugging Face's cached forward for a family it does not cover."""
-    from kestrel.decode.hf_backend import HFDecodeBackend
-    from kestrel.decode.model import DecodeModel, UnsupportedModelError
+    from kestrel.decode.hf_backend import decode_backend
 
-    try:
-        return DecodeModel(model, max_seq_len, fuse)
-    except UnsupportedModelError as exc:
-        log.warning("Kestrel's fast decode path does not cover this model (%s); generating through "
-                    "Hugging Face's forward and cache (slower, same tokens).", exc)
-        return HFDecodeBackend(model)
+    return decode_backend(model, max_seq_len, fuse)

@@ -36,6 +36,18 @@ class HFCache:
     past: Any = field(default=None)
 
 
+def decode_backend(model: nn.Module, max_seq_len: int, fuse: bool | None) -> Any:
+    """Kestrel's decode forward (`DecodeModel`), or this backend for a family it does not cover."""
+    from kestrel.decode.model import DecodeModel, UnsupportedModelError
+
+    try:
+        return DecodeModel(model, max_seq_len, fuse)
+    except UnsupportedModelError as exc:
+        log.warning("Kestrel's fast decode path does not cover this model (%s); generating through "
+                    "Hugging Face's forward and cache (slower, same tokens).", exc)
+        return HFDecodeBackend(model)
+
+
 class HFDecodeBackend:
     """`DecodeBackend` over a Hugging Face causal LM (or image-text model, or its PEFT wrapper)."""
 
