@@ -11,13 +11,15 @@ point at `RUN/adapter` (or `RUN/model`) for the final weights.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kestrel.errors import ConfigError, KestrelError
-from kestrel.model.registry import FamilySpec, SUPPORTED, family_of
+from kestrel.model.multimodal import is_image_text
+from kestrel.model.registry import FamilySpec, SUPPORTED, family_for, text_config
 from kestrel.model.safe_weights import refuse_pickled
 from kestrel.safe_yaml import read_config_file
 from kestrel.training.best import BEST_DIR, read_best
@@ -32,10 +34,25 @@ class ExportSource:
     name: str
     model_dir: Path
     config: Any  # transformers PretrainedConfig of model_dir
-    family: FamilySpec
+    family: FamilySpec  # of its language model
     adapter_dir: Path | None = None
     method: str | None = None  # from the run's config.yaml: qlora, lora, full, grpo
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def image_text(self) -> bool:
+        """An image-text checkpoint: GGUF export writes its language model."""
+        return is_image_text(self.config)
+
+    @property
+    def lm_config(self) -> Any:
+        """The language model's config (an image-text model's text config, whose output head
+        is tied as the whole model's is)."""
+        if not self.image_text:
+            return self.config
+        config = copy.deepcopy(text_config(self.config))
+        config.tie_word_embeddings = bool(getattr(self.config, "tie_word_embeddings", False))
+        return config
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -147,7 +164,7 @@ def resolve_source(source: str | Path) -> ExportSource:
     assert model_dir is not None
     _check_weights(model_dir)
     config = load_config(model_dir)
-    family = family_of(getattr(config, "model_type", ""))
+    family = family_for(config)
     if family is None:
         raise KestrelError(
             f"export does not support the {config.model_type!r} architecture (from {model_dir}/config.json); "

@@ -4,7 +4,9 @@
     model, tokenizer = load("/models/llama-3.1-8b", 4096, load_in_4bit=True)
 
 The model comes back patched onto Kestrel's fast paths (`kestrel.model.patching`) when its family is
-registered; an unknown family loads unpatched with a one-line notice.
+registered; an unknown family loads unpatched with a one-line notice. An image-text checkpoint
+(Gemma 3 4B+, Gemma 4, Qwen3.5, Mistral 3) loads whole, its vision tower frozen: training on text
+changes only its language model (`kestrel.model.multimodal`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
+)
 
 from kestrel.constants import DEMO
 from kestrel.errors import ModelLoadError
 from kestrel.paths import ASSETS, models_dir
+from kestrel.model.multimodal import freeze_outside_language_model, is_image_text
 from kestrel.model.patching import PatchFlags, patch_model
 from kestrel.model.safe_weights import refuse_pickled
 
@@ -134,7 +139,8 @@ def load(
         kwargs["device_map"] = {"": dev.index or 0}
     try:
         tokenizer = load_tokenizer(path, max_seq_length)
-        hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        auto = AutoModelForImageTextToText if is_image_text(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
+        hf_model = auto.from_pretrained(path, **kwargs)
     except OSError as exc:
         if Path(path).exists():
             raise ModelLoadError(f"could not load model from {path}: {exc}") from exc
@@ -152,6 +158,10 @@ def load(
         hf_model.to(dev)
     hf_model.config.use_cache = False
     hf_model.kestrel_max_seq_length = max_seq_length
+    frozen = freeze_outside_language_model(hf_model)
+    if frozen:
+        log.info("%s is an image-text model: its language model trains on text, %d vision/projector "
+                 "parameters stay frozen", type(hf_model).__name__, frozen)
     if patch:
         patch_model(hf_model, patch if isinstance(patch, PatchFlags) else PatchFlags())
     return hf_model, tokenizer

@@ -7,9 +7,11 @@ from pathlib import Path
 
 from torch import nn
 
-from kestrel.config import LoraSettings
+from kestrel.config import ALL_LINEAR, LoraSettings
 from kestrel.errors import ConfigError
+from kestrel.model.multimodal import lora_targets
 from kestrel.model.patching import patch_lora_layers
+from kestrel.model.registry import family_for
 from kestrel.model.safe_weights import refuse_pickled
 
 log = logging.getLogger("kestrel")
@@ -51,23 +53,27 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         return peft_model
 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in settings.targets if t not in present]
+    targets = list(settings.targets)
+    missing = [t for t in targets if t not in present]
     if missing:
         raise ConfigError(
             f"lora.targets {missing} are not modules of this model; it has e.g. "
             + ", ".join(sorted(n for n in present if n.endswith("proj"))[:10])
         )
+    spec = family_for(model.config)
+    if spec is not None and set(ALL_LINEAR) <= set(targets):  # "every linear" includes the family's others
+        targets += [t for t in spec.extra_lora_targets if t not in targets and t in present]
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=list(settings.targets),
+        target_modules=lora_targets(model, targets),  # an image-text model: its language model only
         bias="none",
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)
     patched = patch_lora_layers(peft_model)
-    log.info("LoRA r=%d on %s; %d layers on the fused path", settings.r, ",".join(settings.targets), patched)
+    log.info("LoRA r=%d on %s; %d layers on the fused path", settings.r, ",".join(targets), patched)
     return peft_model
 
 

@@ -90,6 +90,18 @@ VRAM_CPU = ("No NVIDIA GPU found: training runs on the CPU, which works for the 
 VRAM_PICKED = "No NVIDIA GPU here; for the card you picked: "
 TR_GPU = "GPU to estimate for (this machine has none)"
 VRAM_UNKNOWN = "No estimate: {reason}"
+# How much of the chosen model Kestrel's fast path covers (under the memory estimate).
+FAMILY_TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma 3",
+                 "qwen3_5_text": "Qwen3.5", "gemma4_text": "Gemma 4"}
+PATH_FULL = "⚡ **{family}**: on Kestrel's fast path (its kernels, padding-free packing, fast decode)."
+PATH_PARTIAL = ("⚡ **{family}**: partly on Kestrel's fast path ({levels}); its other modules run Hugging Face's "
+                "code{decode}.")
+PATH_HF_DECODE = ", and chat and GRPO rollouts decode through Hugging Face's forward"
+PATH_NONE = ("🐢 No fast path for model type `{model_type}` yet: it trains through plain Hugging Face (slower, and "
+             "more memory than estimated), and chat decodes through Hugging Face's forward.")
+PATH_IMAGE_TEXT = " An image-text model: its language model trains on text, the vision tower stays frozen."
+PATH_LEVELS = {"rms_norm": "norms", "attention": "attention", "linear_attention": "linear attention", "mlp": "MLP",
+               "decoder_layer": "layers", "model": "packing", "causal_lm": "chunked loss"}
 VRAM_HOST = ("{verdict_icon} Offloaded layer inputs: **{host:.1f} GiB** of host RAM "
              "(this machine has {ram:.1f} GiB): **{verdict}**.")
 VRAM_HOST_NO_RAM = "Offloaded layer inputs: **{host:.1f} GiB** of host RAM (this machine's RAM is unknown)."

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from kestrel.config import TrainConfig
 from kestrel.errors import TrainingDivergedError
 from kestrel.model.lora import attach_lora
+from kestrel.model.multimodal import freeze_outside_language_model
 from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
 from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
@@ -100,6 +101,7 @@ def prepare_model(
     if config.trains_all_weights:
         for p in model.parameters():
             p.requires_grad_(True)
+        freeze_outside_language_model(model)  # an image-text model's vision tower stays as it is
     else:
         for p in model.parameters():
             p.requires_grad_(False)

@@ -29,7 +29,7 @@ from kestrel.data import BatchPlan, Conversation, load_conversations, tokenize_a
 from kestrel.data.tokenize import IGNORE
 from kestrel.model.forwards import shift_labels
 from kestrel.model.loader import load
-from kestrel.model.patching import runs_varlen
+from kestrel.model.patching import packing_refusal, runs_varlen
 from kestrel.model.lora import trainable_parameters
 from kestrel.training.distributed import World
 from kestrel.training.evaluation import Evaluator
@@ -64,10 +64,10 @@ class Session:
 
 
 def prepare_data(
-    config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False
+    config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False, packing: bool | None = None
 ) -> tuple[BatchPlan, list[Conversation]]:
     """The dataset read, the eval rows held out (`held_out`), the rest tokenized and planned into
-    batches (`flat`: `BatchPlan`'s). Returns the plan and the eval rows."""
+    batches (`flat`: `BatchPlan`'s; `packing`: None = the config's). Returns the plan and the eval rows."""
     fmt, convs, bad = load_conversations(config.dataset, config.dataset_format, config.columns, config.system_prompt)
     convs, eval_convs = held_out(config, convs, cb)
     data = tokenize_all(tokenizer, convs, config.max_seq_length, config.train_on_responses_only, config.dataset)
@@ -79,7 +79,8 @@ def prepare_data(
     if data.fully_masked:
         cb.on_log(f"{data.fully_masked} rows had no trained tokens left and were dropped")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    plan = BatchPlan(data.samples, config.batch_size, config.packing, config.max_seq_length, pad, config.seed, flat)
+    packing = config.packing if packing is None else packing
+    plan = BatchPlan(data.samples, config.batch_size, packing, config.max_seq_length, pad, config.seed, flat)
     return plan, eval_convs
 
 
@@ -93,7 +94,11 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
         config.model, config.max_seq_length, load_in_4bit=config.load_in_4bit, dtype=config.dtype, patch=config.fast_kernels
     )
     device = next(model.parameters()).device
-    plan, eval_convs = prepare_data(config, tokenizer, cb, flat=runs_varlen(model))
+    refusal = packing_refusal(model) if config.packing else None
+    if refusal:
+        cb.on_log(f"packing off: {refusal}; each row holds one sample")
+    plan, eval_convs = prepare_data(config, tokenizer, cb, flat=runs_varlen(model),
+                                    packing=config.packing and refusal is None)
     model, recompute = prepare_model(config, model, output_dir, cb, world)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}): {trainable:,} of {total:,} parameters trainable, on {device}")

@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from kestrel.decode.adapters import LoraCall
 from kestrel.decode.generate import Generator
-from kestrel.model.registry import SUPPORTED
+from kestrel.model.registry import DECODE_FAMILIES as SUPPORTED
 from tests.decode.test_decode_hf import _hf_greedy, _model, _prompt, _with_adapters
 
 

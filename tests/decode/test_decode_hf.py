@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 from kestrel.decode.generate import Generator
 from kestrel.decode.sampling import SamplingParams
-from kestrel.model.registry import SUPPORTED
+from kestrel.model.registry import DECODE_FAMILIES, SUPPORTED
 from tests.support.tiny import tiny_model
 
 VOCAB = 320
@@ -71,7 +71,7 @@ def test_greedy_matches_hf_generate(family: str) -> None:
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("family", SUPPORTED)
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
 def test_prefill_logits_match_hf(family: str, kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill's last logits and the cache it writes; with KESTREL_KERNELS=triton its norms and
     RoPE run as the Triton kernels (interpreted here), as on CUDA. Two left-padded rows."""
@@ -133,7 +133,7 @@ def test_stop_token_ends_the_row_and_is_kept() -> None:
     assert out.finish_reasons == ["stop"]
 
 
-@pytest.mark.parametrize("family", SUPPORTED)
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
 def test_unmerged_adapters_match_peft_and_switch_per_request(family: str) -> None:
     peft = _with_adapters(_model(family))
     gen = Generator(peft, max_seq_len=256, stop_ids=[])

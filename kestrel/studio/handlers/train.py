@@ -29,6 +29,7 @@ import yaml
 from kestrel.constants import merge, slug
 from kestrel.config import TrainConfig, config_from_dict
 from kestrel.errors import ConfigError, DatasetError, KestrelError
+from kestrel.model.registry import ALL_LEVELS, family_for, is_image_text
 from kestrel.training.estimate import (
     GIB, MemoryEstimate, common_gpu, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
     shape_from_config, training_rows, verdict,
@@ -284,17 +285,33 @@ def _host_text(est: MemoryEstimate, method: str) -> str:
     return "\n\n" + text
 
 
+def fast_path_text(config: dict[str, Any]) -> str:
+    """How much of the model in `config` (a config.json dict) Kestrel's fast path covers, as one
+    markdown line: all of it, part of it (which modules), or none (plain Hugging Face)."""
+    spec = family_for(config)
+    image_text = S.PATH_IMAGE_TEXT if is_image_text(config) else ""
+    if spec is None:
+        return S.PATH_NONE.format(model_type=config.get("model_type", "?")) + image_text
+    title = S.FAMILY_TITLES.get(spec.model_type, spec.model_type)
+    if ALL_LEVELS <= spec.levels and spec.decode:
+        return S.PATH_FULL.format(family=title) + image_text
+    levels = ", ".join(S.PATH_LEVELS[level] for level in sorted(spec.levels))
+    decode = "" if spec.decode else S.PATH_HF_DECODE
+    return S.PATH_PARTIAL.format(family=title, levels=levels, decode=decode) + image_text
+
+
 def vram_text(data: dict[str, Any], picked_gpu: str | None = None) -> str:
     """The memory estimate for this config against the detected GPU, or on a machine without one
     against `picked_gpu` (a name of `COMMON_GPUS_MIB`), as one markdown line (and a second for the
-    host RAM of offloaded layer inputs)."""
+    host RAM of offloaded layer inputs), then how much of the model the fast path covers."""
     config = model_config(str(data.get("model", "")))
     if config is None:
         return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read (not downloaded yet, or not valid JSON)")
+    path = "\n\n" + fast_path_text(config)
     try:
         shape = shape_from_config(config)
     except ValueError as exc:
-        return S.VRAM_UNKNOWN.format(reason=str(exc))
+        return S.VRAM_UNKNOWN.format(reason=str(exc)) + path
     lora, grpo = data.get("lora", {}), data.get("grpo", {})
     method, rows = training_rows(data["method"], data.get("preference", {}).get("finetune", "lora"),
                                  int(data["batch_size"]))
@@ -305,14 +322,14 @@ def vram_text(data: dict[str, Any], picked_gpu: str | None = None) -> str:
     gpu = _gpu()
     picked = common_gpu(picked_gpu) if gpu is None else None
     if gpu is None and picked is None:
-        return S.VRAM_CPU.format(total=est.total_bytes / GIB) + _host_text(est, data["method"])
+        return S.VRAM_CPU.format(total=est.total_bytes / GIB) + _host_text(est, data["method"]) + path
     name, capacity = gpu or picked  # type: ignore[misc]
     v = verdict(est.total_bytes, capacity)
     prefix = S.VRAM_PICKED if picked else ""
     return prefix + S.VRAM_LINE.format(
         verdict_icon=S.VRAM_ICONS[v], verdict=v, gpu=name, capacity=capacity / GIB, total=est.total_bytes / GIB,
         weights=est.weights / GIB, optimizer=est.optimizer / GIB, activations=est.activations / GIB,
-        other=(est.extra + est.overhead) / GIB, trainable=f"{est.trainable:,}") + _host_text(est, data["method"])
+        other=(est.extra + est.overhead) / GIB, trainable=f"{est.trainable:,}") + _host_text(est, data["method"]) + path
 
 
 def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "", gpu: str | None = None) -> dict[str, Any]:
