@@ -211,9 +211,11 @@ def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch:
         assert "Offloaded layer inputs" not in train.preview(extra, *values)["vram"]
 
 
-def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(tmp_path: Path) -> None:
+def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(kestrel_home: Path) -> None:
     """Full, partial (which modules; chat through HF), none (plain HF), and image-text models."""
     import json
+
+    tmp_path = kestrel_home / "models"  # the studio reads local models inside KESTREL_HOME only
 
     from kestrel.model.registry import SUPPORTED
 
@@ -227,7 +229,7 @@ def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(tmp_path: 
                               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
                               "linear_value_head_dim": 8}}
     for name, config in (("qwen35", qwen35), ("gpt2", {"model_type": "gpt2", "n_embd": 32})):
-        (tmp_path / name).mkdir()
+        (tmp_path / name).mkdir(parents=True)
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     extra, values = form(model_source="local", model=str(tmp_path / "qwen35"))
     text = train.preview(extra, *values)["vram"]

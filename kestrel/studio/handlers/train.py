@@ -362,20 +362,6 @@ def gpu_picker() -> dict[str, Any]:
     return {"gpu": gr.update(visible=_gpu() is None)}
 
 
-def _check_types(data: dict[str, Any]) -> None:
-    """Name the key of a value of the wrong type (`batch_size: many`), which the config's range
-    checks would otherwise report as a bare comparison error."""
-    for key, value in _flatten(data).items():
-        field = FIELD_BY_KEY.get(key)
-        if field is None or value is None:
-            continue
-        numeric = field.kind in ("int", "opt_int", "float", "opt_float")
-        if numeric and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(S.ERR_YAML_NUMBER.format(key=key, value=value))
-        if field.kind == "bool" and not isinstance(value, bool):
-            raise ConfigError(S.ERR_YAML_BOOL.format(key=key, value=value))
-
-
 def _fill(cfg: TrainConfig, status: str) -> dict[str, Any]:
     out = config_to_form(cfg.to_dict())
     out.update(_rendered(cfg, cfg.to_dict(), status))
@@ -388,7 +374,6 @@ def apply_yaml(text: str, allow_custom: bool = False) -> dict[str, Any]:
 
     The text is read by `kestrel.safe_yaml` (size, depth and alias-expansion limits), as files are."""
     data = parse_config_text(text or "", "the YAML box")
-    _check_types(data)
     return _fill(studio_config(data, allow_custom), S.TR_YAML_APPLIED)
 
 
@@ -400,7 +385,6 @@ def load_yaml_file(path: str | None, allow_custom: bool = False) -> dict[str, An
     if Path(path).suffix.lower() not in YAML_EXTENSIONS:  # the upload button's file_types, checked here too
         raise ConfigError(S.ERR_EXTENSION.format(name=Path(path).name, allowed=", ".join(YAML_EXTENSIONS)))
     data = read_config_file(path, f"the file {Path(path).name}")
-    _check_types(data)
     return _fill(studio_config(data, allow_custom), S.TR_YAML_APPLIED)
 
 
@@ -505,25 +489,24 @@ def start_training(extra: dict[str, Any] | None, *args: Any, allow_custom: bool 
     worker (which runs in another folder) reads and writes exactly there."""
     from kestrel import jobs
 
-    cfg = studio_config(form_to_config(_values(args), extra), allow_custom)
-    data = cfg.to_dict()
-    if data["model"] != DEMO and is_local(data["model"]):
-        data["model"] = str(files.studio_folder(data["model"], "model"))
-    if data["lora"].get("init_from"):
-        data["lora"]["init_from"] = str(files.studio_folder(data["lora"]["init_from"], "lora.init_from", runs_dir()))
-    check_model(data["model"], look_up=True)  # an unknown hub id is refused now, not 25 s into the job
-    dataset = files.studio_dataset(data["dataset"])
+    cfg = studio_config(form_to_config(_values(args), extra), allow_custom)  # the one validation of the form
+    if cfg.model != DEMO and is_local(cfg.model):
+        cfg.model = str(files.studio_folder(cfg.model, "model"))
+    if cfg.lora.init_from:
+        cfg.lora.init_from = str(files.studio_folder(cfg.lora.init_from, "lora.init_from", runs_dir()))
+    check_model(cfg.model, look_up=True)  # an unknown hub id is refused now, not 25 s into the job
+    dataset = files.studio_dataset(cfg.dataset)
     if not dataset.is_file():
-        raise DatasetError(S.ERR_DATASET_MISSING.format(path=data["dataset"]))
-    data["dataset"] = str(dataset)
-    if data.get("output_dir"):
-        data["output_dir"] = str(files.studio_output_dir(data["output_dir"]))
+        raise DatasetError(S.ERR_DATASET_MISSING.format(path=cfg.dataset))
+    cfg.dataset = str(dataset)
+    if cfg.output_dir:
+        cfg.output_dir = str(files.studio_output_dir(cfg.output_dir))
     if cfg.load_in_4bit and not any(d.startswith("cuda") for d in jobs.available_devices()):
         raise ConfigError(S.ERR_QLORA_CPU)
-    same = _duplicate_of(data)
+    same = _duplicate_of(cfg.to_dict())
     if same is not None:
         raise ConfigError(S.TR_TWICE.format(job=same.id, status=same.status))
-    job_id = jobs.submit(data)
+    job_id = jobs.submit(cfg)  # the checked TrainConfig itself: not parsed and validated a second time
     job = jobs.get_job(job_id)
     running = [j.id for j in jobs.list_jobs(status="running") if j.id != job_id]
     if job.status == "queued" and running:
