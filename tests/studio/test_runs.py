@@ -254,3 +254,11 @@ def test_a_run_started_from_the_command_line_is_listed_and_follows_the_runs_tab(
     done = jobs.get_job(job.id)
     assert done.status == "interrupted" and done.step >= 3, (done.status, done.step)
     assert runs.refresh(job.id, {})["resume"]["interactive"]
+
+
+def test_a_run_on_several_gpus_charts_each_gpus_peak_memory() -> None:
+    job_id = jobs.submit(CONFIG, start=False)
+    queries.write_metrics(job_id, [(1, "vram_peak_gib", 16.3), (1, "vram_peak_gib/gpu0", 16.3),
+                                   (1, "vram_peak_gib/gpu1", 16.1), (1, "vram_alloc_gib/gpu1", 9.0)])
+    names = set(runs.chart_frames(jobs.get_job(job_id))["chart_memory"]["name"])
+    assert names == {"vram_peak_gib", "vram_peak_gib/gpu0", "vram_peak_gib/gpu1"}

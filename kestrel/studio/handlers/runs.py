@@ -31,7 +31,8 @@ BAR_CELLS = 12
 # chart key -> metric names drawn on it (a name ending in "*" is a prefix)
 CHART_SERIES: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "eval_loss"), "lr": ("lr",), "grad_norm": ("grad_norm",), "tokens_per_s": ("tokens_per_s",),
-    "memory": ("vram_alloc_gib", "vram_peak_gib"), "reward": ("reward*",), "kl": ("kl",),
+    # a run on several GPUs adds each GPU's peak (vram_peak_gib/gpuN)
+    "memory": ("vram_alloc_gib", "vram_peak_gib", "vram_peak_gib/gpu*"), "reward": ("reward*",), "kl": ("kl",),
 }
 GRPO_CHARTS = ("reward", "kl")
 REWARD_KINDS = ("grpo", "preference")  # jobs whose metrics the reward and KL charts draw
