@@ -15,7 +15,7 @@ from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE
 @dataclass(frozen=True)
 class Field:
     key: str  # dotted TrainConfig key
-    kind: str  # int | float | opt_int | opt_float | bool | choice | text | opt_text | multi | rewards
+    kind: str  # int | float | opt_int | opt_float | bool | choice | text | opt_text | multi | rewards | devices
     section: str  # main | advanced | grpo | preference
     choices: tuple[str, ...] = ()
     step: float | None = None  # the Number widget's step
@@ -39,6 +39,7 @@ FIELDS: tuple[Field, ...] = (
     Field("train_on_responses_only", "bool", "advanced"),
     Field("save_steps", "int", "advanced", step=10),
     Field("seed", "int", "advanced", step=1),
+    Field("devices", "devices", "advanced"),
     Field("dtype", "choice", "advanced", DTYPES),
     Field("warmup_steps", "int", "advanced", step=1),
     Field("lr_scheduler", "choice", "advanced", SCHEDULERS),

@@ -122,7 +122,8 @@ FIELD_LABELS = {
     "grpo.rewards": "Rewards (one per row; the weighted sum is the reward)",
     "lora.init_from": "Start from adapter (optional: a LoRA run's folder, e.g. for GRPO after SFT)", "packing": "Packing",
     "train_on_responses_only": "Train on responses only", "gradient_checkpointing": "Gradient checkpointing",
-    "save_steps": "Save every N steps (0: only at the end)", "seed": "Seed", "dtype": "Compute dtype",
+    "save_steps": "Save every N steps (0: only at the end)", "seed": "Seed",
+    "devices": "Devices (1; a count N; auto = every GPU; or GPU ids such as 0,1)", "dtype": "Compute dtype",
     "warmup_steps": "Warmup steps", "lr_scheduler": "LR schedule", "weight_decay": "Weight decay",
     "max_grad_norm": "Max grad norm (0: no clipping)", "logging_steps": "Log every N steps",
     "dataset_format": "Dataset format", "system_prompt": "System prompt (added when a row has none)",
@@ -292,3 +293,5 @@ ERR_NO_TOKEN_COUNTS = " (no token counts: {error})"
 ERR_UNKNOWN_ACTION = "Unknown action {action!r}."
 ERR_WHOLE = "{field} must be a whole number, got {value!r}."
 ERR_PRESET = "Unknown preset {preset!r}."
+TR_DEVICES_FOUND = "GPUs found: {gpus}. Several devices train one run data parallel (LoRA, QLoRA; full fine-tuning sharded)."
+TR_DEVICES_NONE = "No GPU found: a count N runs N CPU processes (slow; for checking a multi-GPU config)."

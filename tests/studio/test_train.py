@@ -367,3 +367,12 @@ def test_start_looks_an_unknown_hub_id_up_before_queueing(fake_hub: str, monkeyp
     assert time.monotonic() - began < 10
     assert "not in the local Hugging Face cache, and the hub could not be reached" in error_text(excinfo)
     assert "offline" in error_text(excinfo) and jobs.list_jobs() == []
+
+
+def test_the_devices_box_reads_counts_auto_and_gpu_ids() -> None:
+    assert [train.devices_from_text(v) for v in ("", "2", "auto", "0, 1", " 3 ")] == [1, 2, "auto", [0, 1], 3]
+    extra, values = form(devices="0, 2")
+    assert "devices:\n- 0\n- 2" in train.preview(extra, *values)["yaml"]
+    extra, values = form(devices="two")
+    assert "devices must be auto" in train.preview(extra, *values)["status"]
+    assert train.config_to_form({"devices": [0, 1]})["devices"] == "0, 1"

@@ -25,6 +25,12 @@ def _widget(field: Field) -> gr.Component:
                             row_count=1, interactive=True, elem_id=eid)
     if field.kind in ("text", "opt_text"):
         return gr.Textbox(label=label, elem_id=eid)
+    if field.kind == "devices":  # the GPUs jobs may use, named so the user can pick among them
+        from kestrel.jobs import available_devices
+
+        found = [d for d in available_devices() if d != "cpu"]
+        info = S.TR_DEVICES_FOUND.format(gpus=", ".join(found)) if found else S.TR_DEVICES_NONE
+        return gr.Textbox(label=label, info=info, elem_id=eid)
     precision = 0 if field.kind.endswith("int") else None
     return gr.Number(label=label, step=field.step or 1e-5, precision=precision, elem_id=eid, min_width=140)
 

@@ -174,7 +174,25 @@ def _convert(key: str, value: Any) -> Any:
         return bool(value)
     if kind == "multi":
         return list(value or [])
+    if kind == "devices":
+        return devices_from_text(value)
     return str(value).strip() if kind == "opt_text" else value
+
+
+def devices_from_text(value: Any) -> Any:
+    """The Devices box as the config's `devices`: "auto", a count ("2"), GPU ids ("0, 1"); empty is
+    1. Anything else is passed on for the config to name."""
+    text = str(value if value is not None else "").strip()
+    if not text:
+        return 1
+    parts = [p.strip() for p in text.split(",")]
+    if all(p.isdigit() for p in parts):
+        return int(parts[0]) if len(parts) == 1 else [int(p) for p in parts]
+    return text
+
+
+def devices_to_text(value: Any) -> str:
+    return ", ".join(str(v) for v in value) if isinstance(value, list) else str(value)
 
 
 def form_to_config(values: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -199,6 +217,8 @@ def config_to_form(config: dict[str, Any]) -> dict[str, Any]:
         value = flat.get(key)
         if key in FIELD_BY_KEY and FIELD_BY_KEY[key].kind == "rewards":
             out[key] = rewards_to_table(value)
+        elif key in FIELD_BY_KEY and FIELD_BY_KEY[key].kind == "devices":
+            out[key] = devices_to_text(value if value is not None else 1)
         else:
             out[key] = list(value) if isinstance(value, list) else value
     extra: dict[str, Any] = {}
