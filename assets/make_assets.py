@@ -14,6 +14,10 @@ parameters) does not learn to add in minutes, so the samples are small enough to
   which SFT never shows: the SFT model gets about half of them right, the reward teaches the rest
   (assets/configs/demo_grpo.yaml).
 - `arithmetic_sharegpt` (200 rows) is the SFT kind of row in ShareGPT's layout.
+- `arithmetic_preferences` (DPO, ORPO, SimPO: prompt, chosen, rejected) asks every fact once; the
+  chosen answer is the worked right one, the rejected one the same working with a wrong value
+  (off by 1 to 3). `arithmetic_kto` (prompt, completion, label) holds each fact once, right
+  (label true) or wrong (false) at random. Their own random stream: the other samples stay as shipped.
 
 The demo tokenizer is a byte-level BPE with ChatML special tokens and chat template, trained on the
 first release of the samples (numbers 0..99; `_first_release`). Those texts are still generated,
@@ -106,6 +110,26 @@ def arithmetic_samples() -> dict[str, str]:
             "arithmetic_prompts.jsonl": _jsonl(prompts)}
 
 
+def _wrong(value: int, rng: random.Random) -> int:
+    """A plausible wrong value: off by 1 to 3, never negative."""
+    return rng.choice([v for v in range(value - 3, value + 4) if v != value and v >= 0])
+
+
+def preference_samples() -> dict[str, str]:
+    """File name -> text of the paired (DPO) and unpaired (KTO) arithmetic preference samples."""
+    rng = random.Random(2025)
+    pairs, kto = [], []
+    for fact in rng.sample(facts(), len(facts())):
+        q, right, _ = ask(fact, rng)
+        sign, a, b, value = fact
+        bad = _wrong(value, rng)
+        wrong = f"{a} {sign} {b} = {bad}. The answer is {bad}."
+        pairs.append({"prompt": q, "chosen": right, "rejected": wrong})
+        good = rng.random() < 0.5
+        kto.append({"prompt": q, "completion": right if good else wrong, "label": good})
+    return {"arithmetic_preferences.jsonl": _jsonl(pairs), "arithmetic_kto.jsonl": _jsonl(kto)}
+
+
 # --- the first release: word samples and the tokenizer's corpus -------------------------------
 
 _FIRST_QUESTIONS = [
@@ -178,6 +202,7 @@ def write_samples() -> None:
     first = _first_release()
     files = {name: first[name] for name in ("words_alpaca.json", "words_prompt_completion.csv")}
     files.update(arithmetic_samples())
+    files.update(preference_samples())
     for name, text in files.items():
         with open(DATA / name, "w", newline="") as f:
             f.write(text)

@@ -56,6 +56,23 @@ MODELS: dict[str, dict[str, Any]] = {
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                        rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
                        sliding_window=None, hidden_act="silu", tie_word_embeddings=False),
+    # --- issue 26's dense families: transformers 5.17's default configs, which its docs call the
+    # "Qwen3.5-9B style" and the google/gemma-4-e2b-it configuration (Gemma 4 E4B's values were not
+    # at hand offline; E2B is 5.1B parameters with its per-layer embeddings, 2.3B without).
+    # Qwen3.5: 3 of 4 layers gated-delta-rule linear attention; useful FLOPs count them as full attention.
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                       num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                       linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=32768,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+                       rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False),
+    # Gemma 4: 5 sliding layers (head_dim 256) to 1 full one (head_dim 512), per-layer input embeddings.
+    "gemma4-e2b": dict(model_type="gemma4_text", vocab_size=262144, hidden_size=2304, intermediate_size=9216,
+                       num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                       global_head_dim=512, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+                       sliding_window=512, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                       hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
 }
 
 # --- mixture of experts (issue 26, item 2): Qwen3-30B-A3B's and gpt-oss-20b's public configs ---
@@ -77,4 +94,5 @@ MOE_MODELS: dict[str, dict[str, Any]] = {
 MODELS.update(MOE_MODELS)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}

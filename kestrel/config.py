@@ -27,12 +27,17 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, REWARD_NAMES, merge
+from kestrel.config_devices import check_devices_setting
+from kestrel.config_evaluation import EarlyStoppingSettings, check_evaluation
+from kestrel.constants import (
+    DATASET_FORMATS, DPO_LOSS_TYPES, GRPO_LOSS_TYPES, PREFERENCE_FINETUNE, PREFERENCE_METHODS, REWARD_NAMES, merge,
+)
 from kestrel.errors import ConfigError
+from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
-METHODS = ("qlora", "lora", "full", "grpo")
+METHODS = ("qlora", "lora", "full", "grpo", *PREFERENCE_METHODS)
 CHECKPOINTING = ("off", "standard", "offload")
 SCHEDULERS = ("cosine", "linear", "constant")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -196,6 +201,40 @@ def custom_reward_refusal(path: str | None) -> str:
 
 
 @dataclass
+class PreferenceSettings:
+    """Preference training (method: dpo | orpo | kto | simpo). Names as TRL's configs spell them.
+
+    The reference policy (DPO, KTO) is the base with the adapter disabled: no second copy of the
+    weights. Full fine-tuning has no adapter to disable, so its reference log-probs are always
+    computed once before training (`precompute_ref_logps` is then implied)."""
+
+    finetune: str = "lora"  # lora | qlora (NF4 base) | full (every weight)
+    # dpo, kto: temperature of the implicit reward beta * log(pi / ref); higher stays nearer the
+    # reference. orpo: the weight of the odds-ratio term (the paper's lambda). simpo: reward scale.
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # dpo only: sigmoid (DPO) | ipo (IPO, per-token log-ratios) | hinge (SLiC)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin gamma
+    cpo_alpha: float = 0.0  # simpo: weight of an NLL term on the chosen answers (0 = pure SimPO)
+    desirable_weight: float = 1.0  # kto: weight of the losses of rows labelled desirable
+    undesirable_weight: float = 1.0  # kto: weight of the losses of rows labelled undesirable
+    # dpo, kto: reference log-probs computed once over the dataset before training (one extra
+    # no-grad pass up front instead of one per step); always on with finetune: full.
+    precompute_ref_logps: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.finetune in PREFERENCE_FINETUNE,
+               f"preference.finetune must be one of {', '.join(PREFERENCE_FINETUNE)}, got {_show(self.finetune)}")
+        _check(self.loss_type in DPO_LOSS_TYPES,
+               f"preference.loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {_show(self.loss_type)}")
+        _check(0 < self.beta <= 1000, f"preference.beta must be in (0, 1000], got {_show(self.beta)}")
+        _check(0 <= self.simpo_gamma <= 100, f"preference.simpo_gamma must be 0..100, got {_show(self.simpo_gamma)}")
+        _check(0 <= self.cpo_alpha <= 100, f"preference.cpo_alpha must be 0..100, got {_show(self.cpo_alpha)}")
+        for name in ("desirable_weight", "undesirable_weight"):
+            value = getattr(self, name)
+            _check(0 < value <= 1000, f"preference.{name} must be in (0, 1000], got {_show(value)}")
+
+
+@dataclass
 class PerformanceSettings:
     """Speed switches, saved with each run so it can be reproduced. `auto` chooses by measuring
     on the run's own shapes; the choice made is written to the run's log and metrics."""
@@ -218,7 +257,7 @@ class TrainConfig:
     """Everything one training run needs. The same fields are the YAML keys."""
 
     model: str = "demo"  # a hub id, a local folder, or `demo` (built in, offline)
-    method: str = "lora"  # qlora | lora | full | grpo
+    method: str = "lora"  # qlora | lora | full | grpo | dpo | orpo | kto | simpo
     dataset: str = "arithmetic_chat"  # a file (jsonl, json, csv, parquet) or a shipped sample name
     output_dir: str | None = None  # default: KESTREL_HOME/runs/<name>
     name: str | None = None  # run name; default derived from model and time
@@ -236,6 +275,9 @@ class TrainConfig:
     gradient_checkpointing: str = "standard"
     save_steps: int = 100  # 0 saves only at the end
     seed: int = 42
+    # 1, a count N (N GPUs, or N CPU processes without a GPU), auto (every visible GPU) or a list
+    # of GPU ids: one run, data parallel across them (kestrel.training.distributed)
+    devices: int | str | list[int] = 1
     # advanced
     dtype: str = "auto"  # compute dtype: bf16 where supported, else fp32 on CPU
     warmup_steps: int = 0
@@ -248,9 +290,22 @@ class TrainConfig:
     system_prompt: str | None = None
     fast_kernels: bool = True  # false trains through the plain Hugging Face path (for comparison)
     grpo: GrpoSettings = field(default_factory=GrpoSettings)
+    preference: PreferenceSettings = field(default_factory=PreferenceSettings)
     performance: PerformanceSettings = field(default_factory=PerformanceSettings)
+    # evaluation (kestrel.config_evaluation): a held-out file or a seeded fraction of `dataset`
+    eval_dataset: str | None = None
+    eval_split: float = 0.0  # 0 = no split
+    eval_steps: int | None = None  # null: evaluation costs at most 5% of the training tokens
+    early_stopping: EarlyStoppingSettings = field(default_factory=EarlyStoppingSettings)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard | wandb | mlflow
 
     def __post_init__(self) -> None:
+        # `$KESTREL_HOME/...` paths (the shipped configs use them) become real paths once, here
+        for name in ("model", "dataset", "output_dir"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, expand_home(getattr(self, name)))
+        if isinstance(self.lora.init_from, str):
+            self.lora.init_from = expand_home(self.lora.init_from)
         _check(self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         _check(self.gradient_checkpointing in CHECKPOINTING,
                f"gradient_checkpointing must be one of {', '.join(CHECKPOINTING)}, got {self.gradient_checkpointing!r}")
@@ -260,6 +315,8 @@ class TrainConfig:
                f"dataset_format must be one of {', '.join(DATASET_FORMATS)}, got {_show(self.dataset_format)}")
         self._check_numbers()
         self._check_texts()
+        check_devices_setting(self)
+        check_evaluation(self)
 
     def _check_numbers(self) -> None:
         """Steps, epochs, lengths, rates and the seed within sane ranges, naming the field."""
@@ -285,7 +342,7 @@ class TrainConfig:
         """Names and paths: present where needed, free of control characters, not too long."""
         _check(bool(str(self.model).strip()), "model must name a hub id, a local folder or `demo`")
         _check(bool(str(self.dataset).strip()), "dataset must name a file or a sample dataset")
-        for name in ("model", "dataset", "output_dir"):
+        for name in ("model", "dataset", "output_dir", "eval_dataset"):
             _check_path_text(name, getattr(self, name))
         if self.name is not None:
             _check(bool(self.name.strip()) and self.name.strip() not in (".", ".."),
@@ -297,8 +354,18 @@ class TrainConfig:
                "columns must map each role to a column name (text), e.g. {prompt: question}")
 
     @property
+    def is_preference(self) -> bool:
+        return self.method in PREFERENCE_METHODS
+
+    @property
     def load_in_4bit(self) -> bool:
-        return self.method == "qlora" or (self.method == "grpo" and self.grpo.load_in_4bit)
+        preference_nf4 = self.is_preference and self.preference.finetune == "qlora"
+        return self.method == "qlora" or (self.method == "grpo" and self.grpo.load_in_4bit) or preference_nf4
+
+    @property
+    def trains_all_weights(self) -> bool:
+        """Every weight trained (no adapter): `full`, or a preference method with finetune: full."""
+        return self.method == "full" or (self.is_preference and self.preference.finetune == "full")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

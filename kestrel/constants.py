@@ -17,6 +17,10 @@ DEFERRED_ROWS = 2048
 # here so a config is checked without importing the reader (tests/test_config_limits.py keeps
 # the two lists equal).
 DATASET_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
+# Preference methods (`kestrel.training.preference`) and their settings' choices, TRL's names.
+PREFERENCE_METHODS = ("dpo", "orpo", "kto", "simpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # DPO's logistic loss | IPO's squared loss | SLiC's hinge
+PREFERENCE_FINETUNE = ("lora", "qlora", "full")  # what a preference method trains: an adapter, or every weight
 # GRPO reward names (`kestrel.training.grpo.rewards`): the built-ins, and `custom` for a Python file.
 REWARD_NAMES = ("exact_answer", "format_regex", "length_penalty", "json_valid", "custom")
 

@@ -17,6 +17,19 @@ def kestrel_home() -> Path:
     return home
 
 
+HOME_VARS = ("${KESTREL_HOME}", "$KESTREL_HOME")  # how a config names KESTREL_HOME in a path
+
+
+def expand_home(text: str) -> str:
+    """A path that starts with `$KESTREL_HOME` (or `${KESTREL_HOME}`) with that part replaced by
+    `kestrel_home()`, so a shared config file writes where the studio looks, whatever KESTREL_HOME
+    is (~/.kestrel when unset); any other text unchanged."""
+    for var in HOME_VARS:
+        if text == var or text.startswith((var + "/", var + "\\")):
+            return str(kestrel_home()) + text[len(var):]
+    return text
+
+
 def runs_dir() -> Path:
     path = kestrel_home() / "runs"
     path.mkdir(parents=True, exist_ok=True)
@@ -29,12 +42,22 @@ def models_dir() -> Path:
     return path
 
 
+def sample_dataset(name: str) -> Path | None:
+    """The shipped sample called `name` (`arithmetic_chat` or `arithmetic_chat.jsonl`), or None."""
+    for sample in SAMPLE_DATASETS.glob("*"):
+        if name in (sample.name, sample.stem):
+            return sample
+    return None
+
+
 def resolve_dataset_path(name: str) -> Path:
     """A dataset path as the user wrote it, or the name of a shipped sample (`arithmetic_chat`)."""
     path = Path(name).expanduser()
     if path.exists():
         return path
-    for sample in SAMPLE_DATASETS.glob("*"):
-        if name in (sample.name, sample.stem):
-            return sample
-    return path
+    return sample_dataset(name) or path
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """Whether resolved `path` is `root` or lies below it (both already resolved)."""
+    return path == root or root in path.parents

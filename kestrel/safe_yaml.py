@@ -68,6 +68,9 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("
 
 def _problem(exc: yaml.YAMLError) -> str:
     """A YAML error as one line: where it is and what is wrong."""
+    if isinstance(exc, yaml.reader.ReaderError) and isinstance(exc.character, int):
+        return (f"character {exc.position + 1} is #x{exc.character:04x}, a control character YAML does not allow; "
+                "remove it")
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or str(exc)
     text = " ".join(str(problem).split())
@@ -114,7 +117,10 @@ def check_expansion(root: yaml.Node, where: str) -> None:
 
 def _compose(text: str, where: str) -> Any:
     """Parse `text` after the depth and expansion checks; None for an empty document."""
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)  # text (not bytes) is checked for control characters here
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where} is not valid YAML: {_problem(exc)}") from None
     try:
         node = loader.get_single_node()
         if node is None:

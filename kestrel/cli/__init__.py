@@ -1,9 +1,10 @@
 """`python -m kestrel ...` (or `kestrel ...`): train, chat, export and jobs, headless.
 
-    python -m kestrel train CONFIG.yaml [--key value ...]   # e.g. --max_steps 30 --lora.r 8
+    python -m kestrel train [--no-store] CONFIG.yaml [--key value ...]   # e.g. --max_steps 30 --lora.r 8
     python -m kestrel chat MODEL [--adapter DIR] [--prompt TEXT] [--max-new-tokens N] [--temperature T]
     python -m kestrel export SOURCE --format adapter|merged|gguf [--quant q4_k_m] --out DIR
     python -m kestrel jobs submit|list|show|logs|resume|cancel|export ...   # see kestrel/cli/jobs.py
+    python -m kestrel convert FOLDER   # pickled .bin weights -> safetensors (the only form Kestrel loads)
 """
 
 from __future__ import annotations
@@ -18,10 +19,16 @@ from kestrel.errors import KestrelError, one_line
 def run_train(args: argparse.Namespace) -> int:
     from kestrel.config import load_config
     from kestrel.training.metrics import ProgressBar
-    from kestrel.training.run import run
 
     config = load_config(args.config, args.overrides)
-    result = run(config, [ProgressBar()])
+    if args.no_store:
+        from kestrel.training.run import run
+
+        result = run(config, [ProgressBar()])
+    else:  # recorded in the job store: the studio lists it (kestrel.jobs.external)
+        from kestrel.jobs.external import train_here
+
+        result = train_here(config, [ProgressBar()])
     if result.status == "failed":
         print(f"error: {one_line(result.error)}", file=sys.stderr)
         return 1
@@ -33,11 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kestrel", description="Kestrel's engine, headless.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="fine-tune a model as a YAML config says")
+    train.add_argument("--no-store", action="store_true",
+                       help="do not record the run in the job store (the studio will not list it)")
     train.add_argument("config", help="the YAML config (the same file the studio writes)")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value pairs; dotted keys reach nested ones")
     train.set_defaults(handler=run_train)
     sub.add_parser("jobs", help="background training and export jobs (python -m kestrel jobs --help)")
-    for module, adder in (("kestrel.cli.chat", "add_chat_parser"), ("kestrel.cli.export", "add_export_parser")):
+    for module, adder in (("kestrel.cli.chat", "add_chat_parser"), ("kestrel.cli.export", "add_export_parser"),
+                          ("kestrel.cli.convert", "add_convert_parser")):
         getattr(__import__(module, fromlist=[adder]), adder)(sub)
     return parser
 

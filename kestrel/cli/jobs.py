@@ -3,6 +3,7 @@
     python -m kestrel jobs submit CONFIG.yaml [--device cpu] [--max_steps 30 ...]   # prints the new id
     python -m kestrel jobs submit EXPORT.yaml [--quant q8_0]   # kind: export (see kestrel/jobs/export_job.py)
     python -m kestrel jobs export RUN_OR_JOB_ID --format gguf --quant q4_k_m   # prints the export's id
+    python -m kestrel jobs export RUN_OR_JOB_ID --checkpoint 40                # a saved checkpoint instead
     python -m kestrel jobs list [--json] [--status running]
     python -m kestrel jobs show ID [--json]        # status, pid, progress, last metrics, error
     python -m kestrel jobs cancel ID [--wait]      # or: pause ID (ends `interrupted`)
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("source", help="a finished run's job id or folder, an adapter or model folder, or demo")
     e.add_argument("--format", default="gguf", choices=FORMATS, help="what to write (default gguf)")
     e.add_argument("--quant", help="gguf: quantization type (default f16); merged: auto, bf16, f16 or f32")
+    e.add_argument("--checkpoint", type=int, metavar="STEP",
+                   help="export the run's checkpoint of this step instead of its final weights")
     e.add_argument("--out", dest="output_dir", help="the folder to write into (default under KESTREL_HOME/exports)")
     e.add_argument("--no-check", action="store_true", help="skip the comparison with the Hugging Face model")
     _queue_options(e)
@@ -103,8 +106,8 @@ def _submit(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, _: list[str]) -> int:
-    config = {"kind": "export", "source": args.source, "format": args.format, "quant": args.quant,
-              "output_dir": args.output_dir, "check": not args.no_check}
+    config = {"kind": "export", "source": args.source, "checkpoint": args.checkpoint, "format": args.format,
+              "quant": args.quant, "output_dir": args.output_dir, "check": not args.no_check}
     print(runner.submit(config, device=args.device, start=not args.no_start))
     return 0
 

@@ -116,6 +116,14 @@ class BatchPlan:
         chosen = [self.units[j] for j in order[index * self.batch_size : (index + 1) * self.batch_size]]
         if not chosen:
             chosen = [self.units[j] for j in order[: self.batch_size]]
+        return self._collate(chosen)
+
+    def in_order(self) -> list[Batch]:
+        """Every unit exactly once, in order, `batch_size` at a time (the last batch may hold
+        fewer): an evaluation pass, collated as training batches are."""
+        return [self._collate(self.units[i : i + self.batch_size]) for i in range(0, len(self.units), self.batch_size)]
+
+    def _collate(self, chosen: list[list[Sample]]) -> Batch:
         if self.flat:
             rows = chosen if self.packing else [[row[0] for row in chosen]]
             room = self.max_len * (1 if self.packing else self.batch_size)

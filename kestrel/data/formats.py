@@ -10,11 +10,14 @@ turned into one canonical shape, a list of `{"role", "content"}` messages (or pl
     prompt_completion  {"prompt": ..., "completion": ...}
     text               {"text": ...}
 
-`columns` in the config renames: e.g. `{"prompt": "question", "completion": "reply"}`.
+Common column names are recognised without a mapping (`COLUMN_ALIASES`: question/answer,
+input/output, instruction/response, query/reply, ... in any letter case); `columns` in the config
+names the column of a role explicitly: e.g. `{"prompt": "q", "completion": "a"}`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +25,8 @@ from typing import Any
 from kestrel.data.reader import EXTENSIONS, RowIssue, Table, list_issues, read_table
 from kestrel.errors import DatasetError
 
-__all__ = ["EXTENSIONS", "FORMATS", "Conversation", "RowIssue", "Table", "detect_format", "load_conversations",
-           "read_rows", "read_table", "to_conversation"]
+__all__ = ["COLUMN_ALIASES", "EXTENSIONS", "FORMATS", "Conversation", "RowIssue", "Table", "detect", "detect_format",
+           "load_conversations", "match_columns", "read_rows", "read_table", "resolve_columns", "to_conversation"]
 
 # format -> the roles it needs (the default column for each role is the role's name)
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -34,6 +37,22 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
 }
 OPTIONAL_ROLES = {"alpaca": ("input", "system"), "prompt_completion": ("system",), "messages": (), "sharegpt": (), "text": ()}
+# role -> the column names that mean it, in order of preference, matched ignoring case and spaces.
+# Detection tries the formats in FORMATS order, so instruction + response is alpaca, input + output
+# (no instruction) is prompt_completion; a column serves one role only.
+COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
+    "messages": ("messages",),
+    "conversations": ("conversations",),
+    "instruction": ("instruction", "instructions"),
+    "input": ("input", "context", "inputs"),
+    "output": ("output", "response", "answer", "outputs"),
+    "prompt": ("prompt", "question", "query", "input", "instruction", "user", "human", "request", "context"),
+    "completion": ("completion", "answer", "response", "output", "reply", "target", "assistant", "gpt",
+                   "solution", "result"),
+    "system": ("system", "system_prompt"),
+    "answer": ("answer", "solution", "target", "output", "completion", "response", "reply"),  # GRPO's reference
+    "text": ("text", "content", "document", "body"),
+}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "model": "assistant", "system": "system", "bot": "assistant"}
 
@@ -58,18 +77,59 @@ def _column(role: str, columns: dict[str, str]) -> str:
     return columns.get(role, role)
 
 
-def detect_format(rows: list[dict[str, Any]], columns: dict[str, str] | None = None, source: str = "dataset") -> str:
-    """The first format whose required columns are all present in the rows."""
+def _key(name: str) -> str:
+    return name.strip().lower().replace(" ", "_").replace("-", "_")
+
+
+def match_columns(present: Iterable[str], roles: Iterable[str], columns: dict[str, str] | None = None) -> dict[str, str]:
+    """role -> column for each of `roles` found among `present`: the explicit mapping in `columns`
+    first (a mapped column that is absent finds nothing), then `COLUMN_ALIASES`; a column serves
+    one role only."""
     columns = columns or {}
-    found = set().union(*(r.keys() for r in rows[:100]))
-    for fmt, roles in FORMATS.items():
-        if all(_column(role, columns) in found for role in roles):
-            return fmt
+    present = list(present)
+    by_key: dict[str, str] = {}
+    for name in present:
+        by_key.setdefault(_key(name), name)
+    used = {c for c in columns.values() if c in present}
+    out: dict[str, str] = {}
+    for role in roles:
+        if role in columns:
+            found = columns[role] if columns[role] in present else None
+        else:
+            found = next((by_key[a] for a in COLUMN_ALIASES.get(role, (role,))
+                          if a in by_key and by_key[a] not in used), None)
+        if found is not None:
+            out[role] = found
+            used.add(found)
+    return out
+
+
+def resolve_columns(present: Iterable[str], fmt: str, columns: dict[str, str] | None = None) -> dict[str, str] | None:
+    """role -> column for each role of `fmt` (required and optional) found among `present` (see
+    `match_columns`); None when a required role has none."""
+    found = match_columns(present, FORMATS[fmt] + OPTIONAL_ROLES.get(fmt, ()), columns)
+    return found if all(role in found for role in FORMATS[fmt]) else None
+
+
+def detect(rows: list[dict[str, Any]], columns: dict[str, str] | None = None,
+           source: str = "dataset") -> tuple[str, dict[str, str]]:
+    """The first format whose required roles all have a column in the rows, and role -> column."""
+    found = list(dict.fromkeys(k for r in rows[:100] for k in r))
+    for fmt in FORMATS:
+        resolved = resolve_columns(found, fmt, columns)
+        if resolved is not None:
+            return fmt, resolved
     accepted = "; ".join(f"{fmt} ({', '.join(roles)})" for fmt, roles in FORMATS.items())
     raise DatasetError(
         f"{source}: no known format matches its columns [{', '.join(sorted(found))}]. Accepted formats "
-        f"(required columns): {accepted}. Rename your columns or map them with `columns:` in the config."
+        f"(required columns): {accepted}. Rename your columns or map them with `columns:` in the config "
+        "(the studio's Datasets tab saves a mapping with the dataset)."
     )
+
+
+def detect_format(rows: list[dict[str, Any]], columns: dict[str, str] | None = None, source: str = "dataset") -> str:
+    """The first format whose required columns are all present in the rows (see `detect`)."""
+    return detect(rows, columns, source)[0]
 
 
 def _text(value: Any) -> str | None:
@@ -134,9 +194,12 @@ def load_conversations(
     columns = columns or {}
     table = read_table(name)
     if fmt == "auto":
-        fmt = detect_format(table.rows, columns, source=table.path.name)
+        fmt, columns = detect(table.rows, columns, source=table.path.name)
     elif fmt not in FORMATS:
         raise DatasetError(f"dataset_format {fmt!r} is not known; use auto or one of {', '.join(FORMATS)}")
+    else:  # a named format still finds its columns under their common names
+        present = dict.fromkeys(k for r in table.rows[:100] for k in r)
+        columns = resolve_columns(present, fmt, columns) or columns
     good, bad = [], list(table.issues)
     for row, line in zip(table.rows, table.lines):
         try:

@@ -102,3 +102,30 @@ def tokenize_all(
             "set train_on_responses_only: false."
         )
     return TokenizedDataset(kept, sum(s.truncated for s in samples), masked)
+
+
+MAX_PIECE_TOKENS = 8  # a UTF-8 character is at most 4 bytes; byte-level BPE spends at most one token per byte
+_CONTEXT_TOKENS = 4  # tokens decoded before a piece, so a tokenizer that drops a leading space keeps it
+
+
+def decode_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[tuple[str, int, int]]:
+    """`ids` decoded as text pieces `(text, first, end)`, each covering tokens `ids[first:end]`.
+
+    Most pieces are one token. A character whose bytes are split over several tokens (byte-level
+    BPE splits °, ×, emoji and CJK into 2-4 tokens) would decode as U+FFFD one token at a time, so
+    its tokens form one piece. Each piece is decoded after a few tokens of context and the
+    context's text removed: sentencepiece tokenizers drop the leading space of a lone token.
+    """
+    pieces: list[tuple[str, int, int]] = []
+    start = 0
+    for i in range(len(ids)):
+        ctx = max(0, start - _CONTEXT_TOKENS)
+        before = tokenizer.decode(ids[ctx:start]) if ctx < start else ""
+        text = tokenizer.decode(ids[ctx:i + 1])
+        last = i + 1 == len(ids) or i + 1 - start >= MAX_PIECE_TOKENS
+        if text.endswith("\ufffd") and not last:
+            continue  # the character's remaining bytes are in the next tokens
+        piece = text[len(before):] if text.startswith(before) else tokenizer.decode(ids[start:i + 1])
+        pieces.append((piece, start, i + 1))
+        start = i + 1
+    return pieces

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.errors import KestrelError
+from kestrel.model.safe_weights import refuse_pickled
 
 BASE = None  # `adapter=None` selects the base model
 
@@ -196,6 +197,7 @@ def load_adapter(model: nn.Module, path: str | Path, name: str = "default") -> n
     folder = Path(path).expanduser()
     if not (folder / "adapter_config.json").is_file():
         raise AdapterError(f"{folder} is not a LoRA adapter folder (no adapter_config.json)")
+    refuse_pickled(folder)
     if isinstance(model, PeftModel):
         if name in model.peft_config:
             raise AdapterError(f"an adapter named {name!r} is already loaded")

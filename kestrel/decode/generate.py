@@ -202,8 +202,8 @@ class Generator:
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else (self.stop_ids[0] if self.stop_ids else 0)
         cuda = self.backend.device.type == "cuda"
-        cuda = cuda and getattr(self.backend, "graphable", True)  # the HF fallback's step cannot be captured
-        self.cuda_graphs = cuda if cuda_graphs is None else (cuda_graphs and cuda)
+        self.cuda_graphs = (cuda if cuda_graphs is None else (cuda_graphs and cuda)) and getattr(
+            self.backend, "graphable", True)
         compilable = getattr(self.backend, "compilable", not self.backend.quantized)
         self.compile = (cuda and compilable) if compile is None else compile
         # Compiled functions live on objects (not module globals): the backend's layer step,
@@ -495,12 +495,6 @@ def _default_max_seq_len(model: Any) -> int:
 
 
 def _decode_model(model: Any, max_seq_len: int, fuse: bool | None) -> DecodeBackend:
-    """Kestrel's decode forward where the family has one, else Hugging Face's (`HFDecodeBackend`)."""
-    from kestrel.decode.hf_backend import HFDecodeBackend
-    from kestrel.decode.model import DecodeModel, UnsupportedModelError
+    from kestrel.decode.hf_backend import decode_backend
 
-    try:
-        return DecodeModel(model, max_seq_len, fuse)
-    except UnsupportedModelError as exc:
-        log.warning("%s: decoding through Hugging Face's forward (correct, one forward per token, not fast)", exc)
-        return HFDecodeBackend(model)
+    return decode_backend(model, max_seq_len, fuse)

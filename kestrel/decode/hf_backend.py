@@ -1,98 +1,116 @@
-"""The decode loop's fallback backend: the Hugging Face model's own forward with its own cache.
+"""The decode loop's backend for families that Kestrel's decode forward does not cover.
 
-For families `DecodeModel` has no forward for (mixture-of-experts blocks, gpt-oss's attention
-sinks): chat and GRPO rollouts go through the same `Generator` (sampling, stop tokens, adapters
-by name), one HF forward per token. Correct, not fast: no compiled step, no CUDA graph (the cache
-grows, and a step reads its column on the host), and a batch runs one adapter at a time.
+Qwen3.5 (linear-attention layers with a recurrent state), Gemma 4 (per-layer inputs, shared
+K/V), the mixture-of-experts families (Qwen3-MoE; gpt-oss with its attention sinks) and any
+family a later transformers adds decode through the model's own forward with
+Hugging Face's cache: slower (no graph capture, no compile, one host read of the cache column a
+step) but exact, so chat, the studio and GRPO rollouts work on every model that loads.
 
-Layout as `DecodeModel`'s: prompts left-padded, `pad[b]` padding columns before row b's tokens,
-a token at column c has position c - pad[b].
+It speaks the `DecodeBackend` protocol of `generate.py`: rows are left-padded, a row's token at
+cache column c has position c - pad[row], and pad columns are masked out (for linear attention
+HF zeroes padded inputs, so a row's state starts at its first real token).
+
+Adapters: `lora=None` runs the base model (PEFT's adapters disabled); a uniform `LoraCall(i)`
+runs adapter i. Several adapters in one batch need the LoRA bank of Kestrel's decode forward.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from kestrel.decode.adapters import LoraCall
-from kestrel.errors import KestrelError
+from kestrel.decode.adapters import AdapterError, LoraCall
+
+log = logging.getLogger("kestrel")
 
 
 @dataclass
 class HFCache:
-    """One session's Hugging Face cache and the columns that are padding."""
+    """One session's HF cache and its (B, S) attention mask over cache columns."""
 
-    batch: int
-    length: int
-    past: Any = None
-    mask: torch.Tensor | None = field(default=None, repr=False)  # (B, columns so far) 1 = real token
+    mask: torch.Tensor
+    past: Any = field(default=None)
+
+
+def decode_backend(model: nn.Module, max_seq_len: int, fuse: bool | None) -> Any:
+    """Kestrel's decode forward (`DecodeModel`), or this backend for a family it does not cover."""
+    from kestrel.decode.model import DecodeModel, UnsupportedModelError
+
+    try:
+        return DecodeModel(model, max_seq_len, fuse)
+    except UnsupportedModelError as exc:
+        log.warning("Kestrel's fast decode path does not cover this model (%s); generating through "
+                    "Hugging Face's forward and cache (slower, same tokens).", exc)
+        return HFDecodeBackend(model)
 
 
 class HFDecodeBackend:
-    """`DecodeBackend` over a (possibly PEFT-wrapped) Hugging Face causal LM."""
+    """`DecodeBackend` over a Hugging Face causal LM (or image-text model, or its PEFT wrapper)."""
 
-    compilable = False
+    compilable = False  # HF's dynamic cache changes shape every step
     graphable = False
-    quantized = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        embed = lm.get_input_embeddings().weight
-        self.device, self.dtype = embed.device, embed.dtype
-        self.vocab_size = int(lm.get_output_embeddings().weight.shape[0])
-        self.adapters: list[str] = list(getattr(model, "peft_config", {}) or {})
+        embeddings = model.get_input_embeddings().weight
+        self.device, self.dtype = embeddings.device, embeddings.dtype
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.quantized = any(type(p).__name__ == "Params4bit" for p in model.parameters())
+        peft_config = getattr(model, "peft_config", None)
+        self.adapters: list[str] = list(peft_config) if peft_config else []
 
     def new_cache(self, batch: int, length: int) -> HFCache:
-        return HFCache(batch, length)
+        return HFCache(torch.zeros((batch, length), dtype=torch.long, device=self.device))
 
-    def sync_lora(self) -> None:
-        """Adapters are read by the model's own forward at every call: nothing to copy."""
+    def sync_lora(self) -> None:  # PEFT's own layers run: nothing is copied
+        return None
 
-    @torch.no_grad()
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: HFCache, lora: LoraCall | None) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _adapter(self, lora: LoraCall | None) -> Iterator[None]:
         if lora is not None and lora.index is None:
-            raise KestrelError("this model decodes through Hugging Face's forward, which runs one adapter per "
-                               "batch: give every prompt of a request the same adapter")
-        kwargs = dict(input_ids=ids, attention_mask=cache.mask, position_ids=positions,
-                      past_key_values=cache.past, use_cache=True)
+            raise AdapterError("different adapters for the rows of one batch need Kestrel's decode path, "
+                               "which this model's family lacks; ask for one adapter per request")
+        if not self.adapters:
+            yield
+        elif lora is None:
+            with self.model.disable_adapter():
+                yield
+        else:
+            self.model.set_adapter(self.adapters[lora.index])
+            yield
+
+    def _last_logits(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: HFCache,
+                     lora: LoraCall | None) -> torch.Tensor:
         training = self.model.training
-        self.model.eval()  # HF turns the cache off in training mode under gradient checkpointing
+        self.model.eval()  # in training mode under gradient checkpointing HF turns the cache off (GRPO rollouts)
         try:
-            if not self.adapters:
-                out = self.model(**kwargs)
-            elif lora is None:
-                with self.model.disable_adapter():
-                    out = self.model(**kwargs)
-            else:
-                self.model.set_adapter(self.adapters[lora.index])
-                out = self.model(**kwargs)
+            with torch.no_grad(), self._adapter(lora):
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                 past_key_values=cache.past, use_cache=True, logits_to_keep=1)
         finally:
             self.model.train(training)
         cache.past = out.past_key_values
         return out.logits[:, -1].float()  # (B, V)
 
     def prefill(self, ids: torch.Tensor, pad: torch.Tensor, cache: HFCache, lora: LoraCall | None) -> torch.Tensor:
-        """ids (B, T) left-padded, pad (B,) -> the last column's logits (B, V) fp32."""
-        from transformers import DynamicCache
-
-        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        cols = torch.arange(ids.shape[1], device=ids.device)
-        cache.mask = (cols[None, :] >= pad[:, None]).long()  # (B, T)
-        cache.past = DynamicCache(config=lm.config)
+        """ids (B, T) left-padded, pad (B,) -> the last token's logits (B, V), cache filled."""
+        t = ids.shape[1]
+        cols = torch.arange(t, device=ids.device)
+        cache.mask.zero_()
+        cache.mask[:, :t] = (cols[None, :] >= pad[:, None]).long()
+        cache.past = None
         positions = (cols[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
-        return self._forward(ids, positions, cache, lora)
+        return self._last_logits(ids, cache.mask[:, :t], positions, cache, lora)
 
     def step(self, tok: torch.Tensor, col: torch.Tensor, pad: torch.Tensor, cache: HFCache,
              lora: LoraCall | None) -> torch.Tensor:
-        """tok (B,) at column `col` (a (1,) tensor) -> logits (B, V) fp32."""
-        assert cache.mask is not None, "step before prefill"
-        c = int(col.reshape(-1)[0])  # the cache grows column by column: its length is read on the host
-        if cache.mask.shape[1] != c:
-            raise KestrelError(f"decode step at column {c}, but the cache holds {cache.mask.shape[1]} columns")
-        cache.mask = torch.cat([cache.mask, cache.mask.new_ones(cache.batch, 1)], dim=1)
-        positions = (c - pad).reshape(-1, 1).clamp(min=0)  # (B, 1)
-        return self._forward(tok.reshape(-1, 1), positions, cache, lora)
+        """tok (B,) at cache column `col` (a (1,) tensor) -> next logits (B, V)."""
+        c = int(col.item())  # the one host read a step: HF's cache grows by one column
+        cache.mask[:, c] = 1
+        positions = (col - pad)[:, None]  # (B, 1)
+        return self._last_logits(tok[:, None], cache.mask[:, : c + 1], positions, cache, lora)

@@ -41,18 +41,13 @@ from kestrel.decode.cache import StaticKVCache
 from kestrel.decode.fused import fuse_allowed, tied_parameters
 from kestrel.decode.projections import ProjGroup, base_module, make_group
 from kestrel.errors import KestrelError
-from kestrel.model.registry import FamilySpec, family_of
+from kestrel.model.multimodal import language_stack
+from kestrel.model.registry import FamilySpec, family_for, text_config
 from kestrel.kernels.decode import nf4_gemv
 from kestrel.kernels.decode.attention import decode_attention
 from kestrel.kernels.dispatch import use_triton
 from kestrel.kernels.rms_norm import rms_norm
 from kestrel.kernels.rope import rope_
-
-
-def fast_decode_supported(spec: FamilySpec | None) -> bool:
-    """Whether `DecodeModel` has a forward for this family: not for mixture-of-experts blocks or
-    attention sinks (those decode through `kestrel.decode.hf_backend`)."""
-    return spec is not None and spec.moe is None and not spec.attention_sinks
 
 
 class UnsupportedModelError(KestrelError, ValueError):
@@ -103,12 +98,12 @@ class DecodeModel:
         self.model, self.fuse_setting = model, fuse
         self._unfused_by_request = False
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        spec = family_of(getattr(lm.config, "model_type", ""))
-        if not fast_decode_supported(spec):
-            raise UnsupportedModelError(f"no fast decode path for model type {lm.config.model_type!r}")
+        spec = family_for(lm.config)
+        if spec is None or not spec.decode:
+            raise UnsupportedModelError(f"no decode path for model type {lm.config.model_type!r}")
         self.spec: FamilySpec = spec
-        self.config = lm.config
-        stack = lm.model
+        self.config = config = text_config(lm.config)  # an image-text model: its language model's
+        _, stack = language_stack(lm, spec)
         self.embed = stack.embed_tokens
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
@@ -116,13 +111,13 @@ class DecodeModel:
         self.max_seq_len = max_seq_len
         self.final_norm = _norm(stack.norm)
         self.lm_head = make_group(lm.lm_head)
-        self.softcap = getattr(lm.config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
-        self.attn_softcap = getattr(lm.config, "attn_logit_softcapping", None)
+        self.softcap = getattr(config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+        self.attn_softcap = getattr(config, "attn_logit_softcapping", None)
         self._rope_per_type = hasattr(stack.rotary_emb, "layer_types")  # Gemma 3: local + global RoPE
         attn0 = stack.layers[0].self_attn
         self.head_dim = attn0.head_dim
-        self.n_heads = lm.config.num_attention_heads
-        self.n_kv = lm.config.num_key_value_heads
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
         self.layers = [self._layer(i, layer) for i, layer in enumerate(stack.layers)]
         for g in self.groups:  # NF4 bases: one small-batch kernel launch per group (projections.py)
             g.attach_nf4(self.dtype)

@@ -27,7 +27,7 @@ FORMATS = ("adapter", "merged", "gguf")
 MERGED_DTYPES = ("auto", "bf16", "f16", "f32")
 Progress = Callable[[float, str], None]
 
-__all__ = ["FORMATS", "MERGED_DTYPES", "QUANT_TYPES", "ExportCheckError", "ExportResult", "export"]
+__all__ = ["FORMATS", "MERGED_DTYPES", "QUANT_TYPES", "ExportCheckError", "ExportResult", "describe_check", "export"]
 
 
 @dataclass
@@ -61,12 +61,13 @@ class ExportResult:
                  f"{'passed' if self.passed else 'FAILED'} in {self.seconds:.1f}s"]
         lines += [f"  wrote {p}" for p in self.files]
         for name, check in self.checks.items():
-            lines.append(f"  check {name}: {_describe(check)}")
+            lines.append(f"  check {name}: {describe_check(check)}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _describe(check: Any) -> str:
+def describe_check(check: Any) -> str:
+    """One check's result as `key=value, ...` (and its first problem), as the CLI prints it."""
     data = asdict(check) if is_dataclass(check) else dict(check)
     keep = {k: v for k, v in data.items() if k not in ("sample", "mismatches", "problems") and v is not None}
     text = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in keep.items())

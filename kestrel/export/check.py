@@ -29,6 +29,7 @@ import torch
 
 from kestrel.export import llama_child
 from kestrel.export.llama_child import run_in_child
+from kestrel.model.safe_weights import refuse_pickled
 
 N_NEW = 32
 TIE_TOL = 0.02  # x logit std: top-2 closer than this is a tie that 16-bit rounding may flip
@@ -89,23 +90,27 @@ def prompt_ids(tokenizer: Any, prompts: tuple[str, ...] = PROMPTS) -> list[list[
 def load_reference(model_dir: Path, adapter_dir: Path | None, device: str | None = None, tensors: Any = None) -> Any:
     """The plain Hugging Face model in fp32, with the adapter applied unmerged by PEFT. A base
     stored 4-bit is built from its dequantized tensors (`tensors`, an `kestrel.export.merge.ModelTensors`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from kestrel.model.multimodal import is_image_text
+
+    auto = AutoModelForImageTextToText if is_image_text(AutoConfig.from_pretrained(model_dir)) else AutoModelForCausalLM
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if tensors is not None and tensors.dequantized:
         config = AutoConfig.from_pretrained(model_dir)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto.from_config(config, dtype=torch.float32)
         state = {name: tensors.base(name) for name in tensors.base_names()}
         model.load_state_dict(state, strict=False)  # a tied lm_head is not in the checkpoint
         model.tie_weights()
     else:  # loaded straight onto the device: an 8B model in fp32 never passes through host memory
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map={"": dev})
+        model = auto.from_pretrained(model_dir, dtype=torch.float32, device_map={"": dev}, use_safetensors=True)
     model = model.to(dev)
     if adapter_dir is not None:
         from peft import PeftModel
 
+        refuse_pickled(adapter_dir)
         model = PeftModel.from_pretrained(model, adapter_dir)
     return model.eval()
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from kestrel.model.registry import MoeSpec, family_of
+from kestrel.model.registry import MoeSpec, family_for
 
 _WRAPPED = re.compile(r"^(?P<prefix>.+\.experts)(?:\.base_layer)*$")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -37,7 +37,7 @@ _MX = ("_blocks", "_scales")
 
 def moe_of(model_dir: Path) -> tuple[MoeSpec, Any] | None:
     """(the family's MoeSpec, its transformers config) for a mixture-of-experts checkpoint, else None."""
-    spec = family_of(json.loads((model_dir / "config.json").read_text()).get("model_type", ""))
+    spec = family_for(json.loads((model_dir / "config.json").read_text()))
     if spec is None or spec.moe is None:
         return None
     from transformers import AutoConfig  # its attribute maps: Qwen3-MoE saves num_local_experts

@@ -63,6 +63,17 @@ def n_params(tensors: ModelTensors) -> int:
     return sum(math.prod(tensors.shape(n)) for n in tensors.names())
 
 
+def size_basis(source: str | Path) -> tuple[int, bool]:
+    """(weights an export of `source` writes, whether its rows fill k-quant blocks), read from the
+    config and the safetensors headers: no tensor is loaded. An adapter merges into its base, so
+    the base's count."""
+    from kestrel.export.quantize import rows_fit_blocks
+    from kestrel.export.source import resolve_source
+
+    src = resolve_source(source)
+    return n_params(ModelTensors(src.model_dir)), rows_fit_blocks(src.config)
+
+
 # --- adapter -------------------------------------------------------------------------------------
 
 def check_adapter(stage: Path, src: ExportSource, tokenizer: Any, device: str | None) -> dict[str, Any]:
@@ -84,7 +95,7 @@ def export_adapter(src: ExportSource, stage: Path, result: Any, report: Progress
 
     if src.adapter_dir is None:
         raise KestrelError(f"{src.model_dir} is a full model with no adapter; export it as merged or gguf")
-    tensors = ModelTensors(src.model_dir, src.adapter_dir)  # raises when the adapter does not fit the base
+    tensors = ModelTensors(src.model_dir, src.adapter_dir, image_text=src.image_text)  # raises when it does not fit
     files = [src.adapter_dir / "adapter_config.json", src.adapter_dir / "adapter_model.safetensors"]
     check_disk_space(stage, sum(f.stat().st_size for f in files) + 64 * _MB, "the adapter")
     for f in files:
@@ -147,7 +158,7 @@ def _copy_config(src: ExportSource, stage: Path, dtype: torch.dtype, untied: boo
 def export_merged(src: ExportSource, stage: Path, result: Any, report: Progress, check: bool, device: str | None) -> None:
     from kestrel.export import check_disk_space
 
-    tensors = ModelTensors(src.model_dir, src.adapter_dir, compute_device(device))
+    tensors = ModelTensors(src.model_dir, src.adapter_dir, compute_device(device), image_text=src.image_text)
     dtype = _merged_dtype(tensors, result.quant)
     check_disk_space(stage, tensors.nbytes(dtype) + 64 * _MB, "the merged model")
     _quant_notes(src, tensors, result)

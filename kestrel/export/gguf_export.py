@@ -17,13 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from kestrel.errors import KestrelError
 from kestrel.export import check as checks
 from kestrel.export.formats import _quant_notes, compute_device, gguf_basename, load_tokenizer, n_params
 from kestrel.export.gguf_tokenizer import GGUFVocab, build_vocab
 from kestrel.export.gguf_writer import gguf_nbytes, write_gguf
 from kestrel.export.merge import ModelTensors
 from kestrel.export.modelfile import detect_chat_format, end_of_turn_tokens, modelfile
-from kestrel.export.quantize import DIRECT, estimate_bytes, quantize
+from kestrel.export.quantize import DIRECT, estimate_bytes, quantize, rows_fit_blocks
 from kestrel.export.source import ExportSource
 
 Progress = Callable[[float, str], None]
@@ -55,7 +56,7 @@ def settle_tokenizer(stage: Path, src: ExportSource, vocab: GGUFVocab, tokenizer
     for variant in _variants(vocab):
         for key, value in variant.items():
             setattr(vocab, key, value)
-        write_gguf(probe, None, src.config, src.family, vocab, "f16", src.name)
+        write_gguf(probe, None, src.lm_config, src.family, vocab, "f16", src.name)
         try:
             found = checks.check_tokenizer(probe, tokenizer)
         finally:
@@ -83,10 +84,10 @@ def _tokenizer_passed(found: checks.TokenizerCheck, vocab: GGUFVocab, result: An
 
 
 def _needed_bytes(tensors: ModelTensors, src: ExportSource, base_type: str, quant: str, vocab: GGUFVocab) -> int:
-    need = gguf_nbytes(tensors, src.config, src.family, base_type) + sum(len(t) + 16 for t in vocab.tokens) + 64 * _MB
+    config = src.lm_config
+    need = gguf_nbytes(tensors, config, src.family, base_type) + sum(len(t) + 16 for t in vocab.tokens) + 64 * _MB
     if quant not in DIRECT:
-        large = src.config.hidden_size % 256 == 0 and src.config.intermediate_size % 256 == 0
-        need += estimate_bytes(n_params(tensors), quant, large)
+        need += estimate_bytes(n_params(tensors), quant, rows_fit_blocks(config))
     return need
 
 
@@ -96,12 +97,18 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
     from kestrel.export import check_disk_space
 
     quant = result.quant
-    tensors = ModelTensors(src.model_dir, src.adapter_dir, compute_device(device))
+    if not src.family.gguf:
+        raise KestrelError(
+            f"GGUF export of {src.family.model_type} models (llama.cpp's {src.family.gguf_arch!r}) is not written by "
+            "Kestrel yet: their layers' tensors have no llama.cpp mapping here. Export `merged` (16-bit "
+            "safetensors, which llama.cpp's convert_hf_to_gguf.py converts) or `adapter` instead"
+        )
+    tensors = ModelTensors(src.model_dir, src.adapter_dir, compute_device(device), image_text=src.image_text)
     _quant_notes(src, tensors, result)
     tokenizer = load_tokenizer(src, result)
     chat_format = detect_chat_format(tokenizer.chat_template)
     stops = end_of_turn_tokens(chat_format, tokenizer)
-    vocab = build_vocab(tokenizer, int(src.config.vocab_size), tokenizer.chat_template, tuple(stops))
+    vocab = build_vocab(tokenizer, int(src.lm_config.vocab_size), tokenizer.chat_template, tuple(stops))
     result.notes += vocab.notes
     base_type = quant if quant in DIRECT else "f16"
     check_disk_space(stage, _needed_bytes(tensors, src, base_type, quant, vocab), f"the {quant} GGUF file")
@@ -122,7 +129,10 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
     name = gguf_basename(src.name)
     path = stage / (f"{name}-{quant}.gguf" if quant in DIRECT else f".{name}-{base_type}.tmp.gguf")
     report(0.1, f"writing {base_type} GGUF")
-    result.notes += write_gguf(path, tensors, src.config, src.family, vocab, base_type, src.name,
+    if src.image_text:
+        result.notes.append("an image-text model: the GGUF holds its language model; its vision tower is not "
+                            "exported (no llama.cpp projector file is written)")
+    result.notes += write_gguf(path, tensors, src.lm_config, src.family, vocab, base_type, src.name,
                                on_tensor=lambda i, n: report(0.1 + 0.5 * i / n, f"wrote tensor {i}/{n}"))
     if check:
         report(0.62, f"checking the {base_type} file with llama.cpp")

@@ -214,10 +214,11 @@ def plan_tensors(tensors: ModelTensors, config: Any, family: FamilySpec, file_ty
     plan = []
     tied = bool(getattr(config, "tie_word_embeddings", False))
     untied_head = tensors.lora is not None and "lm_head.weight" in tensors.lora.touched()
-    for hf_name in tensors.names():
-        if hf_name == "lm_head.weight" and tied and not untied_head:
+    for hf_name in tensors.language_names():
+        lm_name = tensors.canonical(hf_name)  # an image-text checkpoint's under the causal LM's names
+        if lm_name == "lm_head.weight" and tied and not untied_head:
             continue  # the same matrix as the embedding; llama.cpp reuses token_embd
-        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = name_map.get_name(lm_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise KestrelError(f"no GGUF name for tensor {hf_name} of a {family.model_type} model")
         shape = tensors.shape(hf_name)

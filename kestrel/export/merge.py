@@ -104,7 +104,8 @@ def _pattern_value(module: str, patterns: dict[str, Any], default: Any) -> Any:
 class LoraDeltas:
     """A PEFT LoRA adapter, held in memory (it is small), as deltas by base tensor name."""
 
-    def __init__(self, adapter_dir: Path) -> None:
+    def __init__(self, adapter_dir: Path, rename: Callable[[str], str] = lambda name: name) -> None:
+        self.rename = rename  # module names onto the names ModelTensors compares (see there)
         cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
         if cfg.get("peft_type", "LORA") != "LORA":
             raise KestrelError(f"{adapter_dir} is a {cfg.get('peft_type')} adapter; export merges LoRA adapters only")
@@ -121,7 +122,7 @@ class LoraDeltas:
         self.expert_pairs = split_expert_pairs(self.pairs)  # per-expert LoRA (`kestrel.export.experts`)
 
     def _add(self, key: str, tensor: torch.Tensor) -> None:
-        name = key.removeprefix("base_model.model.")
+        name = self.rename(key.removeprefix("base_model.model."))
         for tag, part in ((".lora_A.weight", "A"), (".lora_B.weight", "B"), (".lora_B.bias", "bias"),
                           (".lora_embedding_A", "embA"), (".lora_embedding_B", "embB")):
             if name.endswith(tag):
@@ -174,41 +175,58 @@ class LoraDeltas:
 
 
 class ModelTensors:
-    """The tensors to export: base checkpoint tensors with the adapter (if any) merged in."""
+    """The tensors to export: base checkpoint tensors with the adapter (if any) merged in.
 
-    def __init__(self, model_dir: Path, adapter_dir: Path | None = None, device: str | torch.device | None = None) -> None:
+    `image_text`: the checkpoint is an image-text model, whose language model's tensors HF saves
+    under another prefix than its modules carry at run time (Gemma 3: `language_model.model.*`
+    saved, `model.language_model.*` in the adapter); both sides are compared under
+    `kestrel.model.multimodal.causal_lm_name`, and `language_names()` lists the language model's."""
+
+    def __init__(self, model_dir: Path, adapter_dir: Path | None = None, device: str | torch.device | None = None,
+                 image_text: bool = False) -> None:
+        from kestrel.model.multimodal import causal_lm_name
+
         self.device = torch.device(device or "cpu")  # where merges and casts run; results stay there
+        self.image_text = image_text
+        self.canonical: Callable[[str], str] = causal_lm_name if image_text else (lambda name: name)
         self.checkpoint = CheckpointTensors(model_dir)
-        self.lora = LoraDeltas(adapter_dir) if adapter_dir is not None else None
+        self.lora = LoraDeltas(adapter_dir, self.canonical) if adapter_dir is not None else None
         self.dequantized = self.checkpoint.quantized
         names = self.checkpoint.names()
         self.experts = _experts(model_dir, names, self.lora)
         if self.experts is not None:
             self.dequantized = self.dequantized or bool(self.experts.mxfp4)
             names = self.experts.names(names)
+        stored = {self.canonical(n): n for n in names}
         if self.lora is not None:
-            missing = sorted(self.lora.touched() - set(names) - set(self.lora.replaced))
+            missing = sorted(self.lora.touched() - set(stored) - set(self.lora.replaced))
             if self.experts is None and self.lora.expert_pairs:
                 missing = sorted(self.lora.expert_pairs) + missing
             elif self.experts is not None:
-                fused = {m.group(1) for m in map(_PER_EXPERT_NAME.match, names) if m}
-                missing += sorted(k for k in self.experts.touched() if k not in names and k.rsplit(".", 1)[0] not in fused)
+                fused = {m.group(1) for m in map(_PER_EXPERT_NAME.match, stored) if m}
+                missing += sorted(k for k in self.experts.touched() if k not in stored and k.rsplit(".", 1)[0] not in fused)
             if missing:
                 raise KestrelError(
                     f"the adapter changes {missing[0]} (and {len(missing) - 1} more), which the base model "
                     f"{model_dir} does not have: the adapter was trained on another model"
                 )
-            names += [n for n in self.lora.replaced if n not in names]
+            names += [n for n in self.lora.replaced if n not in stored]
             for name, shape in self.lora.delta_shapes().items():
-                if tuple(shape) != self.checkpoint.shape(name):
+                if tuple(shape) != self.checkpoint.shape(stored[name]):
                     raise KestrelError(
                         f"the adapter's {name} is {tuple(shape)} but the base model {model_dir} has "
-                        f"{self.checkpoint.shape(name)}: the adapter was trained on another model"
+                        f"{self.checkpoint.shape(stored[name])}: the adapter was trained on another model"
                     )
         self._names = [n for n in names if not n.endswith("rotary_emb.inv_freq")]
 
     def names(self) -> list[str]:
         return list(self._names)
+
+    def language_names(self) -> list[str]:
+        """The language model's tensors (all of them for a text-only model)."""
+        from kestrel.model.multimodal import is_language_tensor
+
+        return [n for n in self._names if not self.image_text or is_language_tensor(n)]
 
     def shape(self, name: str) -> tuple[int, ...]:
         if self.lora is not None and name in self.lora.replaced:
@@ -244,7 +262,7 @@ class ModelTensors:
             tensor = self.experts.merge(name, tensor)
         else:
             tensor = self.checkpoint.get(name).to(self.device).float()
-        return self.lora.apply(name, tensor) if self.lora is not None else tensor
+        return self.lora.apply(self.canonical(name), tensor) if self.lora is not None else tensor
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of all tensors at `dtype` (default: as stored)."""

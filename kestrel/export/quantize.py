@@ -9,7 +9,9 @@ block (k-quants need rows of 256) get llama.cpp's fallback type, as with its com
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kestrel.errors import KestrelError
 
@@ -41,10 +43,55 @@ BITS_PER_WEIGHT = {
     "q5_0": 8.5, "q5_1": 8.5, "q4_k_m": 8.5, "q4_k_s": 8.5, "q4_0": 8.5, "q4_1": 8.5, "q3_k_l": 8.5,
     "q3_k_m": 8.5, "q3_k_s": 8.5, "q2_k": 8.5, "iq4_nl": 8.5, "iq4_xs": 8.5,
 }
-# Typical bits per weight of a large model, for estimates shown to users.
-TYPICAL_BITS = {"q6_k": 6.6, "q5_k_m": 5.7, "q5_k_s": 5.5, "q5_0": 5.5, "q5_1": 6.0, "q4_k_m": 4.9,
-                "q4_k_s": 4.6, "q4_0": 4.5, "q4_1": 5.0, "q3_k_l": 4.3, "q3_k_m": 3.9, "q3_k_s": 3.5,
-                "q2_k": 3.4, "iq4_nl": 4.5, "iq4_xs": 4.3}
+
+
+@dataclass(frozen=True)
+class QuantType:
+    """What a GGUF type costs and loses: for size estimates and the studio's hints."""
+
+    bits: float  # typical bits per weight of a large model (the k-quant mix included)
+    quality: str  # the loss, after llama.cpp's perplexity table for its quantize tool (7B models)
+
+
+QUANTS = {
+    "f32": QuantType(32.0, "lossless; twice the size of f16 for no gain"),
+    "f16": QuantType(16.0, "practically lossless"),
+    "bf16": QuantType(16.0, "practically lossless; the training dtype of most models"),
+    "q8_0": QuantType(8.5, "practically lossless"),
+    "q6_k": QuantType(6.6, "extremely small loss"),
+    "q5_k_m": QuantType(5.7, "very small loss; recommended"),
+    "q5_k_s": QuantType(5.5, "small loss; recommended"),
+    "q5_1": QuantType(6.0, "small loss (older type: prefer q5_k_m)"),
+    "q5_0": QuantType(5.5, "small loss (older type: prefer q5_k_m)"),
+    "q4_k_m": QuantType(4.9, "balanced size and quality; recommended"),
+    "q4_k_s": QuantType(4.6, "noticeable loss"),
+    "q4_1": QuantType(5.0, "noticeable loss (older type: prefer q4_k_m)"),
+    "q4_0": QuantType(4.5, "noticeable loss (older type: prefer q4_k_m)"),
+    "iq4_nl": QuantType(4.5, "noticeable loss; non-linear 4-bit"),
+    "iq4_xs": QuantType(4.3, "noticeable loss; non-linear 4-bit, smaller"),
+    "q3_k_l": QuantType(4.3, "substantial loss"),
+    "q3_k_m": QuantType(3.9, "high loss"),
+    "q3_k_s": QuantType(3.5, "very high loss"),
+    "q2_k": QuantType(3.4, "extreme loss: for the tightest memory only"),
+}
+
+
+K_BLOCK = 256  # weights a k-quant block spans along a row: narrower rows fall back to wider types
+
+
+def rows_fit_blocks(config: Any) -> bool:
+    """Whether the model's rows fill k-quant blocks (hidden and MLP widths multiples of K_BLOCK).
+    If not, llama.cpp stores those tensors in wider fallback types and the typical bits per weight
+    no longer hold: sizes reach BITS_PER_WEIGHT."""
+    return config.hidden_size % K_BLOCK == 0 and config.intermediate_size % K_BLOCK == 0
+
+
+def size_hint(n_params: int, quant: str, rows_fit: bool) -> tuple[int, bool]:
+    """(bytes, is it an upper bound) of a GGUF file of `n_params` weights in `quant`: the typical
+    size when the rows fit the blocks (or the type has none), else the upper bound."""
+    if rows_fit or quant in ("f32", "f16", "bf16"):
+        return int(n_params * QUANTS[quant].bits / 8), False
+    return int(n_params * BITS_PER_WEIGHT[quant] / 8), True
 
 
 def check_quant(quant: str | None) -> str:
@@ -58,7 +105,7 @@ def check_quant(quant: str | None) -> str:
 def estimate_bytes(n_params: int, quant: str, large_model: bool) -> int:
     """Bytes a GGUF file of `n_params` weights needs: typical size for large models, an upper
     bound for small ones (whose narrow rows fall back to wider types)."""
-    bits = TYPICAL_BITS.get(quant, BITS_PER_WEIGHT[quant]) * 1.1 if large_model else BITS_PER_WEIGHT[quant]
+    bits = QUANTS[quant].bits * 1.1 if large_model else BITS_PER_WEIGHT[quant]
     return int(n_params * bits / 8)
 
 

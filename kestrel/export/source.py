@@ -4,19 +4,25 @@
     src.family.gguf_arch, src.tokenizer_dir, src.adapter_dir
 
 A training output folder holds `adapter/` (LoRA / QLoRA: a PEFT folder whose adapter_config.json
-names the base model), or `model/` (a full fine-tune), and `config.yaml`.
+names the base model), or `model/` (a full fine-tune), and `config.yaml`. When the run evaluated,
+its best weights (`best/`, marked by `best/best.json`) are exported instead, and the notes say so;
+point at `RUN/adapter` (or `RUN/model`) for the final weights.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kestrel.errors import ConfigError, KestrelError
-from kestrel.model.registry import FamilySpec, SUPPORTED, family_of
+from kestrel.model.multimodal import is_image_text
+from kestrel.model.registry import FamilySpec, SUPPORTED, family_for, text_config
+from kestrel.model.safe_weights import refuse_pickled
 from kestrel.safe_yaml import read_config_file
+from kestrel.training.best import BEST_DIR, read_best
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -28,10 +34,25 @@ class ExportSource:
     name: str
     model_dir: Path
     config: Any  # transformers PretrainedConfig of model_dir
-    family: FamilySpec
+    family: FamilySpec  # of its language model
     adapter_dir: Path | None = None
     method: str | None = None  # from the run's config.yaml: qlora, lora, full, grpo
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def image_text(self) -> bool:
+        """An image-text checkpoint: GGUF export writes its language model."""
+        return is_image_text(self.config)
+
+    @property
+    def lm_config(self) -> Any:
+        """The language model's config (an image-text model's text config, whose output head
+        is tied as the whole model's is)."""
+        if not self.image_text:
+            return self.config
+        config = copy.deepcopy(text_config(self.config))
+        config.tie_word_embeddings = bool(getattr(self.config, "tie_word_embeddings", False))
+        return config
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -48,11 +69,7 @@ def _has_weights(folder: Path) -> bool:
 def _check_weights(folder: Path) -> None:
     if _has_weights(folder):
         return
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-        raise KestrelError(
-            f"{folder} holds PyTorch .bin weights; export reads safetensors only. Load the model and "
-            "save it again with save_pretrained(..., safe_serialization=True)"
-        )
+    refuse_pickled(folder)
     raise KestrelError(
         f"{folder} has no weights (*.safetensors): point SOURCE at a training output folder "
         "(holding adapter/ or model/), a PEFT adapter folder, or a model folder"
@@ -98,8 +115,8 @@ def _run_method(folder: Path) -> str | None:
 
 
 def _locate(path: Path) -> tuple[Path | None, Path | None, str | None]:
-    """(model folder, adapter folder, method) for a source folder."""
-    method = _run_method(path)
+    """(model folder, adapter folder, method) for a source folder (a checkpoint's method is its run's)."""
+    method = _run_method(path) or (_run_method(path.parent.parent) if path.parent.name == "checkpoints" else None)
     if (path / "model" / "config.json").is_file():  # a full fine-tune's output
         return path / "model", None, method
     if (path / "adapter" / "adapter_config.json").is_file():
@@ -128,6 +145,13 @@ def resolve_source(source: str | Path) -> ExportSource:
     if not path.is_dir():
         raise KestrelError(f"export source {path} is not a folder")
     model_dir, adapter_dir, method = _locate(path)
+    notes = []
+    best = read_best(path) if model_dir != path and adapter_dir != path else None  # a run folder
+    if best is not None and (model_dir or adapter_dir):
+        final = model_dir or adapter_dir
+        model_dir, adapter_dir, _ = _locate(path / BEST_DIR)
+        notes.append(f"exporting the run's best weights: {best['metric']} {best['value']:.4f} at step {best['step']} "
+                     f"({path / BEST_DIR}); export {final} for the final weights instead")
     if model_dir is None and adapter_dir is None:
         raise KestrelError(
             f"{path} is neither a training output folder (adapter/ or model/), a PEFT adapter folder "
@@ -140,7 +164,7 @@ def resolve_source(source: str | Path) -> ExportSource:
     assert model_dir is not None
     _check_weights(model_dir)
     config = load_config(model_dir)
-    family = family_of(getattr(config, "model_type", ""))
+    family = family_for(config)
     if family is None:
         raise KestrelError(
             f"export does not support the {config.model_type!r} architecture (from {model_dir}/config.json); "
@@ -148,4 +172,4 @@ def resolve_source(source: str | Path) -> ExportSource:
         )
     name = path.name if path.name not in ("adapter", "model") else path.parent.name
     return ExportSource(name=name or "model", model_dir=model_dir, config=config, family=family,
-                        adapter_dir=adapter_dir, method=method)
+                        adapter_dir=adapter_dir, method=method, notes=notes)

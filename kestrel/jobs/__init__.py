@@ -14,8 +14,8 @@ The studio and scripts call this API; `python -m kestrel jobs` is the command li
 
 from kestrel.jobs.models import FINISHED, STATUSES, Artifact, Dataset, Job, Metric
 from kestrel.jobs.queries import (
-    MetricPoint, add_dataset, job_summary, latest_metrics, list_artifacts, list_datasets, metric_series,
-    metrics_after,
+    MetricPoint, add_dataset, attempt_start_step, job_summary, latest_metrics, list_artifacts, list_datasets,
+    metric_series, metrics_after, saved_mapping,
 )
 from kestrel.jobs.runner import (
     available_devices, cancel, delete, follow_log, get_job, list_jobs, log_tail, pause, reconcile, resume, schedule,
@@ -25,7 +25,7 @@ from kestrel.jobs.store import JobError, session
 
 __all__ = [
     "Artifact", "Dataset", "FINISHED", "Job", "JobError", "Metric", "MetricPoint", "STATUSES",
-    "add_dataset", "available_devices", "cancel", "delete", "follow_log", "get_job", "job_summary",
+    "add_dataset", "attempt_start_step", "available_devices", "cancel", "delete", "follow_log", "get_job", "job_summary",
     "latest_metrics", "list_artifacts", "list_datasets", "list_jobs", "log_tail", "metric_series",
-    "metrics_after", "pause", "reconcile", "resume", "schedule", "session", "submit", "wait",
+    "metrics_after", "pause", "saved_mapping", "reconcile", "resume", "schedule", "session", "submit", "wait",
 ]

@@ -7,6 +7,7 @@ or as a YAML file for `python -m kestrel jobs submit EXPORT.yaml`:
 
     kind: export
     source: 3            # a finished run's job id, a run folder, an adapter or model folder, or demo
+    checkpoint: 40       # optional, with a run: its checkpoint of that step instead of the final weights
     format: gguf         # adapter | merged | gguf
     quant: q4_k_m        # gguf: quantization type (default f16); merged: auto | bf16 | f16 | f32
     check: true          # compare the written files with the Hugging Face model
@@ -57,6 +58,7 @@ class ExportConfig:
     """An export job's settings (the `kind: export` YAML); unknown keys are refused by name."""
 
     source: str | int  # a finished run's job id (3, "job:3"), a run folder, an adapter or model folder, or demo
+    checkpoint: int | None = None  # with a run (id or folder): the checkpoint of this step, not the final weights
     format: str = "gguf"  # adapter (small, needs the base model) | merged (16-bit) | gguf (llama.cpp, Ollama)
     quant: str | None = None  # gguf: one of QUANT_TYPES (default f16); merged: auto | bf16 | f16 | f32
     kind: str = EXPORT
@@ -104,7 +106,7 @@ def prepare(data: dict[str, Any]) -> Prepared:
     if fmt not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {cfg.format!r}")
     quant = _quant(fmt, cfg.quant)
-    source, run_id, stem = _resolve_source(cfg.source)
+    source, run_id, stem = _resolve_source(cfg.source, cfg.checkpoint)
     output_dir = str(check_output_dir(cfg.output_dir)) if cfg.output_dir else None
     config = {**asdict(cfg), "format": fmt, "quant": quant, "source": source, "source_job": run_id,
               "output_dir": output_dir}
@@ -127,7 +129,7 @@ def _quant(fmt: str, quant: str | None) -> str | None:
     return name
 
 
-def _resolve_source(value: str | int) -> tuple[str, int | None, str]:
+def _resolve_source(value: str | int, checkpoint: int | None = None) -> tuple[str, int | None, str]:
     """(what kestrel.export reads, the run's job id or None, a short name) of a source."""
     text = str(value).strip()
     number = text.split(":", 1)[1] if text.startswith(("job:", "run:")) else text
@@ -138,10 +140,15 @@ def _resolve_source(value: str | int) -> tuple[str, int | None, str]:
             raise ConfigError(f"export source: {exc}") from exc
         if job.kind == EXPORT:
             raise ConfigError(f"job {job.id} is an export itself; give the job id of a training run")
+        if checkpoint is not None:  # a checkpoint is whole whatever became of the run after it
+            return _checkpoint(Path(job.output_dir), checkpoint, f"run {job.id}"), job.id, f"run-{job.id}-step{checkpoint}"
         if job.status != COMPLETED:
-            raise ConfigError(f"run {job.id} is {job.status}; only completed runs can be exported")
+            raise ConfigError(f"run {job.id} is {job.status}; only completed runs can be exported "
+                              "(or one of its checkpoints: set checkpoint)")
         return job.output_dir, job.id, f"run-{job.id}"
     if text == DEMO:
+        if checkpoint is not None:
+            raise ConfigError("checkpoint applies to a run (its job id or folder), not to the demo model")
         return DEMO, None, DEMO
     path = expand_path(text, "export source")
     try:
@@ -149,7 +156,22 @@ def _resolve_source(value: str | int) -> tuple[str, int | None, str]:
     except (OSError, ValueError, RuntimeError):
         raise ConfigError(f"export source {path} does not exist; give a finished run's job id or folder, "
                           "an adapter or model folder, or demo") from None
-    return str(path), None, path.parent.name if path.name in ("adapter", "model") else path.name
+    stem = path.parent.name if path.name in ("adapter", "model") else path.name
+    if checkpoint is not None:
+        return _checkpoint(path, checkpoint, str(path)), None, f"{stem}-step{checkpoint}"
+    return str(path), None, stem
+
+
+def _checkpoint(run_dir: Path, step: int, what: str) -> str:
+    """The folder of `what`'s complete checkpoint of `step`; ConfigError listing those kept."""
+    from kestrel.training.checkpoints import checkpoint_dir, complete_checkpoints
+
+    folder = checkpoint_dir(run_dir, step)
+    kept = [s for s, _ in complete_checkpoints(run_dir)]
+    if step not in kept:
+        listed = ", ".join(str(s) for s in kept) or "none"
+        raise ConfigError(f"{what} has no complete checkpoint of step {step} in {folder.parent}; kept: {listed}")
+    return str(folder)
 
 
 # ---------------------------------------------------------------------------------------------

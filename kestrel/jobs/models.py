@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2  # 2: jobs.stage (what an export is doing now)
+SCHEMA_VERSION = 3  # 2: jobs.stage (what an export is doing now); 3: datasets.columns (the saved mapping)
 
 # Job states. Only `running` has a live worker; `interrupted` and `cancelled` can be resumed.
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED = (
@@ -26,7 +26,7 @@ STATUSES = (QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED, INTERRUPTED)
 FINISHED = (COMPLETED, FAILED, CANCELLED, INTERRUPTED)
 RESUMABLE = (INTERRUPTED, CANCELLED, FAILED)
 EXPORT = "export"
-KINDS = ("sft", "grpo", EXPORT)
+KINDS = ("sft", "grpo", "preference", EXPORT)
 ARTIFACT_KINDS = ("adapter", "model", "checkpoint", "log", "metrics", "config", "gguf", "modelfile", "report",
                   "archive")
 
@@ -61,6 +61,9 @@ class Dataset(Base):
     size_bytes: Mapped[int | None] = mapped_column(Integer)
     checksum: Mapped[str | None] = mapped_column(String(80))  # sha256 of the file
     token_stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # e.g. {"total", "mean", "max", "p95"}
+    # The role -> column mapping the user chose (e.g. {"prompt": "q", "completion": "a"}), applied
+    # with `format` by every later use; None or {} when the columns were detected.
+    columns: Mapped[dict[str, str] | None] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from kestrel.config import TrainConfig, check_output_dir, expand_path
 from kestrel.constants import DEMO
 from kestrel.errors import ConfigError, DatasetError, ModelLoadError
+from kestrel.model.safe_weights import refuse_pickled
 from kestrel.paths import resolve_dataset_path
 
 # A Hugging Face repo id: `name` or `owner/name`, letters, digits, `-`, `_`, `.`, at most 96.
@@ -62,6 +63,7 @@ def check_model(model: str) -> str | None:
             what = "has no config.json" if path.is_dir() else "does not exist"
             raise ModelLoadError(f"model folder {path} {what}: point `model` at a Hugging Face model folder "
                                  "(the one holding config.json and *.safetensors), or use demo")
+        refuse_pickled(path)
         return None
     if not _HUB_ID.match(model) or ".." in model or "--" in model or model.endswith((".", "-")):
         raise ModelLoadError(f"model {model!r} is neither a local folder nor a Hugging Face hub id "
@@ -74,20 +76,48 @@ def check_model(model: str) -> str | None:
     return f"model {model} is not in the local Hugging Face cache; the job downloads it when it starts"
 
 
-def check_dataset(dataset: str) -> None:
-    """The dataset is a file, or the name of a shipped sample."""
+HUB_LOOKUP_S = 5.0  # the most a submit waits for the hub to say whether a model id exists
+
+
+def look_up_on_hub(model: str, timeout: float = HUB_LOOKUP_S) -> None:
+    """Ask the Hugging Face hub whether the hub id `model` (not in the local cache) exists and can
+    be downloaded, waiting at most `timeout` seconds; a ModelLoadError says what to do when not:
+    misspelt, gated, or the hub out of reach (an offline machine)."""
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(model, timeout=timeout)
+    except GatedRepoError:
+        raise ModelLoadError(f"model {model!r} is gated on the Hugging Face hub: accept its licence on its page, "
+                             "log in (`hf auth login`), then start again") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"model {model!r} is neither in the local Hugging Face cache nor on the hub "
+                             "(or it is private): check the id (owner/name, e.g. Qwen/Qwen3-0.6B)") from None
+    except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"model {model!r} is not in the local Hugging Face cache, and the hub could not be "
+                             f"reached to look it up ({reason}): this machine seems offline. Connect it to the "
+                             "network, or pick a local model folder or the demo model") from None
+
+
+def check_dataset(dataset: str, field: str = "dataset") -> None:
+    """The dataset (or the file named by `field`) is a file, or the name of a shipped sample."""
     try:
         found = resolve_dataset_path(dataset).is_file()
     except (OSError, ValueError, RuntimeError):
         found = False
     if not found:
-        raise DatasetError(f"dataset {dataset} does not exist (or is not a file); give the path of a .jsonl, "
+        raise DatasetError(f"{field} {dataset} does not exist (or is not a file); give the path of a .jsonl, "
                            ".json, .csv or .parquet file, or a sample name such as arithmetic_chat")
 
 
 def check_training(cfg: TrainConfig) -> list[str]:
     """Every submit-time check of a training config; returns notes worth showing the user."""
     check_dataset(cfg.dataset)
+    if cfg.eval_dataset:
+        check_dataset(cfg.eval_dataset, "eval_dataset")
     note = check_model(cfg.model)
     if cfg.output_dir:
         check_output_dir(cfg.output_dir)
@@ -100,3 +130,22 @@ def check_training(cfg: TrainConfig) -> list[str]:
             if path.suffix != ".py" or not path.is_file():
                 raise ConfigError(f"grpo.rewards: custom reward file {path} does not exist or is not a .py file")
     return [note] if note else []
+
+
+def check_devices(spec: int | str | list[int], device: str | None, available: list[str]) -> None:
+    """A run's `devices` must fit the devices jobs may use (`available`: the job runner's list)
+    and leave the choice of GPUs to the queue."""
+    gpus = [d for d in available if d != "cpu"]
+    if spec in (1, "auto"):
+        return
+    if device is not None:
+        raise ConfigError(f"devices: {spec} and a device ({device}) were both given; a run on several devices "
+                          "takes its GPUs from the queue: leave the device out")
+    if isinstance(spec, list):
+        missing = [i for i in spec if f"cuda:{i}" not in gpus]
+        if missing:
+            raise ConfigError(f"devices lists GPU {missing[0]}, which jobs may not use here; "
+                              f"available: {', '.join(gpus) or 'no GPU (write devices: N for N CPU processes)'}")
+    elif gpus and spec > len(gpus):
+        raise ConfigError(f"devices: {spec} asks for more GPUs than the {len(gpus)} jobs may use here "
+                          f"({', '.join(gpus)})")

@@ -155,6 +155,16 @@ def metric_series(job_id: int, names: list[str] | None = None, max_points: int =
     return out
 
 
+def attempt_start_step(job_id: int, since: float) -> int:
+    """The step the job's current attempt (started at `since`) resumed from: its newest checkpoint
+    recorded before then, 0 for a first run. Read from the small artifacts table, so the studio
+    may ask at every poll."""
+    with session() as s:
+        step = s.scalar(select(func.max(Artifact.step)).where(
+            Artifact.job_id == job_id, Artifact.kind == "checkpoint", Artifact.created_at < since))
+    return int(step or 0)
+
+
 def latest_metrics(job_id: int) -> dict[str, float]:
     """The most recent value of each metric of a job (its latest step for that name)."""
     last = (select(Metric.name, func.max(Metric.step).label("step"))
@@ -216,8 +226,10 @@ def list_artifacts(job_id: int, kind: str | None = None) -> list[Artifact]:
 
 
 def add_dataset(path: str | Path, name: str | None = None, format: str | None = None,
-                rows: int | None = None, token_stats: dict[str, Any] | None = None) -> int:
-    """Register a dataset file (or update its row): the studio passes what it detected.
+                rows: int | None = None, token_stats: dict[str, Any] | None = None,
+                columns: dict[str, str] | None = None) -> int:
+    """Register a dataset file (or update its row): the studio passes what it detected, and the
+    column mapping the user chose (`columns`; {} forgets a saved one, None keeps it).
 
     Size, file type and checksum are computed here; registering the same path again refreshes it.
     """
@@ -225,7 +237,8 @@ def add_dataset(path: str | Path, name: str | None = None, format: str | None = 
     size, digest = checksum(p)
     values = {"name": name or p.stem, "path": str(p), "format": format, "rows": rows,
               "file_type": p.suffix.lstrip(".").lower() or None, "size_bytes": size,
-              "checksum": digest, "token_stats": token_stats, "created_at": time.time()}
+              "checksum": digest, "token_stats": token_stats, "created_at": time.time(),
+              "columns": dict(columns) if columns is not None else None}
     with session(immediate=True) as s:
         row = s.scalar(select(Dataset).where(Dataset.path == str(p)))
         if row is None:
@@ -242,3 +255,28 @@ def add_dataset(path: str | Path, name: str | None = None, format: str | None = 
 def list_datasets() -> list[Dataset]:
     with session() as s:
         return list(s.scalars(select(Dataset).order_by(Dataset.id.desc())))
+
+
+def saved_mapping(path: str | Path) -> tuple[str, dict[str, str]] | None:
+    """(format, role -> column) the user saved for the dataset at `path`, or None when it has
+    none (not registered, or its columns were detected)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return None
+    with session() as s:
+        row = s.scalar(select(Dataset).where(Dataset.path == str(p.resolve())))
+        if row is None or not row.columns or not row.format:
+            return None
+        return row.format, dict(row.columns)
+
+
+def apply_saved_mapping(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (a training config dict) with its dataset's saved format and column mapping, when
+    it names neither (`dataset_format: auto`, no `columns`): a job started from the command line
+    reads the file as the studio showed it."""
+    if config.get("dataset_format", "auto") != "auto" or config.get("columns"):
+        return config
+    saved = saved_mapping(str(config.get("dataset", "")))
+    if saved is None:
+        return config
+    return {**config, "dataset_format": saved[0], "columns": saved[1]}

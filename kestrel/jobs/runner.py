@@ -11,7 +11,7 @@ job the moment the worker dies without settling it itself. Their stdout and stde
 `<output_dir>/job.log`, never to a pipe someone must drain.
 
 Two lanes, each first in, first out:
-- training (sft, grpo): one job per device at a time (KESTREL_JOBS_PER_DEVICE), the CPU when
+- training (sft, grpo, preference): one job per device at a time (KESTREL_JOBS_PER_DEVICE), the CPU when
   there is no GPU;
 - export: one export at a time (KESTREL_EXPORT_SLOTS), whatever training runs. An export is
   minutes of work that a user waits for, so it never queues behind a training run of hours:
@@ -50,7 +50,9 @@ from kestrel.errors import ConfigError
 from kestrel.paths import kestrel_home, runs_dir
 from kestrel.jobs import export_job, preflight, queries
 from kestrel.jobs.models import CANCELLED, EXPORT, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact, Job, Metric
-from kestrel.jobs.store import JobError, StoreWriteError, claim_next, remove_job_files, require_job, session
+from kestrel.jobs.store import (
+    JobError, StoreWriteError, claim_next, device_group, remove_job_files, require_job, session,
+)
 
 HEARTBEAT_S = 2.0  # the worker's heartbeat period
 STALE_AFTER_S = 6.0  # three missed heartbeats: with a dead pid, the job is lost (well under 15 s)
@@ -84,10 +86,10 @@ def available_devices() -> list[str]:
 
 
 def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, start: bool = True,
-           dataset_id: int | None = None) -> int:
+           dataset_id: int | None = None, held_by: int | None = None) -> int:
     """Validate `config` (a ConfigError names any bad key), queue it, start it if it can start.
 
-    A training config (TrainConfig or its dict) makes an sft or grpo job; an export config
+    A training config (TrainConfig or its dict) makes an sft, grpo or preference job; an export config
     (`kind: export`, see `kestrel.jobs.export_job`) an export job. Relative file paths in the config are
     made absolute here, since the worker runs elsewhere. `device` pins the job ("cpu",
     "cuda:1"); None takes the first free device (an export: see `_export_device` in kestrel.jobs.store).
@@ -95,6 +97,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
     Everything that would fail in the worker for a reason known now (a missing dataset or model,
     an output folder that is a file or cannot be created) is refused here, and a refused config
     stores nothing: the output folder is created inside the transaction that adds the job.
+    `held_by`: the pid of a process that trains the run itself (kestrel.jobs.external); stored running.
     """
     if export_job.is_export_config(config):
         prepared = export_job.prepare(dict(config))  # type: ignore[arg-type]
@@ -104,15 +107,20 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
         cfg = config if isinstance(config, TrainConfig) else config_from_dict(dict(config))
         for note in preflight.check_training(cfg):
             log.info("note: %s", note)
-        kind = "grpo" if cfg.method == "grpo" else "sft"
+        kind = "grpo" if cfg.method == "grpo" else "preference" if cfg.is_preference else "sft"
         name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
-        data, root = _absolute_paths(cfg.to_dict()), runs_dir()
+        data, root = queries.apply_saved_mapping(_absolute_paths(cfg.to_dict())), runs_dir()
     if device is not None and device != "cpu" and device not in available_devices():
         raise ConfigError(f"device {device!r} is not available; choose one of "
                           f"{', '.join(available_devices() + ['cpu'])}")
+    if kind != EXPORT:
+        preflight.check_devices(data.get("devices", 1), device, available_devices())
     with session(immediate=True) as s:
         job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",
                   step=0, attempts=0, queued_at=time.time(), dataset_id=dataset_id)
+        if held_by is not None:  # trained by that process itself: running from the start, never claimed
+            job.status, job.pid, job.device, job.attempts = RUNNING, held_by, device or "cpu", 1
+            job.started_at = job.heartbeat_at = job.queued_at
         s.add(job)
         s.flush()  # assigns the id that names the default folder
         out = Path(data["output_dir"]) if data.get("output_dir") else root / f"job-{job.id}-{_slug(name)}"
@@ -277,10 +285,10 @@ def _worker_env(device: str) -> dict[str, str]:
     env.update(kestrel_env.job_environment(device))
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    elif device.startswith("cuda:"):
-        index = int(device.split(":", 1)[1])
+    elif device.startswith("cuda:"):  # one GPU, or a group of them ("cuda:0,cuda:1") for one run
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        env["CUDA_VISIBLE_DEVICES"] = visible[index] if index < len(visible) else str(index)
+        indices = [int(d.split(":", 1)[1]) for d in device_group(device)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if i < len(visible) else str(i) for i in indices)
     return env
 
 

@@ -298,7 +298,7 @@ def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -
     now = time.time()
     with session(immediate=True) as s:
         running = s.execute(select(Job.kind, Job.device).where(Job.status == RUNNING)).tuples().all()
-        busy = Counter(device for kind, device in running if kind != EXPORT)
+        busy = Counter(d for kind, group in running if kind != EXPORT for d in device_group(group))
         exporting = sum(1 for kind, _ in running if kind == EXPORT)
 
         def free(device: str) -> bool:
@@ -311,9 +311,8 @@ def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -
                     continue
                 device: str | None = job.requested_device or _export_device(auto_devices, busy)
             else:
-                wanted = job.requested_device
-                device = wanted if wanted else next((d for d in auto_devices if free(d)), None)
-                if device is None or not free(device):
+                device = _training_devices(job, auto_devices, free)
+                if device is None:
                     continue
             claimed = s.execute(
                 update(Job).where(Job.id == job.id, Job.status == QUEUED).values(
@@ -323,6 +322,39 @@ def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -
             if claimed == 1:
                 return job.id, str(device)
     return None
+
+
+def device_group(device: str | None) -> list[str]:
+    """The devices of a job's `device` column: one ("cuda:0"), or a group ("cuda:0,cuda:1")."""
+    return [d for d in (device or "").split(",") if d]
+
+
+def gpus_wanted(config: dict[str, Any], auto_devices: list[str]) -> int:
+    """How many GPUs a training job's `devices` asks for: `auto` is every GPU jobs may use."""
+    spec = config.get("devices", 1)
+    gpus = [d for d in auto_devices if d != "cpu"]
+    if spec == "auto":
+        return max(1, len(gpus))
+    return len(spec) if isinstance(spec, list) else int(spec)
+
+
+def _training_devices(job: Job, auto_devices: list[str], free: Callable[[str], bool]) -> str | None:
+    """The device (or comma-joined GPU group) a queued training job can start on now, or None.
+
+    A job that asked for a device waits for it; one that wants N GPUs waits until N are free
+    at once and holds them all (a CPU machine runs its N ranks on the CPU)."""
+    if job.requested_device:
+        return job.requested_device if free(job.requested_device) else None
+    gpus = [d for d in auto_devices if d != "cpu"]
+    spec = (job.config or {}).get("devices", 1)
+    if isinstance(spec, list) and gpus:  # these GPUs, all free at once
+        group = [f"cuda:{i}" for i in spec]
+        return ",".join(group) if all(free(d) for d in group) else None
+    wanted = gpus_wanted(job.config or {}, auto_devices)
+    if wanted > 1 and gpus:
+        idle = [d for d in gpus if free(d)]
+        return ",".join(idle[:wanted]) if len(idle) >= wanted else None
+    return next((d for d in auto_devices if free(d)), None)
 
 
 def _export_device(auto_devices: list[str], training: Counter[str]) -> str:

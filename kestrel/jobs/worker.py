@@ -37,7 +37,7 @@ from kestrel.errors import KestrelError
 from kestrel.jobs import export_job, queries, runner, supervisor
 from kestrel.jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, INTERRUPTED, RUNNING, Job
 from kestrel.jobs.runner import HEARTBEAT_S, NO_RESULT_EXIT, schedule
-from kestrel.jobs.store import StoreWriteError, session
+from kestrel.jobs.store import StoreWriteError, device_group, session
 
 ENGINE_ENTRY = "kestrel.training.run:run"
 FLUSH_EVERY_S = 1.0  # metrics reach the store at most this late (charts stay < 2 s behind)
@@ -187,6 +187,10 @@ def _train(job_id: int, pid: int, config: dict[str, Any]) -> tuple[str, str | No
     """Run the training engine with a DbCallback, then record what it left in its folder."""
     callback = DbCallback(job_id, pid, save_steps=int(config.get("save_steps") or 0))
     signal.signal(signal.SIGTERM, lambda *_: setattr(callback, "terminated", True))
+
+    group = device_group(env.raw("KESTREL_JOB_DEVICE"))
+    if len(group) > 1:  # the runner made exactly the group's GPUs visible, numbered from 0
+        config = {**config, "devices": len(group)}
 
     def engine() -> tuple[str, str | None]:
         result = resolve_entry()(config_from_dict(config), callbacks=[callback])

@@ -91,8 +91,22 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.
     return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
+def _rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-place RoPE on q, k (B, h, T, d); with partial rotary (cos, sin (B, T, r), r < d: Qwen3.5's
+    quarter of head_dim) only the first r channels turn, as HF's `apply_rotary_pos_emb` does."""
+    rot = cos.shape[-1]
+    if rot == q.shape[-1]:
+        return kernels.rope_(q, k, cos, sin)
+    q_rot, k_rot = kernels.rope_(q[..., :rot], k[..., :rot], cos, sin)
+    return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+
+
 def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor, Any]]:
-    """Attention with QK-norm, in-place RoPE and fused LoRA QKV; varlen when the model forward says so."""
+    """Attention with QK-norm, in-place RoPE and fused LoRA QKV; varlen when the model forward says so.
+
+    With `spec.attn_output_gate` (Qwen3.5) q_proj yields 2*d per head, (query, gate), and the
+    attention output (B, T, h*d) is multiplied by sigmoid(gate) before o_proj.
+    """
 
     def forward(
         self: nn.Module,
@@ -105,17 +119,22 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k, v = _project_qkv(self, hidden_states)
-        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)  # (B, T, h, d)
+        gate = None
+        if spec.attn_output_gate:
+            q, gate = torch.chunk(q.view(*input_shape, -1, 2 * self.head_dim), 2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)  # (B, T, h*d)
+        q, k, v = q.reshape(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)  # (B, T, h, d)
         if spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, d)
         cos, sin = position_embeddings
         if spec.rope_half_table and 2 * cos.shape[-1] == q.shape[-1]:  # gpt-oss: halves rotate as rotate_half's
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        q, k = kernels.rope_(q, k, cos, sin)
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (not Qwen3.5's partial RoPE)
+        q, k = _rope_(q, k, cos, sin)
         varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
         if varlen is not None:
-            return self.o_proj(varlen_attention(q, k, v, varlen, self.scaling)), None
+            out = varlen_attention(q, k, v, varlen, self.scaling)
+            return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         eager = sys.modules[type(self).__module__].eager_attention_forward
@@ -132,6 +151,8 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
             **kwargs,
         )
         out = out.reshape(*input_shape, -1).contiguous()
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out), weights
 
     return forward

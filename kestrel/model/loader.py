@@ -4,7 +4,9 @@
     model, tokenizer = load("/models/llama-3.1-8b", 4096, load_in_4bit=True)
 
 The model comes back patched onto Kestrel's fast paths (`kestrel.model.patching`) when its family is
-registered; an unknown family loads unpatched with a one-line notice.
+registered; an unknown family loads unpatched with a one-line notice. An image-text checkpoint
+(Gemma 3 4B+, Gemma 4, Qwen3.5, Mistral 3) loads whole, its vision tower frozen: training on text
+changes only its language model (`kestrel.model.multimodal`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
+)
 
 from kestrel.constants import DEMO
 from kestrel.errors import ModelLoadError
 from kestrel.paths import ASSETS, models_dir
+from kestrel.model.multimodal import freeze_outside_language_model, is_image_text
 from kestrel.model.patching import PatchFlags, patch_model
-from kestrel.model.registry import family_of
+from kestrel.model.registry import family_for
+from kestrel.model.safe_weights import refuse_pickled
 
 log = logging.getLogger("kestrel")
 
@@ -117,7 +123,7 @@ def _family_kwargs(path: str, kwargs: dict, load_in_4bit: bool) -> None:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
         return  # from_pretrained below reports it
-    spec = family_of(getattr(config, "model_type", ""))
+    spec = family_for(config)
     if spec is not None and spec.moe is not None and load_in_4bit:
         # bitsandbytes quantizes nn.Linear only: the experts' 3-D weights keep the compute dtype.
         log.info("%s: 4-bit loading quantizes attention to NF4; the experts stay %s", path, kwargs.get("dtype"))
@@ -165,18 +171,25 @@ def load(
             "Train in 16-bit instead: set `method: lora` (or `full`)."
         )
     path = resolve_model_path(model)
+    refuse_pickled(path)  # a hub id is no folder: use_safetensors below refuses its pickles
     compute_dtype = resolve_dtype(dtype, dev)
-    kwargs: dict = {"dtype": compute_dtype, "attn_implementation": attn_implementation}
+    kwargs: dict = {"dtype": compute_dtype, "attn_implementation": attn_implementation, "use_safetensors": True}
     if load_in_4bit:
         kwargs["quantization_config"] = _quantization_config(compute_dtype)
         kwargs["device_map"] = {"": dev.index or 0}
     _family_kwargs(path, kwargs, load_in_4bit)
     try:
         tokenizer = load_tokenizer(path, max_seq_length)
-        hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        auto = AutoModelForImageTextToText if is_image_text(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
+        hf_model = auto.from_pretrained(path, **kwargs)
     except OSError as exc:
         if Path(path).exists():
             raise ModelLoadError(f"could not load model from {path}: {exc}") from exc
+        if ".safetensors" in str(exc):  # the hub repo has pickled weights only
+            raise ModelLoadError(
+                f"model {model!r} has no safetensors weights on the Hugging Face hub, and Kestrel does not load "
+                "pickled ones (unpickling can run code). Download it to a folder, convert it with "
+                "`python -m kestrel convert FOLDER` if you trust it, and point `model` at that folder.") from exc
         raise ModelLoadError(
             f"could not find model {model!r}: it is not a local folder, and downloading it from the "
             "Hugging Face hub failed (offline, a typo, or a gated model). Pick a local folder, "
@@ -187,6 +200,10 @@ def load(
     _match_expert_dtype(hf_model, compute_dtype)
     hf_model.config.use_cache = False
     hf_model.kestrel_max_seq_length = max_seq_length
+    frozen = freeze_outside_language_model(hf_model)
+    if frozen:
+        log.info("%s is an image-text model: its language model trains on text, %d vision/projector "
+                 "parameters stay frozen", type(hf_model).__name__, frozen)
     if patch:
         patch_model(hf_model, patch if isinstance(patch, PatchFlags) else PatchFlags())
     return hf_model, tokenizer

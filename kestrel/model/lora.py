@@ -7,10 +7,12 @@ from pathlib import Path
 
 from torch import nn
 
-from kestrel.config import LoraSettings
+from kestrel.config import ALL_LINEAR, LoraSettings
 from kestrel.errors import ConfigError
+from kestrel.model.multimodal import lora_targets
 from kestrel.model.patching import patch_lora_layers
-from kestrel.model.registry import family_of
+from kestrel.model.registry import family_for
+from kestrel.model.safe_weights import refuse_pickled
 
 log = logging.getLogger("kestrel")
 
@@ -35,7 +37,7 @@ _MLP_NAMES = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj
 def expert_parameters(model: nn.Module, targets: list[str]) -> list[str]:
     """PEFT `target_parameters` (e.g. `mlp.experts.gate_up_proj`) for the MLP names in `targets`
     on a mixture-of-experts model; empty for a dense one."""
-    spec = family_of(getattr(model.config, "model_type", ""))
+    spec = family_for(model.config)
     if spec is None or spec.moe is None:
         return []
     stored = {name.rsplit(".", 1)[-1] for name, _ in model.named_parameters() if ".experts." in name}
@@ -47,6 +49,7 @@ def _load_trainable(model: nn.Module, path: str) -> nn.Module:
     from peft import PeftModel
 
     folder = adapter_folder(path)
+    refuse_pickled(folder)
     try:
         return PeftModel.from_pretrained(model, str(folder), is_trainable=True)
     except (RuntimeError, ValueError, KeyError) as exc:  # shape or module mismatch with this model
@@ -66,25 +69,30 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         return peft_model
 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    experts = expert_parameters(model, settings.targets)
-    missing = [t for t in settings.targets if t not in present and not (experts and t in _MLP_NAMES)]
+    targets = list(settings.targets)
+    experts = expert_parameters(model, targets)
+    missing = [t for t in targets if t not in present and not (experts and t in _MLP_NAMES)]
     if missing:
         raise ConfigError(
             f"lora.targets {missing} are not modules of this model; it has e.g. "
             + ", ".join(sorted(n for n in present if n.endswith("proj"))[:10])
         )
+    spec = family_for(model.config)
+    if spec is not None and set(ALL_LINEAR) <= set(targets):  # "every linear" includes the family's others
+        targets += [t for t in spec.extra_lora_targets if t not in targets and t in present]
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=[t for t in settings.targets if t in present],
+        # an image-text model: its language model only; a MoE's expert MLPs: parameter targets
+        target_modules=lora_targets(model, [t for t in targets if t in present]),
         target_parameters=experts or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)
     patched = patch_lora_layers(peft_model)
-    log.info("LoRA r=%d on %s%s; %d layers on the fused path", settings.r, ",".join(settings.targets),
+    log.info("LoRA r=%d on %s%s; %d layers on the fused path", settings.r, ",".join(targets),
              f" (experts: {', '.join(experts)})" if experts else "", patched)
     return peft_model
 

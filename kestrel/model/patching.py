@@ -27,8 +27,9 @@ from torch import nn
 from kestrel.model import forwards as ff
 from kestrel.model.attention import VarlenMode, varlen_backend
 from kestrel.model.decoder_stack import make_model_forward
+from kestrel.model.linear_attention import linear_attention_forward
 from kestrel.model.moe import make_moe_forward
-from kestrel.model.registry import FamilySpec, family_of
+from kestrel.model.registry import ALL_LEVELS, FamilySpec, family_for
 
 log = logging.getLogger("kestrel")
 
@@ -38,7 +39,7 @@ class PatchFlags:
     """Which fast paths to install. All on by default."""
 
     rms_norm: bool = True
-    attention: bool = True  # QK-norm + in-place RoPE (+ fused LoRA QKV when LoRA is attached)
+    attention: bool = True  # QK-norm + in-place RoPE (+ fused LoRA QKV when LoRA is attached); linear attention
     mlp: bool = True  # fused GLU (+ fused LoRA MLP when LoRA is attached)
     decoder_layer: bool = True
     model: bool = True  # the decoder stack: rotary + attention layout once per forward
@@ -89,39 +90,47 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
     existing = getattr(model, "kestrel_patch", None)
     if existing is not None:
         return existing
-    spec = family_of(getattr(model.config, "model_type", ""))
+    spec = family_for(model.config)
     if spec is None:
         log.warning(
             "Kestrel has no fast path for model type %r; training it through the plain Hugging Face path.",
             getattr(model.config, "model_type", "?"),
         )
         return None
+    if not ALL_LEVELS <= spec.levels:
+        log.info("Kestrel's fast path covers part of %s (%s); its other modules run Hugging Face's forwards.",
+                 spec.model_type, ", ".join(sorted(spec.levels)))
     handle = PatchHandle(spec, flags)
-    if flags.rms_norm:
+    on = {level for level in spec.levels if getattr(flags, "attention" if level == "linear_attention" else level)}
+    if "rms_norm" in on:
         for norm in _modules_named(model, spec.norm_class):
-            handle.rebind(norm, ff.make_rms_norm_forward(spec))
-    if flags.attention:
+            if getattr(norm, "weight", None) is not None:  # a scale-free norm (Gemma 4's value norm) keeps HF's
+                handle.rebind(norm, ff.make_rms_norm_forward(spec))
+    if "attention" in on:
         for attn in _modules_named(model, spec.attention_class):
             handle.rebind(attn, ff.make_attention_forward(spec))
-    if flags.mlp and spec.moe is not None:
+    if "linear_attention" in on and spec.linear_attention_class:
+        for mixer in _modules_named(model, spec.linear_attention_class):
+            handle.rebind(mixer, linear_attention_forward)
+    if "mlp" in on and spec.moe is not None:
         for block in _modules_named(model, spec.moe.block_class):
             handle.rebind(block, make_moe_forward(spec))
-    if flags.mlp and (spec.moe is None or spec.mlp_class != spec.moe.block_class):
+    if "mlp" in on and (spec.moe is None or spec.mlp_class != spec.moe.block_class):
         for mlp in _modules_named(model, spec.mlp_class):
             if ff.mlp_activation_matches(mlp, spec):
                 handle.rebind(mlp, ff.make_mlp_forward(spec))
             else:
                 log.warning("MLP activation %s is not %s; leaving that MLP unpatched.",
                             type(mlp.act_fn).__name__, spec.activation)
-    if flags.decoder_layer:
+    if "decoder_layer" in on:
         for layer in _modules_named(model, spec.decoder_layer_class):
             handle.rebind(layer, ff.make_decoder_layer_forward(spec))
-    if flags.model:
+    if "model" in on:
         # No varlen kernel takes gpt-oss's attention sinks: its layers get HF's masks.
-        forward = make_model_forward(spec, flags.varlen if flags.attention and not spec.attention_sinks else "off")
+        forward = make_model_forward(spec, flags.varlen if "attention" in on and not spec.attention_sinks else "off")
         for stack in _modules_named(model, spec.model_class):
             handle.rebind(stack, forward)
-    if flags.causal_lm:
+    if "causal_lm" in on:
         for head in _modules_named(model, spec.causal_lm_class):
             handle.rebind(head, ff.make_causal_lm_forward(spec))
     model.kestrel_patch = handle
@@ -163,9 +172,21 @@ def runs_varlen(model: nn.Module) -> bool:
     handle = _find_handle(model)
     if handle is None or not (handle.flags.attention and handle.flags.model) or handle.family.attention_sinks:
         return False
+    if not {"attention", "model"} <= handle.family.levels:  # HF's stack: its own mask per row
+        return False
     embeddings = model.get_input_embeddings().weight
     dropout = getattr(model.config, "attention_dropout", 0.0) > 0
     return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout) is not None
+
+
+def packing_refusal(model: nn.Module) -> str | None:
+    """Why `model` must not train on packed rows (several samples side by side in one row), or
+    None. Attention keeps inside each sample (masks, varlen); a recurrent layer would not."""
+    spec = family_for(model.config)
+    if spec is not None and spec.linear_attention_class:
+        return (f"{spec.model_type}'s linear-attention layers would carry their state (and short convolution) "
+                "from one packed sample into the next")
+    return None
 
 
 def unpatch_model(model: nn.Module) -> None:

@@ -8,7 +8,11 @@ here, not writing another patch function. Export (`kestrel.export`) reads the GG
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+# The module levels the patcher can put on Kestrel's forwards (see `kestrel.model.patching`).
+Level = Literal["rms_norm", "attention", "linear_attention", "mlp", "decoder_layer", "model", "causal_lm"]
+ALL_LEVELS: frozenset[str] = frozenset(("rms_norm", "attention", "mlp", "decoder_layer", "model", "causal_lm"))
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,15 @@ class FamilySpec:
     rope_half_table: bool = False  # the rotary tables hold head_dim / 2 columns (gpt-oss), not head_dim
     gguf_arch: str = "llama"  # llama.cpp's architecture name
     gguf_permute_qk: bool = False  # Llama-style Q/K row permutation for llama.cpp's RoPE
+    # Levels with a Kestrel forward; the others keep Hugging Face's (a family whose layers hold
+    # more than attention + MLP, e.g. Qwen3.5's linear attention or Gemma 4's per-layer inputs).
+    levels: frozenset[str] = ALL_LEVELS
+    linear_attention_class: str | None = None  # gated-delta-rule layers (Qwen3.5), `kestrel.model.linear_attention`
+    # Linears beyond attention + MLP that "every linear" LoRA also covers (linear attention's projections).
+    extra_lora_targets: tuple[str, ...] = ()
+    attn_output_gate: bool = False  # q_proj yields (query, gate) per head; output * sigmoid(gate) (Qwen3.5)
+    decode: bool = True  # Kestrel's decode forward (`kestrel.decode.model`) covers it; else HF's cached forward
+    gguf: bool = True  # `kestrel.export` writes its GGUF (llama.cpp's tensor layout is mapped)
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -125,12 +138,61 @@ FAMILIES: dict[str, FamilySpec] = {
             attn_softcap_attr="attn_logit_softcapping",
             gguf_arch="gemma3",
         ),
+        # --- families added for issue 26 (dense, on part of the fast path) ---------------------
+        # Qwen3.5: 3 of 4 layers gated-delta-rule linear attention (flash-linear-attention's
+        # kernels on CUDA, HF's reference elsewhere), the others gated full attention
+        # with partial RoPE; zero-centred (1 + w) norms cast after the scale.
+        FamilySpec(
+            model_type="qwen3_5_text",
+            causal_lm_class="Qwen3_5ForCausalLM",
+            model_class="Qwen3_5TextModel",
+            decoder_layer_class="Qwen3_5DecoderLayer",
+            attention_class="Qwen3_5Attention",
+            mlp_class="Qwen3_5MLP",
+            norm_class="Qwen3_5RMSNorm",
+            norm_offset=1.0,
+            norm_casting="gemma",
+            qk_norm=True,
+            attn_output_gate=True,
+            linear_attention_class="Qwen3_5GatedDeltaNet",
+            extra_lora_targets=("in_proj_qkv", "in_proj_z", "out_proj"),
+            levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "causal_lm")),
+            decode=False,
+            gguf=False,
+            gguf_arch="qwen35",
+        ),
+        # Gemma 4: per-layer input embeddings, K/V shared across the last layers, a value norm and
+        # per-layer-type head sizes live in HF's decoder layer and attention; norms (w, cast after
+        # the scale), the GeGLU MLP and the softcapped head run here.
+        FamilySpec(
+            model_type="gemma4_text",
+            causal_lm_class="Gemma4ForCausalLM",
+            model_class="Gemma4TextModel",
+            decoder_layer_class="Gemma4TextDecoderLayer",
+            attention_class="Gemma4TextAttention",
+            mlp_class="Gemma4TextMLP",
+            norm_class="Gemma4RMSNorm",
+            norm_casting="gemma",
+            activation="geglu",
+            qk_norm=True,
+            sandwich_norm=True,
+            embed_scale=True,
+            logit_softcap_attr="final_logit_softcapping",
+            sliding_layers="by_layer_type",
+            rope_per_layer_type=True,
+            levels=frozenset(("rms_norm", "mlp", "causal_lm")),
+            decode=False,
+            gguf=False,
+            gguf_arch="gemma4",
+        ),
+        # --- end of issue 26 dense families ---------------------------------------------------
     )
 }
 
 # --- Mixture-of-experts families (issue 26, item 2) ----------------------------------------
-# Qwen3.5-MoE shares Qwen3-MoE's experts but not its attention (gated delta-rule layers): it is
-# registered where its linear attention is.
+# Kestrel's decode forward has no sparse block and no sinks: both decode through HF's forward
+# (`kestrel.decode.hf_backend`); their GGUF maps the 3-D expert tensors (`kestrel.export.experts`).
+# Qwen3.5-MoE shares Qwen3-MoE's experts but not its attention (gated delta-rule layers): not registered yet.
 _MOE_FAMILIES = (
     FamilySpec(
         model_type="qwen3_moe",
@@ -148,6 +210,7 @@ _MOE_FAMILIES = (
             num_experts_attr="num_experts",
             expert_intermediate_attr="moe_intermediate_size",
         ),
+        decode=False,
         gguf_arch="qwen3moe",
     ),
     FamilySpec(
@@ -172,14 +235,42 @@ _MOE_FAMILIES = (
         ),
         attention_sinks=True,
         rope_half_table=True,
+        decode=False,
         gguf_arch="gpt-oss",
     ),
 )
 FAMILIES.update({spec.model_type: spec for spec in _MOE_FAMILIES})
 
-SUPPORTED = tuple(FAMILIES)
+SUPPORTED = tuple(FAMILIES)  # every family the patcher knows (some on part of the fast path)
+DECODE_FAMILIES = tuple(t for t, s in FAMILIES.items() if s.decode)  # Kestrel's own decode forward
+GGUF_FAMILIES = tuple(t for t, s in FAMILIES.items() if s.gguf)  # GGUF export
+# The whole stack on Kestrel's forwards (varlen packing, in-place residuals, offloaded checkpoints).
+FULL_PATH_FAMILIES = tuple(t for t, s in FAMILIES.items() if ALL_LEVELS <= s.levels)
 
 
 def family_of(model_type: str) -> FamilySpec | None:
     """The family registered for `config.model_type`, or None for an unknown family."""
     return FAMILIES.get(model_type)
+
+
+def _field(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config (a config object or a config.json dict): `config` itself, or
+    an image-text model's `text_config`."""
+    inner = _field(config, "text_config")
+    return inner if inner is not None and _field(config, "vision_config") is not None else config
+
+
+def is_image_text(config: Any) -> bool:
+    """True for the config (object or config.json dict) of an image-text checkpoint (one with a vision tower)."""
+    return text_config(config) is not config
+
+
+def family_for(config: Any) -> FamilySpec | None:
+    """The family of a model's language model (config object or config.json dict):
+    `model_type`, else (an image-text checkpoint such as Gemma 3 4B, Qwen3.5 or Mistral 3) its
+    `text_config`'s."""
+    return family_of(_field(config, "model_type") or "") or family_of(_field(text_config(config), "model_type") or "")

@@ -33,6 +33,7 @@ from kestrel import env
 import torch
 from torch import nn
 
+from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from kestrel.recompute.host_memory import HostMemoryError, host_buffer, side_stream
@@ -439,10 +440,18 @@ def set_gradient_checkpointing(
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     chooser = GraphChooser(graph_mode(cuda_graphs), CudaClock() if torch.cuda.is_available() else None,
                            on_decision=on_decision)
-    recompute = Recompute(mode == "offload", layers[0] if layers else None, chooser, gate_share(offload_gate))
+    recompute = Recompute(mode == "offload", _first_decoder_layer(model, layers), chooser, gate_share(offload_gate))
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
     return recompute
+
+
+def _first_decoder_layer(model: nn.Module, layers: list[nn.Module]) -> nn.Module | None:
+    """The layer a training forward starts with: the language model's first decoder layer (an
+    image-text model's vision encoder layers come first in module order, and text never runs them)."""
+    spec = family_for(model.config)
+    ours = [m for m in layers if spec is not None and type(m).__name__ == spec.decoder_layer_class]
+    return (ours or layers or [None])[0]
 
 
 def scope_of(layer: nn.Module) -> Recompute | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import gradio as gr
 
+from kestrel.studio.components.runs import FOLLOW_LOG_JS
 from kestrel.studio.form import FORM_KEYS
 from kestrel.studio.handlers import chat as chat_h
 from kestrel.studio.handlers import datasets as ds_h
@@ -24,6 +25,7 @@ from kestrel.studio.handlers import train as train_h
 from kestrel.studio.handlers.datasets import roles
 from kestrel.studio.handlers.train import form_to_config
 from kestrel.studio.models import ModelPool
+from kestrel.studio.settings import StudioSettings
 
 C = dict[str, gr.Component]
 # Cheap handlers (milliseconds of work) skip Gradio's queue: a queued event pays a join request
@@ -76,27 +78,27 @@ def model_name(source: str, text: str) -> str:
 # Datasets tab (+ the Train form it feeds)
 
 
-def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
+def wire_datasets(d: C, t: C, settings: StudioSettings) -> None:
     model_in = [t["model_source"], t["model"]]
+    tokens = Outputs.of(d, "tokens", "token_summary", "truncation")
     shown = Outputs.of(d, "state", "status", "summary", "format", "preview", "report", "histogram", "row",
                        *[f"col_{r}" for r in roles()]) + Outputs([("datasets", d["datasets"]),
-                                                                  ("datasets", t["dataset"])])
-    tokens = Outputs.of(d, "tokens", "token_summary")
+                                                                  ("datasets", t["dataset"])]) + tokens
     token_in = [d["state"], d["row"], *model_in, t["max_seq_length"], t["train_on_responses_only"]]
     to_form = Outputs([("dataset", t["dataset"]), ("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
 
     def preview_tokens(state: Any, row: Any, src: str, text: str, max_len: Any, responses: bool) -> dict[str, Any]:
-        if not state:
-            return {}
+        if not state or not state.get("usable", True):
+            return {}  # no format found: open_dataset cleared the preview
         return ds_h.token_preview(state, row, model_name(src, text), max_len, responses)
 
     def after_open(event: Any) -> None:
         event.success(tokens.wrap(preview_tokens), token_in, tokens.components, show_progress="hidden") \
              .then(to_form.wrap(train_h.use_dataset), [d["state"], t["extra"]], to_form.components) \
-             .then(*_preview_args(t))
+             .then(*_preview_args(t, settings))
 
     after_open(_on(d["upload"].upload,
-                   lambda f, src, text: ds_h.upload_dataset(f, max_upload_mb, model_name(src, text)),
+                   lambda f, src, text: ds_h.upload_dataset(f, settings.max_upload_mb, model_name(src, text)),
                    [d["upload"], *model_in], shown))
     after_open(_on(d["use_sample"].click, lambda p, src, text: ds_h.open_dataset(p, "auto", None, model_name(src, text)),
                    [d["sample"], *model_in], shown))
@@ -106,9 +108,13 @@ def wire_datasets(d: C, t: C, max_upload_mb: float) -> None:
                    lambda state, fmt, src, text, *cols: ds_h.apply_mapping(state, fmt, model_name(src, text), *cols),
                    [d["state"], d["format"], *model_in, *[d[f"col_{r}"] for r in roles()]], shown))
     _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", **LIGHT)
+    # The token view and the truncation warning follow the Train form's length and masking.
+    gr.on([t["max_seq_length"].change, t["train_on_responses_only"].change], tokens.wrap(preview_tokens), token_in,
+          tokens.components, trigger_mode="always_last", **LIGHT)
+    _on(d["format"].input, ds_h.show_roles, [d["format"]], Outputs.of(d, *[f"col_{r}" for r in roles()]), **LIGHT)
     picked = Outputs([("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
     _on(t["dataset"].input, train_h.pick_dataset, [t["dataset"], d["state"], t["extra"]], picked, **LIGHT) \
-        .then(*_preview_args(t), **LIGHT)
+        .then(*_preview_args(t, settings), **LIGHT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,22 +129,33 @@ def _filled(t: C) -> Outputs:
     return Outputs.of(t, *FORM_KEYS, "extra", "yaml", "download", "vram", "status")
 
 
-def _preview_args(t: C) -> tuple[Any, ...]:
+def _preview_args(t: C, settings: StudioSettings) -> tuple[Any, ...]:
     out = Outputs.of(t, "yaml", "download", "vram", "status")
-    return out.wrap(train_h.preview), [t["extra"], *_form(t)], out.components
+
+    def preview(extra: Any, gpu: str | None, *values: Any) -> dict[str, Any]:
+        return train_h.preview(extra, *values, gpu=gpu, allow_custom=settings.allow_custom_rewards)
+
+    return out.wrap(preview), [t["extra"], t["gpu"], *_form(t)], out.components
 
 
-def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
+def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
+    """The Train tab; `settings.allow_custom_rewards` (the launch flag) reaches every handler that builds a config."""
+    allow = {"allow_custom": settings.allow_custom_rewards}
     t["model_source"].change(lambda s: gr.update(visible=s != "demo"), t["model_source"], t["model"], **LIGHT)
-    fn, inputs, outputs = _preview_args(t)
-    gr.on([t[k].input for k in FORM_KEYS], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
+    fn, inputs, outputs = _preview_args(t, settings)
+    gr.on([t[k].input for k in (*FORM_KEYS, "gpu")], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
     filled = _filled(t)
-    _on(t["apply_preset"].click, train_h.apply_preset, [t["preset"], t["extra"], *_form(t)], filled, **LIGHT)
-    _on(t["apply_yaml"].click, train_h.apply_yaml, [t["yaml"]], filled, **LIGHT)
-    _on(t["load_yaml"].upload, train_h.load_yaml_file, [t["load_yaml"]], filled)
+    # then the preview again: its memory estimate is for the GPU picked on a machine without one
+    _on(t["apply_preset"].click, partial(train_h.apply_preset, **allow), [t["preset"], t["extra"], *_form(t)], filled,
+        **LIGHT).then(fn, inputs, outputs, **LIGHT)
+    _on(t["apply_yaml"].click, partial(train_h.apply_yaml, **allow), [t["yaml"]], filled, **LIGHT) \
+        .then(fn, inputs, outputs, **LIGHT)
+    _on(t["load_yaml"].upload, partial(train_h.load_yaml_file, **allow), [t["load_yaml"]], filled) \
+        .then(fn, inputs, outputs, **LIGHT)
     started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
-    _on(t["start"].click, train_h.start_training, [t["extra"], *_form(t)], started, concurrency_limit=1) \
+    _on(t["start"].click, partial(train_h.start_training, **allow), [t["extra"], *_form(t)], started,
+        concurrency_limit=1) \
         .success(lambda: (gr.Tabs(selected="runs"), gr.Timer(active=True)), None, [tabs, r["timer"]], **LIGHT) \
         .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"]], runs_out.components, **LIGHT)
 
@@ -149,11 +166,8 @@ def wire_train(t: C, r: C, tabs: gr.Tabs) -> None:
 
 def _runs_outputs(r: C) -> Outputs:
     charts = [k for k in r if k.startswith("chart_")]
-    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "log", "seen")
-
-
-def _act(action: str, selected: Any, remove_files: bool) -> dict[str, Any]:
-    return {"notice": runs_h.act(action, selected, remove_files)}
+    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "generation_summary", "generation_table",
+                      *runs_h.ACTIONS, "notice", "log", "seen")
 
 
 def wire_runs(r: C) -> None:
@@ -164,10 +178,12 @@ def wire_runs(r: C) -> None:
     _on(r["select"].input, runs_h.select_job, state_in, out, **LIGHT)
     r["table"].select(runs_h.select_row, r["table"], r["select"], **LIGHT) \
         .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
-    notice = Outputs.of(r, "notice")
-    for action in ("pause", "resume", "cancel", "delete"):
-        _on(r[action].click, partial(_act, action), [r["select"], r["remove_files"]], notice, **LIGHT) \
+    notice = Outputs.of(r, "notice", "seen")
+    for action in runs_h.ACTIONS:
+        _on(r[action].click, partial(runs_h.act_and_note, action), [r["select"], r["remove_files"], r["seen"]], notice,
+            **LIGHT) \
             .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
+    r["log"].change(None, None, None, js=FOLLOW_LOG_JS, **LIGHT)
     compare = Outputs.of(r, "compare_loss", "compare_diff")
     _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)
 
@@ -177,25 +193,33 @@ def wire_runs(r: C) -> None:
 
 
 def wire_chat(ch: C, pool: ModelPool) -> None:
-    described = Outputs.of(ch, "template", "left", "right")
-    for trigger in (ch["target"].change, ch["side"].change):
-        _on(trigger, chat_h.describe_target, [ch["target"], ch["side"]], described, **LIGHT)
-    targets = Outputs.of(ch, "target")
-    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"]], targets, **LIGHT)
-    answer = Outputs.of(ch, "left", "right", "message")
-    inputs = [ch[k] for k in ("message", "left", "right", "target", "side", "system", "temperature", "top_p",
-                              "top_k", "max_new_tokens", "repetition_penalty", "seed")]
+    described = Outputs.of(ch, "checkpoint", "template", "left", "right", "note", "stats")
+    pick = [ch["target"], ch["checkpoint"], ch["side"]]
+    for trigger in (ch["target"].change, ch["side"].change, ch["checkpoint"].input):
+        _on(trigger, chat_h.describe_target, pick, described, **LIGHT)
+    targets = Outputs.of(ch, "target", "seen")
+    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"], ch["seen"]], targets, **LIGHT)
+    answer = Outputs.of(ch, "left", "right", "message", "stats")
+    inputs = [ch[k] for k in ("message", "left", "right", "target", "checkpoint", "side", "system", "temperature",
+                              "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")]
     respond = partial(chat_h.respond, pool)
     events = [_on(trigger, respond, inputs, answer, show_progress="hidden")
               for trigger in (ch["send"].click, ch["message"].submit)]
-    ch["stop"].click(None, None, None, cancels=events)
-    ch["clear"].click(lambda: ([], []), None, [ch["left"], ch["right"]], cancels=events)
+    panels = Outputs.of(ch, "left", "right")
+    # Stop cancels the answer, then replaces an answer that had not begun (its loading note).
+    ch["stop"].click(None, None, None, cancels=events) \
+        .then(panels.wrap(chat_h.stopped), [ch["left"], ch["right"]], panels.components, **LIGHT)
+    ch["clear"].click(lambda: ([], [], ""), None, [ch["left"], ch["right"], ch["stats"]], cancels=events)
 
 
 def wire_export(ex: C) -> None:
-    _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)
-    _on(ex["format"].change, ex_h.quant_choices, [ex["format"]], Outputs.of(ex, "quant"), **LIGHT)
-    _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["format"], ex["quant"]],
+    _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
+        **LIGHT)
+    picked = Outputs.of(ex, "checkpoint", "quant")
+    pick_in = [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]]
+    for trigger in (ex["source"].change, ex["format"].change, ex["checkpoint"].input):
+        _on(trigger, ex_h.pick_source, pick_in, picked, **LIGHT)
+    _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]],
         Outputs.of(ex, "status", "file", "modelfile"), concurrency_limit=1)
 
 
@@ -203,22 +227,32 @@ def wire_export(ex: C) -> None:
 # Page load: fill every tab from the store (a reload shows running jobs live again)
 
 
-def on_load(d: C, t: C, r: C, ch: C, ex: C) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
+def on_load(d: C, t: C, r: C, ch: C, ex: C,
+            settings: StudioSettings) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
     runs_out = _runs_outputs(r)
     outputs = (Outputs([("samples", d["sample"]), ("datasets", d["datasets"])])
-               + _filled(t) + runs_out + Outputs.of(ch, "target") + Outputs.of(ex, "source", "quant"))
+               + _filled(t) + Outputs.of(t, "gpu") + runs_out + Outputs([("target", ch["target"]), ("ch_seen", ch["seen"]),
+                                                  ("source", ex["source"]), ("ex_seen", ex["seen"]),
+                                                  ("ex_checkpoint", ex["checkpoint"]), ("quant", ex["quant"])]))
 
     def load(seen: Any) -> dict[str, Any]:
         samples = ds_h.sample_choices()
         result: dict[str, Any] = {"samples": gr.update(choices=samples, value=samples[0][1] if samples else None)}
         result.update(ds_h.refresh_choices())
-        result.update(train_h.apply_preset("demo", {}, *[None] * len(FORM_KEYS)))
+        result.update(train_h.apply_preset("demo", {}, *[None] * len(FORM_KEYS),
+                                           allow_custom=settings.allow_custom_rewards))
         result["status"] = ""
+        result.update(train_h.gpu_picker())
         result["dataset"] = gr.update(choices=ds_h.dataset_choices(), value=result["dataset"])
         result.update(runs_h.refresh(None, {}, force=True))
-        result.update(chat_h.refresh_targets(None))
-        result.update(ex_h.refresh_sources(None))
-        result.update(ex_h.quant_choices("gguf"))
+        # Each tab's list remembers the newest run it has shown (its own `seen`, not the Runs tab's).
+        targets = chat_h.refresh_targets(None, None)
+        result.update(target=targets["target"], ch_seen=targets["seen"])
+        sources = ex_h.refresh_sources(None, None)
+        source = sources["source"]["value"]
+        picked = ex_h.pick_source(source, None, "gguf", None)
+        result.update(source=sources["source"], ex_seen=sources["seen"], ex_checkpoint=picked["checkpoint"],
+                      quant=picked["quant"])
         return result
 
     return outputs.wrap(load), [r["seen"]], outputs.components
@@ -241,5 +275,7 @@ def wire_tab_switches(tabs: dict[str, gr.Tab], r: C, ch: C, ex: C) -> None:
     tabs["runs"].select(partial(_timers_for, "runs"), None, timers, **LIGHT) \
         .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"]], runs_out.components, **LIGHT)
     _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
-    _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"]], Outputs.of(ch, "target"), **LIGHT)
-    _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"]], Outputs.of(ex, "source"), **LIGHT)
+    _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"], ch["seen"]], Outputs.of(ch, "target", "seen"),
+        **LIGHT)
+    _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
+        **LIGHT)

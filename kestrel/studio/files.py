@@ -5,6 +5,12 @@ config files offered for download in `studio/configs/`, Gradio's own upload cach
 `studio/tmp/` (app.py points GRADIO_TEMP_DIR there). An uploaded file is copied under a
 sanitised name, so a crafted name (`../../.bashrc`, `C:\\x`, control characters) can never write
 outside `datasets/`, and an existing dataset is never overwritten by a different file.
+
+Paths a studio user types are confined the same way (`studio_dataset`, `studio_output_dir`,
+`studio_folder` for a local model or adapter): a logged-in remote user must not read the host's
+files (nor train on a private model and download the export) or write runs anywhere but `runs/`. The
+check runs before the file is opened, so an error never shows content from outside. (The command
+line has no such limit: a path given there is its user's own choice.)
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import shutil
 import unicodedata
 from pathlib import Path
 
-from kestrel.errors import DatasetError
-from kestrel.paths import kestrel_home
+from kestrel.errors import ConfigError, DatasetError
+from kestrel.paths import SAMPLE_DATASETS, is_inside, kestrel_home, models_dir, runs_dir, sample_dataset
 from kestrel.studio import strings as S
 
 DATASET_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
@@ -119,3 +125,54 @@ def store_upload(src: str | Path, original_name: str | None, max_bytes: int) -> 
         if file_digest(target) == digest:
             return target
     raise DatasetError(S.ERR_BAD_NAME.format(name=original_name))
+
+
+def discard_upload(path: str | Path) -> None:
+    """Delete Gradio's cached copy of an upload (only inside `studio/tmp/`, never a file elsewhere)."""
+    try:
+        resolved = Path(path).resolve()
+        if is_inside(resolved, gradio_tmp_dir().resolve()) and resolved.is_file():
+            resolved.unlink()
+    except OSError:
+        pass  # the day-old cache cleaner removes it later
+
+
+def _resolve_from(text: str, field: str, base: Path) -> Path:
+    """`text` as an absolute path with symlinks followed, a relative one taken from `base`."""
+    try:
+        path = Path(text).expanduser()
+        return (path if path.is_absolute() else base / path).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise ConfigError(S.ERR_PATH_UNUSABLE.format(field=field, path=text, error=exc)) from None
+
+
+def studio_dataset(text: str) -> Path:
+    """A dataset named in the studio: a shipped sample's name, or a file inside KESTREL_HOME (a
+    relative path is taken from `datasets/`). DatasetError naming the field for anything else,
+    before the file is touched."""
+    sample = sample_dataset(text)
+    if sample is not None:
+        return sample
+    path = _resolve_from(text, "dataset", datasets_dir())
+    if not (is_inside(path, kestrel_home().resolve()) or is_inside(path, SAMPLE_DATASETS.resolve())):
+        raise DatasetError(S.ERR_DATASET_OUTSIDE.format(path=text, home=kestrel_home()))
+    return path
+
+
+def studio_output_dir(text: str) -> Path:
+    """An output folder named in the studio: a folder below KESTREL_HOME/runs (a relative path is
+    taken from there: `my-run` is `runs/my-run`). ConfigError naming the field for anything else."""
+    runs = runs_dir().resolve()
+    path = _resolve_from(text, "output_dir", runs)
+    if path == runs or not is_inside(path, runs):
+        raise ConfigError(S.ERR_OUTPUT_OUTSIDE.format(path=text, runs=runs))
+    return path
+
+
+def studio_folder(text: str, field: str, base: Path | None = None) -> Path:
+    """A local model or adapter folder named in the studio: inside KESTREL_HOME (a relative path
+    is taken from `base`, default `models/`). ConfigError naming the field otherwise."""
+    path = _resolve_from(text, field, base or models_dir())
+    if not is_inside(path, kestrel_home().resolve()):
+        raise ConfigError(S.ERR_FOLDER_OUTSIDE.format(field=field, path=text, home=kestrel_home()))
+    return path

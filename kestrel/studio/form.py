@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kestrel.config import ALL_LINEAR, CHECKPOINTING, DTYPES, LOSS_TYPES, SCHEDULERS
+from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE
 
 
 @dataclass(frozen=True)
 class Field:
     key: str  # dotted TrainConfig key
-    kind: str  # int | float | opt_int | opt_float | bool | choice | text | opt_text | multi | rewards
-    section: str  # main | advanced | grpo
+    kind: str  # int | float | opt_int | opt_float | bool | choice | text | opt_text | multi | rewards | devices
+    section: str  # main | advanced | grpo | preference
     choices: tuple[str, ...] = ()
     step: float | None = None  # the Number widget's step
 
@@ -38,6 +39,7 @@ FIELDS: tuple[Field, ...] = (
     Field("train_on_responses_only", "bool", "advanced"),
     Field("save_steps", "int", "advanced", step=10),
     Field("seed", "int", "advanced", step=1),
+    Field("devices", "devices", "advanced"),
     Field("dtype", "choice", "advanced", DTYPES),
     Field("warmup_steps", "int", "advanced", step=1),
     Field("lr_scheduler", "choice", "advanced", SCHEDULERS),
@@ -58,8 +60,15 @@ FIELDS: tuple[Field, ...] = (
     Field("grpo.temperature", "float", "grpo", step=0.1),
     Field("grpo.top_p", "float", "grpo", step=0.05),
     Field("grpo.rewards", "rewards", "grpo"),
-    Field("grpo.allow_custom_rewards", "bool", "grpo"),
-)
+    Field("preference.finetune", "choice", "preference", PREFERENCE_FINETUNE),
+    Field("preference.beta", "float", "preference", step=0.05),
+    Field("preference.loss_type", "choice", "preference", DPO_LOSS_TYPES),
+    Field("preference.precompute_ref_logps", "bool", "preference"),
+    Field("preference.simpo_gamma", "float", "preference", step=0.1),
+    Field("preference.cpo_alpha", "float", "preference", step=0.1),
+    Field("preference.desirable_weight", "float", "preference", step=0.1),
+    Field("preference.undesirable_weight", "float", "preference", step=0.1),
+)  # no widget for grpo.allow_custom_rewards: the studio's owner decides it (`--allow-custom-rewards`)
 
 # The columns of the GRPO rewards table: one row per `kestrel.config.RewardSpec`.
 REWARD_COLUMNS = ("name", "weight", "pattern", "target_length", "path")
@@ -68,3 +77,5 @@ REWARD_COLUMNS = ("name", "weight", "pattern", "target_length", "path")
 HEAD_KEYS = ("model_source", "model", "method", "dataset")
 FORM_KEYS: tuple[str, ...] = HEAD_KEYS + tuple(f.key for f in FIELDS)
 FIELD_BY_KEY = {f.key: f for f in FIELDS}
+# Config keys whoever started the studio decides (`kestrel.studio.settings`): a form or YAML value is ignored.
+OWNER_KEYS = ("grpo.allow_custom_rewards",)

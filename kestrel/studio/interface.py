@@ -6,15 +6,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import gradio as gr
 
 from kestrel.studio import events
 from kestrel.studio import strings as S
 from kestrel.studio.components import chat, datasets, export, runs, train
-from kestrel.studio.files import DEFAULT_MAX_UPLOAD_MB
 from kestrel.studio.models import ModelPool
+from kestrel.studio.settings import StudioSettings
 
 # System fonts only: Gradio's default theme fetches web fonts, and the studio makes no outside
 # connections.
@@ -24,12 +22,6 @@ CSS = """
 #ru-progress, #ds-summary, #tr-vram {min-height: 1.5em}
 footer {display: none !important}
 """
-
-
-@dataclass(frozen=True)
-class StudioSettings:
-    max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB  # larger uploads are refused (Gradio and the handler both check)
-    loaded_models: int = 2  # base models the Chat tab keeps loaded at once
 
 
 def theme() -> gr.themes.Base:
@@ -47,19 +39,19 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
             with gr.Tab(S.TAB_DATASETS, id="datasets") as datasets_tab:
                 d = datasets.build()
             with gr.Tab(S.TAB_TRAIN, id="train") as train_tab:
-                t = train.build()
+                t = train.build(settings.allow_custom_rewards)
             with gr.Tab(S.TAB_RUNS, id="runs") as runs_tab:
                 r = runs.build()
             with gr.Tab(S.TAB_CHAT, id="chat") as chat_tab:
                 ch = chat.build()
             with gr.Tab(S.TAB_EXPORT, id="export") as export_tab:
                 ex = export.build()
-        events.wire_datasets(d, t, settings.max_upload_mb)
-        events.wire_train(t, r, tabs)
+        events.wire_datasets(d, t, settings)
+        events.wire_train(t, r, tabs, settings)
         events.wire_runs(r)
         events.wire_chat(ch, pool)
         events.wire_export(ex)
         events.wire_tab_switches({"datasets": datasets_tab, "train": train_tab, "runs": runs_tab,
                                   "chat": chat_tab, "export": export_tab}, r, ch, ex)
-        app.load(*events.on_load(d, t, r, ch, ex))
+        app.load(*events.on_load(d, t, r, ch, ex, settings))
     return app

@@ -3,6 +3,7 @@
     python app.py                                   # http://127.0.0.1:7860, this machine only
     python app.py --host 0.0.0.0 --auth me:secret   # reachable from the network: a login is required
     python app.py --share --auth me:secret          # a public Gradio link (the only outside connection)
+    python app.py --allow-custom-rewards            # GRPO may run reward code from a .py file you name
 
 Training and exports run as jobs in worker processes that outlive the browser tab and the studio
 itself (the job store, KESTREL_HOME/kestrel.db); reopen the page to see them live. The Chat tab
@@ -18,6 +19,8 @@ import logging
 import os
 import threading
 
+from kestrel.studio.settings import StudioSettings
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -31,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p.add_argument("--max-upload-mb", type=float, default=DEFAULT_MAX_UPLOAD_MB,
                    help=f"largest dataset upload in MiB (default {DEFAULT_MAX_UPLOAD_MB:.0f})")
+    p.add_argument("--allow-custom-rewards", action="store_true",
+                   help="let GRPO runs started here import a reward from a .py file (it runs with your permissions; "
+                        "anyone who can log in to the studio can then run code)")
     args = p.parse_args(argv)
     args.auth_pair = check_access(args.host, args.share, args.auth, p.error)
     if not 0 < args.port < 65536:
@@ -53,6 +59,11 @@ def check_access(host: str, share: bool, auth: str | None, fail: object) -> tupl
         where = "--share" if share else f"--host {host}"
         fail(f"{where} makes the studio reachable from other machines: add --auth USER:PASSWORD")  # type: ignore[operator]
     return pair
+
+
+def studio_settings(args: argparse.Namespace) -> StudioSettings:
+    """The parsed options the handlers need, as the object `build_app` passes down."""
+    return StudioSettings(max_upload_mb=args.max_upload_mb, allow_custom_rewards=args.allow_custom_rewards)
 
 
 def configure_environment() -> None:
@@ -84,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_environment()
     from kestrel.studio.files import served_dirs
-    from kestrel.studio.interface import CSS, StudioSettings, build_app, theme
+    from kestrel.studio.interface import CSS, build_app, theme
 
     threading.Thread(target=warm_up, name="warm-up", daemon=True).start()
-    app = build_app(StudioSettings(max_upload_mb=args.max_upload_mb))
+    app = build_app(studio_settings(args))
     app.queue(default_concurrency_limit=8)  # twenty polling browsers must not wait in one line
     app.launch(
         server_name=args.host, server_port=args.port, auth=args.auth_pair, share=args.share,

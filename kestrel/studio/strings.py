@@ -35,9 +35,15 @@ DS_HIST_NOTE = " (histogram of the first {n} rows)"
 DS_TOKEN_SUMMARY = ("Line {line}: {total} tokens, {trained} trained, {masked} masked{cut}. "
                     "Tokenizer of model `{model}`.")
 DS_TOKEN_CUT = ", **{cut} cut off** by max_seq_length={max_len}"
+DS_MAPPING_SAVED = " · columns saved with the dataset: {mapping}"
 DS_NO_DATASET = "Upload a dataset or pick a sample first."
 DS_LOADED = "Loaded {name}: {good} usable rows as {format}."
 DS_NO_ROW = "There is no usable row at line {line}; usable lines run from {first} to {last}."
+DS_PREFERENCE_FORMATS = {"paired": "preference pairs ({layout}; for DPO, ORPO, SimPO)",
+                         "unpaired": "labelled answers ({layout}; for KTO)"}
+DS_KTO_LABELS = {True: "👍 desirable", False: "👎 undesirable"}
+DS_PREFERENCE_TOKENS = ("Line {line}: prompt {prompt} tokens (masked: context only); answers {answers} tokens "
+                        "(scored). Tokenizer of model `{model}`.")
 
 # --- train tab -------------------------------------------------------------------------------
 TR_PRESET = "Preset"
@@ -48,11 +54,21 @@ TR_MODEL = "Folder or hub id"
 TR_MODEL_INFO = "A folder holding config.json and *.safetensors, or an id like Qwen/Qwen2.5-0.5B-Instruct"
 TR_METHOD = "Method"
 TR_METHODS = {"qlora": "QLoRA (4-bit base, least memory)", "lora": "LoRA (16-bit base)",
-              "full": "Full fine-tune", "grpo": "GRPO (reinforcement learning with rewards)"}
+              "full": "Full fine-tune", "grpo": "GRPO (reinforcement learning with rewards)",
+              **{  # preference methods: what they train is their settings' `finetune` (LoRA, QLoRA or full)
+                  "dpo": "DPO (preferences: chosen vs rejected)", "orpo": "ORPO (preferences, no reference model)",
+                  "simpo": "SimPO (preferences, length-normalised, no reference)",
+                  "kto": "KTO (answers labelled good or bad)"}}
 TR_DATASET = "Dataset"
 TR_START = "Start training"
 TR_ADVANCED = "Advanced"
 TR_GRPO = "GRPO settings"
+TR_PREFERENCE = "Preference settings (DPO, ORPO, SimPO, KTO)"
+TR_PREFERENCE_INFO = (
+    "**Data.** DPO, ORPO and SimPO take `prompt`, `chosen`, `rejected` (text or message lists; whole "
+    "conversations as in UltraFeedback, or Anthropic HH `Human:`/`Assistant:` transcripts, need no prompt). "
+    "KTO takes `prompt`, `completion` and a true/false `label`. **Beta** is DPO's and KTO's KL strength, "
+    "ORPO's odds-ratio weight (its lambda) and SimPO's reward scale; the loss type applies to DPO.")
 TR_YAML = "The run as YAML (the file `python -m kestrel train CONFIG.yaml` takes)"
 TR_APPLY_YAML = "Use this YAML"
 TR_LOAD_YAML = "Load a YAML file"
@@ -62,13 +78,30 @@ TR_STARTED = "Started job #{job} ({name}). Follow it on the Runs tab."
 TR_QUEUED = "Queued job #{job} ({name}); it starts when job #{running} frees the device."
 TR_TWICE = "This run was already started as job #{job}, which is {status}. Change something to start another."
 TR_YAML_APPLIED = "Form filled from the YAML."
-TR_PRESET_APPLIED = "Preset “{name}” applied."
+TR_PRESET_APPLIED = "Preset “{name}” applied. Changed: {changes}."
+TR_PRESET_NO_CHANGE = "nothing (the form already matched it)"
+TR_PRESET_KEPT = "Kept your {what}."
 VRAM_LINE = ("{verdict_icon} **{verdict}** on {gpu} ({capacity:.1f} GiB): about **{total:.1f} GiB** peak "
              "(weights {weights:.1f}, optimizer {optimizer:.1f}, activations {activations:.1f}, "
              "other {other:.1f}); {trainable} trainable parameters.")
 VRAM_CPU = ("No NVIDIA GPU found: training runs on the CPU, which works for the demo model and tiny "
-            "models only (about {total:.1f} GiB of RAM for this run). QLoRA needs a GPU.")
+            "models only (about {total:.1f} GiB of RAM for this run). QLoRA needs a GPU: pick one below "
+            "to see whether this run would fit it.")
+VRAM_PICKED = "No NVIDIA GPU here; for the card you picked: "
+TR_GPU = "GPU to estimate for (this machine has none)"
 VRAM_UNKNOWN = "No estimate: {reason}"
+# How much of the chosen model Kestrel's fast path covers (under the memory estimate).
+FAMILY_TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma 3",
+                 "qwen3_5_text": "Qwen3.5", "gemma4_text": "Gemma 4", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss"}
+PATH_FULL = "⚡ **{family}**: on Kestrel's fast path (its kernels, padding-free packing, fast decode)."
+PATH_PARTIAL = ("⚡ **{family}**: partly on Kestrel's fast path ({levels}); its other modules run Hugging Face's "
+                "code{decode}.")
+PATH_HF_DECODE = ", and chat and GRPO rollouts decode through Hugging Face's forward"
+PATH_NONE = ("🐢 No fast path for model type `{model_type}` yet: it trains through plain Hugging Face (slower, and "
+             "more memory than estimated), and chat decodes through Hugging Face's forward.")
+PATH_IMAGE_TEXT = " An image-text model: its language model trains on text, the vision tower stays frozen."
+PATH_LEVELS = {"rms_norm": "norms", "attention": "attention", "linear_attention": "linear attention", "mlp": "MLP",
+               "decoder_layer": "layers", "model": "packing", "causal_lm": "chunked loss"}
 VRAM_HOST = ("{verdict_icon} Offloaded layer inputs: **{host:.1f} GiB** of host RAM "
              "(this machine has {ram:.1f} GiB): **{verdict}**.")
 VRAM_HOST_NO_RAM = "Offloaded layer inputs: **{host:.1f} GiB** of host RAM (this machine's RAM is unknown)."
@@ -87,10 +120,10 @@ FIELD_LABELS = {
     "grad_accum": "Gradient accumulation", "lora.r": "LoRA rank r", "lora.alpha": "LoRA alpha",
     "lora.dropout": "LoRA dropout", "lora.targets": "LoRA target modules",
     "grpo.rewards": "Rewards (one per row; the weighted sum is the reward)",
-    "grpo.allow_custom_rewards": "Allow custom reward code (runs inside the training job's process)",
     "lora.init_from": "Start from adapter (optional: a LoRA run's folder, e.g. for GRPO after SFT)", "packing": "Packing",
     "train_on_responses_only": "Train on responses only", "gradient_checkpointing": "Gradient checkpointing",
-    "save_steps": "Save every N steps (0: only at the end)", "seed": "Seed", "dtype": "Compute dtype",
+    "save_steps": "Save every N steps (0: only at the end)", "seed": "Seed",
+    "devices": "Devices (1; a count N; auto = every GPU; or GPU ids such as 0,1)", "dtype": "Compute dtype",
     "warmup_steps": "Warmup steps", "lr_scheduler": "LR schedule", "weight_decay": "Weight decay",
     "max_grad_norm": "Max grad norm (0: no clipping)", "logging_steps": "Log every N steps",
     "dataset_format": "Dataset format", "system_prompt": "System prompt (added when a row has none)",
@@ -98,6 +131,10 @@ FIELD_LABELS = {
     "grpo.num_generations": "Generations per prompt", "grpo.max_completion_length": "Max completion tokens",
     "grpo.max_prompt_length": "Max prompt tokens", "grpo.beta": "KL weight beta", "grpo.epsilon": "Clip epsilon",
     "grpo.loss_type": "Loss type", "grpo.temperature": "Sampling temperature", "grpo.top_p": "Sampling top-p",
+    "preference.finetune": "Trains", "preference.beta": "Beta", "preference.loss_type": "DPO loss type",
+    "preference.simpo_gamma": "SimPO margin gamma", "preference.cpo_alpha": "SimPO NLL weight (cpo_alpha)",
+    "preference.desirable_weight": "KTO desirable weight", "preference.undesirable_weight": "KTO undesirable weight",
+    "preference.precompute_ref_logps": "Precompute reference log-probs",
 }
 
 # --- runs tab --------------------------------------------------------------------------------
@@ -124,8 +161,13 @@ RU_ACTION_DONE = {"pause": "Job #{job}: stopping after its next checkpoint (resu
 RU_PICK = "Pick a run first."
 RU_PICK_TWO = "Pick at least two runs to compare."
 RU_SAME_CONFIG = "The runs have the same settings."
-CHARTS = {"loss": "Loss", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
-          "memory": "GPU memory (GiB)", "reward": "Reward (GRPO)", "kl": "KL (GRPO)"}
+RU_GENERATION = "Generation check (held-out prompts, answered greedily at the end of the run)"
+RU_GEN_COLUMNS = ["prompt", "reference", "answer", "exact match", "ROUGE-L"]
+RU_GEN_SUMMARY = "{n} held-out prompts at step {step}: exact match **{exact:.0%}**, ROUGE-L **{rouge:.3f}**"
+RU_GEN_NONE = "No generation check for this run (it runs at the end of a run with eval_split or eval_dataset)."
+CHARTS = {"loss": "Loss (train, eval)", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
+          "memory": "GPU memory (GiB)", "reward": "Reward (GRPO) / rewards (preference)", "kl": "KL (GRPO, KTO)"}
+RU_MEMORY_CPU = "GPU memory: none, this run trains on the CPU"
 
 # --- chat tab --------------------------------------------------------------------------------
 CH_MODEL = "Model"
@@ -145,6 +187,16 @@ CH_RUN_CHOICE = "Run #{job}: {name}"
 CH_NEED_RUN = "Side by side needs a fine-tuned run: pick one under Model."
 CH_EMPTY = "Type a message first."
 CH_LOADING = "Loading {model}…"
+CH_STOPPED = "(stopped)"
+CH_BAD_TARGET = "Unknown model choice {target!r}: press Refresh models and pick again."
+CH_AT_STEP = " · step {step}"
+CH_CHECKPOINT = "Weights of the run"
+CH_SPEED = "**{name}**: {tokens} tokens in {seconds:.1f} s · {rate:.1f} tokens/s (prompt included)"
+CH_DEMO_NOTE = ("**Note:** the built-in demo model is a tiny model with random weights, there to try the studio "
+                "in a minute on any machine. Its answers are gibberish; that is expected, not a fault.")
+CH_DEMO_RUN_NOTE = ("**Note:** this run was trained from the built-in demo model, a tiny model with random weights. "
+                    "A few steps of training teach it little, so its answers are still mostly gibberish; train a "
+                    "real model (a hub id or a local folder) for real answers.")
 
 # --- export tab ------------------------------------------------------------------------------
 EX_RUN = "Run to export"
@@ -161,6 +213,17 @@ EX_FOLDER_ONLY = "The export is {size:.1f} GiB: too large to zip for the browser
 EX_QUEUED = "Export #{job} is queued: it starts when the export before it ends."
 EX_FAILED = "Export #{job} failed: {error}"
 EX_STOPPED = "Export #{job} was {status} before it finished; nothing was kept."
+EX_CHECKPOINT = "Weights of the run"
+EX_CHECKS = "**Checks** (the same as `python -m kestrel export` prints):"
+EX_CHECK_LINE = "- {name}: **{verdict}** · {details}"
+EX_CHECK_INFO = "- {name}: {details}"
+EX_QUANT_HINT = "{quant} · {size} · {note}"
+EX_QUANT_NO_SIZE = "{quant} · {note}"
+EX_SIZE_ABOUT = "about {size}"
+EX_SIZE_UP_TO = "up to {size}"
+EX_QUANT_INFO = "Sizes for this model's {params} weights at each type's typical bits per weight."
+EX_QUANT_INFO_BOUND = ("Sizes are upper bounds: this model's rows ({params} weights) are too narrow for k-quant "
+                       "blocks of 256, so llama.cpp stores some tensors in wider types.")
 EX_RECENT = "Recent exports (they go on when this page or the studio closes)"
 EX_RECENT_NONE = "No exports yet."
 EX_RECENT_COLUMNS = ["#", "export", "status", "download"]
@@ -178,6 +241,16 @@ ERR_HUB_OFFLINE = ("Model {model!r} is not a local folder and is not in the Hugg
                    "offline (HF_HUB_OFFLINE is set). Pick a local folder or the built-in demo model.")
 ERR_MODEL_EMPTY = "Enter a model folder or a hub id, or pick the built-in demo model."
 ERR_DATASET_MISSING = "Dataset {path} does not exist any more; upload it again or pick a sample."
+ERR_DATASET_OUTSIDE = ("dataset {path!r} is outside the studio's folder: the studio reads only files inside {home} "
+                       "(KESTREL_HOME) and the shipped samples. Upload the file on the Datasets tab, or copy it into "
+                       "{home}/datasets.")
+ERR_OUTPUT_OUTSIDE = ("output_dir {path!r} is outside {runs}: runs started in the studio are written there. Give a "
+                      "folder name such as my-run (it becomes {runs}/my-run), or leave it empty; the command line "
+                      "(python -m kestrel train) can write anywhere.")
+ERR_FOLDER_OUTSIDE = ("{field} {path!r} is outside the studio's folder: the studio reads local models and adapters only "
+                      "inside {home} (KESTREL_HOME), e.g. {home}/models/<name> or a run's folder. Copy the folder "
+                      "there, or use a hub id; the command line (python -m kestrel train) can read it anywhere.")
+ERR_PATH_UNUSABLE = "{field} {path!r} cannot be used: {error}"
 ERR_NUMBER = "{field} must be a number, got {value!r}."
 ERR_QLORA_CPU = "QLoRA needs an NVIDIA GPU and none was found; choose LoRA (16-bit) instead."
 ERR_UNEXPECTED = "Something went wrong ({kind}); details are in the studio's terminal."
@@ -190,15 +263,28 @@ PRESET_NAMES = {
     "long_context": "Long context: offloaded checkpointing, batch 1",
     "full_small": "Full fine-tune: models up to about 1B",
     "grpo": "GRPO on the arithmetic prompts (set Model to a finished demo run's model folder first)",
+    "dpo": "DPO on the arithmetic preference pairs (set Model to a finished demo run's model folder first)",
 }
 TR_REWARDS_INFO = (
     "**Rewards.** `exact_answer`: the completion's final number (or `\\boxed{}` value, or `<answer>` tag) "
     "equals the dataset's `answer` column. `format_regex`: 1 when `pattern` matches. `length_penalty`: 0 up "
     "to `target_length` tokens, then down to -1. `json_valid`: 1 when the completion is valid JSON. "
     "`custom`: `path` to a Python file defining `reward(prompts, completions, answers)`; it runs with your "
-    "permissions inside the training job's process, so it needs the box above ticked."
+    "permissions inside the training job's process, so only whoever started the studio can allow it."
 )
+TR_CUSTOM_ON = ("Custom reward code: **allowed** (this studio was started with `--allow-custom-rewards`; a `custom` "
+                "reward's file runs inside the training job).")
+TR_CUSTOM_OFF = ("Custom reward code: **off**. Whoever starts the studio can allow it with "
+                 "`python app.py --allow-custom-rewards`.")
+ERR_CUSTOM_OFF = ("grpo.rewards: a `custom` reward runs code from {path}, and custom reward code is off in this "
+                  "studio; whoever started it can allow it with `python app.py --allow-custom-rewards`, or use a "
+                  "built-in reward.")
 ERR_REWARD_ROW = "Rewards table, row {row}: {problem}."
+WEIGHTS_FINAL = "Final weights"
+WEIGHTS_STEP = "Checkpoint at step {step}"
+ERR_CHECKPOINT_CHOICE = "Weights {value!r}: choose the final weights or a checkpoint's step from the list."
+ERR_CHECKPOINT_GONE = ("Run #{job} has no checkpoint of step {step} any more (training keeps only the newest); "
+                       "checkpoints kept: {kept}. Pick another from the list.")
 ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."
 ERR_SEED = "The seed must be a whole number, or empty for a random one; got {value!r}."
 ERR_HUB_ID = "{model!r} is not a valid hub id ({error})."
@@ -206,6 +292,6 @@ ERR_TOKENIZER = "Could not load the tokenizer of {model!r}: {error}"
 ERR_NO_TOKEN_COUNTS = " (no token counts: {error})"
 ERR_UNKNOWN_ACTION = "Unknown action {action!r}."
 ERR_WHOLE = "{field} must be a whole number, got {value!r}."
-ERR_YAML_NUMBER = "{key} must be a number, got {value!r}."
-ERR_YAML_BOOL = "{key} must be true or false, got {value!r}."
 ERR_PRESET = "Unknown preset {preset!r}."
+TR_DEVICES_FOUND = "GPUs found: {gpus}. Several devices train one run data parallel (LoRA, QLoRA; full fine-tuning sharded)."
+TR_DEVICES_NONE = "No GPU found: a count N runs N CPU processes (slow; for checking a multi-GPU config)."

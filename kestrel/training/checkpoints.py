@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from kestrel.errors import KestrelError
+from kestrel.training.best import BEST_DIR
 
 KEEP = 2  # checkpoints kept; older ones are removed once a newer one is complete
 TMP_SUFFIX = ".tmp"
@@ -50,35 +51,68 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def _weights_writers(model: nn.Module, target: Path, tokenizer: Any = None) -> list[Writer]:
-    writers: list[Writer] = [(f"{target.name}/ (the weights)", lambda: model.save_pretrained(target))]
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards the model's parameters (a full fine-tune on several devices)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _full_states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict | None, dict | None]:
+    """The whole model's (and optimizer's) state gathered from FSDP2's shards onto the CPU; every
+    rank must call it (it is a collective). (None, None) for a model that is not sharded."""
+    if not _sharded(model):
+        return None, None
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    return weights, (get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None)
+
+
+def _weights_writers(model: nn.Module, target: Path, tokenizer: Any = None, weights: dict | None = None) -> list[Writer]:
+    writers: list[Writer] = [(f"{target.name}/ (the weights)", lambda: model.save_pretrained(target, state_dict=weights))]
     if tokenizer is not None:
         writers.append((f"{target.name}/ (the tokenizer)", lambda: tokenizer.save_pretrained(target)))
     return writers
 
 
-def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None) -> Path:
+def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None, world: Any = None) -> Path:
     """The adapter (PEFT folder) or the full model, plus the tokenizer, into `folder`/adapter or
-    `folder`/model, written to a `.tmp` folder and renamed. Raises CheckpointWriteError."""
+    `folder`/model, written to a `.tmp` folder and renamed. Raises CheckpointWriteError. On
+    several devices (`world`, a `kestrel.training.distributed.World`) every rank calls it and
+    rank 0 writes."""
     target = folder / ("adapter" if _is_peft(model) else "model")
-    tmp = target.with_name(target.name + TMP_SUFFIX)
-    failure = _failure(f"the final weights ({target.name}/)", folder, lambda: _weights_bytes(model))
-    _write_atomically(tmp, target, _weights_writers(model, tmp, tokenizer), failure)
+    weights, _ = _full_states(model, None)
+    if world is None or world.is_main:
+        tmp = target.with_name(target.name + TMP_SUFFIX)
+        failure = _failure(f"the final weights ({target.name}/)", folder, lambda: _weights_bytes(model))
+        _write_atomically(tmp, target, _weights_writers(model, tmp, tokenizer, weights), failure)
+    if world is not None:
+        world.barrier()
     return target
 
 
 def save_checkpoint(
-    output_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any]
+    output_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any],
+    world: Any = None,
 ) -> Path:
     """Write the checkpoint of `step` (weights, optimizer, scheduler, state) and keep the newest
-    KEEP. Raises CheckpointWriteError, with the partial folder removed, when any write fails."""
-    root = output_dir / "checkpoints"
-    final = root / f"step-{step:06d}"
-    tmp = root / f"step-{step:06d}{TMP_SUFFIX}"
+    KEEP. Raises CheckpointWriteError, with the partial folder removed, when any write fails.
+    On several devices (`world`) every rank calls it; rank 0 writes (FSDP2's shards gathered first)."""
+    final = checkpoint_dir(output_dir, step)
+    weights, optim_state = _full_states(model, optimizer)
+    if world is not None and not world.is_main:
+        world.barrier()
+        return final
+    root, tmp = final.parent, final.with_name(final.name + TMP_SUFFIX)
     inner = tmp / ("adapter" if _is_peft(model) else "model")
+    optim_state = optim_state if optim_state is not None else optimizer.state_dict()
     writers = [
-        *_weights_writers(model, inner),
-        ("optimizer.pt", lambda: torch.save(optimizer.state_dict(), tmp / "optimizer.pt")),
+        *_weights_writers(model, inner, weights=weights),
+        ("optimizer.pt", lambda: torch.save(optim_state, tmp / "optimizer.pt")),
         ("scheduler.pt", lambda: torch.save(scheduler.state_dict(), tmp / "scheduler.pt")),
         ("state.json", lambda: (tmp / "state.json").write_text(json.dumps({**state, "step": step}))),
     ]
@@ -86,6 +120,8 @@ def save_checkpoint(
     _write_atomically(tmp, final, writers, _failure(f"the checkpoint of step {step}", output_dir, need))
     for old in sorted(root.glob("step-*[0-9]"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
+    if world is not None:
+        world.barrier()
     return final
 
 
@@ -127,14 +163,14 @@ def write_failure(subject: str, what: str, exc: BaseException, output_dir: Path,
             else "no earlier checkpoint exists, so a resumed run starts from step 0")
     free = free_bytes(output_dir)
     full = nearly_full or looks_like_full_disk(exc) or (free is not None and free < need)
-    space = (f"{_size(free)} free on the disk holding {output_dir}" if free is not None
+    space = (f"{human_size(free)} free on the disk holding {output_dir}" if free is not None
              else f"the free space on the disk holding {output_dir} is unknown")
     if full:
         more = need - free if free is not None and free < need else need
-        advice = (f"The disk is full: {space}, and a checkpoint needs about {_size(need)}; "
-                  f"free at least {_size(more)} there, then resume the run.")
+        advice = (f"The disk is full: {space}, and a checkpoint needs about {human_size(need)}; "
+                  f"free at least {human_size(more)} there, then resume the run.")
     else:
-        advice = f"Fix the cause and resume the run ({space}; a checkpoint needs about {_size(need)})."
+        advice = f"Fix the cause and resume the run ({space}; a checkpoint needs about {human_size(need)})."
     return f"could not write {subject}: writing {what} failed ({describe(exc)}); {kept}. {advice}"
 
 
@@ -171,7 +207,8 @@ def free_bytes(path: Path) -> int | None:
     return None
 
 
-def _size(n: int | None) -> str:
+def human_size(n: float | None) -> str:
+    """`512 bytes`, `1.5 MB`, `4.2 GB` (powers of 1000), `?` when unknown."""
     if n is None:
         return "?"
     value = float(n)
@@ -206,10 +243,11 @@ def _checkpoint_bytes(output_dir: Path, model: nn.Module, optimizer: torch.optim
 
 
 def remove_stale_writes(output_dir: Path) -> list[Path]:
-    """Remove `.tmp` folders a killed process left mid-save (checkpoints and final weights);
+    """Remove `.tmp` folders a killed process left mid-save (checkpoints, final and best weights);
     returns what was removed. Call only while no other process writes into `output_dir`."""
     candidates = [*(output_dir / "checkpoints").glob(f"step-*{TMP_SUFFIX}"),
-                  *(output_dir / f"{name}{TMP_SUFFIX}" for name in ("adapter", "model"))]
+                  *(folder / f"{name}{TMP_SUFFIX}" for folder in (output_dir, output_dir / BEST_DIR)
+                    for name in ("adapter", "model"))]
     removed = []
     for path in sorted(candidates):
         if path.is_dir():
@@ -218,10 +256,21 @@ def remove_stale_writes(output_dir: Path) -> list[Path]:
     return removed
 
 
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives (complete or not)."""
+    return output_dir / "checkpoints" / f"step-{step:06d}"
+
+
+def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first."""
+    done = [p for p in sorted((output_dir / "checkpoints").glob("step-*[0-9]")) if (p / "state.json").is_file()]
+    return [(int(p.name[5:]), p) for p in done]
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete checkpoint, or None."""
-    done = [p for p in sorted((output_dir / "checkpoints").glob("step-*[0-9]")) if (p / "state.json").is_file()]
-    return done[-1] if done else None
+    done = complete_checkpoints(output_dir)
+    return done[-1][1] if done else None
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
@@ -234,9 +283,30 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
         weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(device))
         set_peft_model_state_dict(model, weights)
+    elif _sharded(model):
+        return _load_sharded(path, model, optimizer, scheduler)
     else:
-        loaded = type(model).from_pretrained(path / "model", dtype=next(model.parameters()).dtype)
+        loaded = type(model).from_pretrained(path / "model", dtype=next(model.parameters()).dtype, use_safetensors=True)
         model.load_state_dict(loaded.state_dict())
+    # Kestrel's own files in the run's folder (optimizer moments, scheduler counters: nested dicts
+    # safetensors cannot hold), read with torch's restricted loader; never weights a user supplies.
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    return json.loads((path / "state.json").read_text())
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """A full checkpoint (as `save_checkpoint` writes it) loaded into FSDP2's shards: every rank
+    reads the whole files and keeps its own shard."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted((path / "model").glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    set_model_state_dict(model, weights, options=options)
+    optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     return json.loads((path / "state.json").read_text())

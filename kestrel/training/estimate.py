@@ -25,7 +25,10 @@ The model of memory (bytes), written for the way the engine trains:
     (it counts the CUDA context). The allocator reserves more: cached blocks, which it frees
     and retries with before it reports out-of-memory.
   The loss is chunked (logits never exist for the whole batch), so the head costs one chunk.
-- GRPO adds the rollouts' static KV cache and trains on num_generations sequences per prompt.
+- GRPO adds the rollouts' static KV cache and trains on num_generations sequences per prompt;
+  linear-attention layers (Qwen3.5) hold a fixed-size recurrent state per sequence instead.
+- per family: Qwen3.5's linear-attention projections and gated q_proj, Gemma 4's per-layer
+  inputs and wider full-attention heads (`per_layer_config`) count in the parameters.
 - a fixed overhead for the CUDA context and allocator slack (0.6 GiB + 8 %).
 - host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in
   page-locked host memory, layers x tokens x hidden x 2 bytes (100 GiB at 409,600 tokens on the
@@ -43,7 +46,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
-from kestrel.constants import DEFERRED_ROWS
+from kestrel.constants import DEFERRED_ROWS, PREFERENCE_METHODS
+from kestrel.model.registry import family_of
 
 GIB = 2**30
 FITS_BELOW = 0.80  # of the card's memory: room for the estimate's error
@@ -58,6 +62,29 @@ RECOMPUTE_HIDDENS = 12  # a recomputed layer's backward, besides its MLP
 
 
 @dataclass(frozen=True)
+class LinearAttentionShape:
+    """Gated-delta-rule layers (Qwen3.5): head counts and sizes of keys and values, conv width."""
+
+    layers: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv: int
+
+    def linears(self, hidden: int) -> dict[str, tuple[int, int]]:
+        keys, values = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        return {"in_proj_qkv": (hidden, 2 * keys + values), "in_proj_z": (hidden, values),
+                "in_proj_b": (hidden, self.v_heads), "in_proj_a": (hidden, self.v_heads), "out_proj": (values, hidden)}
+
+    def state_bytes(self) -> int:
+        """One sequence's decode state: the fp32 (dk x dv) matrix per value head and the
+        convolution's last (w - 1) inputs, per layer."""
+        conv_dim = 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+        return self.layers * (self.v_heads * self.k_dim * self.v_dim * 4 + conv_dim * (self.conv - 1) * 2)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes that decide memory, read from a Hugging Face `config.json`."""
 
@@ -69,6 +96,12 @@ class ModelShape:
     head_dim: int
     intermediate: int
     tied: bool
+    attn_output_gate: bool = False  # q_proj also yields a gate per head (Qwen3.5)
+    linear_attention: LinearAttentionShape | None = None  # these layers hold no K/V
+    per_layer_embedding: int = 0  # parameters of per-layer inputs (Gemma 4), `_per_layer_inputs`
+    # Attention layers whose head size or K/V head count differ from the above (Gemma 4's full
+    # layers): (layer count, head_dim, kv_heads) each; the other attention layers use the above.
+    wider_attention: tuple[tuple[int, int, int], ...] = ()
     experts: int = 0  # mixture of experts: experts per layer (0 for a dense model)
     experts_per_token: int = 0  # k, the experts each token is routed to
     expert_intermediate: int = 0  # one expert's intermediate size
@@ -89,22 +122,40 @@ class ModelShape:
         return self.layers * self.experts * r * ((h + 2 * ie) + (ie + h))
 
     @property
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear of one block, by module name."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+    def attention_layers(self) -> int:
+        return self.layers - (self.linear_attention.layers if self.linear_attention else 0)
+
+    def attention_kinds(self) -> list[tuple[int, int, int]]:
+        """(layer count, head_dim, kv_heads) of each kind of attention layer."""
+        plain = self.attention_layers - sum(n for n, _, _ in self.wider_attention)
+        return [(plain, self.head_dim, self.kv_heads), *self.wider_attention]
+
+    def linear_groups(self) -> list[tuple[int, dict[str, tuple[int, int]]]]:
+        """(layer count, {module name: (in, out)}) for each kind of linear of the blocks."""
         h, i = self.hidden, self.intermediate
-        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
-        if self.experts:  # the MLP is the experts (`expert_params`), not linears
-            return attention
-        return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        groups = []
+        for n, head_dim, kv_heads in self.attention_kinds():
+            q, kv = self.heads * head_dim, kv_heads * head_dim
+            groups.append((n, {"q_proj": (h, 2 * q if self.attn_output_gate else q), "k_proj": (h, kv),
+                               "v_proj": (h, kv), "o_proj": (q, h)}))
+        if not self.experts:  # a MoE's MLP is its experts (`expert_params`), not linears
+            groups.append((self.layers, {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}))
+        if self.linear_attention:
+            groups.append((self.linear_attention.layers, self.linear_attention.linears(h)))
+        return groups
+
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear of the blocks, by module name."""
+        return {name: shape for _, linears in self.linear_groups() for name, shape in linears.items()}
 
     @property
     def block_linear_params(self) -> int:
-        return self.layers * sum(a * b for a, b in self.linear_shapes.values())
+        return sum(n * sum(a * b for a, b in linears.values()) for n, linears in self.linear_groups())
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.per_layer_embedding
 
     @property
     def params(self) -> int:
@@ -127,17 +178,53 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        spec = family_of(str(cfg.get("model_type", "")))
         shape = ModelShape(
-            vocab=int(cfg["vocab_size"]), hidden=hidden, layers=int(cfg["num_hidden_layers"]), heads=heads,
+            vocab=int(cfg["vocab_size"]), hidden=hidden, layers=layers, heads=heads,
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
-            tied=bool(cfg.get("tie_word_embeddings", False)),
+            tied=bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+            attn_output_gate=bool(spec and spec.attn_output_gate),
+            linear_attention=_linear_attention(cfg),
+            per_layer_embedding=_per_layer_inputs(cfg, layers, hidden),
+            wider_attention=_per_layer_attention(cfg, heads, hidden),
             **_moe_sizes(cfg),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"the model config lacks the sizes needed for an estimate ({exc})") from exc
     return shape
+
+
+def _per_layer_inputs(cfg: dict[str, Any], layers: int, hidden: int) -> int:
+    """Parameters of Gemma 4's per-layer inputs: a (vocab, layers x p) embedding, the projection of
+    the hidden state to it, and each layer's gate and projection back (hidden x p each)."""
+    p = int(cfg.get("hidden_size_per_layer_input") or 0)
+    return (int(cfg.get("vocab_size_per_layer_input") or 0) + hidden) * layers * p + layers * 2 * hidden * p
+
+
+def _per_layer_attention(cfg: dict[str, Any], heads: int, hidden: int) -> tuple[tuple[int, int, int], ...]:
+    """Counts of attention layers that `per_layer_config` (layer index -> overrides) gives another
+    head_dim or K/V head count, by (head_dim, kv_heads)."""
+    base = (int(cfg.get("head_dim") or hidden // heads), int(cfg.get("num_key_value_heads") or heads))
+    counts: dict[tuple[int, int], int] = {}
+    for overrides in (cfg.get("per_layer_config") or {}).values():
+        kind = (int(overrides.get("head_dim", base[0])), int(overrides.get("num_key_value_heads", base[1])))
+        if kind != base:
+            counts[kind] = counts.get(kind, 0) + 1
+    return tuple((n, head_dim, kv) for (head_dim, kv), n in counts.items())
+
+
+def _linear_attention(cfg: dict[str, Any]) -> LinearAttentionShape | None:
+    layers = sum(1 for kind in cfg.get("layer_types") or [] if kind == "linear_attention")
+    if not layers:
+        return None
+    return LinearAttentionShape(
+        layers=layers, k_heads=int(cfg["linear_num_key_heads"]), v_heads=int(cfg["linear_num_value_heads"]),
+        k_dim=int(cfg["linear_key_head_dim"]), v_dim=int(cfg["linear_value_head_dim"]),
+        conv=int(cfg.get("linear_conv_kernel_dim") or 4),
+    )
 
 
 @dataclass(frozen=True)
@@ -155,6 +242,15 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> int:
         return self.weights + self.optimizer + self.activations + self.extra + self.overhead
+
+
+def training_rows(method: str, finetune: str, batch_size: int) -> tuple[str, int]:
+    """(what a run trains like, rows in one training forward). A preference method trains as its
+    `finetune` (lora, qlora, full); paired ones (DPO, ORPO, SimPO) run chosen and rejected rows
+    together, twice `batch_size` rows."""
+    if method not in PREFERENCE_METHODS:
+        return method, batch_size
+    return finetune, batch_size * (1 if method == "kto" else 2)
 
 
 def estimate_training_memory(
@@ -175,8 +271,8 @@ def estimate_training_memory(
         optimizer = 6 * trainable  # gradient + two moments, bf16 (weights counted above)
     else:
         targets = lora_targets or list(shape.linear_shapes)
-        trainable = shape.layers * sum(lora_r * (a + b) for name, (a, b) in shape.linear_shapes.items()
-                                       if name in targets)
+        trainable = sum(n * sum(lora_r * (a + b) for name, (a, b) in linears.items() if name in targets)
+                        for n, linears in shape.linear_groups())
         if shape.experts and (lora_targets is None or {"gate_proj", "up_proj", "down_proj"} & set(targets)):
             trainable += shape.expert_lora_params(lora_r)
         optimizer = 16 * trainable
@@ -189,8 +285,9 @@ def estimate_training_memory(
     activations = _activations(shape, method == "qlora", tokens, gradient_checkpointing)
     logits = min(tokens, LOSS_CHUNK_TOKENS) * shape.vocab * 4  # one fp32 chunk; its gradient reuses it
     kv_cache = 0
-    if method == "grpo":
-        kv_cache = 2 * shape.layers * seqs * length * shape.kv_heads * shape.head_dim * 2
+    if method == "grpo":  # rollouts: K/V of the attention layers, the recurrent state of linear ones
+        kv_cache = sum(2 * n * seqs * length * kv * head_dim * 2 for n, head_dim, kv in shape.attention_kinds())
+        kv_cache += seqs * (shape.linear_attention.state_bytes() if shape.linear_attention else 0)
     extra = logits + kv_cache
     overhead = CONTEXT_BYTES + int(SLACK * (weights + optimizer + activations + extra))
     # offload moves the same layer inputs `standard` keeps on the GPU into pinned host memory
@@ -210,6 +307,25 @@ def _activations(shape: ModelShape, qlora: bool, tokens: int, checkpointing: str
     recompute = tokens * (RECOMPUTE_HIDDENS * h + rows) * 2 + mlp
     kept_inputs = (2 if checkpointing == "offload" else shape.layers) * tokens * h * 2
     return recompute + kept_inputs
+
+
+# Common cards to estimate for on a machine without one: name -> total memory as the card reports it
+# (MiB, what `torch.cuda.get_device_properties(0).total_memory` gives, a little under the marketing GB).
+COMMON_GPUS_MIB: dict[str, int] = {
+    "NVIDIA GeForce RTX 3060 (12 GB)": 12_288, "NVIDIA GeForce RTX 3080 (10 GB)": 10_240,
+    "NVIDIA GeForce RTX 3090 (24 GB)": 24_576, "NVIDIA GeForce RTX 4060 Ti (16 GB)": 16_380,
+    "NVIDIA GeForce RTX 4070 (12 GB)": 12_282, "NVIDIA GeForce RTX 4080 (16 GB)": 16_376,
+    "NVIDIA GeForce RTX 4090 (24 GB)": 24_564, "NVIDIA GeForce RTX 5090 (32 GB)": 32_607,
+    "NVIDIA T4 (16 GB, Colab free tier)": 15_360, "NVIDIA L4 (24 GB)": 23_034, "NVIDIA A10G (24 GB)": 23_028,
+    "NVIDIA RTX A6000 (48 GB)": 49_140, "NVIDIA L40S (48 GB)": 46_068, "NVIDIA A100 (40 GB)": 40_536,
+    "NVIDIA A100 (80 GB)": 81_920, "NVIDIA H100 (80 GB)": 81_559, "NVIDIA H200 (141 GB)": 143_771,
+}
+
+
+def common_gpu(name: str | None) -> tuple[str, int] | None:
+    """(name, total bytes) of a card of COMMON_GPUS_MIB, or None for a name not in it."""
+    mib = COMMON_GPUS_MIB.get(name or "")
+    return None if mib is None else (str(name), mib * 2**20)
 
 
 def verdict(total_bytes: int, capacity_bytes: int) -> str:

@@ -8,6 +8,9 @@ Metric names reported at each step (GRPO adds its own, e.g. `reward`, `kl`):
     vram_alloc_gib, vram_reserved_gib, vram_peak_gib, elapsed_s, eta_s
     aux_loss: mixture-of-experts models only, the router's load-balancing loss (mean over the
     step's micro-batches; part of `loss` only when the model config sets output_router_logits)
+With an evaluation set, a separate call at each evaluated step (TRL's names): step, eval_loss (and
+the method's eval_* metrics), eval_runtime; at the end eval_exact_match and eval_rouge_l of the
+generation check (`kestrel.training.evaluation`, `kestrel.training.generation_check`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 StopKind = Literal["cancel", "pause"]
+METRICS_FILE = "metrics.jsonl"  # in the run folder
 
 
 @dataclass
@@ -112,6 +116,15 @@ class JsonlWriter(Callback):
             f.write(json.dumps(metrics) + "\n")
 
 
+def read_series(path: Path, name: str, up_to: int) -> list[tuple[int, float]]:
+    """(step, value) of metric `name` in a metrics.jsonl, at steps <= `up_to` (what a resumed
+    run keeps); [] when the file is missing."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(int(r["step"]), float(r[name])) for r in rows if name in r and int(r.get("step", 0)) <= up_to]
+
+
 class ProgressBar(Callback):
     """A tqdm bar on stderr with the loss and throughput."""
 
@@ -127,7 +140,7 @@ class ProgressBar(Callback):
         if self.bar is None:
             return
         self.bar.n = int(metrics["step"])
-        shown = {k: metrics[k] for k in ("loss", "reward", "lr", "tokens_per_s") if k in metrics}
+        shown = {k: metrics[k] for k in ("loss", "eval_loss", "reward", "lr", "tokens_per_s") if k in metrics}
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=True)
 
     def on_log(self, message: str) -> None:

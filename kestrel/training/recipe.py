@@ -5,7 +5,10 @@ preference methods) supplies its setup, which returns its run state, and its loo
     status, last_step = run_recipe(setup, train_loop, config, output_dir, callbacks)
 
 `RunState` is what this module needs of a method's state; each method's own dataclass adds what
-its steps need (batches, rollouts, a reference model).
+its steps need (batches, rollouts, a reference model). Its `evaluator` (None: no evaluation set)
+carries the method's own eval batches and `Measure` (`kestrel.training.evaluation`): this loop
+evaluates when due, reports eval_* metrics, keeps the best weights, stops early, and runs the
+generation check at the end.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kestrel.config import TrainConfig
 from kestrel.errors import TrainingDivergedError
 from kestrel.model.lora import attach_lora
+from kestrel.model.multimodal import freeze_outside_language_model
 from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
 from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
+from kestrel.training.distributed import World, shard_full_model
+from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback, RunInfo
 
 
@@ -40,9 +47,11 @@ class RunState(Protocol):
     total_steps: int
     start_step: int
     device: torch.device
+    world: World  # this process's rank on a run over several devices; World() on one
+    evaluator: Evaluator | None
 
 
-Setup = Callable[[TrainConfig, Path, Callback], RunState]
+Setup = Callable[[TrainConfig, Path, Callback, World], RunState]
 Loop = Callable[[Any, Callback], str]
 
 
@@ -81,22 +90,41 @@ def graph_reporter(output_dir: Path, cb: Callback) -> Callable[[Decision], None]
 
 
 def prepare_model(
-    config: TrainConfig, model: nn.Module, output_dir: Path, cb: Callback
+    config: TrainConfig, model: nn.Module, output_dir: Path, cb: Callback, world: World | None = None
 ) -> tuple[nn.Module, Recompute | None]:
     """LoRA attached (or every weight unfrozen), checkpointing on, train mode; returns the model
-    and the run's checkpointing (None when off)."""
-    if config.method == "full":
+    and the run's checkpointing (None when off). On several devices (`world`), LoRA's adapters
+    start as rank 0's, and a full fine-tune is sharded with FSDP2 (its layers then run without
+    CUDA graphs: a graph cannot hold FSDP's gathers)."""
+    world = world or World()
+    cuda_graphs = config.performance.cuda_graphs
+    if config.trains_all_weights:
         for p in model.parameters():
             p.requires_grad_(True)
+        freeze_outside_language_model(model)  # an image-text model's vision tower stays as it is
     else:
         for p in model.parameters():
             p.requires_grad_(False)
         model = attach_lora(model, config.lora)
-    perf = config.performance
     recompute = set_gradient_checkpointing(
-        model, config.gradient_checkpointing, perf.cuda_graphs, graph_reporter(output_dir, cb), perf.offload_gate)
+        model, config.gradient_checkpointing, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
+        graph_reporter(output_dir, cb), config.performance.offload_gate)
+    if world.distributed:
+        if config.trains_all_weights:
+            shard_full_model(model, decoder_layers(model), world)
+            cb.on_log(f"full fine-tuning sharded with FSDP2 over {world.size} devices (CUDA graphs off)")
+        else:
+            world.broadcast_parameters(model)
+            cb.on_log(f"data parallel over {world.size} devices: base replicated, adapter gradients summed")
     model.train()
     return model, recompute
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (Hugging Face's checkpointable layers), in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def optimizer_and_resume(
@@ -124,8 +152,11 @@ def optimizer_step(s: RunState, loss: torch.Tensor | None = None) -> tuple[torch
     NaN or inf stops the run with a TrainingDivergedError naming the step and what to change,
     so it ends `failed` with the last checkpoint intact, never `completed` with a NaN model."""
     params = [p for g in s.optimizer.param_groups for p in g["params"]]
+    s.world.sync_gradients(p for p in params if not isinstance(p, DTensor))  # FSDP's are reduced already
     clip = s.config.max_grad_norm if s.config.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
     check_finite(s, loss, grad_norm)
     lr = s.scheduler.get_last_lr()[0]
     s.optimizer.step()
@@ -172,21 +203,60 @@ def end_of_step(s: RunState, cb: Callback, done: int, metrics: dict[str, float])
     (cancelled / interrupted) when the run must end here."""
     if done % s.config.logging_steps == 0 or done == s.total_steps:
         cb.on_step(metrics)
-    stop = cb.should_stop()
+    early = evaluate_if_due(s, cb, done)
+    stop = s.world.agree_stop(cb.should_stop())
     if stop or (s.config.save_steps and done % s.config.save_steps == 0 and done < s.total_steps):
-        path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, {"total_steps": s.total_steps})
-        cb.on_checkpoint(done, str(path))
+        path = save_checkpoint(s.output_dir, done, s.model, s.optimizer, s.scheduler, {"total_steps": s.total_steps},
+                               s.world)
+        if s.world.is_main:
+            cb.on_checkpoint(done, str(path))
     if stop:
         return "cancelled" if stop == "cancel" else "interrupted"
-    return None
+    return "completed" if early else None
 
 
-def run_recipe(setup_fn: Setup, loop_fn: Loop, config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
-    """Set up, train and save; returns (status, last step)."""
-    s = setup_fn(config, output_dir, cb)
+def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
+    """Evaluate when the interval or the last step says so; report eval_* at step `done`, keep
+    the best weights. Returns True when early stopping ends the run before its last step."""
+    ev = s.evaluator
+    if ev is None or not ev.due(done, s.total_steps):
+        return False
+    metrics = ev.evaluate(s.model)
+    cb.on_step({"step": done, **metrics})
+    return ev.record(done, metrics, s.model, s.tokenizer, cb.on_log) and done < s.total_steps
+
+
+def generation_check(s: RunState, cb: Callback, step: int) -> None:
+    """The end-of-run generation check, when the method has held-out prompts; a model the
+    decode path lacks only skips it (said in the log)."""
+    from kestrel.decode.model import UnsupportedModelError
+    from kestrel.training.generation_check import GENERATION_FILE
+
+    check = s.evaluator.generation if s.evaluator is not None else None
+    if check is None or not check.cases:
+        return
+    try:
+        summary = check.run(s.model, s.tokenizer, s.output_dir, step)
+    except UnsupportedModelError as exc:
+        cb.on_log(f"generation check skipped: the fast decode path does not run this model ({exc})")
+        return
+    cb.on_step({"step": step, "eval_exact_match": summary["exact_match"], "eval_rouge_l": summary["rouge_l"]})
+    cb.on_log(f"generation check on {len(check.cases)} held-out prompts: exact match {summary['exact_match']:.0%}, "
+              f"ROUGE-L {summary['rouge_l']:.3f} (in {s.output_dir / GENERATION_FILE})")
+
+
+def run_recipe(
+    setup_fn: Setup, loop_fn: Loop, config: TrainConfig, output_dir: Path, cb: Callback, world: World | None = None
+) -> tuple[str, int]:
+    """Set up, train and save; returns (status, last step). On several devices every rank runs
+    this; rank 0 alone writes (the collectives inside the saves need every rank)."""
+    s = setup_fn(config, output_dir, cb, world or World())
     cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
     status = loop_fn(s, cb) if s.start_step < s.total_steps else "completed"
+    last = s.scheduler.last_epoch  # steps done: below total_steps when stopped (or stopped early)
     if status == "completed":
-        path = save_weights(s.model, output_dir, s.tokenizer)
+        path = save_weights(s.model, output_dir, s.tokenizer, s.world)
         cb.on_log(f"saved {path}")
-    return status, s.total_steps if status == "completed" else s.scheduler.last_epoch
+        if s.start_step < s.total_steps:
+            generation_check(s, cb, last)
+    return status, last

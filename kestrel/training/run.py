@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,10 @@ from kestrel.errors import ConfigError, KestrelError, OutOfMemoryError, oom_mess
 from kestrel.training.checkpoints import (
     describe, free_bytes, latest_checkpoint, looks_like_full_disk, remove_stale_writes,
 )
-from kestrel.training.metrics import Callback, CallbackList, JsonlWriter
+from kestrel.training.distributed import World, join, leave, plan_devices, world_from_env
+from kestrel.training.launch import RankGroup
+from kestrel.training.metrics import Callback, CallbackList
+from kestrel.training.reporters import metric_sinks
 from kestrel.paths import runs_dir
 
 log = logging.getLogger(__name__)
@@ -83,32 +87,78 @@ def disk_full_message(output_dir: Path, exc: OSError) -> str:
             "Free disk space, then resume the run.")
 
 
+def _train(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> tuple[str, int]:
+    if config.method == "grpo":
+        from kestrel.training.grpo import run_grpo
+
+        return run_grpo(config, output_dir, cb)
+    if config.is_preference:
+        from kestrel.training.preference import run_preference
+
+        return run_preference(config, output_dir, cb)
+    from kestrel.training.sft import run_sft
+
+    return run_sft(config, output_dir, cb, world)
+
+
+def _failure_message(exc: Exception, config: TrainConfig, output_dir: Path, group: RankGroup | None) -> str:
+    """The message of a failed run: out of memory names what to lower, a full disk what to free, a
+    rank that died which one and why; an unknown error is raised again (a bug to see in full)."""
+    if group is not None:
+        failure = group.wait_for_failure()
+        if failure is not None:
+            return failure
+    if isinstance(exc, torch.OutOfMemoryError):
+        return str(OutOfMemoryError(oom_message(config.batch_size, config.max_seq_length, config.gradient_checkpointing)))
+    if isinstance(exc, KestrelError):
+        return str(exc)
+    if isinstance(exc, OSError) and looks_like_full_disk(exc):
+        return disk_full_message(output_dir, exc)
+    raise exc
+
+
+def _end_stuck(cb: Callback, group: RankGroup, message: str) -> None:
+    """A rank died and rank 0 stays blocked in a collective (NCCL may never time out): report the
+    failure, stop the other ranks and end this process."""
+    try:
+        cb.on_end("failed", message)
+    finally:
+        group.kill()
+        os._exit(1)
+
+
 def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainResult:
     """Train as `config` says, reporting to `callbacks`; never raises for a run that failed (a
-    ConfigError when the output folder cannot be made: then nothing ran)."""
+    ConfigError when the output folder cannot be made or `devices` names GPUs that are not
+    there: then nothing ran).
+
+    With several `devices`, this process is rank 0: it starts the other ranks
+    (`kestrel.training.launch`), and alone reports and writes. A process started as another
+    rank (RANK > 0 in its environment) trains its share and reports nothing."""
+    world = world_from_env()
+    devices = plan_devices(config.devices, torch.cuda.device_count()) if not world.distributed else []
     output_dir = resolve_output_dir(config)
-    cb = CallbackList([JsonlWriter(output_dir / "metrics.jsonl"), *(callbacks or [])])
-    step, error = 0, None
+    main = world.is_main
+    cb = CallbackList([*metric_sinks(config, output_dir), *(callbacks or [])] if main else [])
+    step, error, group, status = 0, None, None, "failed"
     try:
-        config.save(output_dir / "config.yaml")
-        _clean_stale_writes(output_dir, cb)
-        if config.method == "grpo":
-            from kestrel.training.grpo import run_grpo
-
-            status, step = run_grpo(config, output_dir, cb)
-        else:
-            from kestrel.training.sft import run_sft
-
-            status, step = run_sft(config, output_dir, cb)
-    except torch.OutOfMemoryError:
-        status = "failed"
-        error = str(OutOfMemoryError(oom_message(config.batch_size, config.max_seq_length, config.gradient_checkpointing)))
-    except KestrelError as exc:
-        status, error = "failed", str(exc)
-    except OSError as exc:
-        if not looks_like_full_disk(exc):
-            raise
-        status, error = "failed", disk_full_message(output_dir, exc)
+        if main:
+            config.save(output_dir / "config.yaml")
+            _clean_stale_writes(output_dir, cb)
+        if len(devices) > 1:
+            group = RankGroup(output_dir / "config.yaml", devices, output_dir)
+            group.start_watching(lambda message: _end_stuck(cb, group, message))
+            world = group.world()
+            cb.on_log(f"training on {len(devices)} devices ({', '.join(devices)}); ranks 1..{len(devices) - 1} "
+                      f"log to {output_dir}/rank-N.log")
+        join(world)
+        status, step = _train(config, output_dir, cb, world)
+    except Exception as exc:  # noqa: BLE001 - sorted below: known failures become a result, the rest is raised
+        status, error = "failed", _failure_message(exc, config, output_dir, group)
+    finally:
+        if group is not None:  # the other ranks end with this one; after a failure they are stopped
+            group.finish() if status != "failed" else group.kill()
+        leave(world)
     # Outside the except block: the traceback (and the frames holding the model) is gone, so
     # collecting here really gives the GPU memory back.
     _release_memory()

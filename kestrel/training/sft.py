@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,16 @@ from torch import nn
 
 from kestrel.recompute.checkpoint import Recompute
 from kestrel.config import TrainConfig
-from kestrel.data import BatchPlan, load_conversations, tokenize_all
+from kestrel.data import BatchPlan, Conversation, load_conversations, tokenize_all
 from kestrel.data.tokenize import IGNORE
 from kestrel.model.forwards import shift_labels
 from kestrel.model.loader import load
-from kestrel.model.patching import runs_varlen
+from kestrel.model.patching import packing_refusal, runs_varlen
 from kestrel.model.lora import trainable_parameters
+from kestrel.training.distributed import World
+from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback, memory_metrics
+from kestrel.training.sft_eval import held_out, sft_evaluator
 from kestrel.training.recipe import (
     end_of_step, graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
 )
@@ -52,15 +55,21 @@ class Session:
     start_step: int
     device: torch.device
     recompute: Recompute | None = None  # checkpointing and its CUDA-graph choice
+    world: World = field(default_factory=World)  # this rank of a run on several devices
+    evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
 
 
 
 
 
 
-def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False) -> BatchPlan:
-    """The dataset read, tokenized and planned into batches (`flat`: `BatchPlan`'s)."""
+def prepare_data(
+    config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False, packing: bool | None = None
+) -> tuple[BatchPlan, list[Conversation]]:
+    """The dataset read, the eval rows held out (`held_out`), the rest tokenized and planned into
+    batches (`flat`: `BatchPlan`'s; `packing`: None = the config's). Returns the plan and the eval rows."""
     fmt, convs, bad = load_conversations(config.dataset, config.dataset_format, config.columns, config.system_prompt)
+    convs, eval_convs = held_out(config, convs, cb)
     data = tokenize_all(tokenizer, convs, config.max_seq_length, config.train_on_responses_only, config.dataset)
     cb.on_log(f"dataset {config.dataset}: format {fmt}, {len(convs)} rows used, {len(bad)} bad rows skipped")
     if bad:
@@ -70,27 +79,35 @@ def prepare_data(config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool =
     if data.fully_masked:
         cb.on_log(f"{data.fully_masked} rows had no trained tokens left and were dropped")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return BatchPlan(data.samples, config.batch_size, config.packing, config.max_seq_length, pad, config.seed, flat)
+    packing = config.packing if packing is None else packing
+    plan = BatchPlan(data.samples, config.batch_size, packing, config.max_seq_length, pad, config.seed, flat)
+    return plan, eval_convs
 
 
 
 
 
 
-def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> Session:
+def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> Session:
     seed_everything(config.seed)
     model, tokenizer = load(
         config.model, config.max_seq_length, load_in_4bit=config.load_in_4bit, dtype=config.dtype, patch=config.fast_kernels
     )
     device = next(model.parameters()).device
-    plan = prepare_data(config, tokenizer, cb, flat=runs_varlen(model))
-    model, recompute = prepare_model(config, model, output_dir, cb)
+    refusal = packing_refusal(model) if config.packing else None
+    if refusal:
+        cb.on_log(f"packing off: {refusal}; each row holds one sample")
+    plan, eval_convs = prepare_data(config, tokenizer, cb, flat=runs_varlen(model),
+                                    packing=config.packing and refusal is None)
+    model, recompute = prepare_model(config, model, output_dir, cb, world)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}): {trainable:,} of {total:,} parameters trainable, on {device}")
-    total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(plan) / config.grad_accum))
+    window = config.grad_accum * world.size  # micro-batches a step takes, over every rank
+    total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(plan) / window))
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
+    evaluator = sft_evaluator(config, tokenizer, eval_convs, plan, total_steps, output_dir, start, cb)
     return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device,
-                   recompute)
+                   recompute, world, evaluator)
 
 
 
@@ -98,14 +115,18 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> Session:
 
 
 def train_step(s: Session, step: int) -> dict[str, float]:
-    """One optimizer step over `grad_accum` micro-batches; returns its metrics."""
-    accum = s.config.grad_accum
+    """One optimizer step over `grad_accum` micro-batches on each rank; returns its metrics.
+
+    A step's window is micro-batches step*W .. step*W + W-1 (W = grad_accum x ranks); rank r takes
+    every size-th of them from r, so N ranks see what one device would with N times grad_accum."""
+    accum, world = s.config.grad_accum, s.world
     batches = []
     for j in range(accum):
-        m = step * accum + j
+        m = (step * accum + j) * world.size + world.rank
         batches.append(s.plan.batch(m // len(s.plan), m % len(s.plan)).to(s.device))
-    # The loss is summed over every trained token of the window and divided once by their count.
-    num_items = sum((shift_labels(b.labels) != IGNORE).sum() for b in batches).clamp(min=1)
+    # The loss is summed over every trained token of the window (all ranks) and divided once by their count.
+    local_items = sum((shift_labels(b.labels) != IGNORE).sum() for b in batches)
+    num_items = world.sum(torch.as_tensor(local_items, device=s.device).clone()).clamp(min=1)
     total_loss = torch.zeros((), device=s.device)
     aux = []  # mixture of experts: each micro-batch's router load-balancing loss
     for b in batches:
@@ -113,16 +134,19 @@ def train_step(s: Session, step: int) -> dict[str, float]:
             input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
             labels=b.labels, num_items_in_batch=num_items, use_cache=False,
         )
-        out.loss.backward()
+        (out.loss * world.loss_scale if world.loss_scale != 1.0 else out.loss).backward()
         total_loss += out.loss.detach()
         if getattr(out, "aux_loss", None) is not None:
             aux.append(out.aux_loss.detach())
+    world.sum(total_loss)
     grad_norm, lr = optimizer_step(s, total_loss)
     tokens = sum(b.tokens for b in batches)
+    if world.distributed:
+        tokens = int(world.sum(torch.tensor([float(tokens)], device=s.device)).item())
     metrics = {"loss": float(total_loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
-               "epoch": (step + 1) * accum / len(s.plan)}
-    if aux:
-        metrics["aux_loss"] = float(torch.stack(aux).mean())
+               "epoch": (step + 1) * accum * world.size / len(s.plan)}
+    if aux:  # every rank runs the same model: all of them have it, or none
+        metrics["aux_loss"] = float(world.sum(torch.stack(aux).mean()) / world.size)
     return metrics
 
 
@@ -140,7 +164,8 @@ def train_loop(s: Session, cb: Callback) -> str:
         metrics = {
             "step": done, "total_steps": s.total_steps, "epoch": raw["epoch"], "loss": raw["loss"],
             "lr": raw["lr"], "grad_norm": raw["grad_norm"], "tokens_per_s": raw["tokens"] / max(now - t0, 1e-9),
-            **memory_metrics(s.device), "elapsed_s": elapsed, **graph_metrics(s.recompute),
+            **memory_metrics(s.device), **s.world.per_device(memory_metrics(s.device)),
+            "elapsed_s": elapsed, **graph_metrics(s.recompute),
             **({"aux_loss": raw["aux_loss"]} if "aux_loss" in raw else {}),
             "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
         }
@@ -156,6 +181,6 @@ def train_loop(s: Session, cb: Callback) -> str:
 
 
 
-def run_sft(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+def run_sft(config: TrainConfig, output_dir: Path, cb: Callback, world: World | None = None) -> tuple[str, int]:
     """Set up, train and save; returns (status, last step)."""
-    return run_recipe(setup, train_loop, config, output_dir, cb)
+    return run_recipe(setup, train_loop, config, output_dir, cb, world)

@@ -9,7 +9,7 @@ import pytest
 
 from kestrel.data import BatchPlan, detect_format, load_conversations, tokenize_all
 from kestrel.data.collate import pack_rows
-from kestrel.data.formats import Conversation
+from kestrel.data.formats import Conversation, detect, resolve_columns
 from kestrel.data.tokenize import IGNORE, tokenize_conversation
 from kestrel.errors import DatasetError
 
@@ -47,16 +47,43 @@ def test_each_format_in_each_file_type(tmp_path, fmt: str, ext: str) -> None:
 
 def test_unknown_format_lists_columns_and_formats() -> None:
     with pytest.raises(DatasetError) as err:
-        detect_format([{"question": "a", "reply": "b"}], source="q.jsonl")
+        detect_format([{"q": "a", "a": "b"}], source="q.jsonl")
     message = str(err.value)
-    assert "q.jsonl" in message and "[question, reply]" in message and "prompt_completion (prompt, completion)" in message
+    assert "q.jsonl" in message and "[a, q]" in message and "prompt_completion (prompt, completion)" in message
 
 
 def test_column_mapping(tmp_path) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"question": "a", "reply": "b"}) + "\n")
-    fmt, convs, _ = load_conversations(str(path), columns={"prompt": "question", "completion": "reply"})
+    path.write_text(json.dumps({"q": "a", "a": "b"}) + "\n")
+    fmt, convs, _ = load_conversations(str(path), columns={"prompt": "q", "completion": "a"})
     assert fmt == "prompt_completion" and convs[0].messages[1]["content"] == "b"
+
+
+@pytest.mark.parametrize("columns, fmt, mapping", [
+    (("question", "answer"), "prompt_completion", {"prompt": "question", "completion": "answer"}),
+    (("Input", "Output"), "prompt_completion", {"prompt": "Input", "completion": "Output"}),
+    (("query", "reply"), "prompt_completion", {"prompt": "query", "completion": "reply"}),
+    (("prompt", "response"), "prompt_completion", {"prompt": "prompt", "completion": "response"}),
+    (("instruction", "response"), "alpaca", {"instruction": "instruction", "output": "response"}),
+    (("instruction", "context", "response"), "alpaca", {"instruction": "instruction", "input": "context",
+                                                        "output": "response"}),
+    (("context", "reply", "system_prompt"), "prompt_completion", {"prompt": "context", "completion": "reply",
+                                                                  "system": "system_prompt"}),
+])
+def test_common_column_names_need_no_mapping(tmp_path, columns, fmt, mapping) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text(",".join(columns) + "\n" + ",".join(f"v{i}" for i in range(len(columns))) + "\n")
+    found, convs, bad = load_conversations(str(path))
+    assert found == fmt and not bad
+    assert detect([dict.fromkeys(columns, "x")]) == (fmt, mapping)
+    assert convs[0].messages[-1]["content"] == f"v{columns.index(mapping.get('completion') or mapping['output'])}"
+
+
+def test_an_explicit_mapping_wins_and_a_column_serves_one_role() -> None:
+    row = {"question": "x", "answer": "y", "input": "z"}
+    assert detect([row], {"prompt": "input"}) == ("prompt_completion", {"prompt": "input", "completion": "answer"})
+    assert resolve_columns(["answer"], "prompt_completion", {"completion": "answer"}) is None  # no prompt left
+    assert resolve_columns(["q"], "prompt_completion", {"prompt": "gone", "completion": "q"}) is None
 
 
 def test_bad_rows_reported_with_line_numbers(tmp_path) -> None:

@@ -16,7 +16,7 @@ from kestrel.model import attention as attn
 from kestrel.data.collate import BatchPlan, bucket_width
 from kestrel.data.tokenize import IGNORE, Sample
 from kestrel.model.patching import PatchFlags, patch_lora_layers, patch_model, runs_varlen
-from kestrel.model.registry import SUPPORTED
+from kestrel.model.registry import FULL_PATH_FAMILIES as SUPPORTED
 from tests.support.compare import assert_same_trainable_grads
 from tests.support.tiny import tiny_model
 from tests.model.test_patching import VOCAB, _lora

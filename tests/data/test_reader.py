@@ -22,6 +22,7 @@ import pytest
 
 from kestrel.data.formats import load_conversations, read_rows
 from kestrel.errors import DatasetError
+from tests.support.hostile import dataset_base, dataset_mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"prompt": "What is 2 + 3?", "completion": "5"}
@@ -234,53 +235,6 @@ def test_a_crash_in_the_parquet_child_becomes_a_dataset_error(tmp_path: Path, mo
 # --- fuzz: 200 malformed variants of a valid sample --------------------------------------------
 
 
-SAMPLE = [{"prompt": f"What is {i} + {i}?", "completion": str(2 * i), "meta": {"tags": ["math", "easy"], "n": i}}
-          for i in range(6)]
-
-
-def _base(ext: str) -> bytes:
-    if ext == ".jsonl":
-        return _jsonl(*(json.dumps(r) for r in SAMPLE)).encode()
-    if ext == ".json":
-        return json.dumps(SAMPLE, indent=1).encode()
-    return ("prompt,completion,meta\n" + "".join(f'"{r["prompt"]}",{r["completion"]},"{r["meta"]}"\n'
-                                                 for r in SAMPLE)).encode()
-
-
-def _mutate(rng: random.Random, data: bytes) -> tuple[str, bytes]:
-    """One random damage: truncation, byte flips, a bracket flood, a huge number, a wrong type,
-    joined or repeated lines, bytes that are not UTF-8, a lone surrogate escape, gzip."""
-    kinds = ["truncate", "flip", "flood", "number", "type", "join", "repeat", "utf8", "surrogate", "gzip"]
-    kind = rng.choices(kinds, weights=[3, 3, 3, 1, 1, 1, 1, 1, 1, 0.3])[0]
-    at = rng.randrange(len(data) + 1)
-    if kind == "truncate":
-        return kind, data[:at]
-    if kind == "flip":
-        out = bytearray(data)
-        for _ in range(rng.randint(1, 8)):
-            out[rng.randrange(len(out))] = rng.choice([0, 0xFF, 0xC3, *b'"{}[]\n\\,:', rng.randrange(256)])
-        return kind, bytes(out)
-    if kind == "flood":
-        unit = rng.choice([b"[", b"{", b'{"a":', b"[{", b"]", b'"[', b"\\"])
-        return kind, data[:at] + unit * rng.choice([70, 5000, 30000]) + data[at:]
-    if kind == "number":
-        number = rng.choice([b"1" * 5000, b"1e999999", b"-" + b"9" * 400, b"1" * 200 + b".5e-99999", b"NaN"])
-        return kind, data.replace(b'"5"' if b'"5"' in data else b"5", number, 1)
-    if kind == "type":
-        value = rng.choice([b"null", b"[]", b"{}", b"42", b"true", b'[{"role": 1}]', b'{"x": null}'])
-        return kind, data.replace(b'"What is 1 + 1?"', value).replace(b"What is 1 + 1?", value)
-    if kind == "join":
-        return kind, data.replace(b"\n", b" ", rng.randint(1, 3))
-    if kind == "repeat":
-        line = rng.choice(data.splitlines() or [b""])
-        return kind, data + (line + b"\n") * rng.choice([2, 500])
-    if kind == "utf8":
-        return kind, data[:at] + rng.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf0\x28\x8c"]) + data[at:]
-    if kind == "surrogate":
-        return kind, data.replace(b"easy", b"\\ud800", 1)
-    return kind, gzip.compress(data)
-
-
 @pytest.mark.timeout(60)
 def test_fuzz_every_outcome_is_rows_or_a_message_naming_the_file(tmp_path: Path) -> None:
     """200 seeded variants through read_rows and load_conversations: each gives rows or a
@@ -290,9 +244,9 @@ def test_fuzz_every_outcome_is_rows_or_a_message_naming_the_file(tmp_path: Path)
     failures = []
     for i in range(200):
         ext = rng.choice([".jsonl", ".jsonl", ".json", ".csv"])
-        data, kinds = _base(ext), []
+        data, kinds = dataset_base(ext), []
         for _ in range(rng.choice([1, 1, 2, 3])):
-            kind, data = _mutate(rng, data)
+            kind, data = dataset_mutant(rng, data)
             kinds.append(kind)
         path = _write(tmp_path, f"v{i:03d}{ext}", data)
         try:

@@ -17,8 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from kestrel.decode.adapters import LoraCall
 from kestrel.decode.generate import Generator
-from kestrel.decode.model import fast_decode_supported
-from kestrel.model.registry import SUPPORTED, family_of
+from kestrel.model.registry import DECODE_FAMILIES as SUPPORTED
 from tests.decode.test_decode_hf import _hf_greedy, _model, _prompt, _with_adapters
 
 
@@ -56,7 +55,7 @@ def _owns_storage(p: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
-@pytest.mark.parametrize("family", [f for f in SUPPORTED if fast_decode_supported(family_of(f))])
+@pytest.mark.parametrize("family", SUPPORTED)
 def test_fused_equals_separate_products(family: str, adapters: bool) -> None:
     model = _with_adapters(_model(family)) if adapters else _model(family)
     separate = Generator(model, max_seq_len=128, stop_ids=[], fuse=False)

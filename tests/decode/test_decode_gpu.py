@@ -13,7 +13,7 @@ import torch
 
 from kestrel.decode.generate import Generator
 from kestrel.decode.sampling import SamplingParams, uniform_noise
-from kestrel.model.registry import SUPPORTED
+from kestrel.model.registry import DECODE_FAMILIES as SUPPORTED
 from tests.support.tiny import tiny_model
 from tests.decode.test_decode_hf import VOCAB, _hf_greedy, _model, _prompt, _with_adapters
 

@@ -15,12 +15,10 @@ from peft import LoraConfig, get_peft_model
 
 from kestrel.decode.generate import Generator
 from kestrel.decode.sampling import SamplingParams
-from kestrel.decode.model import fast_decode_supported
-from kestrel.model.registry import SUPPORTED, family_of
+from kestrel.model.registry import DECODE_FAMILIES, SUPPORTED
 from tests.support.tiny import tiny_model
 
 VOCAB = 320
-FAST = [f for f in SUPPORTED if fast_decode_supported(family_of(f))]  # the others decode through HF's forward
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -73,7 +71,7 @@ def test_greedy_matches_hf_generate(family: str) -> None:
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("family", FAST)
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
 def test_prefill_logits_match_hf(family: str, kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill's last logits and the cache it writes; with KESTREL_KERNELS=triton its norms and
     RoPE run as the Triton kernels (interpreted here), as on CUDA. Two left-padded rows."""
@@ -135,7 +133,7 @@ def test_stop_token_ends_the_row_and_is_kept() -> None:
     assert out.finish_reasons == ["stop"]
 
 
-@pytest.mark.parametrize("family", FAST)
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
 def test_unmerged_adapters_match_peft_and_switch_per_request(family: str) -> None:
     peft = _with_adapters(_model(family))
     gen = Generator(peft, max_seq_len=256, stop_ids=[])
@@ -183,24 +181,3 @@ def test_adapter_loaded_from_a_folder(tmp_path: Path) -> None:
     assert gen.adapters == ["sft"]
     assert gen.generate([prompt], 32, adapter="sft").tokens[0] == ref
     assert gen.generate([prompt], 32).tokens[0] == ref_base
-
-
-@pytest.mark.parametrize("family", [f for f in SUPPORTED if f not in FAST])
-def test_hf_fallback_decodes_adapters_one_per_request(family: str) -> None:
-    """Families without a fast decode forward (MoE, attention sinks): the same Generator over HF's
-    forward; an adapter per request equals PEFT's greedy tokens, base requests switch it off."""
-    from kestrel.decode.hf_backend import HFDecodeBackend
-    from kestrel.errors import KestrelError
-
-    model = _with_adapters(_model(family, seed=3))
-    gen = Generator(model, max_seq_len=128, stop_ids=[])
-    assert isinstance(gen.backend, HFDecodeBackend)
-    prompt = _prompt(9, seed=4)
-    tuned = gen.generate([prompt], max_new_tokens=12, adapter="default").tokens[0]
-    model.set_adapter("default")
-    assert tuned == _hf_greedy(model, prompt, 12)
-    with model.disable_adapter():
-        assert gen.generate([prompt], max_new_tokens=12).tokens[0] == _hf_greedy(model, prompt, 12)
-    assert tuned != gen.generate([prompt], max_new_tokens=12).tokens[0]  # the adapter matters
-    with pytest.raises(KestrelError, match="same adapter"):
-        gen.generate([prompt, prompt], max_new_tokens=4, adapter=["default", "qv"])

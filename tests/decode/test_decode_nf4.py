@@ -151,6 +151,23 @@ def test_replaced_weight_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gen.generate(prompt, 8).tokens != before
 
 
+def _assert_same_until_near_tie(reference: nn.Module, prompt: list[int], ours: list[int], theirs: list[int],
+                                rel_gap: float = 1e-2) -> None:
+    """Greedy tokens equal, or equal up to a step where the reference's top two logits sit within
+    `rel_gap` of each other (bf16 sums in another order may flip such a tie); past it the paths differ
+    by design. Our token must be one of the reference's top two there."""
+    diverged = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if diverged is None:
+        assert len(ours) == len(theirs)
+        return
+    ids = torch.tensor([prompt + theirs[:diverged]], device=next(reference.parameters()).device)
+    with torch.no_grad():
+        top = reference(ids).logits[0, -1].float().topk(2)
+    gap = float((top.values[0] - top.values[1]) / top.values[0].abs())
+    assert gap < rel_gap, f"tokens differ at step {diverged} where the reference has no near-tie (gap {gap:.2e})"
+    assert ours[diverged] in top.indices.tolist()
+
+
 @pytest.mark.gpu
 def test_cuda_nf4_graphed_tokens_equal_dequantized(tmp_path: Path) -> None:
     """Compiled and graph-captured, against the dequantized model's same step (fuse=False: only
@@ -175,7 +192,8 @@ def test_cuda_nf4_graphed_tokens_equal_dequantized(tmp_path: Path) -> None:
     _assert_graphed(gen)
     with mock.patch.object(nf4_gemv, "MIN_ROWS", 1):
         one = Generator(model, max_seq_len=256, stop_ids=[])
-        assert one.generate(prompts[1:2], 48).tokens == dense.generate(prompts[1:2], 48).tokens
+        ours, theirs = one.generate(prompts[1:2], 48).tokens[0], dense.generate(prompts[1:2], 48).tokens[0]
+        _assert_same_until_near_tie(twin, prompts[1], ours, theirs)
     peft = _with_adapters(model)
     gen = Generator(peft, max_seq_len=256, stop_ids=[])
     dense = Generator(_replace_linears(copy.deepcopy(peft), _to_dense), max_seq_len=256, stop_ids=[], fuse=False)

@@ -24,7 +24,7 @@ from kestrel.export.gguf_export import settle_tokenizer
 from kestrel.export.gguf_tokenizer import build_vocab
 from kestrel.export.merge import ModelTensors
 from kestrel.export.source import resolve_source
-from kestrel.model.registry import FAMILIES, SUPPORTED
+from kestrel.model.registry import FAMILIES, GGUF_FAMILIES
 
 EXPECTED_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": None, "gemma3_text": None,
                 "qwen3_moe": "qwen2", "gpt_oss": "llama-bpe"}
@@ -57,7 +57,7 @@ def _fields(path: Path) -> tuple[dict, list[str]]:
     return fields, [t.name for t in reader.tensors]
 
 
-@pytest.mark.parametrize("family", SUPPORTED)
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_f16_gguf_gives_hugging_face_greedy_tokens(family: str, family_dir, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = export(family_dir(family), "gguf", out, quant="f16")

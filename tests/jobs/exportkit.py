@@ -62,5 +62,21 @@ def finished_run_in(home: Path, name: str = "tuned") -> int:
     return job_id
 
 
+def checkpoint_in(run: Path, step: int, sign: float) -> Path:
+    """run/checkpoints/step-N as training leaves it (adapter/ and state.json), its adapter the
+    run's with lora_B times `sign` (-1: other answers than the final weights)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = run / "checkpoints" / f"step-{step:06d}"
+    shutil.copytree(run / "adapter", folder / "adapter")
+    weights = folder / "adapter" / "adapter_model.safetensors"
+    save_file({k: v * sign if "lora_B" in k else v for k, v in load_file(weights).items()}, weights)
+    (folder / "state.json").write_text(json.dumps({"step": step}))
+    return folder
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()

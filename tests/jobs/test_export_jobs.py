@@ -113,6 +113,8 @@ def test_export_configs_are_checked_at_submit(tmp_path: Path) -> None:
         (export_config(f"job:{queued}"), "only completed runs"),
         (export_config(str(tmp_path / "missing")), "does not exist"),
         (export_config("demo", check="maybe"), "check must be true or false"),
+        (export_config("demo", checkpoint=3), "checkpoint applies to a run"),
+        (export_config(f"job:{queued}", checkpoint=3), "no complete checkpoint of step 3 .*; kept: none"),
     ]
     for cfg, words in cases:
         with pytest.raises(ConfigError, match=words):
@@ -210,3 +212,12 @@ def test_command_line_export_and_export_yaml(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "unknown config key qaunt" in refused.stderr
     refused = _cli("export", "999")
     assert refused.returncode == 2 and "no job with id 999" in refused.stderr
+    (tmp_path / "run" / "checkpoints" / "step-000004").mkdir(parents=True)  # complete once state.json is in
+    (tmp_path / "run" / "checkpoints" / "step-000004" / "state.json").write_text('{"step": 4}')
+    made = _cli("export", str(run_id), "--checkpoint", "4", "--format", "adapter", "--no-start")
+    assert made.returncode == 0, made.stderr
+    at_step = job(int(made.stdout))
+    assert (at_step.name, at_step.config["source"]) == (f"run-{run_id}-step4-adapter",
+                                                       str(tmp_path / "run" / "checkpoints" / "step-000004"))
+    refused = _cli("export", str(run_id), "--checkpoint", "5")
+    assert refused.returncode == 2 and "no complete checkpoint of step 5" in refused.stderr and "kept: 4" in refused.stderr

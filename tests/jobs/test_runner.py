@@ -284,3 +284,13 @@ def test_cli_cancel_wait_and_resume(monkeypatch: pytest.MonkeyPatch) -> None:
     resumed = _cli("resume", str(job_id))
     assert resumed.returncode == 0 and resumed.stdout.startswith(f"{job_id} ")
     assert wait_status(job_id).status == COMPLETED and steps(job_id) == list(range(1, 201))
+
+
+def test_a_gpu_group_is_made_visible_to_its_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker of a run on several GPUs sees exactly its group, numbered from 0 (through the
+    runner's own CUDA_VISIBLE_DEVICES when one is set)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    env = runner._worker_env("cuda:0,cuda:2")
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,6" and env["KESTREL_JOB_DEVICE"] == "cuda:0,cuda:2"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert runner._worker_env("cuda:1")["CUDA_VISIBLE_DEVICES"] == "1"

@@ -18,7 +18,7 @@ from kestrel.jobs.models import QUEUED, RUNNING, SCHEMA_VERSION, Job, Metric
 
 def _add_job(status: str = QUEUED, **kw: object) -> int:
     with store.session(immediate=True) as s:
-        job = Job(config={"model": "demo"}, output_dir="/tmp/x", status=status, **kw)
+        job = Job(**{"config": {"model": "demo"}, "output_dir": "/tmp/x", "status": status, **kw})
         s.add(job)
         s.flush()
         return job.id
@@ -134,6 +134,28 @@ def test_claim_respects_device_slots_requests_and_queue_order() -> None:
     assert store.claim_next(["cuda:0", "cuda:1"], slots=2) == (third, "cuda:0")
     claimed = queries.get_job(first)
     assert claimed.status == RUNNING and claimed.attempts == 1 and claimed.heartbeat_at is not None
+
+
+def test_a_run_on_several_gpus_holds_them_all() -> None:
+    """`devices: 2` claims two free GPUs at once as one group; while it runs neither GPU takes
+    another job; a list of ids waits for exactly those GPUs; on the CPU the ranks share "cpu"."""
+    gpus = ["cuda:0", "cuda:1", "cuda:2"]
+    single = _add_job(queued_at=1.0)
+    pair = _add_job(queued_at=2.0, config={"model": "demo", "devices": 2})
+    assert store.claim_next(gpus) == (single, "cuda:0")
+    assert store.claim_next(gpus) == (pair, "cuda:1,cuda:2")
+    later = _add_job(queued_at=3.0)
+    assert store.claim_next(gpus) is None  # every GPU busy
+    with store.session(immediate=True) as s:
+        s.get(Job, pair).status = "completed"
+    assert store.claim_next(gpus) == (later, "cuda:1")
+    chosen = _add_job(queued_at=4.0, config={"model": "demo", "devices": [0, 2]})
+    assert store.claim_next(gpus) is None  # cuda:0 is still busy
+    with store.session(immediate=True) as s:
+        s.get(Job, single).status = "completed"
+    assert store.claim_next(gpus) == (chosen, "cuda:0,cuda:2")
+    on_cpu = _add_job(queued_at=5.0, config={"model": "demo", "devices": 2})
+    assert store.claim_next(["cpu"]) == (on_cpu, "cpu")
 
 
 def test_concurrent_claims_never_double_book_a_device() -> None:

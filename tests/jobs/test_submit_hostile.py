@@ -4,7 +4,6 @@ of malformed configs through `load_config` and the command line."""
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from kestrel.errors import ConfigError, KestrelError
 from kestrel.jobs import queries, store
 from kestrel.paths import ASSETS
 from kestrel.safe_yaml import MAX_BYTES
-from tests.support.hostile import alias_bomb
+from tests.support.hostile import alias_bomb, config_mutant
 
 
 def _submit_cli(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str, str]:
@@ -51,6 +50,8 @@ def test_bad_configs_at_submit_leave_the_job_table_empty(tmp_path: Path, capsys:
         ({"output_dir": "x" * 300}, "over 255 bytes"),
         ({"max_steps": 2**63}, "max_steps"),
         ({"dataset": str(tmp_path / "gone.jsonl")}, "does not exist"),
+        ({"eval_dataset": str(tmp_path / "gone-val.jsonl")}, "eval_dataset"),
+        ({"eval_split": 0.9}, "eval_split"),
         ({"dataset_format": "xml"}, "dataset_format"),
         ({"model": str(tmp_path / "no-model")}, "does not exist"),
         ({"model": str(tmp_path)}, "has no config.json"),
@@ -105,72 +106,6 @@ def test_export_configs_with_hostile_values_are_one_line(tmp_path: Path, capsys:
 
 # --- the fuzz ------------------------------------------------------------------------------------
 
-_KEYS = ["model", "method", "dataset", "output_dir", "name", "max_seq_length", "max_steps", "epochs", "learning_rate",
-         "batch_size", "grad_accum", "packing", "gradient_checkpointing", "save_steps", "seed", "dtype",
-         "warmup_steps", "lr_scheduler", "weight_decay", "max_grad_norm", "logging_steps", "dataset_format",
-         "columns", "system_prompt", "fast_kernels", "lora", "grpo", "performance", "lora.r", "lora.alpha",
-         "lora.targets", "lora.dropout", "lora.init_from", "grpo.num_generations", "grpo.top_p", "grpo.beta",
-         "grpo.temperature", "grpo.num_iterations", "grpo.rewards", "grpo.loss_type", "performance.cuda_graphs",
-         "performance.offload_gate", "columns.prompt"]
-
-
-def _values(rng: random.Random, tmp: Path) -> list[Any]:
-    return ["many", "", "off", "on", None, True, False, 0, -1, 1, 3.5, -0.0, 2**31, 2**63, 2**80, -(2**70), 10**30,
-            1e12, 1e308, math.nan, math.inf, -math.inf, [1, 2], ["q_proj", 5], [], {}, {"a": {"b": 1}},
-            [{"name": "exactly"}], [{"name": "format_regex", "pattern": "(x"}], [{"name": "exact_answer",
-                                                                                    "weight": math.nan}],
-            "a\x00b", "x" * rng.choice([241, 300, 5000]), "../../etc", str(tmp / "afile"), "/dev/null",
-            "line\nbreak", "~nobody-xyz/run", "someone/model", "demo", "arithmetic_prompts", "xml", "grpo",
-            "\u202e\u0000", "😀" * 40, {"prompt": 5}]
-
-
-def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        node = data.get(part)
-        if not isinstance(node, dict):
-            node = data[part] = {}
-        data = node
-    data[last] = value
-
-
-def _text_mutation(rng: random.Random, text: str) -> str | bytes:
-    kind = rng.randrange(9)
-    if kind == 0:
-        return text[: rng.randrange(len(text))]  # cut anywhere
-    if kind == 1:
-        return text + "lora: " + "[" * rng.choice([19, 21, 60, 5000]) + "\n"
-    if kind == 2:
-        return alias_bomb() if rng.random() < 0.5 else text + "lora: &x {targets: *x}\n"
-    if kind == 3:
-        return rng.randbytes(rng.randrange(1, 2048))
-    if kind == 4:
-        cut = rng.randrange(len(text))
-        return text.encode()[:cut] + rng.randbytes(rng.randrange(1, 16)) + text.encode()[cut:]
-    if kind == 5:
-        line = rng.choice([line for line in text.splitlines() if ":" in line])
-        return text + line + "\n"  # a duplicated key
-    if kind == 6:
-        return rng.choice(["- a\n- b\n", "42\n", "'text'\n", "~\n", "!!binary aGVsbG8=\n", "? [a]\n: b\n", "a: !!set {x}\n"])
-    if kind == 7:
-        return text + "seed: " + "9" * rng.choice([19, 400, 5000]) + "\n"
-    return text + rng.choice(["grpo:\n  rewards:\n    - name: format_regex\n      pattern: '['\n",
-                              "max_steps: 1e12\n", "epochs: .inf\n", "weight_decay: .nan\n", "lora: {alpha: 1e30}\n",
-                              "gradient_checkpointing: off\n", "name: " + "r" * 250 + "\n", "<<: *nope\n"])
-
-
-def _mutant(rng: random.Random, base: dict[str, Any], tmp: Path) -> str | bytes:
-    if rng.random() < 0.35:
-        return _text_mutation(rng, yaml.safe_dump(base, sort_keys=False))
-    data = yaml.safe_load(yaml.safe_dump(base))
-    for _ in range(rng.randint(1, 3)):
-        if rng.random() < 0.25 and data:
-            data.pop(rng.choice(sorted(data)))
-        else:
-            _set(data, rng.choice(_KEYS), rng.choice(_values(rng, tmp)))
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=rng.random() < 0.5)
-
-
 def _check_load(path: Path) -> bool:
     """load_config gives a config or a one-line KestrelError, never anything else."""
     try:
@@ -189,7 +124,7 @@ def test_fuzzed_configs_give_a_config_or_one_line(tmp_path: Path, capsys: pytest
     base.pop("output_dir")  # each job gets its own folder under KESTREL_HOME
     rng, started, outcomes = random.Random(30), time.perf_counter(), {"config": 0, "refused": 0, "queued": 0}
     for case in range(150):
-        content = _mutant(rng, base, tmp_path)
+        content = config_mutant(rng, base, tmp_path)
         path = tmp_path / f"case-{case}.yaml"
         path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass"))
         valid = _check_load(path)

@@ -18,7 +18,7 @@ from kestrel.model import attention as attn
 from kestrel.model import decoder_stack as model_forward
 from kestrel.recompute.checkpoint import set_gradient_checkpointing
 from kestrel.model.patching import PatchFlags, patch_lora_layers, patch_model
-from kestrel.model.registry import SUPPORTED, family_of
+from kestrel.model.registry import FULL_PATH_FAMILIES as SUPPORTED, family_of
 from tests.support.compare import assert_same_trainable_grads
 from tests.support.tiny import tiny_model
 from tests.model.test_patching import VOCAB, _lora

@@ -17,7 +17,7 @@ import torch
 import torch.nn.attention.varlen as torch_varlen
 
 from kestrel.model.patching import patch_lora_layers, patch_model
-from kestrel.model.registry import SUPPORTED, family_of
+from kestrel.model.registry import FULL_PATH_FAMILIES as SUPPORTED, family_of
 from tests.model.test_model_forward import OVERRIDES, _base
 from tests.model.test_patching import VOCAB, _lora
 

@@ -46,19 +46,19 @@ def test_choices_list_finished_runs_and_bases(finished_run: int) -> None:
 
 def test_chat_streams_and_side_by_side_matches_each_model_alone(finished_run: int, pool: ModelPool) -> None:
     target = f"run:{finished_run}"
-    outs = _last(chat.respond(pool, "What is 2 + 3?", [], [], "base:demo", False, **GREEDY))
+    outs = _last(chat.respond(pool, "What is 2 + 3?", [], [], "base:demo", None, False, **GREEDY))
     assert outs[0]["message"] == "" and outs[0]["left"][-1]["content"].startswith("Loading")
     base_alone = outs[-1]["left"][-1]["content"]
     assert outs[-1]["left"][0] == {"role": "user", "content": "What is 2 + 3?"} and base_alone
-    tuned_alone = _last(chat.respond(pool, "What is 2 + 3?", [], [], target, False, **GREEDY))[-1]["left"][-1]["content"]
-    both = _last(chat.respond(pool, "What is 2 + 3?", [], [], target, True, **GREEDY))[-1]
+    tuned_alone = _last(chat.respond(pool, "What is 2 + 3?", [], [], target, None, False, **GREEDY))[-1]["left"][-1]["content"]
+    both = _last(chat.respond(pool, "What is 2 + 3?", [], [], target, None, True, **GREEDY))[-1]
     assert both["left"][-1]["content"] == base_alone
     assert both["right"][-1]["content"] == tuned_alone
     assert tuned_alone != base_alone  # the adapter is applied to its row only
     # The conversation continues from the panels' histories (Gradio's message dicts).
     history = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
                {"role": "assistant", "content": [{"type": "text", "text": "hello"}]}]
-    follow = _last(chat.respond(pool, "and 3 + 4?", history, [], "base:demo", False, **GREEDY))[-1]["left"]
+    follow = _last(chat.respond(pool, "and 3 + 4?", history, [], "base:demo", None, False, **GREEDY))[-1]["left"]
     assert [m["role"] for m in follow] == ["user", "assistant", "user", "assistant"]
 
 
@@ -85,13 +85,13 @@ def test_stop_ends_an_endless_decode() -> None:
 
 
 def test_closing_the_answer_frees_the_model(finished_run: int, pool: ModelPool) -> None:
-    stream = chat.respond(pool, "Count to a hundred.", [], [], "base:demo", False, **{**GREEDY, "max_new_tokens": 400})
+    stream = chat.respond(pool, "Count to a hundred.", [], [], "base:demo", None, False, **{**GREEDY, "max_new_tokens": 400})
     next(stream), next(stream)  # the placeholder, then the first piece
     stream.close()  # what Gradio does when Stop is pressed or the tab goes away
     loaded = pool.get("demo")
     assert loaded.lock.acquire(timeout=30), "the decode thread kept the model after Stop"
     loaded.lock.release()
-    assert _last(chat.respond(pool, "hi", [], [], "base:demo", False, **GREEDY))[-1]["left"][-1]["content"]
+    assert _last(chat.respond(pool, "hi", [], [], "base:demo", None, False, **GREEDY))[-1]["left"][-1]["content"]
 
 
 def test_chat_errors_are_messages(finished_run: int, pool: ModelPool) -> None:
@@ -99,16 +99,16 @@ def test_chat_errors_are_messages(finished_run: int, pool: ModelPool) -> None:
              ("hi", "run:999", False, "no job with id 999")]
     for message, target, side, words in cases:
         with pytest.raises(gr.Error) as excinfo:
-            list(chat.respond(pool, message, [], [], target, side, **GREEDY))
+            list(chat.respond(pool, message, [], [], target, None, side, **GREEDY))
         assert words in error_text(excinfo)
     with pytest.raises(gr.Error) as excinfo:
-        list(chat.respond(pool, "hi", [], [], "base:demo", False, **{**GREEDY, "top_p": 0.0}))
+        list(chat.respond(pool, "hi", [], [], "base:demo", None, False, **{**GREEDY, "top_p": 0.0}))
     assert "top_p" in error_text(excinfo)
 
 
 def test_describe_target_shows_template_and_panels(finished_run: int) -> None:
-    out = chat.describe_target(f"run:{finished_run}", True)
+    out = chat.describe_target(f"run:{finished_run}", None, True)
     assert "<|im_start|>" in out["template"]
     assert out["right"]["visible"] is True and out["left"]["label"] == "Base: demo"
-    single = chat.describe_target("base:demo", False)
+    single = chat.describe_target("base:demo", None, False)
     assert single["right"]["visible"] is False

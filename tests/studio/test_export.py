@@ -65,7 +65,7 @@ def test_progress_and_queue_come_from_the_store(finished_run: int) -> None:
 
 
 def test_gguf_export_goes_on_after_the_page_closes_and_is_found_again(finished_run: int, module_home: Path) -> None:
-    relay = export.run_export(f"run:{finished_run}", "gguf", "q8_0")
+    relay = export.run_export(f"run:{finished_run}", "final", "gguf", "q8_0")
     first = next(relay)
     assert first["status"].startswith(("`░", "Export #")) and first["file"] is None
     relay.close()  # the page went away: only the relay stops
@@ -79,13 +79,15 @@ def test_gguf_export_goes_on_after_the_page_closes_and_is_found_again(finished_r
     assert [a.path for a in jobs.list_artifacts(job_id, "gguf")] == [str(gguf)]  # served: the artifact itself
     assert view["modelfile"] == modelfile.read_text() and f"FROM ./{gguf.name}" in view["modelfile"]
     assert "Exported in" in view["status"]
+    assert "- tokenizer: **passed**" in view["status"] and "- gguf_q8_0: **passed** · " in view["status"]
+    assert "- chat_template: embedded=True" in view["status"]
     listed = export.recent_exports()
     assert f"| {job_id} | run-{finished_run}-gguf-q8_0 | completed |" in listed
     assert f'download="{gguf.name}"' in listed and 'download="Modelfile"' in listed
 
 
 def test_adapter_export_downloads_one_zip(finished_run: int) -> None:
-    outs = list(export.run_export(f"run:{finished_run}", "adapter", None))
+    outs = list(export.run_export(f"run:{finished_run}", "final", "adapter", None))
     final = outs[-1]
     assert "Exported" in final["status"], final["status"]
     (archive,) = map(Path, final["file"])
@@ -103,7 +105,7 @@ def test_export_errors_are_messages(finished_run: int) -> None:
              (f"run:{finished_run}", "gguf", "q9_z", "q9_z"), ("", "gguf", "q4_k_m", "No finished run")]
     for source, fmt, quant, words in cases:
         with pytest.raises(gr.Error) as excinfo:
-            list(export.run_export(source, fmt, quant))
+            list(export.run_export(source, None, fmt, quant))
         assert words in error_text(excinfo)
     jobs.cancel(queued)
 

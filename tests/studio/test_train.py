@@ -3,6 +3,7 @@ estimate, and Start with every kind of bad input answered by a message."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -43,7 +44,7 @@ def test_keys_without_widgets_survive_the_form() -> None:
 
 def test_grpo_rewards_are_chosen_in_the_form() -> None:
     """The GRPO section's rewards table: rows become `grpo.rewards`, blank rows and cells drop out,
-    pandas' NaN for an empty number cell is blank, and a custom reward needs the opt-in box."""
+    pandas' NaN for an empty number cell is blank, and a custom reward needs the studio's launch flag."""
     import pandas as pd
 
     table = pd.DataFrame([["exact_answer", 2, None, None, None], ["length_penalty", 0.5, "", 12, ""],
@@ -62,7 +63,7 @@ def test_grpo_rewards_are_chosen_in_the_form() -> None:
                          **{"grpo__rewards": [["custom", 1, "", "", "/tmp/reward.py"]]})
     with pytest.raises(gr.Error) as excinfo:
         train.start_training(extra, *values)
-    assert "allow_custom_rewards" in error_text(excinfo)
+    assert "--allow-custom-rewards" in error_text(excinfo)
 
 
 def test_load_yaml_file(tmp_path: Path) -> None:
@@ -80,11 +81,27 @@ def test_load_yaml_file(tmp_path: Path) -> None:
     ("batch_size: many", "batch_size"),
     ("[1, 2]", "must be a mapping"),
     ("a: : b", "not valid YAML"),
+    ("model: demo\x16\n", "the YAML box is not valid YAML: character 12 is #x0016, a control character"),  # was "Something went wrong"
 ])
 def test_bad_yaml_is_a_message(text: str, words: str) -> None:
     with pytest.raises(gr.Error) as excinfo:
         train.apply_yaml(text)
     assert words in error_text(excinfo)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"max_steps": 1e12}, "max_steps must be at most 10,000,000"),
+    ({"epochs": 1e9}, "epochs must be at most 1,000"),
+    ({"max_seq_length": 10**9}, "max_seq_length must be 16..1048576"),
+    ({"learning_rate": 50.0}, "learning_rate must be in (0, 1)"),
+    ({"batch_size": 10**6}, "batch_size must be 1..4096"),
+])
+def test_absurd_values_name_their_field_in_the_form(changes: dict, words: str) -> None:
+    extra, values = form(**changes)
+    assert words in train.preview(extra, *values)["status"]
+    with pytest.raises(gr.Error) as excinfo:
+        train.start_training(extra, *values)
+    assert words in error_text(excinfo) and jobs.list_jobs() == []
 
 
 def test_half_typed_values_are_a_notice_not_an_error() -> None:
@@ -103,6 +120,38 @@ def test_presets_change_only_their_keys() -> None:
         assert train.apply_preset(name, extra, *values)["yaml"]
 
 
+def _again(out: dict) -> list:
+    """The filled form as apply_preset's arguments after the preset's name."""
+    return [out["extra"], *[out[k] for k in FORM_KEYS]]
+
+
+def test_a_preset_sets_every_field_it_owns_keeps_the_users_dataset_and_says_what_changed(kestrel_home: Path) -> None:
+    mine = str(kestrel_home / "datasets" / "mine.jsonl")
+    extra, values = form(dataset=mine, model_source="hub", model="someone/model")
+    qlora = train.apply_preset("qlora_8b", extra, *values)
+    assert qlora["grad_accum"] == 4 and qlora["dataset"] == mine and qlora["model"] == "someone/model"
+    assert "Gradient accumulation: 1 → 4" in qlora["status"] and "Kept your model and dataset" in qlora["status"]
+    # The quick test has no gradient accumulation of its own: it sets the default, not the last preset's.
+    quick = train.apply_preset("demo", *_again(qlora))
+    assert quick["grad_accum"] == 1 and quick["gradient_checkpointing"] == "off" and quick["max_steps"] == 300
+    assert quick["dataset"] == mine and quick["model_source"] == "demo"  # it needs the demo model
+    assert "Gradient accumulation: 4 → 1" in quick["status"] and "Folder or hub id: someone/model → demo" in quick["status"]
+    assert "Kept your dataset" in quick["status"]
+    # Every preset over every other sets what it owns as it does alone: nothing leaks from the one before.
+    owned = [k for k in FORM_KEYS if k in train._owned()]
+    assert {"grad_accum", "method", "max_steps", "epochs", "gradient_checkpointing"} <= set(owned)
+    for first in train.PRESETS:
+        for second in train.PRESETS:
+            out = train.apply_preset(second, *_again(train.apply_preset(first, extra, *values)))
+            alone = train.apply_preset(second, extra, *values)
+            assert {k: out[k] for k in owned} == {k: alone[k] for k in owned}, (first, second)
+
+
+def test_a_preset_fills_an_empty_dataset() -> None:
+    extra, values = form(dataset="")
+    assert train.apply_preset("demo", extra, *values)["dataset"] == "arithmetic_chat"
+
+
 def test_vram_estimate_on_cpu_and_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     extra, values = form()
     assert "No NVIDIA GPU found" in train.preview(extra, *values)["vram"]
@@ -110,6 +159,37 @@ def test_vram_estimate_on_cpu_and_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert "fits" in train.preview(extra, *values)["vram"]
     extra, values = form(batch_size=512, max_seq_length=8192, gradient_checkpointing="off")
     assert "will not fit" in train.preview(extra, *values)["vram"]
+
+
+LLAMA_8B = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "intermediate_size": 14336, "tie_word_embeddings": False}
+
+
+def test_without_a_gpu_the_estimate_is_for_a_picked_card(kestrel_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine without a GPU the user picks a common card; the estimate is for the model
+    in the form on that card, so QLoRA at 2,048 tokens costs more than at 512 (and more than
+    the 1 GiB a tiny model would)."""
+    import json
+
+    monkeypatch.setattr(train, "_gpu", lambda: None)
+    assert train.gpu_picker()["gpu"]["visible"] is True
+    tmp_path = kestrel_home / "models" / "llama-8b"  # the studio reads local models inside KESTREL_HOME only
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    card = "NVIDIA GeForce RTX 4090 (24 GB)"
+    texts = {}
+    for length in (512, 2048, 16384):
+        extra, values = form(model_source="local", model=str(tmp_path), method="qlora", batch_size=2,
+                             max_seq_length=length, gradient_checkpointing="standard")
+        assert "No NVIDIA GPU found" in train.preview(extra, *values)["vram"]
+        texts[length] = train.preview(extra, *values, gpu=card)["vram"]
+        assert card in texts[length] and "(24.0 GiB)" in texts[length], texts[length]
+    peaks = {n: float(__import__("re").search(r"about \*\*([\d.]+) GiB", t).group(1)) for n, t in texts.items()}
+    assert 5 < peaks[512] < peaks[2048] < peaks[16384], peaks
+    assert "fits" in texts[512]
+    monkeypatch.setattr(train, "_gpu", lambda: ("NVIDIA Test 8GB", 8 * 2**30))
+    assert train.gpu_picker()["gpu"]["visible"] is False
+    assert "NVIDIA Test 8GB" in train.preview(extra, *values, gpu=card)["vram"]  # a real GPU wins
 
 
 def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,11 +211,44 @@ def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch:
         assert "Offloaded layer inputs" not in train.preview(extra, *values)["vram"]
 
 
+def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(kestrel_home: Path) -> None:
+    """Full, partial (which modules; chat through HF), none (plain HF), and image-text models."""
+    import json
+
+    tmp_path = kestrel_home / "models"  # the studio reads local models inside KESTREL_HOME only
+
+    from kestrel.model.registry import SUPPORTED
+
+    assert set(SUPPORTED) <= set(train.S.FAMILY_TITLES)  # every family has a name in the studio
+    extra, values = form()
+    assert "⚡ **Llama**: on Kestrel's fast path" in train.preview(extra, *values)["vram"]  # the demo model
+    qwen35 = {"model_type": "qwen3_5", "vision_config": {"depth": 2},
+              "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64, "num_attention_heads": 2,
+                              "num_hidden_layers": 4, "vocab_size": 300,
+                              "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                              "linear_value_head_dim": 8}}
+    for name, config in (("qwen35", qwen35), ("gpt2", {"model_type": "gpt2", "n_embd": 32})):
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    extra, values = form(model_source="local", model=str(tmp_path / "qwen35"))
+    text = train.preview(extra, *values)["vram"]
+    assert ("⚡ **Qwen3.5**: partly on Kestrel's fast path (attention, chunked loss, linear attention, MLP, norms); "
+            "its other modules run Hugging Face's code, and chat and GRPO rollouts decode through Hugging Face's "
+            "forward. An image-text model: its language model trains on text, the vision tower stays frozen.") in text
+    assert "GiB" in text  # the estimate itself is there too
+    extra, values = form(model_source="local", model=str(tmp_path / "gpt2"))
+    text = train.preview(extra, *values)["vram"]
+    assert text.startswith("No estimate") and "🐢 No fast path for model type `gpt2` yet" in text
+
+
 @pytest.mark.parametrize("changes, words", [
-    ({"model_source": "local", "model": "/no/such/folder"}, "does not exist"),
+    ({"model_source": "local", "model": "./no-such-folder"}, "does not exist"),
+    ({"model_source": "local", "model": "/no/such/folder"}, "is outside the studio's folder"),
     ({"model_source": "hub", "model": "someone/not-cached"}, "offline"),
     ({"model_source": "hub", "model": ""}, "model must name a hub id"),
-    ({"dataset": "/no/such/data.jsonl"}, "does not exist any more"),
+    ({"dataset": "gone.jsonl"}, "does not exist any more"),
+    ({"dataset": "/no/such/data.jsonl"}, "is outside the studio's folder"),
     ({"method": "qlora"}, "QLoRA needs an NVIDIA GPU"),
     ({"max_seq_length": 8}, "max_seq_length must be 16"),
 ])
@@ -147,8 +260,9 @@ def test_start_refuses_bad_input(changes: dict, words: str) -> None:
     assert jobs.list_jobs() == []
 
 
-def test_local_folder_without_config(tmp_path: Path) -> None:
-    extra, values = form(model_source="local", model=str(tmp_path))
+def test_local_folder_without_config(kestrel_home: Path) -> None:
+    (kestrel_home / "models" / "empty").mkdir(parents=True)
+    extra, values = form(model_source="local", model=str(kestrel_home / "models" / "empty"))
     with pytest.raises(gr.Error) as excinfo:
         train.start_training(extra, *values)
     assert "has no config.json" in error_text(excinfo)
@@ -181,3 +295,84 @@ def test_picking_another_dataset_drops_the_old_mapping() -> None:
     assert same == {"dataset_format": "prompt_completion", "extra": {"columns": {"prompt": "question"}}}
     other = train.pick_dataset("/x/chat.jsonl", state, {"columns": {"prompt": "question"}, "grpo": {}})
     assert other == {"dataset_format": "auto", "extra": {"columns": {}, "grpo": {}}}
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_a_model_folder_with_a_broken_config_is_a_notice_in_the_estimate(kestrel_home: Path, content: bytes) -> None:
+    """Old: the live preview raised JSONDecodeError (an error box) on every edit of the form."""
+    folder = kestrel_home / "models" / "broken"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_bytes(content)
+    extra, values = form(model_source="local", model=str(folder))
+    assert "config.json cannot be read" in train.preview(extra, *values)["vram"]
+
+
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An online machine whose hub is a local server: `someone/real` exists, every other id is
+    unknown (404 RepoNotFound), `someone/gated` is gated (401 GatedRepo)."""
+    import http.server
+    import json
+    import threading
+
+    from huggingface_hub import constants
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            known = self.path.startswith("/api/models/someone/real")
+            gated = self.path.startswith("/api/models/someone/gated")
+            self.send_response(200 if known else 401 if gated else 404)
+            self.send_header("Content-Type", "application/json")
+            if not known:
+                self.send_header("X-Error-Code", "GatedRepo" if gated else "RepoNotFound")
+            self.end_headers()
+            self.wfile.write(json.dumps({"id": "someone/real"} if known else {"error": "no"}).encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read once, when huggingface_hub was imported
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    yield constants.ENDPOINT
+    server.shutdown()
+
+
+def test_start_looks_an_unknown_hub_id_up_before_queueing(fake_hub: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    from kestrel.studio.handlers.common import check_model
+
+    check_model("someone/real", look_up=True)  # exists on the hub: accepted, the job downloads it
+    for model, words in (("someone/no-such-model", "neither in the local Hugging Face cache nor on the hub"),
+                         ("someone/gated", "is gated")):
+        extra, values = form(model_source="hub", model=model)
+        with pytest.raises(gr.Error) as excinfo:
+            train.start_training(extra, *values)
+        assert words in error_text(excinfo)
+    # No network: a port nobody listens on stands for an unreachable hub; the answer comes at once.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed}")
+    extra, values = form(model_source="hub", model="someone/real")
+    began = time.monotonic()
+    with pytest.raises(gr.Error) as excinfo:
+        train.start_training(extra, *values)
+    assert time.monotonic() - began < 10
+    assert "not in the local Hugging Face cache, and the hub could not be reached" in error_text(excinfo)
+    assert "offline" in error_text(excinfo) and jobs.list_jobs() == []
+
+
+def test_the_devices_box_reads_counts_auto_and_gpu_ids() -> None:
+    assert [train.devices_from_text(v) for v in ("", "2", "auto", "0, 1", " 3 ")] == [1, 2, "auto", [0, 1], 3]
+    extra, values = form(devices="0, 2")
+    assert "devices:\n- 0\n- 2" in train.preview(extra, *values)["yaml"]
+    extra, values = form(devices="two")
+    assert "devices must be auto" in train.preview(extra, *values)["status"]
+    assert train.config_to_form({"devices": [0, 1]})["devices"] == "0, 1"

@@ -174,16 +174,16 @@ def decisive(model: torch.nn.Module, logit_std: float = 6.0) -> torch.nn.Module:
     """Scale the final norm so logits spread by about `logit_std`: a random model's top-2 logits are
     otherwise nearly tied, and a tie flips on any rounding (f16 weights), which a test cannot tell
     from a wrong export. Trained models are decisive on their own."""
-    norm = model.model.norm
-    gemma = "gemma" in model.config.model_type
+    from kestrel.model.multimodal import language_stack
+    from kestrel.model.registry import family_for
+
+    norm = language_stack(model)[1].norm
+    offset = family_for(model.config).norm_offset  # Gemma 3 and Qwen3.5 scale by (1 + w)
     with torch.no_grad():
-        ids = torch.arange(min(64, model.config.vocab_size)).unsqueeze(0)
+        ids = torch.arange(min(64, model.get_output_embeddings().weight.shape[0])).unsqueeze(0)
         std = model(ids).logits.float().std()
         factor = logit_std / max(float(std), 1e-6)
-        if gemma:  # Gemma scales by (1 + w)
-            norm.weight.add_(1.0).mul_(factor).sub_(1.0)
-        else:
-            norm.weight.mul_(factor)
+        norm.weight.add_(offset).mul_(factor).sub_(offset)
     return model
 
 
@@ -193,9 +193,21 @@ def save_tiny_model(model_type: str, tokenizer: Any, folder: Path, seed: int = 0
     from tests.support.tiny import tiny_model
 
     model = decisive(tiny_model(model_type, vocab_size=len(tokenizer), seed=seed, **overrides))
+    return _save(model, tokenizer, folder, dtype)
+
+
+def save_tiny_image_text_model(kind: str, tokenizer: Any, folder: Path, seed: int = 0) -> Path:
+    """A tiny random image-text model (`tests.support.tiny_image_text.IMAGE_TEXT`) sized to `tokenizer`."""
+    from tests.support.tiny_image_text import tiny_image_text_model
+
+    return _save(decisive(tiny_image_text_model(kind, len(tokenizer), seed=seed)), tokenizer, folder, torch.float32)
+
+
+def _save(model: torch.nn.Module, tokenizer: Any, folder: Path, dtype: torch.dtype) -> Path:
     ids = {k: getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
-    for key, value in ids.items():
-        setattr(model.config, f"{key}_token_id", value)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        for key, value in ids.items():
+            setattr(config, f"{key}_token_id", value)
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = ids["bos"], ids["eos"]
     model.to(dtype).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -20,7 +20,15 @@ def test_yaml_round_trip_and_overrides(tmp_path) -> None:
         ({"learning_rat": 1e-4}, "unknown config key learning_rat; valid keys: batch_size"),
         ({"lora": {"rank": 8}}, "unknown config key lora.rank; valid keys under lora: alpha, dropout, init_from, r, targets"),
         ({"grpo": {"rewards": [{"nam": "x"}]}}, "unknown config key grpo.rewards[].nam"),
-        ({"method": "dpo"}, "method must be one of qlora, lora, full, grpo"),
+        ({"method": "ppo"}, "method must be one of qlora, lora, full, grpo, dpo, orpo, kto, simpo, got 'ppo'"),
+        ({"method": "dpo", "preference": {"loss_type": "robust"}},
+         "preference.loss_type must be one of sigmoid, ipo, hinge, got 'robust'"),
+        ({"preference": {"beta": 0}}, "preference.beta must be in (0, 1000], got 0.0"),
+        ({"preference": {"finetune": "dora"}}, "preference.finetune must be one of lora, qlora, full, got 'dora'"),
+        ({"preference": {"undesirable_weight": -1}}, "preference.undesirable_weight must be in (0, 1000], got -1.0"),
+        ({"preference": {"simpo_gamma": -0.5}}, "preference.simpo_gamma must be 0..100, got -0.5"),
+        ({"preference": {"lambda": 0.1}}, "unknown config key preference.lambda; valid keys under preference: beta"),
+        ({"preference": {"precompute_ref_logps": "yes"}}, "preference.precompute_ref_logps must be true or false"),
         ({"gradient_checkpointing": "yes"}, "gradient_checkpointing must be one of off, standard, offload"),
         ({"batch_size": 0}, "batch_size must be 1..4096"),
         ({"learning_rate": 3}, "learning_rate must be in (0, 1)"),
@@ -49,3 +57,13 @@ def test_missing_config_file(tmp_path) -> None:
 
 def test_qlora_flag() -> None:
     assert TrainConfig(method="qlora").load_in_4bit and not TrainConfig(method="lora").load_in_4bit
+
+
+def test_kestrel_home_in_a_path_is_expanded(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from kestrel.config import config_from_dict
+
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path))
+    cfg = config_from_dict({"output_dir": "${KESTREL_HOME}/runs/a", "model": "$KESTREL_HOME/runs/b/model",
+                            "dataset": "$KESTREL_HOMEX/data.jsonl", "lora": {"init_from": "$KESTREL_HOME"}})
+    assert cfg.output_dir == f"{tmp_path}/runs/a" and cfg.model == f"{tmp_path}/runs/b/model"
+    assert cfg.dataset == "$KESTREL_HOMEX/data.jsonl" and cfg.lora.init_from == str(tmp_path)  # only the whole name

@@ -135,3 +135,35 @@ def test_moe_shapes_count_every_expert_and_keep_experts_16_bit_in_qlora() -> Non
         + qwen.expert_lora_params(16)
     attention_only = estimate_training_memory(qwen, "lora", 16, ["q_proj", "v_proj"], 1, 2048, "standard")
     assert attention_only.trainable < lora.trainable / 10
+
+
+@pytest.mark.parametrize("model_type,rel", [("qwen3_5_text", 0.001), ("gemma4_text", 0.001)])
+def test_parameter_count_of_the_issue_26_dense_families(model_type: str, rel: float) -> None:
+    """Qwen3.5's linear-attention projections and gated q_proj, Gemma 4's per-layer embeddings and
+    wider full-attention heads (per_layer_config): the count of a model built on the meta device
+    from transformers' default config (Qwen3.5 9B, Gemma 4 E2B)."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config = CONFIG_MAPPING[model_type]()
+    with torch.device("meta"):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert shape_from_config(json.loads(config.to_json_string())).params == pytest.approx(real, rel=rel)
+
+
+def test_linear_attention_layers_hold_a_state_not_a_kv_cache() -> None:
+    """GRPO rollouts of a Qwen3.5 shape: K/V only for the full-attention quarter of the layers,
+    plus a fixed-size recurrent state per sequence, whatever the rollout length."""
+    from transformers import CONFIG_MAPPING
+
+    config = json.loads(CONFIG_MAPPING["qwen3_5_text"]().to_json_string())
+    hybrid = shape_from_config(config)
+    assert hybrid.linear_attention is not None and hybrid.attention_layers == hybrid.layers // 4
+    dense = shape_from_config({k: v for k, v in config.items() if k != "layer_types"})
+    short, long = (estimate_training_memory(hybrid, "grpo", max_completion_length=n).extra for n in (256, 1024))
+    dense_growth = (estimate_training_memory(dense, "grpo", max_completion_length=1024).extra
+                    - estimate_training_memory(dense, "grpo", max_completion_length=256).extra)
+    assert long - short == pytest.approx(dense_growth / 4, rel=0.01)
+    lora = estimate_training_memory(hybrid, "lora", 16, ["in_proj_qkv", "out_proj"])
+    assert lora.trainable == 16 * hybrid.linear_attention.layers * sum(
+        a + b for name, (a, b) in hybrid.linear_shapes.items() if name in ("in_proj_qkv", "out_proj"))

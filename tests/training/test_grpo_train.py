@@ -154,11 +154,35 @@ def test_prompt_datasets(demo_tokenizer, tmp_path: Path) -> None:
         load_prompts(cfg, demo_tokenizer, needs_answers=False)
 
 
-def test_demo_configs_parse() -> None:
+def test_prompt_datasets_with_common_column_names_need_no_mapping(demo_tokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"Question": "What is 1 + 1?", "solution": "2"}) + "\n")
+    cfg = config_from_dict(_grpo("demo", tmp_path / "o", str(path)))
+    good, bad, _ = load_prompts(cfg, demo_tokenizer, needs_answers=True)
+    assert [(g.text, g.answer) for g in good] == [("What is 1 + 1?", "2")] and not bad
+
+
+def test_demo_configs_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel.config import load_config
     from kestrel.paths import ASSETS
 
+    monkeypatch.setenv("KESTREL_HOME", str(tmp_path / "home"))
     sft, grpo = (load_config(ASSETS / "configs" / f"demo_{name}.yaml") for name in ("sft", "grpo"))
     assert (sft.method, grpo.method) == ("full", "grpo")
+    # Under KESTREL_HOME, where the studio lists runs from, whatever it is set to.
+    assert sft.output_dir == str(tmp_path / "home" / "runs" / "demo-sft")
+    assert grpo.output_dir == str(tmp_path / "home" / "runs" / "demo-grpo")
     assert grpo.model == str(sft.output_dir) + "/model"  # step 2 starts where step 1 saved
     assert [r.name for r in grpo.grpo.rewards] == ["exact_answer"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "gemma4_text"])
+def test_a_family_without_the_fast_decode_path_samples_through_hf(family: str, tiny_model_dir, tmp_path: Path,
+                                                                   one_thread) -> None:
+    """GRPO's rollouts run through Hugging Face's forward and cache where Kestrel's decode forward
+    does not reach (linear attention, per-layer inputs): the run completes and learns a reward."""
+    kw = dict(max_steps=2, grpo=dict(rewards=[{"name": "format_regex", "pattern": "[0-9]"}]))
+    result = run(config_from_dict(_grpo(str(tiny_model_dir(family)), tmp_path / family, "arithmetic_prompts", **kw)))
+    assert result.status == "completed", result
+    metrics = _metrics(tmp_path / family)
+    assert [m["step"] for m in metrics] == [1, 2] and all(0 < m["completion_len_mean"] <= 8 for m in metrics)

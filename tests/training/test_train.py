@@ -195,3 +195,35 @@ def test_moe_run_reports_the_router_aux_loss(family: str, tiny_model_dir, tmp_pa
     assert result.status == "completed"
     rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(row["aux_loss"] > 0 for row in rows)
+
+
+class _Logs(Callback):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def on_log(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def test_packing_is_off_for_linear_attention_and_said_so(tiny_model_dir, tmp_path: Path) -> None:
+    """A recurrent layer would carry one packed sample's state into the next: Qwen3.5 trains on
+    one sample a row, and the run's log says why; attention-only families keep packing."""
+    from kestrel.data.collate import BatchPlan
+
+    planned: list[bool] = []
+    real_init = BatchPlan.__init__
+
+    def spy(self, samples, batch_size, packing, *args, **kwargs):
+        planned.append(packing)
+        real_init(self, samples, batch_size, packing, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BatchPlan, "__init__", spy)
+        for family in ("qwen3_5_text", "qwen3"):
+            logs = _Logs()
+            out = run(config_from_dict(_cfg(str(tiny_model_dir(family)), tmp_path / family, max_steps=2, packing=True)),
+                      [logs])
+            assert out.status == "completed"
+            said = any(line.startswith("packing off: qwen3_5_text's linear-attention layers") for line in logs.lines)
+            assert said == (family == "qwen3_5_text")
+    assert planned == [False, True]

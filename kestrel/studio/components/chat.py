@@ -1,4 +1,5 @@
-"""Chat tab layout: model or run, side-by-side switch, one or two chat panels, message box with
+"""Chat tab layout: model or run and the run's weights (final or a checkpoint), side-by-side
+switch, the demo model's note, one or two chat panels, each answer's tokens/s, message box with
 Send / Stop, sampling controls and the model's chat template."""
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ def build() -> dict[str, gr.Component]:
     c: dict[str, gr.Component] = {}
     with gr.Row():
         c["target"] = gr.Dropdown(label=S.CH_MODEL, choices=[], scale=3, elem_id="ch-target")
+        c["checkpoint"] = gr.Dropdown(label=S.CH_CHECKPOINT, choices=[], scale=2, visible=False,
+                                      elem_id="ch-checkpoint")
         c["side"] = gr.Checkbox(label=S.CH_SIDE, value=False, scale=1, elem_id="ch-side")
         c["refresh"] = gr.Button(S.CH_REFRESH, size="sm", scale=1)
+    c["seen"] = gr.State(None)  # the newest run's id when the list was last filled
+    c["note"] = gr.Markdown(visible=False, elem_id="ch-note")
     with gr.Row():
         c["left"] = gr.Chatbot(label=S.CH_BASE, height=380, elem_id="ch-left")
         c["right"] = gr.Chatbot(label=S.CH_TUNED, height=380, visible=False, elem_id="ch-right")
+    c["stats"] = gr.Markdown(elem_id="ch-stats")
     with gr.Row():
         c["message"] = gr.Textbox(label=S.CH_MESSAGE, lines=2, scale=4, elem_id="ch-message")
         with gr.Column(scale=1, min_width=120):

@@ -26,19 +26,23 @@ def build() -> dict[str, gr.Component]:
         with gr.Column(scale=2):
             c["status"] = gr.Markdown(elem_id="ds-status")
             c["summary"] = gr.Markdown(elem_id="ds-summary")
+            c["truncation"] = gr.Markdown(elem_id="ds-truncation")
             c["format"] = gr.Dropdown(label=S.DS_FORMAT, info=S.DS_FORMAT_INFO, choices=format_choices(),
                                       value="auto", elem_id="ds-format")
             with gr.Row():
                 for role in roles():
-                    c[f"col_{role}"] = gr.Dropdown(label=role, choices=[], visible=False, min_width=120)
+                    c[f"col_{role}"] = gr.Dropdown(label=role, choices=[], visible=False, min_width=120,
+                                                   elem_id=f"ds-col-{role}")
             c["apply_mapping"] = gr.Button(S.DS_APPLY_MAPPING, size="sm")
     c["preview"] = gr.Dataframe(label=S.DS_PREVIEW, interactive=False, wrap=True, max_height=360,
                                 elem_id="ds-preview")
     with gr.Row():
         c["report"] = gr.Dataframe(label=S.DS_REPORT, interactive=False, wrap=True, max_height=300,
                                    headers=["line", "reason"], elem_id="ds-report")
+        # sort=[]: bars in the frame's order (buckets by length), fixed once. A `sort` sent with each
+        # new value made Gradio redraw the plot with the previous dataset's data.
         c["histogram"] = gr.BarPlot(x="tokens", y="rows", label=S.DS_HISTOGRAM, height=260, y_lim=[0, None],
-                                      x_label_angle=-30, elem_id="ds-hist")
+                                    sort=[], x_label_angle=-30, elem_id="ds-hist")
     with gr.Row():
         c["row"] = gr.Number(label=S.DS_TOKEN_ROW, value=1, precision=0, minimum=1, scale=0, min_width=200,
                              elem_id="ds-row")

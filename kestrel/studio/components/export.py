@@ -1,4 +1,5 @@
-"""Export tab layout: run, format, quantization, Export, progress, download and Modelfile, then
+"""Export tab layout: run and its weights (final or a checkpoint), format, quantization (with
+size and quality hints), Export, progress, download and Modelfile, then
 the recent export jobs, re-read from the store every RECENT_EVERY_S."""
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ def build() -> dict[str, gr.Component]:
     c: dict[str, gr.Component] = {}
     with gr.Row():
         c["source"] = gr.Dropdown(label=S.EX_RUN, choices=[], scale=3, elem_id="ex-source")
+        c["checkpoint"] = gr.Dropdown(label=S.EX_CHECKPOINT, choices=[], scale=2, visible=False,
+                                      elem_id="ex-checkpoint")
         c["refresh"] = gr.Button(S.CH_REFRESH, size="sm", scale=1)
+    c["seen"] = gr.State(None)  # the newest run's id when the list was last filled
     with gr.Row():
         c["format"] = gr.Radio(label=S.EX_FORMAT, choices=[(v, k) for k, v in S.EX_FORMATS.items()],
                                value="gguf", elem_id="ex-format")

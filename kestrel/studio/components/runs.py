@@ -8,11 +8,32 @@ import gradio as gr
 from kestrel.studio import strings as S
 
 POLL_S = 1.0  # with the worker's 1 s metric flush, charts stay under 2 s behind
+# The log box follows its end unless the user has scrolled up to read (Gradio's own autoscroll
+# reacts only to its first update). Run in the page after each new value of the log.
+FOLLOW_LOG_JS = """() => requestAnimationFrame(() => {
+  const t = document.querySelector('#ru-log textarea');
+  if (!t) return;
+  if (!t.dataset.follow) {
+    t.dataset.follow = 'yes';
+    t.addEventListener('scroll', () => {
+      t.dataset.follow = t.scrollTop + t.clientHeight >= t.scrollHeight - 8 ? 'yes' : 'no';
+    });
+  }
+  if (t.dataset.follow === 'yes') t.scrollTop = t.scrollHeight;
+})"""
 
 
 def _chart(key: str) -> gr.LinePlot:
     return gr.LinePlot(x="step", y="value", color="name", title=S.CHARTS[key], height=220, min_width=300,
                        elem_id=f"chart-{key.replace('_', '-')}")
+
+
+def _generation_panel(c: dict[str, gr.Component]) -> None:
+    """The end-of-run generation check: a summary line and prompt / reference / answer rows."""
+    with gr.Accordion(S.RU_GENERATION, open=False, elem_id="ru-generation"):
+        c["generation_summary"] = gr.Markdown(S.RU_GEN_NONE, elem_id="ru-generation-summary")
+        c["generation_table"] = gr.Dataframe(headers=S.RU_GEN_COLUMNS, interactive=False, wrap=True, max_height=360,
+                                             elem_id="ru-generation-table")
 
 
 def build() -> dict[str, gr.Component]:
@@ -26,10 +47,11 @@ def build() -> dict[str, gr.Component]:
         c["refresh"] = gr.Button(S.RU_REFRESH, size="sm", scale=1, elem_id="ru-refresh")
     c["progress"] = gr.Markdown(elem_id="ru-progress")
     with gr.Row():
-        c["pause"] = gr.Button(S.RU_PAUSE, size="sm")
-        c["resume"] = gr.Button(S.RU_RESUME, size="sm")
-        c["cancel"] = gr.Button(S.RU_CANCEL, size="sm", variant="stop")
-        c["delete"] = gr.Button(S.RU_DELETE, size="sm", variant="stop")
+        # Enabled by the Runs handlers for the selected run's status (runs.VALID_IN).
+        c["pause"] = gr.Button(S.RU_PAUSE, size="sm", interactive=False, elem_id="ru-pause")
+        c["resume"] = gr.Button(S.RU_RESUME, size="sm", interactive=False, elem_id="ru-resume")
+        c["cancel"] = gr.Button(S.RU_CANCEL, size="sm", variant="stop", interactive=False, elem_id="ru-cancel")
+        c["delete"] = gr.Button(S.RU_DELETE, size="sm", variant="stop", interactive=False, elem_id="ru-delete")
         c["remove_files"] = gr.Checkbox(label=S.RU_DELETE_FILES, value=False)
     c["notice"] = gr.Markdown(elem_id="ru-notice")
     with gr.Row():
@@ -42,6 +64,7 @@ def build() -> dict[str, gr.Component]:
         for key in ("reward", "kl"):
             c[f"chart_{key}"] = _chart(key)
     c["grpo"] = grpo_row
+    _generation_panel(c)
     c["log"] = gr.Textbox(label=S.RU_LOG, lines=12, max_lines=12, autoscroll=True, interactive=False,
                           elem_id="ru-log")
     with gr.Accordion(S.RU_COMPARE, open=False):

@@ -7,6 +7,7 @@ import gradio as gr
 
 from kestrel.studio import strings as S
 from kestrel.studio.form import FIELDS, REWARD_COLUMNS, Field
+from kestrel.training.estimate import COMMON_GPUS_MIB
 
 
 def _widget(field: Field) -> gr.Component:
@@ -24,6 +25,12 @@ def _widget(field: Field) -> gr.Component:
                             row_count=1, interactive=True, elem_id=eid)
     if field.kind in ("text", "opt_text"):
         return gr.Textbox(label=label, elem_id=eid)
+    if field.kind == "devices":  # the GPUs jobs may use, named so the user can pick among them
+        from kestrel.jobs import available_devices
+
+        found = [d for d in available_devices() if d != "cpu"]
+        info = S.TR_DEVICES_FOUND.format(gpus=", ".join(found)) if found else S.TR_DEVICES_NONE
+        return gr.Textbox(label=label, info=info, elem_id=eid)
     precision = 0 if field.kind.endswith("int") else None
     return gr.Number(label=label, step=field.step or 1e-5, precision=precision, elem_id=eid, min_width=140)
 
@@ -36,7 +43,15 @@ def _fields(c: dict[str, gr.Component], section: str, per_row: int = 4) -> None:
                 c[field.key] = _widget(field)
 
 
-def build() -> dict[str, gr.Component]:
+def _preference_section(c: dict[str, gr.Component]) -> None:
+    """The settings of the preference methods (DPO, ORPO, SimPO, KTO) and what data they take."""
+    with gr.Accordion(S.TR_PREFERENCE, open=False, elem_id="tr-preference"):
+        _fields(c, "preference")
+        gr.Markdown(S.TR_PREFERENCE_INFO)
+
+
+def build(allow_custom_rewards: bool = False) -> dict[str, gr.Component]:
+    """The tab's widgets by name; `allow_custom_rewards` (the studio's launch setting) is shown, not editable."""
     c: dict[str, gr.Component] = {"extra": gr.State({})}
     with gr.Row():
         c["preset"] = gr.Dropdown(label=S.TR_PRESET, choices=[(v, k) for k, v in S.PRESET_NAMES.items()],
@@ -53,11 +68,16 @@ def build() -> dict[str, gr.Component]:
                                    elem_id="tr-dataset")
     _fields(c, "main")
     c["vram"] = gr.Markdown(elem_id="tr-vram")
+    # Shown on page load where no GPU is found (kestrel.studio.handlers.train.gpu_picker).
+    c["gpu"] = gr.Dropdown(label=S.TR_GPU, choices=list(COMMON_GPUS_MIB), value=None, visible=False, elem_id="tr-gpu")
     with gr.Accordion(S.TR_ADVANCED, open=False):
         _fields(c, "advanced")
     with gr.Accordion(S.TR_GRPO, open=False):
         _fields(c, "grpo")
         gr.Markdown(S.TR_REWARDS_INFO)
+        c["custom_rewards"] = gr.Markdown(S.TR_CUSTOM_ON if allow_custom_rewards else S.TR_CUSTOM_OFF,
+                                          elem_id="tr-custom-rewards")
+    _preference_section(c)
     with gr.Row():
         c["start"] = gr.Button(S.TR_START, variant="primary", elem_id="tr-start")
     c["status"] = gr.Markdown(elem_id="tr-status")

@@ -1,18 +1,22 @@
-"""Chat tab handlers: pick the base model or a finished run, stream answers through the engine's
-decode path, optionally base and fine-tuned side by side on the same prompt.
+"""Chat tab handlers: pick a run (the newest by default, its final weights or a checkpoint) or a
+base model, stream answers through the engine's decode path, optionally base and fine-tuned side
+by side on the same prompt, decoded as one batch.
 
-Targets are strings: `base:<model>` or `run:<job id>`. Histories are Gradio's message dicts
-(`{"role", "content"}`), one per chat panel, owned by the browser.
+Targets are strings: `base:<model>` or `run:<job id>`; a run's weights are `final` or a
+checkpoint's step (see `weights.py`). Histories are Gradio's message dicts (`{"role",
+"content"}`), one per chat panel, owned by the browser.
 
-    for out in respond(pool, "What is 2 + 3?", [], [], "run:3", True, "", 0.0, 1.0, 0, 64, 1.0, None):
+    for out in respond(pool, "What is 2 + 3?", [], [], "run:3", "final", True, "", 0.0, 1.0, 0, 64, 1.0, None):
         out["left"], out["right"]    # base and fine-tuned conversations so far
+        out["stats"]                 # tokens and tokens/s of each answer
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
@@ -21,44 +25,45 @@ from kestrel import jobs
 from kestrel.errors import KestrelError
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import DEMO, tokenizer_for, user_errors
-from kestrel.studio.models import ModelPool, stream_rows
+from kestrel.studio.handlers.weights import checkpoint_choices, follow_newest, usable_runs, weights_of
+from kestrel.studio.models import LoadedModel, ModelPool, RowSpeed, stream_rows
 
 
-def _adapter_dir(job: jobs.Job) -> Path | None:
-    path = Path(job.output_dir) / "adapter"
-    return path if (path / "adapter_config.json").is_file() else None
-
-
-def _model_dir(job: jobs.Job) -> Path | None:
-    path = Path(job.output_dir) / "model"
-    return path if (path / "config.json").is_file() else None
-
-
-def finished_runs() -> list[jobs.Job]:
-    """Completed jobs that left an adapter or a full model behind, newest first."""
-    return [j for j in jobs.list_jobs(status="completed") if _adapter_dir(j) or _model_dir(j)]
-
-
-def target_choices() -> list[tuple[str, str]]:
-    runs = finished_runs()
+def target_choices(runs: list[jobs.Job] | None = None) -> list[tuple[str, str]]:
+    """Runs with weights (newest first), then the base models: the demo and those runs' bases."""
+    runs = usable_runs() if runs is None else runs
     bases = list(dict.fromkeys([DEMO] + [str(j.config.get("model", DEMO)) for j in runs]))
     out = [(S.CH_RUN_CHOICE.format(job=j.id, name=j.name or ""), f"run:{j.id}") for j in runs]
     return out + [(S.CH_BASE_CHOICE.format(model=m), f"base:{m}") for m in bases]
 
 
-def resolve_target(target: str) -> tuple[str, str | None, str, str]:
-    """(base model, adapter folder or None, label, base of the run) for a target string."""
+@dataclass(frozen=True)
+class Target:
+    """What a target and weights choice load: `model` (+ `adapter`) answers; `run_base` is the
+    base model beside it in the side-by-side view (the model itself for a base target)."""
+
+    model: str
+    adapter: str | None
+    label: str
+    run_base: str
+    is_run: bool
+
+
+def resolve_target(target: str, checkpoint: str | None = None) -> Target:
     kind, _, value = (target or f"base:{DEMO}").partition(":")
     if kind == "base":
-        return value, None, S.CH_BASE_CHOICE.format(model=value), value
+        return Target(value, None, S.CH_BASE_CHOICE.format(model=value), value, False)
+    if not value.isdigit():
+        raise KestrelError(S.CH_BAD_TARGET.format(target=target))
     job = jobs.get_job(int(value))
     base = str(job.config.get("model", DEMO))
+    found = weights_of(job, checkpoint)
     label = S.CH_RUN_CHOICE.format(job=job.id, name=job.name or "")
-    if (adapter := _adapter_dir(job)) is not None:
-        return base, str(adapter), label, base
-    if (model := _model_dir(job)) is not None:
-        return str(model), None, label, base
-    raise KestrelError(S.ERR_RUN_NO_WEIGHTS.format(job=job.id, status=job.status))
+    if found.step is not None:
+        label += S.CH_AT_STEP.format(step=found.step)
+    if found.adapter is not None:
+        return Target(base, str(found.adapter), label, base, True)
+    return Target(str(found.model), None, label, base, True)
 
 
 def _text(content: Any) -> str:
@@ -98,81 +103,130 @@ def _sampling(temperature: float, top_p: float, top_k: float, repetition_penalty
 
 
 @user_errors
-def respond(pool: ModelPool, message: str, left: list | None, right: list | None, target: str,
+def respond(pool: ModelPool, message: str, left: list | None, right: list | None, target: str, checkpoint: str | None,
             side_by_side: bool, system: str, temperature: float, top_p: float, top_k: float,
             max_new_tokens: float, repetition_penalty: float, seed: Any) -> Iterator[dict[str, Any]]:
-    """Stream the answer(s) to `message`. Outputs: left, right (histories), message (cleared).
+    """Stream the answer(s) to `message`. Outputs: left, right (histories), message (cleared),
+    stats (tokens and tokens/s of each answer).
 
     Alone, the left panel talks to `target`. Side by side, the left panel is the run's base
-    model and the right panel the run, decoded as one batch of two rows.
+    model and the right panel the run, decoded as one batch of two rows: a LoRA run on its base
+    model with the adapter masked off for row 0; a full fine-tune and its base as two models
+    behind one decode loop (`ModelPool.pair`).
     """
     if not (message or "").strip():
         raise KestrelError(S.CH_EMPTY)
-    base, adapter, _, run_base = resolve_target(target)
-    if side_by_side and not target.startswith("run:"):
+    tgt = resolve_target(target, checkpoint)
+    if side_by_side and not tgt.is_run:
         raise KestrelError(S.CH_NEED_RUN)
     sampling = _sampling(temperature, top_p, top_k, repetition_penalty, seed)
     panels = [_messages(left)] + ([_messages(right)] if side_by_side else [])
-    for p in panels:
+    names = [S.CH_BASE_CHOICE.format(model=tgt.run_base), tgt.label] if side_by_side else [tgt.label]
+    for p, model in zip(panels, [tgt.run_base, tgt.model] if side_by_side else [tgt.model]):
         p.append({"role": "user", "content": message})
-        p.append({"role": "assistant", "content": S.CH_LOADING.format(model=base)})
-    yield _out(panels, side_by_side, clear=True)
-    if side_by_side and adapter is None:  # a full fine-tune: two models, one after the other
-        yield from _answer_one(pool, run_base, None, panels, 0, system, sampling, max_new_tokens, side_by_side)
-        yield from _answer_one(pool, base, None, panels, 1, system, sampling, max_new_tokens, side_by_side)
+        p.append({"role": "assistant", "content": S.CH_LOADING.format(model=model)})
+    yield {**_out(panels, side_by_side), "message": "", "stats": ""}
+    max_new = int(max_new_tokens)
+    if side_by_side and tgt.adapter is None:  # a full fine-tune: its base is another model
+        models = [pool.get(tgt.run_base), pool.get(tgt.model)]
+        loaded = pool.pair(models)
+        if loaded is None:  # tokenizers differ: no shared sampler or stop list, one after the other
+            done = ""  # the first answer's stats line, kept while the second streams
+            for i, m in enumerate(models):
+                for out in _stream(m, [_prompt(m, system, panels[i], max_new)], [None], panels, [i], sampling,
+                                   max_new, [names[i]], side_by_side):
+                    out["stats"] = done + out["stats"]
+                    yield out
+                done = out["stats"] + "  \n"
+            return
+        prompts = [_prompt(m, system, p, max_new) for m, p in zip(models, panels)]
+        yield from _stream(loaded, prompts, [None, None], panels, [0, 1], sampling, max_new, names, side_by_side)
         return
-    loaded = pool.get(base)
-    name = pool.adapter(loaded, adapter, f"run-{Path(adapter).parent.name}") if adapter else None
+    loaded = pool.get(tgt.model)
+    name = pool.adapter(loaded, tgt.adapter) if tgt.adapter else None
     adapters = [None, name] if side_by_side else [name]
-    prompts = [_prompt_ids(loaded.tokenizer, system or "", p[:-1], loaded.max_seq_len, int(max_new_tokens))
-               for p in panels]
-    yield from _stream(loaded, prompts, adapters, panels, list(range(len(panels))), sampling, max_new_tokens,
+    prompts = [_prompt(loaded, system, p, max_new) for p in panels]
+    yield from _stream(loaded, prompts, adapters, panels, list(range(len(panels))), sampling, max_new, names,
                        side_by_side)
 
 
-def _answer_one(pool: ModelPool, model: str, adapter: str | None, panels: list, index: int, system: str,
-                sampling: Any, max_new: float, side_by_side: bool) -> Iterator[dict[str, Any]]:
-    loaded = pool.get(model)
-    prompt = _prompt_ids(loaded.tokenizer, system or "", panels[index][:-1], loaded.max_seq_len, int(max_new))
-    yield from _stream(loaded, [prompt], [adapter], panels, [index], sampling, max_new, side_by_side)
+def _prompt(loaded: LoadedModel, system: str, panel: list[dict[str, str]], max_new: int) -> list[int]:
+    """The panel's conversation (its answer placeholder left out) as the model's prompt ids."""
+    return _prompt_ids(loaded.tokenizer, system or "", panel[:-1], loaded.max_seq_len, max_new)
 
 
-def _stream(loaded: Any, prompts: list, adapters: list, panels: list, indexes: list[int], sampling: Any,
-            max_new: float, side_by_side: bool) -> Iterator[dict[str, Any]]:
+def _stream(loaded: LoadedModel, prompts: list, adapters: list, panels: list, indexes: list[int], sampling: Any,
+            max_new: int, names: list[str], side_by_side: bool) -> Iterator[dict[str, Any]]:
     texts = [""] * len(prompts)
     stop = threading.Event()
-    for pieces in stream_rows(loaded, prompts, adapters, int(max_new), sampling, stop):
+    speed = RowSpeed(len(prompts), loaded.generator.stop_ids)
+    for pieces in stream_rows(loaded, prompts, adapters, max_new, sampling, stop, speed):
         for row, piece in enumerate(pieces):
             texts[row] += piece
             panels[indexes[row]][-1]["content"] = texts[row]
-        yield _out(panels, side_by_side)
+        yield {**_out(panels, side_by_side), "stats": _stats(speed, names)}
     for row, text in enumerate(texts):
         if not text:
             panels[indexes[row]][-1]["content"] = "…"  # the model ended its turn at once
-    yield _out(panels, side_by_side)
+    yield {**_out(panels, side_by_side), "stats": _stats(speed, names)}
 
 
-def _out(panels: list, side_by_side: bool, clear: bool = False) -> dict[str, Any]:
-    return {"left": [dict(m) for m in panels[0]], "right": [dict(m) for m in panels[1]] if side_by_side else gr.skip(),
-            "message": "" if clear else gr.skip()}
+def _stats(speed: RowSpeed, names: list[str]) -> str:
+    """One line per answer: its tokens, seconds (prompt included) and tokens per second."""
+    return "  \n".join(S.CH_SPEED.format(name=name, tokens=speed.tokens[row], seconds=speed.seconds(row),
+                                          rate=speed.rate(row)) for row, name in enumerate(names))
+
+
+def _out(panels: list, side_by_side: bool) -> dict[str, Any]:
+    return {"left": [dict(m) for m in panels[0]], "right": [dict(m) for m in panels[1]] if side_by_side else gr.skip()}
+
+
+_PLACEHOLDER = re.compile(re.escape(S.CH_LOADING).replace(re.escape("{model}"), ".*"), re.DOTALL)
+
+
+def stopped(left: list | None, right: list | None) -> dict[str, Any]:
+    """After Stop: an answer that had not started (still the loading placeholder, or empty) says
+    it was stopped. Outputs: left, right."""
+    def settle(history: list | None) -> Any:
+        if not history or history[-1].get("role") != "assistant":
+            return gr.skip()
+        content = _text(history[-1].get("content"))
+        if content.strip() and not _PLACEHOLDER.fullmatch(content):
+            return gr.skip()
+        return [*history[:-1], {"role": "assistant", "content": S.CH_STOPPED}]
+    return {"left": settle(left), "right": settle(right)}
 
 
 @user_errors
-def describe_target(target: str, side_by_side: bool) -> dict[str, Any]:
-    """Outputs: template (the chat template text), left / right (panel labels and visibility)."""
-    base, _, label, run_base = resolve_target(target)
-    tokenizer = tokenizer_for(base)
+def describe_target(target: str, checkpoint: str | None, side_by_side: bool) -> dict[str, Any]:
+    """Outputs: checkpoint (the run's weights to choose from), template (the chat template text),
+    left / right (panel labels and visibility, emptied), note (the demo model's warning)."""
+    kind, _, value = (target or "").partition(":")
+    ckpt: Any = gr.update(visible=False, choices=[], value=None)
+    if kind == "run" and value.isdigit():
+        choices = checkpoint_choices(jobs.get_job(int(value)))
+        values = [v for _, v in choices]
+        checkpoint = checkpoint if checkpoint in values else (values[0] if values else None)
+        ckpt = gr.update(visible=True, choices=choices, value=checkpoint)
+    tgt = resolve_target(target, checkpoint)
+    tokenizer = tokenizer_for(tgt.model)
     template = getattr(tokenizer, "chat_template", "") or ""
-    if side_by_side and target.startswith("run:"):
-        left = gr.update(label=S.CH_BASE_CHOICE.format(model=run_base), value=[])
-        right = gr.update(label=label, visible=True, value=[])
+    if side_by_side and tgt.is_run:
+        left = gr.update(label=S.CH_BASE_CHOICE.format(model=tgt.run_base), value=[])
+        right = gr.update(label=tgt.label, visible=True, value=[])
     else:
-        left = gr.update(label=label, value=[])
+        left = gr.update(label=tgt.label, value=[])
         right = gr.update(visible=False, value=[])
-    return {"template": template if isinstance(template, str) else str(template), "left": left, "right": right}
+    demo = tgt.run_base == DEMO
+    note = gr.update(visible=demo, value=(S.CH_DEMO_RUN_NOTE if tgt.is_run else S.CH_DEMO_NOTE) if demo else "")
+    return {"checkpoint": ckpt, "template": template if isinstance(template, str) else str(template), "left": left,
+            "right": right, "note": note, "stats": ""}
 
 
-def refresh_targets(current: str | None) -> dict[str, Any]:
-    choices = target_choices()
-    values = [v for _, v in choices]
-    return {"target": gr.update(choices=choices, value=current if current in values else values[0])}
+def refresh_targets(current: str | None, seen: int | None) -> dict[str, Any]:
+    """Outputs: target (the list; the newest run when one appeared since `seen`), seen (the newest
+    run's id now)."""
+    runs = usable_runs()
+    choices = target_choices(runs)
+    value = follow_newest([v for _, v in choices], current, seen, runs)
+    return {"target": gr.update(choices=choices, value=value), "seen": runs[0].id if runs else seen}

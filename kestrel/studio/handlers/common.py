@@ -84,8 +84,9 @@ def _cached_hub_file(repo_id: str, filename: str) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def check_model(model: str) -> None:
-    """Raise a KestrelError that says what to do when `model` cannot be used as named."""
+def check_model(model: str, look_up: bool = False) -> None:
+    """Raise a KestrelError that says what to do when `model` cannot be used as named. With
+    `look_up`, a hub id not in the local cache is looked up on the hub (a few seconds at most)."""
     model = (model or "").strip()
     if not model:
         raise KestrelError(S.ERR_MODEL_EMPTY)
@@ -98,12 +99,18 @@ def check_model(model: str) -> None:
         if not (path / "config.json").is_file():
             raise KestrelError(S.ERR_MODEL_NO_CONFIG.format(path=path))
         return
-    if _cached_hub_file(model, "config.json") is None and offline():
-        raise KestrelError(S.ERR_HUB_OFFLINE.format(model=model))
+    if _cached_hub_file(model, "config.json") is None:
+        if offline():
+            raise KestrelError(S.ERR_HUB_OFFLINE.format(model=model))
+        if look_up:
+            from kestrel.jobs.preflight import look_up_on_hub
+
+            look_up_on_hub(model)
 
 
 def model_config(model: str) -> dict[str, Any] | None:
-    """The model's config.json as a dict, when it can be read without a download."""
+    """The model's config.json as a dict, when it can be read without a download (None when it
+    cannot, or is not a JSON object)."""
     from kestrel.paths import ASSETS
 
     model = (model or "").strip()
@@ -115,7 +122,11 @@ def model_config(model: str) -> dict[str, Any] | None:
         path = _cached_hub_file(model, "config.json") if model else None
     if path is None or not Path(path).is_file():
         return None
-    return _read_json(str(path), Path(path).stat().st_mtime)
+    try:
+        data = _read_json(str(path), Path(path).stat().st_mtime)
+    except (OSError, ValueError):  # unreadable, not UTF-8 or not JSON: no estimate, not an error box
+        return None
+    return data if isinstance(data, dict) else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -124,7 +135,12 @@ def _read_json(path: str, _mtime: float) -> dict[str, Any]:
 
 
 def tokenizer_for(model: str) -> Any:
-    """The tokenizer training would use for `model` (ChatML when it ships no template)."""
+    """The tokenizer training would use for `model` (ChatML when it ships no template); a local
+    folder must lie inside KESTREL_HOME, as for training."""
+    from kestrel.studio.files import studio_folder
+
+    if model.strip() != DEMO and is_local(model.strip()):
+        model = str(studio_folder(model.strip(), "model"))
     check_model(model)
     return _tokenizer(model.strip())
 

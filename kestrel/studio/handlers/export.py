@@ -1,5 +1,5 @@
-"""Export tab handlers: a finished run (or the demo model) to a LoRA adapter, a merged 16-bit
-model or a GGUF file with its Ollama Modelfile.
+"""Export tab handlers: a run's final weights or one of its checkpoints (or the demo model) to a
+LoRA adapter, a merged 16-bit model or a GGUF file with its Ollama Modelfile.
 
 Every export is a job (kind export, see kestrel/jobs/export_job.py) that a worker process runs, never
 the studio: Export submits it through `jobs`, and all the tab shows comes from the store: the
@@ -9,13 +9,15 @@ when the page or the studio closes, and a new handler call (another page, a rest
 finds it again. Files land in KESTREL_HOME/exports/job-<id>-<name>/.
 
     job_id = start_export("run:3", "gguf", "q4_k_m")   # or the same export already under way
-    export_view(job_id)     # {"status", "file", "modelfile"} of one export job
-    for out in run_export("run:3", "gguf", "q4_k_m"): ...   # Export's click: submit, then follow
+    start_export("run:3", "gguf", "q4_k_m", "40")        # the checkpoint of step 40
+    export_view(job_id)     # {"status", "file", "modelfile"} of one export job, its checks included
+    for out in run_export("run:3", "final", "gguf", "q4_k_m"): ...   # Export's click: submit, then follow
     recent_exports()        # the recent export jobs with status and download links (markdown)
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import time
@@ -28,11 +30,13 @@ import gradio as gr
 
 from kestrel import jobs
 from kestrel.errors import KestrelError
-from kestrel.export import MERGED_DTYPES, QUANT_TYPES
+from kestrel.export import MERGED_DTYPES, QUANT_TYPES, describe_check
+from kestrel.export.quantize import QUANTS, size_hint
 from kestrel.studio import files
 from kestrel.studio import strings as S
-from kestrel.studio.handlers.chat import finished_runs
-from kestrel.studio.handlers.common import DEMO, user_errors
+from kestrel.studio.handlers.common import DEMO, log, user_errors
+from kestrel.training.checkpoints import human_size
+from kestrel.studio.handlers.weights import FINAL, checkpoint_choices, follow_newest, usable_runs, weights_of
 
 EXPORT = "export"  # kestrel.jobs.models.EXPORT: the job kind
 IN_FLIGHT = ("queued", "running")
@@ -40,54 +44,130 @@ POLL_S = 0.5  # how often Export's click reads the job while it runs
 RECENT = 10  # export jobs listed under Recent exports
 
 
-def source_choices() -> list[tuple[str, str]]:
-    runs = [(S.CH_RUN_CHOICE.format(job=j.id, name=j.name or ""), f"run:{j.id}") for j in finished_runs()]
-    return runs + [(S.CH_BASE_CHOICE.format(model=DEMO), f"base:{DEMO}")]
+def source_choices(runs: list[jobs.Job] | None = None) -> list[tuple[str, str]]:
+    """Runs with weights (newest first; a checkpoint counts), then the demo model."""
+    runs = usable_runs() if runs is None else runs
+    out = [(S.CH_RUN_CHOICE.format(job=j.id, name=j.name or ""), f"run:{j.id}") for j in runs]
+    return out + [(S.CH_BASE_CHOICE.format(model=DEMO), f"base:{DEMO}")]
 
 
-def refresh_sources(current: str | None) -> dict[str, Any]:
-    choices = source_choices()
-    values = [v for _, v in choices]
-    return {"source": gr.update(choices=choices, value=current if current in values else values[0])}
+def refresh_sources(current: str | None, seen: int | None) -> dict[str, Any]:
+    """Outputs: source (the list; the newest run when one appeared since `seen`), seen (the
+    newest run's id now)."""
+    runs = usable_runs()
+    choices = source_choices(runs)
+    value = follow_newest([v for _, v in choices], current, seen, runs)
+    return {"source": gr.update(choices=choices, value=value), "seen": runs[0].id if runs else seen}
 
 
-def quant_choices(fmt: str) -> dict[str, Any]:
-    """The quantization dropdown for a format (hidden for the adapter)."""
+def _run_of(source: str | None) -> jobs.Job | None:
+    kind, _, rest = (source or "").partition(":")
+    return jobs.get_job(int(rest)) if kind == "run" and rest.isdigit() else None
+
+
+def _folder(source: str | None, checkpoint: str | None) -> str:
+    """What `kestrel.export` reads for the tab's choice: the demo, or the folder of the weights."""
+    job = _run_of(source)
+    return DEMO if job is None else str(weights_of(job, checkpoint).folder)
+
+
+@functools.lru_cache(maxsize=32)
+def _size_basis(folder: str, _mtime: float) -> tuple[int, bool]:
+    from kestrel.export.formats import size_basis
+
+    return size_basis(folder)
+
+
+def size_basis(source: str | None, checkpoint: str | None) -> tuple[int, bool] | None:
+    """(weights an export of the choice writes, whether its rows fill k-quant blocks), read from
+    file headers; None when unreadable: the export itself then says why."""
+    try:
+        folder = _folder(source, checkpoint)
+        mtime = Path(folder).stat().st_mtime if folder != DEMO else 0.0
+        return _size_basis(folder, mtime)
+    except (KestrelError, OSError, ValueError) as exc:
+        log.info("no parameter count for %s: %s", source, exc)
+        return None
+
+
+def quant_label(quant: str, basis: tuple[int, bool] | None) -> str:
+    """`q4_k_m · about 4.9 GB · balanced size and quality; recommended` (`up to` where the rows
+    are too narrow for the type's blocks)."""
+    note = QUANTS[quant].quality
+    if not basis:
+        return S.EX_QUANT_NO_SIZE.format(quant=quant, note=note)
+    nbytes, bound = size_hint(basis[0], quant, basis[1])
+    size = (S.EX_SIZE_UP_TO if bound else S.EX_SIZE_ABOUT).format(size=human_size(nbytes))
+    return S.EX_QUANT_HINT.format(quant=quant, size=size, note=note)
+
+
+def quant_choices(fmt: str, basis: tuple[int, bool] | None = None, current: str | None = None) -> dict[str, Any]:
+    """The quantization dropdown for a format (hidden for the adapter); GGUF types carry their
+    size for the weights of `basis` (see `size_basis`) and their quality note."""
     if fmt == "gguf":
-        return {"quant": gr.update(choices=list(QUANT_TYPES), value="q4_k_m", visible=True)}
+        value = current if current in QUANT_TYPES else "q4_k_m"
+        info = None
+        if basis:
+            info = (S.EX_QUANT_INFO if basis[1] else S.EX_QUANT_INFO_BOUND).format(params=f"{basis[0]:,}")
+        return {"quant": gr.update(choices=[(quant_label(q, basis), q) for q in QUANT_TYPES], value=value,
+                                   visible=True, info=info)}
     if fmt == "merged":
-        return {"quant": gr.update(choices=list(MERGED_DTYPES), value="auto", visible=True)}
+        return {"quant": gr.update(choices=list(MERGED_DTYPES), value=current if current in MERGED_DTYPES else "auto",
+                                   visible=True)}
     return {"quant": gr.update(visible=False, value=None)}
+
+
+@user_errors
+def pick_source(source: str | None, checkpoint: str | None, fmt: str, quant: str | None) -> dict[str, Any]:
+    """Outputs: checkpoint (the run's weights: final or a checkpoint; hidden for the demo), quant
+    (the list for the format, sized for the chosen weights)."""
+    job = _run_of(source)
+    ckpt: Any = gr.update(visible=False, choices=[], value=None)
+    if job is not None:
+        choices = checkpoint_choices(job)
+        values = [v for _, v in choices]
+        checkpoint = checkpoint if checkpoint in values else (values[0] if values else None)
+        ckpt = gr.update(visible=True, choices=choices, value=checkpoint)
+    basis = size_basis(source, checkpoint) if fmt == "gguf" else None
+    return {"checkpoint": ckpt, **quant_choices(fmt, basis, quant)}
 
 
 # ---------------------------------------------------------------------------------------------
 # Starting an export and following it
 
 
-def export_config(source: str, fmt: str, quant: str | None) -> dict[str, Any]:
-    """The export job's config for a choice of the tab (`run:3` or `base:demo`); jobs.submit
-    checks it (a run that is not completed, an unknown quantization)."""
+def export_config(source: str, fmt: str, quant: str | None, checkpoint: str | None = None) -> dict[str, Any]:
+    """The export job's config for a choice of the tab (`run:3` or `base:demo`, with the run's
+    weights: `final` or a checkpoint's step); jobs.submit checks it (a run without those
+    weights, an unknown quantization)."""
     kind, _, rest = (source or "").partition(":")
+    step: int | None = None
     if kind == "base" and rest == DEMO:
         src: str | int = DEMO
     elif kind == "run" and rest.isdigit():
         src = int(rest)
+        if checkpoint not in (None, "", FINAL):
+            if not str(checkpoint).isdigit():
+                raise KestrelError(S.ERR_CHECKPOINT_CHOICE.format(value=checkpoint))
+            step = int(str(checkpoint))
     else:
         raise KestrelError(S.EX_NO_RUNS)
     # The adapter or merged model goes to the browser as one zip, which the worker writes.
-    return {"kind": EXPORT, "source": src, "format": fmt, "quant": quant if fmt in ("gguf", "merged") else None,
-            "archive": fmt != "gguf"}
+    return {"kind": EXPORT, "source": src, "checkpoint": step, "format": fmt,
+            "quant": quant if fmt in ("gguf", "merged") else None, "archive": fmt != "gguf"}
 
 
 def _same_export(config: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes two exports the same: source (a run's id or a path), format, quantization."""
-    return (config.get("source_job") or config["source"], config["format"], (config["quant"] or "").lower())
+    """What makes two exports the same: source (a run's id or a path), its checkpoint, format,
+    quantization."""
+    return (config.get("source_job") or config["source"], config.get("checkpoint"), config["format"],
+            (config["quant"] or "").lower())
 
 
-def start_export(source: str, fmt: str, quant: str | None) -> int:
+def start_export(source: str, fmt: str, quant: str | None, checkpoint: str | None = None) -> int:
     """Submit an export job and return its id; the id of the same export when one is already
     queued or running (Export pressed twice, or again after a restart), so none runs twice."""
-    config = export_config(source, fmt, quant)
+    config = export_config(source, fmt, quant, checkpoint)
     wanted = _same_export(config)
     for job in jobs.list_jobs(kind=EXPORT):
         if job.status in IN_FLIGHT and _same_export(job.config) == wanted:
@@ -126,13 +206,36 @@ def downloads(job: jobs.Job) -> tuple[list[str], str]:
     return [], S.EX_FOLDER_ONLY.format(size=size / 2**30, out=job.output_dir)
 
 
-def _notes(job: jobs.Job) -> str:
-    """The export's notes (from its export.json report), as markdown list lines."""
+def _report(job: jobs.Job) -> dict[str, Any]:
+    """The export's export.json (its result: checks and notes), {} when absent."""
     report = next((a.path for a in jobs.list_artifacts(job.id, "report")), None)
     if report is None or not Path(report).is_file():
+        return {}
+    return json.loads(Path(report).read_text())
+
+
+def _notes(report: dict[str, Any]) -> str:
+    """The export's notes, as markdown list lines."""
+    return "".join(f"\n- {html.escape(str(n))}" for n in report.get("notes") or [])
+
+
+def checks_text(report: dict[str, Any]) -> str:
+    """Markdown: each check of the export (llama.cpp's agreement with the Hugging Face model, the
+    tokenizer, the chat template...), worded as the command line prints them."""
+    found = report.get("checks") or {}
+    if not found:
         return ""
-    notes = json.loads(Path(report).read_text()).get("notes") or []
-    return "".join(f"\n- {html.escape(str(n))}" for n in notes)
+    lines = []
+    for name, check in found.items():
+        passed = check.get("passed") if isinstance(check, dict) else None
+        details = html.escape(str(describe_check({k: v for k, v in check.items() if k != "passed"})
+                                  if isinstance(check, dict) else check))
+        if passed is None:  # facts of the export (the Modelfile's chat format...), no verdict
+            lines.append(S.EX_CHECK_INFO.format(name=html.escape(name), details=details))
+        else:
+            verdict = "passed" if passed else "FAILED"
+            lines.append(S.EX_CHECK_LINE.format(name=html.escape(name), verdict=verdict, details=details))
+    return "\n\n" + S.EX_CHECKS + "\n" + "\n".join(lines)
 
 
 def export_view(job_id: int) -> dict[str, Any]:
@@ -143,17 +246,18 @@ def export_view(job_id: int) -> dict[str, Any]:
         return {"status": status_text(job), "file": None, "modelfile": ""}
     offered, note = downloads(job)
     modelfile = next((Path(p) for p in offered if Path(p).name == "Modelfile"), None)
-    status = status_text(job) + (f"\n\n{note}" if note else "") + _notes(job)
+    report = _report(job)
+    status = status_text(job) + (f"\n\n{note}" if note else "") + _notes(report) + checks_text(report)
     return {"status": status, "file": offered or None,
             "modelfile": modelfile.read_text() if modelfile and modelfile.is_file() else ""}
 
 
 @user_errors
-def run_export(source: str, fmt: str, quant: str | None) -> Iterator[dict[str, Any]]:
+def run_export(source: str, checkpoint: str | None, fmt: str, quant: str | None) -> Iterator[dict[str, Any]]:
     """Export's click: submit the export (or find the same one under way) and relay its progress
-    from the store until it ends. Outputs: status, file, modelfile. Closing the page ends only
-    this relay; the job goes on and is listed under Recent exports."""
-    job_id = start_export(source, fmt, quant)
+    from the store until it ends. Outputs: status (with the checks once done), file, modelfile.
+    Closing the page ends only this relay; the job goes on and is listed under Recent exports."""
+    job_id = start_export(source, fmt, quant, checkpoint)
     shown: tuple[Any, ...] | None = None
     while (job := jobs.get_job(job_id)).status in IN_FLIGHT:
         state = (job.status, job.step, job.stage)

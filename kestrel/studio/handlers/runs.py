@@ -15,22 +15,27 @@ import time
 from typing import Any
 
 import gradio as gr
+import numpy as np
 import pandas as pd
 
 from kestrel import jobs
 from kestrel.errors import KestrelError
+from kestrel.jobs.models import FINISHED, RESUMABLE
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import fmt_duration, user_errors
+from kestrel.studio.handlers.generation import OUTPUTS as GENERATION_OUTPUTS, generation_view
 
 CHART_POINTS = 500
 LOG_LINES = 60
 BAR_CELLS = 12
 # chart key -> metric names drawn on it (a name ending in "*" is a prefix)
 CHART_SERIES: dict[str, tuple[str, ...]] = {
-    "loss": ("loss",), "lr": ("lr",), "grad_norm": ("grad_norm",), "tokens_per_s": ("tokens_per_s",),
-    "memory": ("vram_alloc_gib", "vram_peak_gib"), "reward": ("reward*",), "kl": ("kl",),
+    "loss": ("loss", "eval_loss"), "lr": ("lr",), "grad_norm": ("grad_norm",), "tokens_per_s": ("tokens_per_s",),
+    # a run on several GPUs adds each GPU's peak (vram_peak_gib/gpuN)
+    "memory": ("vram_alloc_gib", "vram_peak_gib", "vram_peak_gib/gpu*"), "reward": ("reward*",), "kl": ("kl",),
 }
 GRPO_CHARTS = ("reward", "kl")
+REWARD_KINDS = ("grpo", "preference")  # jobs whose metrics the reward and KL charts draw
 
 
 def _label(job: jobs.Job) -> str:
@@ -45,10 +50,14 @@ def _bar(fraction: float | None) -> str:
 
 
 def _eta(job: jobs.Job, now: float) -> float | None:
-    """Seconds left, from the pace since the job started (no per-job metric query)."""
+    """Seconds left, from the pace of the current attempt: a resumed run counts only the steps
+    it made since it started again (its earlier steps took time before `started_at`)."""
     if job.status != "running" or not job.total_steps or not job.step or not job.started_at:
         return None
-    return (now - job.started_at) / job.step * (job.total_steps - job.step)
+    start = jobs.attempt_start_step(job.id, job.started_at)
+    if job.step <= start:
+        return None
+    return (now - job.started_at) / (job.step - start) * (job.total_steps - job.step)
 
 
 def jobs_frame(job_list: list[jobs.Job]) -> pd.DataFrame:
@@ -70,16 +79,65 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in patterns)
 
 
-def chart_frames(job_id: int | None) -> dict[str, pd.DataFrame]:
+def _series_frame(points: list[Any]) -> pd.DataFrame:
+    """(step, value, name) rows with numeric step and value columns even when empty: gr.LinePlot
+    takes a column's plot type from its dtype, and an empty frame's default (object) would make
+    the axes categorical."""
+    return pd.DataFrame({"step": pd.Series([p.step for p in points], dtype="int64"),
+                         "value": pd.Series([p.value for p in points], dtype="float64"),
+                         "name": pd.Series([p.name for p in points], dtype="object")})
+
+
+def _without_twins(frame: pd.DataFrame, total: str = "reward") -> pd.DataFrame:
+    """Drop each `reward/<name>` series equal to the total at every step (one reward of weight 1):
+    drawn over the total, it would hide it."""
+    whole = frame[frame["name"] == total].set_index("step")["value"]
+    drop = []
+    for name, part in frame[frame["name"].str.startswith(total + "/")].groupby("name"):
+        series = part.set_index("step")["value"]
+        if len(series) == len(whole) and series.index.equals(whole.index) and np.allclose(series, whole):
+            drop.append(name)
+    return frame[~frame["name"].isin(drop)].reset_index(drop=True)
+
+
+def chart_frames(job: jobs.Job | None) -> dict[str, pd.DataFrame]:
     """One long-format DataFrame (step, value, name) per chart, from the store's downsampled series."""
-    points = jobs.metric_series(job_id, None, CHART_POINTS) if job_id is not None else []
-    frame = pd.DataFrame([(p.step, p.value, p.name) for p in points], columns=["step", "value", "name"])
-    frame = frame[frame["value"].map(lambda v: not math.isnan(v))] if len(frame) else frame
-    out = {f"chart_{key}": frame[frame["name"].map(lambda n, pats=pats: _matches(n, pats))].reset_index(drop=True)
-           for key, pats in CHART_SERIES.items()}
+    points = jobs.metric_series(job.id, None, CHART_POINTS) if job is not None else []
+    frame = _series_frame([p for p in points if not math.isnan(p.value)])
+    out = {f"chart_{key}": frame[frame["name"].map(lambda n, pats=pats: _matches(n, pats)).astype(bool)]
+           .reset_index(drop=True) for key, pats in CHART_SERIES.items()}
+    out["chart_reward"] = _without_twins(out["chart_reward"])
     memory = out["chart_memory"]
     if len(memory) and not memory["value"].any():  # a CPU run reports 0 GiB: nothing to draw
         out["chart_memory"] = memory.iloc[0:0]
+    return out
+
+
+def _rebuild_pending(seen: dict[str, Any]) -> bool:
+    """Whether a chart of this browser still waits to be rebuilt for series it was sent."""
+    return any(names != seen.get("built", {}).get(key) for key, names in seen.get("series", {}).items())
+
+
+def chart_updates(job: jobs.Job | None, seen: dict[str, Any]) -> dict[str, Any]:
+    """The charts' new values. The page's chart fixes its colour domain (the series names) when it
+    is built and keeps it through later values, so series it was built without stay invisible. A
+    chart is rebuilt by a change of its `colors_in_legend`; the page applies that before the new
+    value of the same update, so it is sent on the poll after the one that brought new series
+    (`seen["series"]`: names sent; `seen["built"]`: names a chart was rebuilt for). The memory
+    chart of a run on the CPU says in its title why it is empty."""
+    sent = seen["series"] = dict(seen.get("series") or {})
+    built = seen["built"] = dict(seen.get("built") or {})
+    on_cpu = job is not None and (job.device or job.requested_device) == "cpu"
+    out: dict[str, Any] = {}
+    for key, frame in chart_frames(job).items():
+        change: dict[str, Any] = {}
+        names = sorted(frame["name"].unique())
+        if names == sent.get(key) and names != built.get(key):
+            built[key] = change["colors_in_legend"] = names
+        sent[key] = names
+        if key == "chart_memory":  # in the title: a caption falls below the chart's fixed height
+            change["title"] = S.RU_MEMORY_CPU if on_cpu and frame.empty else S.CHARTS["memory"]
+        out[key] = gr.update(value=frame, **change) if change else frame
     return out
 
 
@@ -101,29 +159,67 @@ def _find(job_list: list[jobs.Job], job_id: Any) -> jobs.Job | None:
     return next((j for j in job_list if j.id == wanted), None)
 
 
+# action -> the job statuses in which it can act (kestrel.jobs.runner: pause and cancel stop a
+# queued or running job, resume takes a finished one that did not complete, delete any not running)
+ACTIONS = ("pause", "resume", "cancel", "delete")
+VALID_IN: dict[str, tuple[str, ...]] = {
+    "pause": ("queued", "running"), "cancel": ("queued", "running"), "resume": RESUMABLE,
+    "delete": ("queued", *FINISHED),
+}
+
+
+def action_buttons(job: jobs.Job | None) -> dict[str, Any]:
+    """Each action's button enabled only where the selected job's status allows it."""
+    return {action: gr.update(interactive=job is not None and job.status in VALID_IN[action]) for action in ACTIONS}
+
+
+def _notice(job: jobs.Job | None, job_list: list[jobs.Job], seen: dict[str, Any]) -> Any:
+    """The action notice, cleared once the job it is about has moved on to a finished status or
+    another job is shown ("" clears it; gr.skip() leaves it). A deleted job's notice stays."""
+    about = seen.get("notice")
+    if not about:
+        return gr.skip()
+    job_id, status = about
+    target = _find(job_list, job_id)
+    if target is None:
+        return gr.skip()
+    moved_on = target.status != status and target.status in FINISHED
+    if moved_on or job is None or job.id != job_id:
+        seen.pop("notice")
+        return ""
+    return gr.skip()
+
+
 @user_errors
 def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> dict[str, Any]:
-    """Poll the store. Outputs: table, select, progress, chart_<key> (one per chart), grpo
-    (visibility of the GRPO charts), log, seen. Unchanged parts come back as gr.skip().
+    """Poll the store. Outputs: table, select, progress, chart_<key> (one per chart; eval_loss
+    beside loss), grpo (visibility of the GRPO charts), generation_summary / generation_table (the
+    end-of-run generation check), the action buttons (pause, resume, cancel, delete), notice, log,
+    seen. Unchanged parts come back as gr.skip().
 
     `selected` is the chosen job id (None: the newest running job, else the newest job).
-    `seen` is this browser's record of what it drew: {"jobs": signature, "job", "step", "log"}.
+    `seen` is this browser's record of what it drew: {"jobs": signature, "job", "step", "log"}, and
+    "notice": (job id, its status then) while an action's notice is shown.
     """
     seen = dict(seen or {})
     job_list = jobs.list_jobs()
     job = _find(job_list, selected) or _find(job_list, _default_job(job_list))
     signature = [(j.id, j.status, j.step, j.total_steps) for j in job_list]
-    out: dict[str, Any] = {key: gr.skip() for key in ("table", "select", "progress", "grpo", "log")}
+    out: dict[str, Any] = {key: gr.skip() for key in ("table", "select", "progress", "grpo", "log", *GENERATION_OUTPUTS,
+                                                      *ACTIONS)}
     out.update({f"chart_{key}": gr.skip() for key in CHART_SERIES})
     if force or signature != seen.get("jobs"):
         out["table"] = jobs_frame(job_list)
         out["select"] = gr.update(choices=[(_label(j), j.id) for j in job_list],
                                   value=job.id if job else None)
     job_state = (job.id, job.status, job.step) if job else None
-    if force or "job" not in seen or job_state != seen["job"]:
+    if force or "job" not in seen or job_state != seen["job"] or _rebuild_pending(seen):
         out["progress"] = progress_text(job)
-        out.update(chart_frames(job.id if job else None))
-        out["grpo"] = gr.update(visible=bool(job and job.kind == "grpo"))
+        out.update(chart_updates(job, seen))
+        out.update(action_buttons(job))
+        out["grpo"] = gr.update(visible=bool(job and job.kind in REWARD_KINDS))
+        out.update(generation_view(job))
+    out["notice"] = _notice(job, job_list, seen)
     log = jobs.log_tail(job.id, LOG_LINES) if job else ""
     if force or log != seen.get("log"):
         out["log"] = log
@@ -163,6 +259,19 @@ def act(action: str, selected: Any, remove_files: bool = False) -> str:
     return S.RU_ACTION_DONE[action].format(job=job_id)
 
 
+def act_and_note(action: str, selected: Any, remove_files: bool, seen: dict[str, Any] | None) -> dict[str, Any]:
+    """`act`, remembering in `seen` which job the notice is about (refresh clears it when that
+    job has finished or another is shown). Outputs: notice, seen."""
+    text = act(action, selected, remove_files)
+    seen = dict(seen or {})
+    try:
+        status = jobs.get_job(int(selected)).status
+    except KestrelError:  # deleted
+        status = None
+    seen["notice"] = (int(selected), status)
+    return {"notice": text, "seen": seen}
+
+
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
@@ -175,16 +284,18 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 @user_errors
 def compare(selected: list[Any] | None) -> dict[str, Any]:
-    """Outputs: compare_loss (loss of each run, coloured by run), compare_diff (differing settings)."""
+    """Outputs: compare_loss (train and eval loss of each run, coloured by run), compare_diff
+    (differing settings)."""
     ids = [int(s) for s in (selected or [])]
     if len(ids) < 2:
         raise KestrelError(S.RU_PICK_TWO)
     runs = [jobs.get_job(i) for i in ids]
     frames = []
     for job in runs:
-        pts = jobs.metric_series(job.id, ["loss"], CHART_POINTS)
-        frames.append(pd.DataFrame({"step": [p.step for p in pts], "value": [p.value for p in pts],
-                                    "run": f"#{job.id} {job.name or ''}"}))
+        frame = _series_frame(jobs.metric_series(job.id, ["loss", "eval_loss"], CHART_POINTS))
+        label = f"#{job.id} {job.name or ''}"
+        frames.append(frame.assign(run=[label + (" eval" if n == "eval_loss" else "") for n in frame["name"]])
+                      .drop(columns="name"))
     flats = [_flat(job.config) for job in runs]
     keys = sorted(set().union(*flats) - {"output_dir"})
     diff = [[k, *[str(f.get(k, "-")) for f in flats]] for k in keys if len({str(f.get(k)) for f in flats}) > 1]

@@ -6,7 +6,12 @@ so loading a YAML file and starting it keeps them.
 
     values = config_to_form(TrainConfig().to_dict())["form"]
     out = preview(extra, *[values[k] for k in FORM_KEYS])   # {"yaml", "download", "vram", "status"}
-    out = start_training(extra, *[values[k] for k in FORM_KEYS])  # {"status", "job"}
+    out = start_training(extra, *[values[k] for k in FORM_KEYS], allow_custom=False)  # {"status", "job"}
+
+Every config the tab builds goes through `studio_config`: the studio's rules on top of the config's
+own checks. `allow_custom` is the studio's launch setting (`--allow-custom-rewards`), passed down by
+`kestrel.studio.events`; nothing a browser sends can turn it on. Datasets and output folders must lie
+inside KESTREL_HOME (`kestrel.studio.files`).
 """
 
 from __future__ import annotations
@@ -24,16 +29,21 @@ import yaml
 from kestrel.constants import merge, slug
 from kestrel.config import TrainConfig, config_from_dict
 from kestrel.errors import ConfigError, DatasetError, KestrelError
+from kestrel.model.registry import ALL_LEVELS, family_for, is_image_text
 from kestrel.training.estimate import (
-    GIB, MemoryEstimate, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
-    shape_from_config, verdict,
+    GIB, MemoryEstimate, common_gpu, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
+    shape_from_config, training_rows, verdict,
 )
-from kestrel.paths import ASSETS, resolve_dataset_path
+from kestrel.paths import ASSETS, resolve_dataset_path, runs_dir
 from kestrel.safe_yaml import parse_config_text, read_config_file
 from kestrel.studio import files
 from kestrel.studio import strings as S
-from kestrel.studio.form import FIELD_BY_KEY, FORM_KEYS, REWARD_COLUMNS
+from kestrel.studio.form import FIELD_BY_KEY, FORM_KEYS, OWNER_KEYS, REWARD_COLUMNS
 from kestrel.studio.handlers.common import DEMO, check_model, is_local, model_config, user_errors
+from kestrel.studio.handlers.datasets import truncation_note
+
+YAML_EXTENSIONS = (".yaml", ".yml")
+
 
 def _shipped(name: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """A config from assets/configs/ as a preset: the shipped demo YAML is the one source of these
@@ -54,7 +64,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The model stays what the form holds: GRPO starts from the user's SFT result (for the demo, the
     # `model/` folder of a finished run of the demo preset).
     "grpo": _shipped("demo_grpo.yaml", drop=("model",)),
+    "dpo": _shipped("demo_dpo.yaml", drop=("model",)),  # like GRPO: from the user's SFT result
 }
+# The model and dataset are the user's: a preset sets them only where it cannot work with another
+# (the quick test is the built-in demo model; GRPO's exact-answer reward needs a dataset with an
+# `answer` column), or where the form has none yet.
+PRESET_NEEDS: dict[str, tuple[str, ...]] = {"demo": ("model",), "grpo": ("dataset",)}
+# Settings of the user's own, never reset by a preset that does not name them.
+PERSONAL = ("model", "dataset", "name", "output_dir", "seed", "dataset_format", "system_prompt", "columns")
+
+
+def _owned() -> tuple[str, ...]:
+    """Every (dotted) setting some preset names, less the personal ones: each preset sets all of
+    them, to its value or the default, so nothing is left over from the preset applied before."""
+    keys = {key for values in PRESETS.values() for key in _flatten(values)}
+    return tuple(sorted(keys - set(PERSONAL)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +88,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict) and key in ("lora", "grpo"):
+        if isinstance(value, dict) and key in ("lora", "grpo", "preference"):
             out.update(_flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -150,7 +174,25 @@ def _convert(key: str, value: Any) -> Any:
         return bool(value)
     if kind == "multi":
         return list(value or [])
+    if kind == "devices":
+        return devices_from_text(value)
     return str(value).strip() if kind == "opt_text" else value
+
+
+def devices_from_text(value: Any) -> Any:
+    """The Devices box as the config's `devices`: "auto", a count ("2"), GPU ids ("0, 1"); empty is
+    1. Anything else is passed on for the config to name."""
+    text = str(value if value is not None else "").strip()
+    if not text:
+        return 1
+    parts = [p.strip() for p in text.split(",")]
+    if all(p.isdigit() for p in parts):
+        return int(parts[0]) if len(parts) == 1 else [int(p) for p in parts]
+    return text
+
+
+def devices_to_text(value: Any) -> str:
+    return ", ".join(str(v) for v in value) if isinstance(value, list) else str(value)
 
 
 def form_to_config(values: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -175,19 +217,44 @@ def config_to_form(config: dict[str, Any]) -> dict[str, Any]:
         value = flat.get(key)
         if key in FIELD_BY_KEY and FIELD_BY_KEY[key].kind == "rewards":
             out[key] = rewards_to_table(value)
+        elif key in FIELD_BY_KEY and FIELD_BY_KEY[key].kind == "devices":
+            out[key] = devices_to_text(value if value is not None else 1)
         else:
             out[key] = list(value) if isinstance(value, list) else value
     extra: dict[str, Any] = {}
     for key, value in flat.items():
-        if key not in FORM_KEYS:
+        if key not in FORM_KEYS and key not in OWNER_KEYS:
             _set(extra, key, copy.deepcopy(value))
     out["extra"] = extra
     return out
 
 
+def studio_config(data: dict[str, Any], allow_custom: bool) -> TrainConfig:
+    """`data` checked as a config and by the studio's rules: `grpo.allow_custom_rewards` is the
+    studio's launch setting whatever `data` says (a custom reward without it is refused, naming
+    the flag); the dataset, the output folder and local model and adapter folders must lie inside KESTREL_HOME."""
+    data = copy.deepcopy(data)
+    grpo = data.setdefault("grpo", {})
+    if isinstance(grpo, dict):  # anything else: config_from_dict names the mistake
+        rewards = grpo.get("rewards")
+        for spec in rewards if isinstance(rewards, list) else []:
+            if isinstance(spec, dict) and spec.get("name") == "custom" and not allow_custom:
+                raise ConfigError(S.ERR_CUSTOM_OFF.format(path=spec.get("path")))
+        grpo["allow_custom_rewards"] = allow_custom
+    cfg = config_from_dict(data)
+    files.studio_dataset(cfg.dataset)
+    if cfg.output_dir:
+        files.studio_output_dir(cfg.output_dir)
+    if cfg.model != DEMO and is_local(cfg.model):
+        files.studio_folder(cfg.model, "model")
+    if cfg.lora.init_from:
+        files.studio_folder(cfg.lora.init_from, "lora.init_from", runs_dir())
+    return cfg
+
+
 def default_form() -> dict[str, Any]:
     """The form at start: TrainConfig's defaults with the demo preset on top."""
-    return config_to_form(_merge(TrainConfig().to_dict(), PRESETS["demo"]))
+    return config_to_form(preset_config("demo", TrainConfig().to_dict())[0])
 
 
 def _values(args: tuple[Any, ...]) -> dict[str, Any]:
@@ -238,65 +305,81 @@ def _host_text(est: MemoryEstimate, method: str) -> str:
     return "\n\n" + text
 
 
-def vram_text(data: dict[str, Any]) -> str:
-    """The memory estimate for this config against the detected GPU, as one markdown line (and a
-    second for the host RAM of offloaded layer inputs)."""
+def fast_path_text(config: dict[str, Any]) -> str:
+    """How much of the model in `config` (a config.json dict) Kestrel's fast path covers, as one
+    markdown line: all of it, part of it (which modules), or none (plain Hugging Face)."""
+    spec = family_for(config)
+    image_text = S.PATH_IMAGE_TEXT if is_image_text(config) else ""
+    if spec is None:
+        return S.PATH_NONE.format(model_type=config.get("model_type", "?")) + image_text
+    title = S.FAMILY_TITLES.get(spec.model_type, spec.model_type)
+    if ALL_LEVELS <= spec.levels and spec.decode:
+        return S.PATH_FULL.format(family=title) + image_text
+    levels = ", ".join(S.PATH_LEVELS[level] for level in sorted(spec.levels))
+    decode = "" if spec.decode else S.PATH_HF_DECODE
+    return S.PATH_PARTIAL.format(family=title, levels=levels, decode=decode) + image_text
+
+
+def vram_text(data: dict[str, Any], picked_gpu: str | None = None) -> str:
+    """The memory estimate for this config against the detected GPU, or on a machine without one
+    against `picked_gpu` (a name of `COMMON_GPUS_MIB`), as one markdown line (and a second for the
+    host RAM of offloaded layer inputs), then how much of the model the fast path covers."""
     config = model_config(str(data.get("model", "")))
     if config is None:
-        return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read without a download")
+        return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read (not downloaded yet, or not valid JSON)")
+    path = "\n\n" + fast_path_text(config)
     try:
         shape = shape_from_config(config)
     except ValueError as exc:
-        return S.VRAM_UNKNOWN.format(reason=str(exc))
+        return S.VRAM_UNKNOWN.format(reason=str(exc)) + path
     lora, grpo = data.get("lora", {}), data.get("grpo", {})
+    method, rows = training_rows(data["method"], data.get("preference", {}).get("finetune", "lora"),
+                                 int(data["batch_size"]))
     est = estimate_training_memory(
-        shape, data["method"], int(lora.get("r", 16)), lora.get("targets"), int(data["batch_size"]),
+        shape, method, int(lora.get("r", 16)), lora.get("targets"), rows,
         int(data["max_seq_length"]), data["gradient_checkpointing"], int(grpo.get("num_generations", 8)),
         int(grpo.get("max_completion_length", 256)), int(grpo.get("max_prompt_length", 512)))
     gpu = _gpu()
-    if gpu is None:
-        return S.VRAM_CPU.format(total=est.total_bytes / GIB) + _host_text(est, data["method"])
-    name, capacity = gpu
+    picked = common_gpu(picked_gpu) if gpu is None else None
+    if gpu is None and picked is None:
+        return S.VRAM_CPU.format(total=est.total_bytes / GIB) + _host_text(est, data["method"]) + path
+    name, capacity = gpu or picked  # type: ignore[misc]
     v = verdict(est.total_bytes, capacity)
-    return S.VRAM_LINE.format(
+    prefix = S.VRAM_PICKED if picked else ""
+    return prefix + S.VRAM_LINE.format(
         verdict_icon=S.VRAM_ICONS[v], verdict=v, gpu=name, capacity=capacity / GIB, total=est.total_bytes / GIB,
         weights=est.weights / GIB, optimizer=est.optimizer / GIB, activations=est.activations / GIB,
-        other=(est.extra + est.overhead) / GIB, trainable=f"{est.trainable:,}") + _host_text(est, data["method"])
+        other=(est.extra + est.overhead) / GIB, trainable=f"{est.trainable:,}") + _host_text(est, data["method"]) + path
 
 
-def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "") -> dict[str, Any]:
-    return {"yaml": cfg.to_yaml(), "download": _yaml_file(cfg), "vram": vram_text(data), "status": status}
+def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "", gpu: str | None = None) -> dict[str, Any]:
+    cut = "" if data["method"] == "grpo" else truncation_note(  # GRPO's limits are its prompt and completion lengths
+        data["dataset"], data["dataset_format"], data["columns"], data["model"], data["max_seq_length"])
+    return {"yaml": cfg.to_yaml(), "download": _yaml_file(cfg), "vram": vram_text(data, gpu) + (cut and "\n\n" + cut),
+            "status": status}
 
 
 # ---------------------------------------------------------------------------------------------
 # Handlers
 
 
-def preview(extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
-    """Live view of the form as YAML, its download file and the memory estimate.
+def preview(extra: dict[str, Any] | None, *args: Any, gpu: str | None = None, allow_custom: bool = False) -> dict[str, Any]:
+    """Live view of the form as YAML, its download file and the memory estimate (for `gpu`, a
+    card picked by name, on a machine without one).
 
     Called on every edit, so a half-typed value is a notice in `status`, not an error box.
     """
     try:
         data = form_to_config(_values(args), extra)
-        cfg = config_from_dict(data)
+        cfg = studio_config(data, allow_custom)
     except KestrelError as exc:
         return {"yaml": gr.skip(), "download": gr.skip(), "vram": gr.skip(), "status": f"⚠️ {exc}"}
-    return _rendered(cfg, cfg.to_dict())
+    return _rendered(cfg, cfg.to_dict(), gpu=gpu)
 
 
-def _check_types(data: dict[str, Any]) -> None:
-    """Name the key of a value of the wrong type (`batch_size: many`), which the config's range
-    checks would otherwise report as a bare comparison error."""
-    for key, value in _flatten(data).items():
-        field = FIELD_BY_KEY.get(key)
-        if field is None or value is None:
-            continue
-        numeric = field.kind in ("int", "opt_int", "float", "opt_float")
-        if numeric and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(S.ERR_YAML_NUMBER.format(key=key, value=value))
-        if field.kind == "bool" and not isinstance(value, bool):
-            raise ConfigError(S.ERR_YAML_BOOL.format(key=key, value=value))
+def gpu_picker() -> dict[str, Any]:
+    """The picker of a GPU to estimate for: shown only on a machine without one. Output: gpu."""
+    return {"gpu": gr.update(visible=_gpu() is None)}
 
 
 def _fill(cfg: TrainConfig, status: str) -> dict[str, Any]:
@@ -306,42 +389,73 @@ def _fill(cfg: TrainConfig, status: str) -> dict[str, Any]:
 
 
 @user_errors
-def apply_yaml(text: str) -> dict[str, Any]:
+def apply_yaml(text: str, allow_custom: bool = False) -> dict[str, Any]:
     """Fill the form from YAML text. Outputs: every form key, extra, yaml, download, vram, status.
 
     The text is read by `kestrel.safe_yaml` (size, depth and alias-expansion limits), as files are."""
     data = parse_config_text(text or "", "the YAML box")
-    _check_types(data)
-    return _fill(config_from_dict(data), S.TR_YAML_APPLIED)
+    return _fill(studio_config(data, allow_custom), S.TR_YAML_APPLIED)
 
 
 @user_errors
-def load_yaml_file(path: str | None) -> dict[str, Any]:
+def load_yaml_file(path: str | None, allow_custom: bool = False) -> dict[str, Any]:
     """Fill the form from an uploaded YAML file (same outputs as `apply_yaml`)."""
     if not path:
         raise ConfigError(S.ERR_NO_FILE)
+    if Path(path).suffix.lower() not in YAML_EXTENSIONS:  # the upload button's file_types, checked here too
+        raise ConfigError(S.ERR_EXTENSION.format(name=Path(path).name, allowed=", ".join(YAML_EXTENSIONS)))
     data = read_config_file(path, f"the file {Path(path).name}")
-    _check_types(data)
-    return _fill(config_from_dict(data), S.TR_YAML_APPLIED)
+    return _fill(studio_config(data, allow_custom), S.TR_YAML_APPLIED)
+
+
+def _shown(value: Any) -> str:
+    return "empty" if value is None or value == "" else str(value)
+
+
+def preset_config(preset: str, base: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`base` (a checked config dict) with the preset applied, and what changed as "label: old → new"."""
+    values, defaults = _flatten(PRESETS[preset]), _flatten(TrainConfig().to_dict())
+    out = copy.deepcopy(base)
+    for key in _owned():
+        _set(out, key, copy.deepcopy(values.get(key, defaults.get(key))))
+    for key, value in values.items():
+        if key not in ("model", "dataset") and key in PERSONAL:
+            _set(out, key, copy.deepcopy(value))
+    for key in ("model", "dataset"):
+        if key in values and (key in PRESET_NEEDS.get(preset, ()) or not str(base.get(key) or "").strip()):
+            out[key] = values[key]
+    out = config_from_dict(out).to_dict()
+    before, after = _flatten(base), _flatten(out)
+    labels = {**S.FIELD_LABELS, "model": S.TR_MODEL, "dataset": S.TR_DATASET, "method": S.TR_METHOD}
+    changes = [f"{labels.get(k, k)}: {_shown(before.get(k))} → {_shown(after[k])}"
+               for k in after if k in FORM_KEYS + ("model", "dataset") and after[k] != before.get(k)]
+    return out, changes
 
 
 @user_errors
-def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
-    """Put a preset's values over the current form (or over the defaults if it does not parse)."""
+def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
+    """Put a preset over the current form (or over the defaults if it does not parse): it sets
+    every setting it owns and keeps the user's model and dataset unless it needs its own. The
+    status lists what changed."""
     if preset not in PRESETS:
         raise ConfigError(S.ERR_PRESET.format(preset=preset))
     try:
-        base = config_from_dict(form_to_config(_values(args), extra)).to_dict()
+        base = studio_config(form_to_config(_values(args), extra), allow_custom).to_dict()
     except KestrelError:
         base = TrainConfig().to_dict()
-    cfg = config_from_dict(_merge(base, PRESETS[preset]))
-    return _fill(cfg, S.TR_PRESET_APPLIED.format(name=S.PRESET_NAMES[preset]))
+    data, changes = preset_config(preset, base)
+    kept = [k for k in ("model", "dataset") if k not in PRESET_NEEDS.get(preset, ()) and base.get(k)]
+    status = S.TR_PRESET_APPLIED.format(name=S.PRESET_NAMES[preset],
+                                        changes="; ".join(changes) if changes else S.TR_PRESET_NO_CHANGE)
+    if kept:
+        status += " " + S.TR_PRESET_KEPT.format(what=" and ".join(kept))
+    return _fill(studio_config(data, allow_custom), status)
 
 
 def use_dataset(ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -> dict[str, Any]:
     """Carry the dataset opened on the Datasets tab (with its format and column mapping) into the
-    form. Outputs: dataset, dataset_format, extra."""
-    if not ds_state or not ds_state.get("path"):
+    form; one whose format was not found stays out of it. Outputs: dataset, dataset_format, extra."""
+    if not ds_state or not ds_state.get("path") or not ds_state.get("usable", True):
         return {"dataset": gr.skip(), "dataset_format": gr.skip(), "extra": gr.skip()}
     extra = copy.deepcopy(extra or {})
     extra["columns"] = dict(ds_state.get("columns") or {})
@@ -350,15 +464,18 @@ def use_dataset(ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -
 
 def pick_dataset(path: str, ds_state: dict[str, Any] | None, extra: dict[str, Any] | None) -> dict[str, Any]:
     """A dataset chosen in the form's dropdown: the Datasets tab's format and column mapping
-    when it is the one open there, else auto-detection (another file's mapping would not fit).
-    Outputs: dataset_format, extra."""
+    when it is the one open there, else the mapping saved with it in the job store, else
+    auto-detection (another file's mapping would not fit). Outputs: dataset_format, extra."""
+    from kestrel import jobs
+
     if ds_state and ds_state.get("path") == path:
         out = use_dataset(ds_state, extra)
         out.pop("dataset")
         return out
+    fmt, columns = jobs.saved_mapping(path) or ("auto", {})  # the mapping saved with the dataset
     extra = copy.deepcopy(extra or {})
-    extra["columns"] = {}
-    return {"dataset_format": "auto", "extra": extra}
+    extra["columns"] = columns
+    return {"dataset_format": fmt, "extra": extra}
 
 
 def _comparable(data: dict[str, Any]) -> dict[str, Any]:
@@ -385,20 +502,31 @@ def _duplicate_of(data: dict[str, Any]) -> Any:
 
 
 @user_errors
-def start_training(extra: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
-    """Validate the form and submit it to the job store. Outputs: status, job (the new id)."""
+def start_training(extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
+    """Validate the form and submit it to the job store. Outputs: status, job (the new id).
+
+    The dataset and output folder are submitted as the absolute paths that were checked, so the
+    worker (which runs in another folder) reads and writes exactly there."""
     from kestrel import jobs
 
-    data = config_from_dict(form_to_config(_values(args), extra)).to_dict()
-    check_model(data["model"])
-    if not resolve_dataset_path(data["dataset"]).is_file():
-        raise DatasetError(S.ERR_DATASET_MISSING.format(path=data["dataset"]))
-    if data["method"] == "qlora" and not any(d.startswith("cuda") for d in jobs.available_devices()):
+    cfg = studio_config(form_to_config(_values(args), extra), allow_custom)  # the one validation of the form
+    if cfg.model != DEMO and is_local(cfg.model):
+        cfg.model = str(files.studio_folder(cfg.model, "model"))
+    if cfg.lora.init_from:
+        cfg.lora.init_from = str(files.studio_folder(cfg.lora.init_from, "lora.init_from", runs_dir()))
+    check_model(cfg.model, look_up=True)  # an unknown hub id is refused now, not 25 s into the job
+    dataset = files.studio_dataset(cfg.dataset)
+    if not dataset.is_file():
+        raise DatasetError(S.ERR_DATASET_MISSING.format(path=cfg.dataset))
+    cfg.dataset = str(dataset)
+    if cfg.output_dir:
+        cfg.output_dir = str(files.studio_output_dir(cfg.output_dir))
+    if cfg.load_in_4bit and not any(d.startswith("cuda") for d in jobs.available_devices()):
         raise ConfigError(S.ERR_QLORA_CPU)
-    same = _duplicate_of(data)
+    same = _duplicate_of(cfg.to_dict())
     if same is not None:
         raise ConfigError(S.TR_TWICE.format(job=same.id, status=same.status))
-    job_id = jobs.submit(data)
+    job_id = jobs.submit(cfg)  # the checked TrainConfig itself: not parsed and validated a second time
     job = jobs.get_job(job_id)
     running = [j.id for j in jobs.list_jobs(status="running") if j.id != job_id]
     if job.status == "queued" and running:

@@ -6,7 +6,9 @@ optional `answer` column that rewards such as `exact_answer` check completions a
     {"messages": [{"role": "user", ...}, {"role": "assistant", "content": "... The answer is 7."}]}
 
 With `messages`, a final assistant turn is dropped from the prompt and serves as the answer when
-there is no `answer` column. `columns:` in the config renames (`{"prompt": "question"}`). Each
+there is no `answer` column. Common names are found without a mapping (question, query, ...
+for the prompt; solution, target, ... for the answer: `kestrel.data.formats.COLUMN_ALIASES`);
+`columns:` in the config names others (`{"prompt": "q"}`). Each
 prompt is rendered with the chat template (assistant turn opened) and tokenized once; prompts
 longer than `grpo.max_prompt_length` tokens are skipped (truncating a question would make its
 answer uncheckable) and counted in the notice.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.config import TrainConfig
+from kestrel.data.formats import match_columns
 from kestrel.data.reader import RowIssue, list_issues, read_table
 from kestrel.decode.chat import encode_chat
 from kestrel.errors import DatasetError
@@ -62,7 +65,9 @@ def load_prompts(
 ) -> tuple[list[PromptRow], list[RowIssue], int]:
     """The usable prompts, the bad rows (line, reason) and how many were too long."""
     table = read_table(config.dataset)
-    columns = dict(config.columns)
+    present = dict.fromkeys(k for r in table.rows[:100] for k in r)
+    # question/solution and the like need no mapping; a mapped column stays mapped even when absent
+    columns = {**match_columns(present, ("prompt", "answer"), config.columns), **config.columns}
     answer_col = columns.get("answer", "answer")
     good, bad, too_long = [], list(table.issues), 0
     for row, line in zip(table.rows, table.lines):

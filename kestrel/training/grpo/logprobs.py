@@ -21,6 +21,8 @@ from torch import nn
 
 from kestrel import kernels
 from kestrel.errors import ConfigError
+from kestrel.model.multimodal import language_stack
+from kestrel.model.registry import is_image_text, text_config
 
 PAD = -100  # a target that is not a completion token: log-prob 0, no gradient
 
@@ -30,11 +32,11 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def check_lm_head(model: nn.Module) -> None:
+def check_lm_head(model: nn.Module, method: str = "GRPO") -> None:
     """The LM head must be a plain linear: an adapter on it would be skipped by the chunked path."""
     head = causal_lm(model).lm_head
     if hasattr(head, "lora_A"):
-        raise ConfigError("GRPO does not train a LoRA adapter on lm_head; remove lm_head from lora.targets")
+        raise ConfigError(f"{method} does not train a LoRA adapter on lm_head; remove lm_head from lora.targets")
 
 
 def completion_logprobs(
@@ -52,12 +54,14 @@ def completion_logprobs(
     trainable weights when grad is enabled; the adapter state (enabled or disabled) is the caller's.
     """
     lm = causal_lm(model)
-    hidden = lm.model(input_ids=input_ids, use_cache=False).last_hidden_state  # (R, T, H)
+    image_text = is_image_text(lm.config)  # then its language model's stack and config
+    stack = language_stack(lm)[1] if image_text else lm.model
+    hidden = stack(input_ids=input_ids, use_cache=False).last_hidden_state  # (R, T, H)
     rows, length = targets.shape
     cols = starts[:, None] - 1 + torch.arange(length, device=starts.device)[None]  # (R, L)
     cols = cols.clamp(max=hidden.shape[1] - 1)  # past a row's end: any column, its target is PAD
     h = hidden.gather(1, cols[..., None].expand(rows, length, hidden.shape[-1]))  # (R, L, H)
-    softcap = getattr(lm.config, "final_logit_softcapping", None)
+    softcap = getattr(text_config(lm.config), "final_logit_softcapping", None)
     return kernels.chunked_token_logprobs(h, lm.lm_head.weight, targets, temperature=temperature, softcap=softcap)
 
 

@@ -21,14 +21,15 @@ unweighted), `frac_reward_zero_std` (groups with no signal), `kl` (k3, per compl
 with beta > 0), `clip_frac` (completion tokens whose gradient the clip removed),
 `completion_len_mean/_max`, `completion_stopped_frac` (rows that ended with a stop token),
 `rollout_s`, `update_s`, and `tokens_per_s` (prompt + completion tokens of the step's rows per
-second of the whole step).
+second of the whole step). With an evaluation set: `eval_reward`, `eval_reward/<name>`
+(`kestrel.training.grpo.evaluation`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,16 @@ from torch import nn
 
 from kestrel.config import TrainConfig
 from kestrel.decode.generate import Generator
-from kestrel.decode.model import UnsupportedModelError
-from kestrel.errors import ConfigError
+from kestrel.training.evaluation import Evaluator
 from kestrel.training.grpo.data import PromptRow, load_prompts, prompts_for_step
+from kestrel.training.grpo.evaluation import grpo_evaluator, held_out_prompts
 from kestrel.training.grpo.logprobs import check_lm_head, completion_logprobs, pack_rows
 from kestrel.training.grpo.loss import group_advantages, policy_loss
 from kestrel.training.grpo.rewards import RewardBatch, RewardSet
 from kestrel.training.grpo.rollout import Rollouts, release, rollout
 from kestrel.model.loader import load
 from kestrel.model.lora import trainable_parameters
+from kestrel.training.distributed import World
 from kestrel.training.metrics import Callback, memory_metrics
 from kestrel.training.recipe import (
     end_of_step, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
@@ -68,6 +70,8 @@ class GrpoSession:
     total_steps: int
     start_step: int
     device: torch.device
+    world: World = field(default_factory=World)  # one device: TrainConfig refuses GRPO on several
+    evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
 
     @property
     def prompts_per_step(self) -> int:
@@ -107,13 +111,11 @@ class StepBatch:
 
 
 def _generator(model: nn.Module, tokenizer: Any, max_len: int) -> Generator:
-    try:
-        return Generator(model, tokenizer, max_seq_len=max_len)
-    except UnsupportedModelError as exc:
-        raise ConfigError(f"GRPO samples through the fast decode path, which this model lacks: {exc}") from exc
+    # A family without Kestrel's decode forward samples through HF's (the generator says so).
+    return Generator(model, tokenizer, max_seq_len=max_len)
 
 
-def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
+def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> GrpoSession:
     g = config.grpo
     rewards = RewardSet(g.rewards, allow_custom=g.allow_custom_rewards)
     seed_everything(config.seed)
@@ -127,6 +129,7 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
               + (f", {too_long} longer than grpo.max_prompt_length skipped" if too_long else ""))
     if bad:
         cb.on_log("bad rows: " + "; ".join(f"line {b.line}: {b.reason}" for b in bad[:5]))
+    prompts, held = held_out_prompts(config, prompts, tokenizer, rewards.needs_answers, cb)
     model, _ = prepare_model(config, model, output_dir, cb)  # LoRA on a frozen base (GRPO never trains all weights)
     check_lm_head(model)
     trainable, total = trainable_parameters(model)
@@ -135,8 +138,10 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback) -> GrpoSession:
     total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(prompts) / per_step))
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
     generator = _generator(model, tokenizer, max_len)
-    return GrpoSession(config, output_dir, model, tokenizer, prompts, rewards, generator, optimizer, scheduler,
-                       total_steps, start, device)
+    s = GrpoSession(config, output_dir, model, tokenizer, prompts, rewards, generator, optimizer, scheduler,
+                    total_steps, start, device)
+    s.evaluator = grpo_evaluator(config, s, held, cb)
+    return s
 
 
 # --- 2-4. rollout, reward, score ------------------------------------------------------------

@@ -1,0 +1,235 @@
+"""DPO step time, tokens/s and peak GPU memory: Kestrel vs TRL's DPOTrainer vs Unsloth's patched DPO.
+
+Each implementation runs in its own process on the same random-init Llama-3.1-8B-shape model,
+QLoRA (NF4, r=16 on all 7 linears), `batch` pairs a step, every chosen and rejected sequence
+`seq` tokens long (half prompt, half answer), DPO sigmoid loss, beta 0.1, the reference = the
+base with the adapter disabled, gradient checkpointing, AdamW. The issue's target shape is the
+default: 2 pairs x 1,024 tokens.
+
+A step's time is the median over the steps after the warm-up ones; tokens/s counts the real
+tokens of a step's 2 x batch sequences (prompt + answer) over it; peak memory is
+`torch.cuda.max_memory_allocated` over the whole process.
+
+    python bench/dpo.py --out bench/dpo.json                          # kestrel, trl, unsloth
+    python bench/dpo.py --impl kestrel --out one.json                 # one, in this process
+    TRITON_INTERPRET=1 python bench/dpo.py --smoke --impls kestrel,trl --out /tmp/s.json   # tiny model on a CPU:
+                                                                      # checks the script, times nothing
+
+TRL, bitsandbytes and datasets must be importable (the `.gpu-site` folder from
+../shared/gpu/make-site.sh on PYTHONPATH); Unsloth runs from `--anchors` (its own TRL version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import gib, llama8b_dir, run_isolated  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT_WORDS, CHOSEN_WORDS, REJECTED_WORDS = "apple river stone cloud", "green fast bright warm", "cold slow dark dull"
+BETA, LR = 0.1, 5e-6
+
+
+def texts(seq: int, pairs: int) -> list[dict[str, str]]:
+    """`pairs` rows whose chosen and rejected sequences are about `seq` tokens of the stand-in
+    tokenizer (four words a group; half prompt, half answer)."""
+    groups = max(1, seq // 2 // 4)
+    fill = lambda words: " ".join([words] * groups)  # noqa: E731
+    return [{"prompt": fill(PROMPT_WORDS), "chosen": fill(CHOSEN_WORDS), "rejected": fill(REJECTED_WORDS)}] * pairs
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.smoke:
+        from transformers import AutoTokenizer
+
+        from tests.support.tiny import tiny_model
+
+        folder = Path(tempfile.gettempdir()) / "kestrel-bench" / "dpo-smoke"
+        if not (folder / "config.json").exists():
+            tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parent.parent / "assets" / "demo")
+            tiny_model("llama", len(tok)).save_pretrained(folder)
+            tok.save_pretrained(folder)
+        return folder
+    return llama8b_dir(layers=args.layers)
+
+
+def _medians(times: list[float], warmup: int) -> float:
+    return statistics.median(times[warmup:] or times)
+
+
+# --- Kestrel ---------------------------------------------------------------------------------
+
+
+def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    from kestrel.config import config_from_dict
+    from kestrel.training.metrics import Callback
+    from kestrel.training.run import run
+
+    work = Path(tempfile.mkdtemp(prefix="kestrel-dpo-"))
+    data = work / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in texts(args.seq, args.batch * (args.steps + 1))))
+    steps: list[dict[str, float]] = []
+
+    class Record(Callback):
+        def on_step(self, metrics: dict[str, float]) -> None:
+            steps.append(dict(metrics))
+
+    cfg = config_from_dict(dict(
+        model=str(folder), method="dpo", dataset=str(data), output_dir=str(work / "run"), max_seq_length=args.seq + 64,
+        batch_size=args.batch, max_steps=args.steps, learning_rate=LR, save_steps=0, seed=0, lr_scheduler="constant",
+        gradient_checkpointing=args.checkpointing if not args.smoke else "off", dtype="fp32" if args.smoke else "bf16",
+        lora={"r": 16, "alpha": 16, "dropout": 0.0, "targets": TARGETS},
+        preference={"finetune": "lora" if args.smoke else "qlora", "beta": BETA, "loss_type": "sigmoid"},
+    ))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    result = run(cfg, [Record()])
+    if result.status != "completed":
+        raise RuntimeError(f"kestrel run {result.status}: {result.error}")
+    times = [steps[0]["elapsed_s"]] + [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)]
+    return {"step_times": times, "s_per_step": _medians(times, args.warmup),
+            "checkpointing": cfg.gradient_checkpointing, "loss_first": steps[0]["loss"]}
+
+
+# --- TRL and Unsloth (TRL's DPOTrainer, Unsloth patching it) ---------------------------------
+
+
+def _hf_model(folder: Path, args: argparse.Namespace):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kw: dict[str, Any] = dict(dtype=torch.bfloat16 if not args.smoke else torch.float32, attn_implementation="sdpa")
+    if not args.smoke:
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+        kw["device_map"] = {"": 0}
+    model = AutoModelForCausalLM.from_pretrained(folder, **kw)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
+                                            bias="none", task_type="CAUSAL_LM"))
+
+
+def _unsloth_model(folder: Path, args: argparse.Namespace):
+    from unsloth import FastLanguageModel, PatchDPOTrainer
+
+    PatchDPOTrainer()
+    model, _ = FastLanguageModel.from_pretrained(model_name=str(folder), max_seq_length=args.seq + 64,
+                                                 dtype=torch.bfloat16, load_in_4bit=True, local_files_only=True)
+    return FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
+                                            bias="none", use_gradient_checkpointing="unsloth")
+
+
+def run_trl(args: argparse.Namespace, folder: Path, unsloth: bool) -> dict[str, Any]:
+    model = _unsloth_model(folder, args) if unsloth else _hf_model(folder, args)  # unsloth first: it patches TRL
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+    rows = texts(args.seq, args.batch * (args.steps + 1))
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                               "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                               "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
+    config = DPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-dpo-"), per_device_train_batch_size=args.batch, max_length=args.seq + 64,
+        beta=BETA, loss_type=["sigmoid"], learning_rate=LR, max_steps=args.steps, logging_steps=1, save_strategy="no",
+        report_to="none", gradient_checkpointing=not args.smoke and not unsloth, bf16=not args.smoke,
+        use_cpu=args.smoke and not torch.cuda.is_available(), seed=0,
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer = DPOTrainer(model=model, ref_model=None, args=config, train_dataset=data, processing_class=tok,
+                         callbacks=[Clock()])
+    start = time.perf_counter()
+    trainer.train()
+    times = [b - a for a, b in itertools.pairwise([start, *stamps])]
+    return {"step_times": times, "s_per_step": _medians(times, args.warmup), "checkpointing": "standard"}
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    folder = _model_dir(args)
+    res = run_kestrel(args, folder) if args.impl == "kestrel" else run_trl(args, folder, args.impl == "unsloth")
+    cuda = torch.cuda.is_available()
+    tokens = 2 * args.batch * args.seq  # chosen and rejected sequences of every pair
+    res.update({"impl": args.impl, "pairs": args.batch, "seq": args.seq, "steps": args.steps,
+                "tokens_per_s": tokens / res["s_per_step"],
+                "peak_gib": gib(torch.cuda.max_memory_allocated()) if cuda else 0.0,
+                "reserved_gib": gib(torch.cuda.max_memory_reserved()) if cuda else 0.0,
+                "device": torch.cuda.get_device_name() if cuda else "cpu"})
+    return res
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = ["| impl | tokens/s | s/step | peak GiB | speed vs TRL | peak vs TRL |", "|---|---|---|---|---|---|"]
+    trl = next((r for r in results if r.get("impl") == "trl" and "error" not in r), None)
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | error: {r['error'].splitlines()[-1][:80]} | | | | |")
+            continue
+        speed = f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x" if trl else ""
+        mem = f"{r['peak_gib'] / trl['peak_gib']:.2f}x" if trl and trl["peak_gib"] else ""
+        lines.append(f"| {r['impl']} | {r['tokens_per_s']:.0f} | {r['s_per_step']:.3f} | {r['peak_gib']:.2f} "
+                     f"| {speed} | {mem} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--impl", default="kestrel", choices=["kestrel", "trl", "unsloth"])
+    ap.add_argument("--impls", default="kestrel,trl,unsloth")
+    ap.add_argument("--batch", type=int, default=2, help="pairs per step")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens of each chosen / rejected sequence")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    ap.add_argument("--checkpointing", default="standard", choices=["standard", "offload"])
+    ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (a quick check of the script)")
+    ap.add_argument("--anchors", default=str(Path(__file__).resolve().parent.parent / ".gpu-anchors"))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, fp32, no 4-bit: checks the script")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if "--impl" in sys.argv:  # one implementation, in this process
+        Path(args.out).write_text(json.dumps(measure(args)))
+        return
+    if not args.smoke:
+        llama8b_dir(layers=args.layers)  # built once, before the timed processes
+    common = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--warmup",
+              str(args.warmup), "--checkpointing", args.checkpointing]
+    common += (["--layers", str(args.layers)] if args.layers else []) + (["--smoke"] if args.smoke else [])
+    results = []
+    for impl in args.impls.split(","):
+        res = run_isolated(__file__, ["--impl", impl, *common], extra_path=args.anchors if impl == "unsloth" else None,
+                           timeout=900)
+        res.setdefault("impl", impl)
+        results.append(res)
+        print(json.dumps({**res, "error": res["error"][-400:]} if "error" in res else res), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(_table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Qwen3.5's linear-attention layers (the gated delta rule) on a kernel chosen per call.
+
+Hugging Face binds the implementation once, at import: flash-linear-attention's Triton kernels
+whenever the package is installed, its PyTorch reference otherwise. Those kernels need CUDA, so
+with the package installed a model on the CPU fails. The forward here picks per call: the
+flash-linear-attention chunked kernel (training, prefill) and its recurrent step (decode, one
+token) for CUDA tensors, HF's reference functions otherwise. The math is HF's
+`Qwen3_5GatedDeltaNet.forward`, step for step:
+
+    qkv = silu(causal_conv1d(x W_qkv))            (B, T, 2*Hk*dk + Hv*dv), per-channel conv of width w
+    beta = sigmoid(x W_b),  g = -exp(A_log) * softplus(x W_a + dt_bias)        (B, T, Hv)
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T      (per head, dk x dv)
+    o_t = S_t^T q_t (q, k L2-normalised, q scaled by dk^-1/2)
+    y = RMSNormGated(o, z = x W_z) W_out
+
+Gradients flow through whichever kernel ran (flash-linear-attention's own backward on CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.kernels.dispatch import forced_backend
+
+
+@functools.cache
+def _fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """flash-linear-attention's (chunked, recurrent) gated-delta-rule functions, or None."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _reference(module: nn.Module, name: str) -> Callable[..., Any]:
+    """HF's PyTorch function `name` from the module's modeling file, under any kernel wrapper
+    HF put around it (`functools.wraps` keeps the original as `__wrapped__`)."""
+    return inspect.unwrap(getattr(sys.modules[type(module).__module__], name))
+
+
+def delta_rule(
+    module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None, keep_state: bool, step: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k (B, T, H, dk); v (B, T, H, dv); g, beta (B, T, H); state (B, H, dk, dv) or None.
+    -> output (B, T, H, dv), final state (or None unless `keep_state`). `step`: one token
+    after a prefill (the recurrent form), else the chunked form."""
+    fla = _fla_ops() if q.is_cuda and forced_backend() != "torch" else None  # its kernels are CUDA-only
+    kwargs = dict(g=g, beta=beta, initial_state=state, output_final_state=keep_state, use_qk_l2norm_in_kernel=True)
+    if fla is not None:
+        return fla[1 if step else 0](q, k, v, **kwargs)
+    name = "torch_recurrent_gated_delta_rule" if step else "torch_chunk_gated_delta_rule"
+    return _reference(module, name)(q, k, v, **kwargs)
+
+
+def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool) -> torch.Tensor:
+    """The short causal convolution over the concatenated q/k/v channels, (B, C, T) -> (B, C, T),
+    reading and updating the cache's convolution state when decoding."""
+    seq_len = mixed.shape[-1]
+    weight = self.conv1d.weight.squeeze(1)  # (C, w)
+    if cached and seq_len == 1 and not cache.layers[self.layer_idx].record_past:
+        state = cache.layers[self.layer_idx].conv_states[0]
+        return _reference(self, "causal_conv1d_update")(mixed, state, weight, self.conv1d.bias, self.activation)
+    if cache is not None:
+        mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+    out = _reference(self, "causal_conv1d_fn")(mixed, weight, self.conv1d.bias, activation=self.activation)
+    return out[:, :, -seq_len:] if cache is not None else out
+
+
+def linear_attention_forward(
+    self: nn.Module, hidden_states: torch.Tensor, cache_params: Any = None,
+    attention_mask: torch.Tensor | None = None, **kwargs: Any,
+) -> torch.Tensor:
+    """Qwen3_5GatedDeltaNet's forward (see the module docstring). hidden_states (B, T, hidden);
+    attention_mask (B, T) or None: padding positions are zeroed before the convolution, so a
+    left-padded row's state stays zero until its first token."""
+    if attention_mask is not None:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    b, t, _ = hidden_states.shape
+    cached = cache_params is not None and cache_params.has_previous_state(self.layer_idx, state_idx=0)
+    mixed = _mix(self, self.in_proj_qkv(hidden_states).transpose(1, 2), cache_params, cached).transpose(1, 2)
+    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q, k = q.reshape(b, t, -1, self.head_k_dim), k.reshape(b, t, -1, self.head_k_dim)
+    v = v.reshape(b, t, -1, self.head_v_dim)
+    z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)  # (B*T*Hv, dv), the output gate
+    beta = self.in_proj_b(hidden_states).sigmoid()  # (B, T, Hv)
+    g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)  # fp32: A may overflow fp16
+    if self.num_v_heads > self.num_k_heads:  # grouped values: each q/k head serves num_v // num_k value heads
+        rep = self.num_v_heads // self.num_k_heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    state = cache_params.layers[self.layer_idx].recurrent_states[0] if cached else None
+    out, final = delta_rule(self, q, k, v, g, beta, state, cache_params is not None, step=cached and t == 1)
+    if cache_params is not None:
+        cache_params.update_recurrent_state(final, self.layer_idx)
+    out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(b, t, -1)
+    return self.out_proj(out)

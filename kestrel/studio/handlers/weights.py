@@ -1,0 +1,97 @@
+"""Which weights of a training run the Chat and Export tabs can use: its final adapter or model,
+or one of the checkpoints it saved (training keeps the newest few, also while it runs and after
+it failed or was stopped).
+
+A choice of weights is a string: `final`, or the step of a checkpoint (`"40"`).
+
+    runs = usable_runs()                        # training jobs with weights, newest first
+    checkpoint_choices(runs[0])                 # [("Final weights", "final"), ("Checkpoint at step 40", "40")]
+    weights_of(runs[0], "40").adapter           # output_dir/checkpoints/step-000040/adapter
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kestrel import jobs
+from kestrel.errors import KestrelError
+from kestrel.jobs.models import EXPORT
+from kestrel.studio import strings as S
+from kestrel.training.checkpoints import checkpoint_dir, complete_checkpoints
+
+FINAL = "final"
+
+
+@dataclass(frozen=True)
+class RunWeights:
+    """Weights in one folder: a LoRA adapter (on the run's base model) or a full model."""
+
+    folder: Path  # the run folder or a checkpoint folder, holding adapter/ or model/
+    adapter: Path | None
+    model: Path | None
+
+    @property
+    def step(self) -> int | None:
+        """The checkpoint's step, None for the final weights."""
+        return int(self.folder.name[5:]) if self.folder.parent.name == "checkpoints" else None
+
+
+def _weights_in(folder: Path) -> RunWeights | None:
+    adapter, model = folder / "adapter", folder / "model"
+    if (adapter / "adapter_config.json").is_file():
+        return RunWeights(folder, adapter, None)
+    if (model / "config.json").is_file():
+        return RunWeights(folder, None, model)
+    return None
+
+
+def checkpoints(job: jobs.Job) -> list[int]:
+    """Steps of the run's complete checkpoints that hold weights, newest first."""
+    found = complete_checkpoints(Path(job.output_dir))
+    return [step for step, folder in reversed(found) if _weights_in(folder) is not None]
+
+
+def has_final(job: jobs.Job) -> bool:
+    return _weights_in(Path(job.output_dir)) is not None
+
+
+def usable_runs() -> list[jobs.Job]:
+    """Training jobs that left final weights or at least one checkpoint, newest first."""
+    return [j for j in jobs.list_jobs() if j.kind != EXPORT and j.output_dir and (has_final(j) or checkpoints(j))]
+
+
+def checkpoint_choices(job: jobs.Job) -> list[tuple[str, str]]:
+    """(label, value) of the run's weights: the final ones first (when saved), then each
+    checkpoint, newest first. The first is the default."""
+    final = [(S.WEIGHTS_FINAL, FINAL)] if has_final(job) else []
+    return final + [(S.WEIGHTS_STEP.format(step=step), str(step)) for step in checkpoints(job)]
+
+
+def weights_of(job: jobs.Job, choice: str | None) -> RunWeights:
+    """The weights `choice` names (None: the final ones, else the newest checkpoint)."""
+    text = str(choice or "").strip()
+    if text in ("", FINAL):
+        if (found := _weights_in(Path(job.output_dir))) is not None:
+            return found
+        if not text and (steps := checkpoints(job)):
+            return weights_of(job, str(steps[0]))
+        raise KestrelError(S.ERR_RUN_NO_WEIGHTS.format(job=job.id, status=job.status))
+    if not text.isdigit():
+        raise KestrelError(S.ERR_CHECKPOINT_CHOICE.format(value=text))
+    folder = checkpoint_dir(Path(job.output_dir), int(text))
+    found = _weights_in(folder) if (folder / "state.json").is_file() else None
+    if found is None:
+        kept = ", ".join(str(s) for s in checkpoints(job)) or "none"
+        raise KestrelError(S.ERR_CHECKPOINT_GONE.format(job=job.id, step=int(text), kept=kept))
+    return found
+
+
+def follow_newest(values: list[str], current: str | None, seen: int | None, runs: list[jobs.Job]) -> str | None:
+    """The choice a list of runs and models shows after a refresh: the newest run when it is newer
+    than the newest one the page had seen (a run finished, or saved its first checkpoint, since
+    the page loaded), else the current choice while it is still listed, else the first entry."""
+    newest = runs[0].id if runs else None
+    if newest is not None and (seen is None or newest > seen):
+        return f"run:{newest}"
+    return current if current in values else (values[0] if values else None)

@@ -1,0 +1,196 @@
+"""Evaluation during training: the held-out metrics every `eval_steps` and at the end, the best
+weights kept, early stopping. Method-agnostic: a recipe supplies its eval batches and a `Measure`
+(what one batch contributes: metric sums and the weight they are summed over), so SFT scores
+token-mean loss, GRPO the rewards of greedy answers, and a preference method its per-pair loss
+and rewards through the same loop: a new recipe builds `Evaluator(its batches, its measure, ...)`
+in its setup and sets it as its run state's `evaluator`; `kestrel.training.recipe` does the rest.
+
+    ev = Evaluator(batches, measure, EvalPlan(every=50, ...), output_dir, config.early_stopping)
+    ev.due(done, total)        -> bool
+    ev.evaluate(model)         -> {"eval_loss": ..., "eval_runtime": ...}   (TRL's names)
+    ev.record(step, metrics, model, tokenizer) -> "stop" when early stopping says so
+
+The default interval (`plan_interval`), a cost model in tokens: an evaluation runs every eval
+token through one forward, a training step runs each of its tokens through a forward and a
+backward (about 3x a forward's work, more with recomputation). Counting tokens alone, evaluation
+is held to EVAL_BUDGET (5%) of the run's training tokens, so in work (and wall time) it costs
+well under that. The eval set itself is bounded first (`cap_eval_tokens`) so that at least
+MIN_EVALS (and patience + 2) evaluations fit in the budget.
+
+The best weights (lowest eval loss so far; GRPO: highest eval reward) go to `output_dir/best/`
+(adapter/ or model/, with the tokenizer), marked by `best/best.json` (`kestrel.training.best`);
+the export picks them by default.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from kestrel.config_evaluation import EarlyStoppingSettings
+from kestrel.training.best import BEST_DIR, BEST_MARKER, write_marker
+from kestrel.training.checkpoints import save_weights
+
+if TYPE_CHECKING:
+    from kestrel.training.generation_check import GenerationCheck
+
+EVAL_BUDGET = 0.05  # evaluation tokens, at most this share of the run's training tokens
+MAX_EVALS = 25  # automatic interval: at most this many evaluations a run (each may save the best)
+MIN_EVALS = 5  # automatic interval: the eval set is bounded so that at least this many fit
+
+
+@dataclass
+class EvalSums:
+    """One eval batch's contribution: `sums[name]` is the sum of a metric over `weight` items
+    (trained tokens for SFT, pairs for a preference method); the eval value is sum / weight."""
+
+    sums: dict[str, torch.Tensor]  # name (without the eval_ prefix) -> () tensor
+    weight: torch.Tensor | float
+    tokens: int  # tokens run through the model (what the cost model counts)
+
+
+Measure = Callable[[nn.Module, Any], EvalSums]
+
+
+@dataclass
+class EvalPlan:
+    """How often to evaluate and what it costs, in tokens."""
+
+    every: int  # evaluate when the step count is a multiple of this, and at the last step
+    eval_tokens: int  # tokens of one evaluation
+    train_tokens_per_step: float
+    auto: bool  # `every` chosen by plan_interval (eval_steps unset)
+
+    def evaluations(self, total_steps: int) -> int:
+        """How many evaluations a run of `total_steps` runs (the last step always evaluates)."""
+        return total_steps // self.every + (1 if total_steps % self.every else 0)
+
+    def share(self, total_steps: int) -> float:
+        """Eval tokens / training tokens over the whole run."""
+        return self.evaluations(total_steps) * self.eval_tokens / max(1.0, total_steps * self.train_tokens_per_step)
+
+
+def cap_eval_tokens(total_steps: int, train_tokens_per_step: float, patience: int = 0) -> int:
+    """The most tokens the automatic plan evaluates at a time: the run's eval budget shared by
+    max(MIN_EVALS, patience + 2) evaluations, enough points for the chart and for early stopping
+    to act (a smaller eval set is noisier; eval_steps set by hand lifts the bound)."""
+    return int(EVAL_BUDGET * total_steps * train_tokens_per_step / max(MIN_EVALS, patience + 2))
+
+
+def plan_interval(total_steps: int, train_tokens_per_step: float, eval_tokens: int, eval_steps: int | None) -> EvalPlan:
+    """The interval: `eval_steps` as given, else the shortest whose evaluations (the final one
+    included) stay within EVAL_BUDGET of the training tokens and number at most MAX_EVALS."""
+    if eval_steps is not None:
+        return EvalPlan(eval_steps, eval_tokens, train_tokens_per_step, auto=False)
+    budget = EVAL_BUDGET * total_steps * train_tokens_per_step
+    evals = max(1, min(MAX_EVALS, int(budget // max(1, eval_tokens))))
+    # ceil(total / evals) steps apart gives ceil(total / every) <= evals evaluations.
+    return EvalPlan(max(1, math.ceil(total_steps / evals)), eval_tokens, train_tokens_per_step, auto=True)
+
+
+@dataclass
+class EarlyStopState:
+    """The best value so far and how many evaluations in a row have not improved on it by more
+    than `min_delta` (lower is better)."""
+
+    best: float | None = None
+    best_step: int = 0
+    stale: int = 0
+
+    def update(self, step: int, value: float, min_delta: float) -> bool:
+        """Take an evaluation; returns whether it is a new best (any strict improvement)."""
+        if self.best is None or value < self.best:
+            if self.best is None or self.best - value > min_delta:
+                self.stale = 0
+            else:
+                self.stale += 1
+            self.best, self.best_step = value, step
+            return True
+        self.stale += 1
+        return False
+
+
+def replay(history: list[tuple[int, float]], min_delta: float) -> EarlyStopState:
+    """The state after the evaluations of `history` (step, value), e.g. on resume."""
+    state = EarlyStopState()
+    for step, value in history:
+        state.update(step, value, min_delta)
+    return state
+
+
+class Evaluator:
+    """Runs a recipe's eval batches through its `measure` and keeps the run's best weights:
+    those with the lowest eval_<metric> (the highest with `greater_is_better`, e.g. GRPO's
+    reward). `history` ((step, eval value) of earlier evaluations: a resumed run's) restores
+    early stopping; `generation` holds the prompts of the end-of-run generation check."""
+
+    def __init__(self, batches: list[Any], measure: Measure, plan: EvalPlan, output_dir: Path,
+                 early_stopping: EarlyStoppingSettings, metric: str = "loss", greater_is_better: bool = False,
+                 history: list[tuple[int, float]] | None = None, generation: GenerationCheck | None = None) -> None:
+        self.batches, self.measure, self.plan, self.generation = batches, measure, plan, generation
+        self.output_dir, self.early_stopping, self.metric = Path(output_dir), early_stopping, metric
+        self.sign = -1.0 if greater_is_better else 1.0  # the state compares sign * value, lower is better
+        self.state = replay([(step, self.sign * v) for step, v in history or []], early_stopping.min_delta)
+        self.tokens_evaluated = 0  # over this process's evaluations (the cost test counts them)
+
+    def due(self, done: int, total_steps: int) -> bool:
+        return done % self.plan.every == 0 or done == total_steps
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Every eval batch through `measure` in eval mode without gradients; returns
+        eval_<name> = sum over batches / total weight (one host read), and eval_runtime (s)."""
+        t0, was_training = time.perf_counter(), model.training
+        model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        weight: torch.Tensor | float = 0.0
+        try:
+            for batch in self.batches:
+                part = self.measure(model, batch)
+                for name, value in part.sums.items():
+                    totals[name] = totals[name] + value.detach().float() if name in totals else value.detach().float()
+                weight = weight + part.weight
+                self.tokens_evaluated += part.tokens
+        finally:
+            model.train(was_training)
+        names = sorted(totals)
+        values = (torch.stack([totals[n] for n in names]) / torch.as_tensor(weight).float().clamp(min=1e-12)
+                  if names else torch.zeros(0))
+        out = {f"eval_{n}": float(v) for n, v in zip(names, values.tolist())}
+        out["eval_runtime"] = time.perf_counter() - t0
+        return out
+
+    def record(self, step: int, metrics: dict[str, float], model: nn.Module, tokenizer: Any,
+               log: Callable[[str], None]) -> bool:
+        """Take an evaluation's metrics: save the weights when they are the best so far; returns
+        True when early stopping ends the run here."""
+        value = metrics[f"eval_{self.metric}"]
+        if not math.isfinite(value):
+            log(f"eval_{self.metric} at step {step} is {value}: not compared for the best weights")
+            return False
+        if self.state.update(step, self.sign * value, self.early_stopping.min_delta):
+            self.save_best(step, value, model, tokenizer)
+            log(f"step {step}: best eval_{self.metric} so far ({value:.4f}); weights kept in {self.output_dir / BEST_DIR}")
+        patience = self.early_stopping.patience
+        if patience and self.state.stale >= patience:
+            log(f"early stopping at step {step}: eval_{self.metric} has not improved by more than "
+                f"{self.early_stopping.min_delta:g} for {patience} evaluations; the best was "
+                f"{self.sign * (self.state.best or 0.0):.4f} at step {self.state.best_step} "
+                f"(kept in {self.output_dir / BEST_DIR})")
+            return True
+        return False
+
+    def save_best(self, step: int, value: float, model: nn.Module, tokenizer: Any) -> None:
+        """The weights into best/ and then the marker (removed first: no marker over half-replaced weights)."""
+        folder = self.output_dir / BEST_DIR
+        marker = folder / BEST_MARKER
+        marker.unlink(missing_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_weights(model, folder, tokenizer)
+        write_marker(self.output_dir, step, f"eval_{self.metric}", value)

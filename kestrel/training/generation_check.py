@@ -1,0 +1,97 @@
+"""The generation check: a few held-out prompts answered greedily through the fast decode path
+at the end of a run, scored against their reference answers, stored with the run.
+
+    check = GenerationCheck.from_conversations(eval_convs, tokenizer, max_prompt_tokens=1024)
+    summary = check.run(model, tokenizer, output_dir, step)   # writes output_dir/generation_check.json
+
+The file holds {"step", "exact_match", "rouge_l" (means over the prompts), "rows": [{"line",
+"prompt", "reference", "answer", "exact_match", "rouge_l"}]} (scores: `kestrel.training.scores`).
+A prompt is a conversation without its last assistant turn, which is the reference; rows of
+raw text (no turns) have no reference and are not used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kestrel.training.scores import exact_match, rouge_l
+
+if TYPE_CHECKING:  # the studio reads GENERATION_FILE without importing torch
+    from torch import nn
+
+    from kestrel.data.formats import Conversation
+
+GENERATION_PROMPTS = 8  # prompts of the check: enough to read, few enough to cost seconds
+MAX_NEW_TOKENS = 256
+GENERATION_FILE = "generation_check.json"
+
+
+@dataclass
+class GenerationCase:
+    ids: list[int]  # the rendered prompt, assistant turn opened
+    prompt: str  # the last user message, as shown
+    reference: str
+    line: int
+
+
+class GenerationCheck:
+    """Held-out prompts and their references; `run` answers and scores them."""
+
+    def __init__(self, cases: list[GenerationCase], max_new_tokens: int, generator: Any = None) -> None:
+        """`generator`: the run's own decode `Generator` when it has one (GRPO), else one is made."""
+        self.cases, self.max_new_tokens, self.generator = cases, max_new_tokens, generator
+
+    @classmethod
+    def from_conversations(cls, convs: list[Conversation], tokenizer: Any, max_prompt_tokens: int,
+                           limit: int = GENERATION_PROMPTS) -> "GenerationCheck":
+        """The first `limit` conversations that end with an assistant turn and whose prompt fits
+        `max_prompt_tokens`; answers may run to the longest reference plus a margin."""
+        from kestrel.decode.chat import encode_chat
+
+        cases: list[GenerationCase] = []
+        for conv in convs:
+            if len(cases) >= limit:
+                break
+            msgs = conv.messages
+            if conv.text is not None or len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+                continue
+            ids = encode_chat(tokenizer, msgs[:-1])
+            if len(ids) > max_prompt_tokens:
+                continue
+            user = next((m["content"] for m in reversed(msgs[:-1]) if m["role"] == "user"), "")
+            cases.append(GenerationCase(ids, user, msgs[-1]["content"], conv.line))
+        longest = max((len(tokenizer(c.reference, add_special_tokens=False)["input_ids"]) for c in cases), default=0)
+        return cls(cases, min(MAX_NEW_TOKENS, longest + 16))
+
+    def run(self, model: nn.Module, tokenizer: Any, output_dir: Path, step: int) -> dict[str, Any]:
+        """Answer every prompt greedily in one decode batch, score, write GENERATION_FILE; returns
+        what was written. Raises `kestrel.decode.model.UnsupportedModelError` for a model the
+        decode path lacks."""
+        from kestrel.decode.generate import Generator
+        from kestrel.training.grpo.rollout import decode_completions
+
+        was_training = model.training
+        model.eval()
+        longest = max(len(c.ids) for c in self.cases)
+        generator = self.generator or Generator(model, tokenizer, max_seq_len=longest + self.max_new_tokens)
+        try:
+            out = generator.generate([c.ids for c in self.cases], max_new_tokens=self.max_new_tokens,
+                                     adapter=getattr(model, "active_adapter", None))
+            answers = decode_completions(tokenizer, out.tokens, generator.stop_ids)
+        finally:
+            # Ours: the model's projections get their own storage back. The run's: its cache goes.
+            generator.close() if self.generator is None else generator.release()
+            model.train(was_training)
+        return self.write(answers, output_dir, step)
+
+    def write(self, answers: list[str], output_dir: Path, step: int) -> dict[str, Any]:
+        rows = [{"line": c.line, "prompt": c.prompt, "reference": c.reference, "answer": a.strip(),
+                 "exact_match": exact_match(a, c.reference), "rouge_l": rouge_l(a, c.reference)["f"]}
+                for c, a in zip(self.cases, answers)]
+        summary = {"step": step, "exact_match": sum(r["exact_match"] for r in rows) / len(rows),
+                   "rouge_l": sum(r["rouge_l"] for r in rows) / len(rows), "rows": rows}
+        (Path(output_dir) / GENERATION_FILE).write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+        return summary

@@ -1,0 +1,74 @@
+"""The reference policy of DPO and KTO: the base model with the adapter disabled (no second copy
+of the weights), either scored with each step's rows or precomputed once for the whole dataset.
+
+Full fine-tuning has no adapter to disable, so its reference log-probs are always precomputed
+before the first update (and before a resumed run loads its trained weights), from the weights as
+loaded: no frozen copy of the model is kept.
+
+    with as_reference(model):
+        ref = answer_logprobs(model, rows).sum(-1)
+    table = precompute(model, samples, pad_id, device, flat, batch_rows, partner)   # RefTable
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.training.preference.rows import answer_logprobs, answer_rows
+
+NEEDS_REFERENCE = ("dpo", "kto")
+
+
+@contextlib.contextmanager
+def as_reference(model: nn.Module) -> Iterator[None]:
+    """No gradient, eval mode (no checkpointing to record), adapter disabled when there is one."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            disable = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+            with disable:
+                yield
+    finally:
+        model.train(was_training)
+
+
+@dataclass
+class RefTable:
+    """Precomputed reference sequence log-probs: `answers` (n, A) for each sample's A answers
+    (chosen, rejected; or the KTO completion), `kl` (n,) KTO's mismatched rows (else None)."""
+
+    answers: torch.Tensor
+    kl: torch.Tensor | None = None
+
+
+def sequence_logps(model: nn.Module, pairs: list[tuple[list[int], list[int]]], pad_id: int,
+                   device: torch.device, flat: bool) -> torch.Tensor:
+    """(R,) summed answer log-probs of (prompt, answer) rows, under the model's current state."""
+    return answer_logprobs(model, answer_rows(pairs, pad_id, device, flat)).sum(-1)
+
+
+def precompute(
+    model: nn.Module, samples: list[PreferenceSample], pad_id: int, device: torch.device, flat: bool,
+    batch_rows: int, partner: list[int] | None = None,
+) -> RefTable:
+    """Reference log-probs of every answer of every sample (and of KTO's mismatched rows when
+    `partner` is given), `batch_rows` rows per forward, kept on the device (a few floats a row)."""
+    answers = len(samples[0].answers)
+    rows = [(s.prompt, a) for s in samples for a in s.answers]  # sample-major: row i*A + k
+    if partner is not None:
+        rows += [(s.prompt, samples[partner[i]].answers[0]) for i, s in enumerate(samples)]
+    out = []
+    with as_reference(model):
+        for lo in range(0, len(rows), batch_rows):
+            out.append(sequence_logps(model, rows[lo : lo + batch_rows], pad_id, device, flat).float())
+    logps = torch.cat(out)
+    n = len(samples)
+    table = logps[: n * answers].view(n, answers)
+    return RefTable(table, logps[n * answers :] if partner is not None else None)

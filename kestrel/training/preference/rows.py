@@ -1,0 +1,86 @@
+"""Answer log-probs of many (prompt, answer) rows in one forward, through the chunked fused
+log-prob path: `(rows, length, vocab)` logits never exist.
+
+    rows = answer_rows([(prompt_ids, answer_ids), ...], pad_id, device, flat=runs_varlen(model))
+    logp = answer_logprobs(model, rows)              # (R, L) fp32, 0 past each answer
+    seq = logp.sum(-1); tokens = rows.tokens         # (R,) sequence log-probs and answer lengths
+
+Paired methods put the chosen rows first and the rejected rows after them (concatenated along
+the batch), so one forward of the decoder stack scores both. Two layouts, as SFT batches (widths
+rounded up by `bucket_width`):
+
+    padded  (R, T) right-padded rows; plain causal attention is exact for every real token
+    flat    (1, sum of lengths) one padding-free row, `position_ids` restarting at 0 for each
+            (prompt, answer), for models whose patched attention runs variable-length kernels
+
+Either way the hidden state just before each answer token is gathered by its flat index `(R, L)`
+into `(R, L, H)`, and `kernels.chunked_token_logprobs` projects it a chunk of tokens at a time:
+logp[r, j] = log_softmax(cap(h[idx[r, j]] @ W^T))[y[r, j]]. Backward recomputes each chunk's
+logits (kestrel/kernels/cross_entropy.py), so this step's memory is the hidden states'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kestrel import kernels
+from kestrel.data.collate import bucket_width
+from kestrel.training.grpo.logprobs import causal_lm
+
+PAD = -100  # a target that is no answer token: log-prob 0, no gradient
+
+
+@dataclass
+class AnswerRows:
+    input_ids: torch.Tensor  # (B, T): B = R padded, or 1 flat
+    position_ids: torch.Tensor | None  # (1, T) flat layout only
+    index: torch.Tensor  # (R, L) flat index into (B * T) of the hidden state predicting each target
+    targets: torch.Tensor  # (R, L) answer ids, PAD past each answer's end
+    tokens: torch.Tensor  # (R,) answer lengths
+    real_tokens: int  # prompt + answer tokens of all rows (no padding)
+
+
+def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: torch.device, flat: bool) -> AnswerRows:
+    """(prompt ids, answer ids) rows -> the tensors of one forward (see the module docstring)."""
+    rows, length = len(pairs), max(len(a) for _, a in pairs)
+    lengths = [len(p) + len(a) for p, a in pairs]
+    # Widths rounded up as SFT's batches are (at most 1/8 more), so the shapes of a run's forwards
+    # repeat and its per-layout choices (CUDA graphs) are made once per bucket.
+    width = bucket_width(sum(lengths) if flat else max(lengths))
+    ids = torch.full((1 if flat else rows, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((1, width), dtype=torch.long) if flat else None
+    index = torch.zeros((rows, length), dtype=torch.long)
+    targets = torch.full((rows, length), PAD, dtype=torch.long)
+    at = 0
+    for r, (p, a) in enumerate(pairs):
+        n = len(p) + len(a)
+        start = at if flat else r * width  # flat index of the row's first token
+        row = 0 if flat else r
+        col = at if flat else 0
+        ids[row, col : col + n] = torch.tensor(p + a, dtype=torch.long)
+        if positions is not None:
+            positions[0, at : at + n] = torch.arange(n)
+        # token j of the answer sits at column len(p) + j; the state before it predicts it
+        index[r, : len(a)] = start + len(p) - 1 + torch.arange(len(a))
+        targets[r, : len(a)] = torch.tensor(a, dtype=torch.long)
+        at += n if flat else 0
+    if positions is not None:
+        positions[0, at:] = torch.arange(width - at)  # the padding tail is one more "sequence"
+    tokens = torch.tensor([len(a) for _, a in pairs], dtype=torch.long)
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    return AnswerRows(move(ids), move(positions), move(index), move(targets), move(tokens), sum(lengths))
+
+
+def answer_logprobs(model: nn.Module, rows: AnswerRows) -> torch.Tensor:
+    """log pi(answer token | everything before it) for every row: (R, L) fp32, 0 at PAD.
+    Differentiable w.r.t. the trainable weights when grad is enabled; the adapter state
+    (enabled or disabled) is the caller's."""
+    lm = causal_lm(model)
+    hidden = lm.model(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False).last_hidden_state
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (B * T, H)
+    h = flat[rows.index]  # (R, L, H); PAD targets read some state and give 0 with no gradient
+    softcap = getattr(lm.config, "final_logit_softcapping", None)
+    return kernels.chunked_token_logprobs(h, lm.lm_head.weight, rows.targets, softcap=softcap)

@@ -1,0 +1,94 @@
+"""Export of the issue-26 families: image-text checkpoints (their language model's GGUF, checked
+by llama.cpp; merged and adapter exports of the whole model) and the dense families whose GGUF
+layout Kestrel does not write yet (a clear refusal; adapter and merged exports work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from kestrel.errors import KestrelError
+from kestrel.export import export
+from kestrel.model.multimodal import lora_targets
+from kestrel.model.registry import GGUF_FAMILIES, SUPPORTED
+from tests.support.export_fixtures import save_tiny_image_text_model, save_tiny_model, train_tokenizer
+from tests.support.tiny_image_text import IMAGE_TEXT
+
+STYLE = {"gemma3": "gemma", "mistral3": "mistral", "qwen3_5": "qwen2", "gemma4": "gemma"}
+NO_GGUF = [f for f in SUPPORTED if f not in GGUF_FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> dict:
+    return {style: train_tokenizer(style, 600) for style in set(STYLE.values())}
+
+
+def _adapter(model_dir: Path, out: Path, image_text: bool) -> Path:
+    """A LoRA adapter with random B (so it changes the output) saved next to its base."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32)
+    targets = lora_targets(model, ["q_proj", "v_proj", "down_proj"])
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    peft.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("kind", [k for k, (family, _, _) in IMAGE_TEXT.items() if family in GGUF_FAMILIES])
+def test_image_text_gguf_holds_the_language_model(kind: str, tokenizers: dict, tmp_path: Path) -> None:
+    folder = save_tiny_image_text_model(kind, tokenizers[STYLE[kind]], tmp_path / kind)
+    adapter = _adapter(folder, tmp_path / "adapter", image_text=True)
+    result = export(adapter, "gguf", tmp_path / "out", quant="f16")
+    f16 = result.checks["gguf_f16"]
+    assert result.passed and f16.passed and f16.exact_required and f16.prompt_top1_agreement == 1.0, result.summary()
+    reader = gguf.GGUFReader(next((tmp_path / "out").glob("*.gguf")))
+    names = [t.name for t in reader.tensors]
+    assert "token_embd.weight" in names and "blk.1.ffn_down.weight" in names
+    assert not any("vision" in n or "mm" in n or "v.blk" in n for n in names)
+    assert any("vision tower is not exported" in n for n in result.notes)
+
+
+@pytest.mark.parametrize("kind,quant", [("gemma3", "q8_0"), ("mistral3", "q4_k_m")])
+def test_image_text_quantized_gguf_answers(kind: str, quant: str, tokenizers: dict, tmp_path: Path) -> None:
+    folder = save_tiny_image_text_model(kind, tokenizers[STYLE[kind]], tmp_path / kind)
+    result = export(folder, "gguf", tmp_path / "out", quant=quant)
+    check = result.checks[f"gguf_{quant}"]
+    assert result.passed and check.passed and check.top1_agreement >= 0.6, result.summary()
+    assert result.checks["chat_template"]["jinja_matches"]
+    stops = {"gemma3": ["<end_of_turn>", "<eos>"], "mistral3": ["</s>"]}[kind]
+    assert result.checks["modelfile"]["stops"] == stops
+    assert all(f'PARAMETER stop "{stop}"' in (tmp_path / "out" / "Modelfile").read_text() for stop in stops)
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_image_text_merged_export_keeps_the_whole_model(kind: str, tokenizers: dict, tmp_path: Path) -> None:
+    folder = save_tiny_image_text_model(kind, tokenizers[STYLE[kind]], tmp_path / kind)
+    adapter = _adapter(folder, tmp_path / "adapter", image_text=True)
+    result = export(adapter, "merged", tmp_path / "merged", quant="f32")
+    assert result.passed and result.checks["merged"]["passed"], result.summary()
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "merged" / "model.safetensors", "pt") as f, safe_open(folder / "model.safetensors", "pt") as g:
+        assert set(f.keys()) == set(g.keys())  # the vision tower too, under the checkpoint's own names
+
+
+@pytest.mark.parametrize("family", NO_GGUF)
+def test_dense_family_without_a_gguf_layout_says_so_and_exports_merged(family: str, tokenizers: dict, tmp_path: Path) -> None:
+    folder = save_tiny_model(family, tokenizers["qwen2"], tmp_path / family)
+    with pytest.raises(KestrelError, match=f"GGUF export of {family} models .* Export `merged`"):
+        export(folder, "gguf", tmp_path / "gguf")
+    assert not (tmp_path / "gguf").exists()
+    adapter = _adapter(folder, tmp_path / "adapter", image_text=False)
+    assert export(adapter, "adapter", tmp_path / "adapter-out").passed
+    merged = export(adapter, "merged", tmp_path / "merged", quant="f32")
+    assert merged.passed and merged.checks["merged"]["passed"], merged.summary()

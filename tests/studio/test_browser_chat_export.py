@@ -1,0 +1,156 @@
+"""Issue 29's Chat and Export page defects in a real Chromium against `python app.py`: a run that
+appears after the page loaded becomes the default of Export and Chat, its weights can be
+chosen, the demo model's note shows, Stop never leaves a panel on "Loading…", each answer shows
+its tokens/s, and the quantization list carries size and quality hints.
+
+The run is a LoRA adapter of the demo model written into the store by the test (no training):
+the page must pick it up on its own. Screenshots land in test-artifacts/studio/chat-export-*.png.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kestrel.studio import strings as S
+from tests.studio.helpers import wait_for
+from tests.studio.test_browser import ARGS, ARTIFACTS, CHROMIUM, REPO, TEXT, VALUE, _choose, _free_port, _wait_text
+
+SHARED_HOME = True
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                 reason=f"{CHROMIUM} is missing: install it with `apt-get install -y chromium`")]
+
+LAST_BOT = "(p => { const b = document.querySelectorAll(p + ' .bot'); return b.length ? b[b.length - 1].innerText : ''; })"
+
+
+@pytest.fixture(scope="module")
+def server(module_home: Path) -> Iterator[str]:
+    port = _free_port()
+    env = {**os.environ, "KESTREL_HOME": str(module_home), "KESTREL_DEVICES": "cpu", "HF_HUB_OFFLINE": "1"}
+    env.pop("KESTREL_ENGINE_ENTRY", None)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    log = open(ARTIFACTS / "chat-export-app.log", "wb")
+    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+
+    def up() -> bool:
+        try:
+            return urllib.request.urlopen(url, timeout=2).status == 200
+        except OSError:
+            assert proc.poll() is None, "app.py exited; see test-artifacts/studio/chat-export-app.log"
+            return False
+
+    try:
+        wait_for(up, timeout=120, what="app.py to serve")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(server: str) -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1100})
+        pg.set_default_timeout(60_000)
+        yield pg
+        browser.close()
+
+
+def _shot(pg: object, name: str) -> None:
+    pg.screenshot(path=str(ARTIFACTS / f"chat-export-{name}.png"), full_page=True)  # type: ignore[attr-defined]
+
+
+def _value(pg: object, selector: str) -> str:
+    return pg.evaluate(f"{VALUE}('{selector} input')")  # type: ignore[attr-defined]
+
+
+def _wait_value(pg: object, selector: str, prefix: str) -> None:
+    pg.wait_for_function(f"([s, p]) => {VALUE}(s).startsWith(p)", arg=[f"{selector} input", prefix],  # type: ignore[attr-defined]
+                         timeout=60_000)
+
+
+def _options(pg: object, selector: str) -> list[str]:
+    """The option labels of a dropdown, as the user sees them when opening it."""
+    pg.locator(f"{selector} input").click()  # type: ignore[attr-defined]
+    pg.get_by_role("option").first.wait_for()  # type: ignore[attr-defined]  # the list opens after the click
+    labels = [t.split("\n")[-1] for t in pg.get_by_role("option").all_inner_texts()]  # type: ignore[attr-defined]  # "✓\n" marks the chosen
+    pg.keyboard.press("Escape")  # type: ignore[attr-defined]
+    return labels
+
+
+def _send(pg: object, text: str) -> None:
+    pg.locator("#ch-message textarea").fill(text)  # type: ignore[attr-defined]
+    pg.locator("#ch-send").click()  # type: ignore[attr-defined]
+
+
+def _max_new(pg: object, n: int) -> None:
+    box = pg.locator("#ch-max-new input[type=number]")  # type: ignore[attr-defined]
+    box.fill(str(n))
+    box.press("Enter")
+
+
+def test_chat_and_export_follow_the_newest_run(page: object, server: str, module_home: Path) -> None:
+    from tests.jobs.exportkit import checkpoint_in, finished_run_in
+
+    pg = page
+    pg.goto(server)  # type: ignore[attr-defined]
+    pg.get_by_role("tab", name="Chat").click()  # type: ignore[attr-defined]
+    _wait_value(pg, "#ch-target", "Base: demo")
+    _wait_text(pg, "#ch-note", "gibberish")  # the demo model's note, before anyone is puzzled
+    # A run finishes while the page is open (here: written into the store by the test).
+    job = finished_run_in(module_home, "tuned")
+    checkpoint_in(module_home / "runs" / "tuned", 1, -1.0)
+    pg.get_by_role("tab", name="Export").click()  # type: ignore[attr-defined]
+    _wait_value(pg, "#ex-source", f"Run #{job}")
+    _wait_value(pg, "#ex-checkpoint", S.WEIGHTS_FINAL)
+    quants = _options(pg, "#ex-quant")
+    assert any(q.startswith("q4_k_m · up to ") and "recommended" in q for q in quants), quants
+    assert any(q.startswith("f16 · about ") for q in quants), quants
+    _shot(pg, "01-export")
+    pg.get_by_role("tab", name="Chat").click()  # type: ignore[attr-defined]
+    _wait_value(pg, "#ch-target", f"Run #{job}")
+    _wait_value(pg, "#ch-checkpoint", S.WEIGHTS_FINAL)
+    assert _options(pg, "#ch-checkpoint") == [S.WEIGHTS_FINAL, S.WEIGHTS_STEP.format(step=1)]
+    _wait_text(pg, "#ch-note", "trained from the built-in demo model")
+    # Side by side, Stop pressed while the answers are still loading: no panel stays "Loading…".
+    pg.locator("#ch-side input").check()  # type: ignore[attr-defined]
+    pg.wait_for_function("document.querySelector('#ch-right') !== null")  # type: ignore[attr-defined]
+    pg.get_by_text("Sampling", exact=True).click()  # type: ignore[attr-defined]
+    _max_new(pg, 2048)
+    _send(pg, "Count to a thousand.")
+    pg.wait_for_function(f"() => {LAST_BOT}('#ch-right').startsWith('Loading')", polling=20)  # type: ignore[attr-defined]
+    pg.locator("#ch-stop").click()  # type: ignore[attr-defined]
+    pg.wait_for_function("!document.querySelector('#ch-send').disabled", timeout=60_000)  # type: ignore[attr-defined]
+    pg.wait_for_timeout(3000)  # type: ignore[attr-defined]
+    _shot(pg, "02-stopped")
+    for panel in ("#ch-left", "#ch-right"):
+        last = pg.evaluate(f"{LAST_BOT}('{panel}')")  # type: ignore[attr-defined]
+        assert not last.startswith("Loading"), f"{panel} stuck on {last!r} after Stop"
+    # A short answer from both, each with its tokens/s.
+    _max_new(pg, 12)
+    _send(pg, "What is 2 + 3?")
+    pg.wait_for_function(f"() => ({TEXT}('#ch-stats').match(/tokens\\/s/g) || []).length == 2", timeout=120_000)  # type: ignore[attr-defined]
+    stats = pg.evaluate(f"{TEXT}('#ch-stats')")  # type: ignore[attr-defined]
+    assert "Base: demo" in stats and f"Run #{job}" in stats, stats
+    # The checkpoint of step 1 answers in the right panel, labelled with its step.
+    _choose(pg, "#ch-checkpoint", S.WEIGHTS_STEP.format(step=1))
+    _wait_text(pg, "#ch-right", "· step 1")
+    _send(pg, "What is 2 + 3?")
+    pg.wait_for_function(f"() => ({TEXT}('#ch-stats').match(/tokens\\/s/g) || []).length == 2 && "  # type: ignore[attr-defined]
+                         f"{TEXT}('#ch-stats').includes('step 1')", timeout=120_000)
+    _shot(pg, "03-chat")
+    assert b"Traceback" not in (ARTIFACTS / "chat-export-app.log").read_bytes(), "the server logged a traceback"

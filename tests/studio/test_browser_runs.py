@@ -1,0 +1,168 @@
+"""The Runs tab in a real Chromium, against `python app.py` with the fake engine (tests/jobs/fake_engine.py):
+the Train form's GPU picker on a machine without one; charts numeric and drawn from the first run
+of a fresh page; the log box following its end; the action buttons enabled by the run's status; a
+notice that leaves with its run; the empty GPU memory chart of a CPU run saying why.
+Screenshots land in test-artifacts/studio/runs-*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kestrel import jobs
+from tests.studio.helpers import wait_for
+from tests.studio.test_browser import ARGS, ARTIFACTS, CHROMIUM, REPO, TEXT, _choose, _free_port, _wait_text, shot
+
+SHARED_HOME = True
+JOBS_TESTS = REPO / "tests" / "jobs"
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow,
+              pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                 reason=f"{CHROMIUM} is missing: install it with `apt-get install -y chromium`")]
+
+
+@pytest.fixture(scope="module")
+def fake_server(module_home: Path) -> Iterator[str]:
+    """`python app.py` whose jobs run the fake engine, 0.2 s a step."""
+    port = _free_port()
+    env = {**os.environ, "KESTREL_HOME": str(module_home), "KESTREL_DEVICES": "cpu", "HF_HUB_OFFLINE": "1",
+           "KESTREL_ENGINE_ENTRY": "fake_engine:run", "FAKE_STEP_S": "0.2",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(JOBS_TESTS), os.environ.get("PYTHONPATH")) if p)}
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    log = open(ARTIFACTS / "app-runs.log", "wb")
+    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+
+    def up() -> bool:
+        try:
+            return urllib.request.urlopen(url, timeout=2).status == 200
+        except OSError:
+            assert proc.poll() is None, "app.py exited; see test-artifacts/studio/app-runs.log"
+            return False
+
+    try:
+        wait_for(up, timeout=120, what="app.py to serve")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _plot_types(body: bytes) -> list[dict[str, str]]:
+    """The `datatypes` of every plot value in a Gradio response (JSON or server-sent events)."""
+    found: list[dict[str, str]] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("datatypes"), dict) and "step" in node["datatypes"]:
+                found.append(node["datatypes"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for chunk in body.decode("utf-8", "replace").split("\n"):
+        chunk = chunk.removeprefix("data:").strip()
+        if chunk.startswith(("{", "[")):
+            try:
+                walk(json.loads(chunk))
+            except ValueError:
+                continue
+    return found
+
+
+LOG = "document.querySelector('#ru-log textarea')"
+
+
+def _disabled(pg: object, name: str) -> bool:
+    return pg.evaluate(f"() => document.querySelector('#ru-{name}').disabled")  # type: ignore[attr-defined]
+
+
+def _collect(types: list[dict[str, str]], request: object) -> None:
+    if "gradio_api" not in request.url:  # type: ignore[attr-defined]
+        return
+    try:
+        response = request.response()  # type: ignore[attr-defined]
+        types.extend(_plot_types(response.body()) if response else [])
+    except Exception:  # noqa: BLE001 - a stream the page closed has no body to read
+        pass
+
+
+def _walk(pg: Any, url: str) -> None:
+    """The Train form's GPU picker, then the Runs tab through one run: start, charts, log, Stop."""
+    pg.goto(url)
+    # No GPU here: the memory estimate is for a card picked from the list.
+    pg.get_by_role("tab", name="Train").click()
+    _choose(pg, "#tr-gpu", "NVIDIA GeForce RTX 4090")
+    _wait_text(pg, "#tr-vram", "for the card you picked")
+    assert "RTX 4090" in pg.locator("#tr-vram").inner_text()
+    # A fresh page with no run yet, then the first run: the charts it is sent are numeric throughout.
+    pg.get_by_role("tab", name="Runs").click()
+    _wait_text(pg, "#ru-progress", "No runs yet")
+    assert all(_disabled(pg, a) for a in ("pause", "resume", "cancel", "delete"))
+    job_id = jobs.submit({"model": "demo", "dataset": "arithmetic_chat", "max_steps": 400, "save_steps": 5})
+    pg.wait_for_function(f"() => /step [1-9]/.test({TEXT}('#ru-progress'))", timeout=120_000)
+    # The first run's loss is drawn as a line (the chart built on the empty page knew no series).
+    pg.wait_for_function("() => [...document.querySelectorAll('#chart-loss g.mark-line path')].some(p =>"
+                         " (p.getAttribute('d') || '').split(/[LM]/).length > 3 && p.getAttribute('stroke'))",
+                         timeout=20_000)
+    pg.wait_for_function("() => (document.querySelector('#chart-memory') || {}).textContent"
+                         ".includes('trains on the CPU')", timeout=20_000)
+    # Buttons: stop and cancel a running run; resume and delete it only once it has stopped.
+    pg.wait_for_function("() => !document.querySelector('#ru-pause').disabled")
+    assert _disabled(pg, "resume") and _disabled(pg, "delete") and not _disabled(pg, "cancel")
+    # The log box follows its end as lines arrive.
+    log_path = Path(jobs.get_job(job_id).log_path)
+    with open(log_path, "a") as f:
+        f.writelines(f"test line {i}\n" for i in range(80))
+    pg.wait_for_function(f"() => {LOG}.value.includes('test line 79')")
+    follows = (f"() => {{ const t = {LOG};"
+               " return t.scrollHeight > t.clientHeight && t.scrollTop + t.clientHeight >= t.scrollHeight - 4; }")
+    pg.wait_for_function(follows, timeout=10_000)
+    with open(log_path, "a") as f:
+        f.writelines(f"more line {i}\n" for i in range(30))
+    pg.wait_for_function(f"() => {LOG}.value.includes('more line 29')")
+    pg.wait_for_function(follows, timeout=10_000)
+    shot(pg, "runs-01-running")
+    # Stop: the notice stays while this run stops, and leaves once it has.
+    pg.locator("#ru-pause").click()
+    _wait_text(pg, "#ru-notice", f"Job #{job_id}: stopping")
+    _wait_text(pg, "#ru-progress", "interrupted")
+    pg.wait_for_function(f"() => {TEXT}('#ru-notice').trim() === ''", timeout=10_000)
+    pg.wait_for_function("() => !document.querySelector('#ru-resume').disabled")
+    assert _disabled(pg, "pause") and _disabled(pg, "cancel") and not _disabled(pg, "delete")
+    shot(pg, "runs-02-stopped")
+
+
+def test_runs_tab(fake_server: str, module_home: Path, fake_engine: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from playwright.sync_api import sync_playwright
+
+    monkeypatch.setenv("FAKE_STEP_S", "0.2")  # this process schedules too (each jobs call may start a worker)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1400})
+        pg.set_default_timeout(60_000)
+        types: list[dict[str, str]] = []
+        pg.on("requestfinished", lambda r: _collect(types, r))
+        try:
+            _walk(pg, fake_server)
+        except Exception:
+            shot(pg, "runs-failed")
+            raise
+        browser.close()
+    assert types, "no chart data reached the page"
+    wrong = [t for t in types if t.get("step") != "quantitative" or t.get("value") != "quantitative"]
+    assert not wrong, f"charts sent with non-numeric axes: {wrong[:3]}"
+    assert b"Traceback" not in (ARTIFACTS / "app-runs.log").read_bytes(), "the server logged a traceback"

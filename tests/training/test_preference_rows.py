@@ -1,0 +1,92 @@
+"""Answer log-probs of chosen and rejected rows in one batched forward, through the chunked fused
+path == each row alone through full (T, V) logits: values and gradients (LoRA, and every weight
+with lm_head included), padded and padding-free layouts, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.config import LoraSettings
+from kestrel.model.loader import load
+from kestrel.model.lora import attach_lora
+from kestrel.training.preference.reference import as_reference
+from kestrel.training.preference.rows import PAD, answer_logprobs, answer_rows
+
+SHAPES = [(5, 7), (3, 1), (9, 4), (2, 6), (4, 3)]  # (prompt, answer) lengths, ragged on purpose
+
+
+def _model(model_dir: str, lora: bool):
+    model, tok = load(model_dir, 128, dtype="fp32", device="cpu")
+    if lora:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model = attach_lora(model, LoraSettings(r=4, alpha=8))
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # a fresh adapter is the identity (B = 0); give it something to say
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    return model, tok
+
+
+def _pairs(vocab: int) -> list[tuple[list[int], list[int]]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(4, vocab, (p,), generator=g).tolist(), torch.randint(4, vocab, (a,), generator=g).tolist())
+            for p, a in SHAPES]
+
+
+def _full_sequence_logp(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """Reference: one row alone, full (T, V) logits, log_softmax, gather, sum over the answer."""
+    logits = model(input_ids=torch.tensor([prompt + answer])).logits[0].float()  # (T, V)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
+    return torch.log_softmax(logits, dim=-1)[positions, torch.tensor(answer)].sum()
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("flat", [False, True], ids=["padded", "flat"])
+def test_batched_answer_logprobs_equal_full_logits(tiny_model_dir, lora: bool, flat: bool) -> None:
+    model, tok = _model(str(tiny_model_dir("llama")), lora)
+    pairs = _pairs(len(tok))
+    weights = torch.randn(len(pairs), generator=torch.Generator().manual_seed(1))  # signed, as DPO's are
+    rows = answer_rows(pairs, tok.pad_token_id, torch.device("cpu"), flat)
+    logp = answer_logprobs(model, rows)  # (R, L)
+    assert logp.shape == rows.targets.shape and logp[rows.targets == PAD].abs().max() == 0
+    assert rows.tokens.tolist() == [a for _, a in SHAPES]
+    seq = logp.sum(-1)
+    (seq * weights).sum().backward()
+    fused = _grads(model)
+    expected = torch.stack([_full_sequence_logp(model, p, a) for p, a in pairs])
+    (expected * weights).sum().backward()
+    reference = _grads(model)
+    torch.testing.assert_close(seq, expected, rtol=1e-5, atol=1e-5)
+    assert fused.keys() == reference.keys() and len(fused) > 0
+    if not lora:
+        assert any("lm_head" in n or "embed_tokens" in n for n in fused)  # the head's weight gradient too
+    for name, grad in reference.items():
+        torch.testing.assert_close(fused[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir) -> None:
+    base, tok = load(str(tiny_model_dir("llama")), 128, dtype="fp32", device="cpu")
+    pairs = _pairs(len(tok))
+    rows = answer_rows(pairs, tok.pad_token_id, torch.device("cpu"), False)
+    with torch.no_grad():
+        expected = answer_logprobs(base, rows).sum(-1)
+    model, _ = _model(str(tiny_model_dir("llama")), lora=True)
+    with as_reference(model):
+        ref = answer_logprobs(model, rows).sum(-1)
+    with torch.no_grad():
+        policy = answer_logprobs(model, rows).sum(-1)
+    torch.testing.assert_close(ref, expected, rtol=1e-6, atol=1e-6)
+    assert (policy - expected).abs().max() > 1e-3  # the adapter does change the policy
+    assert model.training  # as_reference restores the mode
