@@ -181,6 +181,15 @@ class GGUFView:
     def names(self) -> list[str]:
         return list(self._plan)
 
+    def language_names(self) -> list[str]:
+        """The language model's tensors (all of them for a text-only checkpoint)."""
+        from kestrel.model.multimodal import is_language_tensor
+
+        return [n for n in self._plan if not self.tensors.image_text or is_language_tensor(n)]
+
+    def canonical(self, name: str) -> str:
+        return self.tensors.canonical(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._plan[name][0]
 
