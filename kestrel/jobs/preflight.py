@@ -138,7 +138,7 @@ def check_devices(spec: int | str | list[int], device: str | None, available: li
     gpus = [d for d in available if d != "cpu"]
     if spec in (1, "auto"):
         return
-    if device is not None:
+    if device is not None and device != "cpu":
         raise ConfigError(f"devices: {spec} and a device ({device}) were both given; a run on several devices "
                           "takes its GPUs from the queue: leave the device out")
     if isinstance(spec, list):

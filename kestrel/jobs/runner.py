@@ -113,7 +113,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
     if device is not None and device != "cpu" and device not in available_devices():
         raise ConfigError(f"device {device!r} is not available; choose one of "
                           f"{', '.join(available_devices() + ['cpu'])}")
-    if kind != EXPORT:
+    if kind != EXPORT and held_by is None:  # a run the command line trains itself uses what its process sees
         preflight.check_devices(data.get("devices", 1), device, available_devices())
     with session(immediate=True) as s:
         job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",

@@ -73,7 +73,9 @@ def _full_states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> t
 
 
 def _weights_writers(model: nn.Module, target: Path, tokenizer: Any = None, weights: dict | None = None) -> list[Writer]:
-    writers: list[Writer] = [(f"{target.name}/ (the weights)", lambda: model.save_pretrained(target, state_dict=weights))]
+    save = (lambda: model.save_pretrained(target)) if weights is None else (
+        lambda: model.save_pretrained(target, state_dict=weights))  # FSDP2: the gathered full state
+    writers: list[Writer] = [(f"{target.name}/ (the weights)", save)]
     if tokenizer is not None:
         writers.append((f"{target.name}/ (the tokenizer)", lambda: tokenizer.save_pretrained(target)))
     return writers

@@ -130,7 +130,8 @@ def test_safetensors_beside_a_pickle_is_fine_and_other_bins_are_not_weights(tmp_
 
 def test_no_torch_load_of_user_weights_in_the_package() -> None:
     """Every torch.load in kestrel/ is either the conversion command or Kestrel's own optimizer
-    and scheduler state, always with the restricted loader."""
+    and scheduler state (as saved on one device, and gathered from FSDP2's shards), always with
+    the restricted loader."""
     root = Path(__file__).resolve().parents[2] / "kestrel"
     calls = {str(p.relative_to(root)): p.read_text().count("torch.load(") for p in root.rglob("*.py")}
     assert {k: v for k, v in calls.items() if v} == {"model/safe_weights.py": 1, "training/checkpoints.py": 4}

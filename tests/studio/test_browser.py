@@ -11,13 +11,8 @@ nothing). Needs Debian's chromium (/usr/bin/chromium); skipped with the reason w
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -26,93 +21,37 @@ import pytest
 
 from kestrel import jobs
 from kestrel.paths import SAMPLE_DATASETS
+from tests.studio.browser_kit import (
+    ARTIFACTS, NEEDS_CHROMIUM, TEXT, chromium_page, choose as _choose, shot, studio, wait_text as _wait_text,
+)
 from tests.studio.helpers import wait_for
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
-REPO = Path(__file__).resolve().parents[2]
-ARTIFACTS = REPO / "test-artifacts" / "studio"
 SHARED_HOME = True
 P95_LIMIT_MS = 300.0
 STEPS = 120  # the demo preset (full fine-tune, batch 32 x 64 tokens): long enough to reload and watch steps
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                 reason=f"{CHROMIUM} is missing: install it with `apt-get install -y chromium`")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, NEEDS_CHROMIUM]
 
 
 @pytest.fixture(scope="module")
 def server(module_home: Path) -> Iterator[str]:
     """`python app.py` on a free port with its own KESTREL_HOME; the URL."""
-    port = _free_port()
-    env = {**os.environ, "KESTREL_HOME": str(module_home), "KESTREL_DEVICES": "cpu", "HF_HUB_OFFLINE": "1"}
-    env.pop("KESTREL_ENGINE_ENTRY", None)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = open(ARTIFACTS / "app.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-
-    def up() -> bool:
-        try:
-            return urllib.request.urlopen(url, timeout=2).status == 200
-        except OSError:
-            assert proc.poll() is None, "app.py exited; see test-artifacts/studio/app.log"
-            return False
-
-    try:
-        wait_for(up, timeout=120, what="app.py to serve")
+    with studio(module_home, ARTIFACTS / "app.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture(scope="module")
 def page(server: str) -> Iterator[object]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    with chromium_page(downloads=True) as pg:
         pg.hosts = set()  # every host the page contacted
         pg.on("request", lambda r: pg.hosts.add(urlparse(r.url).netloc))
-        pg.set_default_timeout(60_000)
         yield pg
-        browser.close()
-
-
-def shot(pg: object, name: str) -> None:
-    pg.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)  # type: ignore[attr-defined]
 
 
 def _text(pg: object, selector: str) -> str:
     return pg.locator(selector).inner_text()  # type: ignore[attr-defined]
 
 
-TEXT = "((s) => (document.querySelector(s) || {}).innerText || '')"
-VALUE = "((s) => (document.querySelector(s) || {}).value || '')"
-
-
-def _wait_text(pg: object, selector: str, part: str, timeout: float = 60_000) -> None:
-    """Until the element's text contains `part` (the element may not exist yet)."""
-    pg.wait_for_function(f"([s, p]) => {TEXT}(s).includes(p)", arg=[selector, part],  # type: ignore[attr-defined]
-                         timeout=timeout)
-
-
-def _choose(pg: object, selector: str, prefix: str) -> None:
-    """Pick the dropdown option whose label starts with `prefix`, as a user would."""
-    pg.locator(f"{selector} input").click()  # type: ignore[attr-defined]
-    pg.get_by_role("option", name=re.compile("^" + re.escape(prefix))).first.click()  # type: ignore[attr-defined]
-    pg.wait_for_function(f"([s, p]) => {VALUE}(s).startsWith(p)", arg=[f"{selector} input", prefix])  # type: ignore[attr-defined]
 
 
 def _ui_step(pg: object) -> int:

@@ -9,65 +9,33 @@ the page must pick it up on its own. Screenshots land in test-artifacts/studio/c
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kestrel.studio import strings as S
-from tests.studio.helpers import wait_for
-from tests.studio.test_browser import ARGS, ARTIFACTS, CHROMIUM, REPO, TEXT, VALUE, _choose, _free_port, _wait_text
+from tests.studio.browser_kit import (
+    ARTIFACTS, NEEDS_CHROMIUM, TEXT, VALUE, chromium_page, choose as _choose, studio, wait_text as _wait_text,
+)
 
 SHARED_HOME = True
 
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                 reason=f"{CHROMIUM} is missing: install it with `apt-get install -y chromium`")]
+pytestmark = [pytest.mark.browser, NEEDS_CHROMIUM]
 
 LAST_BOT = "(p => { const b = document.querySelectorAll(p + ' .bot'); return b.length ? b[b.length - 1].innerText : ''; })"
 
 
 @pytest.fixture(scope="module")
 def server(module_home: Path) -> Iterator[str]:
-    port = _free_port()
-    env = {**os.environ, "KESTREL_HOME": str(module_home), "KESTREL_DEVICES": "cpu", "HF_HUB_OFFLINE": "1"}
-    env.pop("KESTREL_ENGINE_ENTRY", None)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = open(ARTIFACTS / "chat-export-app.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-
-    def up() -> bool:
-        try:
-            return urllib.request.urlopen(url, timeout=2).status == 200
-        except OSError:
-            assert proc.poll() is None, "app.py exited; see test-artifacts/studio/chat-export-app.log"
-            return False
-
-    try:
-        wait_for(up, timeout=120, what="app.py to serve")
+    with studio(module_home, ARTIFACTS / "chat-export-app.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture(scope="module")
 def page(server: str) -> Iterator[object]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1100})
-        pg.set_default_timeout(60_000)
+    with chromium_page(height=1100) as pg:
         yield pg
-        browser.close()
 
 
 def _shot(pg: object, name: str) -> None:

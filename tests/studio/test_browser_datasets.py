@@ -11,11 +11,7 @@ skipped with the reason when absent.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,53 +20,24 @@ import pytest
 from kestrel.data.formats import load_conversations
 from kestrel.studio.handlers import datasets as ds
 from kestrel.studio.handlers.common import tokenizer_for
-from tests.studio.helpers import wait_for
-from tests.studio.test_browser import ARGS, CHROMIUM, REPO, TEXT, _choose, _free_port, _wait_text
+from tests.studio.browser_kit import (
+    NEEDS_CHROMIUM, REPO, TEXT, chromium_page, choose as _choose, studio, wait_text as _wait_text,
+)
 
 ARTIFACTS = REPO / "test-artifacts" / "studio-datasets"
 SHARED_HOME = True
 UNITS = "It is 25°C, 3×4 = 12, −1 🙂 日本語"  # characters byte-level BPE splits over 2-4 tokens
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                 reason=f"{CHROMIUM} is missing: install it with `apt-get install -y chromium`")]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, NEEDS_CHROMIUM]
 
 
 @pytest.fixture(scope="module")
 def page(module_home: Path) -> Iterator[object]:
     """A Chromium page on `python app.py` (own port, own KESTREL_HOME), at the studio's start."""
-    from playwright.sync_api import sync_playwright
-
-    port = _free_port()
-    env = {**os.environ, "KESTREL_HOME": str(module_home), "KESTREL_DEVICES": "cpu", "HF_HUB_OFFLINE": "1"}
-    env.pop("KESTREL_ENGINE_ENTRY", None)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = open(ARTIFACTS / "app.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-
-    def up() -> bool:
-        try:
-            return urllib.request.urlopen(url, timeout=2).status == 200
-        except OSError:
-            assert proc.poll() is None, f"app.py exited; see {ARTIFACTS / 'app.log'}"
-            return False
-
-    try:
-        wait_for(up, timeout=120, what="app.py to serve")
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-            pg.set_default_timeout(60_000)
-            pg.goto(url)
-            pg.wait_for_selector("#ds-upload input[type=file]", state="attached")
-            yield pg
-            browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    with studio(module_home, ARTIFACTS / "app.log") as url, chromium_page() as pg:
+        pg.goto(url)
+        pg.wait_for_selector("#ds-upload input[type=file]", state="attached")
+        yield pg
     assert b"Traceback" not in (ARTIFACTS / "app.log").read_bytes(), "the server logged a traceback"
 
 

@@ -8,10 +8,6 @@ Screenshots land in test-artifacts/studio/runs-*.png.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,44 +15,21 @@ from typing import Any
 import pytest
 
 from kestrel import jobs
-from tests.studio.helpers import wait_for
-from tests.studio.test_browser import ARGS, ARTIFACTS, CHROMIUM, REPO, TEXT, _choose, _free_port, _wait_text, shot
+from tests.studio.browser_kit import (
+    ARTIFACTS, NEEDS_CHROMIUM, TEXT, chromium_page, choose as _choose, fake_engine_env, shot, studio,
+    wait_text as _wait_text,
+)
 
 SHARED_HOME = True
-JOBS_TESTS = REPO / "tests" / "jobs"
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                 reason=f"{CHROMIUM} is missing: install it with `apt-get install -y chromium`")]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, NEEDS_CHROMIUM]
 
 
 @pytest.fixture(scope="module")
 def fake_server(module_home: Path) -> Iterator[str]:
     """`python app.py` whose jobs run the fake engine, 0.2 s a step."""
-    port = _free_port()
-    env = {**os.environ, "KESTREL_HOME": str(module_home), "KESTREL_DEVICES": "cpu", "HF_HUB_OFFLINE": "1",
-           "KESTREL_ENGINE_ENTRY": "fake_engine:run", "FAKE_STEP_S": "0.2",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(JOBS_TESTS), os.environ.get("PYTHONPATH")) if p)}
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = open(ARTIFACTS / "app-runs.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-
-    def up() -> bool:
-        try:
-            return urllib.request.urlopen(url, timeout=2).status == 200
-        except OSError:
-            assert proc.poll() is None, "app.py exited; see test-artifacts/studio/app-runs.log"
-            return False
-
-    try:
-        wait_for(up, timeout=120, what="app.py to serve")
+    with studio(module_home, ARTIFACTS / "app-runs.log", fake_engine_env(0.2)) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def _plot_types(body: bytes) -> list[dict[str, str]]:
@@ -147,21 +120,15 @@ def _walk(pg: Any, url: str) -> None:
 
 
 def test_runs_tab(fake_server: str, module_home: Path, fake_engine: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from playwright.sync_api import sync_playwright
-
     monkeypatch.setenv("FAKE_STEP_S", "0.2")  # this process schedules too (each jobs call may start a worker)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1400})
-        pg.set_default_timeout(60_000)
-        types: list[dict[str, str]] = []
+    types: list[dict[str, str]] = []
+    with chromium_page(height=1400) as pg:
         pg.on("requestfinished", lambda r: _collect(types, r))
         try:
             _walk(pg, fake_server)
         except Exception:
             shot(pg, "runs-failed")
             raise
-        browser.close()
     assert types, "no chart data reached the page"
     wrong = [t for t in types if t.get("step") != "quantitative" or t.get("value") != "quantitative"]
     assert not wrong, f"charts sent with non-numeric axes: {wrong[:3]}"

@@ -205,7 +205,7 @@ def _stub_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel.data.formats import load_conversations
     from kestrel.training import grpo, sft
 
-    def first_step(config: TrainConfig, output_dir: Path, cb: Any) -> tuple[str, int]:
+    def first_step(config: TrainConfig, output_dir: Path, cb: Any, *world: Any) -> tuple[str, int]:
         load_conversations(config.dataset, config.dataset_format, config.columns)
         return "completed", 0
 

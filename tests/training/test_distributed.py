@@ -150,7 +150,7 @@ def test_devices_config_is_checked(value, message) -> None:
 
 
 def test_grpo_stays_on_one_device() -> None:
-    with pytest.raises(ConfigError, match="GRPO runs on one device"):
+    with pytest.raises(ConfigError, match="grpo runs on one device"):
         config_from_dict({"devices": 2, "method": "grpo"})
     assert config_from_dict({"devices": [1], "method": "grpo"}).devices == [1]
 

@@ -69,7 +69,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # The model and dataset are the user's: a preset sets them only where it cannot work with another
 # (the quick test is the built-in demo model; GRPO's exact-answer reward needs a dataset with an
 # `answer` column), or where the form has none yet.
-PRESET_NEEDS: dict[str, tuple[str, ...]] = {"demo": ("model",), "grpo": ("dataset",)}
+# What a preset must set although the user chose it: its data kind (prompts with answers, preference pairs).
+PRESET_NEEDS: dict[str, tuple[str, ...]] = {"demo": ("model",), "grpo": ("dataset",), "dpo": ("dataset",)}
 # Settings of the user's own, never reset by a preset that does not name them.
 PERSONAL = ("model", "dataset", "name", "output_dir", "seed", "dataset_format", "system_prompt", "columns")
 
