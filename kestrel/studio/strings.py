@@ -93,11 +93,11 @@ VRAM_UNKNOWN = "No estimate: {reason}"
 # How much of the chosen model Kestrel's fast path covers (under the memory estimate).
 FAMILY_TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma 3",
                  "qwen3_5_text": "Qwen3.5", "gemma4_text": "Gemma 4", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss"}
-PATH_FULL = "⚡ **{family}**: on Kestrel's fast path (its kernels, padding-free packing, fast decode)."
-PATH_PARTIAL = ("⚡ **{family}**: partly on Kestrel's fast path ({levels}); its other modules run Hugging Face's "
+PATH_FULL = "**{family}**: on Kestrel's fast path (its kernels, padding-free packing, fast decode)."
+PATH_PARTIAL = ("**{family}**: partly on Kestrel's fast path ({levels}); its other modules run Hugging Face's "
                 "code{decode}.")
 PATH_HF_DECODE = ", and chat and GRPO rollouts decode through Hugging Face's forward"
-PATH_NONE = ("🐢 No fast path for model type `{model_type}` yet: it trains through plain Hugging Face (slower, and "
+PATH_NONE = ("No fast path for model type `{model_type}` yet: it trains through plain Hugging Face (slower, and "
              "more memory than estimated), and chat decodes through Hugging Face's forward.")
 PATH_IMAGE_TEXT = " An image-text model: its language model trains on text, the vision tower stays frozen."
 PATH_LEVELS = {"rms_norm": "norms", "attention": "attention", "linear_attention": "linear attention", "mlp": "MLP",

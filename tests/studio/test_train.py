@@ -221,7 +221,7 @@ def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(kestrel_ho
 
     assert set(SUPPORTED) <= set(train.S.FAMILY_TITLES)  # every family has a name in the studio
     extra, values = form()
-    assert "⚡ **Llama**: on Kestrel's fast path" in train.preview(extra, *values)["vram"]  # the demo model
+    assert "**Llama**: on Kestrel's fast path" in train.preview(extra, *values)["vram"]  # the demo model
     qwen35 = {"model_type": "qwen3_5", "vision_config": {"depth": 2},
               "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64, "num_attention_heads": 2,
                               "num_hidden_layers": 4, "vocab_size": 300,
@@ -233,13 +233,13 @@ def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(kestrel_ho
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     extra, values = form(model_source="local", model=str(tmp_path / "qwen35"))
     text = train.preview(extra, *values)["vram"]
-    assert ("⚡ **Qwen3.5**: partly on Kestrel's fast path (attention, chunked loss, linear attention, MLP, norms); "
+    assert ("**Qwen3.5**: partly on Kestrel's fast path (attention, chunked loss, linear attention, MLP, norms); "
             "its other modules run Hugging Face's code, and chat and GRPO rollouts decode through Hugging Face's "
             "forward. An image-text model: its language model trains on text, the vision tower stays frozen.") in text
     assert "GiB" in text  # the estimate itself is there too
     extra, values = form(model_source="local", model=str(tmp_path / "gpt2"))
     text = train.preview(extra, *values)["vram"]
-    assert text.startswith("No estimate") and "🐢 No fast path for model type `gpt2` yet" in text
+    assert text.startswith("No estimate") and "No fast path for model type `gpt2` yet" in text
 
 
 @pytest.mark.parametrize("changes, words", [
