@@ -69,6 +69,7 @@ class World:
     size: int = 1
     device: str = "cpu"
     loss_scale: float = 1.0  # what each rank's loss is multiplied by before backward (see shard_full_model)
+    threads_before: int = 0  # this process's CPU threads before `join` shared the cores out (restored by `leave`)
 
     @property
     def is_main(self) -> bool:
@@ -154,15 +155,19 @@ def join(world: World) -> None:
         return
     if world.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(world.device))
-    else:
+    else:  # CPU ranks share the cores; rank 0 may be a longer-lived process (the CLI, a test): `leave` gives them back
+        world.threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.size))
     backend = "nccl" if world.device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, rank=world.rank, world_size=world.size, timeout=INIT_TIMEOUT)
 
 
 def leave(world: World) -> None:
+    """Leave the process group and give this process its CPU threads back."""
     if world.distributed and dist.is_initialized():
         dist.destroy_process_group()
+    if world.threads_before:
+        torch.set_num_threads(world.threads_before)
 
 
 def shard_full_model(model: nn.Module, layers: Iterable[nn.Module], world: World) -> None:

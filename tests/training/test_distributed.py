@@ -165,3 +165,11 @@ def test_submit_checks_devices_against_the_queue() -> None:
         check_devices([0, 5], None, gpus)
     with pytest.raises(ConfigError, match="leave the device out"):
         check_devices(2, "cuda:0", gpus)
+
+
+def test_rank_zero_gets_its_cpu_threads_back(tiny_model_dir, tmp_path) -> None:
+    """Rank 0 runs in the caller's process (the CLI, a test): after the run it has its threads back."""
+    before = torch.get_num_threads()
+    result = run(config_from_dict(_cfg(tiny_model_dir("llama"), tmp_path / "run", devices=2, max_steps=1)))
+    assert result.status == "completed", result.error
+    assert torch.get_num_threads() == before
