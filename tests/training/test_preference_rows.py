@@ -21,6 +21,7 @@ def _model(model_dir: str, lora: bool):
     if lora:
         for p in model.parameters():
             p.requires_grad_(False)
+        torch.manual_seed(0)  # lora_A's init draws from the global generator: fix it, not the test order
         model = attach_lora(model, LoraSettings(r=4, alpha=8))
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():  # a fresh adapter is the identity (B = 0); give it something to say
@@ -72,8 +73,9 @@ def test_batched_answer_logprobs_equal_full_logits(tiny_model_dir, lora: bool, f
     assert fused.keys() == reference.keys() and len(fused) > 0
     if not lora:
         assert any("lm_head" in n or "embed_tokens" in n for n in fused)  # the head's weight gradient too
-    for name, grad in reference.items():
-        torch.testing.assert_close(fused[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    for name, grad in reference.items():  # fp32 sums in another order: error relative to the tensor's scale
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(fused[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
 def test_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir) -> None:
