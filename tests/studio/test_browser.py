@@ -151,6 +151,9 @@ def test_full_flow(page: object, server: str, module_home: Path) -> None:
     _export(pg, module_home)
     assert pg.hosts <= {urlparse(server).netloc}, f"requests left 127.0.0.1: {pg.hosts}"
     assert b"Traceback" not in (ARTIFACTS / "app.log").read_bytes(), "the server logged a traceback"
+    # Gradio's run history would keep every event's inputs (paths, configs) in the browser and slow each edit.
+    kept = pg.evaluate("Object.keys(localStorage).filter(k => k.startsWith('gradio:run-history'))")  # type: ignore[attr-defined]
+    assert kept == [], f"the browser keeps Gradio's run history: {kept}"
     # Asserted last, so a slow machine still produces every screenshot above.
     assert measured_while == "running", "the job had finished before responsiveness was measured"
     assert live_after_reload, "the job had finished before the page was reloaded"
