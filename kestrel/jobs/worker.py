@@ -242,6 +242,7 @@ def run_job(job_id: int) -> int:
         return 2
     heartbeat = Heartbeat(job_id, pid)
     heartbeat.start()
+    quiet_progress_bars()
     try:
         if job.kind == EXPORT:
             status, error = _guarded(lambda: export_job.run(job_id, dict(job.config), job.device or "cpu"))
@@ -254,6 +255,18 @@ def run_job(job_id: int) -> int:
     if not _write_result(job_id, pid, status, error):
         return NO_RESULT_EXIT  # its supervisor records that it ended without a stored result
     return 0 if status != FAILED else 1
+
+
+def quiet_progress_bars() -> None:
+    """A job's log is a file read in the Runs tab: progress bars redrawn with carriage returns
+    (weights loading, shards writing, dataset maps) would only be noise there."""
+    import datasets
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
 
 
 def _write_result(job_id: int, pid: int, status: str, error: str | None) -> bool:
