@@ -52,6 +52,9 @@ TR_MODEL_SOURCE = "Model"
 TR_MODEL_SOURCES = {"demo": "Built-in demo (offline)", "local": "Local folder", "hub": "Hugging Face hub id"}
 TR_MODEL = "Folder or hub id"
 TR_MODEL_INFO = "A folder holding config.json and *.safetensors, or an id like Qwen/Qwen2.5-0.5B-Instruct"
+TR_MODEL_LOCAL_INFO = ("A folder holding config.json and *.safetensors; the list offers the full models your "
+                       "finished runs saved (to train DPO or GRPO on top of them)")
+TR_MODEL_RUN = "Run #{job}: {name} (full model)"
 TR_METHOD = "Method"
 TR_METHODS = {"qlora": "QLoRA (4-bit base, least memory)", "lora": "LoRA (16-bit base)",
               "full": "Full fine-tune", "grpo": "GRPO (reinforcement learning with rewards)",
@@ -262,8 +265,8 @@ PRESET_NAMES = {
     "lora_quality": "LoRA 16-bit: higher rank, careful learning rate",
     "long_context": "Long context: offloaded checkpointing, batch 1",
     "full_small": "Full fine-tune: models up to about 1B",
-    "grpo": "GRPO on the arithmetic prompts (set Model to a finished demo run's model folder first)",
-    "dpo": "DPO on the arithmetic preference pairs (set Model to a finished demo run's model folder first)",
+    "grpo": "GRPO on the arithmetic prompts (first pick a finished demo run under Model: Local folder)",
+    "dpo": "DPO on the arithmetic preference pairs (first pick a finished demo run under Model: Local folder)",
 }
 TR_REWARDS_INFO = (
     "**Rewards.** `exact_answer`: the completion's final number (or `\\boxed{}` value, or `<answer>` tag) "

@@ -117,6 +117,14 @@ def test_full_flow(page: object, server: str, module_home: Path) -> None:
     shot(pg, "01-dataset")
     # 2. Train: the form already points at the upload; tiny settings; Start switches to Runs.
     pg.get_by_role("tab", name="Train").click()
+    # A preset says what it changed, and the live preview that follows keeps that message.
+    for preset in ("Full fine-tune", "Quick test"):  # there and back: the form ends as the demo preset
+        _choose(pg, "#tr-preset", preset)
+        pg.get_by_role("button", name="Apply preset").click()
+        _wait_text(pg, "#tr-status", preset)
+        time.sleep(1.0)  # the chained preview has answered by now
+        status = _text(pg, "#tr-status")
+        assert preset in status and "→" in status and re.search(r"Kept your .*dataset", status), status
     for field, value in (("max-steps", str(STEPS)), ("batch-size", "32"), ("max-seq-length", "64")):
         pg.locator(f"#tr-{field} input").fill(value)
     shot(pg, "02-train")

@@ -235,3 +235,16 @@ def test_a_checkpoint_is_exported(runs: dict[str, int]) -> None:
     with pytest.raises(gr.Error) as excinfo:
         list(export.run_export(f"run:{runs['lora']}", "5", "adapter", None))
     assert "no complete checkpoint of step 5" in error_text(excinfo) and "kept: 1" in error_text(excinfo)
+
+
+def test_the_train_form_offers_finished_full_models_to_train_further(runs: dict[str, int], module_home: Path) -> None:
+    from kestrel.studio.handlers import train, weights
+
+    full = str(module_home / "runs" / "full" / "model")
+    assert weights.model_folders() == [(S.TR_MODEL_RUN.format(job=runs["full"], name=jobs.get_job(runs["full"]).name),
+                                        full)]  # the LoRA and partial runs saved adapters, not models
+    box = weights.model_box("local")
+    assert box["visible"] and box["choices"] == weights.model_folders() and box["info"] == S.TR_MODEL_LOCAL_INFO
+    assert weights.model_box("hub")["choices"] == [] and not weights.model_box("demo")["visible"]
+    picked = train.form_to_config({"model_source": "local", "model": full, "method": "dpo"})
+    assert picked["model"] == full

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import gradio as gr
 
 from kestrel import jobs
 from kestrel.errors import KestrelError
@@ -95,3 +98,20 @@ def follow_newest(values: list[str], current: str | None, seen: int | None, runs
     if newest is not None and (seen is None or newest > seen):
         return f"run:{newest}"
     return current if current in values else (values[0] if values else None)
+
+
+def model_folders() -> list[tuple[str, str]]:
+    """(label, folder) of the full models that runs saved as their final weights, newest first:
+    the local models the Train form offers to train further (DPO or GRPO on top of a fine-tune).
+    A LoRA run's adapter is not a model: it continues through `lora.init_from`."""
+    found = ((job, _weights_in(Path(job.output_dir))) for job in usable_runs())
+    return [(S.TR_MODEL_RUN.format(job=job.id, name=job.name), str(w.model)) for job, w in found
+            if w is not None and w.model is not None]
+
+
+def model_box(source: str) -> dict[str, Any]:
+    """The Train form's model box for a model source: hidden for the built-in demo; for a local
+    folder, the runs' full models offered (a typed path is kept); for a hub id, free text."""
+    choices = model_folders() if source == "local" else []
+    return gr.update(visible=source != "demo", choices=choices,
+                     info=S.TR_MODEL_LOCAL_INFO if source == "local" else S.TR_MODEL_INFO)
