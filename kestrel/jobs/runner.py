@@ -47,7 +47,7 @@ from kestrel import env as kestrel_env
 from kestrel.constants import signal_name, slug
 from kestrel.config import TrainConfig, check_output_dir, config_from_dict, expand_path
 from kestrel.errors import ConfigError
-from kestrel.paths import kestrel_home, runs_dir
+from kestrel.paths import kestrel_home, model_stem, runs_dir
 from kestrel.jobs import export_job, preflight, queries
 from kestrel.jobs.models import CANCELLED, EXPORT, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact, Job, Metric
 from kestrel.jobs.store import (
@@ -108,7 +108,7 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
         for note in preflight.check_training(cfg):
             log.info("note: %s", note)
         kind = "grpo" if cfg.method == "grpo" else "preference" if cfg.is_preference else "sft"
-        name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
+        name = cfg.name or f"{model_stem(str(cfg.model))}-{cfg.method}"
         data, root = queries.apply_saved_mapping(_absolute_paths(cfg.to_dict())), runs_dir()
     if device is not None and device != "cpu" and device not in available_devices():
         raise ConfigError(f"device {device!r} is not available; choose one of "

@@ -18,6 +18,7 @@ each step boundary). The engine is reached through one function named by ENGINE_
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import queue
 import signal
@@ -259,7 +260,9 @@ def run_job(job_id: int) -> int:
 
 def quiet_progress_bars() -> None:
     """A job's log is a file read in the Runs tab: progress bars redrawn with carriage returns
-    (weights loading, shards writing, dataset maps) would only be noise there."""
+    (weights loading, shards writing, dataset maps) would only be noise there, as would
+    bitsandbytes' warning that an optional CPU kernel package is missing (set before its import)."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import datasets
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
