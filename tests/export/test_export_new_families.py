@@ -101,3 +101,12 @@ def test_dense_family_without_a_gguf_layout_says_so_and_exports_merged(family: s
     assert export(adapter, "adapter", tmp_path / "adapter-out").passed
     merged = export(adapter, "merged", tmp_path / "merged", quant="f32")
     assert merged.passed and merged.checks["merged"]["passed"], merged.summary()
+
+
+@pytest.mark.parametrize("kind", [k for k, (family, _, _) in IMAGE_TEXT.items() if family not in GGUF_FAMILIES])
+def test_image_text_family_without_a_gguf_layout_says_so(kind: str, tokenizers: dict, tmp_path: Path) -> None:
+    family = IMAGE_TEXT[kind][0]
+    folder = save_tiny_image_text_model(kind, tokenizers[STYLE[kind]], tmp_path / kind)
+    with pytest.raises(KestrelError, match=f"GGUF export of {family} models .* Export `merged`"):
+        export(folder, "gguf", tmp_path / "gguf")
+    assert not (tmp_path / "gguf").exists()
