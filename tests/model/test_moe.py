@@ -93,6 +93,8 @@ def test_moe_lora_on_experts_gradients_match_hf(family: str) -> None:
     spec = family_of(family)
     blocks = [m for m in fast.modules() if type(m).__name__ == spec.moe.block_class]
     assert blocks and all(expert_projections(b.experts, spec.moe)[0].lora_a is not None for b in blocks)  # the grouped path
+    if spec.moe.shared_expert:  # the shared expert on the fused LoRA MLP forward
+        assert all("forward" in b.shared_expert.__dict__ and hasattr(b.shared_expert.gate_proj, "lora_A") for b in blocks)
     ids, labels, mask = _batch(1)
     ref.train(), fast.train()
     ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
