@@ -33,7 +33,7 @@ The model of memory (bytes), written for the way the engine trains:
 - host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in
   page-locked host memory, layers x tokens x hidden x 2 bytes (100 GiB at 409,600 tokens on the
   8B shape); pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
-- mixture of experts (Qwen3-MoE, gpt-oss): every expert's weights count (E x 3 h ie, plus the
+- mixture of experts (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): every expert's weights count (E x 3 h ie, plus the
   router's E h); they stay 16-bit under QLoRA (bitsandbytes quantizes linears, and the experts
   are 3-D parameters). LoRA on the MLP targets puts per-expert factors on the experts,
   E r (h + 2 ie) + E r (ie + h) a layer. Activations use the k routed experts' intermediate,
