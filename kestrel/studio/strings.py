@@ -95,7 +95,8 @@ TR_GPU = "GPU to estimate for (this machine has none)"
 VRAM_UNKNOWN = "No estimate: {reason}"
 # How much of the chosen model Kestrel's fast path covers (under the memory estimate).
 FAMILY_TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma 3",
-                 "qwen3_5_text": "Qwen3.5", "gemma4_text": "Gemma 4", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss"}
+                 "qwen3_5_text": "Qwen3.5", "gemma4_text": "Gemma 4", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss",
+                 "qwen3_5_moe_text": "Qwen3.5-MoE"}
 PATH_FULL = "**{family}**: on Kestrel's fast path (its kernels, padding-free packing, fast decode)."
 PATH_PARTIAL = ("**{family}**: partly on Kestrel's fast path ({levels}); its other modules run Hugging Face's "
                 "code{decode}.")

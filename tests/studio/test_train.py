@@ -242,6 +242,13 @@ def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(kestrel_ho
     assert text.startswith("No estimate") and "No fast path for model type `gpt2` yet" in text
 
 
+def test_the_fast_path_line_names_qwen3_5_moe() -> None:
+    """A Qwen3.5-MoE checkpoint (image-text, as Qwen ships it): named, with what runs on the fast path."""
+    config = {"model_type": "qwen3_5_moe", "vision_config": {"depth": 2}, "text_config": {"model_type": "qwen3_5_moe_text"}}
+    assert train.fast_path_text(config).startswith(
+        "**Qwen3.5-MoE**: partly on Kestrel's fast path (attention, chunked loss, linear attention, MLP, norms)")
+
+
 @pytest.mark.parametrize("changes, words", [
     ({"model_source": "local", "model": "./no-such-folder"}, "does not exist"),
     ({"model_source": "local", "model": "/no/such/folder"}, "is outside the studio's folder"),
