@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from kestrel.errors import KestrelError
 from kestrel.export import export
 from kestrel.model.multimodal import lora_targets
-from kestrel.model.registry import GGUF_FAMILIES, SUPPORTED, family_of
+from kestrel.model.registry import GGUF_FAMILIES, SUPPORTED
 from tests.support.export_fixtures import save_tiny_image_text_model, save_tiny_model, train_tokenizer
 from tests.support.tiny_image_text import IMAGE_TEXT
 
@@ -70,13 +70,7 @@ def test_image_text_quantized_gguf_answers(kind: str, quant: str, tokenizers: di
     assert all(f'PARAMETER stop "{stop}"' in (tmp_path / "out" / "Modelfile").read_text() for stop in stops)
 
 
-# An image-text mixture of experts (Qwen3.5-MoE) nests its expert sizes in text_config, and
-# `kestrel.export.experts.moe_of` reads them from the top config (AttributeError: hidden_size).
-_MERGED_KINDS = [
-    pytest.param(kind, marks=pytest.mark.xfail(raises=AttributeError, strict=True, reason="moe_of reads the top config"))
-    if family_of(family).moe is not None else kind
-    for kind, (family, _, _) in IMAGE_TEXT.items()
-]
+_MERGED_KINDS = list(IMAGE_TEXT)  # Qwen3.5-MoE among them: its expert sizes live in text_config
 
 
 @pytest.mark.parametrize("kind", _MERGED_KINDS)
