@@ -259,7 +259,7 @@ ERR_NUMBER = "{field} must be a number, got {value!r}."
 ERR_QLORA_CPU = "QLoRA needs an NVIDIA GPU and none was found; choose LoRA (16-bit) instead."
 ERR_UNEXPECTED = "Something went wrong ({kind}); details are in the studio's terminal."
 
-# --- presets of the train form (values in kestrel.studio.handlers.train.PRESETS) ----------------------
+# --- presets of the train form (values in kestrel.studio.handlers.presets.PRESETS) --------------------
 PRESET_NAMES = {
     "demo": "Quick test: built-in demo model on the CPU (about a minute)",
     "qlora_8b": "QLoRA: a 7-8B model on a 12-24 GB GPU",

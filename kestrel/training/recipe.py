@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -32,7 +33,7 @@ from kestrel.recompute.graph_choice import Decision
 from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
 from kestrel.training.distributed import World, shard_full_model
 from kestrel.training.evaluation import Evaluator
-from kestrel.training.metrics import Callback, RunInfo
+from kestrel.training.metrics import Callback, RunInfo, memory_metrics
 
 
 class RunState(Protocol):
@@ -196,6 +197,29 @@ def divergence_message(config: TrainConfig, step: int, loss: float | None, grad_
 def graph_metrics(recompute: Recompute | None) -> dict[str, float]:
     """`cuda_graphs`: 1 when the step's last forward ran as CUDA graphs, else 0 (with checkpointing)."""
     return {} if recompute is None else {"cuda_graphs": float(recompute.graphed)}
+
+
+def step_end(device: torch.device) -> float:
+    """`time.perf_counter()` once `device` has run the step's queued work (CUDA runs it
+    asynchronously: without the wait a step's time would be its launch time)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def report_step(s: RunState, cb: Callback, step: int, metrics: dict[str, float], tokens: float,
+                started: float, t0: float, now: float) -> str | None:
+    """End step `step` (0-based) of a loop that began at `started`: the step began at `t0` and its
+    work was done at `now` (`step_end`). Reports the method's `metrics` with the ones every method
+    shares (step, total_steps, tokens_per_s of the step's `tokens`, memory, elapsed_s, eta_s), then
+    `end_of_step`; returns the final status when the run ends here."""
+    done, elapsed = step + 1, now - started
+    memory = memory_metrics(s.device)
+    return end_of_step(s, cb, done, {
+        "step": done, "total_steps": s.total_steps, **metrics, "tokens_per_s": tokens / max(now - t0, 1e-9),
+        **memory, **s.world.per_device(memory), "elapsed_s": elapsed,
+        "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
+    })
 
 
 def end_of_step(s: RunState, cb: Callback, done: int, metrics: dict[str, float]) -> str | None:

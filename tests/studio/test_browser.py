@@ -80,9 +80,9 @@ TIMED_INPUT = """async ([input, value, target, expect]) => {
 def _expected_estimate(max_seq_length: int) -> str:
     """The memory estimate the page must show for the demo form with this max_seq_length."""
     from kestrel.config import TrainConfig
-    from kestrel.studio.handlers import train
+    from kestrel.studio.handlers import presets, train
 
-    data = {**TrainConfig().to_dict(), **train.PRESETS["demo"], "max_seq_length": max_seq_length, "batch_size": 32}
+    data = {**TrainConfig().to_dict(), **presets.PRESETS["demo"], "max_seq_length": max_seq_length, "batch_size": 32}
     return re.search(r"about [\d.]+ GiB", train.vram_text(data)).group(0)
 
 

@@ -42,14 +42,14 @@ from kestrel.model.patching import runs_varlen
 from kestrel.recompute.checkpoint import Recompute
 from kestrel.training.distributed import World
 from kestrel.training.evaluation import Evaluator
-from kestrel.training.metrics import Callback, memory_metrics
+from kestrel.training.metrics import Callback
 from kestrel.training.preference import loss as L
 from kestrel.training.preference.data import data_kind, kl_partners, micro_batch, per_epoch, prepare_samples
 from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, as_reference, precompute, sequence_logps
 from kestrel.training.grpo.logprobs import check_lm_head
 from kestrel.training.preference.rows import answer_logprobs, answer_rows
 from kestrel.training.recipe import (
-    end_of_step, graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
+    graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything, step_end,
 )
 
 
@@ -237,18 +237,10 @@ def train_loop(s: PreferenceSession, cb: Callback) -> str:
     for step in range(s.start_step, s.total_steps):
         t0 = time.perf_counter()
         stats, update = train_step(s, step)
-        if s.device.type == "cuda":
-            torch.cuda.synchronize(s.device)
-        now, done = time.perf_counter(), step + 1
-        elapsed = now - started
-        metrics = {
-            "step": done, "total_steps": s.total_steps,
-            "epoch": done * s.config.grad_accum / per_epoch(len(s.samples), s.config.batch_size),
-            **preference_metrics(stats, s.paired), **update, "tokens_per_s": stats.tokens / max(now - t0, 1e-9),
-            **memory_metrics(s.device), "elapsed_s": elapsed, **graph_metrics(s.recompute),
-            "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
-        }
-        stop = end_of_step(s, cb, done, metrics)
+        now = step_end(s.device)
+        epoch = (step + 1) * s.config.grad_accum / per_epoch(len(s.samples), s.config.batch_size)
+        metrics = {"epoch": epoch, **preference_metrics(stats, s.paired), **update, **graph_metrics(s.recompute)}
+        stop = report_step(s, cb, step, metrics, stats.tokens, started, t0, now)
         if stop:
             return stop
     return "completed"
