@@ -32,7 +32,9 @@ BAR_CELLS = 12
 CHART_SERIES: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "eval_loss"), "lr": ("lr",), "grad_norm": ("grad_norm",), "tokens_per_s": ("tokens_per_s",),
     # a run on several GPUs adds each GPU's peak (vram_peak_gib/gpuN)
-    "memory": ("vram_alloc_gib", "vram_peak_gib", "vram_peak_gib/gpu*"), "reward": ("reward*",), "kl": ("kl",),
+    "memory": ("vram_alloc_gib", "vram_peak_gib", "vram_peak_gib/gpu*"),
+    # training's and evaluation's: GRPO's reward, reward/<name>; a preference method's rewards/*
+    "reward": ("reward*", "eval_reward*"), "kl": ("kl", "eval_kl"),
 }
 GRPO_CHARTS = ("reward", "kl")
 REWARD_KINDS = ("grpo", "preference")  # jobs whose metrics the reward and KL charts draw
@@ -106,7 +108,7 @@ def chart_frames(job: jobs.Job | None) -> dict[str, pd.DataFrame]:
     frame = _series_frame([p for p in points if not math.isnan(p.value)])
     out = {f"chart_{key}": frame[frame["name"].map(lambda n, pats=pats: _matches(n, pats)).astype(bool)]
            .reset_index(drop=True) for key, pats in CHART_SERIES.items()}
-    out["chart_reward"] = _without_twins(out["chart_reward"])
+    out["chart_reward"] = _without_twins(_without_twins(out["chart_reward"]), "eval_reward")
     memory = out["chart_memory"]
     if len(memory) and not memory["value"].any():  # a CPU run reports 0 GiB: nothing to draw
         out["chart_memory"] = memory.iloc[0:0]
