@@ -281,8 +281,10 @@ ERR_CUSTOM_OFF = ("grpo.rewards: a `custom` reward runs code from {path}, and cu
                   "built-in reward.")
 ERR_REWARD_ROW = "Rewards table, row {row}: {problem}."
 WEIGHTS_FINAL = "Final weights"
+WEIGHTS_BEST = "Best weights: {metric} {value:.4f} at step {step}"
+ERR_BEST_GONE = "Run #{job} has no best weights (they are kept only by a run with an evaluation set). Pick others."
 WEIGHTS_STEP = "Checkpoint at step {step}"
-ERR_CHECKPOINT_CHOICE = "Weights {value!r}: choose the final weights or a checkpoint's step from the list."
+ERR_CHECKPOINT_CHOICE = "Weights {value!r}: choose the best or final weights or a checkpoint's step from the list."
 ERR_CHECKPOINT_GONE = ("Run #{job} has no checkpoint of step {step} any more (training keeps only the newest); "
                        "checkpoints kept: {kept}. Pick another from the list.")
 ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."

@@ -144,6 +144,7 @@ class Evaluator:
         self.sign = -1.0 if greater_is_better else 1.0  # the state compares sign * value, lower is better
         self.state = replay([(step, self.sign * v) for step, v in history or []], early_stopping.min_delta)
         self.tokens_evaluated = 0  # over this process's evaluations (the cost test counts them)
+        self.saved_at: int | None = None  # the step whose weights save_best wrote last
 
     def due(self, done: int, total_steps: int) -> bool:
         return done % self.plan.every == 0 or done == total_steps
@@ -206,3 +207,4 @@ class Evaluator:
         folder.mkdir(parents=True, exist_ok=True)
         save_weights(model, folder, tokenizer)
         write_marker(self.output_dir, step, f"eval_{self.metric}", value)
+        self.saved_at = step

@@ -167,7 +167,13 @@ def test_early_stopping_and_best_weights_on_eval_loss(tiny_model_dir, tmp_path: 
     out = tmp_path / "run"
     cfg = _config(str(tiny_model_dir("llama")), out, _subset(tmp_path, "arithmetic_preferences", 16), max_steps=20,
                   eval_split=0.25, eval_steps=2, early_stopping={"patience": 2, "min_delta": 100.0})
-    result = run(config_from_dict(cfg))
+    bests: list[tuple[int, str]] = []
+
+    class Best(Callback):
+        def on_best(self, step: int, path: str) -> None:
+            bests.append((step, path))
+
+    result = run(config_from_dict(cfg), [Best()])
     assert (result.status, result.step) == ("completed", 6)
     evals = [r for r in _metrics(out) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4, 6]
@@ -177,3 +183,5 @@ def test_early_stopping_and_best_weights_on_eval_loss(tiny_model_dir, tmp_path: 
     best = json.loads((out / "best" / "best.json").read_text())
     assert best["metric"] == "eval_loss" and best["value"] == pytest.approx(min(r["eval_loss"] for r in evals))
     assert (out / "best" / "adapter" / "adapter_config.json").is_file()
+    improved = [r["step"] for i, r in enumerate(evals) if all(r["eval_loss"] < e["eval_loss"] for e in evals[:i])]
+    assert bests == [(step, str(out / "best")) for step in improved] and bests[-1][0] == best["step"]
