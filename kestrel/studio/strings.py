@@ -165,6 +165,15 @@ RU_GENERATION = "Generation check (held-out prompts, answered greedily at the en
 RU_GEN_COLUMNS = ["prompt", "reference", "answer", "exact match", "ROUGE-L"]
 RU_GEN_SUMMARY = "{n} held-out prompts at step {step}: exact match **{exact:.0%}**, ROUGE-L **{rouge:.3f}**"
 RU_GEN_NONE = "No generation check for this run (it runs at the end of a run with eval_split or eval_dataset)."
+RU_GEN_CHECK = "Check generations"
+RU_GEN_RUNNING = "Answering run #{job}'s held-out prompts with its {weights} ({seconds:.0f} s so far)…"
+RU_GEN_NOT_FINISHED = "Run #{job} is {status}; check its generations once it has finished."
+RU_GEN_NO_EVAL = ("Run #{job} has no held-out prompts: it trained without eval_split or eval_dataset. Train with "
+                  "eval_split (e.g. 0.05) to check generations.")
+RU_GEN_FAILED = "The generation check of run #{job} failed ({why}): {detail}"
+RU_GEN_CRASHED = "its process ended with {signal}"
+RU_GEN_EXIT = "exit status {code}"
+RU_GEN_TIMEOUT = "The generation check of run #{job} took longer than {minutes} minutes and was stopped."
 CHARTS = {"loss": "Loss (train, eval)", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
           "memory": "GPU memory (GiB)", "reward": "Reward (GRPO) / rewards (preference)", "kl": "KL (GRPO, KTO)"}
 RU_MEMORY_CPU = "GPU memory: none, this run trains on the CPU"
