@@ -77,6 +77,31 @@ def test_eval_dataset_may_use_another_layout(demo_tokenizer, tmp_path: Path) -> 
     assert any("eval_dataset" in line and "transcript" in line for line in logs.lines), logs.lines
 
 
+@pytest.mark.parametrize("method, steps, batch, accum", [("dpo", 40, 2, 1), ("kto", 300, 4, 2), ("orpo", 1000, 8, 1)])
+def test_default_interval_keeps_eval_within_5_percent_of_training_tokens(demo_tokenizer, tmp_path: Path, method,
+                                                                         steps, batch, accum) -> None:
+    """Tokens through the policy, as the loop draws micro-batches and as evaluations score the
+    eval rows (the reference and KTO's KL passes run per row in both, so they cancel)."""
+    from kestrel.training.evaluation import EVAL_BUDGET
+    from kestrel.training.preference.data import micro_batch
+    from kestrel.training.preference.evaluation import eval_rows, row_tokens
+
+    name = "arithmetic_kto" if method == "kto" else "arithmetic_preferences"
+    cfg = config_from_dict(_config("demo", tmp_path / "o", name, method, eval_split=0.3, batch_size=batch,
+                                   grad_accum=accum, max_steps=steps))
+    data = prepare_samples(cfg, demo_tokenizer, Logs())
+    rows = eval_rows(cfg, data.train, data.held, steps)
+    s = SimpleNamespace(config=cfg, samples=data.train, tokenizer=demo_tokenizer, total_steps=steps, start_step=0,
+                        output_dir=tmp_path, paired=method != "kto", device=torch.device("cpu"))
+    ev = preference_evaluator(s, RowSet(rows), data.held, data.held_rows, Logs())
+    per_eval = sum(row_tokens(rows[i]) for b in ev.batches for i in b)
+    trained = sum(row_tokens(data.train[i]) for m in range(steps * accum)
+                  for i in micro_batch(len(data.train), batch, cfg.seed, m))
+    evaluations = sum(ev.due(step, steps) for step in range(1, steps + 1))
+    assert evaluations >= 1 and per_eval > 0 and len(rows) <= len(data.held)
+    assert evaluations * per_eval <= EVAL_BUDGET * trained, (evaluations, per_eval, trained, ev.plan)
+
+
 def _session(tiny_model_dir, tmp_path: Path, method: str, name: str, **kw):
     """A session-like run state over a LoRA model whose adapter is moved off the identity."""
     cfg = config_from_dict(_config(str(tiny_model_dir("llama")), tmp_path / "out", _subset(tmp_path, name, 16),
