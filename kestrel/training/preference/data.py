@@ -51,11 +51,12 @@ def _report_skipped(bad: list[RowIssue]) -> str | None:
 
 
 def _tokenize(config: TrainConfig, tokenizer: Any, rows: list[PreferenceRow], bad: list[RowIssue], source: str,
-              cb: Callback) -> list[PreferenceSample]:
-    """Token ids of `rows` (chat template applied, answers cut to max_seq_length), reported."""
+              header: str, cb: Callback) -> list[PreferenceSample]:
+    """Token ids of `rows` (chat template applied, answers cut to max_seq_length), reported
+    after `header` (what the file holds)."""
     samples, report = tokenize_preferences(tokenizer, rows, config.max_seq_length)
     skipped = bad + report.skipped
-    cb.on_log(f"{source}: {len(samples)} rows used, {len(skipped)} rows skipped")
+    cb.on_log(f"{header}, {len(samples)} rows used, {len(skipped)} rows skipped")
     if (line := _report_skipped(skipped)) is not None:
         cb.on_log(line)
     if report.truncated:
@@ -77,23 +78,25 @@ def prepare_samples(config: TrainConfig, tokenizer: Any, cb: Callback) -> Prepar
     reasons, answers cut at max_seq_length."""
     kind = data_kind(config.method)
     rows, bad, layout = _load(config.dataset, config)
-    cb.on_log(f"dataset {config.dataset}: {kind} preference data ({layout} layout)")
     held_rows: list[PreferenceRow] = []
     held_bad: list[RowIssue] = []
+    held_header = f"eval_split of dataset {config.dataset}"
     if config.eval_split > 0:
         rows, held_rows = split_rows(rows, config.eval_split, config.seed, config.dataset)
         cb.on_log(f"eval_split {config.eval_split:g}: {len(held_rows)} of {len(rows) + len(held_rows)} rows held out "
                   f"for evaluation (seed {config.seed}), {len(rows)} trained on")
     elif config.eval_dataset:
         held_rows, held_bad, held_layout = _load(config.eval_dataset, config)
-        cb.on_log(f"eval_dataset {config.eval_dataset}: {kind} preference data ({held_layout} layout)")
-    train = _tokenize(config, tokenizer, rows, bad, f"dataset {config.dataset}", cb)
+        held_header = f"eval_dataset {config.eval_dataset}: {kind} preference data ({held_layout} layout)"
+    train = _tokenize(config, tokenizer, rows, bad, f"dataset {config.dataset}",
+                      f"dataset {config.dataset}: {kind} preference data ({layout} layout)", cb)
     if kind == "unpaired":
         desirable = sum(bool(s.label) for s in train)
         cb.on_log(f"KTO labels: {desirable} desirable, {len(train) - desirable} undesirable")
     if not held_rows:
         return PreparedData(train)
-    held = _tokenize(config, tokenizer, held_rows, held_bad, f"eval set {config.eval_dataset or config.dataset}", cb)
+    held = _tokenize(config, tokenizer, held_rows, held_bad, f"eval set {config.eval_dataset or config.dataset}",
+                     held_header, cb)
     kept = {s.line for s in held}
     return PreparedData(train, held, [r for r in held_rows if r.line in kept])
 
