@@ -19,7 +19,9 @@
 Metrics per step, as TRL names them: loss, rewards/chosen, rewards/rejected, rewards/margins,
 rewards/accuracies (paired), logps/chosen, logps/rejected, kl (KTO), nll_loss (ORPO, SimPO with
 cpo_alpha), log_odds_ratio (ORPO); besides SFT's step, epoch, lr, grad_norm, tokens_per_s
-(prompt + answer tokens of every scored row, no padding), memory, elapsed_s, eta_s.
+(prompt + answer tokens of every scored row, no padding), memory, elapsed_s, eta_s. With an
+evaluation set (eval_split / eval_dataset), eval_loss and the same names with an eval_ prefix
+every eval_steps and at the end (`evaluation.py`); the best weights kept, early stopping.
 """
 
 from __future__ import annotations
