@@ -155,6 +155,7 @@ RU_COLUMNS = ["#", "name", "status", "progress", "ETA", "started"]
 RU_NO_JOBS = "No runs yet. Start one on the Train tab."
 RU_PROGRESS = "#{job} {name}: **{status}** · step {step} / {total}{eta}{error}"
 RU_ETA = "ETA {eta}"
+RU_BEST = " · best weights: {metric} {value:.4f} at step {step} (best/; Chat and Export use them by default)"
 RU_ACTION_DONE = {"pause": "Job #{job}: stopping after its next checkpoint (resumable).",
                   "cancel": "Job #{job}: {result}.", "resume": "Job #{job} queued again; it resumes from its last checkpoint.",
                   "delete": "Job #{job} deleted."}

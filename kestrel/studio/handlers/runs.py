@@ -24,6 +24,7 @@ from kestrel.jobs.models import FINISHED, RESUMABLE
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import fmt_duration, user_errors
 from kestrel.studio.handlers.generation import OUTPUTS as GENERATION_OUTPUTS, generation_view
+from kestrel.studio.handlers.weights import best_of
 
 CHART_POINTS = 500
 LOG_LINES = 60
@@ -149,8 +150,10 @@ def progress_text(job: jobs.Job | None) -> str:
     eta = _eta(job, time.time())
     error = f"\n\n⚠️ {html.escape(job.error)}" if job.error else ""
     eta_text = f" · {S.RU_ETA.format(eta=fmt_duration(eta))}" if eta else ""
+    best = best_of(job) if job.kind != "export" else None  # recorded in the store when written
+    best_text = S.RU_BEST.format(metric=best["metric"], value=best["value"], step=best["step"]) if best else ""
     return S.RU_PROGRESS.format(job=job.id, name=html.escape(job.name or ""), status=job.status, step=job.step,
-                                total=job.total_steps or "?", eta=eta_text, error=error)
+                                total=job.total_steps or "?", eta=eta_text + best_text, error=error)
 
 
 def _find(job_list: list[jobs.Job], job_id: Any) -> jobs.Job | None:
