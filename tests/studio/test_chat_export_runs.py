@@ -257,6 +257,8 @@ def test_the_best_weights_are_listed_from_the_store_first_and_exported_as_listed
     choices = checkpoint_choices(job)
     assert choices[0] == ("Best weights: eval_loss 0.2500 at step 3", "best") and [v for _, v in choices] == ["best", "final"]
     assert weights_of(job, None).adapter == folder / "best" / "adapter"  # the default is the first listed
+    target = chat.resolve_target(f"run:{job.id}", "best")
+    assert target.adapter == str(folder / "best" / "adapter") and target.label.endswith("(best weights)")
     for choice, want in (("best", folder / "best" / "adapter"), ("final", folder / "adapter")):
         config = export.export_config(f"run:{job.id}", "adapter", None, choice)
         exported = jobs.get_job(jobs.submit(config, start=False))

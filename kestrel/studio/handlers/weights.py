@@ -41,6 +41,11 @@ class RunWeights:
         """The checkpoint's step, None for the final weights."""
         return int(self.folder.name[5:]) if self.folder.parent.name == "checkpoints" else None
 
+    @property
+    def best(self) -> bool:
+        """The run's best weights (RUN/best)."""
+        return self.folder.name == BEST_DIR
+
 
 def _weights_in(folder: Path) -> RunWeights | None:
     adapter, model = folder / "adapter", folder / "model"
