@@ -20,6 +20,7 @@ from kestrel.studio.form import FORM_KEYS
 from kestrel.studio.handlers import chat as chat_h
 from kestrel.studio.handlers import datasets as ds_h
 from kestrel.studio.handlers import export as ex_h
+from kestrel.studio.handlers import generation as gen_h
 from kestrel.studio.handlers import runs as runs_h
 from kestrel.studio.handlers import train as train_h
 from kestrel.studio.handlers import weights as weights_h
@@ -172,8 +173,8 @@ def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
 
 def _runs_outputs(r: C) -> Outputs:
     charts = [k for k in r if k.startswith("chart_")]
-    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "generation_summary", "generation_table",
-                      *runs_h.ACTIONS, "notice", "log", "seen")
+    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", *gen_h.OUTPUTS, *runs_h.ACTIONS, "notice",
+                      "log", "seen")
 
 
 def wire_runs(r: C) -> None:
@@ -192,6 +193,10 @@ def wire_runs(r: C) -> None:
     r["log"].change(None, None, None, js=FOLLOW_LOG_JS, **LIGHT)
     compare = Outputs.of(r, "compare_loss", "compare_diff")
     _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)
+    # Queued (a check loads a model and decodes for seconds); one at a time per studio.
+    r["check_generations"].click(lambda: gr.Accordion(open=True), None, r["generation_panel"], **LIGHT)
+    _on(r["check_generations"].click, gen_h.check_generations, [r["select"]], Outputs.of(r, *gen_h.OUTPUTS),
+        concurrency_limit=1, show_progress="hidden")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -159,6 +159,7 @@ RU_COLUMNS = ["#", "name", "status", "progress", "ETA", "started"]
 RU_NO_JOBS = "No runs yet. Start one on the Train tab."
 RU_PROGRESS = "#{job} {name}: **{status}** · step {step} / {total}{eta}{error}"
 RU_ETA = "ETA {eta}"
+RU_BEST = " · best weights: {metric} {value:.4f} at step {step} (best/; Chat and Export use them by default)"
 RU_ACTION_DONE = {"pause": "Job #{job}: stopping after its next checkpoint (resumable).",
                   "cancel": "Job #{job}: {result}.", "resume": "Job #{job} queued again; it resumes from its last checkpoint.",
                   "delete": "Job #{job} deleted."}
@@ -169,6 +170,15 @@ RU_GENERATION = "Generation check (held-out prompts, answered greedily at the en
 RU_GEN_COLUMNS = ["prompt", "reference", "answer", "exact match", "ROUGE-L"]
 RU_GEN_SUMMARY = "{n} held-out prompts at step {step}: exact match **{exact:.0%}**, ROUGE-L **{rouge:.3f}**"
 RU_GEN_NONE = "No generation check for this run (it runs at the end of a run with eval_split or eval_dataset)."
+RU_GEN_CHECK = "Check generations"
+RU_GEN_RUNNING = "Answering run #{job}'s held-out prompts with its {weights} ({seconds:.0f} s so far)…"
+RU_GEN_NOT_FINISHED = "Run #{job} is {status}; check its generations once it has finished."
+RU_GEN_NO_EVAL = ("Run #{job} has no held-out prompts: it trained without eval_split or eval_dataset. Train with "
+                  "eval_split (e.g. 0.05) to check generations.")
+RU_GEN_FAILED = "The generation check of run #{job} failed ({why}): {detail}"
+RU_GEN_CRASHED = "its process ended with {signal}"
+RU_GEN_EXIT = "exit status {code}"
+RU_GEN_TIMEOUT = "The generation check of run #{job} took longer than {minutes} minutes and was stopped."
 CHARTS = {"loss": "Loss (train, eval)", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
           "memory": "GPU memory (GiB)", "reward": "Reward (GRPO) / rewards (preference)", "kl": "KL (GRPO, KTO)"}
 RU_MEMORY_CPU = "GPU memory: none, this run trains on the CPU"
@@ -194,6 +204,7 @@ CH_LOADING = "Loading {model}…"
 CH_STOPPED = "(stopped)"
 CH_BAD_TARGET = "Unknown model choice {target!r}: press Refresh models and pick again."
 CH_AT_STEP = " · step {step}"
+CH_BEST = " (best weights)"
 CH_CHECKPOINT = "Weights of the run"
 CH_SPEED = "**{name}**: {tokens} tokens in {seconds:.1f} s · {rate:.1f} tokens/s (prompt included)"
 CH_DEMO_NOTE = ("**Note:** the built-in demo model is a tiny model with random weights, there to try the studio "
@@ -285,8 +296,10 @@ ERR_CUSTOM_OFF = ("grpo.rewards: a `custom` reward runs code from {path}, and cu
                   "built-in reward.")
 ERR_REWARD_ROW = "Rewards table, row {row}: {problem}."
 WEIGHTS_FINAL = "Final weights"
+WEIGHTS_BEST = "Best weights: {metric} {value:.4f} at step {step}"
+ERR_BEST_GONE = "Run #{job} has no best weights (they are kept only by a run with an evaluation set). Pick others."
 WEIGHTS_STEP = "Checkpoint at step {step}"
-ERR_CHECKPOINT_CHOICE = "Weights {value!r}: choose the final weights or a checkpoint's step from the list."
+ERR_CHECKPOINT_CHOICE = "Weights {value!r}: choose the best or final weights or a checkpoint's step from the list."
 ERR_CHECKPOINT_GONE = ("Run #{job} has no checkpoint of step {step} any more (training keeps only the newest); "
                        "checkpoints kept: {kept}. Pick another from the list.")
 ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."

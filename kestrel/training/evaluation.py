@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -53,6 +53,9 @@ class EvalSums:
     sums: dict[str, torch.Tensor]  # name (without the eval_ prefix) -> () tensor
     weight: torch.Tensor | float
     tokens: int  # tokens run through the model (what the cost model counts)
+    # A metric's own weight where it is a mean over other items (KTO's rewards/chosen: over the
+    # desirable rows only); a metric whose weight sums to 0 over the eval set is left out.
+    counts: dict[str, torch.Tensor | float] = field(default_factory=dict)
 
 
 Measure = Callable[[nn.Module, Any], EvalSums]
@@ -128,16 +131,20 @@ class Evaluator:
     """Runs a recipe's eval batches through its `measure` and keeps the run's best weights:
     those with the lowest eval_<metric> (the highest with `greater_is_better`, e.g. GRPO's
     reward). `history` ((step, eval value) of earlier evaluations: a resumed run's) restores
-    early stopping; `generation` holds the prompts of the end-of-run generation check."""
+    early stopping; `generation` holds the prompts of the end-of-run generation check; `finish`
+    adds metrics derived from the means (a preference method's eval_rewards/margins)."""
 
     def __init__(self, batches: list[Any], measure: Measure, plan: EvalPlan, output_dir: Path,
                  early_stopping: EarlyStoppingSettings, metric: str = "loss", greater_is_better: bool = False,
-                 history: list[tuple[int, float]] | None = None, generation: GenerationCheck | None = None) -> None:
+                 history: list[tuple[int, float]] | None = None, generation: GenerationCheck | None = None,
+                 finish: Callable[[dict[str, float]], dict[str, float]] | None = None) -> None:
         self.batches, self.measure, self.plan, self.generation = batches, measure, plan, generation
+        self.finish = finish
         self.output_dir, self.early_stopping, self.metric = Path(output_dir), early_stopping, metric
         self.sign = -1.0 if greater_is_better else 1.0  # the state compares sign * value, lower is better
         self.state = replay([(step, self.sign * v) for step, v in history or []], early_stopping.min_delta)
         self.tokens_evaluated = 0  # over this process's evaluations (the cost test counts them)
+        self.saved_at: int | None = None  # the step whose weights save_best wrote last
 
     def due(self, done: int, total_steps: int) -> bool:
         return done % self.plan.every == 0 or done == total_steps
@@ -149,20 +156,26 @@ class Evaluator:
         t0, was_training = time.perf_counter(), model.training
         model.eval()
         totals: dict[str, torch.Tensor] = {}
-        weight: torch.Tensor | float = 0.0
+        weights: dict[str, torch.Tensor | float] = {}
         try:
             for batch in self.batches:
                 part = self.measure(model, batch)
                 for name, value in part.sums.items():
                     totals[name] = totals[name] + value.detach().float() if name in totals else value.detach().float()
-                weight = weight + part.weight
+                    weights[name] = weights.get(name, 0.0) + part.counts.get(name, part.weight)
                 self.tokens_evaluated += part.tokens
         finally:
             model.train(was_training)
         names = sorted(totals)
-        values = (torch.stack([totals[n] for n in names]) / torch.as_tensor(weight).float().clamp(min=1e-12)
-                  if names else torch.zeros(0))
-        out = {f"eval_{n}": float(v) for n, v in zip(names, values.tolist())}
+        out: dict[str, float] = {}
+        if names:
+            sums = torch.stack([totals[n] for n in names])
+            counts = torch.stack([torch.as_tensor(weights[n], dtype=torch.float32, device=sums.device).reshape(())
+                                  for n in names])
+            pairs = torch.stack([sums / counts.clamp(min=1e-12), counts]).tolist()  # one host read
+            out = {f"eval_{n}": v for n, v, w in zip(names, *pairs) if w > 0}
+        if self.finish is not None:
+            out.update(self.finish(out))
         out["eval_runtime"] = time.perf_counter() - t0
         return out
 
@@ -194,3 +207,4 @@ class Evaluator:
         folder.mkdir(parents=True, exist_ok=True)
         save_weights(model, folder, tokenizer)
         write_marker(self.output_dir, step, f"eval_{self.metric}", value)
+        self.saved_at = step

@@ -32,6 +32,7 @@ from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
 from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
 from kestrel.training.distributed import World, shard_full_model
+from kestrel.training.best import BEST_DIR
 from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback, RunInfo, memory_metrics
 
@@ -247,7 +248,10 @@ def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
         return False
     metrics = ev.evaluate(s.model)
     cb.on_step({"step": done, **metrics})
-    return ev.record(done, metrics, s.model, s.tokenizer, cb.on_log) and done < s.total_steps
+    stop = ev.record(done, metrics, s.model, s.tokenizer, cb.on_log)
+    if ev.saved_at == done and s.world.is_main:
+        cb.on_best(done, str(s.output_dir / BEST_DIR))
+    return stop and done < s.total_steps
 
 
 def generation_check(s: RunState, cb: Callback, step: int) -> None:

@@ -12,14 +12,16 @@
    log-probs come from the chunked fused log-prob path (`rows.py`).
 3. reference (DPO, KTO): the same rows with the adapter disabled, no gradient (or the
    precomputed table). KTO also scores each prompt with another row's answer, under the policy and
-   the reference, for its KL reference point.
+   the reference, for its KL reference point. (Scoring is `score.py`'s, shared with evaluation.)
 4. update: each micro-batch's loss (a mean over its rows) divided by grad_accum, so the step's
    loss is the mean over its micro-batches; then clip and step.
 
 Metrics per step, as TRL names them: loss, rewards/chosen, rewards/rejected, rewards/margins,
 rewards/accuracies (paired), logps/chosen, logps/rejected, kl (KTO), nll_loss (ORPO, SimPO with
 cpo_alpha), log_odds_ratio (ORPO); besides SFT's step, epoch, lr, grad_norm, tokens_per_s
-(prompt + answer tokens of every scored row, no padding), memory, elapsed_s, eta_s.
+(prompt + answer tokens of every scored row, no padding), memory, elapsed_s, eta_s. With an
+evaluation set (eval_split / eval_dataset), eval_loss and the same names with an eval_ prefix
+every eval_steps and at the end (`evaluation.py`); the best weights kept, early stopping.
 """
 
 from __future__ import annotations
@@ -43,11 +45,11 @@ from kestrel.recompute.checkpoint import Recompute
 from kestrel.training.distributed import World
 from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback
-from kestrel.training.preference import loss as L
-from kestrel.training.preference.data import data_kind, kl_partners, micro_batch, per_epoch, prepare_samples
-from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, as_reference, precompute, sequence_logps
 from kestrel.training.grpo.logprobs import check_lm_head
-from kestrel.training.preference.rows import answer_logprobs, answer_rows
+from kestrel.training.preference.data import data_kind, kl_partners, micro_batch, per_epoch, prepare_samples
+from kestrel.training.preference.evaluation import eval_rows, preference_evaluator
+from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, precompute
+from kestrel.training.preference.score import RowSet, StepStats, micro_loss, preference_metrics
 from kestrel.training.recipe import (
     graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything, step_end,
 )
@@ -73,24 +75,15 @@ class PreferenceSession:
     partner: list[int] | None = None  # KTO: whose answer each sample's KL row borrows
     recompute: Recompute | None = None
     world: World = field(default_factory=World)  # one device: the config refuses several for now
-    evaluator: Evaluator | None = None  # no evaluation yet: the config refuses an evaluation set
+    evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
 
     @property
     def paired(self) -> bool:
         return data_kind(self.config.method) == "paired"
 
-
-@dataclass
-class StepStats:
-    """Detached per-row values of a step's micro-batches, reduced once for the metrics."""
-
-    loss: torch.Tensor
-    chosen: list[torch.Tensor] = field(default_factory=list)  # rewards; KTO: of desirable rows
-    rejected: list[torch.Tensor] = field(default_factory=list)
-    logps_chosen: list[torch.Tensor] = field(default_factory=list)
-    logps_rejected: list[torch.Tensor] = field(default_factory=list)
-    extra: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    tokens: int = 0
+    @property
+    def train_rows(self) -> RowSet:
+        return RowSet(self.samples, self.reference, self.partner)
 
 
 # --- 1. setup ---------------------------------------------------------------------------------
@@ -104,91 +97,36 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
     model, tokenizer = load(config.model, config.max_seq_length, load_in_4bit=config.load_in_4bit,
                             dtype=config.dtype, patch=config.fast_kernels)
     device = next(model.parameters()).device
-    samples = prepare_samples(config, tokenizer, cb)
+    data = prepare_samples(config, tokenizer, cb)
+    samples = data.train
     model, recompute = prepare_model(config, model, output_dir, cb)
     check_lm_head(model, config.method)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}, {config.preference.finetune}): {trainable:,} of {total:,} "
               f"parameters trainable, on {device}")
     pad, flat = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0), runs_varlen(model)
-    partner = kl_partners(len(samples), config.seed) if config.method == "kto" else None
-    reference = None
+    total_steps = config.max_steps or max(
+        1, math.ceil((config.epochs or 1.0) * per_epoch(len(samples), config.batch_size) / config.grad_accum))
+    train = RowSet(samples, partner=kl_partners(len(samples), config.seed) if config.method == "kto" else None)
+    held = RowSet(eval_rows(config, samples, data.held, total_steps))
+    if config.method == "kto" and held.samples:
+        held.partner = kl_partners(len(held.samples), config.seed)
     if config.method in NEEDS_REFERENCE and config.lora.init_from and not config.trains_all_weights:
         cb.on_log(f"the reference is the base model {config.model} with the adapter disabled, not the adapter "
                   f"lora.init_from starts from; merge that adapter into a model folder to make it the reference")
     if config.method in NEEDS_REFERENCE and (config.preference.precompute_ref_logps or config.trains_all_weights):
         # Before resume loads trained weights: with no adapter, the weights as loaded are the reference.
         rows = config.batch_size * (2 if data_kind(config.method) == "paired" else 1)
-        reference = precompute(model, samples, pad, device, flat, rows, partner)
+        for part in (train, held) if held.samples else (train,):
+            part.reference = precompute(model, part.samples, pad, device, flat, rows, part.partner)
         why = "every weight is trained, so there is no adapter to disable" if config.trains_all_weights else "asked"
-        cb.on_log(f"reference log-probs precomputed for {len(samples)} rows ({why})")
-    total_steps = config.max_steps or max(
-        1, math.ceil((config.epochs or 1.0) * per_epoch(len(samples), config.batch_size) / config.grad_accum))
+        cb.on_log(f"reference log-probs precomputed for {len(samples)} rows"
+                  + (f" and {len(held.samples)} eval rows" if held.samples else "") + f" ({why})")
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
-    return PreferenceSession(config, output_dir, model, tokenizer, samples, optimizer, scheduler, total_steps, start,
-                             device, pad, flat, reference, partner, recompute)
-
-
-# --- 2-3. score and reference -----------------------------------------------------------------
-
-
-def _reference(s: PreferenceSession, idx: list[int], pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """(R,) reference log-probs of the micro-batch's rows, in `pairs` order (answer-major)."""
-    if s.reference is not None:
-        return s.reference.answers[idx].t().reshape(-1)  # (A, P) -> answer-major, as the rows are
-    with as_reference(s.model):
-        return sequence_logps(s.model, pairs, s.pad_id, s.device, s.flat)
-
-
-def _kto_kl(s: PreferenceSession, idx: list[int]) -> torch.Tensor:
-    """KTO's KL estimate over the micro-batch's mismatched rows (no gradient)."""
-    assert s.partner is not None
-    rows = [(s.samples[i].prompt, s.samples[s.partner[i]].answers[0]) for i in idx]
-    with torch.no_grad():
-        policy = sequence_logps(s.model, rows, s.pad_id, s.device, s.flat)
-    if s.reference is not None and s.reference.kl is not None:
-        ref = s.reference.kl[idx]
-    else:
-        with as_reference(s.model):
-            ref = sequence_logps(s.model, rows, s.pad_id, s.device, s.flat)
-    return L.kto_kl(policy, ref)
-
-
-def micro_loss(s: PreferenceSession, idx: list[int], stats: StepStats) -> torch.Tensor:
-    """The loss of one micro-batch (a mean over its rows), its stats added to `stats`."""
-    p, method = s.config.preference, s.config.method
-    chosen = [s.samples[i] for i in idx]
-    pairs = [(x.prompt, x.answers[k]) for k in range(len(chosen[0].answers)) for x in chosen]  # answer-major
-    rows = answer_rows(pairs, s.pad_id, s.device, s.flat)
-    logp = answer_logprobs(s.model, rows)  # (R, L)
-    seq, tokens = logp.sum(-1), rows.tokens.to(logp.dtype)  # (R,)
-    stats.tokens += rows.real_tokens
-    if method == "kto":
-        labels = torch.tensor([bool(x.label) for x in chosen], device=s.device)
-        out = L.kto_loss(seq, _reference(s, idx, pairs), labels, _kto_kl(s, idx), p.beta,
-                         p.desirable_weight, p.undesirable_weight)
-        stats.chosen.append(out.rewards[labels])
-        stats.rejected.append(out.rewards[~labels])
-        stats.logps_chosen.append(seq.detach()[labels])
-        stats.logps_rejected.append(seq.detach()[~labels])
-        stats.extra.setdefault("kl", []).append(out.kl.reshape(1))
-        return out.loss
-    n = len(idx)
-    if method == "dpo":
-        ref = _reference(s, idx, pairs)
-        out = L.dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], p.beta, p.loss_type, tokens[:n], tokens[n:])
-    else:
-        mean = seq / tokens.clamp(min=1)  # per-token mean log-probs (ORPO, SimPO)
-        nll = -seq[:n].sum() / tokens[:n].sum().clamp(min=1)  # the chosen answers' mean token NLL
-        out = (L.orpo_loss(mean[:n], mean[n:], nll, p.beta) if method == "orpo"
-               else L.simpo_loss(mean[:n], mean[n:], nll, p.beta, p.simpo_gamma, p.cpo_alpha))
-    stats.chosen.append(out.chosen_rewards)
-    stats.rejected.append(out.rejected_rewards)
-    stats.logps_chosen.append(seq.detach()[:n])
-    stats.logps_rejected.append(seq.detach()[n:])
-    for key, value in out.extra.items():
-        stats.extra.setdefault(key, []).append(value.reshape(1))
-    return out.loss
+    s = PreferenceSession(config, output_dir, model, tokenizer, samples, optimizer, scheduler, total_steps, start,
+                          device, pad, flat, train.reference, train.partner, recompute)
+    s.evaluator = preference_evaluator(s, held, data.held, data.held_rows, cb)
+    return s
 
 
 # --- 4. update and metrics --------------------------------------------------------------------
@@ -200,35 +138,11 @@ def train_step(s: PreferenceSession, step: int) -> tuple[StepStats, dict[str, fl
     stats = StepStats(torch.zeros((), device=s.device))
     for j in range(accum):
         idx = micro_batch(len(s.samples), s.config.batch_size, s.config.seed, step * accum + j)
-        loss = micro_loss(s, idx, stats) / accum
+        loss = micro_loss(s, s.train_rows, idx, stats) / accum
         loss.backward()
         stats.loss += loss.detach()
     grad_norm, lr = optimizer_step(s, stats.loss)
     return stats, {"grad_norm": float(grad_norm), "lr": lr}
-
-
-def _mean(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    joined = torch.cat(parts) if parts else None
-    return joined if joined is not None and joined.numel() else None
-
-
-def preference_metrics(stats: StepStats, paired: bool) -> dict[str, float]:
-    """TRL's metric names (see the module docstring), one host read each."""
-    out = {"loss": float(stats.loss)}
-    chosen, rejected = _mean(stats.chosen), _mean(stats.rejected)
-    if chosen is not None:
-        out["rewards/chosen"] = float(chosen.mean())
-        out["logps/chosen"] = float(torch.cat(stats.logps_chosen).mean())
-    if rejected is not None:
-        out["rewards/rejected"] = float(rejected.mean())
-        out["logps/rejected"] = float(torch.cat(stats.logps_rejected).mean())
-    if paired and chosen is not None and rejected is not None:
-        out["rewards/margins"] = float((chosen - rejected).mean())
-        out["rewards/accuracies"] = float((chosen > rejected).float().mean())
-    elif chosen is not None and rejected is not None:
-        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-    out.update({key: float(torch.cat(values).mean()) for key, values in stats.extra.items()})
-    return out
 
 
 def train_loop(s: PreferenceSession, cb: Callback) -> str:
