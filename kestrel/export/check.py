@@ -107,12 +107,31 @@ def load_reference(model_dir: Path, adapter_dir: Path | None, device: str | None
     else:  # loaded straight onto the device: an 8B model in fp32 never passes through host memory
         model = auto.from_pretrained(model_dir, dtype=torch.float32, device_map={"": dev}, use_safetensors=True)
     model = model.to(dev)
+    if dev == "cpu":
+        _cpu_linear_attention(model)
     if adapter_dir is not None:
         from peft import PeftModel
 
         refuse_pickled(adapter_dir)
         model = PeftModel.from_pretrained(model, adapter_dir)
     return model.eval()
+
+
+def _cpu_linear_attention(model: Any) -> None:
+    """Hugging Face binds flash-linear-attention's kernels (CUDA only) at import whenever the package
+    is installed, so a Qwen3.5 model fails on the CPU; there its linear-attention layers run HF's
+    math with HF's PyTorch functions (`kestrel.model.linear_attention`)."""
+    import types
+
+    from kestrel.model.linear_attention import linear_attention_forward
+    from kestrel.model.registry import family_for
+
+    spec = family_for(model.config)
+    if spec is None or spec.linear_attention_class is None:
+        return
+    for module in model.modules():
+        if type(module).__name__ == spec.linear_attention_class:
+            module.forward = types.MethodType(linear_attention_forward, module)
 
 
 @torch.no_grad()

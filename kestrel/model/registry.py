@@ -158,7 +158,6 @@ FAMILIES: dict[str, FamilySpec] = {
             extra_lora_targets=("in_proj_qkv", "in_proj_z", "out_proj"),
             levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "causal_lm")),
             decode=False,
-            gguf=False,
             gguf_arch="qwen35",
         ),
         # Gemma 4: per-layer input embeddings, K/V shared across the last layers, a value norm and
@@ -182,7 +181,6 @@ FAMILIES: dict[str, FamilySpec] = {
             rope_per_layer_type=True,
             levels=frozenset(("rms_norm", "mlp", "causal_lm")),
             decode=False,
-            gguf=False,
             gguf_arch="gemma4",
         ),
         # --- end of issue 26 dense families ---------------------------------------------------

@@ -187,12 +187,27 @@ def decisive(model: torch.nn.Module, logit_std: float = 6.0) -> torch.nn.Module:
     return model
 
 
+def lively(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Re-draw every projection inside the layers with variance-preserving scale (std 1/sqrt(in)):
+    at Hugging Face's init (std 0.02) a tiny model's layers barely move the residual stream, so
+    with tied embeddings its greedy tokens hardly depend on them, and a wrong layer layout in an
+    export would go unnoticed."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".layers." in name and name.endswith("proj.weight") and param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+    return model
+
+
 def save_tiny_model(model_type: str, tokenizer: Any, folder: Path, seed: int = 0,
-                    dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
-    """A tiny random `model_type` model sized to `tokenizer`, saved with it to `folder`."""
+                    dtype: torch.dtype = torch.float32, layers_matter: bool = False, **overrides: Any) -> Path:
+    """A tiny random `model_type` model sized to `tokenizer`, saved with it to `folder`;
+    `layers_matter`: its layers' projections drawn by `lively`."""
     from tests.support.tiny import tiny_model
 
-    model = decisive(tiny_model(model_type, vocab_size=len(tokenizer), seed=seed, **overrides))
+    model = tiny_model(model_type, vocab_size=len(tokenizer), seed=seed, **overrides)
+    model = decisive(lively(model, seed) if layers_matter else model)
     return _save(model, tokenizer, folder, dtype)
 
 
