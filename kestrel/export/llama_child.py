@@ -191,6 +191,24 @@ def chat_template(path: Path, messages: list[dict[str, str]]) -> tuple[str | Non
         return embedded.decode(), _render_builtin(vocab.model, messages)
 
 
+def load_mmproj(model_path: Path, mmproj_path: Path) -> bool:
+    """Whether llama.cpp's multimodal library (mtmd, as llama-mtmd-cli and llama-server use it) loads
+    `mmproj_path` as the projector of the language model in `model_path`."""
+    import llama_cpp.mtmd_cpp as mtmd
+
+    llm = _load(model_path, n_ctx=64)
+    try:
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = False
+        params.print_timings = False
+        ctx = mtmd.mtmd_init_from_file(str(mmproj_path).encode(), llm.model, params)
+        if ctx:
+            mtmd.mtmd_free(ctx)
+        return bool(ctx)
+    finally:
+        llm.close()
+
+
 def quantize_file(src: Path, dst: Path, ftype_name: str, threads: int) -> int:
     """llama.cpp's `llama_model_quantize` of `src` into `dst` as `ftype_name` (a llama_ftype
     constant's name); its return code (0: done)."""
