@@ -7,12 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from kestrel.errors import KestrelError
-from kestrel.export import export
+from kestrel.export import ExportCheckError, export, mmproj
+from kestrel.export.mmproj import PROJECTORS as MMPROJ
 from kestrel.model.multimodal import lora_targets
 from kestrel.model.registry import GGUF_FAMILIES, SUPPORTED
 from tests.support.export_fixtures import save_tiny_image_text_model, save_tiny_model, train_tokenizer
@@ -51,11 +53,46 @@ def test_image_text_gguf_holds_the_language_model(kind: str, tokenizers: dict, t
     result = export(adapter, "gguf", tmp_path / "out", quant="f16")
     f16 = result.checks["gguf_f16"]
     assert result.passed and f16.passed and f16.exact_required and f16.prompt_top1_agreement == 1.0, result.summary()
-    reader = gguf.GGUFReader(next((tmp_path / "out").glob("*.gguf")))
+    reader = gguf.GGUFReader(next(p for p in (tmp_path / "out").glob("*.gguf") if "mmproj" not in p.name))
     names = [t.name for t in reader.tensors]
     assert "token_embd.weight" in names and "blk.1.ffn_down.weight" in names
     assert not any("vision" in n or "mm" in n or "v.blk" in n for n in names)
-    assert any("vision tower is not exported" in n for n in result.notes)
+    if kind in MMPROJ:  # the projector file is checked by `test_gemma3_projector_file_loads_in_mtmd`
+        assert result.checks["mmproj"]["passed"]
+    else:
+        assert any("vision tower is not exported" in n for n in result.notes)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizers: dict) -> Path:
+    return save_tiny_image_text_model("gemma3", tokenizers["gemma"], tmp_path_factory.mktemp("gemma3"))
+
+
+def test_gemma3_projector_file_loads_in_mtmd(gemma3_dir: Path, tmp_path: Path) -> None:
+    result = export(gemma3_dir, "gguf", tmp_path / "out", quant="q8_0")
+    assert result.passed and result.checks["mmproj"] == {"passed": True, "file": f"{gemma3_dir.name}-mmproj-f16.gguf"}
+    reader = gguf.GGUFReader(tmp_path / "out" / f"{gemma3_dir.name}-mmproj-f16.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    assert fields["general.architecture"] == "clip" and fields["clip.projector_type"] == "gemma3"
+    assert fields["clip.vision.projection_dim"] == 128 and fields["clip.vision.block_count"] == 1
+    assert fields["clip.vision.projector.scale_factor"] == 2  # 4x4 patches pooled to mm_tokens_per_image = 4
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["v.patch_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert tensors["mm.input_projection.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert "v.blk.0.attn_q.weight" in tensors and not any("head" in n for n in tensors)
+    from safetensors import safe_open
+
+    with safe_open(gemma3_dir / "model.safetensors", "pt") as f:
+        norm = f.get_tensor("multi_modal_projector.mm_soft_emb_norm.weight").numpy()
+    assert np.allclose(tensors["mm.soft_emb_norm.weight"].data, norm + 1)  # Gemma's (1 + w)
+
+
+def test_projector_file_without_its_projector_fails_the_check(gemma3_dir: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    original = mmproj._vision_name
+    monkeypatch.setattr(mmproj, "_vision_name", lambda n: None if "multi_modal_projector" in n else original(n))
+    with pytest.raises(ExportCheckError):
+        export(gemma3_dir, "gguf", tmp_path / "out", quant="f16")
 
 
 @pytest.mark.parametrize("kind,quant", [("gemma3", "q8_0"), ("mistral3", "q4_k_m")])
