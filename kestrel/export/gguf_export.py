@@ -22,7 +22,6 @@ from kestrel.export import check as checks
 from kestrel.export.formats import _quant_notes, compute_device, gguf_basename, load_tokenizer, n_params
 from kestrel.export.gguf_tokenizer import GGUFVocab, build_vocab
 from kestrel.export.gguf_writer import gguf_nbytes, write_gguf
-from kestrel.export import llama_child
 from kestrel.export.merge import ModelTensors
 from kestrel.export.mmproj import PROJECTORS as MMPROJ_TYPES, has_mmproj, write_mmproj
 from kestrel.export.modelfile import detect_chat_format, end_of_turn_tokens, modelfile
@@ -160,12 +159,10 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
 
 
 def _write_checked_mmproj(path: Path, model_path: Path, src: ExportSource, result: Any) -> dict[str, Any]:
-    """`<name>-mmproj-f16.gguf` from the checkpoint's vision tower, loaded by llama.cpp's mtmd with the
-    language model's file."""
+    """`<name>-mmproj-f16.gguf` from the checkpoint's vision tower (which training leaves frozen), checked
+    by encoding an image with llama.cpp's mtmd beside the language model's file."""
     result.notes += write_mmproj(path, src.model_dir, src.config)
-    loaded = checks.run_in_child(f"loading {path.name} with llama.cpp's mtmd (the projector check)",
-                                 llama_child.load_mmproj, model_path, path)
-    return {"passed": loaded, "file": path.name}
+    return checks.check_mmproj(path, model_path, src.model_dir)
 
 
 def _all_passed(found: dict[str, Any]) -> bool:

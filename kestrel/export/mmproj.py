@@ -52,6 +52,12 @@ def _preprocessor(model_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def image_stats(model_dir: Path) -> tuple[list[float], list[float]]:
+    """(mean, std) per RGB channel that pixels in [0, 1] are normalised by before the vision tower."""
+    pre = _preprocessor(model_dir)
+    return pre.get("image_mean", _SIGLIP_MEAN_STD), pre.get("image_std", _SIGLIP_MEAN_STD)
+
+
 def _metadata(writer: Any, config: Any, model_dir: Path) -> list[str]:
     vision, notes = config.vision_config, []
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
@@ -69,13 +75,19 @@ def _metadata(writer: Any, config: Any, model_dir: Path) -> list[str]:
     pre = _preprocessor(model_dir)
     if not pre:
         notes.append(f"{model_dir} has no preprocessor_config.json: the projector file uses SigLIP's image mean/std (0.5)")
-    writer.add_vision_image_mean(pre.get("image_mean", _SIGLIP_MEAN_STD))
-    writer.add_vision_image_std(pre.get("image_std", _SIGLIP_MEAN_STD))
+    mean, std = image_stats(model_dir)
+    writer.add_vision_image_mean(mean)
+    writer.add_vision_image_std(std)
     tokens = int(pre.get("image_seq_length", getattr(config, "mm_tokens_per_image", 256)))
     scale = (int(vision.image_size) // int(vision.patch_size)) // int(round(tokens ** 0.5))
     if scale != 4:  # llama.cpp's default pooling for Gemma 3 (64 patches a side to 16)
         writer.add_vision_projector_scale_factor(scale)
     return notes
+
+
+def transform(gguf_name: str, w: np.ndarray) -> np.ndarray:
+    """Hugging Face's values -> clip's: Gemma's (1 + w) soft-embedding norm (clip multiplies by w)."""
+    return w + 1.0 if "soft_emb_norm" in gguf_name else w
 
 
 def _encode(gguf_name: str, w: np.ndarray) -> np.ndarray:
@@ -99,10 +111,7 @@ def write_mmproj(path: Path, model_dir: Path, config: Any) -> list[str]:
             gguf_name = name_map.get_name(mapped, try_suffixes=(".weight", ".bias"))
             if gguf_name is None:
                 raise ValueError(f"no projector-file name for tensor {name} of {model_dir}")
-            w = checkpoint.get(name).float().numpy()
-            if "soft_emb_norm" in gguf_name:
-                w = w + 1.0  # Gemma's (1 + w) norm; clip multiplies by w
-            writer.add_tensor(gguf_name, _encode(gguf_name, w))
+            writer.add_tensor(gguf_name, _encode(gguf_name, transform(gguf_name, checkpoint.get(name).float().numpy())))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

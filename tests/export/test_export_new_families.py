@@ -70,7 +70,9 @@ def gemma3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizers: dict) -> Pa
 
 def test_gemma3_projector_file_loads_in_mtmd(gemma3_dir: Path, tmp_path: Path) -> None:
     result = export(gemma3_dir, "gguf", tmp_path / "out", quant="q8_0")
-    assert result.passed and result.checks["mmproj"] == {"passed": True, "file": f"{gemma3_dir.name}-mmproj-f16.gguf"}
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"] and found["file"] == f"{gemma3_dir.name}-mmproj-f16.gguf", found
+    assert found["n_tokens"] == 4 and found["max_error"] <= found["tolerance"]  # an image encoded as HF encodes it
     reader = gguf.GGUFReader(tmp_path / "out" / f"{gemma3_dir.name}-mmproj-f16.gguf")
     fields = {k: reader.fields[k].contents() for k in reader.fields}
     assert fields["general.architecture"] == "clip" and fields["clip.projector_type"] == "gemma3"
@@ -87,11 +89,15 @@ def test_gemma3_projector_file_loads_in_mtmd(gemma3_dir: Path, tmp_path: Path) -
     assert np.allclose(tensors["mm.soft_emb_norm.weight"].data, norm + 1)  # Gemma's (1 + w)
 
 
-def test_projector_file_without_its_projector_fails_the_check(gemma3_dir: Path, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    original = mmproj._vision_name
-    monkeypatch.setattr(mmproj, "_vision_name", lambda n: None if "multi_modal_projector" in n else original(n))
-    with pytest.raises(ExportCheckError):
+@pytest.mark.parametrize("wrong", ["no projector tensors", "norm without (1 + w)"])
+def test_a_wrong_projector_file_fails_the_check(wrong: str, gemma3_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    if wrong == "no projector tensors":  # mtmd refuses the file
+        original = mmproj._vision_name
+        monkeypatch.setattr(mmproj, "_vision_name", lambda n: None if "multi_modal_projector" in n else original(n))
+    else:  # mtmd loads it, the image embeddings differ
+        monkeypatch.setattr(mmproj, "transform", lambda gguf_name, w: w)
+    with pytest.raises(ExportCheckError, match="check mmproj: passed=False"):
         export(gemma3_dir, "gguf", tmp_path / "out", quant="f16")
 
 
