@@ -31,7 +31,7 @@ EXPECTED_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistr
 EXPECTED_STOPS = {"llama": ["<|eot_id|>"], "qwen2": ["<|im_end|>"], "qwen3": ["<|im_end|>"],
                   "mistral": ["</s>"], "gemma3_text": ["<end_of_turn>", "<eos>"],
                   "qwen3_moe": ["<|im_end|>"], "gpt_oss": ["<|eot_id|>"], "qwen3_5_text": ["<|im_end|>"],
-                  "gemma4_text": ["<end_of_turn>", "<eos>"]}
+                  "gemma4_text": ["<turn|>", "<eos>"]}
 # Top-1 agreement on the prompt positions (not checked by the export: no tie allowance there). Gemma 4
 # attends unscaled (scale 1 on normed q, k): llama.cpp's f16 K/V cache moves its logits by up to
 # ~3% of their spread (~0.3% with an f32 cache), enough to flip a near-tie among the prompt's tokens.
