@@ -1,6 +1,7 @@
 """Export of the issue-26 families: image-text checkpoints (their language model's GGUF, checked
-by llama.cpp; merged and adapter exports of the whole model) and the dense families whose GGUF
-layout Kestrel does not write yet (a clear refusal; adapter and merged exports work)."""
+by llama.cpp, and Gemma 3's vision projector file, checked by llama.cpp's mtmd; merged and adapter
+exports of the whole model) and a family without a GGUF layout (a clear refusal; adapter and merged
+exports work)."""
 
 from __future__ import annotations
 
