@@ -18,19 +18,8 @@ import pytest
 from kestrel.export import export
 from kestrel.model.registry import GGUF_FAMILIES
 from tests.support.export_fixtures import LLAMA3, MISTRAL, save_tiny_model
-from tests.support.real_vocab import VOCABS
+from tests.support.real_vocab import INEXACT, VOCABS
 
-INEXACT = {
-    "llama-bpe": "transformers converts llama-bpe with GPT-2's split regex (ByteLevel use_regex) instead of Llama 3's, "
-                 "without ignore_merges: digit runs ('3333'), contractions and Khmer tokenize differently (11 of 46)",
-    "qwen35": "transformers gives Qwen 3.5 Qwen 2's NFC normalizer; Qwen 3.5's tokenizer does not normalize, so "
-              "decomposed accents ('e' + U+0301) differ (3 of 50)",
-    "phi-3": "transformers' conversion of Phi-3's SentencePiece vocabulary loses its space handling: a leading space, "
-             "whitespace-only strings and most sentences differ (45 of 46)",
-    "gemma-4": "llama.cpp's gemma4 tokenizer (whitespace runs are tokens) read by transformers as Gemma's SentencePiece "
-               "BPE: runs of spaces and some words differ (8 of 46); AutoTokenizer cannot read it at all "
-               "(tests.support.real_vocab._TOKENIZER_CLASS)",
-}
 
 # family -> the vocabulary of its real models
 FAMILY_VOCAB = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "llama-spm",
