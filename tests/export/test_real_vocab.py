@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from kestrel.errors import KestrelError
 from kestrel.export import export
+from kestrel.export.check import check_tokenizer
+from kestrel.export.gguf_export import settle_tokenizer
+from kestrel.export.gguf_tokenizer import build_vocab
+from kestrel.export.gguf_writer import write_gguf
+from kestrel.export.source import resolve_source
 from kestrel.model.registry import GGUF_FAMILIES
 from tests.support.export_fixtures import LLAMA3, MISTRAL, save_tiny_model
 from tests.support.real_vocab import INEXACT, VOCABS
@@ -65,3 +71,48 @@ def test_f16_export_on_the_real_vocabulary(family: str, real_vocab, tmp_path: Pa
     f16 = checks["gguf_f16"]
     assert f16.passed and f16.exact_required and f16.prompt_top1_agreement == 1.0, f16
     assert checks["chat_template"]["embedded"] and checks["chat_template"]["jinja_matches"], checks["chat_template"]
+    # llama.cpp's own test strings, on the exported file: plain (BOS/EOS as the tokenizer adds them) and chat-rendered
+    texts = _unchanged_by_normalizer(tokenizer, [text for text, _ in real_vocab(name).cases])
+    found = check_tokenizer(next((tmp_path / "out").glob("*.gguf")), tokenizer, texts)
+    assert not found.chat_mismatches, found.chat_mismatches[:3]
+    assert not found.text_mismatches, found.text_mismatches[:3]
+
+
+def _unchanged_by_normalizer(tokenizer, texts: list[str]) -> tuple[str, ...]:
+    """The texts the tokenizer's Unicode normalizer leaves as they are: llama.cpp has no such step
+    (the export notes it), so only these tokenize alike in both."""
+    normalizer = tokenizer.backend_tokenizer.normalizer
+    return tuple(t for t in texts if normalizer is None or normalizer.normalize_str(t) == t)
+
+
+# the tokenizer side alone, for a vocabulary whose family has no GGUF export yet: a family with an
+# export and the same kind of vocabulary carries it
+VOCAB_ONLY = {"qwen35": "qwen3"}
+
+
+@pytest.mark.parametrize("name", VOCAB_ONLY)
+def test_llama_cpp_tokenizes_the_real_vocabulary_like_hugging_face(name: str, real_vocab, tmp_path: Path) -> None:
+    """The vocabulary Kestrel writes for this tokenizer: llama.cpp's test strings, plain and
+    chat-rendered, tokenize in llama.cpp as in Hugging Face (after the export's own settling)."""
+    vocab = real_vocab(name)
+    src = resolve_source(save_tiny_model(VOCAB_ONLY[name], vocab.tokenizer, tmp_path / name, **SMALL))
+    built = build_vocab(vocab.tokenizer, int(src.config.vocab_size), vocab.tokenizer.chat_template)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    assert settle_tokenizer(stage, src, built, vocab.tokenizer).matches
+    write_gguf(stage / "v.gguf", None, src.lm_config, src.family, built, "f16", name)
+    texts = [text for text, _ in vocab.cases]
+    kept = _unchanged_by_normalizer(vocab.tokenizer, texts)
+    if len(kept) < len(texts):  # Qwen's NFC: said in the export's notes
+        assert any("normalizes text to NFC" in note for note in built.notes), built.notes
+    found = check_tokenizer(stage / "v.gguf", vocab.tokenizer, kept)
+    assert not found.chat_mismatches, found.chat_mismatches[:3]
+    assert not found.text_mismatches, found.text_mismatches[:3]
+
+
+def test_token_text_on_two_ids_is_refused_before_llama_cpp_aborts(real_vocab) -> None:
+    """transformers' conversion of Gemma 4's vocabulary turns byte token <0x09> (id 247) into a
+    second "\t" (id 255968 is "\t"): llama.cpp would abort loading it (GGML_ASSERT in llama-vocab)."""
+    tokenizer = real_vocab("gemma-4").tokenizer
+    with pytest.raises(KestrelError, match=r"1 token text\(s\) to more than one id, e.g. '\\t' \(ids 247 and 255968\)"):
+        build_vocab(tokenizer, len(tokenizer), tokenizer.chat_template)
