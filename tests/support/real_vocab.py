@@ -44,9 +44,9 @@ INEXACT = {
               "decomposed accents ('e' + U+0301) differ (3 of 50)",
     "phi-3": "transformers' conversion of Phi-3's SentencePiece vocabulary loses its space handling: a leading space, "
              "whitespace-only strings and most sentences differ (45 of 46)",
-    "gemma-4": "llama.cpp's gemma4 tokenizer (whitespace runs are tokens) read by transformers as Gemma's SentencePiece "
-               "BPE: runs of spaces and some words differ (8 of 46); AutoTokenizer cannot read it at all "
-               "(tests.support.real_vocab._TOKENIZER_CLASS)",
+    "gemma-4": "transformers converts llama.cpp's gemma4 BPE vocabulary into a SentencePiece Unigram with byte fallback: "
+               "runs of spaces, digits and some words differ (8 of 46), and byte token <0x09> becomes a second '\\t'; "
+               "AutoTokenizer cannot read it at all (_TOKENIZER_CLASS)",
 }
 # AutoTokenizer first builds the model's config from the GGUF's metadata, and transformers' Gemma 4
 # config rejects llama.cpp's per-layer `gemma4.attention.head_count_kv` array (StrictDataclass-
