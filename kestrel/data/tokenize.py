@@ -8,6 +8,8 @@ when it starts inside an assistant span.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -43,7 +45,10 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     for k, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:k], True)) if k else 0
+        # The answer starts where the history plus the generation prompt meets the conversation:
+        # a prompt may end in text the rendered conversation lacks (Gemma 4 opens an empty
+        # thinking channel), which is the model's prompt, not the answer's first characters.
+        start = len(os.path.commonprefix([_render(tokenizer, messages[:k], True), full])) if k else 0
         end = len(_render(tokenizer, messages[: k + 1], False))
         if not full.startswith(_render(tokenizer, messages[: k + 1], False)[:end]):
             # The template rewrites earlier turns once later ones exist; fall back to the content.

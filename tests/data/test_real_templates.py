@@ -1,5 +1,5 @@
 """Training tokenization under the real chat templates (the ones llama.cpp's vocabulary files of
-Qwen 2/3, Qwen 3.5, Gemma 4 and Phi-3 carry; tests.support.real_vocab): with
+Qwen 2/3, Qwen 3.5 and Gemma 4 carry; tests.support.real_vocab): with
 train_on_responses_only, each assistant answer and the end-of-turn text after it are trained,
 everything the user or system wrote and every role header is masked. Skipped until ./install.sh
 has fetched the vocabularies."""
@@ -10,7 +10,6 @@ import pytest
 
 from kestrel.data.formats import Conversation
 from kestrel.data.tokenize import IGNORE, tokenize_conversation
-from tests.support.real_vocab import INEXACT
 
 CONVERSATION = [
     {"role": "system", "content": "You answer in one short sentence."},
@@ -19,13 +18,10 @@ CONVERSATION = [
     {"role": "user", "content": "And the capital of Italy?"},
     {"role": "assistant", "content": "Rome is the capital of Italy."},
 ]
-# Kestrel bug, in kestrel.data.tokenize.assistant_spans (not this branch's room): an answer's span
-# starts where the history rendered with add_generation_prompt=True ends, but Gemma 4's generation
-# prompt ends in an empty thinking channel ("<|turn>model\n<|channel>thought\n<channel|>") that the
-# rendered conversation does not hold, so the first 27 characters of every answer are masked.
-GEMMA4_SPAN = "Gemma 4's generation prompt adds an empty thinking channel the history lacks: answers' starts are masked"
-WITH_TEMPLATE = ("qwen2", "qwen35", pytest.param("gemma-4", marks=pytest.mark.xfail(reason=GEMMA4_SPAN, strict=True)),
-                 pytest.param("phi-3", marks=pytest.mark.xfail(reason=INEXACT["phi-3"], strict=True)))  # the vocabulary files that carry a chat template
+# The vocabulary files that carry a chat template. Gemma 4's generation prompt ends in an empty
+# thinking channel the rendered conversation lacks: its answers must still be trained from their
+# first character (kestrel.data.tokenize.assistant_spans).
+WITH_TEMPLATE = ("qwen2", "qwen35", "gemma-4")
 
 
 def _trained_runs(ids: list[int], labels: list[int]) -> list[list[int]]:

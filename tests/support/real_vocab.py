@@ -33,7 +33,6 @@ VOCABS = {
     "qwen2": "Qwen 2 / Qwen 3 (byte-level BPE, qwen2 split)",
     "qwen35": "Qwen 3.5 (byte-level BPE, qwen35 split)",
     "gemma-4": "Gemma 4 (SentencePiece-style BPE, llama.cpp's gemma4 tokenizer)",
-    "phi-3": "Phi-3 (SentencePiece BPE, Llama 2 vocabulary)",
     "llama-spm": "Llama 2 / Mistral (SentencePiece BPE with byte fallback)",
 }
 # Where transformers' conversion of a vocabulary does not give llama.cpp's test ids, and why.
@@ -42,8 +41,6 @@ INEXACT = {
                  "without ignore_merges: digit runs ('3333'), contractions and Khmer tokenize differently (11 of 46)",
     "qwen35": "transformers gives Qwen 3.5 Qwen 2's NFC normalizer; Qwen 3.5's tokenizer does not normalize, so "
               "decomposed accents ('e' + U+0301) differ (3 of 50)",
-    "phi-3": "transformers' conversion of Phi-3's SentencePiece vocabulary loses its space handling: a leading space, "
-             "whitespace-only strings and most sentences differ (45 of 46)",
     "gemma-4": "transformers converts llama.cpp's gemma4 BPE vocabulary into a SentencePiece Unigram with byte fallback: "
                "runs of spaces, digits and some words differ (8 of 46), and byte token <0x09> becomes a second '\\t'; "
                "AutoTokenizer cannot read it at all (_TOKENIZER_CLASS)",
