@@ -30,6 +30,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kestrel.kernels.moe import ExpertProjection, moe_experts
+from kestrel.model.expert_quant import packed_experts
 from kestrel.model.registry import FamilySpec, MoeSpec
 
 ROUTER_STATS_KWARG = "kestrel_router_stats"  # how the decoder stack hands a layer its `RouterStats`
@@ -127,12 +128,13 @@ def _factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 def expert_projections(experts: nn.Module, moe: MoeSpec) -> tuple[ExpertProjection, ExpertProjection] | None:
     """(gate_up, down) of `experts` (PEFT-wrapped or not) for the grouped product, or None when
-    PEFT's own forward must run."""
+    PEFT's own forward must run. NF4 experts (`kestrel.model.expert_quant`) come as their packed form."""
     base, wrappers = _wrappers(experts)
+    packed = packed_experts(base)
     out = []
     for name in ("gate_up_proj", "down_proj"):
         stored = getattr(base, name)
-        weight = stored if moe.transposed else stored.transpose(1, 2)  # (E, in, out)
+        weight = packed.get(name) or (stored if moe.transposed else stored.transpose(1, 2))  # (E, in, out)
         bias = getattr(base, f"{name}_bias") if moe.bias else None
         factors = _factors(wrappers[name], stored.dtype) if name in wrappers else None
         if factors is False:
