@@ -125,3 +125,33 @@ def test_quantize_experts_refuses_after_lora() -> None:
     model = get_peft_model(tiny_model("qwen3_moe", VOCAB), LoraConfig(r=4, target_parameters=EXPERT_PARAMS, target_modules=[]))
     with pytest.raises(ValueError, match="before attaching LoRA"):
         quantize_experts(model, family_of("qwen3_moe"))
+
+
+def test_loader_quantizes_the_experts_of_a_patched_model_only(caplog: pytest.LogCaptureFixture) -> None:
+    """The loader's 4-bit step (after bitsandbytes' linears): NF4 experts when the MoE block is
+    patched; an unpatched model keeps them 16-bit and the log says why."""
+    from kestrel.model.loader import _quantize_experts
+
+    patched, plain = tiny_model("qwen3_moe", VOCAB), tiny_model("qwen3_moe", VOCAB)
+    with caplog.at_level("INFO", logger="kestrel"):
+        _quantize_experts(patched, "tiny", patch_model(patched))
+        _quantize_experts(plain, "tiny", None)
+    assert packed_experts(patched.model.layers[0].mlp.experts)
+    assert not packed_experts(plain.model.layers[0].mlp.experts)
+    assert "attention and the experts to NF4" in caplog.text and "the experts stay torch.float32" in caplog.text
+
+
+@pytest.mark.gpu
+def test_4bit_loading_stores_moe_experts_in_nf4_and_trains(tiny_model_dir) -> None:
+    from kestrel.model.loader import load
+
+    model, _ = load(str(tiny_model_dir("qwen3_moe")), 64, load_in_4bit=True)
+    experts = model.model.layers[0].mlp.experts
+    assert set(packed_experts(experts)) == {"gate_up_proj", "down_proj"}
+    assert experts.gate_up_proj.untyped_storage().nbytes() <= 2  # the placeholder's one element
+    model = get_peft_model(model, LoraConfig(r=4, target_parameters=EXPERT_PARAMS, target_modules=["q_proj"]))
+    ids = torch.randint(0, 100, (2, 16), device="cuda")
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "experts" in n and "lora_B" in n]  # B starts at 0: A's grad is 0
+    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
