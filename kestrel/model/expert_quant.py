@@ -7,8 +7,10 @@ bitsandbytes' 4-bit loading quantizes `nn.Linear` only, so Hugging Face loads a 
 block's grouped product dequantizes per layer on the fly (`kestrel.kernels.moe.nf4_experts`).
 
 Memory: storage about 0.52 byte a parameter (NF4 codes, double-quantized absmax) against 2 in
-bf16; the peak while quantizing is the 4-bit total plus one projection of one layer in 16-bit
-(its old copy is freed before the next one is quantized); in training, one projection of one
+bf16. Quantizing frees each projection's 16-bit copy before the next is quantized, so the memory
+only falls from there; but Hugging Face has loaded every layer's 16-bit experts onto the device
+before this step, so loading still needs the 16-bit experts' memory once (Qwen3-30B-A3B: about
+58 GB), and training then holds them in NF4 (about 15 GB). In training one projection of one
 layer's experts exists in 16-bit at a time (the shared NF4 workspace).
 
 The parameter itself stays, so PEFT's `target_parameters` LoRA wraps it as before (it reads its
