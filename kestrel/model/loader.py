@@ -119,7 +119,9 @@ def _family_kwargs(path: str, kwargs: dict, load_in_4bit: bool) -> None:
     checkpoints ship the experts in MXFP4; they are dequantized to 16-bit on load. MXFP4 compute in
     transformers is inference-only (the `kernels` hub's triton_kernels, not installed here, and no
     backward), while LoRA on the experts needs a differentiable expert product; gpt-oss-20b in
-    bf16 (about 42 GB) trains with LoRA on one 80 GB GPU."""
+    bf16 (about 42 GB) trains with LoRA on one 80 GB GPU. Under 4-bit loading the dequantized
+    experts go to NF4 after load (`_quantize_experts`), while its attention linears stay 16-bit:
+    one `from_pretrained` takes one quantization config, and MXFP4's dequantization is it."""
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
@@ -130,15 +132,11 @@ def _family_kwargs(path: str, kwargs: dict, load_in_4bit: bool) -> None:
     quant = getattr(config, "quantization_config", None) or {}
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
-        if load_in_4bit:
-            raise ModelLoadError(
-                f"{path} ships MXFP4 (4-bit) expert weights, which Kestrel dequantizes to 16-bit for training; "
-                "4-bit loading (QLoRA) of it is not supported. Set `load_in_4bit: false` (method `lora`)."
-            )
         from transformers import Mxfp4Config
 
-        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-        log.info("%s: MXFP4 experts dequantized to %s", path, kwargs.get("dtype"))
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)  # in place of bitsandbytes' under 4-bit
+        log.info("%s: MXFP4 experts dequantized to %s%s", path, kwargs.get("dtype"),
+                 "; its attention linears stay 16-bit under 4-bit loading (no bitsandbytes with MXFP4)" if load_in_4bit else "")
 
 
 def _match_expert_dtype(model: PreTrainedModel, dtype: torch.dtype) -> None:
