@@ -155,3 +155,29 @@ def test_4bit_loading_stores_moe_experts_in_nf4_and_trains(tiny_model_dir) -> No
     loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if "experts" in n and "lora_B" in n]  # B starts at 0: A's grad is 0
     assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_nf4_experts_decode_with_an_adapter_as_16_bit_experts_holding_their_values() -> None:
+    """GRPO rollouts and chat on a QLoRA MoE: the decode loop (HF's forward through the patched
+    block) gives the greedy tokens of 16-bit experts set to the NF4 values, adapter on and off."""
+    from kestrel.decode.generate import Generator
+
+    quant = tiny_model("qwen3_moe", VOCAB, seed=9)
+    quant.generation_config.eos_token_id = None
+    patch_model(quant)
+    quantize_experts(quant, family_of("qwen3_moe"))
+    dense = copy.deepcopy(quant)
+    dense.kestrel_expert_quant.undo()
+    prompt = _ids(5, b=1, t=9)[0].tolist()
+    tokens = []
+    for model in (quant, dense):
+        torch.manual_seed(10)
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_parameters=EXPERT_PARAMS, target_modules=[]))
+        with torch.no_grad():
+            for n, p in peft_model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.5)
+        peft_model.eval()
+        gen = Generator(peft_model, max_seq_len=64, stop_ids=[])
+        tokens.append([gen.generate([prompt], max_new_tokens=8, adapter=a).tokens[0] for a in ("default", None)])
+    assert tokens[0] == tokens[1] and tokens[0][0] != tokens[0][1]
