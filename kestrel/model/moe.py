@@ -7,6 +7,8 @@ rounding is the family's), then runs the experts as one routed, grouped product
 experts is PEFT's `target_parameters` (`lora.ParamWrapper`), so the saved adapter is a standard
 PEFT folder. Anything the grouped path does not compute as PEFT would (several active adapters,
 a merged or disabled adapter stays exact: base weights only) goes to PEFT's own forward.
+Under QLoRA the experts' weights are NF4 (`kestrel.model.expert_quant`): the grouped product
+dequantizes them one projection at a time; PEFT's own forward cannot read them and refuses.
 
 The load-balancing (auxiliary) loss is Switch Transformer's, as HF's `load_balancing_loss_func`:
     aux = E * sum_e f_e P_e,   f_e = share of top-k choices that picked e,
