@@ -18,7 +18,10 @@ shape, dtype and device): a frozen placeholder of the right shape over a single 
 zero-stride view, 2 bytes). Its values are not the weights: only the patched block computes
 with the experts, and the experts module's own forward (HF's, which PEFT's wrapper calls too)
 is rebound to one that refuses with a clear error. `ExpertQuantHandle.undo()`
-puts dequantized 16-bit parameters back (NF4-rounded, not the original values).
+puts dequantized 16-bit parameters back (NF4-rounded, not the original values). The packed
+tensors stay on the device they were quantized on (a QLoRA model is loaded onto its GPU and not
+moved): a later `model.to()` moves the placeholders only, and the grouped product then fails on
+the device mismatch rather than computing anything.
 """
 
 from __future__ import annotations
