@@ -31,8 +31,9 @@ sample (sliding-window layers counted as full attention). RoPE scaling (llama3, 
 out of the configs: it changes the rotary tables' values, not the work.
 Mixture of experts (`qwen3-30b-a3b`, `gpt-oss-20b`, `qwen3.5-35b-a3b`, bench/model_shapes.py MOE_MODELS): LoRA on the
 attention linears and on every expert (the MLP targets become PEFT parameter targets for `hf` too);
-run them with `--methods lora` (16-bit experts: bitsandbytes quantizes linears only, so `qlora`
-saves only the attention's share) and read each record's peak memory. Useful FLOPs count the k
+compare systems with `--methods lora` (under `qlora` Kestrel stores the experts in NF4,
+`kestrel.model.expert_quant`, while bitsandbytes in the other systems quantizes linears only and
+keeps them 16-bit) and read each record's peak memory. Useful FLOPs count the k
 routed experts. gpt-oss runs eager attention with sinks in every system.
 """
 

@@ -26,7 +26,8 @@ from kestrel.constants import DEMO
 from kestrel.errors import ModelLoadError
 from kestrel.paths import ASSETS, models_dir
 from kestrel.model.multimodal import freeze_outside_language_model, is_image_text
-from kestrel.model.patching import PatchFlags, patch_model
+from kestrel.model.expert_quant import quantize_experts
+from kestrel.model.patching import PatchFlags, PatchHandle, patch_model
 from kestrel.model.registry import family_for
 from kestrel.model.safe_weights import refuse_pickled
 
@@ -118,29 +119,24 @@ def _family_kwargs(path: str, kwargs: dict, load_in_4bit: bool) -> None:
     checkpoints ship the experts in MXFP4; they are dequantized to 16-bit on load. MXFP4 compute in
     transformers is inference-only (the `kernels` hub's triton_kernels, not installed here, and no
     backward), while LoRA on the experts needs a differentiable expert product; gpt-oss-20b in
-    bf16 (about 42 GB) trains with LoRA on one 80 GB GPU."""
+    bf16 (about 42 GB) trains with LoRA on one 80 GB GPU. Under 4-bit loading the dequantized
+    experts go to NF4 after load (`_quantize_experts`), while its attention linears stay 16-bit:
+    one `from_pretrained` takes one quantization config, and MXFP4's dequantization is it."""
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
         return  # from_pretrained below reports it
     spec = family_for(config)
-    if spec is not None and spec.moe is not None and load_in_4bit:
-        # bitsandbytes quantizes nn.Linear only: the experts' 3-D weights keep the compute dtype.
-        log.info("%s: 4-bit loading quantizes attention to NF4; the experts stay %s", path, kwargs.get("dtype"))
     if spec is not None and spec.attention_sinks and kwargs.get("attn_implementation") == "sdpa":
         kwargs["attn_implementation"] = "eager"
     quant = getattr(config, "quantization_config", None) or {}
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
-        if load_in_4bit:
-            raise ModelLoadError(
-                f"{path} ships MXFP4 (4-bit) expert weights, which Kestrel dequantizes to 16-bit for training; "
-                "4-bit loading (QLoRA) of it is not supported. Set `load_in_4bit: false` (method `lora`)."
-            )
         from transformers import Mxfp4Config
 
-        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-        log.info("%s: MXFP4 experts dequantized to %s", path, kwargs.get("dtype"))
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)  # in place of bitsandbytes' under 4-bit
+        log.info("%s: MXFP4 experts dequantized to %s%s", path, kwargs.get("dtype"),
+                 "; its attention linears stay 16-bit under 4-bit loading (no bitsandbytes with MXFP4)" if load_in_4bit else "")
 
 
 def _match_expert_dtype(model: PreTrainedModel, dtype: torch.dtype) -> None:
@@ -162,7 +158,8 @@ def load(
     """Load `model` (hub id, local folder or `demo`) and its tokenizer, patched for speed.
 
     `load_in_4bit` quantizes the weights to NF4 with double quantization and bf16 compute
-    (QLoRA); it needs CUDA. `patch=False` returns the plain Hugging Face model.
+    (QLoRA), a mixture of experts' expert weights too when patched; it needs CUDA. `patch=False`
+    returns the plain Hugging Face model.
     """
     dev = torch.device(device) if device is not None else default_device()
     if load_in_4bit and dev.type != "cuda":
@@ -204,6 +201,23 @@ def load(
     if frozen:
         log.info("%s is an image-text model: its language model trains on text, %d vision/projector "
                  "parameters stay frozen", type(hf_model).__name__, frozen)
-    if patch:
-        patch_model(hf_model, patch if isinstance(patch, PatchFlags) else PatchFlags())
+    handle = patch_model(hf_model, patch if isinstance(patch, PatchFlags) else PatchFlags()) if patch else None
+    if load_in_4bit:
+        _quantize_experts(hf_model, path, handle)
     return hf_model, tokenizer
+
+
+def _quantize_experts(model: PreTrainedModel, path: str, handle: PatchHandle | None) -> None:
+    """QLoRA on a mixture of experts: bitsandbytes quantized the linears (attention, a shared
+    expert); the experts' 3-D weights came in 16-bit and go to NF4 here, one layer at a time
+    (`kestrel.model.expert_quant`). Only the patched MoE block reads NF4 experts, so an unpatched
+    model keeps them 16-bit."""
+    spec = family_for(model.config)
+    if spec is None or spec.moe is None:
+        return
+    if handle is None or not handle.flags.mlp or "mlp" not in spec.levels:
+        log.info("%s: 4-bit loading quantizes attention to NF4; the experts stay %s (NF4 experts need Kestrel's "
+                 "patched MoE block: patch=True)", path, next(model.parameters()).dtype)
+        return
+    quant = quantize_experts(model, spec)
+    log.info("%s: 4-bit loading quantizes attention and the experts to NF4 (experts: %.2f GB)", path, quant.nbytes / 1e9)

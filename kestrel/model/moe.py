@@ -7,6 +7,8 @@ rounding is the family's), then runs the experts as one routed, grouped product
 experts is PEFT's `target_parameters` (`lora.ParamWrapper`), so the saved adapter is a standard
 PEFT folder. Anything the grouped path does not compute as PEFT would (several active adapters,
 a merged or disabled adapter stays exact: base weights only) goes to PEFT's own forward.
+Under QLoRA the experts' weights are NF4 (`kestrel.model.expert_quant`): the grouped product
+dequantizes them one projection at a time; PEFT's own forward cannot read them and refuses.
 
 The load-balancing (auxiliary) loss is Switch Transformer's, as HF's `load_balancing_loss_func`:
     aux = E * sum_e f_e P_e,   f_e = share of top-k choices that picked e,
@@ -30,6 +32,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kestrel.kernels.moe import ExpertProjection, moe_experts
+from kestrel.model.expert_quant import packed_experts
 from kestrel.model.registry import FamilySpec, MoeSpec
 
 ROUTER_STATS_KWARG = "kestrel_router_stats"  # how the decoder stack hands a layer its `RouterStats`
@@ -127,12 +130,13 @@ def _factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 def expert_projections(experts: nn.Module, moe: MoeSpec) -> tuple[ExpertProjection, ExpertProjection] | None:
     """(gate_up, down) of `experts` (PEFT-wrapped or not) for the grouped product, or None when
-    PEFT's own forward must run."""
+    PEFT's own forward must run. NF4 experts (`kestrel.model.expert_quant`) come as their packed form."""
     base, wrappers = _wrappers(experts)
+    packed = packed_experts(base)
     out = []
     for name in ("gate_up_proj", "down_proj"):
         stored = getattr(base, name)
-        weight = stored if moe.transposed else stored.transpose(1, 2)  # (E, in, out)
+        weight = packed.get(name) or (stored if moe.transposed else stored.transpose(1, 2))  # (E, in, out)
         bias = getattr(base, f"{name}_bias") if moe.bias else None
         factors = _factors(wrappers[name], stored.dtype) if name in wrappers else None
         if factors is False:

@@ -34,8 +34,9 @@ The model of memory (bytes), written for the way the engine trains:
   page-locked host memory, layers x tokens x hidden x 2 bytes (100 GiB at 409,600 tokens on the
   8B shape); pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
 - mixture of experts (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): every expert's weights count (E x 3 h ie, plus the
-  router's E h); they stay 16-bit under QLoRA (bitsandbytes quantizes linears, and the experts
-  are 3-D parameters). LoRA on the MLP targets puts per-expert factors on the experts,
+  router's E h); QLoRA stores the experts in NF4 too (`kestrel.model.expert_quant`; the router
+  stays 16-bit) and dequantizes one projection of one layer's experts at a time into a 16-bit
+  workspace, E 2 ie h x 2 bytes (gate_up, the larger). LoRA on the MLP targets puts per-expert factors on the experts,
   E r (h + 2 ie) + E r (ie + h) a layer. Activations use the k routed experts' intermediate,
   k ie a token, plus the token rows copied into expert order and back (2 k h). A shared expert
   (Qwen3.5-MoE: intermediate s) is a dense MLP of linears beside them (NF4 under QLoRA, LoRA on
@@ -122,6 +123,11 @@ class ModelShape:
         if not self.experts:
             return self.intermediate
         return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+
+    @property
+    def expert_weight_params(self) -> int:
+        """The experts' gate, up and down weights of every layer (NF4 under QLoRA), without the routers."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
 
     def expert_lora_params(self, r: int) -> int:
         """Per-expert LoRA factors of gate_up (h -> 2 ie) and down (ie -> h), all layers."""
@@ -271,9 +277,10 @@ def estimate_training_memory(
 ) -> MemoryEstimate:
     """Peak training memory of `shape` under these settings (see the module docstring)."""
     # weights
-    other = shape.params - shape.block_linear_params
+    nf4 = shape.block_linear_params + shape.expert_weight_params
     if method == "qlora":
-        weights = int(shape.block_linear_params * NF4_BYTES) + 2 * other
+        workspace = 2 * shape.experts * 2 * shape.expert_intermediate * shape.hidden  # one layer's gate_up in 16-bit
+        weights = int(nf4 * NF4_BYTES) + 2 * (shape.params - nf4) + workspace
     else:
         weights = 2 * shape.params
     # trainable parameters and their optimizer state

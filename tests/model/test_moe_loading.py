@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kestrel.errors import ModelLoadError
 from kestrel.model.loader import load
 from tests.support.mxfp4 import write_mxfp4_gpt_oss
 from tests.support.tiny import tiny_model
@@ -30,8 +29,31 @@ def test_gpt_oss_mxfp4_checkpoint_loads_dequantized(tmp_path: Path, demo_tokeniz
     assert torch.isfinite(out.loss) and out.aux_loss is not None
 
 
-def test_gpt_oss_mxfp4_refuses_4bit_loading(tmp_path: Path, demo_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpt_oss_mxfp4_under_4bit_loading_dequantizes_in_place_of_bitsandbytes(tmp_path: Path, demo_tokenizer) -> None:
+    """One quantization config per load: MXFP4's dequantization replaces bitsandbytes' (the experts
+    then go to NF4 after load; see tests/model/test_moe_nf4.py)."""
+    from transformers import BitsAndBytesConfig, Mxfp4Config
+
+    from kestrel.model.loader import _family_kwargs
+
     write_mxfp4_gpt_oss(tiny_model("gpt_oss", len(demo_tokenizer)), tmp_path)
+    kwargs = {"dtype": torch.bfloat16, "attn_implementation": "sdpa", "quantization_config": BitsAndBytesConfig(load_in_4bit=True)}
+    _family_kwargs(str(tmp_path), kwargs, load_in_4bit=True)
+    assert isinstance(kwargs["quantization_config"], Mxfp4Config) and kwargs["quantization_config"].dequantize
+    assert kwargs["attn_implementation"] == "eager"
+
+
+@pytest.mark.gpu
+def test_gpt_oss_mxfp4_loads_in_4bit_with_nf4_experts(tmp_path: Path, demo_tokenizer) -> None:
+    from kestrel.model.expert_quant import packed_experts
+
+    source = tiny_model("gpt_oss", len(demo_tokenizer), seed=0)
+    write_mxfp4_gpt_oss(source, tmp_path)
     demo_tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="MXFP4"):
-        load(str(tmp_path), 64, load_in_4bit=True, device="cuda")
+    dense, _ = load(str(tmp_path), 64, dtype="bf16")
+    model, _ = load(str(tmp_path), 64, load_in_4bit=True)
+    assert packed_experts(model.model.layers[0].mlp.experts)
+    ids = torch.randint(0, len(demo_tokenizer), (1, 12), device="cuda")
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, use_cache=False).logits.float() for m in (dense, model))
+    assert (got - want).norm() / want.norm() < 0.1

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kestrel.training.estimate import (
-    CONTEXT_BYTES, DEFERRED_ROWS, GIB, detect_host_memory, estimate_training_memory, host_verdict,
+    CONTEXT_BYTES, DEFERRED_ROWS, GIB, NF4_BYTES, detect_host_memory, estimate_training_memory, host_verdict,
     meminfo_total_bytes, shape_from_config, verdict,
 )
 from kestrel.paths import ASSETS
@@ -122,7 +122,7 @@ def test_meminfo_parser(tmp_path: Path) -> None:
     assert detect_host_memory(str(tmp_path / "absent")) is None  # e.g. macOS, Windows
 
 
-def test_moe_shapes_count_every_expert_and_keep_experts_16_bit_in_qlora() -> None:
+def test_moe_shapes_count_every_expert_and_store_experts_in_nf4_in_qlora() -> None:
     from bench.model_shapes import MODELS
 
     qwen, oss = shape_from_config(MODELS["qwen3-30b-a3b"]), shape_from_config(MODELS["gpt-oss-20b"])
@@ -130,7 +130,12 @@ def test_moe_shapes_count_every_expert_and_keep_experts_16_bit_in_qlora() -> Non
     assert abs(oss.params / 20.91e9 - 1) < 0.02  # gpt-oss-20b: 20.9B
     lora = estimate_training_memory(qwen, "lora", 16, None, 1, 2048, "standard")
     qlora = estimate_training_memory(qwen, "qlora", 16, None, 1, 2048, "standard")
-    assert qlora.weights > 2 * qwen.expert_params  # experts stay 16-bit; only attention is NF4
+    # QLoRA: attention and experts in NF4, routers, norms and embeddings 16-bit, one layer's gate_up dequantized
+    nf4 = qwen.block_linear_params + qwen.expert_weight_params
+    workspace = 2 * 128 * 2 * 768 * 2048
+    assert qlora.weights == int(nf4 * NF4_BYTES) + 2 * (qwen.params - nf4) + workspace
+    assert 15e9 < qlora.weights < 19e9  # about 61 GB of weights in bf16
+    assert lora.weights > 3 * qlora.weights
     assert lora.trainable == qwen.layers * (16 * sum(a + b for a, b in qwen.linear_shapes.values())) \
         + qwen.expert_lora_params(16)
     attention_only = estimate_training_memory(qwen, "lora", 16, ["q_proj", "v_proj"], 1, 2048, "standard")
@@ -193,7 +198,9 @@ def test_qwen3_5_moe_counts_experts_the_shared_expert_and_linear_attention() -> 
     lora = estimate_training_memory(shape, "lora", 16, ["gate_proj", "up_proj", "down_proj"], 1, 2048)
     assert lora.trainable == shape.layers * 16 * sum(a + b for a, b in shared.values()) + shape.expert_lora_params(16)
     qlora = estimate_training_memory(shape, "qlora", 16, None, 1, 2048)
-    assert qlora.weights == int(shape.block_linear_params * 0.54) + 2 * (shape.params - shape.block_linear_params)
+    nf4 = shape.block_linear_params + 40 * 256 * 3 * 2048 * 512  # linears and every layer's experts
+    workspace = 2 * 256 * 2 * 512 * 2048  # one layer's gate_up dequantized to 16-bit
+    assert qlora.weights == int(nf4 * 0.54) + 2 * (shape.params - nf4) + workspace
     grpo = estimate_training_memory(shape, "grpo", 16, None, 1, 2048, num_generations=4,
                                     max_prompt_length=512, max_completion_length=256)
     kv = 2 * 10 * 4 * 768 * 2 * 256 * 2  # K and V, 10 layers, 4 sequences of 768 tokens, 2 KV heads of 256

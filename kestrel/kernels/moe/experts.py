@@ -23,6 +23,7 @@ import torch
 
 from kestrel.kernels.glu import swiglu
 from kestrel.kernels.moe.grouped import Impl, grouped_mm
+from kestrel.kernels.moe.nf4_experts import PackedExperts, nf4_grouped_mm
 
 Activation = Literal["swiglu", "gpt_oss"]
 
@@ -51,15 +52,19 @@ class Routing:
 class ExpertProjection:
     """One projection of every expert, as the grouped product reads it."""
 
-    weight: torch.Tensor  # (E, in, out), any strides (a transposed view of (E, out, in) storage)
+    weight: torch.Tensor | PackedExperts  # (E, in, out), any strides (a transposed view of (E, out, in) storage),
+    # or frozen NF4 experts dequantized inside the product (QLoRA)
     bias: torch.Tensor | None = None  # (E, out)
     lora_a: torch.Tensor | None = None  # (E, in, r)
     lora_b: torch.Tensor | None = None  # (E, r, out)
     scaling: float = 1.0
 
     def __call__(self, xs: torch.Tensor, routing: Routing, impl: Impl = "auto") -> torch.Tensor:
-        """xs (N*k, in) sorted rows -> (N*k, out)."""
-        y = grouped_mm(xs, self.weight, routing.offsets, impl)
+        """xs (N*k, in) sorted rows -> (N*k, out), in the weight's dtype."""
+        if isinstance(self.weight, PackedExperts):
+            y = nf4_grouped_mm(xs, self.weight, routing.offsets, impl)
+        else:
+            y = grouped_mm(xs, self.weight, routing.offsets, impl)
         if self.bias is not None:
             y = y + self.bias[routing.experts]
         if self.lora_a is not None and self.lora_b is not None:

@@ -1,0 +1,183 @@
+"""QLoRA on mixture-of-experts models: experts stored in NF4 (`kestrel.model.expert_quant`), on tiny
+models loaded in 16/32-bit (HF's 4-bit loading needs CUDA; the expert step is the same after it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from kestrel.errors import ModelLoadError
+from kestrel.model.expert_quant import packed_experts, quantize_experts
+from kestrel.model.patching import patch_lora_layers, patch_model
+from kestrel.model.registry import family_of
+from tests.support.tiny import tiny_model
+
+pytest.importorskip("bitsandbytes.functional")
+
+VOCAB = 512
+MOE = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text")
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _ids(seed: int, b: int = 2, t: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes the experts' weights hold: packed NF4 where quantized, else the parameters' storage."""
+    total = 0
+    for module in model.modules():
+        packed = packed_experts(module)
+        for name in EXPERT_PARAMS:
+            short = name.rsplit(".", 1)[-1]
+            if short in packed:
+                total += packed[short].nbytes + getattr(module, short).untyped_storage().nbytes()
+            elif isinstance(getattr(module, short, None), torch.nn.Parameter):
+                total += getattr(module, short).untyped_storage().nbytes()
+    return total
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_nf4_experts_logits_close_to_16_bit_and_storage_a_quarter(family: str) -> None:
+    ref = tiny_model(family, VOCAB, seed=1, dtype=torch.bfloat16)
+    patch_model(ref)
+    quant = copy.deepcopy(ref)
+    before = _expert_bytes(quant)
+    handle = quantize_experts(quant, family_of(family))
+    after = _expert_bytes(quant)
+    assert before > 0 and after < 0.27 * before  # bf16 -> 0.5 byte + absmax a parameter
+    assert handle.nbytes <= after
+    assert not any(p.requires_grad for n, p in quant.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+    ids = _ids(0)
+    with torch.no_grad():
+        want = ref(input_ids=ids, use_cache=False).logits.float()
+        got = quant(input_ids=ids, use_cache=False).logits.float()
+    rel = (got - want).norm() / want.norm()
+    assert rel < 0.1, rel  # NF4's rounding of the experts only; attention and the rest are the same weights
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_qlora_on_nf4_experts_trains(family: str) -> None:
+    model = tiny_model(family, VOCAB, seed=4)
+    patch_model(model)
+    quantize_experts(model, family_of(family))
+    torch.manual_seed(5)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_parameters=EXPERT_PARAMS, target_modules=["q_proj"]))
+    patch_lora_layers(model)
+    model.train()
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert any("experts" in n for n in trained)
+    opt = torch.optim.AdamW(list(trained.values()), lr=1e-2)
+    ids = _ids(2)
+    before = {n: p.detach().clone() for n, p in trained.items() if "experts" in n}
+    losses = []
+    for _ in range(20):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+
+
+def test_nf4_experts_gradients_equal_16_bit_experts_holding_the_dequantized_values() -> None:
+    """LoRA gradients through the NF4 product equal those through 16-bit experts set to the NF4 values."""
+    quant = tiny_model("qwen3_moe", VOCAB, seed=6)
+    patch_model(quant)
+    handle = quantize_experts(quant, family_of("qwen3_moe"))
+    dense = copy.deepcopy(quant)
+    dense.kestrel_expert_quant.undo()  # 16-bit parameters holding the dequantized values
+    assert handle.modules and not packed_experts(dense.model.layers[0].mlp.experts)
+    grads = []
+    for model in (quant, dense):
+        torch.manual_seed(7)
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_parameters=EXPERT_PARAMS, target_modules=[]))
+        with torch.no_grad():
+            for n, p in peft_model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+        ids = _ids(3)
+        peft_model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7)
+
+
+def test_nf4_experts_refuse_hf_own_forward_and_undo_restores_it() -> None:
+    model = tiny_model("qwen3_moe", VOCAB, seed=8)  # not patched: HF's experts forward would run
+    handle = quantize_experts(model, family_of("qwen3_moe"))
+    with pytest.raises(ModelLoadError, match="NF4"):
+        model(input_ids=_ids(4), use_cache=False)
+    handle.undo()
+    assert getattr(model, "kestrel_expert_quant", None) is None
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
+               for n, p in model.named_parameters() if "experts" in n)
+    assert torch.isfinite(model(input_ids=_ids(4), use_cache=False).logits).all()
+
+
+def test_quantize_experts_refuses_after_lora() -> None:
+    model = get_peft_model(tiny_model("qwen3_moe", VOCAB), LoraConfig(r=4, target_parameters=EXPERT_PARAMS, target_modules=[]))
+    with pytest.raises(ValueError, match="before attaching LoRA"):
+        quantize_experts(model, family_of("qwen3_moe"))
+
+
+def test_loader_quantizes_the_experts_of_a_patched_model_only(caplog: pytest.LogCaptureFixture) -> None:
+    """The loader's 4-bit step (after bitsandbytes' linears): NF4 experts when the MoE block is
+    patched; an unpatched model keeps them 16-bit and the log says why."""
+    from kestrel.model.loader import _quantize_experts
+
+    patched, plain = tiny_model("qwen3_moe", VOCAB), tiny_model("qwen3_moe", VOCAB)
+    with caplog.at_level("INFO", logger="kestrel"):
+        _quantize_experts(patched, "tiny", patch_model(patched))
+        _quantize_experts(plain, "tiny", None)
+    assert packed_experts(patched.model.layers[0].mlp.experts)
+    assert not packed_experts(plain.model.layers[0].mlp.experts)
+    assert "attention and the experts to NF4" in caplog.text and "the experts stay torch.float32" in caplog.text
+
+
+@pytest.mark.gpu
+def test_4bit_loading_stores_moe_experts_in_nf4_and_trains(tiny_model_dir) -> None:
+    from kestrel.model.loader import load
+
+    model, _ = load(str(tiny_model_dir("qwen3_moe")), 64, load_in_4bit=True)
+    experts = model.model.layers[0].mlp.experts
+    assert set(packed_experts(experts)) == {"gate_up_proj", "down_proj"}
+    assert experts.gate_up_proj.untyped_storage().nbytes() <= 2  # the placeholder's one element
+    model = get_peft_model(model, LoraConfig(r=4, target_parameters=EXPERT_PARAMS, target_modules=["q_proj"]))
+    ids = torch.randint(0, 100, (2, 16), device="cuda")
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "experts" in n and "lora_B" in n]  # B starts at 0: A's grad is 0
+    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_nf4_experts_decode_with_an_adapter_as_16_bit_experts_holding_their_values() -> None:
+    """GRPO rollouts and chat on a QLoRA MoE: the decode loop (HF's forward through the patched
+    block) gives the greedy tokens of 16-bit experts set to the NF4 values, adapter on and off."""
+    from kestrel.decode.generate import Generator
+
+    quant = tiny_model("qwen3_moe", VOCAB, seed=9)
+    quant.generation_config.eos_token_id = None
+    patch_model(quant)
+    quantize_experts(quant, family_of("qwen3_moe"))
+    dense = copy.deepcopy(quant)
+    dense.kestrel_expert_quant.undo()
+    prompt = _ids(5, b=1, t=9)[0].tolist()
+    tokens = []
+    for model in (quant, dense):
+        torch.manual_seed(10)
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_parameters=EXPERT_PARAMS, target_modules=[]))
+        with torch.no_grad():
+            for n, p in peft_model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.5)
+        peft_model.eval()
+        gen = Generator(peft_model, max_seq_len=64, stop_ids=[])
+        tokens.append([gen.generate([prompt], max_new_tokens=8, adapter=a).tokens[0] for a in ("default", None)])
+    assert tokens[0] == tokens[1] and tokens[0][0] != tokens[0][1]
