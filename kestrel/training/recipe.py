@@ -221,9 +221,9 @@ def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
     ev = s.evaluator
     if ev is None or not ev.due(done, s.total_steps):
         return False
-    metrics = ev.evaluate(s.model)
+    metrics = ev.evaluate(s.model, s.world)
     cb.on_step({"step": done, **metrics})
-    return ev.record(done, metrics, s.model, s.tokenizer, cb.on_log) and done < s.total_steps
+    return ev.record(done, metrics, s.model, s.tokenizer, cb.on_log, s.world) and done < s.total_steps
 
 
 def generation_check(s: RunState, cb: Callback, step: int) -> None:
@@ -233,7 +233,11 @@ def generation_check(s: RunState, cb: Callback, step: int) -> None:
     from kestrel.training.generation_check import GENERATION_FILE
 
     check = s.evaluator.generation if s.evaluator is not None else None
-    if check is None or not check.cases:
+    if check is None or not check.cases or not s.world.is_main:  # rank 0 decodes alone; the others are done
+        return
+    if any(isinstance(p, DTensor) for p in s.model.parameters()):
+        cb.on_log(f"generation check skipped: the model is sharded over {s.world.size} devices (FSDP2), and the "
+                  "decode path runs one whole copy; run it on the saved model with `python -m kestrel chat`")
         return
     try:
         summary = check.run(s.model, s.tokenizer, s.output_dir, step)

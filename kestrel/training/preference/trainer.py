@@ -13,8 +13,16 @@
 3. reference (DPO, KTO): the same rows with the adapter disabled, no gradient (or the
    precomputed table). KTO also scores each prompt with another row's answer, under the policy and
    the reference, for its KL reference point.
-4. update: each micro-batch's loss (a mean over its rows) divided by grad_accum, so the step's
-   loss is the mean over its micro-batches; then clip and step.
+4. update: each micro-batch's loss (a mean over its rows) divided by the step's micro-batch
+   count (grad_accum x ranks), so the step's loss is the mean over its micro-batches; then clip
+   and step.
+
+On several devices (`kestrel.training.distributed`) each rank takes its share of a step's
+micro-batches, as SFT's ranks do: N ranks with grad_accum k train as one device with grad_accum
+N k. LoRA's adapter gradients are summed in one all-reduce; a full fine-tune is sharded with
+FSDP2 (scoring registered as an FSDP2 forward, `rows.score_through_fsdp`) and its reference
+log-probs precomputed, each rank scoring its share. The metrics are reduced over the ranks
+(sums and counts in one all-reduce) and rank 0 reports them.
 
 Metrics per step, as TRL names them: loss, rewards/chosen, rewards/rejected, rewards/margins,
 rewards/accuracies (paired), logps/chosen, logps/rejected, kl (KTO), nll_loss (ORPO, SimPO with
@@ -47,7 +55,7 @@ from kestrel.training.preference import loss as L
 from kestrel.training.preference.data import data_kind, kl_partners, micro_batch, per_epoch, prepare_samples
 from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, as_reference, precompute, sequence_logps
 from kestrel.training.grpo.logprobs import check_lm_head
-from kestrel.training.preference.rows import answer_logprobs, answer_rows
+from kestrel.training.preference.rows import answer_logprobs, answer_rows, score_through_fsdp
 from kestrel.training.recipe import (
     end_of_step, graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
 )
@@ -72,7 +80,7 @@ class PreferenceSession:
     reference: RefTable | None = None  # precomputed reference log-probs
     partner: list[int] | None = None  # KTO: whose answer each sample's KL row borrows
     recompute: Recompute | None = None
-    world: World = field(default_factory=World)  # one device: the config refuses several for now
+    world: World = field(default_factory=World)  # this rank of a run on several devices
     evaluator: Evaluator | None = None  # no evaluation yet: the config refuses an evaluation set
 
     @property
@@ -105,7 +113,9 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
                             dtype=config.dtype, patch=config.fast_kernels)
     device = next(model.parameters()).device
     samples = prepare_samples(config, tokenizer, cb)
-    model, recompute = prepare_model(config, model, output_dir, cb)
+    model, recompute = prepare_model(config, model, output_dir, cb, world)
+    if world.distributed and config.trains_all_weights:
+        score_through_fsdp(model)
     check_lm_head(model, config.method)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}, {config.preference.finetune}): {trainable:,} of {total:,} "
@@ -119,14 +129,15 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
     if config.method in NEEDS_REFERENCE and (config.preference.precompute_ref_logps or config.trains_all_weights):
         # Before resume loads trained weights: with no adapter, the weights as loaded are the reference.
         rows = config.batch_size * (2 if data_kind(config.method) == "paired" else 1)
-        reference = precompute(model, samples, pad, device, flat, rows, partner)
+        reference = precompute(model, samples, pad, device, flat, rows, partner, world)
         why = "every weight is trained, so there is no adapter to disable" if config.trains_all_weights else "asked"
         cb.on_log(f"reference log-probs precomputed for {len(samples)} rows ({why})")
+    window = config.grad_accum * world.size  # micro-batches a step takes, over every rank
     total_steps = config.max_steps or max(
-        1, math.ceil((config.epochs or 1.0) * per_epoch(len(samples), config.batch_size) / config.grad_accum))
+        1, math.ceil((config.epochs or 1.0) * per_epoch(len(samples), config.batch_size) / window))
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
     return PreferenceSession(config, output_dir, model, tokenizer, samples, optimizer, scheduler, total_steps, start,
-                             device, pad, flat, reference, partner, recompute)
+                             device, pad, flat, reference, partner, recompute, world)
 
 
 # --- 2-3. score and reference -----------------------------------------------------------------
@@ -195,39 +206,51 @@ def micro_loss(s: PreferenceSession, idx: list[int], stats: StepStats) -> torch.
 
 
 def train_step(s: PreferenceSession, step: int) -> tuple[StepStats, dict[str, float]]:
-    """One optimizer step over `grad_accum` micro-batches; returns its stats and update metrics."""
-    accum = s.config.grad_accum
+    """One optimizer step over `grad_accum` micro-batches on each rank; returns its stats and
+    update metrics (`stats.loss`: this rank's part of the step's loss).
+
+    A step's window is micro-batches step*W .. step*W + W-1 (W = grad_accum x ranks); rank r takes
+    every size-th of them from r, as SFT's ranks do."""
+    accum, world = s.config.grad_accum, s.world
     stats = StepStats(torch.zeros((), device=s.device))
     for j in range(accum):
-        idx = micro_batch(len(s.samples), s.config.batch_size, s.config.seed, step * accum + j)
-        loss = micro_loss(s, idx, stats) / accum
-        loss.backward()
+        m = (step * accum + j) * world.size + world.rank
+        idx = micro_batch(len(s.samples), s.config.batch_size, s.config.seed, m)
+        loss = micro_loss(s, idx, stats) / (accum * world.size)
+        (loss * world.loss_scale if world.loss_scale != 1.0 else loss).backward()
         stats.loss += loss.detach()
-    grad_norm, lr = optimizer_step(s, stats.loss)
+    grad_norm, lr = optimizer_step(s, world.sum(stats.loss.clone()))
     return stats, {"grad_norm": float(grad_norm), "lr": lr}
 
 
-def _mean(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    joined = torch.cat(parts) if parts else None
-    return joined if joined is not None and joined.numel() else None
+def _joined(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts).double() if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
 
-def preference_metrics(stats: StepStats, paired: bool) -> dict[str, float]:
-    """TRL's metric names (see the module docstring), one host read each."""
-    out = {"loss": float(stats.loss)}
-    chosen, rejected = _mean(stats.chosen), _mean(stats.rejected)
-    if chosen is not None:
-        out["rewards/chosen"] = float(chosen.mean())
-        out["logps/chosen"] = float(torch.cat(stats.logps_chosen).mean())
-    if rejected is not None:
-        out["rewards/rejected"] = float(rejected.mean())
-        out["logps/rejected"] = float(torch.cat(stats.logps_rejected).mean())
-    if paired and chosen is not None and rejected is not None:
-        out["rewards/margins"] = float((chosen - rejected).mean())
-        out["rewards/accuracies"] = float((chosen > rejected).float().mean())
-    elif chosen is not None and rejected is not None:
+def preference_metrics(stats: StepStats, paired: bool, world: World | None = None) -> dict[str, float]:
+    """TRL's metric names (see the module docstring): each a mean over the step's rows (pairs;
+    KTO: its desirable or undesirable rows; the extras: micro-batches) of every rank, from one
+    all-reduce of (sum, count) per metric and the loss. A metric with no row is left out."""
+    world = world or World()
+    device = stats.loss.device
+    chosen, rejected = _joined(stats.chosen, device), _joined(stats.rejected, device)
+    parts = {"rewards/chosen": chosen, "rewards/rejected": rejected,
+             "logps/chosen": _joined(stats.logps_chosen, device), "logps/rejected": _joined(stats.logps_rejected, device),
+             **{key: _joined(values, device) for key, values in stats.extra.items()}}
+    if paired:  # chosen and rejected answers of the same pairs
+        parts["rewards/margins"] = chosen - rejected
+        parts["rewards/accuracies"] = (chosen > rejected).double()
+    names = list(parts)  # the same on every rank: the method decides them
+    sums = torch.stack([stats.loss.double().reshape(()), *(v for n in names for v in (parts[n].sum(),
+                        torch.tensor(float(parts[n].numel()), dtype=torch.float64, device=device)))])
+    values = world.sum(sums).tolist()
+    out = {"loss": values[0]}
+    for i, name in enumerate(names):
+        total, count = values[1 + 2 * i], values[2 + 2 * i]
+        if count:
+            out[name] = total / count
+    if not paired and "rewards/chosen" in out and "rewards/rejected" in out:
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-    out.update({key: float(torch.cat(values).mean()) for key, values in stats.extra.items()})
     return out
 
 
@@ -241,11 +264,15 @@ def train_loop(s: PreferenceSession, cb: Callback) -> str:
             torch.cuda.synchronize(s.device)
         now, done = time.perf_counter(), step + 1
         elapsed = now - started
+        tokens = stats.tokens
+        if s.world.distributed:
+            tokens = int(s.world.sum(torch.tensor([float(tokens)], device=s.device)).item())
         metrics = {
             "step": done, "total_steps": s.total_steps,
-            "epoch": done * s.config.grad_accum / per_epoch(len(s.samples), s.config.batch_size),
-            **preference_metrics(stats, s.paired), **update, "tokens_per_s": stats.tokens / max(now - t0, 1e-9),
-            **memory_metrics(s.device), "elapsed_s": elapsed, **graph_metrics(s.recompute),
+            "epoch": done * s.config.grad_accum * s.world.size / per_epoch(len(s.samples), s.config.batch_size),
+            **preference_metrics(stats, s.paired, s.world), **update, "tokens_per_s": tokens / max(now - t0, 1e-9),
+            **memory_metrics(s.device), **s.world.per_device(memory_metrics(s.device)),
+            "elapsed_s": elapsed, **graph_metrics(s.recompute),
             "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
         }
         stop = end_of_step(s, cb, done, metrics)
@@ -254,6 +281,6 @@ def train_loop(s: PreferenceSession, cb: Callback) -> str:
     return "completed"
 
 
-def run_preference(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+def run_preference(config: TrainConfig, output_dir: Path, cb: Callback, world: World | None = None) -> tuple[str, int]:
     """Set up, train and save; returns (status, last step)."""
-    return run_recipe(setup, train_loop, config, output_dir, cb)
+    return run_recipe(setup, train_loop, config, output_dir, cb, world)

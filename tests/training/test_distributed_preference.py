@@ -1,0 +1,50 @@
+"""Preference methods on several devices, on the CPU (2 processes over gloo): two ranks with
+grad_accum k train exactly as one process with grad_accum 2k: the same micro-batches, the loss a
+mean over the step's micro-batches of both ranks, the metrics reduced over the ranks. LoRA data
+parallel (reference per step, adapter disabled) and a full fine-tune sharded with FSDP2 (its
+reference log-probs precomputed, each rank scoring its share)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel.config import config_from_dict
+from kestrel.training.run import run
+from tests.training.test_distributed import _rank_processes, _steps, _weights
+from tests.training.test_preference_train import _subset
+
+COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+            "logps/rejected", "rewards/accuracies", "kl")
+
+
+def _config(model: Path, data: str, out: Path, method: str, finetune: str, **kw) -> dict:
+    base = dict(model=str(model), method=method, dataset=data, output_dir=str(out), max_seq_length=64, batch_size=2,
+                max_steps=3, learning_rate=3e-3, save_steps=0, seed=0, gradient_checkpointing="standard",
+                dtype="fp32", lr_scheduler="constant", lora={"r": 8, "alpha": 16}, preference={"finetune": finetune})
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize("method, finetune", [("dpo", "lora"), ("dpo", "full"), ("kto", "lora")])
+def test_two_ranks_train_as_one_process_with_twice_the_accumulation(method, finetune, tiny_model_dir, tmp_path) -> None:
+    model = tiny_model_dir("llama")
+    data = _subset(tmp_path, "arithmetic_kto" if method == "kto" else "arithmetic_preferences", 16)
+    one = run(config_from_dict(_config(model, data, tmp_path / "one", method, finetune, grad_accum=2)))
+    two = run(config_from_dict(_config(model, data, tmp_path / "two", method, finetune, grad_accum=1, devices=2)))
+    assert one.status == two.status == "completed", (one.error, two.error)
+    a, b = _steps(tmp_path / "one"), _steps(tmp_path / "two")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        assert y["epoch"] == pytest.approx(x["epoch"])
+        for key in COMPARED:
+            assert (key in x) == (key in y), key
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (key, x["step"])
+    wa, wb = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+    assert not (tmp_path / "two" / "rank-1.log").read_text().count("Traceback")
+    assert not _rank_processes(tmp_path / "two" / "config.yaml")
