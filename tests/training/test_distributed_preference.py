@@ -44,7 +44,9 @@ def test_two_ranks_train_as_one_process_with_twice_the_accumulation(method, fine
                 assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (key, x["step"])
     wa, wb = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     assert wa.keys() == wb.keys() and wa
+    # AdamW's update m / sqrt(v) of a weight whose gradient is near 0 is set by the gradient's last
+    # bits, which fp32 summation order changes (3 of 120k elements of the full fine-tune, by < 1e-5).
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5)
     assert not (tmp_path / "two" / "rank-1.log").read_text().count("Traceback")
     assert not _rank_processes(tmp_path / "two" / "config.yaml")
