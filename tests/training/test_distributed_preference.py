@@ -13,7 +13,7 @@ import torch
 
 from kestrel.config import config_from_dict
 from kestrel.training.run import run
-from tests.training.test_distributed import _rank_processes, _steps, _weights
+from tests.training.test_distributed import CancelAt, _rank_processes, _steps, _weights
 from tests.training.test_preference_train import _subset
 
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
@@ -50,3 +50,23 @@ def test_two_ranks_train_as_one_process_with_twice_the_accumulation(method, fine
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5)
     assert not (tmp_path / "two" / "rank-1.log").read_text().count("Traceback")
     assert not _rank_processes(tmp_path / "two" / "config.yaml")
+
+
+def test_a_cancelled_two_rank_dpo_run_resumes_as_the_straight_run(tiny_model_dir, tmp_path) -> None:
+    """Full fine-tune (FSDP2 shards, precomputed reference): cancel at step 2 checkpoints both
+    ranks' shards; the resumed run's steps 3-4 match the straight run's."""
+    model = tiny_model_dir("llama")
+    data = _subset(tmp_path, "arithmetic_preferences", 16)
+
+    def cfg(out: str) -> dict:
+        return _config(model, data, tmp_path / out, "dpo", "full", max_steps=4, devices=2, learning_rate=1e-3)
+
+    straight = run(config_from_dict(cfg("straight")))
+    stopped = run(config_from_dict(cfg("resumed")), [CancelAt(2)])
+    assert straight.status == "completed" and stopped.status == "cancelled", (straight.error, stopped.error)
+    resumed = run(config_from_dict(cfg("resumed")))
+    assert resumed.status == "completed", resumed.error
+    after = {m["step"]: m["loss"] for m in _steps(tmp_path / "resumed")}
+    assert sorted(after) == [1, 2, 3, 4]
+    for m in _steps(tmp_path / "straight"):
+        assert after[m["step"]] == pytest.approx(m["loss"], rel=1e-5)
