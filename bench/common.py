@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ LLAMA_1B = dict(  # Llama-3.2-1B: where a step's GPU work is small and the host 
 )
 SHAPES = {"llama-8b": LLAMA_8B, "llama-1b": LLAMA_1B}
 ROOT = Path(__file__).resolve().parent.parent
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # LoRA on all 7 linears
 
 
 def llama8b_dir(path: str = "/tmp/kestrel-bench/llama8b", layers: int | None = None) -> Path:
@@ -61,6 +63,72 @@ def _save_tokenizer(folder: Path) -> None:
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(ROOT / "assets" / "demo").save_pretrained(folder)
+
+
+def bench_model_dir(smoke: bool, layers: int | None, smoke_name: str) -> Path:
+    """The model a training benchmark runs: with `smoke`, a tiny random Llama with the demo
+    tokenizer (under the temp folder, `smoke_name`; runs on a CPU), else the random-init
+    Llama-3.1-8B shape (`llama8b_dir`, `layers` decoder layers when given)."""
+    if smoke:
+        from transformers import AutoTokenizer
+
+        from tests.support.tiny import tiny_model
+
+        folder = Path(tempfile.gettempdir()) / "kestrel-bench" / smoke_name
+        if not (folder / "config.json").exists():
+            tok = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo")
+            tiny_model("llama", len(tok)).save_pretrained(folder)
+            tok.save_pretrained(folder)
+        return folder
+    return llama8b_dir(layers=layers)
+
+
+def hf_qlora_model(folder: Path, smoke: bool, checkpointing: bool = False) -> Any:
+    """The Hugging Face + PEFT baseline: the base in NF4 (double quantization, bf16 compute) on
+    GPU 0, frozen, with LoRA r=16, alpha 16 on `TARGETS`; with `smoke`, fp32 and no quantization.
+    `checkpointing`: Hugging Face's non-reentrant gradient checkpointing on the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kw: dict[str, Any] = dict(dtype=torch.bfloat16 if not smoke else torch.float32, attn_implementation="sdpa")
+    if not smoke:
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+        kw["device_map"] = {"": 0}
+    model = AutoModelForCausalLM.from_pretrained(folder, **kw)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
+                                            bias="none", task_type="CAUSAL_LM"))
+
+
+def step_recorder(steps: list[dict[str, float]]) -> Any:
+    """A Kestrel training callback that appends each step's metrics to `steps`."""
+    from kestrel.training.metrics import Callback
+
+    class Record(Callback):
+        def on_step(self, metrics: dict[str, float]) -> None:
+            steps.append(dict(metrics))
+
+    return Record()
+
+
+def trainer_clock(stamps: list[float]) -> Any:
+    """A transformers TrainerCallback that appends `time.perf_counter()` at the end of each step,
+    once the GPU has finished it."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+    return Clock()
 
 
 def random_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

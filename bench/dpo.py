@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import gib, llama8b_dir, run_isolated  # noqa: E402
+from bench.common import (  # noqa: E402
+    TARGETS, bench_model_dir, gib, hf_qlora_model, llama8b_dir, run_isolated, step_recorder, trainer_clock,
+)
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT_WORDS, CHOSEN_WORDS, REJECTED_WORDS = "apple river stone cloud", "green fast bright warm", "cold slow dark dull"
 BETA, LR = 0.1, 5e-6
 
@@ -50,21 +51,6 @@ def texts(seq: int, pairs: int) -> list[dict[str, str]]:
     return [{"prompt": fill(PROMPT_WORDS), "chosen": fill(CHOSEN_WORDS), "rejected": fill(REJECTED_WORDS)}] * pairs
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
-    if args.smoke:
-        from transformers import AutoTokenizer
-
-        from tests.support.tiny import tiny_model
-
-        folder = Path(tempfile.gettempdir()) / "kestrel-bench" / "dpo-smoke"
-        if not (folder / "config.json").exists():
-            tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parent.parent / "assets" / "demo")
-            tiny_model("llama", len(tok)).save_pretrained(folder)
-            tok.save_pretrained(folder)
-        return folder
-    return llama8b_dir(layers=args.layers)
-
-
 def _medians(times: list[float], warmup: int) -> float:
     return statistics.median(times[warmup:] or times)
 
@@ -74,18 +60,12 @@ def _medians(times: list[float], warmup: int) -> float:
 
 def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     from kestrel.config import config_from_dict
-    from kestrel.training.metrics import Callback
     from kestrel.training.run import run
 
     work = Path(tempfile.mkdtemp(prefix="kestrel-dpo-"))
     data = work / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in texts(args.seq, args.batch * (args.steps + 1))))
     steps: list[dict[str, float]] = []
-
-    class Record(Callback):
-        def on_step(self, metrics: dict[str, float]) -> None:
-            steps.append(dict(metrics))
-
     cfg = config_from_dict(dict(
         model=str(folder), method="dpo", dataset=str(data), output_dir=str(work / "run"), max_seq_length=args.seq + 64,
         batch_size=args.batch, max_steps=args.steps, learning_rate=LR, save_steps=0, seed=0, lr_scheduler="constant",
@@ -95,7 +75,7 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     ))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    result = run(cfg, [Record()])
+    result = run(cfg, [step_recorder(steps)])
     if result.status != "completed":
         raise RuntimeError(f"kestrel run {result.status}: {result.error}")
     times = [steps[0]["elapsed_s"]] + [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)]
@@ -104,23 +84,6 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
 
 # --- TRL and Unsloth (TRL's DPOTrainer, Unsloth patching it) ---------------------------------
-
-
-def _hf_model(folder: Path, args: argparse.Namespace):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    kw: dict[str, Any] = dict(dtype=torch.bfloat16 if not args.smoke else torch.float32, attn_implementation="sdpa")
-    if not args.smoke:
-        kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)
-        kw["device_map"] = {"": 0}
-    model = AutoModelForCausalLM.from_pretrained(folder, **kw)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
-                                            bias="none", task_type="CAUSAL_LM"))
 
 
 def _unsloth_model(folder: Path, args: argparse.Namespace):
@@ -134,20 +97,13 @@ def _unsloth_model(folder: Path, args: argparse.Namespace):
 
 
 def run_trl(args: argparse.Namespace, folder: Path, unsloth: bool) -> dict[str, Any]:
-    model = _unsloth_model(folder, args) if unsloth else _hf_model(folder, args)  # unsloth first: it patches TRL
+    model = _unsloth_model(folder, args) if unsloth else hf_qlora_model(folder, args.smoke)  # unsloth first: it patches TRL
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     tok = AutoTokenizer.from_pretrained(folder)
     stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-
     rows = texts(args.seq, args.batch * (args.steps + 1))
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                                "chosen": [{"role": "assistant", "content": r["chosen"]}],
@@ -161,7 +117,7 @@ def run_trl(args: argparse.Namespace, folder: Path, unsloth: bool) -> dict[str, 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer = DPOTrainer(model=model, ref_model=None, args=config, train_dataset=data, processing_class=tok,
-                         callbacks=[Clock()])
+                         callbacks=[trainer_clock(stamps)])
     start = time.perf_counter()
     trainer.train()
     times = [b - a for a, b in itertools.pairwise([start, *stamps])]
@@ -172,7 +128,7 @@ def run_trl(args: argparse.Namespace, folder: Path, unsloth: bool) -> dict[str, 
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    folder = _model_dir(args)
+    folder = bench_model_dir(args.smoke, args.layers, "dpo-smoke")
     res = run_kestrel(args, folder) if args.impl == "kestrel" else run_trl(args, folder, args.impl == "unsloth")
     cuda = torch.cuda.is_available()
     tokens = 2 * args.batch * args.seq  # chosen and rejected sequences of every pair

@@ -39,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from bench.common import gib, llama8b_dir, run_isolated
+from bench.common import (
+    TARGETS, bench_model_dir, gib, hf_qlora_model, llama8b_dir, run_isolated, step_recorder, trainer_clock,
+)
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WORDS = "apple river stone cloud"  # four tokens of the stand-in tokenizer
 CASES = {  # prompt tokens, completion tokens, real sampling?, Kestrel's checkpointing, update rows budget
     "rollout": dict(prompt=256, completion=1024, sample=True, checkpointing="offload", budget=4096),
@@ -66,21 +67,6 @@ def fixed_completions(rows: int, length: int, vocab: int, seed: int) -> list[lis
     return torch.randint(16, min(vocab, 128000), (rows, length), generator=g).tolist()
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
-    if args.smoke:
-        from transformers import AutoTokenizer
-
-        from tests.support.tiny import tiny_model
-
-        folder = Path(tempfile.gettempdir()) / "kestrel-bench" / "grpo-smoke"
-        if not (folder / "config.json").exists():
-            tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parent.parent / "assets" / "demo")
-            tiny_model("llama", len(tok)).save_pretrained(folder)
-            tok.save_pretrained(folder)
-        return folder
-    return llama8b_dir(layers=args.layers)
-
-
 # --- Kestrel ---------------------------------------------------------------------------------
 
 
@@ -88,7 +74,6 @@ def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) ->
     from kestrel.config import config_from_dict
     from kestrel.training.grpo import trainer
     from kestrel.training.grpo.rollout import Rollouts
-    from kestrel.training.metrics import Callback
     from kestrel.training.run import run
 
     work = Path(tempfile.mkdtemp(prefix="kestrel-grpo-"))
@@ -103,11 +88,6 @@ def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) ->
 
         trainer.rollout = fixed_rollout
     steps: list[dict[str, float]] = []
-
-    class Record(Callback):
-        def on_step(self, metrics: dict[str, float]) -> None:
-            steps.append(dict(metrics))
-
     cfg = config_from_dict(dict(
         model=str(folder), method="grpo", dataset=str(data), output_dir=str(work / "run"),
         max_seq_length=case["budget"],
@@ -119,7 +99,7 @@ def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) ->
     cfg.grpo.load_in_4bit = not args.smoke  # GrpoSettings.load_in_4bit (proposed); read when present
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    result = run(cfg, [Record()])
+    result = run(cfg, [step_recorder(steps)])
     if result.status != "completed":
         raise RuntimeError(f"kestrel run {result.status}: {result.error}")
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)]
@@ -136,42 +116,15 @@ def run_kestrel(args: argparse.Namespace, case: dict[str, Any], folder: Path) ->
 # --- TRL -------------------------------------------------------------------------------------
 
 
-def _trl_model(folder: Path, smoke: bool):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    kw: dict[str, Any] = dict(dtype=torch.bfloat16 if not smoke else torch.float32, attn_implementation="sdpa")
-    if not smoke:
-        kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-        kw["device_map"] = {"": 0}
-    model = AutoModelForCausalLM.from_pretrained(folder, **kw)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
-                                            bias="none", task_type="CAUSAL_LM"))
-
-
 def run_trl(args: argparse.Namespace, case: dict[str, Any], folder: Path) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = _trl_model(folder, args.smoke)
+    model = hf_qlora_model(folder, args.smoke, checkpointing=True)
     vocab = model.get_base_model().lm_head.weight.shape[0]
     stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-
     lengths: list[int] = []
 
     def reward(completions: list[str], **kw: Any) -> list[float]:
@@ -198,7 +151,7 @@ def run_trl(args: argparse.Namespace, case: dict[str, Any], folder: Path) -> dic
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
-                          callbacks=[Clock(), Lengths()], rollout_func=None if case["sample"] else fixed)
+                          callbacks=[trainer_clock(stamps), Lengths()], rollout_func=None if case["sample"] else fixed)
     start = time.perf_counter()
     trainer.train()
     edges = [start, *stamps]
@@ -214,7 +167,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     case = CASES["smoke" if args.smoke and args.case == "rollout" else args.case]
     if args.smoke and args.case == "long":
         case = dict(case, completion=32, sample=False, budget=128)
-    folder = _model_dir(args)
+    folder = bench_model_dir(args.smoke, args.layers, "grpo-smoke")
     res = (run_kestrel if args.impl == "kestrel" else run_trl)(args, case, folder)
     cuda = torch.cuda.is_available()
     res.update({

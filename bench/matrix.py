@@ -29,7 +29,7 @@ for every system; each step takes the next of --batches batches built once. Toke
 (non-padding) tokens only; useful TFLOP/s is bench/train.py's `useful_flops_per_token` summed per
 sample (sliding-window layers counted as full attention). RoPE scaling (llama3, linear) is left
 out of the configs: it changes the rotary tables' values, not the work.
-Mixture of experts (`qwen3-30b-a3b`, `gpt-oss-20b`, bench/model_shapes.py MOE_MODELS): LoRA on the
+Mixture of experts (`qwen3-30b-a3b`, `gpt-oss-20b`, `qwen3.5-35b-a3b`, bench/model_shapes.py MOE_MODELS): LoRA on the
 attention linears and on every expert (the MLP targets become PEFT parameter targets for `hf` too);
 run them with `--methods lora` (16-bit experts: bitsandbytes quantizes linears only, so `qlora`
 saves only the attention's share) and read each record's peak memory. Useful FLOPs count the k

@@ -75,7 +75,7 @@ MODELS: dict[str, dict[str, Any]] = {
                        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
 }
 
-# --- mixture of experts (issue 26, item 2): Qwen3-30B-A3B's and gpt-oss-20b's public configs ---
+# --- mixture of experts (issue 26, item 2): Qwen3-30B-A3B's, gpt-oss-20b's and Qwen3.5-35B-A3B's configs ---
 MOE_MODELS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                           num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
@@ -90,9 +90,21 @@ MOE_MODELS: dict[str, dict[str, Any]] = {
                                              beta_slow=1.0, original_max_position_embeddings=4096, truncate=False),
                         max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0,
                         router_aux_loss_coef=0.9, tie_word_embeddings=False),
+    # Qwen3.5-35B-A3B: transformers 5.17's default Qwen3_5MoeTextConfig, which its docs call the
+    # "Qwen3.5-35B-A3B style" (34.7B parameters): Qwen3.5's 3:1 linear/full attention layers, 256
+    # experts (top 8) and a shared expert in every layer.
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+                            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=32768,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                            rms_norm_eps=1e-6, hidden_act="silu", router_aux_loss_coef=0.001, tie_word_embeddings=False),
 }
 MODELS.update(MOE_MODELS)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}

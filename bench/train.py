@@ -145,9 +145,10 @@ SPEC_PEAK_TFLOPS = 989.0  # dense bf16, H100 / H200 SXM
 
 def useful_flops_per_token(seq: int, cfg: dict = SHAPES["llama-8b"]) -> float:
     """4N for the frozen base's products plus causal attention (forward + backward) at length `seq`."""
-    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    if cfg.get("num_experts_per_tok"):  # a mixture of experts: the k routed experts' products
+    h, i, L = cfg["hidden_size"], cfg.get("intermediate_size"), cfg["num_hidden_layers"]
+    if cfg.get("num_experts_per_tok"):  # a mixture of experts: the k routed experts' products (and a shared expert's)
         i = cfg["num_experts_per_tok"] * (cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        i += cfg.get("shared_expert_intermediate_size") or 0
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     n = L * (h * q + 2 * h * kv + q * h + 3 * h * i) + cfg["vocab_size"] * h

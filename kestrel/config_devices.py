@@ -7,14 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kestrel.errors import ConfigError
+from kestrel.config_values import check
 
 MAX_DEVICES = 64
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def check_devices_setting(cfg: Any) -> None:
@@ -22,16 +17,16 @@ def check_devices_setting(cfg: Any) -> None:
     device (ConfigError naming the field otherwise)."""
     d = cfg.devices
     if isinstance(d, str):
-        _check(d == "auto", f"devices must be auto, a number of devices or a list of GPU ids, got {d[:40]!r}")
+        check(d == "auto", f"devices must be auto, a number of devices or a list of GPU ids, got {d[:40]!r}")
     elif isinstance(d, list):
-        _check(0 < len(d) <= MAX_DEVICES, f"devices must list 1..{MAX_DEVICES} GPU ids, got {d!r:.80}")
+        check(0 < len(d) <= MAX_DEVICES, f"devices must list 1..{MAX_DEVICES} GPU ids, got {d!r:.80}")
         bad = next((i for i in d if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < MAX_DEVICES), None)
-        _check(bad is None, f"devices: each GPU id must be a whole number 0..{MAX_DEVICES - 1}, got {bad!r:.40}")
-        _check(len(set(d)) == len(d), f"devices lists a GPU twice: {d!r:.80}")
+        check(bad is None, f"devices: each GPU id must be a whole number 0..{MAX_DEVICES - 1}, got {bad!r:.40}")
+        check(len(set(d)) == len(d), f"devices lists a GPU twice: {d!r:.80}")
     else:
-        _check(not isinstance(d, bool) and isinstance(d, int) and 1 <= d <= MAX_DEVICES,
-               f"devices must be 1..{MAX_DEVICES}, auto or a list of GPU ids, got {d!r:.40}")
+        check(not isinstance(d, bool) and isinstance(d, int) and 1 <= d <= MAX_DEVICES,
+              f"devices must be 1..{MAX_DEVICES}, auto or a list of GPU ids, got {d!r:.40}")
     one = d == 1 or (isinstance(d, list) and len(d) == 1)
     if cfg.method == "grpo":  # its loop (rollouts, group advantages, the decode engine) takes no share per rank yet
-        _check(one, f"grpo runs on one device for now: set devices: 1, got {d!r:.40} (several devices "
-                    "train lora, qlora, full and the preference methods)")
+        check(one, f"grpo runs on one device for now: set devices: 1, got {d!r:.40} (several devices "
+                   "train lora, qlora, full and the preference methods)")

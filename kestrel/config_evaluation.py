@@ -61,9 +61,6 @@ def check_evaluation(config: Any) -> None:
     if steps is not None and not 1 <= steps <= 10_000_000:
         raise ConfigError(f"eval_steps must be at least 1 (or null for the automatic interval), got {steps!r}")
     evaluates = bool(config.eval_dataset) or split > 0
-    if evaluates and config.is_preference:
-        raise ConfigError(f"eval_dataset / eval_split: evaluation of {config.method} runs is not built yet "
-                          "(SFT and GRPO have it); leave the evaluation set out")
     if config.early_stopping.patience and not evaluates:
         raise ConfigError("early_stopping needs an evaluation set: set eval_dataset (a file) or eval_split "
                           "(a fraction of dataset held out)")

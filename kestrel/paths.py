@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from kestrel import env
@@ -61,3 +62,14 @@ def resolve_dataset_path(name: str) -> Path:
 def is_inside(path: Path, root: Path) -> bool:
     """Whether resolved `path` is `root` or lies below it (both already resolved)."""
     return path == root or root in path.parents
+
+
+def model_stem(model: str) -> str:
+    """A short name for a model, to name runs after: a hub id's or a folder's last part; for the
+    weights a run saved (RUN/model, RUN/checkpoints/step-N/model), the run's own name (its folder
+    without the job store's `job-N-` prefix), since "model" says nothing."""
+    path = Path(str(model))
+    if path.name != "model" or not path.parent.name:
+        return path.name
+    run = path.parents[2] if path.parent.parent.name == "checkpoints" else path.parent
+    return re.sub(r"^job-\d+-", "", run.name) or path.name

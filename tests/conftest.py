@@ -46,14 +46,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _hf_linear_attention_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With flash-linear-attention installed, HF's Qwen3.5 calls its CUDA-only kernels on the CPU
-    too (bound at import); the unpatched HF twins in CPU tests run HF's own PyTorch functions."""
+    """With flash-linear-attention installed, HF's Qwen3.5 and Qwen3.5-MoE call its CUDA-only kernels
+    on the CPU too (bound at import); the unpatched HF twins in CPU tests run HF's own PyTorch functions."""
     if torch.cuda.is_available():
         return
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        monkeypatch.setattr(qwen3_5, name, inspect.unwrap(getattr(qwen3_5, name)))
+    for module in (modeling_qwen3_5, modeling_qwen3_5_moe):
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))
 
 
 # --- Tiny models of each family saved as local folders; fake pinned memory -------------------

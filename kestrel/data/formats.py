@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kestrel.data.preference import KIND_METHODS, labelled_rows, preference_kind
 from kestrel.data.reader import EXTENSIONS, RowIssue, Table, list_issues, read_table
 from kestrel.errors import DatasetError
 
@@ -115,10 +116,17 @@ def detect(rows: list[dict[str, Any]], columns: dict[str, str] | None = None,
            source: str = "dataset") -> tuple[str, dict[str, str]]:
     """The first format whose required roles all have a column in the rows, and role -> column."""
     found = list(dict.fromkeys(k for r in rows[:100] for k in r))
-    for fmt in FORMATS:
+    kind = preference_kind(set(found), columns or {})
+    # KTO rows also have prompt and completion: training on them would teach the undesirable answers too
+    unpaired = kind == "unpaired" and labelled_rows(rows, columns or {})
+    for fmt in FORMATS if not unpaired else ():
         resolved = resolve_columns(found, fmt, columns)
         if resolved is not None:
             return fmt, resolved
+    if kind:  # the right data for another method: say which, not "no known format"
+        raise DatasetError(f"{source}: its columns [{', '.join(sorted(found))}] hold {kind} preference rows, which "
+                           f"method {KIND_METHODS[kind]} trains, not conversations for supervised fine-tuning. "
+                           "Choose that method, or a dataset of conversations for this one.")
     accepted = "; ".join(f"{fmt} ({', '.join(roles)})" for fmt, roles in FORMATS.items())
     raise DatasetError(
         f"{source}: no known format matches its columns [{', '.join(sorted(found))}]. Accepted formats "

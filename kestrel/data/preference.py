@@ -32,6 +32,7 @@ from kestrel.errors import DatasetError
 Messages = list[dict[str, str]]
 PAIRED_ROLES = ("chosen", "rejected")  # `prompt` is optional: full conversations carry it
 UNPAIRED_ROLES = ("prompt", "completion", "label")
+KIND_METHODS = {"paired": "dpo, orpo or simpo", "unpaired": "kto"}  # which methods train each kind
 ROLES = ("system", "user", "assistant")
 _TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")  # Anthropic HH's turn markers
 _TRUE, _FALSE = ("true", "1", "yes", "desirable"), ("false", "0", "no", "undesirable")
@@ -162,6 +163,15 @@ def _label(value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"label must be true or false (or 1 / 0), got {str(value)[:40]!r}")
+
+
+def labelled_rows(rows: list[dict[str, Any]], columns: dict[str, str]) -> bool:
+    """Whether `rows` carry KTO's true/false label (not just any column named label)."""
+    labels = [r[columns.get("label", "label")] for r in rows[:100] if columns.get("label", "label") in r]
+    try:
+        return bool(labels) and all(isinstance(_label(v), bool) for v in labels)
+    except ValueError:
+        return False
 
 
 def unpaired_row(row: dict[str, Any], columns: dict[str, str]) -> PreferenceRow:

@@ -42,7 +42,7 @@ def moe_of(model_dir: Path) -> tuple[MoeSpec, Any] | None:
         return None
     from transformers import AutoConfig  # its attribute maps: Qwen3-MoE saves num_local_experts
 
-    return spec.moe, AutoConfig.from_pretrained(model_dir)
+    return spec.moe, AutoConfig.from_pretrained(model_dir).get_text_config()  # an image-text model's experts are its LM's
 
 
 class ExpertTensors:

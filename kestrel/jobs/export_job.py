@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 from sqlalchemy import select, update
 
 from kestrel.constants import DEMO
-from kestrel.config import build_checked, check_output_dir, expand_path  # build_checked names unknown keys
+from kestrel.config import check_output_dir, expand_path
+from kestrel.config_values import build_checked  # names unknown keys
 from kestrel.errors import ConfigError, KestrelError
 from kestrel.export import FORMATS, MERGED_DTYPES, QUANT_TYPES
 from kestrel.paths import kestrel_home

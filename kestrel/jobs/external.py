@@ -14,11 +14,12 @@ and a folder alone cannot tell a run still going from one killed mid-way.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from kestrel.config import TrainConfig, config_from_dict
-from kestrel.jobs import runner
-from kestrel.jobs.models import COMPLETED, FAILED, INTERRUPTED
+from kestrel.jobs import runner, submission
+from kestrel.jobs.models import COMPLETED, FAILED, INTERRUPTED, RUNNING
 from kestrel.jobs.worker import DbCallback, Heartbeat, _write_result, record_outputs, resolve_entry
 
 
@@ -27,12 +28,22 @@ def _device() -> str:
     return next((d for d in runner.available_devices() if d.startswith("cuda")), "cpu")
 
 
+def record(config: TrainConfig, pid: int) -> int:
+    """Store `config` as a job already running in process `pid`, which trains it: never queued, so
+    no worker claims it. Checked as a submitted run is, but for its devices: it uses what its own
+    process sees."""
+    sub = submission.prepare(config, _device(), runner.available_devices())
+    now = time.time()
+    return submission.add_job(sub, status=RUNNING, pid=pid, device=sub.device or "cpu", attempts=1,
+                              queued_at=now, started_at=now, heartbeat_at=now)
+
+
 def train_here(config: TrainConfig, callbacks: list[Any] | None = None) -> Any:
     """Train `config` in this process with `callbacks` and a store callback; returns the engine's
     result. The run's output folder is the store's choice when the config names none
     (KESTREL_HOME/runs/job-<id>-<name>). Ctrl-C leaves it interrupted, resumable."""
     pid = os.getpid()
-    job_id = runner.submit(config, start=False, held_by=pid, device=_device())
+    job_id = record(config, pid)
     job = runner.get_job(job_id)
     print(f"[jobs] recorded as job #{job_id}: the studio's Runs tab lists it", flush=True)
     store = DbCallback(job_id, pid, save_steps=int(job.config.get("save_steps") or 0))

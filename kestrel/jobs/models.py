@@ -27,7 +27,8 @@ FINISHED = (COMPLETED, FAILED, CANCELLED, INTERRUPTED)
 RESUMABLE = (INTERRUPTED, CANCELLED, FAILED)
 EXPORT = "export"
 KINDS = ("sft", "grpo", "preference", EXPORT)
-ARTIFACT_KINDS = ("adapter", "model", "checkpoint", "log", "metrics", "config", "gguf", "modelfile", "report",
+# best: RUN/best, the weights of the best evaluation so far (step: the step evaluated)
+ARTIFACT_KINDS = ("adapter", "model", "checkpoint", "best", "log", "metrics", "config", "gguf", "modelfile", "report",
                   "archive")
 
 

@@ -44,12 +44,12 @@ from sqlalchemy import delete as sql_delete
 from sqlalchemy import select, update
 
 from kestrel import env as kestrel_env
-from kestrel.constants import signal_name, slug
-from kestrel.config import TrainConfig, check_output_dir, config_from_dict, expand_path
-from kestrel.errors import ConfigError
-from kestrel.paths import kestrel_home, runs_dir
-from kestrel.jobs import export_job, preflight, queries
+from kestrel.constants import signal_name
+from kestrel.config import TrainConfig
+from kestrel.paths import kestrel_home
+from kestrel.jobs import preflight, queries, submission
 from kestrel.jobs.models import CANCELLED, EXPORT, FINISHED, INTERRUPTED, QUEUED, RESUMABLE, RUNNING, Artifact, Job, Metric
+from kestrel.jobs.submission import LOG_NAME
 from kestrel.jobs.store import (
     JobError, StoreWriteError, claim_next, device_group, remove_job_files, require_job, session,
 )
@@ -58,7 +58,6 @@ HEARTBEAT_S = 2.0  # the worker's heartbeat period
 STALE_AFTER_S = 6.0  # three missed heartbeats: with a dead pid, the job is lost (well under 15 s)
 REFRESH_EVERY_S = 1.0  # list_jobs / get_job reconcile at most this often per process
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: workers import kestrel from it
-LOG_NAME = "job.log"
 NO_RESULT_EXIT = 3  # a worker's exit code when it finished but could not store its result
 
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # worker processes (supervisors) started here, to reap them
@@ -86,7 +85,7 @@ def available_devices() -> list[str]:
 
 
 def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, start: bool = True,
-           dataset_id: int | None = None, held_by: int | None = None) -> int:
+           dataset_id: int | None = None) -> int:
     """Validate `config` (a ConfigError names any bad key), queue it, start it if it can start.
 
     A training config (TrainConfig or its dict) makes an sft, grpo or preference job; an export config
@@ -96,74 +95,16 @@ def submit(config: dict[str, Any] | TrainConfig, *, device: str | None = None, s
 
     Everything that would fail in the worker for a reason known now (a missing dataset or model,
     an output folder that is a file or cannot be created) is refused here, and a refused config
-    stores nothing: the output folder is created inside the transaction that adds the job.
-    `held_by`: the pid of a process that trains the run itself (kestrel.jobs.external); stored running.
+    stores nothing: the output folder is created inside the transaction that adds the job
+    (`kestrel.jobs.submission`).
     """
-    if export_job.is_export_config(config):
-        prepared = export_job.prepare(dict(config))  # type: ignore[arg-type]
-        kind, name, data, root = EXPORT, prepared.name, prepared.config, export_job.exports_root()
-        device = device or prepared.device
-    else:
-        cfg = config if isinstance(config, TrainConfig) else config_from_dict(dict(config))
-        for note in preflight.check_training(cfg):
-            log.info("note: %s", note)
-        kind = "grpo" if cfg.method == "grpo" else "preference" if cfg.is_preference else "sft"
-        name = cfg.name or f"{Path(str(cfg.model)).name}-{cfg.method}"
-        data, root = queries.apply_saved_mapping(_absolute_paths(cfg.to_dict())), runs_dir()
-    if device is not None and device != "cpu" and device not in available_devices():
-        raise ConfigError(f"device {device!r} is not available; choose one of "
-                          f"{', '.join(available_devices() + ['cpu'])}")
-    if kind != EXPORT and held_by is None:  # a run the command line trains itself uses what its process sees
-        preflight.check_devices(data.get("devices", 1), device, available_devices())
-    with session(immediate=True) as s:
-        job = Job(name=name, kind=kind, config=data, status=QUEUED, requested_device=device, output_dir="",
-                  step=0, attempts=0, queued_at=time.time(), dataset_id=dataset_id)
-        if held_by is not None:  # trained by that process itself: running from the start, never claimed
-            job.status, job.pid, job.device, job.attempts = RUNNING, held_by, device or "cpu", 1
-            job.started_at = job.heartbeat_at = job.queued_at
-        s.add(job)
-        s.flush()  # assigns the id that names the default folder
-        out = Path(data["output_dir"]) if data.get("output_dir") else root / f"job-{job.id}-{_slug(name)}"
-        clash = s.scalar(select(Job.id).where(Job.output_dir == str(out), Job.status.in_((QUEUED, RUNNING))))
-        if clash is not None:
-            raise ConfigError(f"output_dir {out} is in use by job {clash}; choose another output_dir")
-        job.output_dir = str(out)
-        job.log_path = str(out / LOG_NAME)
-        job.config = {**data, "output_dir": str(out)}
-        job_id = job.id
-        _make_output_dir(out)  # before the commit: a folder that cannot be made leaves no job behind
+    sub = submission.prepare(config, device, available_devices())
+    if sub.kind != EXPORT:
+        preflight.check_devices(sub.data.get("devices", 1), sub.device, available_devices())
+    job_id = submission.add_job(sub, dataset_id=dataset_id)
     if start:
         schedule()
     return job_id
-
-
-def _make_output_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"output_dir {out} cannot be created: {reason}; choose another output_dir") from None
-
-
-def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
-    """Paths in a checked training config made absolute (the worker runs in its output folder)."""
-    for key in ("model", "dataset"):
-        path = expand_path(str(data[key]), key)
-        if preflight.exists(path) and not (key == "model" and data[key] == "demo"):  # the engine's built-in
-            data[key] = str(path.resolve())
-    if data.get("output_dir"):
-        data["output_dir"] = str(check_output_dir(data["output_dir"]))
-    init_from = data.get("lora", {}).get("init_from")
-    if init_from and preflight.exists(path := expand_path(init_from, "lora.init_from")):
-        data["lora"]["init_from"] = str(path.resolve())
-    for reward in data.get("grpo", {}).get("rewards", []):
-        if reward.get("path"):
-            reward["path"] = str(expand_path(reward["path"], "grpo.rewards path").resolve())
-    return data
-
-
-def _slug(text: str) -> str:
-    return slug(text, "job", limit=60)
 
 
 def cancel(job_id: int) -> str:

@@ -18,6 +18,7 @@ each step boundary). The engine is reached through one function named by ENGINE_
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import queue
 import signal
@@ -38,6 +39,7 @@ from kestrel.jobs import export_job, queries, runner, supervisor
 from kestrel.jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, INTERRUPTED, RUNNING, Job
 from kestrel.jobs.runner import HEARTBEAT_S, NO_RESULT_EXIT, schedule
 from kestrel.jobs.store import StoreWriteError, device_group, session
+from kestrel.training.best import BEST_DIR, read_best
 
 ENGINE_ENTRY = "kestrel.training.run:run"
 FLUSH_EVERY_S = 1.0  # metrics reach the store at most this late (charts stay < 2 s behind)
@@ -99,6 +101,10 @@ class DbCallback:
     def on_checkpoint(self, step: int, path: str) -> None:
         self.flush()
         self._artifacts.put(("checkpoint", path, int(step)))
+
+    def on_best(self, step: int, path: str) -> None:
+        self.flush()  # the eval metric the best was chosen by is stored before the artifact
+        self._artifacts.put(("best", path, int(step)))
 
     def on_log(self, message: str) -> None:
         print(f"[engine] {message}", flush=True)
@@ -219,6 +225,9 @@ def record_outputs(job_id: int, output_dir: str) -> None:
             for ckpt in sorted(path.glob("step-*[0-9]")):  # not step-N.tmp: never completed
                 if str(ckpt) not in known:  # already hashed when it was written
                     queries.record_artifact(job_id, "checkpoint", ckpt, int(ckpt.name[5:]))
+        elif path.is_dir() and path.name == BEST_DIR:
+            if (best := read_best(root)) is not None:  # no marker: a half-written best, not listed
+                queries.record_artifact(job_id, "best", path, int(best["step"]))
         elif (kind := _artifact_kind(path)) is not None:
             queries.record_artifact(job_id, kind, path)
     queries.prune_artifacts(job_id)
@@ -242,6 +251,7 @@ def run_job(job_id: int) -> int:
         return 2
     heartbeat = Heartbeat(job_id, pid)
     heartbeat.start()
+    quiet_progress_bars()
     try:
         if job.kind == EXPORT:
             status, error = _guarded(lambda: export_job.run(job_id, dict(job.config), job.device or "cpu"))
@@ -254,6 +264,20 @@ def run_job(job_id: int) -> int:
     if not _write_result(job_id, pid, status, error):
         return NO_RESULT_EXIT  # its supervisor records that it ended without a stored result
     return 0 if status != FAILED else 1
+
+
+def quiet_progress_bars() -> None:
+    """A job's log is a file read in the Runs tab: progress bars redrawn with carriage returns
+    (weights loading, shards writing, dataset maps) would only be noise there, as would
+    bitsandbytes' warning that an optional CPU kernel package is missing (set before its import)."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import datasets
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
 
 
 def _write_result(job_id: int, pid: int, status: str, error: str | None) -> bool:

@@ -20,7 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kestrel import kernels
 from kestrel.recompute import checkpoint as checkpointing
 from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
-from kestrel.model.moe import ROUTER_STATS_KWARG
+from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
 from kestrel.model.registry import FamilySpec
 
 log = logging.getLogger("kestrel")
@@ -315,6 +315,8 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
         targets = kwargs.pop("shift_labels", None)
         add_aux = kwargs.pop("output_router_logits", None)
         add_aux = getattr(self.config, "output_router_logits", False) if add_aux is None else add_aux
+        if spec.moe is not None and "model" not in spec.levels and (add_aux or labels is not None or targets is not None):
+            kwargs["output_router_logits"] = True  # HF's stack records the routers' logits for the aux loss
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
@@ -341,7 +343,8 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
                 loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                 hidden_states=outputs.hidden_states, attentions=outputs.attentions,
             )
-        stats = getattr(outputs, "router_stats", None)
+        stats = getattr(outputs, "router_stats", None) or router_stats_from_logits(
+            self.config, spec, attention_mask, getattr(outputs, "router_logits", None))
         aux = stats.loss() if stats is not None else None
         if aux is not None and loss is not None and add_aux:  # as HF: only with output_router_logits
             loss = loss + self.config.router_aux_loss_coef * aux.to(loss.device)

@@ -13,6 +13,11 @@ The load-balancing (auxiliary) loss is Switch Transformer's, as HF's `load_balan
                                P_e = mean router probability of e (softmax over all E logits),
 both over every MoE layer's tokens (padding excluded). `RouterStats` sums them layer by layer
 during one forward; the decoder stack creates one per forward and the causal-LM head reads it.
+A family whose decoder stack stays HF's (Qwen3.5-MoE, for its linear attention) has HF record
+the routers' logits instead, and the head sums those (`router_stats_from_logits`).
+
+Qwen3.5-MoE's block also runs a shared expert on every token (`MoeSpec.shared_expert`):
+    out = sum_k w_k expert_k(x) + sigmoid(x W_gate) * shared_expert(x).
 """
 
 from __future__ import annotations
@@ -74,6 +79,19 @@ def router_stats_for(config: Any, spec: FamilySpec, attention_mask: torch.Tensor
     if spec.moe is None:
         return None
     return RouterStats(getattr(config, spec.moe.num_experts_attr), config.num_experts_per_tok, attention_mask)
+
+
+def router_stats_from_logits(
+    config: Any, spec: FamilySpec, attention_mask: torch.Tensor | None, router_logits: tuple[torch.Tensor, ...] | None,
+) -> RouterStats | None:
+    """The sums of `RouterStats` from the router logits (N, E) of each MoE layer that HF's own
+    decoder stack recorded (`output_router_logits`), for a family whose stack is HF's."""
+    stats = router_stats_for(config, spec, attention_mask)
+    if stats is None or not router_logits:
+        return None
+    for logits in router_logits:
+        stats.add(logits)
+    return stats
 
 
 # --- PEFT's per-expert LoRA, read as factors -------------------------------------------------
@@ -144,6 +162,8 @@ def make_moe_forward(spec: FamilySpec) -> Callable[..., Any]:
                 x, index, weights, *projections, activation=moe.activation,
                 alpha=getattr(base, "alpha", 1.702), limit=getattr(base, "limit", 7.0),
             )
+        if moe.shared_expert:  # every token also runs the shared expert, scaled by its own gate
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # (N, H)
         out = out.reshape(shape)
         return (out, weights) if moe.returns_scores else out
 

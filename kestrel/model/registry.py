@@ -7,7 +7,7 @@ here, not writing another patch function. Export (`kestrel.export`) reads the GG
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 # The module levels the patcher can put on Kestrel's forwards (see `kestrel.model.patching`).
@@ -27,6 +27,9 @@ class MoeSpec:
     transposed: bool = False  # weights stored (E, in, out) (gpt-oss) rather than (E, out, in)
     bias: bool = False  # per-expert biases gate_up_proj_bias, down_proj_bias
     returns_scores: bool = False  # the block returns (hidden, router scores) rather than hidden
+    # The block also holds `shared_expert` (an MLP every token runs) and `shared_expert_gate`
+    # (hidden -> 1): output = experts + sigmoid(x W_gate) * shared_expert(x) (Qwen3.5-MoE).
+    shared_expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,75 @@ class FamilySpec:
     decode: bool = True  # Kestrel's decode forward (`kestrel.decode.model`) covers it; else HF's cached forward
     gguf: bool = True  # `kestrel.export` writes its GGUF (llama.cpp's tensor layout is mapped)
 
+
+# Gemma 3's norms, activation, embeddings, head and attention layout; Gemma 4 (below) is this
+# spec with its own classes and what differs.
+_GEMMA3 = FamilySpec(
+    model_type="gemma3_text",
+    causal_lm_class="Gemma3ForCausalLM",
+    model_class="Gemma3TextModel",
+    decoder_layer_class="Gemma3DecoderLayer",
+    attention_class="Gemma3Attention",
+    mlp_class="Gemma3MLP",
+    norm_class="Gemma3RMSNorm",
+    norm_offset=1.0,
+    norm_casting="gemma",
+    activation="geglu",
+    qk_norm=True,
+    sandwich_norm=True,
+    embed_scale=True,
+    logit_softcap_attr="final_logit_softcapping",
+    sliding_layers="by_layer_type",
+    rope_per_layer_type=True,
+    attn_softcap_attr="attn_logit_softcapping",
+    gguf_arch="gemma3",
+)
+
+# --- families added for issue 26 (dense, on part of the fast path) ---------------------------
+# Qwen3.5: 3 of 4 layers gated-delta-rule linear attention (flash-linear-attention's
+# kernels on CUDA, HF's reference elsewhere), the others gated full attention
+# with partial RoPE; zero-centred (1 + w) norms cast after the scale. Qwen3.5-MoE (below) is
+# this spec with its own classes and a sparse MLP.
+_QWEN3_5 = FamilySpec(
+    model_type="qwen3_5_text",
+    causal_lm_class="Qwen3_5ForCausalLM",
+    model_class="Qwen3_5TextModel",
+    decoder_layer_class="Qwen3_5DecoderLayer",
+    attention_class="Qwen3_5Attention",
+    mlp_class="Qwen3_5MLP",
+    norm_class="Qwen3_5RMSNorm",
+    norm_offset=1.0,
+    norm_casting="gemma",
+    qk_norm=True,
+    attn_output_gate=True,
+    linear_attention_class="Qwen3_5GatedDeltaNet",
+    extra_lora_targets=("in_proj_qkv", "in_proj_z", "out_proj"),
+    levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "causal_lm")),
+    decode=False,
+    gguf=False,
+    gguf_arch="qwen35",
+)
+
+# Gemma 4: per-layer input embeddings, K/V shared across the last layers, a value norm and
+# per-layer-type head sizes live in HF's decoder layer and attention; norms (w, cast after
+# the scale), the GeGLU MLP and the softcapped head run here.
+_GEMMA4 = replace(
+    _GEMMA3,
+    model_type="gemma4_text",
+    causal_lm_class="Gemma4ForCausalLM",
+    model_class="Gemma4TextModel",
+    decoder_layer_class="Gemma4TextDecoderLayer",
+    attention_class="Gemma4TextAttention",
+    mlp_class="Gemma4TextMLP",
+    norm_class="Gemma4RMSNorm",
+    norm_offset=0.0,
+    attn_softcap_attr=None,
+    levels=frozenset(("rms_norm", "mlp", "causal_lm")),
+    decode=False,
+    gguf=False,
+    gguf_arch="gemma4",
+)
+# --- end of issue 26 dense families -----------------------------------------------------------
 
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
@@ -118,81 +190,23 @@ FAMILIES: dict[str, FamilySpec] = {
             qk_norm=True,
             gguf_arch="qwen3",
         ),
-        FamilySpec(
-            model_type="gemma3_text",
-            causal_lm_class="Gemma3ForCausalLM",
-            model_class="Gemma3TextModel",
-            decoder_layer_class="Gemma3DecoderLayer",
-            attention_class="Gemma3Attention",
-            mlp_class="Gemma3MLP",
-            norm_class="Gemma3RMSNorm",
-            norm_offset=1.0,
-            norm_casting="gemma",
-            activation="geglu",
-            qk_norm=True,
-            sandwich_norm=True,
-            embed_scale=True,
-            logit_softcap_attr="final_logit_softcapping",
-            sliding_layers="by_layer_type",
-            rope_per_layer_type=True,
-            attn_softcap_attr="attn_logit_softcapping",
-            gguf_arch="gemma3",
-        ),
-        # --- families added for issue 26 (dense, on part of the fast path) ---------------------
-        # Qwen3.5: 3 of 4 layers gated-delta-rule linear attention (flash-linear-attention's
-        # kernels on CUDA, HF's reference elsewhere), the others gated full attention
-        # with partial RoPE; zero-centred (1 + w) norms cast after the scale.
-        FamilySpec(
-            model_type="qwen3_5_text",
-            causal_lm_class="Qwen3_5ForCausalLM",
-            model_class="Qwen3_5TextModel",
-            decoder_layer_class="Qwen3_5DecoderLayer",
-            attention_class="Qwen3_5Attention",
-            mlp_class="Qwen3_5MLP",
-            norm_class="Qwen3_5RMSNorm",
-            norm_offset=1.0,
-            norm_casting="gemma",
-            qk_norm=True,
-            attn_output_gate=True,
-            linear_attention_class="Qwen3_5GatedDeltaNet",
-            extra_lora_targets=("in_proj_qkv", "in_proj_z", "out_proj"),
-            levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "causal_lm")),
-            decode=False,
-            gguf=False,
-            gguf_arch="qwen35",
-        ),
-        # Gemma 4: per-layer input embeddings, K/V shared across the last layers, a value norm and
-        # per-layer-type head sizes live in HF's decoder layer and attention; norms (w, cast after
-        # the scale), the GeGLU MLP and the softcapped head run here.
-        FamilySpec(
-            model_type="gemma4_text",
-            causal_lm_class="Gemma4ForCausalLM",
-            model_class="Gemma4TextModel",
-            decoder_layer_class="Gemma4TextDecoderLayer",
-            attention_class="Gemma4TextAttention",
-            mlp_class="Gemma4TextMLP",
-            norm_class="Gemma4RMSNorm",
-            norm_casting="gemma",
-            activation="geglu",
-            qk_norm=True,
-            sandwich_norm=True,
-            embed_scale=True,
-            logit_softcap_attr="final_logit_softcapping",
-            sliding_layers="by_layer_type",
-            rope_per_layer_type=True,
-            levels=frozenset(("rms_norm", "mlp", "causal_lm")),
-            decode=False,
-            gguf=False,
-            gguf_arch="gemma4",
-        ),
-        # --- end of issue 26 dense families ---------------------------------------------------
+        _GEMMA3,
+        _QWEN3_5,
+        _GEMMA4,
     )
 }
 
 # --- Mixture-of-experts families (issue 26, item 2) ----------------------------------------
-# Kestrel's decode forward has no sparse block and no sinks: both decode through HF's forward
-# (`kestrel.decode.hf_backend`); their GGUF maps the 3-D expert tensors (`kestrel.export.experts`).
-# Qwen3.5-MoE shares Qwen3-MoE's experts but not its attention (gated delta-rule layers): not registered yet.
+# Kestrel's decode forward has no sparse block and no sinks: they decode through HF's forward
+# (`kestrel.decode.hf_backend`); the GGUF of Qwen3-MoE and gpt-oss maps the 3-D expert tensors
+# (`kestrel.export.experts`).
+# Qwen3-MoE's router and experts; Qwen3.5-MoE's block adds a gated shared expert.
+_QWEN3_MOE_BLOCK = MoeSpec(
+    block_class="Qwen3MoeSparseMoeBlock",
+    router_attr="gate",
+    num_experts_attr="num_experts",
+    expert_intermediate_attr="moe_intermediate_size",
+)
 _MOE_FAMILIES = (
     FamilySpec(
         model_type="qwen3_moe",
@@ -204,12 +218,7 @@ _MOE_FAMILIES = (
         norm_class="Qwen3MoeRMSNorm",
         qk_norm=True,
         sliding_layers="all",  # config.sliding_window is None unless use_sliding_window
-        moe=MoeSpec(
-            block_class="Qwen3MoeSparseMoeBlock",
-            router_attr="gate",
-            num_experts_attr="num_experts",
-            expert_intermediate_attr="moe_intermediate_size",
-        ),
+        moe=_QWEN3_MOE_BLOCK,
         decode=False,
         gguf_arch="qwen3moe",
     ),
@@ -237,6 +246,24 @@ _MOE_FAMILIES = (
         rope_half_table=True,
         decode=False,
         gguf_arch="gpt-oss",
+    ),
+    # Qwen3.5-MoE: Qwen3.5's layers (linear and gated full attention, on the same forwards) with
+    # Qwen3-MoE's router and experts in every layer's MLP, plus a shared expert behind a sigmoid
+    # gate (its MLP, `mlp_class`, on the dense MLP forward). HF's decoder stack runs (as Qwen3.5's)
+    # and records the routers' logits for the load-balancing loss.
+    replace(
+        _QWEN3_5,
+        model_type="qwen3_5_moe_text",
+        causal_lm_class="Qwen3_5MoeForCausalLM",
+        model_class="Qwen3_5MoeTextModel",
+        decoder_layer_class="Qwen3_5MoeDecoderLayer",
+        attention_class="Qwen3_5MoeAttention",
+        mlp_class="Qwen3_5MoeMLP",  # the shared expert
+        norm_class="Qwen3_5MoeRMSNorm",
+        linear_attention_class="Qwen3_5MoeGatedDeltaNet",
+        moe=replace(_QWEN3_MOE_BLOCK, block_class="Qwen3_5MoeSparseMoeBlock", shared_expert=True),
+        gguf=False,  # its own: llama.cpp's qwen35moe layout is not mapped, whatever Qwen3.5's says
+        gguf_arch="qwen35moe",
     ),
 )
 FAMILIES.update({spec.model_type: spec for spec in _MOE_FAMILIES})

@@ -20,8 +20,10 @@ from kestrel.studio.form import FORM_KEYS
 from kestrel.studio.handlers import chat as chat_h
 from kestrel.studio.handlers import datasets as ds_h
 from kestrel.studio.handlers import export as ex_h
+from kestrel.studio.handlers import generation as gen_h
 from kestrel.studio.handlers import runs as runs_h
 from kestrel.studio.handlers import train as train_h
+from kestrel.studio.handlers import weights as weights_h
 from kestrel.studio.handlers.datasets import roles
 from kestrel.studio.handlers.train import form_to_config
 from kestrel.studio.models import ModelPool
@@ -97,9 +99,11 @@ def wire_datasets(d: C, t: C, settings: StudioSettings) -> None:
              .then(to_form.wrap(train_h.use_dataset), [d["state"], t["extra"]], to_form.components) \
              .then(*_preview_args(t, settings))
 
+    # The upload box empties once the file is stored (it is listed under the datasets), ready for the next one.
     after_open(_on(d["upload"].upload,
-                   lambda f, src, text: ds_h.upload_dataset(f, settings.max_upload_mb, model_name(src, text)),
-                   [d["upload"], *model_in], shown))
+                   lambda f, src, text: {**ds_h.upload_dataset(f, settings.max_upload_mb, model_name(src, text)),
+                                         "upload": None},
+                   [d["upload"], *model_in], shown + Outputs([("upload", d["upload"])])))
     after_open(_on(d["use_sample"].click, lambda p, src, text: ds_h.open_dataset(p, "auto", None, model_name(src, text)),
                    [d["sample"], *model_in], shown))
     after_open(_on(d["open"].click, lambda p, src, text: ds_h.open_dataset(p, "auto", None, model_name(src, text)),
@@ -129,8 +133,10 @@ def _filled(t: C) -> Outputs:
     return Outputs.of(t, *FORM_KEYS, "extra", "yaml", "download", "vram", "status")
 
 
-def _preview_args(t: C, settings: StudioSettings) -> tuple[Any, ...]:
-    out = Outputs.of(t, "yaml", "download", "vram", "status")
+def _preview_args(t: C, settings: StudioSettings, keep_status: bool = False) -> tuple[Any, ...]:
+    """The live preview's (fn, inputs, outputs). `keep_status`: after a fill (preset, YAML) the
+    status says what the fill did, and the preview that follows must not wipe it."""
+    out = Outputs.of(t, "yaml", "download", "vram", *(() if keep_status else ("status",)))
 
     def preview(extra: Any, gpu: str | None, *values: Any) -> dict[str, Any]:
         return train_h.preview(extra, *values, gpu=gpu, allow_custom=settings.allow_custom_rewards)
@@ -141,17 +147,18 @@ def _preview_args(t: C, settings: StudioSettings) -> tuple[Any, ...]:
 def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
     """The Train tab; `settings.allow_custom_rewards` (the launch flag) reaches every handler that builds a config."""
     allow = {"allow_custom": settings.allow_custom_rewards}
-    t["model_source"].change(lambda s: gr.update(visible=s != "demo"), t["model_source"], t["model"], **LIGHT)
+    t["model_source"].change(weights_h.model_box, t["model_source"], t["model"], **LIGHT)
     fn, inputs, outputs = _preview_args(t, settings)
     gr.on([t[k].input for k in (*FORM_KEYS, "gpu")], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
     filled = _filled(t)
     # then the preview again: its memory estimate is for the GPU picked on a machine without one
+    after_fill = _preview_args(t, settings, keep_status=True)
     _on(t["apply_preset"].click, partial(train_h.apply_preset, **allow), [t["preset"], t["extra"], *_form(t)], filled,
-        **LIGHT).then(fn, inputs, outputs, **LIGHT)
+        **LIGHT).then(*after_fill, **LIGHT)
     _on(t["apply_yaml"].click, partial(train_h.apply_yaml, **allow), [t["yaml"]], filled, **LIGHT) \
-        .then(fn, inputs, outputs, **LIGHT)
+        .then(*after_fill, **LIGHT)
     _on(t["load_yaml"].upload, partial(train_h.load_yaml_file, **allow), [t["load_yaml"]], filled) \
-        .then(fn, inputs, outputs, **LIGHT)
+        .then(*after_fill, **LIGHT)
     started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
     _on(t["start"].click, partial(train_h.start_training, **allow), [t["extra"], *_form(t)], started,
@@ -166,8 +173,8 @@ def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
 
 def _runs_outputs(r: C) -> Outputs:
     charts = [k for k in r if k.startswith("chart_")]
-    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", "generation_summary", "generation_table",
-                      *runs_h.ACTIONS, "notice", "log", "seen")
+    return Outputs.of(r, "table", "select", "progress", *charts, "grpo", *gen_h.OUTPUTS, *runs_h.ACTIONS, "notice",
+                      "log", "seen")
 
 
 def wire_runs(r: C) -> None:
@@ -186,6 +193,10 @@ def wire_runs(r: C) -> None:
     r["log"].change(None, None, None, js=FOLLOW_LOG_JS, **LIGHT)
     compare = Outputs.of(r, "compare_loss", "compare_diff")
     _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)
+    # Queued (a check loads a model and decodes for seconds); one at a time per studio.
+    r["check_generations"].click(lambda: gr.Accordion(open=True), None, r["generation_panel"], **LIGHT)
+    _on(r["check_generations"].click, gen_h.check_generations, [r["select"]], Outputs.of(r, *gen_h.OUTPUTS),
+        concurrency_limit=1, show_progress="hidden")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +274,7 @@ def _timers_for(tab: str) -> tuple[gr.Timer, gr.Timer]:
     return gr.Timer(active=tab == "runs"), gr.Timer(active=tab == "export")
 
 
-def wire_tab_switches(tabs: dict[str, gr.Tab], r: C, ch: C, ex: C) -> None:
+def wire_tab_switches(tabs: dict[str, gr.Tab], t: C, r: C, ch: C, ex: C) -> None:
     """Opening a tab refreshes the lists that other tabs (or the command line) may have changed.
     The Runs tab and Export's list of recent exports poll only while their tab is shown: a browser
     on another tab costs the server nothing."""
@@ -277,5 +288,6 @@ def wire_tab_switches(tabs: dict[str, gr.Tab], r: C, ch: C, ex: C) -> None:
     _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
     _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"], ch["seen"]], Outputs.of(ch, "target", "seen"),
         **LIGHT)
+    tabs["train"].select(weights_h.model_box, t["model_source"], t["model"], **LIGHT)  # runs finished since
     _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
         **LIGHT)

@@ -7,6 +7,7 @@ the YAML file can never disagree about which settings exist.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kestrel.config import ALL_LINEAR, CHECKPOINTING, DTYPES, LOSS_TYPES, SCHEDULERS
 from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE
@@ -79,3 +80,24 @@ FORM_KEYS: tuple[str, ...] = HEAD_KEYS + tuple(f.key for f in FIELDS)
 FIELD_BY_KEY = {f.key: f for f in FIELDS}
 # Config keys whoever started the studio decides (`kestrel.studio.settings`): a form or YAML value is ignored.
 OWNER_KEYS = ("grpo.allow_custom_rewards",)
+# The sections whose settings the form names by dotted keys (`lora.r`); `columns` stays one value.
+DOTTED_SECTIONS = ("lora", "grpo", "preference")
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config dict keyed the form's way: `{"lora": {"r": 8}}` -> `{"lora.r": 8}`."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key in DOTTED_SECTIONS:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `value` at a dotted key (`lora.r`) of a nested config dict, making sections as needed."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[last] = value

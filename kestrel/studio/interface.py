@@ -52,6 +52,6 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
         events.wire_chat(ch, pool)
         events.wire_export(ex)
         events.wire_tab_switches({"datasets": datasets_tab, "train": train_tab, "runs": runs_tab,
-                                  "chat": chat_tab, "export": export_tab}, r, ch, ex)
+                                  "chat": chat_tab, "export": export_tab}, t, r, ch, ex)
         app.load(*events.on_load(d, t, r, ch, ex, settings))
     return app

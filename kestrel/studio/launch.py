@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         server_name=args.host, server_port=args.port, auth=args.auth_pair, share=args.share,
         max_file_size=f"{int(args.max_upload_mb * 1024)}kb", allowed_paths=served_dirs(),
         ssr_mode=False, mcp_server=False, show_error=False, theme=theme(), css=CSS,
+        # Gradio's run history copies every event's inputs and outputs (the whole form, chart data)
+        # into localStorage and rewrites up to 100 of them on each event: every edit got slower as it
+        # filled, and it would keep users' paths and configs in the browser.
+        run_history=False,
     )
     return 0
 

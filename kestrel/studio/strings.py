@@ -52,6 +52,9 @@ TR_MODEL_SOURCE = "Model"
 TR_MODEL_SOURCES = {"demo": "Built-in demo (offline)", "local": "Local folder", "hub": "Hugging Face hub id"}
 TR_MODEL = "Folder or hub id"
 TR_MODEL_INFO = "A folder holding config.json and *.safetensors, or an id like Qwen/Qwen2.5-0.5B-Instruct"
+TR_MODEL_LOCAL_INFO = ("A folder holding config.json and *.safetensors; the list offers the full models your "
+                       "finished runs saved (to train DPO or GRPO on top of them)")
+TR_MODEL_RUN = "Run #{job}: {name} (full model)"
 TR_METHOD = "Method"
 TR_METHODS = {"qlora": "QLoRA (4-bit base, least memory)", "lora": "LoRA (16-bit base)",
               "full": "Full fine-tune", "grpo": "GRPO (reinforcement learning with rewards)",
@@ -93,7 +96,8 @@ TR_GPU = "GPU to estimate for (this machine has none)"
 VRAM_UNKNOWN = "No estimate: {reason}"
 # How much of the chosen model Kestrel's fast path covers (under the memory estimate).
 FAMILY_TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma 3",
-                 "qwen3_5_text": "Qwen3.5", "gemma4_text": "Gemma 4", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss"}
+                 "qwen3_5_text": "Qwen3.5", "gemma4_text": "Gemma 4", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss",
+                 "qwen3_5_moe_text": "Qwen3.5-MoE"}
 PATH_FULL = "**{family}**: on Kestrel's fast path (its kernels, padding-free packing, fast decode)."
 PATH_PARTIAL = ("**{family}**: partly on Kestrel's fast path ({levels}); its other modules run Hugging Face's "
                 "code{decode}.")
@@ -156,6 +160,7 @@ RU_COLUMNS = ["#", "name", "status", "progress", "ETA", "started"]
 RU_NO_JOBS = "No runs yet. Start one on the Train tab."
 RU_PROGRESS = "#{job} {name}: **{status}** · step {step} / {total}{eta}{error}"
 RU_ETA = "ETA {eta}"
+RU_BEST = " · best weights: {metric} {value:.4f} at step {step} (best/; Chat and Export use them by default)"
 RU_ACTION_DONE = {"pause": "Job #{job}: stopping after its next checkpoint (resumable).",
                   "cancel": "Job #{job}: {result}.", "resume": "Job #{job} queued again; it resumes from its last checkpoint.",
                   "delete": "Job #{job} deleted."}
@@ -166,6 +171,15 @@ RU_GENERATION = "Generation check (held-out prompts, answered greedily at the en
 RU_GEN_COLUMNS = ["prompt", "reference", "answer", "exact match", "ROUGE-L"]
 RU_GEN_SUMMARY = "{n} held-out prompts at step {step}: exact match **{exact:.0%}**, ROUGE-L **{rouge:.3f}**"
 RU_GEN_NONE = "No generation check for this run (it runs at the end of a run with eval_split or eval_dataset)."
+RU_GEN_CHECK = "Check generations"
+RU_GEN_RUNNING = "Answering run #{job}'s held-out prompts with its {weights} ({seconds:.0f} s so far)…"
+RU_GEN_NOT_FINISHED = "Run #{job} is {status}; check its generations once it has finished."
+RU_GEN_NO_EVAL = ("Run #{job} has no held-out prompts: it trained without eval_split or eval_dataset. Train with "
+                  "eval_split (e.g. 0.05) to check generations.")
+RU_GEN_FAILED = "The generation check of run #{job} failed ({why}): {detail}"
+RU_GEN_CRASHED = "its process ended with {signal}"
+RU_GEN_EXIT = "exit status {code}"
+RU_GEN_TIMEOUT = "The generation check of run #{job} took longer than {minutes} minutes and was stopped."
 CHARTS = {"loss": "Loss (train, eval)", "lr": "Learning rate", "grad_norm": "Grad norm", "tokens_per_s": "Tokens / s",
           "memory": "GPU memory (GiB)", "reward": "Reward (GRPO) / rewards (preference)", "kl": "KL (GRPO, KTO)"}
 RU_MEMORY_CPU = "GPU memory: none, this run trains on the CPU"
@@ -191,6 +205,7 @@ CH_LOADING = "Loading {model}…"
 CH_STOPPED = "(stopped)"
 CH_BAD_TARGET = "Unknown model choice {target!r}: press Refresh models and pick again."
 CH_AT_STEP = " · step {step}"
+CH_BEST = " (best weights)"
 CH_CHECKPOINT = "Weights of the run"
 CH_SPEED = "**{name}**: {tokens} tokens in {seconds:.1f} s · {rate:.1f} tokens/s (prompt included)"
 CH_DEMO_NOTE = ("**Note:** the built-in demo model is a tiny model with random weights, there to try the studio "
@@ -256,15 +271,15 @@ ERR_NUMBER = "{field} must be a number, got {value!r}."
 ERR_QLORA_CPU = "QLoRA needs an NVIDIA GPU and none was found; choose LoRA (16-bit) instead."
 ERR_UNEXPECTED = "Something went wrong ({kind}); details are in the studio's terminal."
 
-# --- presets of the train form (values in kestrel.studio.handlers.train.PRESETS) ----------------------
+# --- presets of the train form (values in kestrel.studio.handlers.presets.PRESETS) --------------------
 PRESET_NAMES = {
     "demo": "Quick test: built-in demo model on the CPU (about a minute)",
     "qlora_8b": "QLoRA: a 7-8B model on a 12-24 GB GPU",
     "lora_quality": "LoRA 16-bit: higher rank, careful learning rate",
     "long_context": "Long context: offloaded checkpointing, batch 1",
     "full_small": "Full fine-tune: models up to about 1B",
-    "grpo": "GRPO on the arithmetic prompts (set Model to a finished demo run's model folder first)",
-    "dpo": "DPO on the arithmetic preference pairs (set Model to a finished demo run's model folder first)",
+    "grpo": "GRPO on the arithmetic prompts (first pick a finished demo run under Model: Local folder)",
+    "dpo": "DPO on the arithmetic preference pairs (first pick a finished demo run under Model: Local folder)",
 }
 TR_REWARDS_INFO = (
     "**Rewards.** `exact_answer`: the completion's final number (or `\\boxed{}` value, or `<answer>` tag) "
@@ -282,8 +297,10 @@ ERR_CUSTOM_OFF = ("grpo.rewards: a `custom` reward runs code from {path}, and cu
                   "built-in reward.")
 ERR_REWARD_ROW = "Rewards table, row {row}: {problem}."
 WEIGHTS_FINAL = "Final weights"
+WEIGHTS_BEST = "Best weights: {metric} {value:.4f} at step {step}"
+ERR_BEST_GONE = "Run #{job} has no best weights (they are kept only by a run with an evaluation set). Pick others."
 WEIGHTS_STEP = "Checkpoint at step {step}"
-ERR_CHECKPOINT_CHOICE = "Weights {value!r}: choose the final weights or a checkpoint's step from the list."
+ERR_CHECKPOINT_CHOICE = "Weights {value!r}: choose the best or final weights or a checkpoint's step from the list."
 ERR_CHECKPOINT_GONE = ("Run #{job} has no checkpoint of step {step} any more (training keeps only the newest); "
                        "checkpoints kept: {kept}. Pick another from the list.")
 ERR_RUN_NO_WEIGHTS = "Run #{job} has no saved adapter or model (it is {status})."

@@ -33,11 +33,14 @@ The model of memory (bytes), written for the way the engine trains:
 - host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in
   page-locked host memory, layers x tokens x hidden x 2 bytes (100 GiB at 409,600 tokens on the
   8B shape); pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
-- mixture of experts (Qwen3-MoE, gpt-oss): every expert's weights count (E x 3 h ie, plus the
+- mixture of experts (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): every expert's weights count (E x 3 h ie, plus the
   router's E h); they stay 16-bit under QLoRA (bitsandbytes quantizes linears, and the experts
   are 3-D parameters). LoRA on the MLP targets puts per-expert factors on the experts,
   E r (h + 2 ie) + E r (ie + h) a layer. Activations use the k routed experts' intermediate,
-  k ie a token, plus the token rows copied into expert order and back (2 k h).
+  k ie a token, plus the token rows copied into expert order and back (2 k h). A shared expert
+  (Qwen3.5-MoE: intermediate s) is a dense MLP of linears beside them (NF4 under QLoRA, LoRA on
+  the MLP targets) that every token runs: s more intermediate a token; its gate (h -> 1) counts
+  with the router.
 - several devices (`devices: N`, `kestrel.training.distributed`), the estimate is per GPU:
   - full fine-tuning is sharded with FSDP2 (each decoder layer one unit, then the root:
     embeddings, final norm, head), so weights (2 P), gradients and AdamW moments (6 P) divide by
@@ -117,16 +120,20 @@ class ModelShape:
     experts: int = 0  # mixture of experts: experts per layer (0 for a dense model)
     experts_per_token: int = 0  # k, the experts each token is routed to
     expert_intermediate: int = 0  # one expert's intermediate size
+    shared_expert_intermediate: int = 0  # the shared expert's intermediate (Qwen3.5-MoE); 0 without one
 
     @property
     def expert_params(self) -> int:
-        """Every layer's experts (gate, up, down) and router."""
-        return self.layers * self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)
+        """Every layer's experts (gate, up, down) and router (and the shared expert's gate)."""
+        gate = self.hidden if self.shared_expert_intermediate else 0
+        return self.layers * (self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden) + gate)
 
     @property
     def active_intermediate(self) -> int:
-        """The MLP intermediate a token's activations hold: k experts' worth in a MoE."""
-        return self.experts_per_token * self.expert_intermediate if self.experts else self.intermediate
+        """The MLP intermediate a token's activations hold: k experts' worth in a MoE (and the shared expert's)."""
+        if not self.experts:
+            return self.intermediate
+        return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
 
     def expert_lora_params(self, r: int) -> int:
         """Per-expert LoRA factors of gate_up (h -> 2 ie) and down (ie -> h), all layers."""
@@ -150,7 +157,9 @@ class ModelShape:
             q, kv = self.heads * head_dim, kv_heads * head_dim
             groups.append((n, {"q_proj": (h, 2 * q if self.attn_output_gate else q), "k_proj": (h, kv),
                                "v_proj": (h, kv), "o_proj": (q, h)}))
-        if not self.experts:  # a MoE's MLP is its experts (`expert_params`), not linears
+        # A MoE's MLP is its experts (`expert_params`), not linears, and its shared expert if any.
+        i = self.shared_expert_intermediate if self.experts else i
+        if i:
             groups.append((self.layers, {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}))
         if self.linear_attention:
             groups.append((self.linear_attention.layers, self.linear_attention.linears(h)))
@@ -176,12 +185,16 @@ class ModelShape:
     @property
     def largest_layer_params(self) -> int:
         """Parameters of the largest decoder layer: its attention (or linear-attention)
-        projections, its MLP (every expert and the router in a MoE) and its two norms."""
-        h = self.hidden
-        mixers = [sum(a * b for a, b in linears.values()) for _, linears in self.linear_groups()
-                  if "gate_proj" not in linears]
-        mlp = self.experts * (3 * h * self.expert_intermediate + h) if self.experts else 3 * h * self.intermediate
-        return max(mixers, default=0) + mlp + 2 * h
+        projections, its MLP (in a MoE every expert, the router and the shared expert with its
+        gate) and its two norms."""
+        mixers, mlp = [0], 0
+        for _, linears in self.linear_groups():
+            size = sum(a * b for a, b in linears.values())
+            if "gate_proj" in linears:  # the dense MLP, or a MoE's shared expert
+                mlp += size
+            else:
+                mixers.append(size)
+        return max(mixers) + mlp + self.expert_params // self.layers + 2 * self.hidden
 
     @property
     def root_params(self) -> int:
@@ -190,13 +203,15 @@ class ModelShape:
 
 
 def _moe_sizes(cfg: dict[str, Any]) -> dict[str, int]:
-    """Expert count, k and expert intermediate of a MoE config (Qwen3-MoE: num_experts and
-    moe_intermediate_size; gpt-oss: num_local_experts and intermediate_size); empty when dense."""
+    """Expert count, k, expert and shared-expert intermediates of a MoE config (Qwen3-MoE: num_experts
+    and moe_intermediate_size; gpt-oss: num_local_experts and intermediate_size; Qwen3.5-MoE: also
+    shared_expert_intermediate_size); empty when dense."""
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if not experts:
         return {}
     return dict(experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
-                expert_intermediate=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]))
+                expert_intermediate=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                shared_expert_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 def shape_from_config(config: dict[str, Any]) -> ModelShape:

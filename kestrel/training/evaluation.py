@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -54,6 +54,9 @@ class EvalSums:
     sums: dict[str, torch.Tensor]  # name (without the eval_ prefix) -> () tensor
     weight: torch.Tensor | float
     tokens: int  # tokens run through the model (what the cost model counts)
+    # A metric's own weight where it is a mean over other items (KTO's rewards/chosen: over the
+    # desirable rows only); a metric whose weight sums to 0 over the eval set is left out.
+    counts: dict[str, torch.Tensor | float] = field(default_factory=dict)
 
 
 Measure = Callable[[nn.Module, Any], EvalSums]
@@ -129,16 +132,20 @@ class Evaluator:
     """Runs a recipe's eval batches through its `measure` and keeps the run's best weights:
     those with the lowest eval_<metric> (the highest with `greater_is_better`, e.g. GRPO's
     reward). `history` ((step, eval value) of earlier evaluations: a resumed run's) restores
-    early stopping; `generation` holds the prompts of the end-of-run generation check."""
+    early stopping; `generation` holds the prompts of the end-of-run generation check; `finish`
+    adds metrics derived from the means (a preference method's eval_rewards/margins)."""
 
     def __init__(self, batches: list[Any], measure: Measure, plan: EvalPlan, output_dir: Path,
                  early_stopping: EarlyStoppingSettings, metric: str = "loss", greater_is_better: bool = False,
-                 history: list[tuple[int, float]] | None = None, generation: GenerationCheck | None = None) -> None:
+                 history: list[tuple[int, float]] | None = None, generation: GenerationCheck | None = None,
+                 finish: Callable[[dict[str, float]], dict[str, float]] | None = None) -> None:
         self.batches, self.measure, self.plan, self.generation = batches, measure, plan, generation
+        self.finish = finish
         self.output_dir, self.early_stopping, self.metric = Path(output_dir), early_stopping, metric
         self.sign = -1.0 if greater_is_better else 1.0  # the state compares sign * value, lower is better
         self.state = replay([(step, self.sign * v) for step, v in history or []], early_stopping.min_delta)
         self.tokens_evaluated = 0  # over this process's evaluations (the cost test counts them)
+        self.saved_at: int | None = None  # the step whose weights save_best wrote last
 
     def due(self, done: int, total_steps: int) -> bool:
         return done % self.plan.every == 0 or done == total_steps
@@ -146,18 +153,20 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, world: World | None = None) -> dict[str, float]:
         """Every eval batch through `measure` in eval mode without gradients; returns
-        eval_<name> = sum over batches / total weight (one host read), and eval_runtime (s).
+        eval_<name> = sum over batches / total weight (the metric's own count where it has one;
+        one host read), the `finish` metrics derived from those means, and eval_runtime (s).
 
         On several devices (`world`) rank r measures batches r, r + N, ... and one all-reduce
-        sums the sums and weights, so every rank gets the value one device would (each batch is
+        sums the sums and counts, so every rank gets the value one device would (each batch is
         measured once: cheaper than rank 0 measuring all of them while the others wait, and a
         forward of an FSDP2-sharded model needs every rank anyway). Every rank runs the same
-        number of forwards: one past the last batch measures a batch again and drops it."""
+        number of forwards: one past the last batch measures a batch again and drops it. So
+        `measure` returns the same metric names on every batch (a count of 0 where it has none)."""
         world = world or World()
         t0, was_training = time.perf_counter(), model.training
         model.eval()
         totals: dict[str, torch.Tensor] = {}
-        weight: torch.Tensor | float = 0.0
+        weights: dict[str, torch.Tensor | float] = {}
         mine = range(world.rank, math.ceil(len(self.batches) / world.size) * world.size, world.size)
         try:
             for k in mine:
@@ -166,17 +175,22 @@ class Evaluator:
                 for name, value in part.sums.items():
                     value = value.detach().float() if keep else torch.zeros_like(value.detach().float())
                     totals[name] = totals[name] + value if name in totals else value
-                weight = weight + (part.weight if keep else 0.0)
+                    weights[name] = weights.get(name, 0.0) + (part.counts.get(name, part.weight) if keep else 0.0)
                 self.tokens_evaluated += part.tokens if keep else 0
         finally:
             model.train(was_training)
         reshard_after_scoring(model)
         names = sorted(totals)
-        device = totals[names[0]].device if names else torch.device("cpu")
-        reduced = world.sum(torch.stack([*(totals[n].reshape(()) for n in names),
-                                         torch.as_tensor(weight, device=device).float().reshape(())]))
-        values = reduced[:-1] / reduced[-1].clamp(min=1e-12)
-        out = {f"eval_{n}": float(v) for n, v in zip(names, values.tolist())}
+        out: dict[str, float] = {}
+        if names:  # every rank has the same names (each measures at least one batch, `Measure`)
+            sums = torch.stack([totals[n].reshape(()) for n in names])
+            counts = torch.stack([torch.as_tensor(weights[n], dtype=torch.float32, device=sums.device).reshape(())
+                                  for n in names])
+            both = world.sum(torch.stack([sums, counts]))  # (2, names): one all-reduce
+            pairs = torch.stack([both[0] / both[1].clamp(min=1e-12), both[1]]).tolist()  # one host read
+            out = {f"eval_{n}": v for n, v, w in zip(names, *pairs) if w > 0}
+        if self.finish is not None:
+            out.update(self.finish(out))
         out["eval_runtime"] = time.perf_counter() - t0
         return out
 
@@ -212,3 +226,4 @@ class Evaluator:
         save_weights(model, folder, tokenizer, world)
         if main:
             write_marker(self.output_dir, step, f"eval_{self.metric}", value)
+        self.saved_at = step

@@ -63,6 +63,11 @@ class GenerationCheck:
                 continue
             user = next((m["content"] for m in reversed(msgs[:-1]) if m["role"] == "user"), "")
             cases.append(GenerationCase(ids, user, msgs[-1]["content"], conv.line))
+        return cls.sized(cases, tokenizer)
+
+    @classmethod
+    def sized(cls, cases: list[GenerationCase], tokenizer: Any) -> "GenerationCheck":
+        """A check of `cases` whose answers may run to the longest reference plus a margin."""
         longest = max((len(tokenizer(c.reference, add_special_tokens=False)["input_ids"]) for c in cases), default=0)
         return cls(cases, min(MAX_NEW_TOKENS, longest + 16))
 

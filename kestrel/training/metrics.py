@@ -49,6 +49,10 @@ class Callback:
     def on_checkpoint(self, step: int, path: str) -> None:
         """Called after a checkpoint has been fully written to `path`."""
 
+    def on_best(self, step: int, path: str) -> None:
+        """Called after the best weights so far (evaluated at `step`) have been written to `path`
+        (RUN/best, replacing the previous best)."""
+
     def on_log(self, message: str) -> None:
         """A one-line notice for the user (a fallback taken, rows truncated, ...)."""
 
@@ -77,6 +81,10 @@ class CallbackList(Callback):
     def on_checkpoint(self, step: int, path: str) -> None:
         for cb in self.callbacks:
             cb.on_checkpoint(step, path)
+
+    def on_best(self, step: int, path: str) -> None:
+        for cb in self.callbacks:
+            cb.on_best(step, path)
 
     def on_log(self, message: str) -> None:
         for cb in self.callbacks:

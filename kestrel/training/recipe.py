@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -31,8 +32,9 @@ from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
 from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
 from kestrel.training.distributed import World, shard_full_model
+from kestrel.training.best import BEST_DIR
 from kestrel.training.evaluation import Evaluator
-from kestrel.training.metrics import Callback, RunInfo
+from kestrel.training.metrics import Callback, RunInfo, memory_metrics
 
 
 class RunState(Protocol):
@@ -198,6 +200,29 @@ def graph_metrics(recompute: Recompute | None) -> dict[str, float]:
     return {} if recompute is None else {"cuda_graphs": float(recompute.graphed)}
 
 
+def step_end(device: torch.device) -> float:
+    """`time.perf_counter()` once `device` has run the step's queued work (CUDA runs it
+    asynchronously: without the wait a step's time would be its launch time)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def report_step(s: RunState, cb: Callback, step: int, metrics: dict[str, float], tokens: float,
+                started: float, t0: float, now: float) -> str | None:
+    """End step `step` (0-based) of a loop that began at `started`: the step began at `t0` and its
+    work was done at `now` (`step_end`). Reports the method's `metrics` with the ones every method
+    shares (step, total_steps, tokens_per_s of the step's `tokens`, memory, elapsed_s, eta_s), then
+    `end_of_step`; returns the final status when the run ends here."""
+    done, elapsed = step + 1, now - started
+    memory = memory_metrics(s.device)
+    return end_of_step(s, cb, done, {
+        "step": done, "total_steps": s.total_steps, **metrics, "tokens_per_s": tokens / max(now - t0, 1e-9),
+        **memory, **s.world.per_device(memory), "elapsed_s": elapsed,
+        "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
+    })
+
+
 def end_of_step(s: RunState, cb: Callback, done: int, metrics: dict[str, float]) -> str | None:
     """Report the step, checkpoint when due or asked to stop, and return the final status
     (cancelled / interrupted) when the run must end here."""
@@ -223,7 +248,10 @@ def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
         return False
     metrics = ev.evaluate(s.model, s.world)
     cb.on_step({"step": done, **metrics})
-    return ev.record(done, metrics, s.model, s.tokenizer, cb.on_log, s.world) and done < s.total_steps
+    stop = ev.record(done, metrics, s.model, s.tokenizer, cb.on_log, s.world)
+    if ev.saved_at == done and s.world.is_main:
+        cb.on_best(done, str(s.output_dir / BEST_DIR))
+    return stop and done < s.total_steps
 
 
 def generation_check(s: RunState, cb: Callback, step: int) -> None:

@@ -30,7 +30,7 @@ from kestrel.training.distributed import World, join, leave, plan_devices, world
 from kestrel.training.launch import RankGroup
 from kestrel.training.metrics import Callback, CallbackList
 from kestrel.training.reporters import metric_sinks
-from kestrel.paths import runs_dir
+from kestrel.paths import model_stem, runs_dir
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class TrainResult:
 
 
 def default_run_name(config: TrainConfig) -> str:
-    base = slug(Path(config.model).name, "model")
+    base = slug(model_stem(str(config.model)), "model")
     return f"{base}-{config.method}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 

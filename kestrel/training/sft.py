@@ -33,10 +33,10 @@ from kestrel.model.patching import packing_refusal, runs_varlen
 from kestrel.model.lora import trainable_parameters
 from kestrel.training.distributed import World
 from kestrel.training.evaluation import Evaluator
-from kestrel.training.metrics import Callback, memory_metrics
+from kestrel.training.metrics import Callback
 from kestrel.training.sft_eval import held_out, sft_evaluator
 from kestrel.training.recipe import (
-    end_of_step, graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
+    graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything, step_end,
 )
 
 
@@ -105,7 +105,7 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
     window = config.grad_accum * world.size  # micro-batches a step takes, over every rank
     total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(plan) / window))
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
-    evaluator = sft_evaluator(config, tokenizer, eval_convs, plan, total_steps, output_dir, start, cb)
+    evaluator = sft_evaluator(config, tokenizer, eval_convs, plan, total_steps, output_dir, start, cb, world.size)
     return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device,
                    recompute, world, evaluator)
 
@@ -156,20 +156,10 @@ def train_loop(s: Session, cb: Callback) -> str:
     for step in range(s.start_step, s.total_steps):
         t0 = time.perf_counter()
         raw = train_step(s, step)
-        if s.device.type == "cuda":
-            torch.cuda.synchronize(s.device)
-        now = time.perf_counter()
-        done = step + 1
-        elapsed = now - started
-        metrics = {
-            "step": done, "total_steps": s.total_steps, "epoch": raw["epoch"], "loss": raw["loss"],
-            "lr": raw["lr"], "grad_norm": raw["grad_norm"], "tokens_per_s": raw["tokens"] / max(now - t0, 1e-9),
-            **memory_metrics(s.device), **s.world.per_device(memory_metrics(s.device)),
-            "elapsed_s": elapsed, **graph_metrics(s.recompute),
-            **({"aux_loss": raw["aux_loss"]} if "aux_loss" in raw else {}),
-            "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
-        }
-        stop = end_of_step(s, cb, done, metrics)
+        now = step_end(s.device)
+        metrics = {"epoch": raw["epoch"], "loss": raw["loss"], "lr": raw["lr"], "grad_norm": raw["grad_norm"],
+                   **graph_metrics(s.recompute), **({"aux_loss": raw["aux_loss"]} if "aux_loss" in raw else {})}
+        stop = report_step(s, cb, step, metrics, raw["tokens"], started, t0, now)
         if stop:
             return stop
     return "completed"

@@ -52,6 +52,22 @@ def test_unknown_format_lists_columns_and_formats() -> None:
     assert "q.jsonl" in message and "[a, q]" in message and "prompt_completion (prompt, completion)" in message
 
 
+@pytest.mark.parametrize(("row", "methods"), [
+    ({"prompt": "2+2?", "chosen": "4", "rejected": "5"}, "dpo, orpo or simpo"),
+    ({"chosen": [{"role": "user", "content": "hi"}], "rejected": []}, "dpo, orpo or simpo"),
+    ({"prompt": "2+2?", "completion": "4", "label": True}, "kto"),
+])
+def test_preference_rows_for_supervised_training_name_the_methods_that_take_them(row: dict, methods: str) -> None:
+    with pytest.raises(DatasetError) as err:
+        detect_format([row], source="prefs.jsonl")
+    message = str(err.value)
+    assert message.startswith("prefs.jsonl: ") and f"method {methods} trains" in message and "no known format" not in message
+
+
+def test_a_label_column_that_is_not_true_or_false_stays_supervised_data() -> None:
+    assert detect_format([{"prompt": "2+2?", "completion": "4", "label": "arithmetic"}]) == "prompt_completion"
+
+
 def test_column_mapping(tmp_path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"q": "a", "a": "b"}) + "\n")

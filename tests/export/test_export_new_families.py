@@ -18,7 +18,7 @@ from kestrel.model.registry import GGUF_FAMILIES, SUPPORTED
 from tests.support.export_fixtures import save_tiny_image_text_model, save_tiny_model, train_tokenizer
 from tests.support.tiny_image_text import IMAGE_TEXT
 
-STYLE = {"gemma3": "gemma", "mistral3": "mistral", "qwen3_5": "qwen2", "gemma4": "gemma"}
+STYLE = {"gemma3": "gemma", "mistral3": "mistral", "qwen3_5": "qwen2", "qwen3_5_moe": "qwen2", "gemma4": "gemma"}
 NO_GGUF = [f for f in SUPPORTED if f not in GGUF_FAMILIES]
 
 
@@ -70,7 +70,10 @@ def test_image_text_quantized_gguf_answers(kind: str, quant: str, tokenizers: di
     assert all(f'PARAMETER stop "{stop}"' in (tmp_path / "out" / "Modelfile").read_text() for stop in stops)
 
 
-@pytest.mark.parametrize("kind", IMAGE_TEXT)
+_MERGED_KINDS = list(IMAGE_TEXT)  # Qwen3.5-MoE among them: its expert sizes live in text_config
+
+
+@pytest.mark.parametrize("kind", _MERGED_KINDS)
 def test_image_text_merged_export_keeps_the_whole_model(kind: str, tokenizers: dict, tmp_path: Path) -> None:
     folder = save_tiny_image_text_model(kind, tokenizers[STYLE[kind]], tmp_path / kind)
     adapter = _adapter(folder, tmp_path / "adapter", image_text=True)
@@ -92,3 +95,12 @@ def test_dense_family_without_a_gguf_layout_says_so_and_exports_merged(family: s
     assert export(adapter, "adapter", tmp_path / "adapter-out").passed
     merged = export(adapter, "merged", tmp_path / "merged", quant="f32")
     assert merged.passed and merged.checks["merged"]["passed"], merged.summary()
+
+
+@pytest.mark.parametrize("kind", [k for k, (family, _, _) in IMAGE_TEXT.items() if family not in GGUF_FAMILIES])
+def test_image_text_family_without_a_gguf_layout_says_so(kind: str, tokenizers: dict, tmp_path: Path) -> None:
+    family = IMAGE_TEXT[kind][0]
+    folder = save_tiny_image_text_model(kind, tokenizers[STYLE[kind]], tmp_path / kind)
+    with pytest.raises(KestrelError, match=f"GGUF export of {family} models .* Export `merged`"):
+        export(folder, "gguf", tmp_path / "gguf")
+    assert not (tmp_path / "gguf").exists()

@@ -75,6 +75,9 @@ def test_demo_job_completes_after_its_submitter_is_killed(monkeypatch: pytest.Mo
     assert job(job_id).status == RUNNING
     done = wait_status(job_id, timeout=SLOW)
     assert done.status == COMPLETED and done.pid == worker_pid, jobs.log_tail(job_id)
+    log = jobs.log_tail(job_id, 400)
+    assert "[engine]" in log and "\r" not in log and "Loading weights" not in log, log  # no progress bars
+    assert "pip install kernels" not in log, log  # nor bitsandbytes asking for an optional CPU kernel
     assert steps(job_id) == list(range(1, 17)) and _jsonl_steps(done.output_dir) == list(range(1, 17))
     (names,) = _names_per_step(job_id)  # every step reported the same metrics
     assert REPORTED <= names

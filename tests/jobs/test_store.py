@@ -274,3 +274,30 @@ def test_metrics_table_has_unique_step_name_per_job() -> None:
                        Metric(job_id=job_id, step=1, name="loss", value=2.0, time=0.0)])
     with store.session() as s:
         assert s.scalars(select(Metric)).all() == []
+
+
+def _best_run(folder: Path, step: int, complete: bool = True) -> Path:
+    """A run folder whose best/ holds an adapter (and its marker unless `complete` is False)."""
+    (folder / "best" / "adapter").mkdir(parents=True)
+    (folder / "best" / "adapter" / "adapter_config.json").write_text("{}")
+    if complete:
+        (folder / "best" / "best.json").write_text(f'{{"step": {step}, "metric": "eval_loss", "value": 0.5}}')
+    return folder
+
+
+def test_the_best_weights_are_recorded_when_written_and_at_the_end(tmp_path: Path) -> None:
+    from kestrel.jobs.worker import DbCallback, record_outputs
+
+    run = _best_run(tmp_path / "run", 30)
+    job_id = _add_job(RUNNING, output_dir=str(run))
+    cb = DbCallback(job_id, 1)
+    cb.on_best(20, str(run / "best"))
+    cb.close()
+    [best] = queries.list_artifacts(job_id, "best")
+    assert (best.path, best.step) == (str(run / "best"), 20) and best.checksum
+    record_outputs(job_id, str(run))  # the marker's step replaces the row's: one row for best/
+    assert [(a.path, a.step) for a in queries.list_artifacts(job_id, "best")] == [(str(run / "best"), 30)]
+    half = _best_run(tmp_path / "half", 10, complete=False)
+    other = _add_job(RUNNING, output_dir=str(half))
+    record_outputs(other, str(half))
+    assert queries.list_artifacts(other, "best") == []  # no marker: weights being replaced, not listed

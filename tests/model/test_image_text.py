@@ -1,4 +1,4 @@
-"""Image-text checkpoints (Gemma 3 4B+, Mistral 3, Qwen3.5, Gemma 4 shapes) fine-tuned on text:
+"""Image-text checkpoints (Gemma 3 4B+, Mistral 3, Qwen3.5, Qwen3.5-MoE, Gemma 4 shapes) fine-tuned on text:
 they load whole, train only their language model (the vision tower frozen and unchanged), patch
 their language model's modules, and chat with HF's greedy tokens."""
 
@@ -14,6 +14,7 @@ from kestrel.decode.generate import Generator
 from kestrel.model.loader import load
 from kestrel.model.lora import attach_lora
 from kestrel.model.multimodal import in_language_model, language_stack
+from kestrel.model.registry import family_of
 from tests.support.tiny_image_text import IMAGE_TEXT, tiny_image_text_model
 
 
@@ -91,7 +92,7 @@ def test_chat_gives_hf_greedy_tokens(kind: str, image_text_dir) -> None:
     assert ours == ref
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5", "qwen3_5_moe"])
 def test_a_training_run_on_an_image_text_folder(kind: str, image_text_dir, tmp_path: Path) -> None:
     """The product's run: recomputed layers start at the language model's first decoder layer (the
     vision encoder's come first in module order), the adapter saved covers the language model only."""
@@ -118,3 +119,5 @@ def test_a_training_run_on_an_image_text_folder(kind: str, image_text_dir, tmp_p
     assert firsts and all(name.endswith("DecoderLayer") for name in firsts), firsts
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert all("language_model" in name for name in adapter["target_modules"])
+    experts = family_of(IMAGE_TEXT[kind][0]).moe is not None  # LoRA on the experts: PEFT's parameter targets
+    assert bool(adapter.get("target_parameters")) == experts, adapter.get("target_parameters")

@@ -1,5 +1,5 @@
-"""Mixture-of-experts families (Qwen3-MoE, gpt-oss): patched vs unpatched Hugging Face, LoRA on
-the experts through PEFT's parameter targets, and the router's load-balancing loss."""
+"""Mixture-of-experts families (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): patched vs unpatched Hugging Face,
+LoRA on the experts through PEFT's parameter targets, and the router's load-balancing loss."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from tests.support.compare import assert_same_trainable_grads
 from tests.support.tiny import tiny_model
 
 VOCAB = 512
-MOE = ("qwen3_moe", "gpt_oss")
+MOE = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text")
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # Qwen3-MoE's mlp_only_layers: a dense MLP in layer 1, so both MLP kinds run side by side.
-MIXED = {"qwen3_moe": dict(mlp_only_layers=[1]), "gpt_oss": {}}
+MIXED = {"qwen3_moe": dict(mlp_only_layers=[1])}
 
 
 def _batch(seed: int = 0, b: int = 2, t: int = 19) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -34,9 +34,11 @@ def _batch(seed: int = 0, b: int = 2, t: int = 19) -> tuple[torch.Tensor, torch.
 
 
 def _lora(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """LoRA on attention (linear attention's projections too), the dense or shared-expert MLP and the experts."""
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                     target_parameters=EXPERT_PARAMS)
+    extra = list(family_of(model.config.model_type).extra_lora_targets)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_parameters=EXPERT_PARAMS,
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *extra])
     peft_model = get_peft_model(model, cfg)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -47,7 +49,7 @@ def _lora(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("family", MOE)
 def test_moe_logits_loss_and_aux_match_hf(family: str) -> None:
-    ref = tiny_model(family, VOCAB, seed=1, **MIXED[family])
+    ref = tiny_model(family, VOCAB, seed=1, **MIXED.get(family, {}))
     ref.config.output_router_logits = True  # HF then adds coef * aux to the loss
     fast = copy.deepcopy(ref)
     patch_model(fast)
@@ -63,8 +65,26 @@ def test_moe_logits_loss_and_aux_match_hf(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", MOE)
+def test_moe_aux_loss_is_reported_outside_the_loss_by_default(family: str) -> None:
+    """output_router_logits off (the configs' default): the loss is HF's language-model loss alone,
+    and the aux loss still comes back (the training metric), equal to the one HF computes when asked."""
+    ref = tiny_model(family, VOCAB, seed=1)
+    assert not ref.config.output_router_logits
+    fast = copy.deepcopy(ref)
+    patch_model(fast)
+    ids, labels, mask = _batch()
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        want_aux = ref(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+        got = fast(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    assert want.aux_loss is None and got.aux_loss is not None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.aux_loss, want_aux, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", MOE)
 def test_moe_lora_on_experts_gradients_match_hf(family: str) -> None:
-    base = tiny_model(family, VOCAB, seed=2, **MIXED[family])
+    base = tiny_model(family, VOCAB, seed=2, **MIXED.get(family, {}))
     ref = _lora(copy.deepcopy(base), seed=3)
     fast_base = copy.deepcopy(base)
     patch_model(fast_base)
@@ -73,6 +93,8 @@ def test_moe_lora_on_experts_gradients_match_hf(family: str) -> None:
     spec = family_of(family)
     blocks = [m for m in fast.modules() if type(m).__name__ == spec.moe.block_class]
     assert blocks and all(expert_projections(b.experts, spec.moe)[0].lora_a is not None for b in blocks)  # the grouped path
+    if spec.moe.shared_expert:  # the shared expert on the fused LoRA MLP forward
+        assert all("forward" in b.shared_expert.__dict__ and hasattr(b.shared_expert.gate_proj, "lora_A") for b in blocks)
     ids, labels, mask = _batch(1)
     ref.train(), fast.train()
     ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
@@ -101,7 +123,8 @@ def test_moe_lora_on_experts_trains(family: str) -> None:
     assert before and all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 
 
-@pytest.mark.parametrize("family", MOE)
+# Linear attention's state would run across packed samples: training refuses packing there.
+@pytest.mark.parametrize("family", [f for f in MOE if not family_of(f).linear_attention_class])
 def test_moe_packed_rows_equal_separate_samples(family: str) -> None:
     """Two samples packed in one row (positions restarting) give the loss sum of the two alone,
     for gpt-oss too, whose HF forward ignores the restart."""

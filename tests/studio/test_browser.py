@@ -80,9 +80,9 @@ TIMED_INPUT = """async ([input, value, target, expect]) => {
 def _expected_estimate(max_seq_length: int) -> str:
     """The memory estimate the page must show for the demo form with this max_seq_length."""
     from kestrel.config import TrainConfig
-    from kestrel.studio.handlers import train
+    from kestrel.studio.handlers import presets, train
 
-    data = {**TrainConfig().to_dict(), **train.PRESETS["demo"], "max_seq_length": max_seq_length, "batch_size": 32}
+    data = {**TrainConfig().to_dict(), **presets.PRESETS["demo"], "max_seq_length": max_seq_length, "batch_size": 32}
     return re.search(r"about [\d.]+ GiB", train.vram_text(data)).group(0)
 
 
@@ -117,6 +117,14 @@ def test_full_flow(page: object, server: str, module_home: Path) -> None:
     shot(pg, "01-dataset")
     # 2. Train: the form already points at the upload; tiny settings; Start switches to Runs.
     pg.get_by_role("tab", name="Train").click()
+    # A preset says what it changed, and the live preview that follows keeps that message.
+    for preset in ("Full fine-tune", "Quick test"):  # there and back: the form ends as the demo preset
+        _choose(pg, "#tr-preset", preset)
+        pg.get_by_role("button", name="Apply preset").click()
+        _wait_text(pg, "#tr-status", preset)
+        time.sleep(1.0)  # the chained preview has answered by now
+        status = _text(pg, "#tr-status")
+        assert preset in status and "→" in status and re.search(r"Kept your .*dataset", status), status
     for field, value in (("max-steps", str(STEPS)), ("batch-size", "32"), ("max-seq-length", "64")):
         pg.locator(f"#tr-{field} input").fill(value)
     shot(pg, "02-train")
@@ -151,6 +159,9 @@ def test_full_flow(page: object, server: str, module_home: Path) -> None:
     _export(pg, module_home)
     assert pg.hosts <= {urlparse(server).netloc}, f"requests left 127.0.0.1: {pg.hosts}"
     assert b"Traceback" not in (ARTIFACTS / "app.log").read_bytes(), "the server logged a traceback"
+    # Gradio's run history would keep every event's inputs (paths, configs) in the browser and slow each edit.
+    kept = pg.evaluate("Object.keys(localStorage).filter(k => k.startsWith('gradio:run-history'))")  # type: ignore[attr-defined]
+    assert kept == [], f"the browser keeps Gradio's run history: {kept}"
     # Asserted last, so a slow machine still produces every screenshot above.
     assert measured_while == "running", "the job had finished before responsiveness was measured"
     assert live_after_reload, "the job had finished before the page was reloaded"

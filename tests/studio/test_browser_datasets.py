@@ -51,12 +51,11 @@ def _write(folder: Path, name: str, rows: list[dict[str, str]], broken_line: int
 
 
 def _upload(pg: object, path: Path) -> None:
-    """Clear the upload box (when it holds a file) and upload `path`, as a user would."""
-    clear = pg.locator("#ds-upload button[aria-label=Clear]")  # type: ignore[attr-defined]
-    if clear.count():
-        clear.first.click()
-    pg.locator("#ds-upload input[type=file]").set_input_files(str(path))  # type: ignore[attr-defined]
+    """Upload `path` as a user would. The box empties once the file is stored, so the next upload
+    needs no clearing first (the file input is back within 10 s)."""
+    pg.locator("#ds-upload input[type=file]").set_input_files(str(path), timeout=10_000)  # type: ignore[attr-defined]
     _wait_text(pg, "#ds-status", path.name)
+    pg.locator("#ds-upload input[type=file]").wait_for(state="attached", timeout=10_000)  # type: ignore[attr-defined]
 
 
 def _first_bucket(path: Path) -> str:

@@ -235,3 +235,45 @@ def test_a_checkpoint_is_exported(runs: dict[str, int]) -> None:
     with pytest.raises(gr.Error) as excinfo:
         list(export.run_export(f"run:{runs['lora']}", "5", "adapter", None))
     assert "no complete checkpoint of step 5" in error_text(excinfo) and "kept: 1" in error_text(excinfo)
+
+
+def test_the_train_form_offers_finished_full_models_to_train_further(runs: dict[str, int], module_home: Path) -> None:
+    from kestrel.studio.handlers import train, weights
+
+    full = str(module_home / "runs" / "full" / "model")
+    assert weights.model_folders() == [(S.TR_MODEL_RUN.format(job=runs["full"], name=jobs.get_job(runs["full"]).name),
+                                        full)]  # the LoRA and partial runs saved adapters, not models
+    box = weights.model_box("local")
+    assert box["visible"] and box["choices"] == weights.model_folders() and box["info"] == S.TR_MODEL_LOCAL_INFO
+    assert weights.model_box("hub")["choices"] == [] and not weights.model_box("demo")["visible"]
+    picked = train.form_to_config({"model_source": "local", "model": full, "method": "dpo"})
+    assert picked["model"] == full
+
+
+def test_the_best_weights_are_listed_from_the_store_first_and_exported_as_listed(runs: dict[str, int]) -> None:
+    """A run with best/ (its adapter's B negated: other weights than the final ones): listed once
+    the store records it, as the default, and each choice exports the weights it names."""
+    from kestrel.export.source import resolve_source
+    from kestrel.studio.handlers.weights import checkpoint_choices, weights_of
+
+    lora = Path(jobs.get_job(runs["lora"]).output_dir)
+    folder = lora.parent / "with-best"
+    shutil.copytree(lora, folder, ignore=shutil.ignore_patterns("checkpoints"))
+    checkpoint_in(folder, 3, -1.0)
+    (folder / "best").mkdir()
+    shutil.move(folder / "checkpoints" / "step-000003" / "adapter", folder / "best" / "adapter")
+    shutil.rmtree(folder / "checkpoints")
+    (folder / "best" / "best.json").write_text(json.dumps({"step": 3, "metric": "eval_loss", "value": 0.25}))
+    job = jobs.get_job(completed_run(folder, "with-best"))
+    assert [v for _, v in checkpoint_choices(job)] == ["final"]  # not recorded in the store: not listed
+    record_artifact(job.id, "best", folder / "best", 3)
+    choices = checkpoint_choices(job)
+    assert choices[0] == ("Best weights: eval_loss 0.2500 at step 3", "best") and [v for _, v in choices] == ["best", "final"]
+    assert weights_of(job, None).adapter == folder / "best" / "adapter"  # the default is the first listed
+    target = chat.resolve_target(f"run:{job.id}", "best")
+    assert target.adapter == str(folder / "best" / "adapter") and target.label.endswith("(best weights)")
+    for choice, want in (("best", folder / "best" / "adapter"), ("final", folder / "adapter")):
+        config = export.export_config(f"run:{job.id}", "adapter", None, choice)
+        exported = jobs.get_job(jobs.submit(config, start=False))
+        assert resolve_source(exported.config["source"]).adapter_dir == want, choice
+        jobs.cancel(exported.id)

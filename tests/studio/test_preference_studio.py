@@ -28,6 +28,8 @@ def test_preference_pairs_previewed_side_by_side(kestrel_home: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = datasets.open_dataset(str(path))
     assert out["state"]["preference"] == "paired" and out["state"]["format"] == "auto"
+    assert out["state"]["usable"]  # the page previews its tokens and carries it into the Train form
+    assert train.use_dataset(out["state"], {})["dataset"] == str(path)
     preview = out["preview"]
     assert list(preview.columns) == ["line", "prompt", "chosen", "rejected"]
     assert preview.iloc[0].tolist() == [1, "Hi?", "Hello!", "Go away."]

@@ -262,3 +262,26 @@ def test_a_run_on_several_gpus_charts_each_gpus_peak_memory() -> None:
                                    (1, "vram_peak_gib/gpu1", 16.1), (1, "vram_alloc_gib/gpu1", 9.0)])
     names = set(runs.chart_frames(jobs.get_job(job_id))["chart_memory"]["name"])
     assert names == {"vram_peak_gib", "vram_peak_gib/gpu0", "vram_peak_gib/gpu1"}
+
+
+def test_a_preference_runs_eval_rewards_and_kl_are_charted_beside_trainings() -> None:
+    job_id = jobs.submit(CONFIG, start=False)
+    train = [(s, n, 0.1 * s) for s in (1, 2) for n in ("rewards/chosen", "rewards/margins", "kl")]
+    evals = [(2, n, 0.5) for n in ("eval_rewards/chosen", "eval_rewards/margins", "eval_rewards/accuracies",
+                                   "eval_kl")]
+    queries.write_metrics(job_id, train + evals + [(2, "eval_reward", 0.4), (2, "eval_reward/a", 0.4)])
+    frames = runs.chart_frames(jobs.get_job(job_id))
+    assert set(frames["chart_reward"]["name"]) == {"rewards/chosen", "rewards/margins", "eval_rewards/chosen",
+                                                   "eval_rewards/margins", "eval_rewards/accuracies", "eval_reward"}
+    assert set(frames["chart_kl"]["name"]) == {"kl", "eval_kl"}
+
+
+def test_the_progress_line_names_the_best_weights_once_the_store_records_them(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "best" / "adapter").mkdir(parents=True)
+    (run / "best" / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "best" / "best.json").write_text('{"step": 6, "metric": "eval_loss", "value": 0.6931}')
+    job_id = jobs.submit({**CONFIG, "output_dir": str(run)}, start=False)
+    assert "best weights" not in runs.progress_text(jobs.get_job(job_id))
+    queries.record_artifact(job_id, "best", run / "best", 6)
+    assert "best weights: eval_loss 0.6931 at step 6" in runs.progress_text(jobs.get_job(job_id))

@@ -13,7 +13,7 @@ import yaml
 from kestrel import jobs
 from kestrel.config import load_config
 from kestrel.studio.form import FORM_KEYS
-from kestrel.studio.handlers import train
+from kestrel.studio.handlers import presets, train
 from tests.studio.helpers import error_text, form
 
 
@@ -116,7 +116,7 @@ def test_presets_change_only_their_keys() -> None:
     extra, values = form(seed=123)
     out = train.apply_preset("lora_quality", extra, *values)
     assert out["lora.r"] == 32 and out["learning_rate"] == 1e-4 and out["seed"] == 123
-    for name in train.PRESETS:
+    for name in presets.PRESETS:
         assert train.apply_preset(name, extra, *values)["yaml"]
 
 
@@ -138,10 +138,10 @@ def test_a_preset_sets_every_field_it_owns_keeps_the_users_dataset_and_says_what
     assert "Gradient accumulation: 4 → 1" in quick["status"] and "Folder or hub id: someone/model → demo" in quick["status"]
     assert "Kept your dataset" in quick["status"]
     # Every preset over every other sets what it owns as it does alone: nothing leaks from the one before.
-    owned = [k for k in FORM_KEYS if k in train._owned()]
+    owned = [k for k in FORM_KEYS if k in presets.owned()]
     assert {"grad_accum", "method", "max_steps", "epochs", "gradient_checkpointing"} <= set(owned)
-    for first in train.PRESETS:
-        for second in train.PRESETS:
+    for first in presets.PRESETS:
+        for second in presets.PRESETS:
             out = train.apply_preset(second, *_again(train.apply_preset(first, extra, *values)))
             alone = train.apply_preset(second, extra, *values)
             assert {k: out[k] for k in owned} == {k: alone[k] for k in owned}, (first, second)
@@ -269,6 +269,13 @@ def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(kestrel_ho
     extra, values = form(model_source="local", model=str(tmp_path / "gpt2"))
     text = train.preview(extra, *values)["vram"]
     assert text.startswith("No estimate") and "No fast path for model type `gpt2` yet" in text
+
+
+def test_the_fast_path_line_names_qwen3_5_moe() -> None:
+    """A Qwen3.5-MoE checkpoint (image-text, as Qwen ships it): named, with what runs on the fast path."""
+    config = {"model_type": "qwen3_5_moe", "vision_config": {"depth": 2}, "text_config": {"model_type": "qwen3_5_moe_text"}}
+    assert train.fast_path_text(config).startswith(
+        "**Qwen3.5-MoE**: partly on Kestrel's fast path (attention, chunked loss, linear attention, MLP, norms)")
 
 
 @pytest.mark.parametrize("changes, words", [

@@ -58,7 +58,7 @@ STYLES = tuple(_STYLES)
 
 # a style for each family, as the real models use them
 FAMILY_STYLE = {"llama": "llama3", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3_text": "gemma",
-                "qwen3_moe": "qwen2", "gpt_oss": "llama3"}
+                "qwen3_moe": "qwen2", "gpt_oss": "llama3", "qwen3_5_moe_text": "qwen2"}
 
 EXTRA_TEXT = [
     "Hello world. The quick brown fox jumps over the lazy dog 12345 times!",

@@ -26,6 +26,21 @@ _BASE: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
+# Qwen3.5's structure (3 linear-attention layers to 1 full): here one of each, GQA in both,
+# more value heads than key heads in the gated delta rule, a quarter of head_dim rotary.
+_QWEN3_5: dict[str, Any] = dict(
+    hidden_act="silu",
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    tie_word_embeddings=True,
+)
+
 _PER_FAMILY: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_act="silu"),
     "mistral": dict(hidden_act="silu", sliding_window=None),
@@ -38,20 +53,7 @@ _PER_FAMILY: dict[str, dict[str, Any]] = {
         final_logit_softcapping=30.0,
         tie_word_embeddings=True,
     ),
-    # Qwen3.5's structure (3 linear-attention layers to 1 full): here one of each, GQA in both,
-    # more value heads than key heads in the gated delta rule, a quarter of head_dim rotary.
-    "qwen3_5_text": dict(
-        hidden_act="silu",
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-        tie_word_embeddings=True,
-    ),
+    "qwen3_5_text": _QWEN3_5,
     # Gemma 4's structure: sliding and full layers with their own head sizes, per-layer input
     # embeddings, the last two layers reading the K/V of the first two, final logit softcap.
     "gemma4_text": dict(
@@ -69,6 +71,11 @@ _PER_FAMILY: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
         hidden_act="silu", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    # Qwen3.5-MoE (Qwen3.5-35B-A3B's structure): Qwen3.5's layers, a sparse block in each with a
+    # gated shared expert wider than one routed expert.
+    "qwen3_5_moe_text": dict(
+        _QWEN3_5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
     ),
     "gpt_oss": dict(
         num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, attention_bias=True,

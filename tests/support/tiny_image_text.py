@@ -1,4 +1,4 @@
-"""Tiny image-text models (Gemma 3 4B+, Mistral 3, Qwen3.5 and Gemma 4 shapes), from a config.
+"""Tiny image-text models (Gemma 3 4B+, Mistral 3, Qwen3.5, Qwen3.5-MoE and Gemma 4 shapes), from a config.
 
 Each keeps its real checkpoint's structure (the vision tower class, the projector, the language
 model nested where the architecture nests it) at a size a CPU test builds in a second. The
@@ -14,6 +14,10 @@ from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConf
 
 from tests.support.tiny import tiny_config
 
+# Qwen3.5's vision tower (Qwen3.5-MoE's is the same).
+_QWEN3_5_VISION: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=2, out_hidden_size=128,
+                                       patch_size=8)
+
 # model_type of the image-text checkpoint -> (its language model's family, vision config, extras)
 IMAGE_TEXT: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma3": ("gemma3_text", dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
@@ -21,8 +25,8 @@ IMAGE_TEXT: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                dict(mm_tokens_per_image=4)),
     "mistral3": ("mistral", dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, image_size=32, patch_size=8, head_dim=16), {}),
-    "qwen3_5": ("qwen3_5_text", dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=2,
-                                     out_hidden_size=128, patch_size=8), {}),
+    "qwen3_5": ("qwen3_5_text", _QWEN3_5_VISION, {}),
+    "qwen3_5_moe": ("qwen3_5_moe_text", _QWEN3_5_VISION, {}),
     "gemma4": ("gemma4_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    num_key_value_heads=2, head_dim=16, global_head_dim=16, patch_size=8), {}),
 }

@@ -16,6 +16,7 @@ from kestrel.config import config_from_dict
 from kestrel.paths import SAMPLE_DATASETS
 from kestrel.training.run import run
 from tests.training.test_distributed import _cfg, _rank_processes, _weights
+from tests.training.test_preference_eval import Logs
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -29,9 +30,13 @@ def test_two_ranks_evaluate_as_one_process(method, tiny_model_dir, tmp_path) -> 
     data.write_text("\n".join(rows) + "\n")  # 5 rows held out: 3 eval batches of 2
     model = tiny_model_dir("llama")
     kw = dict(method=method, dataset=str(data), eval_split=0.2, eval_steps=2, max_steps=4)
-    one = run(config_from_dict(_cfg(model, tmp_path / "one", grad_accum=2, **kw)))
-    two = run(config_from_dict(_cfg(model, tmp_path / "two", grad_accum=1, devices=2, **kw)))
+    logs = [Logs(), Logs()]
+    one = run(config_from_dict(_cfg(model, tmp_path / "one", grad_accum=2, **kw)), [logs[0]])
+    two = run(config_from_dict(_cfg(model, tmp_path / "two", grad_accum=1, devices=2, **kw)), [logs[1]])
     assert one.status == two.status == "completed", (one.error, two.error)
+    # The plan's share of the training tokens counts both ranks' micro-batches in a step.
+    plans = [[line for line in log.lines if line.startswith("evaluation:")] for log in logs]
+    assert plans[0] == plans[1] and plans[0]
     evals = [{m["step"]: m["eval_loss"] for m in _metrics(out) if "eval_loss" in m} for out in (tmp_path / "one",
                                                                                                 tmp_path / "two")]
     assert list(evals[0]) == list(evals[1]) == [2, 4]

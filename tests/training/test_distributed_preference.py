@@ -1,11 +1,13 @@
 """Preference methods on several devices, on the CPU (2 processes over gloo): two ranks with
 grad_accum k train exactly as one process with grad_accum 2k: the same micro-batches, the loss a
-mean over the step's micro-batches of both ranks, the metrics reduced over the ranks. LoRA data
-parallel (reference per step, adapter disabled) and a full fine-tune sharded with FSDP2 (its
-reference log-probs precomputed, each rank scoring its share)."""
+mean over the step's micro-batches of both ranks, the metrics reduced over the ranks; and they
+evaluate a held-out split as one process does. LoRA data parallel (reference per step, adapter
+disabled) and a full fine-tune sharded with FSDP2 (its reference log-probs precomputed, each rank
+scoring its share)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ import torch
 from kestrel.config import config_from_dict
 from kestrel.training.run import run
 from tests.training.test_distributed import CancelAt, _rank_processes, _steps, _weights
+from tests.training.test_distributed_eval import _metrics
+from tests.training.test_preference_eval import Logs
 from tests.training.test_preference_train import _subset
 
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
@@ -70,3 +74,36 @@ def test_a_cancelled_two_rank_dpo_run_resumes_as_the_straight_run(tiny_model_dir
     assert sorted(after) == [1, 2, 3, 4]
     for m in _steps(tmp_path / "straight"):
         assert after[m["step"]] == pytest.approx(m["loss"], rel=1e-5)
+
+
+EVALUATED = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins",
+             "eval_rewards/accuracies", "eval_logps/chosen", "eval_logps/rejected")
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_two_ranks_evaluate_dpo_as_one_process(finetune, tiny_model_dir, tmp_path) -> None:
+    """5 held-out pairs in 3 eval batches of 2 (one rank measures one twice and drops it): the
+    eval metrics, the best weights' step and the evaluation plan (rows, tokens, interval, share of
+    the training tokens: a step trains both ranks' micro-batches) are one process's. LoRA scores
+    the reference with the adapter disabled; the full fine-tune precomputes it for the eval rows,
+    each rank its share."""
+    model = tiny_model_dir("llama")
+    data = _subset(tmp_path, "arithmetic_preferences", 20)
+    kw = dict(eval_split=0.25, eval_steps=2)
+    logs = {"one": Logs(), "two": Logs()}
+    one = run(config_from_dict(_config(model, data, tmp_path / "one", "dpo", finetune, grad_accum=2, **kw)),
+              [logs["one"]])
+    two = run(config_from_dict(_config(model, data, tmp_path / "two", "dpo", finetune, grad_accum=1, devices=2, **kw)),
+              [logs["two"]])
+    assert one.status == two.status == "completed", (one.error, two.error)
+    evals = [[m for m in _metrics(tmp_path / out) if "eval_loss" in m] for out in ("one", "two")]
+    assert [m["step"] for m in evals[0]] == [m["step"] for m in evals[1]] == [2, 3]
+    for x, y in zip(*evals):
+        for key in EVALUATED:
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (key, x["step"])
+    plans = [[line for line in logs[out].lines if line.startswith("evaluation:")] for out in ("one", "two")]
+    assert plans[0] == plans[1] and "5 of 5 held-out rows" in plans[0][0]
+    marker = [json.loads((tmp_path / out / "best" / "best.json").read_text()) for out in ("one", "two")]
+    assert marker[1]["step"] == marker[0]["step"]
+    assert not (tmp_path / "two" / "rank-1.log").read_text().count("Traceback")
+    assert not _rank_processes(tmp_path / "two" / "config.yaml")

@@ -201,3 +201,40 @@ def test_lora_on_several_gpus_keeps_the_base_on_each() -> None:
         two = estimate_training_memory(shape, method, 16, None, 2, 2048, "standard", devices=2)
         assert (two.weights, two.optimizer, two.activations) == (one.weights, one.optimizer, one.activations)
         assert two.communication == 4 * one.trainable
+
+
+def test_qwen3_5_moe_counts_experts_the_shared_expert_and_linear_attention() -> None:
+    """The Qwen3.5-35B-A3B shape: the parameter count of the model built on the meta device (every
+    expert, the shared expert and its gate, linear attention's projections) and of its largest
+    layer (which FSDP2 gathers whole); the shared expert's linears take LoRA and NF4 like a dense
+    MLP's; GRPO rollouts keep K/V for the full-attention quarter of the layers and a recurrent
+    state for the rest."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.model_shapes import MODELS
+
+    cfg = dict(MODELS["qwen3.5-35b-a3b"])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    shape = shape_from_config({"model_type": "qwen3_5_moe", "text_config": MODELS["qwen3.5-35b-a3b"],
+                               "vision_config": {"depth": 27}})  # as the image-text checkpoint nests it
+    assert abs(real / 34.66e9 - 1) < 0.01 and shape.params == pytest.approx(real, rel=1e-4)
+    assert (shape.attention_layers, shape.linear_attention.layers) == (10, 30)
+    # What FSDP2 gathers at once: the experts, the shared expert and the gates (the estimate leaves
+    # out linear attention's convolution and decay parameters, 33k of 843M).
+    assert shape.largest_layer_params == pytest.approx(largest, rel=1e-4)
+    assert shape.active_intermediate == 8 * 512 + 512  # k routed experts and the shared one
+    shared = {"gate_proj": (2048, 512), "up_proj": (2048, 512), "down_proj": (512, 2048)}
+    assert {name: shape.linear_shapes[name] for name in shared} == shared
+    lora = estimate_training_memory(shape, "lora", 16, ["gate_proj", "up_proj", "down_proj"], 1, 2048)
+    assert lora.trainable == shape.layers * 16 * sum(a + b for a, b in shared.values()) + shape.expert_lora_params(16)
+    qlora = estimate_training_memory(shape, "qlora", 16, None, 1, 2048)
+    assert qlora.weights == int(shape.block_linear_params * 0.54) + 2 * (shape.params - shape.block_linear_params)
+    grpo = estimate_training_memory(shape, "grpo", 16, None, 1, 2048, num_generations=4,
+                                    max_prompt_length=512, max_completion_length=256)
+    kv = 2 * 10 * 4 * 768 * 2 * 256 * 2  # K and V, 10 layers, 4 sequences of 768 tokens, 2 KV heads of 256
+    assert grpo.extra == 1024 * 248320 * 4 + kv + 4 * shape.linear_attention.state_bytes()  # + a logits chunk

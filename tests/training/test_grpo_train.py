@@ -176,7 +176,7 @@ def test_demo_configs_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert [r.name for r in grpo.grpo.rewards] == ["exact_answer"]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "gemma4_text"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "gemma4_text", "qwen3_5_moe_text"])
 def test_a_family_without_the_fast_decode_path_samples_through_hf(family: str, tiny_model_dir, tmp_path: Path,
                                                                    one_thread) -> None:
     """GRPO's rollouts run through Hugging Face's forward and cache where Kestrel's decode forward

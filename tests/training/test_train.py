@@ -189,7 +189,7 @@ def test_lora_init_from_a_folder_without_adapter_is_a_clear_error(tiny_model_dir
     assert "lora.init_from" in result.error and "adapter_config.json" in result.error
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_5_moe_text"])
 def test_moe_run_reports_the_router_aux_loss(family: str, tiny_model_dir, tmp_path: Path) -> None:
     result = run(config_from_dict(_cfg(str(tiny_model_dir(family)), tmp_path / "moe", max_steps=3)))
     assert result.status == "completed"

@@ -29,11 +29,16 @@ def _chart(key: str) -> gr.LinePlot:
 
 
 def _generation_panel(c: dict[str, gr.Component]) -> None:
-    """The end-of-run generation check: a summary line and prompt / reference / answer rows."""
-    with gr.Accordion(S.RU_GENERATION, open=False, elem_id="ru-generation"):
-        c["generation_summary"] = gr.Markdown(S.RU_GEN_NONE, elem_id="ru-generation-summary")
+    """The generation check: a summary line and prompt / reference / answer rows, and the button
+    that runs it again on demand (enabled by the Runs handlers for a finished run that can)."""
+    with gr.Accordion(S.RU_GENERATION, open=False, elem_id="ru-generation") as panel:
+        with gr.Row():
+            c["generation_summary"] = gr.Markdown(S.RU_GEN_NONE, elem_id="ru-generation-summary")
+            c["check_generations"] = gr.Button(S.RU_GEN_CHECK, size="sm", interactive=False, scale=0,
+                                               min_width=160, elem_id="ru-check-generations")
         c["generation_table"] = gr.Dataframe(headers=S.RU_GEN_COLUMNS, interactive=False, wrap=True, max_height=360,
                                              elem_id="ru-generation-table")
+    c["generation_panel"] = panel
 
 
 def build() -> dict[str, gr.Component]:

@@ -60,7 +60,8 @@ def build(allow_custom_rewards: bool = False) -> dict[str, gr.Component]:
     with gr.Row():
         c["model_source"] = gr.Radio(label=S.TR_MODEL_SOURCE, choices=[(v, k) for k, v in S.TR_MODEL_SOURCES.items()],
                                      value="demo", elem_id="tr-model-source")
-        c["model"] = gr.Textbox(label=S.TR_MODEL, info=S.TR_MODEL_INFO, visible=False, elem_id="tr-model")
+        c["model"] = gr.Dropdown(label=S.TR_MODEL, info=S.TR_MODEL_INFO, choices=[], value="", allow_custom_value=True,
+                                 visible=False, scale=2, elem_id="tr-model")
     with gr.Row():
         c["method"] = gr.Dropdown(label=S.TR_METHOD, choices=[(v, k) for k, v in S.TR_METHODS.items()],
                                   value="lora", elem_id="tr-method")

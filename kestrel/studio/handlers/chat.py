@@ -61,6 +61,8 @@ def resolve_target(target: str, checkpoint: str | None = None) -> Target:
     label = S.CH_RUN_CHOICE.format(job=job.id, name=job.name or "")
     if found.step is not None:
         label += S.CH_AT_STEP.format(step=found.step)
+    elif found.best:
+        label += S.CH_BEST
     if found.adapter is not None:
         return Target(base, str(found.adapter), label, base, True)
     return Target(str(found.model), None, label, base, True)

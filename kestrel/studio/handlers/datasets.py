@@ -250,7 +250,7 @@ def open_dataset(path: str, fmt: str = "auto", columns: dict[str, str] | None = 
                            "tokens": None, "token_summary": "", "truncation": ""}
     kind = preference_kind_of(present, columns) if fmt == "auto" else None
     if kind:  # chosen / rejected, or KTO's prompt / completion / label: previewed side by side
-        state["preference"] = kind
+        state.update(preference=kind, usable=True)  # usable by the preference methods: previewed, carried to Train
         out.update(_mapping_updates(None, present, columns))
         out.update(preference_view(state, len(rows) + len(table.issues), model))
         return out

@@ -36,7 +36,9 @@ from kestrel.studio import files
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import DEMO, log, user_errors
 from kestrel.training.checkpoints import human_size
-from kestrel.studio.handlers.weights import FINAL, checkpoint_choices, follow_newest, usable_runs, weights_of
+from kestrel.studio.handlers.weights import (
+    BEST, FINAL, best_of, checkpoint_choices, follow_newest, usable_runs, weights_of,
+)
 
 EXPORT = "export"  # kestrel.jobs.models.EXPORT: the job kind
 IN_FLIGHT = ("queued", "running")
@@ -138,15 +140,22 @@ def pick_source(source: str | None, checkpoint: str | None, fmt: str, quant: str
 
 def export_config(source: str, fmt: str, quant: str | None, checkpoint: str | None = None) -> dict[str, Any]:
     """The export job's config for a choice of the tab (`run:3` or `base:demo`, with the run's
-    weights: `final` or a checkpoint's step); jobs.submit checks it (a run without those
-    weights, an unknown quantization)."""
+    weights: `best`, `final` or a checkpoint's step); jobs.submit checks it (a run without those
+    weights, an unknown quantization). A run folder exports its best weights when it has them
+    (`kestrel.export`), so `final` of such a run names its adapter or model folder."""
     kind, _, rest = (source or "").partition(":")
     step: int | None = None
     if kind == "base" and rest == DEMO:
         src: str | int = DEMO
     elif kind == "run" and rest.isdigit():
         src = int(rest)
-        if checkpoint not in (None, "", FINAL):
+        job = jobs.get_job(src)
+        if checkpoint == BEST and best_of(job) is None:
+            raise KestrelError(S.ERR_BEST_GONE.format(job=src))
+        if checkpoint == FINAL and best_of(job) is not None:
+            final = weights_of(job, FINAL)
+            src = str(final.adapter or final.model)
+        elif checkpoint not in (None, "", FINAL, BEST):
             if not str(checkpoint).isdigit():
                 raise KestrelError(S.ERR_CHECKPOINT_CHOICE.format(value=checkpoint))
             step = int(str(checkpoint))

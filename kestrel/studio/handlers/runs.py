@@ -24,6 +24,7 @@ from kestrel.jobs.models import FINISHED, RESUMABLE
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import fmt_duration, user_errors
 from kestrel.studio.handlers.generation import OUTPUTS as GENERATION_OUTPUTS, generation_view
+from kestrel.studio.handlers.weights import best_of
 
 CHART_POINTS = 500
 LOG_LINES = 60
@@ -32,7 +33,9 @@ BAR_CELLS = 12
 CHART_SERIES: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "eval_loss"), "lr": ("lr",), "grad_norm": ("grad_norm",), "tokens_per_s": ("tokens_per_s",),
     # a run on several GPUs adds each GPU's peak (vram_peak_gib/gpuN)
-    "memory": ("vram_alloc_gib", "vram_peak_gib", "vram_peak_gib/gpu*"), "reward": ("reward*",), "kl": ("kl",),
+    "memory": ("vram_alloc_gib", "vram_peak_gib", "vram_peak_gib/gpu*"),
+    # training's and evaluation's: GRPO's reward, reward/<name>; a preference method's rewards/*
+    "reward": ("reward*", "eval_reward*"), "kl": ("kl", "eval_kl"),
 }
 GRPO_CHARTS = ("reward", "kl")
 REWARD_KINDS = ("grpo", "preference")  # jobs whose metrics the reward and KL charts draw
@@ -106,7 +109,7 @@ def chart_frames(job: jobs.Job | None) -> dict[str, pd.DataFrame]:
     frame = _series_frame([p for p in points if not math.isnan(p.value)])
     out = {f"chart_{key}": frame[frame["name"].map(lambda n, pats=pats: _matches(n, pats)).astype(bool)]
            .reset_index(drop=True) for key, pats in CHART_SERIES.items()}
-    out["chart_reward"] = _without_twins(out["chart_reward"])
+    out["chart_reward"] = _without_twins(_without_twins(out["chart_reward"]), "eval_reward")
     memory = out["chart_memory"]
     if len(memory) and not memory["value"].any():  # a CPU run reports 0 GiB: nothing to draw
         out["chart_memory"] = memory.iloc[0:0]
@@ -147,8 +150,10 @@ def progress_text(job: jobs.Job | None) -> str:
     eta = _eta(job, time.time())
     error = f"\n\n⚠️ {html.escape(job.error)}" if job.error else ""
     eta_text = f" · {S.RU_ETA.format(eta=fmt_duration(eta))}" if eta else ""
+    best = best_of(job) if job.kind != "export" else None  # recorded in the store when written
+    best_text = S.RU_BEST.format(metric=best["metric"], value=best["value"], step=best["step"]) if best else ""
     return S.RU_PROGRESS.format(job=job.id, name=html.escape(job.name or ""), status=job.status, step=job.step,
-                                total=job.total_steps or "?", eta=eta_text, error=error)
+                                total=job.total_steps or "?", eta=eta_text + best_text, error=error)
 
 
 def _find(job_list: list[jobs.Job], job_id: Any) -> jobs.Job | None:

@@ -1,4 +1,4 @@
-"""Train tab handlers: the form <-> the run's YAML, presets, the memory estimate, Start.
+"""Train tab handlers: the form <-> the run's YAML, presets (values in `presets.py`), the memory estimate, Start.
 
 The form's widgets arrive as positional values in `kestrel.studio.form.FORM_KEYS` order; `extra` (a
 gr.State) carries the config keys the form has no widget for (column mapping, GRPO rewards),
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import yaml
 
 from kestrel.constants import merge, slug
 from kestrel.config import TrainConfig, config_from_dict
@@ -34,73 +33,20 @@ from kestrel.training.estimate import (
     GIB, MemoryEstimate, common_gpu, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
     shape_from_config, training_rows, verdict,
 )
-from kestrel.paths import ASSETS, resolve_dataset_path, runs_dir
+from kestrel.paths import resolve_dataset_path, runs_dir
 from kestrel.safe_yaml import parse_config_text, read_config_file
 from kestrel.studio import files
 from kestrel.studio import strings as S
-from kestrel.studio.form import FIELD_BY_KEY, FORM_KEYS, OWNER_KEYS, REWARD_COLUMNS
+from kestrel.studio.form import FIELD_BY_KEY, FORM_KEYS, OWNER_KEYS, REWARD_COLUMNS, flatten, set_dotted
+from kestrel.studio.handlers import presets
 from kestrel.studio.handlers.common import DEMO, check_model, is_local, model_config, user_errors
 from kestrel.studio.handlers.datasets import truncation_note
 
 YAML_EXTENSIONS = (".yaml", ".yml")
 
 
-def _shipped(name: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A config from assets/configs/ as a preset: the shipped demo YAML is the one source of these
-    values (tests/training/test_demo_learns.py proves they learn). The studio picks the output folder."""
-    data = yaml.safe_load((ASSETS / "configs" / name).read_text())
-    return {k: v for k, v in data.items() if k not in ("output_dir", *drop)} | {"epochs": None}
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "demo": _shipped("demo_sft.yaml"),
-    "qlora_8b": {"method": "qlora", "max_seq_length": 2048, "batch_size": 2, "grad_accum": 4,
-                 "learning_rate": 2e-4, "lora": {"r": 16, "alpha": 32}, "gradient_checkpointing": "standard",
-                 "max_steps": None, "epochs": 1},
-    "lora_quality": {"method": "lora", "lora": {"r": 32, "alpha": 64}, "learning_rate": 1e-4, "warmup_steps": 10},
-    "long_context": {"max_seq_length": 16384, "batch_size": 1, "grad_accum": 8,
-                     "gradient_checkpointing": "offload", "packing": False},
-    "full_small": {"method": "full", "learning_rate": 2e-5, "batch_size": 4, "weight_decay": 0.01},
-    # The model stays what the form holds: GRPO starts from the user's SFT result (for the demo, the
-    # `model/` folder of a finished run of the demo preset).
-    "grpo": _shipped("demo_grpo.yaml", drop=("model",)),
-    "dpo": _shipped("demo_dpo.yaml", drop=("model",)),  # like GRPO: from the user's SFT result
-}
-# The model and dataset are the user's: a preset sets them only where it cannot work with another
-# (the quick test is the built-in demo model; GRPO's exact-answer reward needs a dataset with an
-# `answer` column), or where the form has none yet.
-# What a preset must set although the user chose it: its data kind (prompts with answers, preference pairs).
-PRESET_NEEDS: dict[str, tuple[str, ...]] = {"demo": ("model",), "grpo": ("dataset",), "dpo": ("dataset",)}
-# Settings of the user's own, never reset by a preset that does not name them.
-PERSONAL = ("model", "dataset", "name", "output_dir", "seed", "dataset_format", "system_prompt", "columns")
-
-
-def _owned() -> tuple[str, ...]:
-    """Every (dotted) setting some preset names, less the personal ones: each preset sets all of
-    them, to its value or the default, so nothing is left over from the preset applied before."""
-    keys = {key for values in PRESETS.values() for key in _flatten(values)}
-    return tuple(sorted(keys - set(PERSONAL)))
-
-
 # ---------------------------------------------------------------------------------------------
 # Form values <-> config dict
-
-
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and key in ("lora", "grpo", "preference"):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        data = data.setdefault(part, {})
-    data[last] = value
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -204,13 +150,13 @@ def form_to_config(values: dict[str, Any], extra: dict[str, Any] | None = None) 
                             "dataset": str(values.get("dataset") or "").strip()}
     for key, value in values.items():
         if key in FIELD_BY_KEY:
-            _set(data, key, _convert(key, value))
+            set_dotted(data, key, _convert(key, value))
     return _merge(extra or {}, data)
 
 
 def config_to_form(config: dict[str, Any]) -> dict[str, Any]:
     """Outputs: one value per form key, and `extra` (the keys the form has no widget for)."""
-    flat = _flatten(config)
+    flat = flatten(config)
     model = str(flat.get("model", DEMO))
     source = DEMO if model == DEMO else ("local" if is_local(model) else "hub")
     out: dict[str, Any] = {"model_source": source, "model": "" if source == DEMO else model}
@@ -225,7 +171,7 @@ def config_to_form(config: dict[str, Any]) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     for key, value in flat.items():
         if key not in FORM_KEYS and key not in OWNER_KEYS:
-            _set(extra, key, copy.deepcopy(value))
+            set_dotted(extra, key, copy.deepcopy(value))
     out["extra"] = extra
     return out
 
@@ -255,7 +201,7 @@ def studio_config(data: dict[str, Any], allow_custom: bool) -> TrainConfig:
 
 def default_form() -> dict[str, Any]:
     """The form at start: TrainConfig's defaults with the demo preset on top."""
-    return config_to_form(preset_config("demo", TrainConfig().to_dict())[0])
+    return config_to_form(presets.preset_config("demo", TrainConfig().to_dict())[0])
 
 
 def _values(args: tuple[Any, ...]) -> dict[str, Any]:
@@ -415,47 +361,18 @@ def load_yaml_file(path: str | None, allow_custom: bool = False) -> dict[str, An
     return _fill(studio_config(data, allow_custom), S.TR_YAML_APPLIED)
 
 
-def _shown(value: Any) -> str:
-    return "empty" if value is None or value == "" else str(value)
-
-
-def preset_config(preset: str, base: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """`base` (a checked config dict) with the preset applied, and what changed as "label: old → new"."""
-    values, defaults = _flatten(PRESETS[preset]), _flatten(TrainConfig().to_dict())
-    out = copy.deepcopy(base)
-    for key in _owned():
-        _set(out, key, copy.deepcopy(values.get(key, defaults.get(key))))
-    for key, value in values.items():
-        if key not in ("model", "dataset") and key in PERSONAL:
-            _set(out, key, copy.deepcopy(value))
-    for key in ("model", "dataset"):
-        if key in values and (key in PRESET_NEEDS.get(preset, ()) or not str(base.get(key) or "").strip()):
-            out[key] = values[key]
-    out = config_from_dict(out).to_dict()
-    before, after = _flatten(base), _flatten(out)
-    labels = {**S.FIELD_LABELS, "model": S.TR_MODEL, "dataset": S.TR_DATASET, "method": S.TR_METHOD}
-    changes = [f"{labels.get(k, k)}: {_shown(before.get(k))} → {_shown(after[k])}"
-               for k in after if k in FORM_KEYS + ("model", "dataset") and after[k] != before.get(k)]
-    return out, changes
-
-
 @user_errors
 def apply_preset(preset: str, extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
     """Put a preset over the current form (or over the defaults if it does not parse): it sets
     every setting it owns and keeps the user's model and dataset unless it needs its own. The
-    status lists what changed."""
-    if preset not in PRESETS:
+    status lists what changed (`kestrel.studio.handlers.presets`)."""
+    if preset not in presets.PRESETS:
         raise ConfigError(S.ERR_PRESET.format(preset=preset))
     try:
         base = studio_config(form_to_config(_values(args), extra), allow_custom).to_dict()
     except KestrelError:
         base = TrainConfig().to_dict()
-    data, changes = preset_config(preset, base)
-    kept = [k for k in ("model", "dataset") if k not in PRESET_NEEDS.get(preset, ()) and base.get(k)]
-    status = S.TR_PRESET_APPLIED.format(name=S.PRESET_NAMES[preset],
-                                        changes="; ".join(changes) if changes else S.TR_PRESET_NO_CHANGE)
-    if kept:
-        status += " " + S.TR_PRESET_KEPT.format(what=" and ".join(kept))
+    data, status = presets.apply(preset, base)
     return _fill(studio_config(data, allow_custom), status)
 
 

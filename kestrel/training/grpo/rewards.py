@@ -238,6 +238,11 @@ def _check_scores(key: str, scores: Any, n: int) -> torch.Tensor:
     return torch.tensor([float(s) for s in scores], dtype=torch.float32)
 
 
+def needs_answers(specs: list[RewardSpec]) -> bool:
+    """Whether the rewards compare with a reference answer (rows without one are then unusable)."""
+    return any(spec.name == "exact_answer" for spec in specs)
+
+
 class RewardSet:
     """The configured rewards; calling it scores a batch. Keys are the names, made unique."""
 
@@ -250,7 +255,7 @@ class RewardSet:
             while key in self.keys:
                 key, k = f"{spec.name}_{k}", k + 1
             self.items.append((key, float(spec.weight), _build_one(spec, allow_custom)))
-        self.needs_answers = any(spec.name == "exact_answer" for spec in specs)
+        self.needs_answers = needs_answers(specs)
 
     @property
     def keys(self) -> list[str]:

@@ -48,9 +48,9 @@ from kestrel.training.grpo.rollout import Rollouts, release, rollout
 from kestrel.model.loader import load
 from kestrel.model.lora import trainable_parameters
 from kestrel.training.distributed import World
-from kestrel.training.metrics import Callback, memory_metrics
+from kestrel.training.metrics import Callback
 from kestrel.training.recipe import (
-    end_of_step, optimizer_and_resume, optimizer_step, prepare_model, run_recipe, seed_everything,
+    optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything, step_end,
 )
 
 
@@ -260,18 +260,10 @@ def train_loop(s: GrpoSession, cb: Callback) -> str:
             batch = collect(s, step)
         t1 = time.perf_counter()
         raw = update(s, batch)
-        if s.device.type == "cuda":
-            torch.cuda.synchronize(s.device)
-        now, done = time.perf_counter(), step + 1
-        elapsed = now - started
-        metrics = {
-            "step": done, "total_steps": s.total_steps, "epoch": done * s.prompts_per_step / len(s.prompts),
-            **raw, **batch_metrics(batch, s.config.grpo.num_generations), "update_s": now - t1,
-            "tokens_per_s": (batch.prompt_tokens + batch.completion_tokens) / max(now - t0, 1e-9),
-            **memory_metrics(s.device), "elapsed_s": elapsed,
-            "eta_s": elapsed / (done - s.start_step) * (s.total_steps - done),
-        }
-        stop = end_of_step(s, cb, done, metrics)
+        now = step_end(s.device)
+        metrics = {"epoch": (step + 1) * s.prompts_per_step / len(s.prompts), **raw,
+                   **batch_metrics(batch, s.config.grpo.num_generations), "update_s": now - t1}
+        stop = report_step(s, cb, step, metrics, batch.prompt_tokens + batch.completion_tokens, started, t0, now)
         if stop:
             return stop
     return "completed"

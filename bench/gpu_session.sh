@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call that checks, then times, what the open issues still need measured, each phase
+# under its own budget so a slow one cannot starve the rest. Results land in $OUT (the device
+# tool's folder; ./gpu-out elsewhere), one file per phase, plus <phase>.log with its output.
+#
+#   bash bench/gpu_session.sh tests families moe train decode dpo
+#
+# Phases:
+#   tests     pytest -m gpu over the rooms that have CUDA tests (gradio is absent there)
+#   families  Qwen3.5 and Gemma 4 QLoRA against Unsloth, packed batches (issue 26's dense target)
+#   moe       Qwen3-MoE and gpt-oss 16-bit LoRA against HF+PEFT (issue 26's MoE target)
+#   train     the 8B QLoRA bench, offloaded checkpointing, Kestrel and Unsloth (issue 25's figure)
+#   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
+#   dpo       DPO QLoRA at the 8B shape: Kestrel, TRL, Unsloth (issue 27's target)
+#
+# Needs .gpu-site (and .gpu-anchors for the baselines) carried with the checkout; see
+# bench/RESULTS.md for how they are built.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+GPU_TESTS=(tests/data/test_flat_batches.py tests/decode tests/kernels tests/model tests/recompute
+           tests/training/test_small_updates.py tests/training/test_train_gpu.py)
+
+phase() {  # phase NAME SECONDS COMMAND...: run it with a wall-clock limit, log to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date +%T)"
+    timeout --kill-after=20 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "=== $name exit $? $(date +%T)"
+}
+
+for want in "$@"; do
+    case $want in
+        tests)    phase tests 300 python -m pytest -q -m gpu -p no:cacheprovider "${GPU_TESTS[@]}" ;;
+        families) phase families 330 python bench/matrix.py --models qwen3.5-9b,gemma4-e2b --methods qlora \
+                      --layouts packed --systems kestrel,unsloth --budget-s 270 --out "$OUT/families.jsonl" ;;
+        moe)      phase moe 330 python bench/matrix.py --models qwen3-30b-a3b,gpt-oss-20b --methods lora \
+                      --layouts packed --systems kestrel,hf --budget-s 270 --out "$OUT/moe.jsonl" ;;
+        train)    phase train 300 python bench/train.py --all --impls unsloth,kestrel --checkpointing offload \
+                      --steps 10 --warmup 3 --out "$OUT/train_off.json" ;;
+        decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
+        dpo)      phase dpo 300 python bench/dpo.py --out "$OUT/dpo.json" ;;
+        *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo)" >&2; exit 2 ;;
+    esac
+done
+grep -hE "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1

@@ -1,0 +1,138 @@
+"""Scoring a micro-batch of preference rows: the policy's answer log-probs in one forward, the
+reference's (adapter disabled, or a precomputed table), the method's loss and its per-row stats.
+Training (`trainer.py`, with gradients) and evaluation (`evaluation.py`, in no_grad) both call
+`micro_loss`, each with its own `RowSet`, so eval_loss is the training objective on held-out rows.
+
+    stats = StepStats(torch.zeros(()))
+    loss = micro_loss(s, rows, idx, stats)         # () mean over the micro-batch's rows
+    preference_metrics(stats, paired=True, world=world)  # TRL's names, over every rank's rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.training.distributed import World
+from kestrel.training.preference import loss as L
+from kestrel.training.preference.reference import RefTable, as_reference, sequence_logps
+from kestrel.training.preference.rows import answer_logprobs, answer_rows
+
+
+@dataclass
+class RowSet:
+    """The rows a micro-batch's indices point into: the training rows or the eval rows, with their
+    precomputed reference log-probs (None: scored with the adapter disabled) and, for KTO, whose
+    answer each row's KL row borrows."""
+
+    samples: list[PreferenceSample]
+    reference: RefTable | None = None
+    partner: list[int] | None = None
+
+
+@dataclass
+class StepStats:
+    """Detached per-row values of a step's micro-batches, reduced once for the metrics."""
+
+    loss: torch.Tensor
+    chosen: list[torch.Tensor] = field(default_factory=list)  # rewards; KTO: of desirable rows
+    rejected: list[torch.Tensor] = field(default_factory=list)
+    logps_chosen: list[torch.Tensor] = field(default_factory=list)
+    logps_rejected: list[torch.Tensor] = field(default_factory=list)
+    extra: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    tokens: int = 0
+
+
+def _reference(s: Any, data: RowSet, idx: list[int], pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """(R,) reference log-probs of the micro-batch's rows, in `pairs` order (answer-major)."""
+    if data.reference is not None:
+        return data.reference.answers[idx].t().reshape(-1)  # (A, P) -> answer-major, as the rows are
+    with as_reference(s.model):
+        return sequence_logps(s.model, pairs, s.pad_id, s.device, s.flat)
+
+
+def _kto_kl(s: Any, data: RowSet, idx: list[int]) -> torch.Tensor:
+    """KTO's KL estimate over the micro-batch's mismatched rows (no gradient)."""
+    assert data.partner is not None
+    rows = [(data.samples[i].prompt, data.samples[data.partner[i]].answers[0]) for i in idx]
+    with torch.no_grad():
+        policy = sequence_logps(s.model, rows, s.pad_id, s.device, s.flat)
+    if data.reference is not None and data.reference.kl is not None:
+        ref = data.reference.kl[idx]
+    else:
+        with as_reference(s.model):
+            ref = sequence_logps(s.model, rows, s.pad_id, s.device, s.flat)
+    return L.kto_kl(policy, ref)
+
+
+def micro_loss(s: Any, data: RowSet, idx: list[int], stats: StepStats) -> torch.Tensor:
+    """The loss of one micro-batch of `data` (a mean over its rows), its stats added to `stats`.
+    `s`: the run (config, model, pad_id, device, flat)."""
+    p, method = s.config.preference, s.config.method
+    chosen = [data.samples[i] for i in idx]
+    pairs = [(x.prompt, x.answers[k]) for k in range(len(chosen[0].answers)) for x in chosen]  # answer-major
+    rows = answer_rows(pairs, s.pad_id, s.device, s.flat)
+    logp = answer_logprobs(s.model, rows)  # (R, L)
+    seq, tokens = logp.sum(-1), rows.tokens.to(logp.dtype)  # (R,)
+    stats.tokens += rows.real_tokens
+    if method == "kto":
+        labels = torch.tensor([bool(x.label) for x in chosen], device=s.device)
+        out = L.kto_loss(seq, _reference(s, data, idx, pairs), labels, _kto_kl(s, data, idx), p.beta,
+                         p.desirable_weight, p.undesirable_weight)
+        stats.chosen.append(out.rewards[labels])
+        stats.rejected.append(out.rewards[~labels])
+        stats.logps_chosen.append(seq.detach()[labels])
+        stats.logps_rejected.append(seq.detach()[~labels])
+        stats.extra.setdefault("kl", []).append(out.kl.reshape(1))
+        return out.loss
+    n = len(idx)
+    if method == "dpo":
+        ref = _reference(s, data, idx, pairs)
+        out = L.dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], p.beta, p.loss_type, tokens[:n], tokens[n:])
+    else:
+        mean = seq / tokens.clamp(min=1)  # per-token mean log-probs (ORPO, SimPO)
+        nll = -seq[:n].sum() / tokens[:n].sum().clamp(min=1)  # the chosen answers' mean token NLL
+        out = (L.orpo_loss(mean[:n], mean[n:], nll, p.beta) if method == "orpo"
+               else L.simpo_loss(mean[:n], mean[n:], nll, p.beta, p.simpo_gamma, p.cpo_alpha))
+    stats.chosen.append(out.chosen_rewards)
+    stats.rejected.append(out.rejected_rewards)
+    stats.logps_chosen.append(seq.detach()[:n])
+    stats.logps_rejected.append(seq.detach()[n:])
+    for key, value in out.extra.items():
+        stats.extra.setdefault(key, []).append(value.reshape(1))
+    return out.loss
+
+
+def _joined(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts).double() if parts else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def preference_metrics(stats: StepStats, paired: bool, world: World | None = None) -> dict[str, float]:
+    """TRL's metric names (see trainer.py's docstring): each a mean over the step's rows (pairs;
+    KTO: its desirable or undesirable rows; the extras: micro-batches) of every rank, from one
+    all-reduce of (sum, count) per metric and the loss (one host read). A metric with no row is
+    left out."""
+    world = world or World()
+    device = stats.loss.device
+    chosen, rejected = _joined(stats.chosen, device), _joined(stats.rejected, device)
+    parts = {"rewards/chosen": chosen, "rewards/rejected": rejected,
+             "logps/chosen": _joined(stats.logps_chosen, device), "logps/rejected": _joined(stats.logps_rejected, device),
+             **{key: _joined(values, device) for key, values in stats.extra.items()}}
+    if paired:  # chosen and rejected answers of the same pairs
+        parts["rewards/margins"] = chosen - rejected
+        parts["rewards/accuracies"] = (chosen > rejected).double()
+    names = list(parts)  # the same on every rank: the method decides them
+    sums = torch.stack([stats.loss.double().reshape(()), *(v for n in names for v in (parts[n].sum(),
+                        torch.tensor(float(parts[n].numel()), dtype=torch.float64, device=device)))])
+    values = world.sum(sums).tolist()
+    out = {"loss": values[0]}
+    for i, name in enumerate(names):
+        total, count = values[1 + 2 * i], values[2 + 2 * i]
+        if count:
+            out[name] = total / count
+    if not paired and "rewards/chosen" in out and "rewards/rejected" in out:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
