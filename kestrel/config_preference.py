@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kestrel.config_values import check, show
-from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE
+from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE, SMOOTHED_LOSS_TYPES
 
 
 @dataclass
@@ -26,7 +26,10 @@ class PreferenceSettings:
     # dpo, kto: temperature of the implicit reward beta * log(pi / ref); higher stays nearer the
     # reference. orpo: the weight of the odds-ratio term (the paper's lambda). simpo: reward scale.
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # dpo only: sigmoid (DPO) | ipo (IPO, per-token log-ratios) | hinge (SLiC)
+    # dpo only: sigmoid (DPO) | ipo (IPO, per-token log-ratios) | hinge (SLiC) | robust | exo_pair |
+    # nca_pair | bco_pair | sppo_hard | apo_zero | apo_down, as TRL names them
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0  # dpo robust / exo_pair: the assumed chance that a pair's labels are flipped
     simpo_gamma: float = 0.5  # simpo: the target reward margin gamma
     cpo_alpha: float = 0.0  # simpo: weight of an NLL term on the chosen answers (0 = pure SimPO)
     desirable_weight: float = 1.0  # kto: weight of the losses of rows labelled desirable
@@ -41,6 +44,13 @@ class PreferenceSettings:
         check(self.loss_type in DPO_LOSS_TYPES,
               f"preference.loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {show(self.loss_type)}")
         check(0 < self.beta <= 1000, f"preference.beta must be in (0, 1000], got {show(self.beta)}")
+        check(0 <= self.label_smoothing < 0.5,
+              f"preference.label_smoothing must be in [0, 0.5) (the chance a label is flipped), got {show(self.label_smoothing)}")
+        check(self.label_smoothing > 0 or self.loss_type != "exo_pair",
+              "preference.loss_type exo_pair needs label_smoothing > 0 (its target is [1 - e, e]); TRL uses 1e-3")
+        check(self.label_smoothing == 0 or self.loss_type in SMOOTHED_LOSS_TYPES,
+              f"preference.label_smoothing is read only by loss_type {' and '.join(SMOOTHED_LOSS_TYPES)}, "
+              f"not {show(self.loss_type)}: set it to 0 or choose one of them")
         check(0 <= self.simpo_gamma <= 100, f"preference.simpo_gamma must be 0..100, got {show(self.simpo_gamma)}")
         check(0 <= self.cpo_alpha <= 100, f"preference.cpo_alpha must be 0..100, got {show(self.cpo_alpha)}")
         for name in ("desirable_weight", "undesirable_weight"):

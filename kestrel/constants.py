@@ -19,7 +19,11 @@ DEFERRED_ROWS = 2048
 DATASET_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 # Preference methods (`kestrel.training.preference`) and their settings' choices, TRL's names.
 PREFERENCE_METHODS = ("dpo", "orpo", "kto", "simpo")
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # DPO's logistic loss | IPO's squared loss | SLiC's hinge
+# DPO's logistic loss | IPO's squared loss | SLiC's hinge | label-noise robust DPO | EXO | NCA | BCO (pairs)
+# | SPPO (hard) | APO-zero | APO-down: TRL's loss_type names (`kestrel.training.preference.loss`)
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                  "apo_down")
+SMOOTHED_LOSS_TYPES = ("robust", "exo_pair")  # the DPO losses that read label_smoothing (the chance a label is flipped)
 PREFERENCE_FINETUNE = ("lora", "qlora", "full")  # what a preference method trains: an adapter, or every weight
 # GRPO reward names (`kestrel.training.grpo.rewards`): the built-ins, and `custom` for a Python file.
 REWARD_NAMES = ("exact_answer", "format_regex", "length_penalty", "json_valid", "custom")

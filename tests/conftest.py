@@ -27,6 +27,7 @@ from kestrel.recompute import host_memory  # noqa: E402
 from kestrel.recompute.host_memory import _PinnedPool  # noqa: E402
 from kestrel.paths import ASSETS  # noqa: E402
 from tests.support.tiny import tiny_model  # noqa: E402
+from tests.support.real_vocab import RealVocab, VocabMissing, real_tokenizer  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -80,6 +81,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer):
         return made[family]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def real_vocab():
+    """`real_vocab(name)` -> a `RealVocab` of llama.cpp's vocabulary `name` (tests.support.real_vocab.VOCABS),
+    loaded once per session; the test is skipped when ./install.sh has not fetched the files."""
+    made: dict[str, RealVocab] = {}
+
+    def get(name: str) -> RealVocab:
+        if name not in made:
+            try:
+                made[name] = real_tokenizer(name)
+            except VocabMissing as exc:
+                pytest.skip(str(exc))
+        return made[name]
+
+    return get
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from kestrel.model.safe_weights import refuse_pickled
 
 N_NEW = 32
 TIE_TOL = 0.02  # x logit std: top-2 closer than this is a tie that 16-bit rounding may flip
+MMPROJ_TOL = 0.02  # x embedding std: image embeddings of the f16 projector file vs fp32 Hugging Face
 PROMPTS = ("What is 12 + 7?", "Reverse the word. apple", "Write one short sentence about rivers.")
 TEST_TEXTS = (
     "Hello world. The quick brown fox jumps over the lazy dog 12345 times!",
@@ -107,12 +108,31 @@ def load_reference(model_dir: Path, adapter_dir: Path | None, device: str | None
     else:  # loaded straight onto the device: an 8B model in fp32 never passes through host memory
         model = auto.from_pretrained(model_dir, dtype=torch.float32, device_map={"": dev}, use_safetensors=True)
     model = model.to(dev)
+    if dev == "cpu":
+        _cpu_linear_attention(model)
     if adapter_dir is not None:
         from peft import PeftModel
 
         refuse_pickled(adapter_dir)
         model = PeftModel.from_pretrained(model, adapter_dir)
     return model.eval()
+
+
+def _cpu_linear_attention(model: Any) -> None:
+    """Hugging Face binds flash-linear-attention's kernels (CUDA only) at import whenever the package
+    is installed, so a Qwen3.5 model fails on the CPU; there its linear-attention layers run HF's
+    math with HF's PyTorch functions (`kestrel.model.linear_attention`)."""
+    import types
+
+    from kestrel.model.linear_attention import linear_attention_forward
+    from kestrel.model.registry import family_for
+
+    spec = family_for(model.config)
+    if spec is None or spec.linear_attention_class is None:
+        return
+    for module in model.modules():
+        if type(module).__name__ == spec.linear_attention_class:
+            module.forward = types.MethodType(linear_attention_forward, module)
 
 
 @torch.no_grad()
@@ -244,3 +264,32 @@ def check_template(path: Path, tokenizer: Any, messages: list[dict[str, str]]) -
         # llama.cpp's own formats leave BOS to the tokenizer
         "builtin_matches": None if builtin is None else strip(builtin) == strip(expected),
     }
+
+
+def check_mmproj(mmproj: Path, model_path: Path, model_dir: Path, tol: float = MMPROJ_TOL) -> dict[str, Any]:
+    """Encode one synthetic image with llama.cpp's mtmd (the projector file `mmproj` beside the
+    language model's `model_path`) and with Hugging Face's image-text model in `model_dir` (fp32):
+    the image embeddings (n_tokens, text hidden) must agree within `tol` x the reference's std."""
+    from transformers import AutoModelForImageTextToText
+
+    from kestrel.export.mmproj import image_stats
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    size = int(model.config.vision_config.image_size)  # exactly the tower's size: no resize on either side
+    gen = np.random.default_rng(0)
+    rgb = gen.integers(0, 256, (size, size, 3), dtype=np.uint8)  # (H, W, 3)
+    mean, std = (torch.tensor(v, dtype=torch.float32)[:, None, None] for v in image_stats(model_dir))
+    pixels = ((torch.from_numpy(rgb).permute(2, 0, 1).float() / 255 - mean) / std)[None]  # (1, 3, H, W)
+    with torch.no_grad():
+        ref = model.model.get_image_features(pixels).pooler_output[0].float().numpy()  # (n_tokens, hidden)
+    del model
+    stage = f"loading {mmproj.name} with llama.cpp's mtmd and encoding an image (the projector check)"
+    ours = run_in_child(stage, llama_child.encode_image, model_path, mmproj, rgb.tobytes(), (size, size))
+    if ours is None:
+        return {"passed": False, "file": mmproj.name, "problems": ["llama.cpp's mtmd could not load the projector file"]}
+    if ours.shape != ref.shape:
+        return {"passed": False, "file": mmproj.name,
+                "problems": [f"llama.cpp gave {ours.shape} image embeddings, Hugging Face {ref.shape}"]}
+    error = float(np.abs(ours - ref).max() / ref.std())
+    return {"passed": error <= tol, "file": mmproj.name, "n_tokens": int(ref.shape[0]), "max_error": error,
+            "tolerance": tol}

@@ -23,6 +23,7 @@ from kestrel.export.formats import _quant_notes, compute_device, gguf_basename, 
 from kestrel.export.gguf_tokenizer import GGUFVocab, build_vocab
 from kestrel.export.gguf_writer import gguf_nbytes, write_gguf
 from kestrel.export.merge import ModelTensors
+from kestrel.export.mmproj import PROJECTORS as MMPROJ_TYPES, has_mmproj, write_mmproj
 from kestrel.export.modelfile import detect_chat_format, end_of_turn_tokens, modelfile
 from kestrel.export.quantize import DIRECT, estimate_bytes, quantize, rows_fit_blocks
 from kestrel.export.source import ExportSource
@@ -129,9 +130,9 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
     name = gguf_basename(src.name)
     path = stage / (f"{name}-{quant}.gguf" if quant in DIRECT else f".{name}-{base_type}.tmp.gguf")
     report(0.1, f"writing {base_type} GGUF")
-    if src.image_text:
+    if src.image_text and not has_mmproj(src.config):
         result.notes.append("an image-text model: the GGUF holds its language model; its vision tower is not "
-                            "exported (no llama.cpp projector file is written)")
+                            f"exported (Kestrel writes llama.cpp's projector file for {', '.join(MMPROJ_TYPES)} only)")
     result.notes += write_gguf(path, tensors, src.lm_config, src.family, vocab, base_type, src.name,
                                on_tensor=lambda i, n: report(0.1 + 0.5 * i / n, f"wrote tensor {i}/{n}"))
     if check:
@@ -148,12 +149,23 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
             report(0.9, f"checking the {quant} file with llama.cpp")
             result.checks[f"gguf_{quant}"] = checks.check_gguf(path, refs, exact=False)
 
+    if src.image_text and has_mmproj(src.config):
+        report(0.95, "writing the vision projector file")
+        result.checks["mmproj"] = _write_checked_mmproj(stage / f"{name}-mmproj-f16.gguf", path, src, result)
     result.checks["chat_template"] = checks.check_template(path, tokenizer, _MESSAGES)
     (stage / "Modelfile").write_text(modelfile(path.name, chat_format, stops))
     result.checks["modelfile"] = {"chat_format": chat_format, "stops": stops}
     result.passed = _all_passed(result.checks)
 
 
+def _write_checked_mmproj(path: Path, model_path: Path, src: ExportSource, result: Any) -> dict[str, Any]:
+    """`<name>-mmproj-f16.gguf` from the checkpoint's vision tower (which training leaves frozen), checked
+    by encoding an image with llama.cpp's mtmd beside the language model's file."""
+    result.notes += write_mmproj(path, src.model_dir, src.config)
+    return checks.check_mmproj(path, model_path, src.model_dir)
+
+
 def _all_passed(found: dict[str, Any]) -> bool:
     ok = found["tokenizer"]["passed"] and found["chat_template"]["jinja_matches"]
+    ok = ok and found.get("mmproj", {"passed": True})["passed"]
     return ok and all(c.passed for k, c in found.items() if isinstance(c, checks.GGUFCheck))

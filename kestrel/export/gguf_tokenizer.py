@@ -21,7 +21,9 @@ printing), other added tokens USER_DEFINED, rows of the embedding past the token
 A BPE that claims byte fallback but has no `<0xNN>` byte tokens (what `AutoTokenizer` makes of a
 GGUF vocabulary such as llama.cpp's Llama 3 one) would make llama.cpp abort its process; with a
 byte-level pre-tokenizer it is exported as the byte-level BPE it is (noted), otherwise refused
-before anything is written (`_kind`).
+before anything is written (`_kind`); so is a vocabulary giving one text to two ids, which llama.cpp
+also aborts on (`_refuse_duplicates`). A Unicode normalizer (Qwen's NFC) has no llama.cpp
+counterpart: noted.
 """
 
 from __future__ import annotations
@@ -216,6 +218,7 @@ def _token_table(tok_json: dict, vocab_size: int, kind: str) -> tuple[list[str],
             f"the tokenizer has {n_tok} tokens but the model's embedding only {vocab_size} rows; "
             "the tokenizer does not belong to this model"
         )
+    _refuse_duplicates(id_to_text)
     tokens, types = [], []
     for token_id in range(vocab_size):
         text = id_to_text.get(token_id)
@@ -229,6 +232,33 @@ def _token_table(tok_json: dict, vocab_size: int, kind: str) -> tuple[list[str],
         else:
             types.append(UNKNOWN if kind != "gpt2" and token_id == unk else NORMAL)
     return tokens, types
+
+
+def _refuse_duplicates(id_to_text: dict[int, str]) -> None:
+    """llama.cpp maps each token text to one id and aborts loading a vocabulary where two ids share
+    a text (`id_to_token.size() == token_to_id.size()`): said here, before anything is written."""
+    first: dict[str, int] = {}
+    shared = []
+    for token_id in sorted(id_to_text):
+        text = id_to_text[token_id]
+        if text in first:
+            shared.append(f"{text!r} (ids {first[text]} and {token_id})")
+        else:
+            first[text] = token_id
+    if shared:
+        raise KestrelError(
+            f"the tokenizer gives {len(shared)} token text(s) to more than one id, e.g. {', '.join(shared[:3])}; "
+            "llama.cpp aborts loading such a vocabulary. Re-save the tokenizer from its original model (a conversion "
+            "from GGUF can turn a byte token such as <0x09> into its character) or remove the duplicate added token")
+
+
+def _unicode_form(tok_json: dict) -> str | None:
+    """The Unicode normal form (NFC, NFKC, ...) the tokenizer's normalizer applies, if any."""
+    norm = tok_json.get("normalizer") or {}
+    for step in norm.get("normalizers", [norm]):
+        if step.get("type") in ("NFC", "NFD", "NFKC", "NFKD"):
+            return step["type"]
+    return None
 
 
 def _byte_tokens_missing(vocab: dict[str, int]) -> int:
@@ -290,6 +320,10 @@ def build_vocab(tokenizer: Any, vocab_size: int, chat_template: str | None,
     tok_json = json.loads(tokenizer.backend_tokenizer.to_str())
     notes: list[str] = []
     kind = _kind(tok_json, notes)
+    form = _unicode_form(tok_json)
+    if form is not None:  # as llama.cpp's own converter: its tokenizers have no Unicode normalization step
+        notes.append(f"the tokenizer normalizes text to {form} before tokenizing; llama.cpp does not, so text not "
+                     f"already in {form} (e.g. an accent written as a combining character) tokenizes differently there")
     tokens, types = _token_table(tok_json, vocab_size, kind)
     add_bos, add_eos = _adds_bos_eos(tokenizer)
     vocab = GGUFVocab(model=kind, tokens=tokens, types=types, special_ids=_special_ids(tokenizer, eot_texts),

@@ -34,6 +34,7 @@ import torch
 
 from kestrel.errors import KestrelError
 from kestrel.export.experts import GGUFView
+from kestrel.export.gguf_archs import layout_for
 from kestrel.export.gguf_tokenizer import GGUFVocab
 from kestrel.export.merge import ModelTensors
 from kestrel.model.registry import FamilySpec
@@ -53,6 +54,7 @@ class PlannedTensor:
     hf_name: str | None  # None for tensors computed from the config (rope_freqs)
     shape: tuple[int, ...]  # numpy order: (rows, cols)
     qtype: Any  # gguf.GGMLQuantizationType
+    data: np.ndarray | None = None  # a computed tensor's values (fp32)
 
 
 def _arch_enum(name: str) -> Any:
@@ -149,14 +151,18 @@ def add_metadata(writer: Any, config: Any, family: FamilySpec, name: str, file_t
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
-    writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count(int(config.num_attention_heads))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(int(config.vocab_size))
+    layout = layout_for(family)
+    notes = layout.metadata(writer, config)
+    if layout.owns_heads_and_rope:
+        return notes
+    writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
     writer.add_key_length(_head_dim(config))
     writer.add_value_length(_head_dim(config))
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_vocab_size(int(config.vocab_size))
-    notes = _add_rope(writer, config, family)
+    notes += _add_rope(writer, config, family)
     if family.moe is not None:
         writer.add_expert_count(int(getattr(config, family.moe.num_experts_attr)))
         writer.add_expert_used_count(int(config.num_experts_per_tok))
@@ -181,18 +187,21 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def transform(hf_name: str, w: torch.Tensor, config: Any, family: FamilySpec) -> torch.Tensor:
-    """The layout change from Hugging Face to llama.cpp for one tensor (fp32 in, fp32 out)."""
+    """The layout change from Hugging Face to llama.cpp for one tensor (fp32 in, fp32 out);
+    `hf_name` under the causal LM's names."""
+    layout = layout_for(family)
+    w = layout.transform(hf_name, w, config)
     if family.gguf_permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
         return permute_qk(w, config.num_attention_heads)
     if family.gguf_permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
         return permute_qk(w, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    if family.norm_offset and "norm" in hf_name and w.ndim == 1:
+    if family.norm_offset and "norm" in hf_name and w.ndim == 1 and layout.offsets_norm(hf_name):
         return w + family.norm_offset
     return w
 
 
-def _matrix_type(shape: tuple[int, ...], wanted: Any) -> Any:
-    if len(shape) < 2:
+def _matrix_type(shape: tuple[int, ...], wanted: Any, f32: bool = False) -> Any:
+    if len(shape) < 2 or f32:
         return Q.F32
     if wanted == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
         return Q.F16
@@ -210,6 +219,8 @@ def plan_tensors(tensors: ModelTensors, config: Any, family: FamilySpec, file_ty
     """Every tensor of the GGUF file, in order, with its name, shape and type; no data read."""
     tensors = gguf_tensors(tensors, family)
     name_map = gguf.TensorNameMap(_arch_enum(family.gguf_arch), int(config.num_hidden_layers))
+    layout = layout_for(family)
+    f32_names = [gguf.TENSOR_NAMES[kind].split(".")[-1] for kind in layout.f32_tensors]  # "ssm_conv1d"
     wanted = DIRECT_TYPES[file_type][0]
     plan = []
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -218,16 +229,21 @@ def plan_tensors(tensors: ModelTensors, config: Any, family: FamilySpec, file_ty
         lm_name = tensors.canonical(hf_name)  # an image-text checkpoint's under the causal LM's names
         if lm_name == "lm_head.weight" and tied and not untied_head:
             continue  # the same matrix as the embedding; llama.cpp reuses token_embd
-        gguf_name = name_map.get_name(lm_name, try_suffixes=(".weight", ".bias"))
+        if layout.skip(lm_name):
+            continue
+        gguf_name = layout.gguf_name(lm_name, name_map)
         if gguf_name is None:
             raise KestrelError(f"no GGUF name for tensor {hf_name} of a {family.model_type} model")
-        shape = tensors.shape(hf_name)
+        shape = layout.shape(lm_name, tensors.shape(hf_name))
+        f32 = any(gguf_name.split(".")[-2] == kind for kind in f32_names)
         # biases stay F32 whatever their rank (llama.cpp adds a MoE's (E, I) expert biases in F32)
-        qtype = Q.F32 if hf_name.endswith(".bias") else _matrix_type(shape, wanted)
+        qtype = Q.F32 if hf_name.endswith(".bias") else _matrix_type(shape, wanted, f32)
         plan.append(PlannedTensor(gguf_name, hf_name, shape, qtype))
+    extra = layout.extra_tensors(config)
     if rope_parameters(config)["rope_type"] == "llama3":
-        dim = len(llama3_rope_factors(config))
-        plan.append(PlannedTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", None, (dim,), Q.F32))
+        extra.append((gguf.MODEL_TENSOR.ROPE_FREQS, llama3_rope_factors(config)))
+    for kind, data in extra:
+        plan.append(PlannedTensor(gguf.TENSOR_NAMES[kind] + ".weight", None, data.shape, Q.F32, data))
     return plan
 
 
@@ -273,10 +289,11 @@ def write_gguf(path: Path, tensors: ModelTensors | None, config: Any, family: Fa
         writer.write_ti_data_to_file()
         for i, p in enumerate(plan):
             if p.hf_name is None:
-                w = torch.from_numpy(llama3_rope_factors(config))
+                assert p.data is not None
+                w = torch.from_numpy(p.data)
             else:
                 assert tensors is not None
-                w = transform(p.hf_name, tensors.get(p.hf_name), config, family)
+                w = transform(tensors.canonical(p.hf_name), tensors.get(p.hf_name), config, family)
             data = _encode(w.contiguous(), p.qtype)
             del w
             writer.write_tensor_data(data)

@@ -191,6 +191,43 @@ def chat_template(path: Path, messages: list[dict[str, str]]) -> tuple[str | Non
         return embedded.decode(), _render_builtin(vocab.model, messages)
 
 
+def encode_image(model_path: Path, mmproj_path: Path, rgb: bytes, size: tuple[int, int]) -> Any:
+    """llama.cpp's multimodal library (mtmd, as llama-mtmd-cli and llama-server use it) loads
+    `mmproj_path` as the projector of the language model in `model_path` and encodes one image
+    (`rgb`: width x height x 3 bytes, row-major); returns its embeddings (n_tokens, n_embd) fp32,
+    or None when the projector file does not load."""
+    import llama_cpp
+    import llama_cpp.mtmd_cpp as mtmd
+    import numpy as np
+
+    llm = _load(model_path, n_ctx=64)
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu, params.print_timings = False, False
+    ctx = mtmd.mtmd_init_from_file(str(mmproj_path).encode(), llm.model, params)
+    if not ctx:
+        llm.close()
+        return None
+    bitmap = mtmd.mtmd_bitmap_init(size[0], size[1], (ctypes.c_uint8 * len(rgb)).from_buffer_copy(rgb))
+    chunks = mtmd.mtmd_input_chunks_init()
+    try:
+        marker = mtmd.mtmd_default_marker()
+        text = mtmd.mtmd_input_text(text=marker, text_len=len(marker), add_special=False, parse_special=True)
+        if mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) != 0:
+            raise RuntimeError("mtmd could not tokenize an image prompt")
+        image = next(c for c in (mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks)))
+                     if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE)
+        if mtmd.mtmd_encode_chunk(ctx, image) != 0:
+            raise RuntimeError("mtmd could not encode the image")
+        n_tokens, n_embd = mtmd.mtmd_input_chunk_get_n_tokens(image), llama_cpp.llama_model_n_embd(llm.model)
+        out = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n_tokens * n_embd,))
+        return out.reshape(n_tokens, n_embd).copy()
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+        mtmd.mtmd_free(ctx)
+        llm.close()
+
+
 def quantize_file(src: Path, dst: Path, ftype_name: str, threads: int) -> int:
     """llama.cpp's `llama_model_quantize` of `src` into `dst` as `ftype_name` (a llama_ftype
     constant's name); its return code (0: done)."""

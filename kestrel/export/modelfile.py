@@ -1,6 +1,6 @@
 """Chat formats and the Ollama `Modelfile` written beside a GGUF file.
 
-    fmt = detect_chat_format(tokenizer.chat_template)   # "chatml", "llama3", "gemma", "mistral", "harmony" or None
+    fmt = detect_chat_format(tokenizer.chat_template)   # "chatml", "llama3", "gemma", "gemma4", "mistral", "harmony" or None
     text = modelfile("model-q4_k_m.gguf", fmt, stops=end_of_turn_tokens(fmt, tokenizer))
 
 The `TEMPLATE` is a Go template (Ollama's language) that renders a conversation the way the
@@ -40,6 +40,13 @@ GEMMA = ChatFormat(
     "{{- range .Messages }}<start_of_turn>{{ if eq .Role \"assistant\" }}model{{ else }}user{{ end }}\n"
     "{{ .Content }}<end_of_turn>\n{{ end }}<start_of_turn>model\n",
 )
+# Gemma 4: `<|turn>{role}\n...<turn|>\n` (assistant as model, system kept), the reply opened with an
+# empty thought channel (thinking off, its template's default).
+GEMMA4 = ChatFormat(
+    "gemma4", ("<|turn>", "<turn|>"), ("<turn|>",),
+    "{{- range .Messages }}<|turn>{{ if eq .Role \"assistant\" }}model{{ else }}{{ .Role }}{{ end }}\n"
+    "{{ .Content }}<turn|>\n{{ end }}<|turn>model\n<|channel>thought\n<channel|>",
+)
 MISTRAL = ChatFormat(
     "mistral", ("[INST]", "[/INST]"), (),  # a turn ends with EOS, added from the tokenizer
     "{{- range .Messages }}{{ if eq .Role \"user\" }}[INST] {{ .Content }} [/INST]"
@@ -49,7 +56,7 @@ MISTRAL = ChatFormat(
 # (`<|channel|>final<|message|>`) ending in <|return|> (or <|call|> for a tool call). Its system
 # header (reasoning effort, dates, tools) is the Jinja template's: no Go template stands in for it.
 HARMONY = ChatFormat("harmony", ("<|start|>", "<|message|>", "<|end|>"), HARMONY_END_OF_TURN, None)
-FORMATS = {f.name: f for f in (CHATML, LLAMA3, GEMMA, MISTRAL, HARMONY)}
+FORMATS = {f.name: f for f in (CHATML, LLAMA3, GEMMA, GEMMA4, MISTRAL, HARMONY)}
 
 
 def detect_chat_format(template: str | None) -> str | None:

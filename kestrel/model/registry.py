@@ -116,7 +116,6 @@ _QWEN3_5 = FamilySpec(
     extra_lora_targets=("in_proj_qkv", "in_proj_z", "out_proj"),
     levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "causal_lm")),
     decode=False,
-    gguf=False,
     gguf_arch="qwen35",
 )
 
@@ -136,7 +135,6 @@ _GEMMA4 = replace(
     attn_softcap_attr=None,
     levels=frozenset(("rms_norm", "mlp", "causal_lm")),
     decode=False,
-    gguf=False,
     gguf_arch="gemma4",
 )
 # --- end of issue 26 dense families -----------------------------------------------------------

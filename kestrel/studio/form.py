@@ -64,6 +64,7 @@ FIELDS: tuple[Field, ...] = (
     Field("preference.finetune", "choice", "preference", PREFERENCE_FINETUNE),
     Field("preference.beta", "float", "preference", step=0.05),
     Field("preference.loss_type", "choice", "preference", DPO_LOSS_TYPES),
+    Field("preference.label_smoothing", "float", "preference", step=0.05),
     Field("preference.precompute_ref_logps", "bool", "preference"),
     Field("preference.simpo_gamma", "float", "preference", step=0.1),
     Field("preference.cpo_alpha", "float", "preference", step=0.1),

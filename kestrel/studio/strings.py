@@ -137,6 +137,7 @@ FIELD_LABELS = {
     "grpo.max_prompt_length": "Max prompt tokens", "grpo.beta": "KL weight beta", "grpo.epsilon": "Clip epsilon",
     "grpo.loss_type": "Loss type", "grpo.temperature": "Sampling temperature", "grpo.top_p": "Sampling top-p",
     "preference.finetune": "Trains", "preference.beta": "Beta", "preference.loss_type": "DPO loss type",
+    "preference.label_smoothing": "Label smoothing (DPO robust, exo_pair)",
     "preference.simpo_gamma": "SimPO margin gamma", "preference.cpo_alpha": "SimPO NLL weight (cpo_alpha)",
     "preference.desirable_weight": "KTO desirable weight", "preference.undesirable_weight": "KTO undesirable weight",
     "preference.precompute_ref_logps": "Precompute reference log-probs",

@@ -27,10 +27,15 @@ from kestrel.export.source import resolve_source
 from kestrel.model.registry import FAMILIES, GGUF_FAMILIES
 
 EXPECTED_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": None, "gemma3_text": None,
-                "qwen3_moe": "qwen2", "gpt_oss": "llama-bpe"}
+                "qwen3_moe": "qwen2", "gpt_oss": "llama-bpe", "qwen3_5_text": "qwen2", "gemma4_text": None}
 EXPECTED_STOPS = {"llama": ["<|eot_id|>"], "qwen2": ["<|im_end|>"], "qwen3": ["<|im_end|>"],
                   "mistral": ["</s>"], "gemma3_text": ["<end_of_turn>", "<eos>"],
-                  "qwen3_moe": ["<|im_end|>"], "gpt_oss": ["<|eot_id|>"]}
+                  "qwen3_moe": ["<|im_end|>"], "gpt_oss": ["<|eot_id|>"], "qwen3_5_text": ["<|im_end|>"],
+                  "gemma4_text": ["<turn|>", "<eos>"]}
+# Top-1 agreement on the prompt positions (not checked by the export: no tie allowance there). Gemma 4
+# attends unscaled (scale 1 on normed q, k): llama.cpp's f16 K/V cache moves its logits by up to
+# ~3% of their spread (~0.3% with an f32 cache), enough to flip a near-tie among the prompt's tokens.
+PROMPT_FLOOR = {"gemma4_text": 0.95}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,7 @@ def test_f16_gguf_gives_hugging_face_greedy_tokens(family: str, family_dir, tmp_
     # (reference margin within the tie tolerance) that the random fixture may happen to contain.
     assert f16.passed and f16.exact_required and not f16.problems, f16
     assert f16.ties <= 1 and (f16.greedy_identical or f16.ties == 1), f16
-    assert f16.prompt_top1_agreement == 1.0
+    assert f16.prompt_top1_agreement >= PROMPT_FLOOR.get(family, 1.0), f16
     assert result.checks["tokenizer"]["passed"] and result.checks["tokenizer"]["pre"] == EXPECTED_PRE[family]
     assert result.checks["chat_template"]["jinja_matches"]
     names = sorted(p.name for p in out.iterdir())
@@ -75,10 +80,10 @@ def test_f16_gguf_gives_hugging_face_greedy_tokens(family: str, family_dir, tmp_
     assert names == sorted(["Modelfile", "export.json", gguf_name])  # nothing staged is left behind
     fields, tensors = _fields(out / gguf_name)
     assert fields["general.architecture"] == FAMILIES[family].gguf_arch
-    tied = family in ("qwen2", "qwen3", "gemma3_text")
+    tied = family in ("qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "gemma4_text")
     assert ("output.weight" in tensors) != tied
     if FAMILIES[family].qk_norm:
-        assert "blk.0.attn_q_norm.weight" in tensors and "blk.1.attn_k_norm.weight" in tensors
+        assert "blk.1.attn_q_norm.weight" in tensors and "blk.1.attn_k_norm.weight" in tensors  # Qwen3.5: blk.0 is linear
     modelfile = (out / "Modelfile").read_text()
     assert modelfile.startswith(f"FROM ./{gguf_name}\n") and 'TEMPLATE """' in modelfile
     assert [line.split(" ", 2)[2] for line in modelfile.splitlines() if line.startswith("PARAMETER stop")] == \
@@ -86,13 +91,16 @@ def test_f16_gguf_gives_hugging_face_greedy_tokens(family: str, family_dir, tmp_
 
 
 @pytest.mark.parametrize("family,quant,floor", [("llama", "q8_0", 0.9), ("llama", "q4_k_m", 0.6), ("qwen3", "q4_k_m", 0.6),
-                                               ("qwen3_moe", "q8_0", 0.9), ("gpt_oss", "q4_k_m", 0.6)])
+                                               ("qwen3_moe", "q8_0", 0.9), ("gpt_oss", "q4_k_m", 0.6),
+                                               ("qwen3_5_text", "q8_0", 0.9), ("qwen3_5_text", "q4_k_m", 0.6),
+                                               ("gemma4_text", "q8_0", 0.5), ("gemma4_text", "q4_k_m", 0.3)])
 def test_quantized_gguf_loads_and_answers(family: str, quant: str, floor: float, family_dir, tmp_path: Path) -> None:
     result = export(family_dir(family), "gguf", tmp_path / "out", quant=quant)
     check = result.checks[f"gguf_{quant}"]
     assert result.passed and check.passed and not check.exact_required
     # random tiny models; a wrong layout or a broken file agrees on about 1 token in 600
     assert check.top1_agreement >= floor, check
+    print(f"{family} {quant}: top-1 agreement {check.top1_agreement:.3f} (prompt {check.prompt_top1_agreement:.3f})")
     assert check.sample  # llama.cpp produced tokens
     if quant != "q8_0":  # made from a 16-bit file that was checked exactly, then deleted
         assert result.checks["gguf_f16"].greedy_identical

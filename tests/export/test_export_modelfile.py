@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.support.export_fixtures import CHATML, GEMMA, LLAMA3, MISTRAL, train_tokenizer
+from tests.support.export_fixtures import CHATML, GEMMA, GEMMA4, LLAMA3, MISTRAL, train_tokenizer
 from kestrel.export.modelfile import FORMATS, detect_chat_format, end_of_turn_tokens, modelfile
 
 _ACTION = re.compile(r"\{\{(-?)\s*(.*?)\s*(-?)\}\}", re.S)
@@ -93,6 +93,7 @@ CASES = {
     "chatml": ("gpt2", CHATML, True),
     "llama3": ("llama3", LLAMA3, True),
     "gemma": ("gemma", GEMMA, False),  # Gemma folds a system message into the first user turn
+    "gemma4": ("gemma4", GEMMA4, True),  # Gemma 4 keeps a system turn; the reply opens an empty thought channel
     "mistral": ("mistral", MISTRAL, False),  # this Mistral template drops system messages
 }
 TURNS = [
@@ -117,7 +118,8 @@ def test_go_template_renders_like_the_chat_template(name: str) -> None:
 
 
 @pytest.mark.parametrize("name,stops", [("chatml", ["<|im_end|>"]), ("llama3", ["<|eot_id|>"]),
-                                        ("gemma", ["<end_of_turn>", "<eos>"]), ("mistral", ["</s>"])])
+                                        ("gemma", ["<end_of_turn>", "<eos>"]), ("gemma4", ["<turn|>", "<eos>"]),
+                                        ("mistral", ["</s>"])])
 def test_stops_are_the_end_of_turn_tokens(name: str, stops: list[str]) -> None:
     tokenizer = train_tokenizer(CASES[name][0], 400)
     assert end_of_turn_tokens(name, tokenizer) == stops

@@ -1,24 +1,28 @@
 """Export of the issue-26 families: image-text checkpoints (their language model's GGUF, checked
-by llama.cpp; merged and adapter exports of the whole model) and the dense families whose GGUF
-layout Kestrel does not write yet (a clear refusal; adapter and merged exports work)."""
+by llama.cpp, and Gemma 3's vision projector file, checked by llama.cpp's mtmd; merged and adapter
+exports of the whole model) and a family without a GGUF layout (a clear refusal; adapter and merged
+exports work)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from kestrel.errors import KestrelError
-from kestrel.export import export
+from kestrel.export import ExportCheckError, export, mmproj
+from kestrel.export.mmproj import PROJECTORS as MMPROJ
 from kestrel.model.multimodal import lora_targets
-from kestrel.model.registry import GGUF_FAMILIES, SUPPORTED
+from kestrel.model.registry import FAMILIES, GGUF_FAMILIES, SUPPORTED
 from tests.support.export_fixtures import save_tiny_image_text_model, save_tiny_model, train_tokenizer
 from tests.support.tiny_image_text import IMAGE_TEXT
 
-STYLE = {"gemma3": "gemma", "mistral3": "mistral", "qwen3_5": "qwen2", "qwen3_5_moe": "qwen2", "gemma4": "gemma"}
+STYLE = {"gemma3": "gemma", "mistral3": "mistral", "qwen3_5": "qwen2", "qwen3_5_moe": "qwen2", "gemma4": "gemma4"}
 NO_GGUF = [f for f in SUPPORTED if f not in GGUF_FAMILIES]
 
 
@@ -51,11 +55,52 @@ def test_image_text_gguf_holds_the_language_model(kind: str, tokenizers: dict, t
     result = export(adapter, "gguf", tmp_path / "out", quant="f16")
     f16 = result.checks["gguf_f16"]
     assert result.passed and f16.passed and f16.exact_required and f16.prompt_top1_agreement == 1.0, result.summary()
-    reader = gguf.GGUFReader(next((tmp_path / "out").glob("*.gguf")))
+    reader = gguf.GGUFReader(next(p for p in (tmp_path / "out").glob("*.gguf") if "mmproj" not in p.name))
     names = [t.name for t in reader.tensors]
     assert "token_embd.weight" in names and "blk.1.ffn_down.weight" in names
     assert not any("vision" in n or "mm" in n or "v.blk" in n for n in names)
-    assert any("vision tower is not exported" in n for n in result.notes)
+    if kind in MMPROJ:  # the projector file is checked by `test_gemma3_projector_file_loads_in_mtmd`
+        assert result.checks["mmproj"]["passed"]
+    else:
+        assert any("vision tower is not exported" in n for n in result.notes)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizers: dict) -> Path:
+    return save_tiny_image_text_model("gemma3", tokenizers["gemma"], tmp_path_factory.mktemp("gemma3"))
+
+
+def test_gemma3_projector_file_loads_in_mtmd(gemma3_dir: Path, tmp_path: Path) -> None:
+    result = export(gemma3_dir, "gguf", tmp_path / "out", quant="q8_0")
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"] and found["file"] == f"{gemma3_dir.name}-mmproj-f16.gguf", found
+    assert found["n_tokens"] == 4 and found["max_error"] <= found["tolerance"]  # an image encoded as HF encodes it
+    reader = gguf.GGUFReader(tmp_path / "out" / f"{gemma3_dir.name}-mmproj-f16.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    assert fields["general.architecture"] == "clip" and fields["clip.projector_type"] == "gemma3"
+    assert fields["clip.vision.projection_dim"] == 128 and fields["clip.vision.block_count"] == 1
+    assert fields["clip.vision.projector.scale_factor"] == 2  # 4x4 patches pooled to mm_tokens_per_image = 4
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["v.patch_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert tensors["mm.input_projection.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert "v.blk.0.attn_q.weight" in tensors and not any("head" in n for n in tensors)
+    from safetensors import safe_open
+
+    with safe_open(gemma3_dir / "model.safetensors", "pt") as f:
+        norm = f.get_tensor("multi_modal_projector.mm_soft_emb_norm.weight").numpy()
+    assert np.allclose(tensors["mm.soft_emb_norm.weight"].data, norm + 1)  # Gemma's (1 + w)
+
+
+@pytest.mark.parametrize("wrong", ["no projector tensors", "norm without (1 + w)"])
+def test_a_wrong_projector_file_fails_the_check(wrong: str, gemma3_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    if wrong == "no projector tensors":  # mtmd refuses the file
+        original = mmproj._vision_name
+        monkeypatch.setattr(mmproj, "_vision_name", lambda n: None if "multi_modal_projector" in n else original(n))
+    else:  # mtmd loads it, the image embeddings differ
+        monkeypatch.setattr(mmproj, "transform", lambda gguf_name, w: w)
+    with pytest.raises(ExportCheckError, match="check mmproj: passed=False"):
+        export(gemma3_dir, "gguf", tmp_path / "out", quant="f16")
 
 
 @pytest.mark.parametrize("kind,quant", [("gemma3", "q8_0"), ("mistral3", "q4_k_m")])
@@ -85,8 +130,12 @@ def test_image_text_merged_export_keeps_the_whole_model(kind: str, tokenizers: d
         assert set(f.keys()) == set(g.keys())  # the vision tower too, under the checkpoint's own names
 
 
-@pytest.mark.parametrize("family", NO_GGUF)
-def test_dense_family_without_a_gguf_layout_says_so_and_exports_merged(family: str, tokenizers: dict, tmp_path: Path) -> None:
+# Families without a GGUF layout (Qwen3.5-MoE) are refused; with none left, one is marked without.
+@pytest.mark.parametrize("family", NO_GGUF or ["qwen3_5_text"])
+def test_dense_family_without_a_gguf_layout_says_so_and_exports_merged(family: str, tokenizers: dict, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    if family in GGUF_FAMILIES:
+        monkeypatch.setitem(FAMILIES, family, dataclasses.replace(FAMILIES[family], gguf=False))
     folder = save_tiny_model(family, tokenizers["qwen2"], tmp_path / family)
     with pytest.raises(KestrelError, match=f"GGUF export of {family} models .* Export `merged`"):
         export(folder, "gguf", tmp_path / "gguf")

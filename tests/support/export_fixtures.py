@@ -6,8 +6,8 @@ tests and the export benchmark (no download).
 
 Tokenizer styles: byte-level BPE as GPT-2 (`gpt2`, the demo model's), Llama 3 (`llama3`) and
 Qwen 2 (`qwen2`) split text, SentencePiece BPE with byte fallback as Mistral (`mistral`, space
-prefix) and Gemma (`gemma`, no prefix) use it, trained with the `sentencepiece` library, and a
-SentencePiece-style Unigram tokenizer (`unigram`, ChatML template).
+prefix) and Gemma (`gemma`, no prefix; `gemma4`, Gemma 4's turn tokens) use it, trained with the
+`sentencepiece` library, and a SentencePiece-style Unigram tokenizer (`unigram`, ChatML template).
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ GEMMA = (  # Gemma 3's: a system message becomes the start of the first user tur
     "(prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
+GEMMA4 = (  # Gemma 4's turns (its template's tools, media and thinking branches left out)
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<|turn>' + role + '\n' + message['content'] | trim + '<turn|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}{% endif %}"
+)
 MISTRAL = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
@@ -52,13 +58,16 @@ _STYLES: dict[str, tuple[list[str], str | None, str, str | None, str]] = {
                "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", LLAMA3),
     "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", None, MISTRAL),
     "gemma": (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", "<pad>", GEMMA),
+    "gemma4": (["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"], "<bos>", "<eos>",
+               "<pad>", GEMMA4),
     "unigram": (["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"], "<s>", "<|im_end|>", None, CHATML),
 }
 STYLES = tuple(_STYLES)
 
 # a style for each family, as the real models use them
 FAMILY_STYLE = {"llama": "llama3", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen2", "gemma3_text": "gemma",
-                "qwen3_moe": "qwen2", "gpt_oss": "llama3", "qwen3_5_moe_text": "qwen2"}
+                "qwen3_moe": "qwen2", "gpt_oss": "llama3", "qwen3_5_text": "qwen2", "gemma4_text": "gemma4",
+                "qwen3_5_moe_text": "qwen2"}
 
 EXTRA_TEXT = [
     "Hello world. The quick brown fox jumps over the lazy dog 12345 times!",
@@ -116,6 +125,7 @@ def _sentencepiece(style: str, vocab_size: int) -> tuple[dict[str, int], list[tu
     ids = {
         "mistral": dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1),
         "gemma": dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>"),
+        "gemma4": dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>"),
     }
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -145,7 +155,7 @@ def train_tokenizer(style: str, vocab_size: int = 600) -> Any:
     from transformers import GemmaTokenizer, LlamaTokenizer, PreTrainedTokenizerFast
 
     specials, bos, eos, pad, template = _STYLES[style]
-    if style in ("mistral", "gemma"):
+    if style in ("mistral", "gemma", "gemma4"):
         vocab, merges = _sentencepiece(style, vocab_size)
         cls = LlamaTokenizer if style == "mistral" else GemmaTokenizer
         kwargs = dict(unk_token="<unk>", bos_token=bos, eos_token=eos)
@@ -187,12 +197,27 @@ def decisive(model: torch.nn.Module, logit_std: float = 6.0) -> torch.nn.Module:
     return model
 
 
+def lively(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Re-draw every projection inside the layers with variance-preserving scale (std 1/sqrt(in)):
+    at Hugging Face's init (std 0.02) a tiny model's layers barely move the residual stream, so
+    with tied embeddings its greedy tokens hardly depend on them, and a wrong layer layout in an
+    export would go unnoticed."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".layers." in name and name.endswith("proj.weight") and param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+    return model
+
+
 def save_tiny_model(model_type: str, tokenizer: Any, folder: Path, seed: int = 0,
-                    dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
-    """A tiny random `model_type` model sized to `tokenizer`, saved with it to `folder`."""
+                    dtype: torch.dtype = torch.float32, layers_matter: bool = False, **overrides: Any) -> Path:
+    """A tiny random `model_type` model sized to `tokenizer`, saved with it to `folder`;
+    `layers_matter`: its layers' projections drawn by `lively`."""
     from tests.support.tiny import tiny_model
 
-    model = decisive(tiny_model(model_type, vocab_size=len(tokenizer), seed=seed, **overrides))
+    model = tiny_model(model_type, vocab_size=len(tokenizer), seed=seed, **overrides)
+    model = decisive(lively(model, seed) if layers_matter else model)
     return _save(model, tokenizer, folder, dtype)
 
 

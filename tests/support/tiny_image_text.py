@@ -44,4 +44,10 @@ def tiny_image_text_model(model_type: str, vocab_size: int, seed: int = 0) -> Pr
     config = tiny_image_text_config(model_type, vocab_size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    # Hugging Face zero-initialises some projectors (Gemma 3's input projection): every image would
+    # embed to zeros, and a projector-file check could not fail. Random values make tests see it.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "projector" in name and param.dim() == 2 and not param.any():
+                param.normal_(0.0, param.shape[0] ** -0.5)
     return model.eval()

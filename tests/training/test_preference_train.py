@@ -5,6 +5,7 @@ reference, and the shipped demo config runs."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,24 @@ def test_each_method_reports_trl_metric_names(tiny_model_dir, tmp_path: Path, on
     keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins") + extra
     for key in keys:
         assert key in last and last[key] == last[key], key  # present and not NaN
+
+
+@pytest.mark.parametrize("loss_type, smoothing, first_loss", [
+    ("exo_pair", 0.2, math.log(0.5) - 0.5 * math.log(0.2 * 0.8)),  # q = 1/2 against the target [0.8, 0.2]
+    ("apo_zero", 0.0, 1.0),  # 1 - sigma(0) + sigma(0)
+    ("sppo_hard", 0.0, 2 * (0.5 / 0.1) ** 2),  # both log-ratios 0, their targets +-1 / (2 beta)
+])
+def test_dpo_loss_variants_start_where_their_definition_says(tiny_model_dir, tmp_path: Path, one_thread, loss_type,
+                                                             smoothing, first_loss) -> None:
+    """The adapter starts as the identity, so every log-ratio is 0 at step 1: the loss there is the
+    variant's value at 0 (with the config's label_smoothing reaching it), and it falls."""
+    cfg = _config(str(tiny_model_dir("llama")), tmp_path / loss_type, _subset(tmp_path, "arithmetic_preferences", 12),
+                  max_steps=6, preference={"loss_type": loss_type, "label_smoothing": smoothing})
+    result = run(config_from_dict(cfg))
+    assert result.status == "completed", result.error
+    m = _metrics(tmp_path / loss_type)
+    assert m[0]["loss"] == pytest.approx(first_loss, rel=1e-5)
+    assert min(x["loss"] for x in m[1:]) < m[0]["loss"]
 
 
 def test_resume_continues_the_straight_run(tiny_model_dir, tmp_path: Path, one_thread) -> None:

@@ -7,6 +7,13 @@ lengths; the reference's log-probs come from the base with the adapter disabled 
            sigmoid  -log sigma(beta h)                      (Rafailov et al.)
            hinge    max(0, 1 - beta h)                      (SLiC)
            ipo      (h' - 1 / (2 beta))^2,  h' the same difference of per-token means (IPO, as TRL)
+           robust   (-(1 - e) log sigma(beta h) + e log sigma(-beta h)) / (1 - 2e)   (e: label_smoothing)
+           exo_pair q log(q / (1 - e)) + (1 - q) log((1 - q) / e),  q = sigma(beta h)   (EXO, K = 2)
+           with c = beta (log pi_c - log ref_c), r = beta (log pi_r - log ref_r):
+           nca_pair -log sigma(c) - log sigma(-c) / 2 - log sigma(-r) / 2
+           bco_pair -log sigma(c) - log sigma(-r)
+           sppo_hard (c/beta - 1/(2 beta))^2 + (r/beta + 1/(2 beta))^2
+           apo_zero 1 - sigma(c) + sigma(r);   apo_down  sigma(c) + 1 - sigma(c - r)
            rewards  beta (log pi - log ref), per answer
     ORPO   mean log-probs a_c, a_r;  log odds(a) = a - log(1 - e^a)
            L = NLL(chosen) - beta * mean log sigma(log odds(a_c) - log odds(a_r))    (beta: the paper's lambda)
@@ -24,6 +31,7 @@ to the hidden states and the weights.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,21 +52,43 @@ def dpo_loss(
     chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor,
     beta: float, loss_type: str, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
+    label_smoothing: float = 0.0,
 ) -> PairLoss:
-    """DPO and its sigmoid / hinge / ipo variants over P pairs (all inputs (P,))."""
+    """DPO and its variants (`DPO_LOSS_TYPES`, see the module docstring) over P pairs (all inputs (P,))."""
     chosen_ratio = chosen_logps - ref_chosen_logps  # (P,) log pi / ref of the chosen answer
     rejected_ratio = rejected_logps - ref_rejected_logps
-    delta = chosen_ratio - rejected_ratio
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * delta)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    elif loss_type == "ipo":  # per-token means, so the squared target does not scale with length
+    if loss_type == "ipo":  # per-token means, so the squared target does not scale with length
         mean_delta = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
         losses = (mean_delta - 1 / (2 * beta)) ** 2
     else:
-        raise ValueError(f"preference.loss_type must be sigmoid, ipo or hinge, got {loss_type!r}")
+        losses = _pair_losses(loss_type, beta, chosen_ratio, rejected_ratio, label_smoothing)
     return PairLoss(losses.mean(), beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), {})
+
+
+def _pair_losses(loss_type: str, beta: float, chosen_ratio: torch.Tensor, rejected_ratio: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """(P,) per-pair losses of the DPO variants defined on the two log-ratios alone."""
+    h, c, r = beta * (chosen_ratio - rejected_ratio), beta * chosen_ratio, beta * rejected_ratio
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(h)
+    if loss_type == "hinge":
+        return torch.relu(1 - h)
+    if loss_type == "robust":  # unbiased under labels flipped with probability eps (Chowdhury et al.)
+        return (-(1 - eps) * F.logsigmoid(h) + eps * F.logsigmoid(-h)) / (1 - 2 * eps)
+    if loss_type == "exo_pair":  # KL(softmax of the two rewards || [1 - eps, eps])
+        q, logq, logq_flip = torch.sigmoid(h), F.logsigmoid(h), F.logsigmoid(-h)
+        return q * (logq - math.log1p(-eps)) + (1 - q) * (logq_flip - math.log(eps))
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r)
+    if loss_type == "bco_pair":
+        return -F.logsigmoid(c) - F.logsigmoid(-r)
+    if loss_type == "sppo_hard":  # the log-ratios' targets are +-1 / (2 beta)
+        return (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":  # chosen answers better than the model's own: raise them, lower the rejected
+        return 1 - torch.sigmoid(c) + torch.sigmoid(r)
+    if loss_type == "apo_down":  # chosen answers worse than the model's own: lower both, the rejected more
+        return torch.sigmoid(c) + 1 - torch.sigmoid(c - r)
+    raise ValueError(f"preference.loss_type {loss_type!r} is not a DPO loss")
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,8 @@ def micro_loss(s: Any, data: RowSet, idx: list[int], stats: StepStats) -> torch.
     n = len(idx)
     if method == "dpo":
         ref = _reference(s, data, idx, pairs)
-        out = L.dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], p.beta, p.loss_type, tokens[:n], tokens[n:])
+        out = L.dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], p.beta, p.loss_type, tokens[:n], tokens[n:],
+                         p.label_smoothing)
     else:
         mean = seq / tokens.clamp(min=1)  # per-token mean log-probs (ORPO, SimPO)
         nll = -seq[:n].sum() / tokens[:n].sum().clamp(min=1)  # the chosen answers' mean token NLL
