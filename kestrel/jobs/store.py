@@ -294,6 +294,11 @@ def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -
     training jobs take `slots` per device; a job that asked for a device waits for that device,
     one that did not takes the first free device of `auto_devices`. Export jobs take one of
     `export_slots`, whatever training runs, on their requested device or `_export_device`.
+
+    Fairness: a queued job that needs several GPUs and cannot start yet holds back the free GPUs
+    it waits for (`_held_for`); no later training job may take them, so it starts as soon as its
+    busy GPUs free up instead of waiting behind single-GPU jobs forever. A later job may still
+    start on a GPU the waiting job does not need (a GPU outside its id list).
     """
     now = time.time()
     with session(immediate=True) as s:
@@ -301,8 +306,10 @@ def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -
         busy = Counter(d for kind, group in running if kind != EXPORT for d in device_group(group))
         exporting = sum(1 for kind, _ in running if kind == EXPORT)
 
+        held: set[str] = set()  # free GPUs kept for an older queued job that needs several
+
         def free(device: str) -> bool:
-            return busy[device] < slots
+            return busy[device] < slots and device not in held
 
         queued = s.scalars(select(Job).where(Job.status == QUEUED).order_by(Job.queued_at, Job.id))
         for job in queued:
@@ -313,6 +320,7 @@ def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -
             else:
                 device = _training_devices(job, auto_devices, free)
                 if device is None:
+                    held.update(_held_for(job, auto_devices, free))
                     continue
             claimed = s.execute(
                 update(Job).where(Job.id == job.id, Job.status == QUEUED).values(
@@ -355,6 +363,22 @@ def _training_devices(job: Job, auto_devices: list[str], free: Callable[[str], b
         idle = [d for d in gpus if free(d)]
         return ",".join(idle[:wanted]) if len(idle) >= wanted else None
     return next((d for d in auto_devices if free(d)), None)
+
+
+def _held_for(job: Job, auto_devices: list[str], free: Callable[[str], bool]) -> list[str]:
+    """The free GPUs a waiting training job that needs several of them will take once the rest
+    free up: its listed GPUs that are free, or (a count) every free GPU, since it needs more than
+    are free now. Nothing for a one-device job, or for a count larger than the GPUs jobs may use
+    (it can never start, and would hold the queue back forever)."""
+    gpus = [d for d in auto_devices if d != "cpu"]
+    spec = (job.config or {}).get("devices", 1)
+    if job.requested_device or not gpus:
+        return []
+    if isinstance(spec, list):
+        group = [f"cuda:{i}" for i in spec]
+        return [d for d in group if free(d)] if len(group) > 1 else []
+    wanted = gpus_wanted(job.config or {}, auto_devices)
+    return [d for d in gpus if free(d)] if 1 < wanted <= len(gpus) else []
 
 
 def _export_device(auto_devices: list[str], training: Counter[str]) -> str:

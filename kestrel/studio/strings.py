@@ -84,13 +84,14 @@ TR_YAML_APPLIED = "Form filled from the YAML."
 TR_PRESET_APPLIED = "Preset “{name}” applied. Changed: {changes}."
 TR_PRESET_NO_CHANGE = "nothing (the form already matched it)"
 TR_PRESET_KEPT = "Kept your {what}."
-VRAM_LINE = ("{verdict_icon} **{verdict}** on {gpu} ({capacity:.1f} GiB): about **{total:.1f} GiB** peak "
+VRAM_LINE = ("{verdict_icon} **{verdict}** on {gpu} ({capacity:.1f} GiB): about **{total:.1f} GiB** peak{per_gpu} "
              "(weights {weights:.1f}, optimizer {optimizer:.1f}, activations {activations:.1f}, "
              "other {other:.1f}); {trainable} trainable parameters.")
 VRAM_CPU = ("No NVIDIA GPU found: training runs on the CPU, which works for the demo model and tiny "
             "models only (about {total:.1f} GiB of RAM for this run). QLoRA needs a GPU: pick one below "
             "to see whether this run would fit it.")
 VRAM_PICKED = "No NVIDIA GPU here; for the card you picked: "
+VRAM_PER_GPU = " per GPU, on {n} GPUs"  # a run over several GPUs: the estimate is each one's
 TR_GPU = "GPU to estimate for (this machine has none)"
 VRAM_UNKNOWN = "No estimate: {reason}"
 # How much of the chosen model Kestrel's fast path covers (under the memory estimate).

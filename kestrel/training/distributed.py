@@ -183,3 +183,15 @@ def shard_full_model(model: nn.Module, layers: Iterable[nn.Module], world: World
         fully_shard(layer)
     fully_shard(model)
     world.loss_scale = float(world.size)
+
+
+def reshard_after_scoring(model: nn.Module) -> None:
+    """After forwards without a backward (reference log-probs, evaluation) on a model sharded with
+    FSDP2: its root keeps its parameters gathered after a forward, for the backward it expects,
+    with the module holding the gathered tensors in place of the shards; reshard it, so an
+    optimizer made next or the next step sees the shards. Nothing to do for any other model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

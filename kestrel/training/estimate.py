@@ -42,6 +42,18 @@ The model of memory (bytes), written for the way the engine trains:
   (Qwen3.5-MoE: intermediate s) is a dense MLP of linears beside them (NF4 under QLoRA, LoRA on
   the MLP targets) that every token runs: s more intermediate a token; its gate (h -> 1) counts
   with the router.
+- several devices (`devices: N`, `kestrel.training.distributed`), the estimate is per GPU:
+  - full fine-tuning is sharded with FSDP2 (each decoder layer one unit, then the root:
+    embeddings, final norm, head), so weights (2 P), gradients and AdamW moments (6 P) divide by
+    N. On top of the shards (`communication`): the root's parameters stay gathered for the whole
+    step (FSDP2 keeps the root unsharded between forward and backward) and its full gradients
+    exist until the reduce-scatter after the backward, 4 bytes a root parameter; two decoder
+    layers are gathered at once (the running one and the prefetched next), 2 bytes a parameter
+    each, and the running layer's unsharded gradient before its reduce-scatter, 2 more.
+  - LoRA / QLoRA keep the base replicated on each GPU (as on one); the adapters' gradients are
+    summed through one flat fp32 buffer (4 bytes a trainable parameter).
+  - activations are each GPU's own micro-batch (`batch_size` rows a rank), as on one device.
+  On the CPU (gloo) each rank is a process with this much RAM.
 These are estimates to within about 20 %: the verdict leaves a margin for that.
 """
 
@@ -176,6 +188,25 @@ class ModelShape:
     def params(self) -> int:
         return self.block_linear_params + self.expert_params + self.embedding_params + (2 * self.layers + 1) * self.hidden
 
+    @property
+    def largest_layer_params(self) -> int:
+        """Parameters of the largest decoder layer: its attention (or linear-attention)
+        projections, its MLP (in a MoE every expert, the router and the shared expert with its
+        gate) and its two norms."""
+        mixers, mlp = [0], 0
+        for _, linears in self.linear_groups():
+            size = sum(a * b for a, b in linears.values())
+            if "gate_proj" in linears:  # the dense MLP, or a MoE's shared expert
+                mlp += size
+            else:
+                mixers.append(size)
+        return max(mixers) + mlp + self.expert_params // self.layers + 2 * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: embeddings, head, final norm."""
+        return self.embedding_params + self.hidden
+
 
 def _moe_sizes(cfg: dict[str, Any]) -> dict[str, int]:
     """Expert count, k, expert and shared-expert intermediates of a MoE config (Qwen3-MoE: num_experts
@@ -255,10 +286,12 @@ class MemoryEstimate:
     extra: int  # GRPO rollout cache and logits chunk
     overhead: int
     offload_host_ram: int = 0  # pinned host RAM of the offloaded layer inputs; not GPU memory
+    communication: int = 0  # several devices: FSDP2's gathered weights and unsharded gradients, LoRA's all-reduce buffer
+    devices: int = 1  # the figures are per device of this many
 
     @property
     def total_bytes(self) -> int:
-        return self.weights + self.optimizer + self.activations + self.extra + self.overhead
+        return self.weights + self.optimizer + self.activations + self.extra + self.overhead + self.communication
 
 
 def training_rows(method: str, finetune: str, batch_size: int) -> tuple[str, int]:
@@ -273,9 +306,10 @@ def training_rows(method: str, finetune: str, batch_size: int) -> tuple[str, int
 def estimate_training_memory(
     shape: ModelShape, method: str = "lora", lora_r: int = 16, lora_targets: list[str] | None = None,
     batch_size: int = 2, max_seq_length: int = 2048, gradient_checkpointing: str = "standard",
-    num_generations: int = 8, max_completion_length: int = 256, max_prompt_length: int = 512,
+    num_generations: int = 8, max_completion_length: int = 256, max_prompt_length: int = 512, devices: int = 1,
 ) -> MemoryEstimate:
-    """Peak training memory of `shape` under these settings (see the module docstring)."""
+    """Peak training memory of `shape` under these settings, per device of `devices` (see the
+    module docstring)."""
     # weights
     nf4 = shape.block_linear_params + shape.expert_weight_params
     if method == "qlora":
@@ -307,10 +341,25 @@ def estimate_training_memory(
         kv_cache = sum(2 * n * seqs * length * kv * head_dim * 2 for n, head_dim, kv in shape.attention_kinds())
         kv_cache += seqs * (shape.linear_attention.state_bytes() if shape.linear_attention else 0)
     extra = logits + kv_cache
-    overhead = CONTEXT_BYTES + int(SLACK * (weights + optimizer + activations + extra))
+    weights, optimizer, communication = _per_device(shape, method, weights, optimizer, trainable, devices)
+    overhead = CONTEXT_BYTES + int(SLACK * (weights + optimizer + activations + extra + communication))
     # offload moves the same layer inputs `standard` keeps on the GPU into pinned host memory
     host = shape.layers * tokens * shape.hidden * 2 if gradient_checkpointing == "offload" else 0
-    return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host)
+    return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host, communication, devices)
+
+
+def _per_device(shape: ModelShape, method: str, weights: int, optimizer: int, trainable: int,
+                devices: int) -> tuple[int, int, int]:
+    """(weights, optimizer state, communication buffers) on each of `devices` (module docstring:
+    several devices): a full fine-tune's shards plus FSDP2's gathered root and two layers; LoRA's
+    replicated base plus the flat gradient buffer of its all-reduce."""
+    if devices <= 1:
+        return weights, optimizer, 0
+    if method != "full":
+        return weights, optimizer, 4 * trainable
+    layer = shape.largest_layer_params
+    gathered = 4 * shape.root_params + 2 * 2 * layer + 2 * layer
+    return -(-weights // devices), -(-optimizer // devices), gathered
 
 
 def _activations(shape: ModelShape, qlora: bool, tokens: int, checkpointing: str) -> int:

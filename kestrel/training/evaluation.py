@@ -36,6 +36,7 @@ from torch import nn
 from kestrel.config_evaluation import EarlyStoppingSettings
 from kestrel.training.best import BEST_DIR, BEST_MARKER, write_marker
 from kestrel.training.checkpoints import save_weights
+from kestrel.training.distributed import World, reshard_after_scoring
 
 if TYPE_CHECKING:
     from kestrel.training.generation_check import GenerationCheck
@@ -150,29 +151,43 @@ class Evaluator:
         return done % self.plan.every == 0 or done == total_steps
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, world: World | None = None) -> dict[str, float]:
         """Every eval batch through `measure` in eval mode without gradients; returns
-        eval_<name> = sum over batches / total weight (one host read), and eval_runtime (s)."""
+        eval_<name> = sum over batches / total weight (the metric's own count where it has one;
+        one host read), the `finish` metrics derived from those means, and eval_runtime (s).
+
+        On several devices (`world`) rank r measures batches r, r + N, ... and one all-reduce
+        sums the sums and counts, so every rank gets the value one device would (each batch is
+        measured once: cheaper than rank 0 measuring all of them while the others wait, and a
+        forward of an FSDP2-sharded model needs every rank anyway). Every rank runs the same
+        number of forwards: one past the last batch measures a batch again and drops it. So
+        `measure` returns the same metric names on every batch (a count of 0 where it has none)."""
+        world = world or World()
         t0, was_training = time.perf_counter(), model.training
         model.eval()
         totals: dict[str, torch.Tensor] = {}
         weights: dict[str, torch.Tensor | float] = {}
+        mine = range(world.rank, math.ceil(len(self.batches) / world.size) * world.size, world.size)
         try:
-            for batch in self.batches:
-                part = self.measure(model, batch)
+            for k in mine:
+                part = self.measure(model, self.batches[min(k, len(self.batches) - 1)])
+                keep = k < len(self.batches)
                 for name, value in part.sums.items():
-                    totals[name] = totals[name] + value.detach().float() if name in totals else value.detach().float()
-                    weights[name] = weights.get(name, 0.0) + part.counts.get(name, part.weight)
-                self.tokens_evaluated += part.tokens
+                    value = value.detach().float() if keep else torch.zeros_like(value.detach().float())
+                    totals[name] = totals[name] + value if name in totals else value
+                    weights[name] = weights.get(name, 0.0) + (part.counts.get(name, part.weight) if keep else 0.0)
+                self.tokens_evaluated += part.tokens if keep else 0
         finally:
             model.train(was_training)
+        reshard_after_scoring(model)
         names = sorted(totals)
         out: dict[str, float] = {}
-        if names:
-            sums = torch.stack([totals[n] for n in names])
+        if names:  # every rank has the same names (each measures at least one batch, `Measure`)
+            sums = torch.stack([totals[n].reshape(()) for n in names])
             counts = torch.stack([torch.as_tensor(weights[n], dtype=torch.float32, device=sums.device).reshape(())
                                   for n in names])
-            pairs = torch.stack([sums / counts.clamp(min=1e-12), counts]).tolist()  # one host read
+            both = world.sum(torch.stack([sums, counts]))  # (2, names): one all-reduce
+            pairs = torch.stack([both[0] / both[1].clamp(min=1e-12), both[1]]).tolist()  # one host read
             out = {f"eval_{n}": v for n, v, w in zip(names, *pairs) if w > 0}
         if self.finish is not None:
             out.update(self.finish(out))
@@ -180,15 +195,16 @@ class Evaluator:
         return out
 
     def record(self, step: int, metrics: dict[str, float], model: nn.Module, tokenizer: Any,
-               log: Callable[[str], None]) -> bool:
+               log: Callable[[str], None], world: World | None = None) -> bool:
         """Take an evaluation's metrics: save the weights when they are the best so far; returns
-        True when early stopping ends the run here."""
+        True when early stopping ends the run here. On several devices (`world`) every rank
+        calls it with the same (reduced) metrics, so all of them decide alike; rank 0 writes."""
         value = metrics[f"eval_{self.metric}"]
         if not math.isfinite(value):
             log(f"eval_{self.metric} at step {step} is {value}: not compared for the best weights")
             return False
         if self.state.update(step, self.sign * value, self.early_stopping.min_delta):
-            self.save_best(step, value, model, tokenizer)
+            self.save_best(step, value, model, tokenizer, world)
             log(f"step {step}: best eval_{self.metric} so far ({value:.4f}); weights kept in {self.output_dir / BEST_DIR}")
         patience = self.early_stopping.patience
         if patience and self.state.stale >= patience:
@@ -199,12 +215,15 @@ class Evaluator:
             return True
         return False
 
-    def save_best(self, step: int, value: float, model: nn.Module, tokenizer: Any) -> None:
-        """The weights into best/ and then the marker (removed first: no marker over half-replaced weights)."""
+    def save_best(self, step: int, value: float, model: nn.Module, tokenizer: Any, world: World | None = None) -> None:
+        """The weights into best/ and then the marker (removed first: no marker over half-replaced
+        weights). On several devices every rank calls it (FSDP2 gathers the shards); rank 0 writes."""
+        main = world is None or world.is_main
         folder = self.output_dir / BEST_DIR
-        marker = folder / BEST_MARKER
-        marker.unlink(missing_ok=True)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_weights(model, folder, tokenizer)
-        write_marker(self.output_dir, step, f"eval_{self.metric}", value)
+        if main:
+            (folder / BEST_MARKER).unlink(missing_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
+        save_weights(model, folder, tokenizer, world)
+        if main:
+            write_marker(self.output_dir, step, f"eval_{self.metric}", value)
         self.saved_at = step

@@ -246,9 +246,9 @@ def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
     ev = s.evaluator
     if ev is None or not ev.due(done, s.total_steps):
         return False
-    metrics = ev.evaluate(s.model)
+    metrics = ev.evaluate(s.model, s.world)
     cb.on_step({"step": done, **metrics})
-    stop = ev.record(done, metrics, s.model, s.tokenizer, cb.on_log)
+    stop = ev.record(done, metrics, s.model, s.tokenizer, cb.on_log, s.world)
     if ev.saved_at == done and s.world.is_main:
         cb.on_best(done, str(s.output_dir / BEST_DIR))
     return stop and done < s.total_steps
@@ -261,7 +261,11 @@ def generation_check(s: RunState, cb: Callback, step: int) -> None:
     from kestrel.training.generation_check import GENERATION_FILE
 
     check = s.evaluator.generation if s.evaluator is not None else None
-    if check is None or not check.cases:
+    if check is None or not check.cases or not s.world.is_main:  # rank 0 decodes alone; the others are done
+        return
+    if any(isinstance(p, DTensor) for p in s.model.parameters()):
+        cb.on_log(f"generation check skipped: the model is sharded over {s.world.size} devices (FSDP2), and the "
+                  "decode path runs one whole copy; run it on the saved model with `python -m kestrel chat`")
         return
     try:
         summary = check.run(s.model, s.tokenizer, s.output_dir, step)

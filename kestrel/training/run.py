@@ -95,7 +95,7 @@ def _train(config: TrainConfig, output_dir: Path, cb: Callback, world: World) ->
     if config.is_preference:
         from kestrel.training.preference import run_preference
 
-        return run_preference(config, output_dir, cb)
+        return run_preference(config, output_dir, cb, world)
     from kestrel.training.sft import run_sft
 
     return run_sft(config, output_dir, cb, world)

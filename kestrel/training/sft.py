@@ -105,7 +105,7 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
     window = config.grad_accum * world.size  # micro-batches a step takes, over every rank
     total_steps = config.max_steps or max(1, math.ceil((config.epochs or 1.0) * len(plan) / window))
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
-    evaluator = sft_evaluator(config, tokenizer, eval_convs, plan, total_steps, output_dir, start, cb)
+    evaluator = sft_evaluator(config, tokenizer, eval_convs, plan, total_steps, output_dir, start, cb, world.size)
     return Session(config, output_dir, model, tokenizer, plan, optimizer, scheduler, total_steps, start, device,
                    recompute, world, evaluator)
 

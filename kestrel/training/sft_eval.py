@@ -65,16 +65,16 @@ def _within(samples: list[Sample], budget: int) -> list[Sample]:
 
 
 def sft_evaluator(config: TrainConfig, tokenizer: Any, convs: list[Conversation], plan: BatchPlan, total_steps: int,
-                  output_dir: Path, start_step: int, cb: Callback) -> Evaluator | None:
+                  output_dir: Path, start_step: int, cb: Callback, ranks: int = 1) -> Evaluator | None:
     """The evaluator over `convs` (None when there are none): eval batches collated like `plan`'s,
-    the interval (`plan_interval`), the generation check's prompts, early stopping restored
-    from a resumed run's metrics."""
+    the interval (`plan_interval`; a step trains grad_accum micro-batches on each of `ranks`
+    devices), the generation check's prompts, early stopping restored from a resumed run's metrics."""
     if not convs:
         return None
     data = tokenize_all(tokenizer, convs, config.max_seq_length, config.train_on_responses_only,
                         config.eval_dataset or config.dataset)
     unit_tokens = [sum(len(s.input_ids) for s in unit) for unit in plan.units]
-    per_step = sum(unit_tokens) / max(1, len(unit_tokens)) * config.batch_size * config.grad_accum
+    per_step = sum(unit_tokens) / max(1, len(unit_tokens)) * config.batch_size * config.grad_accum * ranks
     samples = data.samples
     if config.eval_steps is None:
         samples = _within(samples, cap_eval_tokens(total_steps, per_step, config.early_stopping.patience))

@@ -158,6 +158,61 @@ def test_a_run_on_several_gpus_holds_them_all() -> None:
     assert store.claim_next(["cpu"]) == (on_cpu, "cpu")
 
 
+def _finish(job_id: int) -> None:
+    with store.session(immediate=True) as s:
+        s.get(Job, job_id).status = "completed"
+
+
+def test_a_waiting_group_job_is_not_overtaken_by_later_single_gpu_jobs() -> None:
+    """The oldest queued job that needs 2 GPUs keeps the free one while the other is busy: later
+    one-GPU jobs (pinned ones too) wait, and it starts as soon as the busy GPU frees up."""
+    gpus = ["cuda:0", "cuda:1"]
+    first = _add_job(queued_at=1.0)
+    assert store.claim_next(gpus) == (first, "cuda:0")
+    pair = _add_job(queued_at=2.0, config={"model": "demo", "devices": 2})
+    later = _add_job(queued_at=3.0)
+    pinned = _add_job(queued_at=4.0, requested_device="cuda:1")
+    assert store.claim_next(gpus) is None  # cuda:1 is free but kept for the pair
+    _finish(first)
+    assert store.claim_next(gpus) == (pair, "cuda:0,cuda:1")
+    assert store.claim_next(gpus) is None
+    _finish(pair)
+    assert store.claim_next(gpus) == (later, "cuda:0")
+    assert store.claim_next(gpus) == (pinned, "cuda:1")
+
+
+def test_a_waiting_group_holds_only_the_gpus_it_needs() -> None:
+    """A job waiting for GPUs 0 and 1 keeps the free cuda:1; a later job still starts on cuda:2,
+    which it does not need. `devices: auto` (every GPU) keeps every free one."""
+    gpus = ["cuda:0", "cuda:1", "cuda:2"]
+    first = _add_job(queued_at=1.0)
+    assert store.claim_next(gpus) == (first, "cuda:0")
+    listed = _add_job(queued_at=2.0, config={"model": "demo", "devices": [0, 1]})
+    backfill = _add_job(queued_at=3.0)
+    blocked = _add_job(queued_at=4.0)
+    assert store.claim_next(gpus) == (backfill, "cuda:2")
+    assert store.claim_next(gpus) is None  # cuda:1 is kept for the listed pair
+    _finish(first)
+    assert store.claim_next(gpus) == (listed, "cuda:0,cuda:1")
+    _finish(listed)
+    _finish(backfill)
+    every = _add_job(queued_at=5.0, config={"model": "demo", "devices": "auto"})
+    assert store.claim_next(gpus) == (blocked, "cuda:0")  # older than the auto job
+    _add_job(queued_at=6.0)
+    assert store.claim_next(gpus) is None  # cuda:1 and cuda:2 kept for the auto job
+    _finish(blocked)
+    assert store.claim_next(gpus) == (every, "cuda:0,cuda:1,cuda:2")
+
+
+def test_a_group_larger_than_the_machine_holds_nothing_back() -> None:
+    """A job asking for more GPUs than jobs may use can never start: it must not keep the free
+    GPUs from the jobs behind it."""
+    gpus = ["cuda:0", "cuda:1"]
+    _add_job(queued_at=1.0, config={"model": "demo", "devices": 4})
+    later = _add_job(queued_at=2.0)
+    assert store.claim_next(gpus) == (later, "cuda:0")
+
+
 def test_concurrent_claims_never_double_book_a_device() -> None:
     for i in range(5):
         _add_job(queued_at=float(i))

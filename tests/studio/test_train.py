@@ -192,6 +192,35 @@ def test_without_a_gpu_the_estimate_is_for_a_picked_card(kestrel_home: Path, mon
     assert "NVIDIA Test 8GB" in train.preview(extra, *values, gpu=card)["vram"]  # a real GPU wins
 
 
+def test_the_estimate_on_several_gpus_is_per_gpu(kestrel_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`devices: 4` on an 80 GB card: a full fine-tune of the 8B shape is sharded, so each GPU
+    holds about a third of what one would, and the line says it is per GPU, on 4 GPUs; on the CPU
+    the RAM is every rank's process together."""
+    import json
+    import re
+
+    model = kestrel_home / "models" / "llama-8b"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(LLAMA_8B))
+
+    def text(devices: str) -> str:
+        extra, values = form(model_source="local", model=str(model), method="full", batch_size=2,
+                             max_seq_length=2048, gradient_checkpointing="standard", devices=devices)
+        return train.preview(extra, *values)["vram"]
+
+    def peak(vram: str) -> float:
+        return float(re.search(r"about \*\*([\d.]+) GiB", vram).group(1))
+
+    cpu_one, cpu_four = text("1"), text("4")
+    monkeypatch.setattr(train, "_gpu", lambda: ("NVIDIA Test 80GB", 80 * 2**30))
+    one, four = text("1"), text("4")
+    assert "per GPU" not in one and "peak per GPU, on 4 GPUs" in four, four
+    assert "fits" not in one.split("**")[1] and "**fits**" in four
+    assert 0.25 < peak(four) / peak(one) < 0.45
+    ram = [float(re.search(r"about ([\d.]+) GiB of RAM", t).group(1)) for t in (cpu_one, cpu_four)]
+    assert ram[1] == pytest.approx(4 * peak(four), rel=0.01) and ram[0] == pytest.approx(peak(one), rel=0.01)
+
+
 def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     # the demo model: 4 layers x (128 x 8192 tokens) x 256 hidden x 2 bytes = 2.0 GiB of host RAM
     monkeypatch.setattr(train, "_gpu", lambda: ("NVIDIA Test 80GB", 80 * 2**30))

@@ -155,6 +155,12 @@ def test_grpo_stays_on_one_device() -> None:
     assert config_from_dict({"devices": [1], "method": "grpo"}).devices == [1]
 
 
+def test_preference_methods_and_evaluation_run_on_several_devices() -> None:
+    for method in ("dpo", "orpo", "kto", "simpo"):
+        assert config_from_dict({"devices": 2, "method": method, "preference": {"finetune": "full"}}).devices == 2
+    assert config_from_dict({"devices": [0, 1], "eval_split": 0.1}).devices == [0, 1]
+
+
 def test_submit_checks_devices_against_the_queue() -> None:
     gpus = ["cuda:0", "cuda:1"]
     check_devices(2, None, gpus)

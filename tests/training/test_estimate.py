@@ -174,11 +174,46 @@ def test_linear_attention_layers_hold_a_state_not_a_kv_cache() -> None:
         a + b for name, (a, b) in hybrid.linear_shapes.items() if name in ("in_proj_qkv", "out_proj"))
 
 
+def test_a_uniform_model_is_its_layers_and_its_root() -> None:
+    """The largest layer of a model whose layers are all alike is one layer's share."""
+    shape = shape_from_config(LLAMA_8B)
+    assert shape.largest_layer_params == 218_112_000  # 42.0M attention + 176.2M MLP + 2 norms
+    assert shape.layers * shape.largest_layer_params + shape.root_params == shape.params
+
+
+def test_a_full_fine_tune_on_several_gpus_is_sharded() -> None:
+    """FSDP2 divides a full fine-tune's weights, gradients and moments by the GPU count; each GPU
+    adds the gathered root and two layers (and their unsharded gradients); activations are each
+    GPU's own batch. The 8B full fine-tune is tight on one 80 GB card and fits on four."""
+    shape = shape_from_config(LLAMA_8B)
+    one = estimate_training_memory(shape, "full", 16, None, 2, 2048, "standard")
+    four = estimate_training_memory(shape, "full", 16, None, 2, 2048, "standard", devices=4)
+    assert four.devices == 4 and one.communication == 0
+    assert four.weights == one.weights // 4 and four.optimizer == one.optimizer // 4
+    assert four.activations == one.activations and four.extra == one.extra
+    assert four.communication == 4 * shape.root_params + 6 * shape.largest_layer_params
+    h100 = 81_559 * 2**20
+    assert verdict(one.total_bytes, h100) != "fits" and verdict(four.total_bytes, h100) == "fits"
+    assert 0.25 < four.total_bytes / one.total_bytes < 0.45
+
+
+def test_lora_on_several_gpus_keeps_the_base_on_each() -> None:
+    """LoRA and QLoRA replicate the base: the same per GPU as on one, plus the flat fp32 buffer the
+    adapter gradients are summed through."""
+    shape = shape_from_config(LLAMA_8B)
+    for method in ("lora", "qlora"):
+        one = estimate_training_memory(shape, method, 16, None, 2, 2048, "standard")
+        two = estimate_training_memory(shape, method, 16, None, 2, 2048, "standard", devices=2)
+        assert (two.weights, two.optimizer, two.activations) == (one.weights, one.optimizer, one.activations)
+        assert two.communication == 4 * one.trainable
+
+
 def test_qwen3_5_moe_counts_experts_the_shared_expert_and_linear_attention() -> None:
     """The Qwen3.5-35B-A3B shape: the parameter count of the model built on the meta device (every
-    expert, the shared expert and its gate, linear attention's projections); the shared expert's
-    linears take LoRA and NF4 like a dense MLP's; GRPO rollouts keep K/V for the full-attention
-    quarter of the layers and a recurrent state for the rest."""
+    expert, the shared expert and its gate, linear attention's projections) and of its largest
+    layer (which FSDP2 gathers whole); the shared expert's linears take LoRA and NF4 like a dense
+    MLP's; GRPO rollouts keep K/V for the full-attention quarter of the layers and a recurrent
+    state for the rest."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -187,11 +222,16 @@ def test_qwen3_5_moe_counts_experts_the_shared_expert_and_linear_attention() -> 
     cfg = dict(MODELS["qwen3.5-35b-a3b"])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
-        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        model = AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
     shape = shape_from_config({"model_type": "qwen3_5_moe", "text_config": MODELS["qwen3.5-35b-a3b"],
                                "vision_config": {"depth": 27}})  # as the image-text checkpoint nests it
     assert abs(real / 34.66e9 - 1) < 0.01 and shape.params == pytest.approx(real, rel=1e-4)
     assert (shape.attention_layers, shape.linear_attention.layers) == (10, 30)
+    # What FSDP2 gathers at once: the experts, the shared expert and the gates (the estimate leaves
+    # out linear attention's convolution and decay parameters, 33k of 843M).
+    assert shape.largest_layer_params == pytest.approx(largest, rel=1e-4)
     assert shape.active_intermediate == 8 * 512 + 512  # k routed experts and the shared one
     shared = {"gate_proj": (2048, 512), "up_proj": (2048, 512), "down_proj": (512, 2048)}
     assert {name: shape.linear_shapes[name] for name in shared} == shared

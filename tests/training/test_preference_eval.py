@@ -14,6 +14,7 @@ import torch
 from kestrel.config import config_from_dict
 from kestrel.model.loader import load
 from kestrel.model.lora import attach_lora
+from kestrel.training.distributed import World
 from kestrel.training.metrics import Callback
 from kestrel.training.preference import loss as L
 from kestrel.training.preference.data import prepare_samples
@@ -92,7 +93,7 @@ def test_default_interval_keeps_eval_within_5_percent_of_training_tokens(demo_to
     data = prepare_samples(cfg, demo_tokenizer, Logs())
     rows = eval_rows(cfg, data.train, data.held, steps)
     s = SimpleNamespace(config=cfg, samples=data.train, tokenizer=demo_tokenizer, total_steps=steps, start_step=0,
-                        output_dir=tmp_path, paired=method != "kto", device=torch.device("cpu"))
+                        output_dir=tmp_path, paired=method != "kto", device=torch.device("cpu"), world=World())
     ev = preference_evaluator(s, RowSet(rows), data.held, data.held_rows, Logs())
     per_eval = sum(row_tokens(rows[i]) for b in ev.batches for i in b)
     trained = sum(row_tokens(data.train[i]) for m in range(steps * accum)
@@ -116,7 +117,7 @@ def _session(tiny_model_dir, tmp_path: Path, method: str, name: str, **kw):
     data = prepare_samples(cfg, tokenizer, Logs())
     s = SimpleNamespace(config=cfg, model=model, tokenizer=tokenizer, samples=data.train, pad_id=0,
                         device=torch.device("cpu"), flat=False, total_steps=4, start_step=0,
-                        output_dir=tmp_path / "out", paired=method != "kto")
+                        output_dir=tmp_path / "out", paired=method != "kto", world=World())
     s.output_dir.mkdir(parents=True, exist_ok=True)
     return s, data
 

@@ -279,24 +279,30 @@ def vram_text(data: dict[str, Any], picked_gpu: str | None = None) -> str:
         shape = shape_from_config(config)
     except ValueError as exc:
         return S.VRAM_UNKNOWN.format(reason=str(exc)) + path
+    from kestrel import jobs
+    from kestrel.jobs.store import gpus_wanted
+
     lora, grpo = data.get("lora", {}), data.get("grpo", {})
     method, rows = training_rows(data["method"], data.get("preference", {}).get("finetune", "lora"),
                                  int(data["batch_size"]))
+    devices = gpus_wanted(data, jobs.available_devices())  # auto: every GPU jobs may use (one CPU process)
     est = estimate_training_memory(
         shape, method, int(lora.get("r", 16)), lora.get("targets"), rows,
         int(data["max_seq_length"]), data["gradient_checkpointing"], int(grpo.get("num_generations", 8)),
-        int(grpo.get("max_completion_length", 256)), int(grpo.get("max_prompt_length", 512)))
+        int(grpo.get("max_completion_length", 256)), int(grpo.get("max_prompt_length", 512)), devices)
     gpu = _gpu()
     picked = common_gpu(picked_gpu) if gpu is None else None
-    if gpu is None and picked is None:
-        return S.VRAM_CPU.format(total=est.total_bytes / GIB) + _host_text(est, data["method"]) + path
+    if gpu is None and picked is None:  # on the CPU every rank is a process of this size
+        return S.VRAM_CPU.format(total=devices * est.total_bytes / GIB) + _host_text(est, data["method"]) + path
     name, capacity = gpu or picked  # type: ignore[misc]
     v = verdict(est.total_bytes, capacity)
     prefix = S.VRAM_PICKED if picked else ""
     return prefix + S.VRAM_LINE.format(
         verdict_icon=S.VRAM_ICONS[v], verdict=v, gpu=name, capacity=capacity / GIB, total=est.total_bytes / GIB,
+        per_gpu=S.VRAM_PER_GPU.format(n=devices) if devices > 1 else "",
         weights=est.weights / GIB, optimizer=est.optimizer / GIB, activations=est.activations / GIB,
-        other=(est.extra + est.overhead) / GIB, trainable=f"{est.trainable:,}") + _host_text(est, data["method"]) + path
+        other=(est.extra + est.overhead + est.communication) / GIB, trainable=f"{est.trainable:,}"
+    ) + _host_text(est, data["method"]) + path
 
 
 def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "", gpu: str | None = None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A preference run's evaluation: its held-out rows scored with the method's own objective, in
 no_grad, through the shared `Evaluator` (`kestrel.training.evaluation`).
 
-    rows = eval_rows(config, data.train, data.held, total_steps)      # bounded by the token budget
+    rows = eval_rows(config, data.train, data.held, total_steps, world.size)  # bounded by the token budget
     evaluator = preference_evaluator(s, RowSet(rows, reference, partner), data.held, data.held_rows, cb)
 
 Metrics, as TRL's trainers name them in evaluation: eval_loss (the method's loss, a mean over the
@@ -88,17 +88,19 @@ def generation_cases(rows: list[PreferenceRow], samples: list[PreferenceSample])
     return cases
 
 
-def steps_tokens(config: Any, train: list[PreferenceSample]) -> float:
-    """Tokens a training step runs through the policy (batch_size * grad_accum rows)."""
-    return sum(row_tokens(x) for x in train) / len(train) * config.batch_size * config.grad_accum
+def steps_tokens(config: Any, train: list[PreferenceSample], ranks: int = 1) -> float:
+    """Tokens a training step runs through the policy (batch_size * grad_accum rows on each of
+    `ranks` devices; an evaluation's rows are shared among the same devices)."""
+    return sum(row_tokens(x) for x in train) / len(train) * config.batch_size * config.grad_accum * ranks
 
 
 def eval_rows(config: Any, train: list[PreferenceSample], held: list[PreferenceSample],
-              total_steps: int) -> list[PreferenceSample]:
+              total_steps: int, ranks: int = 1) -> list[PreferenceSample]:
     """The held-out rows each evaluation scores: all of them with eval_steps set, else the first
     that fit `cap_eval_tokens` (at least one)."""
     if config.eval_steps is None:
-        budget, used, rows = cap_eval_tokens(total_steps, steps_tokens(config, train), config.early_stopping.patience), 0, []
+        budget = cap_eval_tokens(total_steps, steps_tokens(config, train, ranks), config.early_stopping.patience)
+        used, rows = 0, []
         for x in held:
             if rows and used + row_tokens(x) > budget:
                 break
@@ -118,7 +120,7 @@ def preference_evaluator(s: Any, data: RowSet, held: list[PreferenceSample], hel
         return None
     config, n = s.config, len(data.samples)
     batches = [list(range(i, min(i + config.batch_size, n))) for i in range(0, n, config.batch_size)]
-    plan = plan_interval(s.total_steps, steps_tokens(config, s.samples), sum(row_tokens(x) for x in data.samples),
+    plan = plan_interval(s.total_steps, steps_tokens(config, s.samples, s.world.size), sum(row_tokens(x) for x in data.samples),
                          config.eval_steps)
     check = GenerationCheck.sized(generation_cases(held_rows, held), s.tokenizer)
     cb.on_log(f"evaluation: {n} of {len(held)} held-out rows ({plan.eval_tokens:,} tokens) every "

@@ -13,6 +13,7 @@ loaded: no frozen copy of the model is kept.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.training.distributed import World, reshard_after_scoring
 from kestrel.training.preference.rows import answer_logprobs, answer_rows
 
 NEEDS_REFERENCE = ("dpo", "kto")
@@ -56,19 +58,29 @@ def sequence_logps(model: nn.Module, pairs: list[tuple[list[int], list[int]]], p
 
 def precompute(
     model: nn.Module, samples: list[PreferenceSample], pad_id: int, device: torch.device, flat: bool,
-    batch_rows: int, partner: list[int] | None = None,
+    batch_rows: int, partner: list[int] | None = None, world: World | None = None,
 ) -> RefTable:
     """Reference log-probs of every answer of every sample (and of KTO's mismatched rows when
-    `partner` is given), `batch_rows` rows per forward, kept on the device (a few floats a row)."""
+    `partner` is given), `batch_rows` rows per forward, kept on the device (a few floats a row).
+
+    On several devices (`world`) rank r scores forwards r, r + N, ... into a zero table that one
+    all-reduce completes on every rank. Every rank runs the same number of forwards (a rank past
+    the last one scores it again and drops it): a forward of an FSDP2-sharded model is a collective."""
+    world = world or World()
     answers = len(samples[0].answers)
     rows = [(s.prompt, a) for s in samples for a in s.answers]  # sample-major: row i*A + k
     if partner is not None:
         rows += [(s.prompt, samples[partner[i]].answers[0]) for i, s in enumerate(samples)]
-    out = []
+    starts = list(range(0, len(rows), batch_rows))
+    logps = torch.zeros(len(rows), device=device)
     with as_reference(model):
-        for lo in range(0, len(rows), batch_rows):
-            out.append(sequence_logps(model, rows[lo : lo + batch_rows], pad_id, device, flat).float())
-    logps = torch.cat(out)
+        for k in range(world.rank, math.ceil(len(starts) / world.size) * world.size, world.size):
+            lo = starts[min(k, len(starts) - 1)]
+            scored = sequence_logps(model, rows[lo : lo + batch_rows], pad_id, device, flat).float()
+            if k < len(starts):
+                logps[lo : lo + len(scored)] = scored
+    reshard_after_scoring(model)
+    world.sum(logps)
     n = len(samples)
     table = logps[: n * answers].view(n, answers)
     return RefTable(table, logps[n * answers :] if partner is not None else None)

@@ -21,6 +21,7 @@ logits (kestrel/kernels/cross_entropy.py), so this step's memory is the hidden s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +75,32 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
     return AnswerRows(move(ids), move(positions), move(index), move(targets), move(tokens), sum(lengths))
 
 
+FSDP_SCORE = "kestrel_answer_logprobs"  # the FSDP2 forward method `score_through_fsdp` adds
+
+
 def answer_logprobs(model: nn.Module, rows: AnswerRows) -> torch.Tensor:
     """log pi(answer token | everything before it) for every row: (R, L) fp32, 0 at PAD.
     Differentiable w.r.t. the trainable weights when grad is enabled; the adapter state
     (enabled or disabled) is the caller's."""
     lm = causal_lm(model)
+    routed = getattr(lm, FSDP_SCORE, None)
+    return routed(rows) if routed is not None else _answer_logprobs(lm, rows)
+
+
+def score_through_fsdp(model: nn.Module) -> None:
+    """A full fine-tune sharded with FSDP2 (`kestrel.training.distributed.shard_full_model`):
+    scoring calls the decoder stack and the head's weight, not the model's forward, so FSDP2's
+    root hooks (gather the embeddings, norm and head before, reduce-scatter their gradients after
+    the backward) would not run. Registering the scoring as one of the root's forward methods
+    runs them around it."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    lm = causal_lm(model)
+    setattr(lm, FSDP_SCORE, functools.partial(_answer_logprobs, lm))
+    register_fsdp_forward_method(lm, FSDP_SCORE)
+
+
+def _answer_logprobs(lm: nn.Module, rows: AnswerRows) -> torch.Tensor:
     hidden = lm.model(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False).last_hidden_state
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B * T, H)
     h = flat[rows.index]  # (R, L, H); PAD targets read some state and give 0 with no gradient

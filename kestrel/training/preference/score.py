@@ -4,8 +4,8 @@ Training (`trainer.py`, with gradients) and evaluation (`evaluation.py`, in no_g
 `micro_loss`, each with its own `RowSet`, so eval_loss is the training objective on held-out rows.
 
     stats = StepStats(torch.zeros(()))
-    loss = micro_loss(s, rows, idx, stats)        # () mean over the micro-batch's rows
-    preference_metrics(stats, paired=True)        # TRL's names: rewards/chosen, rewards/margins, ...
+    loss = micro_loss(s, rows, idx, stats)         # () mean over the micro-batch's rows
+    preference_metrics(stats, paired=True, world=world)  # TRL's names, over every rank's rows
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.training.distributed import World
 from kestrel.training.preference import loss as L
 from kestrel.training.preference.reference import RefTable, as_reference, sequence_logps
 from kestrel.training.preference.rows import answer_logprobs, answer_rows
@@ -106,25 +107,33 @@ def micro_loss(s: Any, data: RowSet, idx: list[int], stats: StepStats) -> torch.
     return out.loss
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    joined = torch.cat(parts) if parts else None
-    return joined if joined is not None and joined.numel() else None
+def _joined(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts).double() if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
 
-def preference_metrics(stats: StepStats, paired: bool) -> dict[str, float]:
-    """TRL's metric names (see trainer.py's docstring), one host read each."""
-    out = {"loss": float(stats.loss)}
-    chosen, rejected = _joined(stats.chosen), _joined(stats.rejected)
-    if chosen is not None:
-        out["rewards/chosen"] = float(chosen.mean())
-        out["logps/chosen"] = float(torch.cat(stats.logps_chosen).mean())
-    if rejected is not None:
-        out["rewards/rejected"] = float(rejected.mean())
-        out["logps/rejected"] = float(torch.cat(stats.logps_rejected).mean())
-    if paired and chosen is not None and rejected is not None:
-        out["rewards/margins"] = float((chosen - rejected).mean())
-        out["rewards/accuracies"] = float((chosen > rejected).float().mean())
-    elif chosen is not None and rejected is not None:
+def preference_metrics(stats: StepStats, paired: bool, world: World | None = None) -> dict[str, float]:
+    """TRL's metric names (see trainer.py's docstring): each a mean over the step's rows (pairs;
+    KTO: its desirable or undesirable rows; the extras: micro-batches) of every rank, from one
+    all-reduce of (sum, count) per metric and the loss (one host read). A metric with no row is
+    left out."""
+    world = world or World()
+    device = stats.loss.device
+    chosen, rejected = _joined(stats.chosen, device), _joined(stats.rejected, device)
+    parts = {"rewards/chosen": chosen, "rewards/rejected": rejected,
+             "logps/chosen": _joined(stats.logps_chosen, device), "logps/rejected": _joined(stats.logps_rejected, device),
+             **{key: _joined(values, device) for key, values in stats.extra.items()}}
+    if paired:  # chosen and rejected answers of the same pairs
+        parts["rewards/margins"] = chosen - rejected
+        parts["rewards/accuracies"] = (chosen > rejected).double()
+    names = list(parts)  # the same on every rank: the method decides them
+    sums = torch.stack([stats.loss.double().reshape(()), *(v for n in names for v in (parts[n].sum(),
+                        torch.tensor(float(parts[n].numel()), dtype=torch.float64, device=device)))])
+    values = world.sum(sums).tolist()
+    out = {"loss": values[0]}
+    for i, name in enumerate(names):
+        total, count = values[1 + 2 * i], values[2 + 2 * i]
+        if count:
+            out[name] = total / count
+    if not paired and "rewards/chosen" in out and "rewards/rejected" in out:
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-    out.update({key: float(torch.cat(values).mean()) for key, values in stats.extra.items()})
     return out

@@ -13,8 +13,17 @@
 3. reference (DPO, KTO): the same rows with the adapter disabled, no gradient (or the
    precomputed table). KTO also scores each prompt with another row's answer, under the policy and
    the reference, for its KL reference point. (Scoring is `score.py`'s, shared with evaluation.)
-4. update: each micro-batch's loss (a mean over its rows) divided by grad_accum, so the step's
-   loss is the mean over its micro-batches; then clip and step.
+4. update: each micro-batch's loss (a mean over its rows) divided by the step's micro-batch
+   count (grad_accum x ranks), so the step's loss is the mean over its micro-batches; then clip
+   and step.
+
+On several devices (`kestrel.training.distributed`) each rank takes its share of a step's
+micro-batches, as SFT's ranks do: N ranks with grad_accum k train as one device with grad_accum
+N k. LoRA's adapter gradients are summed in one all-reduce; a full fine-tune is sharded with
+FSDP2 (scoring registered as an FSDP2 forward, `rows.score_through_fsdp`) and its reference
+log-probs precomputed, each rank scoring its share. The metrics are reduced over the ranks
+(sums and counts in one all-reduce) and rank 0 reports them; an evaluation scores each rank's
+share of the eval batches and reduces its sums the same way (`kestrel.training.evaluation`).
 
 Metrics per step, as TRL names them: loss, rewards/chosen, rewards/rejected, rewards/margins,
 rewards/accuracies (paired), logps/chosen, logps/rejected, kl (KTO), nll_loss (ORPO, SimPO with
@@ -49,6 +58,7 @@ from kestrel.training.grpo.logprobs import check_lm_head
 from kestrel.training.preference.data import data_kind, kl_partners, micro_batch, per_epoch, prepare_samples
 from kestrel.training.preference.evaluation import eval_rows, preference_evaluator
 from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, precompute
+from kestrel.training.preference.rows import score_through_fsdp
 from kestrel.training.preference.score import RowSet, StepStats, micro_loss, preference_metrics
 from kestrel.training.recipe import (
     graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything, step_end,
@@ -74,7 +84,7 @@ class PreferenceSession:
     reference: RefTable | None = None  # precomputed reference log-probs
     partner: list[int] | None = None  # KTO: whose answer each sample's KL row borrows
     recompute: Recompute | None = None
-    world: World = field(default_factory=World)  # one device: the config refuses several for now
+    world: World = field(default_factory=World)  # this rank of a run on several devices
     evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
 
     @property
@@ -99,16 +109,19 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
     device = next(model.parameters()).device
     data = prepare_samples(config, tokenizer, cb)
     samples = data.train
-    model, recompute = prepare_model(config, model, output_dir, cb)
+    model, recompute = prepare_model(config, model, output_dir, cb, world)
+    if world.distributed and config.trains_all_weights:
+        score_through_fsdp(model)
     check_lm_head(model, config.method)
     trainable, total = trainable_parameters(model)
     cb.on_log(f"model {config.model} ({config.method}, {config.preference.finetune}): {trainable:,} of {total:,} "
               f"parameters trainable, on {device}")
     pad, flat = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0), runs_varlen(model)
+    window = config.grad_accum * world.size  # micro-batches a step takes, over every rank
     total_steps = config.max_steps or max(
-        1, math.ceil((config.epochs or 1.0) * per_epoch(len(samples), config.batch_size) / config.grad_accum))
+        1, math.ceil((config.epochs or 1.0) * per_epoch(len(samples), config.batch_size) / window))
     train = RowSet(samples, partner=kl_partners(len(samples), config.seed) if config.method == "kto" else None)
-    held = RowSet(eval_rows(config, samples, data.held, total_steps))
+    held = RowSet(eval_rows(config, samples, data.held, total_steps, world.size))
     if config.method == "kto" and held.samples:
         held.partner = kl_partners(len(held.samples), config.seed)
     if config.method in NEEDS_REFERENCE and config.lora.init_from and not config.trains_all_weights:
@@ -118,13 +131,13 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
         # Before resume loads trained weights: with no adapter, the weights as loaded are the reference.
         rows = config.batch_size * (2 if data_kind(config.method) == "paired" else 1)
         for part in (train, held) if held.samples else (train,):
-            part.reference = precompute(model, part.samples, pad, device, flat, rows, part.partner)
+            part.reference = precompute(model, part.samples, pad, device, flat, rows, part.partner, world)
         why = "every weight is trained, so there is no adapter to disable" if config.trains_all_weights else "asked"
         cb.on_log(f"reference log-probs precomputed for {len(samples)} rows"
                   + (f" and {len(held.samples)} eval rows" if held.samples else "") + f" ({why})")
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
     s = PreferenceSession(config, output_dir, model, tokenizer, samples, optimizer, scheduler, total_steps, start,
-                          device, pad, flat, train.reference, train.partner, recompute)
+                          device, pad, flat, train.reference, train.partner, recompute, world)
     s.evaluator = preference_evaluator(s, held, data.held, data.held_rows, cb)
     return s
 
@@ -133,15 +146,20 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
 
 
 def train_step(s: PreferenceSession, step: int) -> tuple[StepStats, dict[str, float]]:
-    """One optimizer step over `grad_accum` micro-batches; returns its stats and update metrics."""
-    accum = s.config.grad_accum
+    """One optimizer step over `grad_accum` micro-batches on each rank; returns its stats and
+    update metrics (`stats.loss`: this rank's part of the step's loss).
+
+    A step's window is micro-batches step*W .. step*W + W-1 (W = grad_accum x ranks); rank r takes
+    every size-th of them from r, as SFT's ranks do."""
+    accum, world = s.config.grad_accum, s.world
     stats = StepStats(torch.zeros((), device=s.device))
     for j in range(accum):
-        idx = micro_batch(len(s.samples), s.config.batch_size, s.config.seed, step * accum + j)
-        loss = micro_loss(s, s.train_rows, idx, stats) / accum
-        loss.backward()
+        m = (step * accum + j) * world.size + world.rank
+        idx = micro_batch(len(s.samples), s.config.batch_size, s.config.seed, m)
+        loss = micro_loss(s, s.train_rows, idx, stats) / (accum * world.size)
+        (loss * world.loss_scale if world.loss_scale != 1.0 else loss).backward()
         stats.loss += loss.detach()
-    grad_norm, lr = optimizer_step(s, stats.loss)
+    grad_norm, lr = optimizer_step(s, world.sum(stats.loss.clone()))
     return stats, {"grad_norm": float(grad_norm), "lr": lr}
 
 
@@ -152,14 +170,17 @@ def train_loop(s: PreferenceSession, cb: Callback) -> str:
         t0 = time.perf_counter()
         stats, update = train_step(s, step)
         now = step_end(s.device)
-        epoch = (step + 1) * s.config.grad_accum / per_epoch(len(s.samples), s.config.batch_size)
-        metrics = {"epoch": epoch, **preference_metrics(stats, s.paired), **update, **graph_metrics(s.recompute)}
-        stop = report_step(s, cb, step, metrics, stats.tokens, started, t0, now)
+        tokens = stats.tokens
+        if s.world.distributed:
+            tokens = int(s.world.sum(torch.tensor([float(tokens)], device=s.device)).item())
+        epoch = (step + 1) * s.config.grad_accum * s.world.size / per_epoch(len(s.samples), s.config.batch_size)
+        metrics = {"epoch": epoch, **preference_metrics(stats, s.paired, s.world), **update, **graph_metrics(s.recompute)}
+        stop = report_step(s, cb, step, metrics, tokens, started, t0, now)
         if stop:
             return stop
     return "completed"
 
 
-def run_preference(config: TrainConfig, output_dir: Path, cb: Callback) -> tuple[str, int]:
+def run_preference(config: TrainConfig, output_dir: Path, cb: Callback, world: World | None = None) -> tuple[str, int]:
     """Set up, train and save; returns (status, last step)."""
-    return run_recipe(setup, train_loop, config, output_dir, cb)
+    return run_recipe(setup, train_loop, config, output_dir, cb, world)
