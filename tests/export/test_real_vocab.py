@@ -49,9 +49,14 @@ def test_converted_tokenizer_gives_llama_cpp_test_ids(name: str, real_vocab) -> 
     assert not wrong, f"{len(wrong)} of {len(vocab.cases)}: {wrong[:3]}"
 
 
+# transformers' conversion of Gemma 4's vocabulary gives "\t" to two ids, which the export refuses
+# (test_token_text_on_two_ids_is_refused_before_llama_cpp_aborts): no real Gemma 4 tokenizer to export
+UNEXPORTABLE = {"gemma4_text": "the converted Gemma 4 vocabulary has a duplicate token text, which the export refuses"}
+
+
 def _family_param(family: str):
-    marks = [] if family in GGUF_FAMILIES else [pytest.mark.skip(reason=f"no GGUF export of {family} yet")]
-    return pytest.param(family, marks=marks)
+    reason = UNEXPORTABLE.get(family) or (None if family in GGUF_FAMILIES else f"no GGUF export of {family} yet")
+    return pytest.param(family, marks=[pytest.mark.skip(reason=reason)] if reason else [])
 
 
 @pytest.mark.parametrize("family", [_family_param(f) for f in FAMILY_VOCAB])
