@@ -110,9 +110,15 @@ def _walk(pg: Any, url: str) -> None:
     pg.wait_for_function(follows, timeout=10_000)
     shot(pg, "runs-01-running")
     # Stop: the notice stays while this run stops, and leaves once it has.
+    # The fake engine stops within a step (0.2 s), maybe before a poll could see the notice: an
+    # observer records every text the notice shows.
+    pg.evaluate("() => { window.notices = []; const n = document.querySelector('#ru-notice');"
+                " new MutationObserver(() => window.notices.push(n.innerText))"
+                ".observe(n, {subtree: true, childList: true, characterData: true}); }")
     pg.locator("#ru-pause").click()
-    _wait_text(pg, "#ru-notice", f"Job #{job_id}: stopping")
     _wait_text(pg, "#ru-progress", "interrupted")
+    assert any(f"Job #{job_id}: stopping" in t for t in pg.evaluate("() => window.notices")), pg.evaluate(
+        "() => window.notices")
     pg.wait_for_function(f"() => {TEXT}('#ru-notice').trim() === ''", timeout=10_000)
     pg.wait_for_function("() => !document.querySelector('#ru-resume').disabled")
     assert _disabled(pg, "pause") and _disabled(pg, "cancel") and not _disabled(pg, "delete")
