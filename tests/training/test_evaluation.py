@@ -276,14 +276,6 @@ def test_resume_restores_early_stopping_from_the_evaluations_before_the_checkpoi
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-4)
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread for the GRPO run (two shared cores; as in test_grpo_train)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_grpo_evaluates_held_out_prompts_by_reward(tiny_model_dir, tmp_path: Path, one_thread) -> None:
     out = tmp_path / "grpo"

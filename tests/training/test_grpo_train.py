@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from kestrel.config import config_from_dict
 from kestrel.errors import ConfigError, DatasetError
@@ -21,14 +20,6 @@ STEP_KEYS = ("step", "total_steps", "epoch", "elapsed_s", "eta_s", "loss", "lr",
              "reward", "reward_std", "kl", "clip_frac", "completion_len_mean", "completion_len_max",
              "vram_alloc_gib", "vram_reserved_gib", "vram_peak_gib")
 
-
-@pytest.fixture
-def one_thread():
-    """Two shared cores: one intra-op thread avoids OpenMP spin-waiting against other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _metrics(out: Path) -> list[dict]:

@@ -25,14 +25,6 @@ from kestrel.training.run import run
 from tests.training.test_preference_train import _config, _metrics, _subset
 
 
-@pytest.fixture
-def one_thread():
-    """Two shared cores: one intra-op thread avoids OpenMP spin-waiting against other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 class Logs(Callback):
     def __init__(self) -> None:

@@ -21,14 +21,6 @@ PAIRED_KEYS = ("step", "total_steps", "epoch", "loss", "lr", "grad_norm", "token
                "logps/chosen", "logps/rejected")
 
 
-@pytest.fixture
-def one_thread():
-    """Two shared cores: one intra-op thread avoids OpenMP spin-waiting against other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
