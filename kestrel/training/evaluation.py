@@ -34,17 +34,29 @@ import torch
 from torch import nn
 
 from kestrel.config_evaluation import EarlyStoppingSettings
+from kestrel.data.split import split_rows
 from kestrel.training.best import BEST_DIR, BEST_MARKER, write_marker
 from kestrel.training.checkpoints import save_weights
 from kestrel.training.distributed import World, reshard_after_scoring
 
 if TYPE_CHECKING:
+    from kestrel.config import TrainConfig
     from kestrel.training.generation_check import GenerationCheck
+    from kestrel.training.metrics import Callback
 
 EVAL_BUDGET = 0.05  # evaluation tokens, at most this share of the run's training tokens
 MAX_EVALS = 25  # automatic interval: at most this many evaluations a run (each may save the best)
 MIN_EVALS = 5  # automatic interval: the eval set is bounded so that at least this many fit
 
+
+
+def split_for_eval(config: TrainConfig, items: list, noun: str, cb: Callback) -> tuple[list, list]:
+    """(trained, held out): `config.eval_split` of `items` held out by `split_rows` (seeded, in
+    the file's order), logged the same way for every method; `noun` names the items."""
+    train, held = split_rows(items, config.eval_split, config.seed, config.dataset)
+    cb.on_log(f"eval_split {config.eval_split:g}: {len(held)} of {len(items)} {noun} held out for evaluation "
+              f"(seed {config.seed}), {len(train)} trained on")
+    return train, held
 
 @dataclass
 class EvalSums:

@@ -18,10 +18,9 @@ from torch import nn
 
 from kestrel.config import TrainConfig
 from kestrel.data import Batch, BatchPlan, Conversation, load_conversations, tokenize_all
-from kestrel.data.split import split_rows
 from kestrel.data.tokenize import IGNORE, Sample
 from kestrel.model.forwards import shift_labels
-from kestrel.training.evaluation import EvalSums, Evaluator, cap_eval_tokens, plan_interval
+from kestrel.training.evaluation import EvalSums, Evaluator, cap_eval_tokens, plan_interval, split_for_eval
 from kestrel.training.generation_check import GenerationCheck
 from kestrel.training.metrics import METRICS_FILE, Callback, read_series
 
@@ -30,10 +29,7 @@ def held_out(config: TrainConfig, convs: list[Conversation], cb: Callback) -> tu
     """(training rows, eval rows): `eval_split` of `convs` held out (seeded, at the row level,
     before tokenizing and packing), or the rows of `eval_dataset`, or none."""
     if config.eval_split > 0:
-        train, held = split_rows(convs, config.eval_split, config.seed, config.dataset)
-        cb.on_log(f"eval_split {config.eval_split:g}: {len(held)} of {len(convs)} rows held out for evaluation "
-                  f"(seed {config.seed}), {len(train)} trained on")
-        return train, held
+        return split_for_eval(config, convs, "rows", cb)
     if config.eval_dataset:
         fmt, held, bad = load_conversations(config.eval_dataset, config.dataset_format, config.columns,
                                             config.system_prompt)

@@ -21,6 +21,7 @@ from kestrel.training.evaluation import (
     EVAL_BUDGET, MAX_EVALS, MIN_EVALS, EvalSums, Evaluator, cap_eval_tokens, plan_interval, replay,
 )
 from kestrel.training.metrics import Callback
+from tests.training.test_train import StopAt
 from kestrel.training.run import run
 from kestrel.training.sft_eval import held_out, sft_evaluator, sft_measure
 
@@ -250,23 +251,12 @@ def test_generation_check_answers_held_out_prompts_and_scores_them(tiny_model_di
     assert rows[-1] == {"step": 4, "eval_exact_match": check["exact_match"], "eval_rouge_l": check["rouge_l"]}
 
 
-class PauseAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step, self.seen = step, 0
-
-    def on_step(self, metrics: dict) -> None:
-        self.seen = int(metrics["step"])
-
-    def should_stop(self):
-        return "pause" if self.seen == self.step else None
-
-
 def test_resume_restores_early_stopping_from_the_evaluations_before_the_checkpoint(tiny_model_dir, tmp_path: Path) -> None:
     cfg = _cfg(str(tiny_model_dir("llama")), tmp_path / "straight", max_steps=40, eval_split=0.1, eval_steps=2,
                early_stopping={"patience": 3, "min_delta": 100.0})
     straight = run(config_from_dict(cfg))
     resumed_cfg = {**cfg, "output_dir": str(tmp_path / "resumed")}
-    paused = run(config_from_dict(resumed_cfg), [PauseAt(4)])  # after two evaluations: one to go
+    paused = run(config_from_dict(resumed_cfg), [StopAt(4)])  # after two evaluations: one to go
     resumed = run(config_from_dict(resumed_cfg))
     assert (straight.step, paused.status, paused.step, resumed.step) == (8, "interrupted", 4, 8)
     evals = lambda out: [(r["step"], r["eval_loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())  # noqa: E731

@@ -19,8 +19,7 @@ from typing import Any
 from torch import nn
 
 from kestrel.config import TrainConfig
-from kestrel.data.split import split_rows
-from kestrel.training.evaluation import EvalSums, Evaluator, Measure, cap_eval_tokens, plan_interval
+from kestrel.training.evaluation import EvalSums, Evaluator, Measure, cap_eval_tokens, plan_interval, split_for_eval
 from kestrel.training.generation_check import GENERATION_PROMPTS, GenerationCase, GenerationCheck
 from kestrel.training.grpo.data import PromptRow, load_prompts
 from kestrel.training.grpo.rewards import RewardBatch, RewardSet
@@ -33,10 +32,7 @@ def held_out_prompts(config: TrainConfig, prompts: list[PromptRow], tokenizer: A
     """(training prompts, eval prompts): `eval_split` of `prompts` held out (seeded), or the
     prompts of `eval_dataset`, or none."""
     if config.eval_split > 0:
-        train, held = split_rows(prompts, config.eval_split, config.seed, config.dataset)
-        cb.on_log(f"eval_split {config.eval_split:g}: {len(held)} of {len(prompts)} prompts held out for "
-                  f"evaluation (seed {config.seed}), {len(train)} trained on")
-        return train, held
+        return split_for_eval(config, prompts, "prompts", cb)
     if config.eval_dataset:
         held, bad, too_long = load_prompts(dataclasses.replace(config, dataset=config.eval_dataset, eval_dataset=None),
                                            tokenizer, needs_answers)

@@ -18,8 +18,8 @@ from kestrel.config import TrainConfig
 from kestrel.data.preference import PreferenceRow, load_preferences
 from kestrel.data.preference_tokens import PreferenceSample, tokenize_preferences
 from kestrel.data.reader import RowIssue
-from kestrel.data.split import split_rows
 from kestrel.errors import DatasetError
+from kestrel.training.evaluation import split_for_eval
 from kestrel.training.metrics import Callback
 
 UNPAIRED = ("kto",)
@@ -82,9 +82,7 @@ def prepare_samples(config: TrainConfig, tokenizer: Any, cb: Callback) -> Prepar
     held_bad: list[RowIssue] = []
     held_header = f"eval_split of dataset {config.dataset}"
     if config.eval_split > 0:
-        rows, held_rows = split_rows(rows, config.eval_split, config.seed, config.dataset)
-        cb.on_log(f"eval_split {config.eval_split:g}: {len(held_rows)} of {len(rows) + len(held_rows)} rows held out "
-                  f"for evaluation (seed {config.seed}), {len(rows)} trained on")
+        rows, held_rows = split_for_eval(config, rows, "rows", cb)
     elif config.eval_dataset:
         held_rows, held_bad, held_layout = _load(config.eval_dataset, config)
         held_header = f"eval_dataset {config.eval_dataset}: {kind} preference data ({held_layout} layout)"
