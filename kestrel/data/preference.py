@@ -167,11 +167,14 @@ def _label(value: Any) -> bool:
 
 def labelled_rows(rows: list[dict[str, Any]], columns: dict[str, str]) -> bool:
     """Whether `rows` carry KTO's true/false label (not just any column named label)."""
-    labels = [r[columns.get("label", "label")] for r in rows[:100] if columns.get("label", "label") in r]
+    column = columns.get("label", "label")
+    labels = [r[column] for r in rows[:100] if column in r]
     try:
-        return bool(labels) and all(isinstance(_label(v), bool) for v in labels)
+        for value in labels:
+            _label(value)  # raises on anything but true / false (or 1 / 0)
     except ValueError:
         return False
+    return bool(labels)
 
 
 def unpaired_row(row: dict[str, Any], columns: dict[str, str]) -> PreferenceRow:
