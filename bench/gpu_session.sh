@@ -4,6 +4,7 @@
 # tool's folder; ./gpu-out elsewhere), one file per phase, plus <phase>.log with its output.
 #
 #   bash bench/gpu_session.sh tests families moe train decode dpo
+#   LIMIT_train=250 LIMIT_decode=280 bash bench/gpu_session.sh train decode   # per-phase limits
 #
 # Phases:
 #   tests     pytest -m gpu over the rooms that have CUDA tests (gradio is absent there)
@@ -26,6 +27,8 @@ GPU_TESTS=(tests/data/test_flat_batches.py tests/decode tests/kernels tests/mode
 
 phase() {  # phase NAME SECONDS COMMAND...: run it with a wall-clock limit, log to $OUT/NAME.log
     local name=$1 limit=$2
+    local override="LIMIT_$1"  # e.g. LIMIT_train=240 shortens one phase to fit a call
+    limit=${!override:-$limit}
     shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)"
     timeout --kill-after=20 "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -40,7 +43,7 @@ for want in "$@"; do
         moe)      phase moe 330 python bench/matrix.py --models qwen3-30b-a3b,gpt-oss-20b --methods lora \
                       --layouts packed --systems kestrel,hf --budget-s 270 --out "$OUT/moe.jsonl" ;;
         train)    phase train 300 python bench/train.py --all --impls unsloth,kestrel --checkpointing offload \
-                      --steps 10 --warmup 3 --out "$OUT/train_off.json" ;;
+                      --steps 8 --warmup 12 --out "$OUT/train_off.json" ;;
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
         dpo)      phase dpo 300 python bench/dpo.py --out "$OUT/dpo.json" ;;
         *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo)" >&2; exit 2 ;;
