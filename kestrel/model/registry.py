@@ -68,6 +68,9 @@ class FamilySpec:
     # Linears beyond attention + MLP that "every linear" LoRA also covers (linear attention's projections).
     extra_lora_targets: tuple[str, ...] = ()
     attn_output_gate: bool = False  # q_proj yields (query, gate) per head; output * sigmoid(gate) (Qwen3.5)
+    # A decoder-layer keyword holding tensors that some layers write and later layers read (Gemma 4's
+    # shared K/V): checkpointing keeps them differentiable (`kestrel.recompute.linked`).
+    layer_shared_state: str | None = None
     decode: bool = True  # Kestrel's decode forward (`kestrel.decode.model`) covers it; else HF's cached forward
     gguf: bool = True  # `kestrel.export` writes its GGUF (llama.cpp's tensor layout is mapped)
 
@@ -134,6 +137,7 @@ _GEMMA4 = replace(
     norm_offset=0.0,
     attn_softcap_attr=None,
     levels=frozenset(("rms_norm", "mlp", "causal_lm")),
+    layer_shared_state="shared_kv_states",
     decode=False,
     gguf_arch="gemma4",
 )

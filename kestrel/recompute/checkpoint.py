@@ -37,6 +37,7 @@ from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from kestrel.recompute.host_memory import HostMemoryError, host_buffer, side_stream
+from kestrel.recompute.linked import LinkedCall
 
 log = logging.getLogger("kestrel")
 
@@ -291,7 +292,10 @@ class LayerCheckpoint(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], owner: Recompute, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, run: Callable[[torch.Tensor], torch.Tensor] | LinkedCall, owner: Recompute, hidden: torch.Tensor,
+        *links: torch.Tensor,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         ctx.run, ctx.owner = run, owner
         ctx.saved_input = _HostCopy(owner.offloaded, hidden) if owner.offload else hidden.detach()
         ctx.gate = None
@@ -302,16 +306,22 @@ class LayerCheckpoint(torch.autograd.Function):
             with torch.no_grad():
                 if isinstance(run, layer_graphs.GraphedLayer):
                     return run(hidden, ctx.gate)
+                if isinstance(run, LinkedCall):  # `links` are run.inputs: (y, *what it wrote)
+                    return run.first_pass(hidden)
                 return run(hidden)
         finally:
             owner.gate = None
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+    def backward(ctx: Any, grad_out: torch.Tensor, *grad_written: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved, ctx.saved_input = ctx.saved_input, None
         owner = ctx.owner
         owner.gate = ctx.gate
         try:
+            if isinstance(ctx.run, LinkedCall):
+                hidden = _taken(saved).detach().requires_grad_(True)
+                link_grads = ctx.run.backward(owner.recompute, hidden, grad_out, grad_written)
+                return None, None, hidden.grad, *link_grads
             if isinstance(ctx.run, layer_graphs.GraphedLayer):  # hands the input over: not kept here
                 dx, hidden = ctx.run.backward(_taken(saved), grad_out, owner.recompute)
                 if dx is not None:
@@ -355,8 +365,10 @@ class Recompute:
 
     def __init__(
         self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
+        shared_state: str | None = None,
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
+        self.shared_state = shared_state  # the layers' keyword holding tensors shared between them (`LinkedCall`)
         self.first = weakref.ref(first_layer) if first_layer is not None else None
         self.graphed = False  # this forward's choice
         self.graphs = layer_graphs.GraphRegistry()
@@ -390,6 +402,11 @@ class Recompute:
             if self.holds_graphs and not self.chooser.any_graphed():
                 self.release()  # every layout runs eagerly: give the graphs' memory back
             self.holds_graphs |= self.graphed
+        linked = LinkedCall.of(run, args, self.shared_state)
+        if linked is not None:  # never graphed: its grad-requiring arguments are not graphable
+            y, *written = LayerCheckpoint.apply(linked, self, hidden, *linked.inputs)
+            linked.publish(tuple(written))
+            return y
         wrapped = layer_graphs.wrap(run, hidden, args, self.graphs if self.graphed else None)
         return LayerCheckpoint.apply(wrapped, self, hidden)
 
@@ -440,7 +457,9 @@ def set_gradient_checkpointing(
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     chooser = GraphChooser(graph_mode(cuda_graphs), CudaClock() if torch.cuda.is_available() else None,
                            on_decision=on_decision)
-    recompute = Recompute(mode == "offload", _first_decoder_layer(model, layers), chooser, gate_share(offload_gate))
+    spec = family_for(model.config)
+    recompute = Recompute(mode == "offload", _first_decoder_layer(model, layers), chooser, gate_share(offload_gate),
+                          shared_state=spec.layer_shared_state if spec is not None else None)
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
     return recompute
