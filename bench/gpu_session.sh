@@ -14,13 +14,15 @@
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
 #   dpo       DPO QLoRA at the 8B shape: Kestrel, TRL, Unsloth (issue 27's target)
 #
-# Needs .gpu-site (and .gpu-anchors for the baselines) carried with the checkout; see
-# bench/RESULTS.md for how they are built.
+# Needs .gpu-site (and .gpu-anchors for the baselines; .gpu-fla, flash-linear-attention, for Qwen3.5)
+# carried with the checkout; see bench/RESULTS.md for how they are built.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# flash-linear-attention (Qwen3.5's gated-delta-rule kernels, requirements.txt), when carried as .gpu-fla
+[ -d .gpu-fla ] && export PYTHONPATH="$PWD/.gpu-fla:$PYTHONPATH"
 
 GPU_TESTS=(tests/data/test_flat_batches.py tests/decode tests/kernels tests/model tests/recompute
            tests/training/test_small_updates.py tests/training/test_train_gpu.py)
