@@ -30,11 +30,17 @@ for every system; each step takes the next of --batches batches built once. Toke
 sample (sliding-window layers counted as full attention). RoPE scaling (llama3, linear) is left
 out of the configs: it changes the rotary tables' values, not the work.
 Mixture of experts (`qwen3-30b-a3b`, `gpt-oss-20b`, `qwen3.5-35b-a3b`, bench/model_shapes.py MOE_MODELS): LoRA on the
-attention linears and on every expert (the MLP targets become PEFT parameter targets for `hf` too);
-compare systems with `--methods lora` (under `qlora` Kestrel stores the experts in NF4,
-`kestrel.model.expert_quant`, while bitsandbytes in the other systems quantizes linears only and
-keeps them 16-bit) and read each record's peak memory. Useful FLOPs count the k
-routed experts. gpt-oss runs eager attention with sinks in every system.
+attention linears and on every expert (the MLP targets become PEFT parameter targets for `hf` too).
+Their folders leave the routed experts' weights out of the checkpoint (`bench.matrix_models`: 3-5 GB
+on disk, not 42-69), and every system's loader creates them on the GPU, randomly initialised; the
+build checks the free disk first. Qwen3-30B-A3B needs `qlora` to fit one 80 GB GPU (16-bit: 61 GB
+of weights before LoRA's): Kestrel then stores the experts in NF4 (`kestrel.model.expert_quant`),
+while bitsandbytes quantizes `nn.Linear` only, so HF+PEFT keeps transformers' fused 3-D experts in
+16-bit, as its users get it. Each record's `expert_storage` says how a system held the experts
+("nf4", or their dtype; uint8: bitsandbytes 4-bit) and the table's notes list it; read the peak
+memory beside it. Useful FLOPs count the k routed experts. gpt-oss runs eager attention with sinks
+in Kestrel and `hf` (HF has no SDPA path for sinks: `kestrel.model.registry.hf_attention`); Unsloth
+picks its own attention for a class without SDPA.
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -55,9 +60,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.matrix_table import FORCED_GRAPHS, METHODS, record_key, render_table  # noqa: E402
-from bench.model_shapes import ARCHITECTURES, MODELS  # noqa: E402
+from bench.matrix_models import MODEL_ROOT, build_model_dir, model_dir  # noqa: E402
+from bench.model_shapes import MODELS  # noqa: E402
 
-MODEL_ROOT = Path("/tmp/kestrel-bench/matrix")  # on the GPU machine: one folder per model, reused
 PAD_ID = 0  # padding id; sample tokens are drawn from 1..vocab-1 so padding is recognisable
 SYSTEMS = ("kestrel", "kestrel-on", "kestrel-off", "unsloth", "hf")
 
@@ -78,37 +83,6 @@ LAYOUTS = {
     "packed": Layout(batch=2, max_len=2048, sample_min=64, sample_max=1024, packing=True),
     "long": Layout(batch=1, max_len=8192, sample_min=8192, sample_max=8192, packing=False),
 }
-
-
-def model_dir(name: str) -> Path:
-    return MODEL_ROOT / name
-
-
-def build_model_dir(name: str) -> Path:
-    """The random-init bf16 folder of MODELS[name] (built on the GPU once, as `bench.common.shape_dir`
-    builds its shapes, with the same stand-in tokenizer)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bench.common import _save_tokenizer
-
-    folder = model_dir(name)
-    if (folder / "config.json").exists():
-        return folder
-    kwargs = dict(MODELS[name])
-    model_type = kwargs.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, **kwargs)
-    cfg.architectures = [ARCHITECTURES[model_type]]
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    _save_tokenizer(tmp)
-    del model
-    torch.cuda.empty_cache()
-    os.replace(tmp, folder)
-    return folder
 
 
 # --- Batches: the same samples for every system, each collated its natural way -----------------
@@ -187,7 +161,13 @@ def kestrel_model(folder: Path, method: str, seq: int, cuda_graphs: str) -> tupl
     from kestrel.model.lora import attach_lora
     from kestrel.model.patching import runs_varlen
 
-    model, _ = load(str(folder), seq, load_in_4bit=method == "qlora", dtype="bf16")
+    import torch
+
+    # Under the GPU's device context HF loads the folder straight onto the GPU (as a QLoRA load's
+    # device map does) and creates there the weights a MoE folder leaves out (bench.matrix_models):
+    # initialising 20-30B expert weights on the CPU takes minutes. Patching only rebinds forwards.
+    with torch.device("cuda"):
+        model, _ = load(str(folder), seq, load_in_4bit=method == "qlora", dtype="bf16")
     flat = runs_varlen(model)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -255,6 +235,19 @@ def graph_report(recompute: Any, system: str, cuda_graphs: str) -> dict[str, Any
             "graph_layouts_seen": len(chooser.layouts) if chooser else 0, "layer_graphs": recompute.graphs.stats() if recompute else None}
 
 
+def expert_storage(model: Any) -> dict[str, Any]:
+    """How a mixture of experts holds its routed experts' weights: "nf4" where Kestrel packed them
+    (`kestrel.model.expert_quant`), else the weights' dtypes (uint8: bitsandbytes 4-bit); {} for a dense model."""
+    from kestrel.model.expert_quant import PACKED_ATTR
+
+    kinds = {"nf4" for m in model.modules() if getattr(m, PACKED_ATTR, None)}
+    for name, p in model.named_parameters():
+        # Kestrel's NF4 placeholders are zero-stride views; LoRA's own weights are not the base's.
+        if ".experts." in name and "lora_" not in name and p.ndim >= 2 and any(p.stride()):
+            kinds.add(str(p.dtype).removeprefix("torch."))
+    return {"expert_storage": sorted(kinds)} if kinds else {}
+
+
 def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
     """Throughput and memory of one (model, method, layout, system) in this process."""
     name, method, layout, system = args.cell.split(",")
@@ -277,7 +270,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             "real_tokens": tokens, "padding_share": 1 - tokens / slots, "flat": flat,
             "useful_tflops": tflops, "mfu_vs_spec": tflops / SPEC_PEAK_TFLOPS, **res,
             "device": torch.cuda.get_device_name(), "warmup": args.warmup, "steps": args.steps,
-            "batches": args.batches, "seed": args.seed, "versions": _versions(),
+            "batches": args.batches, "seed": args.seed, "versions": _versions(), **expert_storage(model),
             **graph_report(recompute, system, args.cuda_graphs)}
 
 
@@ -379,6 +372,8 @@ def run_one(key: tuple[str, str, str, str], args: argparse.Namespace, clock: Clo
     child = ["--cell", ",".join(key), "--steps", str(args.steps), "--warmup", str(warmup),
              "--batches", str(args.batches), "--seed", str(args.seed), "--cuda-graphs", args.cuda_graphs]
     env = {"KESTREL_CUDA_GRAPHS": ""} if kestrel else {}  # the mode asked for, not an inherited override
+    if system == "unsloth":  # a MoE folder leaves its experts out on purpose (bench.matrix_models)
+        env["UNSLOTH_WARN_UNINITIALIZED"] = "0"
     res = isolated(child, limit, extra_path=args.anchors if system == "unsloth" else None, env=env)
     if "timeout" in res:
         if cut:

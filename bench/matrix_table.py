@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.model_shapes import MODELS
+from bench.model_shapes import MODELS, MOE_MODELS
 
 METHODS = ("qlora", "lora")
 FORCED_GRAPHS = {"kestrel-on": "on", "kestrel-off": "off"}  # Kestrel with its CUDA graphs forced
@@ -67,6 +67,18 @@ def _order(cell: tuple[str, str, str], layouts: list[str]) -> tuple[int, ...]:
     return tuple(lst.index(v) if v in lst else len(lst) for lst, v in zip(lists, cell))
 
 
+def _expert_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], order: list[tuple[str, str, str]]) -> list[str]:
+    """Notes under the table: how each system held a mixture of experts' routed experts."""
+    lines = [f"- {' '.join(cell)}: experts held as "
+             + "; ".join(f"{s} {'/'.join(r['expert_storage'])}" for s, r in cells[cell].items() if r.get("expert_storage"))
+             for cell in order if any(r.get("expert_storage") for r in cells[cell].values())]
+    if any(c[0] in MOE_MODELS and c[1] == "qlora" for c in order):
+        lines.insert(0, "- qlora on a mixture of experts: Kestrel stores the routed experts in NF4. bitsandbytes quantizes "
+                        "`nn.Linear` only and transformers 5 holds the experts as fused 3-D parameters, so HF+PEFT's QLoRA "
+                        "keeps them 16-bit (the baseline as its users get it); Unsloth's as recorded below.")
+    return ["", *lines] if lines else []
+
+
 def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
     """One markdown row per (model, method, layout): the latest record of each system."""
     cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
@@ -75,10 +87,11 @@ def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
     lines = ["| model | method | layout | kestrel tok/s | unsloth tok/s | hf tok/s | kestrel / unsloth "
              "| auto / best forced | kestrel GiB alloc / reserved | unsloth GiB | hf GiB | auto's CUDA graphs "
              "| device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for cell in sorted(cells, key=lambda c: _order(c, layouts)):
+    order = sorted(cells, key=lambda c: _order(c, layouts))
+    for cell in order:
         by = cells[cell]
         k, u, h = by.get("kestrel"), by.get("unsloth"), by.get("hf")
         device = next((r["device"] for r in by.values() if r.get("device")), "")
         lines.append(f"| {' | '.join(cell)} | {_tps(k)} | {_tps(u)} | {_tps(h)} | {_ratio(k, u)} "
                      f"| {_auto_vs_forced(by)} | {_mem(k)} | {_mem(u)} | {_mem(h)} | {_graphs(k)} | {device} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _expert_notes(cells, order))

@@ -26,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.matrix import build_model_dir  # noqa: E402
+from bench.matrix_models import build_model_dir  # noqa: E402
 
 WORDS = ("the of and to in is was for on are with as by at from this that which or be an have "
          "model data train value layer token step rate batch loss weight").split()

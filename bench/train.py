@@ -44,16 +44,26 @@ def _bnb_config(dtype: torch.dtype = torch.bfloat16):
                               bnb_4bit_compute_dtype=dtype)
 
 
+def hf_load_kwargs(folder: Path, method: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """`from_pretrained`'s arguments for the HF baseline on GPU 0: SDPA attention, or eager where
+    HF has no SDPA path for the family (attention sinks: gpt-oss), as its users load it."""
+    from transformers import AutoConfig
+
+    from kestrel.model.registry import hf_attention
+
+    kw = dict(dtype=dtype, attn_implementation=hf_attention(AutoConfig.from_pretrained(folder)), device_map={"": 0})
+    if method == "qlora":
+        kw["quantization_config"] = _bnb_config(dtype)
+    return kw
+
+
 def hf_model(folder: Path, args: argparse.Namespace, dtype: torch.dtype = torch.bfloat16):
     """HF + PEFT (+ bitsandbytes NF4 for qlora) computing in `dtype` (fp32: the rounding reference
     of bench/parity.py)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    kw = dict(dtype=dtype, attn_implementation="sdpa", device_map={"": 0})
-    if args.method == "qlora":
-        kw["quantization_config"] = _bnb_config(dtype)
-    model = AutoModelForCausalLM.from_pretrained(folder, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, **hf_load_kwargs(folder, args.method, dtype))
     model.config.use_cache = False
     for p in model.parameters():
         p.requires_grad_(False)

@@ -28,7 +28,7 @@ from kestrel.paths import ASSETS, models_dir
 from kestrel.model.multimodal import freeze_outside_language_model, is_image_text
 from kestrel.model.expert_quant import quantize_experts
 from kestrel.model.patching import PatchFlags, PatchHandle, patch_model
-from kestrel.model.registry import family_for
+from kestrel.model.registry import family_for, hf_attention
 from kestrel.model.safe_weights import refuse_pickled
 
 log = logging.getLogger("kestrel")
@@ -126,9 +126,7 @@ def _family_kwargs(path: str, kwargs: dict, load_in_4bit: bool) -> None:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
         return  # from_pretrained below reports it
-    spec = family_for(config)
-    if spec is not None and spec.attention_sinks and kwargs.get("attn_implementation") == "sdpa":
-        kwargs["attn_implementation"] = "eager"
+    kwargs["attn_implementation"] = hf_attention(config, kwargs["attn_implementation"])
     quant = getattr(config, "quantization_config", None) or {}
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):

@@ -303,3 +303,10 @@ def family_for(config: Any) -> FamilySpec | None:
     `model_type`, else (an image-text checkpoint such as Gemma 3 4B, Qwen3.5 or Mistral 3) its
     `text_config`'s."""
     return family_of(_field(config, "model_type") or "") or family_of(_field(text_config(config), "model_type") or "")
+
+
+def hf_attention(config: Any, asked: str = "sdpa") -> str:
+    """The attention implementation to ask Hugging Face for: `asked`, except eager in place of SDPA
+    for a family with attention sinks (HF runs sinks in eager, flash or flex attention, not SDPA)."""
+    spec = family_for(config)
+    return "eager" if asked == "sdpa" and spec is not None and spec.attention_sinks else asked
