@@ -13,8 +13,8 @@ MAX_DEVICES = 64
 
 
 def check_devices_setting(cfg: Any) -> None:
-    """`devices`: auto, a count 1..MAX_DEVICES, or a list of distinct GPU ids; GRPO runs on one
-    device (ConfigError naming the field otherwise)."""
+    """`devices`: auto, a count 1..MAX_DEVICES, or a list of distinct GPU ids (ConfigError naming
+    the field otherwise)."""
     d = cfg.devices
     if isinstance(d, str):
         check(d == "auto", f"devices must be auto, a number of devices or a list of GPU ids, got {d[:40]!r}")
@@ -26,7 +26,3 @@ def check_devices_setting(cfg: Any) -> None:
     else:
         check(not isinstance(d, bool) and isinstance(d, int) and 1 <= d <= MAX_DEVICES,
               f"devices must be 1..{MAX_DEVICES}, auto or a list of GPU ids, got {d!r:.40}")
-    one = d == 1 or (isinstance(d, list) and len(d) == 1)
-    if cfg.method == "grpo":  # its loop (rollouts, group advantages, the decode engine) takes no share per rank yet
-        check(one, f"grpo runs on one device for now: set devices: 1, got {d!r:.40} (several devices "
-                   "train lora, qlora, full and the preference methods)")

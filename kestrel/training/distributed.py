@@ -104,6 +104,16 @@ class World:
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
 
+    def gather_columns(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` (k, n) of every rank side by side in rank order: (k, size * n), on this rank's
+        device (every rank passes the same shape and dtype). `value` itself on one device."""
+        if not self.distributed:
+            return value
+        mine = value.to(self.device).contiguous()
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine)
+        return torch.cat(every, dim=-1)
+
     def agree_stop(self, stop: str | None) -> str | None:
         """Rank 0's stop request (cancel / pause / None), the same on every rank, so all of them
         checkpoint and end at the same step."""

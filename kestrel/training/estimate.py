@@ -52,7 +52,8 @@ The model of memory (bytes), written for the way the engine trains:
     each, and the running layer's unsharded gradient before its reduce-scatter, 2 more.
   - LoRA / QLoRA keep the base replicated on each GPU (as on one); the adapters' gradients are
     summed through one flat fp32 buffer (4 bytes a trainable parameter).
-  - activations are each GPU's own micro-batch (`batch_size` rows a rank), as on one device.
+  - activations are each GPU's own micro-batch (`batch_size` rows a rank), as on one device; GRPO's
+    rollouts too (each rank decodes `batch_size` prompts x `num_generations` at a time).
   On the CPU (gloo) each rank is a process with this much RAM.
 These are estimates to within about 20 %: the verdict leaves a margin for that.
 """

@@ -91,7 +91,7 @@ def _train(config: TrainConfig, output_dir: Path, cb: Callback, world: World) ->
     if config.method == "grpo":
         from kestrel.training.grpo import run_grpo
 
-        return run_grpo(config, output_dir, cb)
+        return run_grpo(config, output_dir, cb, world)
     if config.is_preference:
         from kestrel.training.preference import run_preference
 

@@ -149,15 +149,10 @@ def test_devices_config_is_checked(value, message) -> None:
         config_from_dict({"devices": value})
 
 
-def test_grpo_stays_on_one_device() -> None:
-    with pytest.raises(ConfigError, match="grpo runs on one device"):
-        config_from_dict({"devices": 2, "method": "grpo"})
-    assert config_from_dict({"devices": [1], "method": "grpo"}).devices == [1]
-
-
-def test_preference_methods_and_evaluation_run_on_several_devices() -> None:
+def test_every_method_and_evaluation_run_on_several_devices() -> None:
     for method in ("dpo", "orpo", "kto", "simpo"):
         assert config_from_dict({"devices": 2, "method": method, "preference": {"finetune": "full"}}).devices == 2
+    assert config_from_dict({"devices": [0, 3], "method": "grpo"}).devices == [0, 3]
     assert config_from_dict({"devices": [0, 1], "eval_split": 0.1}).devices == [0, 1]
 
 

@@ -52,7 +52,8 @@ def grpo_measure(generator: Any, tokenizer: Any, rewards: RewardSet, max_new_tok
         texts = decode_completions(tokenizer, out.tokens, generator.stop_ids)
         total, parts = rewards(RewardBatch([r.text for r in rows], texts, [r.answer for r in rows],
                                            [len(t) for t in out.tokens]))  # (n,), {key: (n,)}
-        sums = {"reward": total.sum(), **{f"reward/{key}": v.sum() for key, v in parts.items()}}
+        device = next(model.parameters()).device  # on several GPUs the sums are all-reduced, and NCCL's tensors live on a GPU
+        sums = {"reward": total.sum().to(device), **{f"reward/{key}": v.sum().to(device) for key, v in parts.items()}}
         tokens = sum(len(r.ids) for r in rows) + sum(len(t) for t in out.tokens)
         return EvalSums(sums, float(len(rows)), tokens)
 
