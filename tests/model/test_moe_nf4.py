@@ -10,9 +10,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from kestrel.errors import ModelLoadError
+from kestrel.kernels.moe import PackedExperts
 from kestrel.model.expert_quant import packed_experts, quantize_experts
 from kestrel.model.patching import patch_lora_layers, patch_model
 from kestrel.model.registry import family_of
+from tests.support.nf4_experts import assert_nf4_experts_hold
 from tests.support.tiny import tiny_model
 
 pytest.importorskip("bitsandbytes.functional")
@@ -40,24 +42,60 @@ def _expert_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _nf4_model(family: str, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor], int]:
+    """A patched tiny bf16 `family` model with NF4 experts, its experts' 16-bit weights by name, and
+    their bytes before quantizing."""
+    model = tiny_model(family, VOCAB, seed=seed, dtype=torch.bfloat16)
+    patch_model(model)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
+    before = _expert_bytes(model)
+    quantize_experts(model, family_of(family))
+    return model, expected, before
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("family", MOE)
-def test_nf4_experts_logits_close_to_16_bit_and_storage_a_quarter(family: str) -> None:
-    ref = tiny_model(family, VOCAB, seed=1, dtype=torch.bfloat16)
-    patch_model(ref)
-    quant = copy.deepcopy(ref)
-    before = _expert_bytes(quant)
-    handle = quantize_experts(quant, family_of(family))
-    after = _expert_bytes(quant)
+def test_nf4_experts_hold_their_rounded_weights_and_storage_a_quarter(family: str, seed: int) -> None:
+    """Not the 16-bit model's logits (NF4's rounding times a tiny random model's gain, which moves
+    with the seed: see tests/support/nf4_experts.py); the NF4 experts compute with their rounded weights."""
+    model, expected, before = _nf4_model(family, seed)
+    after = _expert_bytes(model)
     assert before > 0 and after < 0.27 * before  # bf16 -> 0.5 byte + absmax a parameter
-    assert handle.nbytes <= after
-    assert not any(p.requires_grad for n, p in quant.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
-    ids = _ids(0)
-    with torch.no_grad():
-        want = ref(input_ids=ids, use_cache=False).logits.float()
-        got = quant(input_ids=ids, use_cache=False).logits.float()
-    rel = (got - want).norm() / want.norm()
-    assert rel < 0.1, rel  # NF4's rounding of the experts only; attention and the rest are the same weights
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+    assert model.kestrel_expert_quant.nbytes <= after
+    assert not any(p.requires_grad for n, p in model.named_parameters() if n in expected)
+    assert_nf4_experts_hold(model, expected, _ids(seed))
+
+
+def _read_gate_up_transposed(packed: dict[str, PackedExperts]) -> None:
+    """Reads gate_up in the other orientation (square in the tiny models, so no shape error)."""
+    packed["gate_up_proj"].transposed = not packed["gate_up_proj"].transposed
+
+
+def _reorder_gate_up_columns(packed: dict[str, PackedExperts]) -> None:
+    """Packs gate_up with its last dimension's even columns first, then the odd ones (for gpt-oss,
+    whose gate and up columns interleave: [gate | up] halves)."""
+    old = packed["gate_up_proj"]
+    w = old.stored().clone()
+    packed["gate_up_proj"] = PackedExperts(torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1), transposed=old.transposed)
+
+
+def _pack_down_transposed(packed: dict[str, PackedExperts]) -> None:
+    """Packs down_proj's (E, a, b) values in (E, b, a) order, under the (E, a, b) shape."""
+    old = packed["down_proj"]
+    w = old.stored().clone()
+    packed["down_proj"] = PackedExperts(w.transpose(1, 2).contiguous().view(w.shape), transposed=old.transposed)
+
+
+@pytest.mark.parametrize(("wrong", "caught_by"), [
+    (_read_gate_up_transposed, "dequantized twin"), (_reorder_gate_up_columns, "gate_up_proj: a weight"),
+    (_pack_down_transposed, "down_proj: a weight"),
+], ids=["read-transposed", "gate-up-reordered", "down-packed-transposed"])
+@pytest.mark.parametrize("family", MOE)
+def test_nf4_expert_checks_fail_on_a_wrong_layout(family: str, wrong, caught_by: str) -> None:
+    model, expected, _ = _nf4_model(family, seed=0)
+    wrong(packed_experts(model.model.layers[1].mlp.experts))
+    with pytest.raises(AssertionError, match=caught_by):
+        assert_nf4_experts_hold(model, expected, _ids(0))
 
 
 @pytest.mark.parametrize("family", MOE)
