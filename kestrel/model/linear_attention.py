@@ -14,12 +14,17 @@ token) for CUDA tensors, HF's reference functions otherwise. The math is HF's
     y = RMSNormGated(o, z = x W_z) W_out
 
 Gradients flow through whichever kernel ran (flash-linear-attention's own backward on CUDA).
+Where that backward refuses the device (flash-linear-attention 0.6 raises on Hopper GPUs under
+Triton 3.4 to 3.7.0, whose code for it is wrong), a one-time probe per device finds out, it is
+logged, and passes that need gradients take HF's reference functions instead; passes without
+gradients (decode, prefill, a checkpoint's first pass) keep the kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 from typing import Any, Callable
 
@@ -28,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.kernels.dispatch import forced_backend
+
+log = logging.getLogger("kestrel")
 
 
 @functools.cache
@@ -38,6 +45,34 @@ def _fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     except ImportError:
         return None
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+@functools.cache
+def fla_backward_works(device: torch.device, chunk: Callable[..., Any]) -> bool:
+    """Whether flash-linear-attention's chunked kernel runs its backward on `device`: a probe on
+    one tiny chunk, once per device (its refusals are RuntimeErrors naming the fix)."""
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    q, k, v = (t(1, 64, 1, 16).requires_grad_() for _ in range(3))
+    g, beta = (-t(1, 64, 1).abs()).requires_grad_(), t(1, 64, 1).sigmoid().requires_grad_()
+    try:
+        out, _ = chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        out.float().sum().backward()
+    except RuntimeError as err:
+        log.warning("flash-linear-attention cannot train on %s (%s); linear-attention layers train on "
+                    "PyTorch's reference functions there, which is slower", device, str(err).splitlines()[0])
+        return False
+    return True
+
+
+def fla_for(on_cuda: bool, device: torch.device, needs_grad: bool) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """flash-linear-attention's functions for a pass on `device`, or None for HF's reference: its
+    kernels are CUDA-only, and a pass that needs gradients takes them only where its backward runs."""
+    ops = _fla_ops() if on_cuda and forced_backend() != "torch" else None
+    if ops is not None and needs_grad and not fla_backward_works(device, ops[0]):
+        return None
+    return ops
 
 
 def _reference(module: nn.Module, name: str) -> Callable[..., Any]:
@@ -53,7 +88,8 @@ def delta_rule(
     """q, k (B, T, H, dk); v (B, T, H, dv); g, beta (B, T, H); state (B, H, dk, dv) or None.
     -> output (B, T, H, dv), final state (or None unless `keep_state`). `step`: one token
     after a prefill (the recurrent form), else the chunked form."""
-    fla = _fla_ops() if q.is_cuda and forced_backend() != "torch" else None  # its kernels are CUDA-only
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    fla = fla_for(q.is_cuda, q.device, needs_grad)
     kwargs = dict(g=g, beta=beta, initial_state=state, output_final_state=keep_state, use_qk_l2norm_in_kernel=True)
     if fla is not None:
         return fla[1 if step else 0](q, k, v, **kwargs)

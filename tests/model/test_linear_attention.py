@@ -40,3 +40,45 @@ def test_patched_linear_attention_runs_where_hfs_bound_kernel_cannot(monkeypatch
         out = model(input_ids=ids[:, :-1], use_cache=True)
         step = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
     torch.testing.assert_close(step, want[:, -1], rtol=1e-4, atol=1e-4)
+
+
+class _RefusingBackward(torch.autograd.Function):
+    """A chunked kernel whose forward runs and whose backward refuses, as flash-linear-attention
+    0.6's does on Hopper under Triton 3.4-3.7.0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta):  # type: ignore[no-untyped-def]
+        return q * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results\nmore")
+
+
+def _refusing_chunk(q, k, v, g, beta, **kwargs):  # type: ignore[no-untyped-def]
+    return _RefusingBackward.apply(q, k, v, g, beta), None
+
+
+def _working_chunk(q, k, v, g, beta, **kwargs):  # type: ignore[no-untyped-def]
+    return q * beta[..., None] + k * v + g[..., None], None
+
+
+@pytest.mark.parametrize(("chunk", "trains"), [(_refusing_chunk, False), (_working_chunk, True)])
+def test_fla_trains_only_where_its_backward_runs(chunk, trains: bool, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    from kestrel.model import linear_attention as la
+
+    la.fla_backward_works.cache_clear()
+    ops = (chunk, _working_chunk)
+    monkeypatch.setattr(la, "_fla_ops", lambda: ops)
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="kestrel"):
+        assert la.fla_for(True, cpu, needs_grad=True) == (ops if trains else None)
+        assert la.fla_for(True, cpu, needs_grad=True) == (ops if trains else None)  # probed once
+    assert la.fla_for(True, cpu, needs_grad=False) == ops  # passes without gradients keep the kernels
+    assert la.fla_for(False, cpu, needs_grad=False) is None  # CUDA-only
+    warnings = [r.getMessage() for r in caplog.records if "cannot train" in r.getMessage()]
+    assert len(warnings) == (0 if trains else 1)
+    if warnings:
+        assert "Hopper" in warnings[0] and "more" not in warnings[0]
+    la.fla_backward_works.cache_clear()
