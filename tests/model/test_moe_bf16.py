@@ -1,10 +1,9 @@
 """Mixture-of-experts in bf16 on CPU, against an fp32 run of the same (bf16-rounded) weights.
 
 The patched sparse block and the whole patched model may not be much further from the fp32 run
-than HF's own bf16 ones are. Both bf16 runs route as the fp32 run does (`tests.support.routing`):
-unpinned, each bf16 run flips a few near-tie tokens to other experts, each flip moves the logits by
-0.05 to 0.3 of their largest value, and which run flips where decides the comparison. Also the pin
-itself: the given experts, the family's own scoring.
+than HF's own bf16 ones are. Both bf16 runs route as the fp32 run does (`tests.support.routing`
+says why: unpinned, a few near-tie tokens flip to other experts, and which run flips where decides
+the comparison). Also the pin itself: the given experts, the family's own scoring.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from kestrel.model.patching import patch_lora_layers, patch_model
 from kestrel.model.registry import family_of
 from tests.model.test_model_forward import _base
 from tests.model.test_moe import MOE, VOCAB, _lora
-from tests.support.bf16_runs import packed_batch, padded_batch, pin_to_truth, rel_err, run_with_grads
+from tests.support.bf16_runs import packed_batch, padded_batch, pin_to_truth, rel_err, rel_fro, run_with_grads
 from tests.support.routing import pin_router, routers
 from tests.support.tiny import tiny_model
 
@@ -92,9 +91,11 @@ def test_patched_sparse_block_in_bf16_is_as_close_to_fp32_as_hf(family: str) -> 
     got_hf, got_fast = _block_run(hf, x, dy), _block_run(fast, x, dy)
     assert got_fast.keys() == want.keys()
     for name, truth_value in want.items():
-        hf_err, fast_err = rel_err(got_hf[name], truth_value), rel_err(got_fast[name], truth_value)
-        assert hf_err < 2e-2, name  # rounding-sized: the pinned routing is the same
-        assert fast_err <= 1.5 * hf_err + 1e-3, name
+        hf_err, fast_err = rel_fro(got_hf[name], truth_value), rel_fro(got_fast[name], truth_value)
+        assert hf_err < 1e-2, name  # rounding-sized (seeds 21-30: at most 0.007), as the routing is the same
+        # Seeds 21-30: at most 1.11 on the experts (LoRA kept as factors rounds a few more
+        # intermediates than PEFT's merged weight), 1.23 on Qwen3.5's shared expert (fused LoRA).
+        assert fast_err <= 1.35 * hf_err, name
 
 
 @pytest.mark.parametrize("family,layout", MODEL_CASES)
@@ -108,7 +109,7 @@ def test_patched_moe_model_in_bf16_is_as_close_to_fp32_as_hf(family: str, layout
     keep = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()  # pad rows are nobody's business
     want_logits, hf_logits, fast_logits = want_logits[keep], hf_logits[keep], fast_logits[keep]
     hf_err = rel_err(hf_logits, want_logits)
-    assert hf_err < 3e-2  # rounding-sized (about 0.01); a flipped expert alone gives 0.05 to 0.3
+    assert hf_err < 3e-2  # rounding-sized (about 0.01); one flipped expert alone gives 0.04 or more
     assert rel_err(fast_logits, want_logits) <= 2 * hf_err + 1e-2
     assert abs(float(fast_loss - want_loss)) <= 2 * abs(float(hf_loss - want_loss)) + 1e-2
     assert fast_grads.keys() == want_grads.keys()

@@ -53,6 +53,11 @@ def rel_err(a: torch.Tensor, truth: torch.Tensor) -> float:
     return float((a - truth).abs().max() / truth.abs().max().clamp(min=1e-6))
 
 
+def rel_fro(a: torch.Tensor, truth: torch.Tensor) -> float:
+    """||a - truth|| / ||truth|| (Frobenius): steadier than `rel_err` from one seed to the next."""
+    return float((a - truth).norm() / truth.norm().clamp(min=1e-12))
+
+
 def pin_to_truth(truth: nn.Module, models: list[nn.Module], batch: Batch) -> None:
     """Route every MoE layer of `models` as `truth` routes `batch` (see tests.support.routing: a
     near-tie that bf16 breaks otherwise than fp32 is a routing decision, not rounding). No-op for a
