@@ -59,12 +59,13 @@ def rel_fro(a: torch.Tensor, truth: torch.Tensor) -> float:
 
 
 def pin_to_truth(truth: nn.Module, models: list[nn.Module], batch: Batch) -> None:
-    """Route every MoE layer of `models` as `truth` routes `batch` (see tests.support.routing: a
-    near-tie that bf16 breaks otherwise than fp32 is a routing decision, not rounding). No-op for a
-    dense family."""
+    """Route every MoE layer of `models`, and of `truth`'s later runs, as `truth` routes `batch` now
+    (see tests.support.routing: a near-tie that bf16 breaks otherwise than fp32 is a routing
+    decision, not rounding; the truth is pinned too, so a run with gradients, whose kernels may
+    differ, cannot flip one either). No-op for a dense family."""
     spec = family_of(truth.config.model_type)
     if spec is None or spec.moe is None:
         return
     chosen = routing_of(truth, batch)
-    for model in models:
+    for model in [truth, *models]:
         pin_routing(model, chosen)
