@@ -4,7 +4,7 @@ LoRA attached (the training path: fused LoRA QKV, in-place RoPE, varlen). Packed
 an unpacked row longer than the window (the per-row varlen path), and right-padded rows (the real
 tokens and the padding as segments). bf16 is judged against an
 fp32 run of the same weights: the patched model may not be much further from it than HF's own
-bf16 run is.
+bf16 run is. MoE layers route as the fp32 run does (tests.support.routing says why).
 """
 
 from __future__ import annotations
@@ -19,45 +19,10 @@ import torch.nn.attention.varlen as torch_varlen
 from kestrel.model.patching import patch_lora_layers, patch_model
 from kestrel.model.registry import FULL_PATH_FAMILIES as SUPPORTED, family_of
 from tests.model.test_model_forward import OVERRIDES, _base
-from tests.model.test_patching import VOCAB, _lora
+from tests.model.test_patching import _lora
+from tests.support.bf16_runs import packed_batch, padded_batch, pin_to_truth, rel_err, run_with_grads
 
 pytestmark = pytest.mark.gpu
-
-
-def _padded() -> dict[str, torch.Tensor]:
-    """(2, 64) right-padded rows of 64 and 37 real tokens (as kestrel.data.collate pads)."""
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, VOCAB, (2, 64), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 37:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids.cuda(), "labels": labels.cuda(), "attention_mask": mask.cuda()}
-
-
-def _packed(long_row: bool) -> dict[str, torch.Tensor]:
-    """(2, 64) packed rows of samples 40 + 24 and 7 + 30 + 27, or two unpacked 64-token rows."""
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, 64), generator=g)
-    labels = ids.clone()
-    rows = [[64], [64]] if long_row else [[40, 24], [7, 30, 27]]
-    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
-    labels[positions == 0] = -100  # no sample predicts across a boundary
-    return {"input_ids": ids.cuda(), "labels": labels.cuda(), "position_ids": positions.cuda()}
-
-
-def _run(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits (fp32), loss, and every LoRA gradient (fp32)."""
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits.float()
-    loss = model(**batch, use_cache=False).loss
-    loss.backward()
-    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-    return logits, loss.detach().float(), grads
-
-
-def _err(a: torch.Tensor, truth: torch.Tensor) -> float:
-    return float((a - truth).abs().max() / truth.abs().max().clamp(min=1e-6))
 
 
 @pytest.mark.parametrize("layout", ["packed", "long-row", "padded"])
@@ -78,22 +43,23 @@ def test_varlen_matches_hf_in_bf16(family: str, layout: str, monkeypatch: pytest
     fast = copy.deepcopy(hf)
     patch_model(fast)
     assert patch_lora_layers(fast) > 0  # fused LoRA QKV feeds the varlen kernel, as in training
-    batch = _padded() if layout == "padded" else _packed(layout == "long-row")
-    want_logits, want_loss, want_grads = _run(truth, batch)
-    hf_logits, hf_loss, hf_grads = _run(hf, batch)
-    fast_logits, fast_loss, fast_grads = _run(fast, batch)
+    batch = padded_batch("cuda") if layout == "padded" else packed_batch(layout == "long-row", "cuda")
+    pin_to_truth(truth, [hf, fast], batch)  # MoE: one routing, so the errors are rounding, not flipped experts
+    want_logits, want_loss, want_grads = run_with_grads(truth, batch)
+    hf_logits, hf_loss, hf_grads = run_with_grads(hf, batch)
+    fast_logits, fast_loss, fast_grads = run_with_grads(fast, batch)
     if layout == "padded":  # pad positions' outputs are nobody's business (their labels are ignored)
         keep = batch["attention_mask"].bool()
         want_logits, hf_logits, fast_logits = want_logits[keep], hf_logits[keep], fast_logits[keep]
     assert calls, "the varlen kernel never ran"
-    assert _err(fast_logits, want_logits) <= 2 * _err(hf_logits, want_logits) + 1e-2
+    assert rel_err(fast_logits, want_logits) <= 2 * rel_err(hf_logits, want_logits) + 1e-2
     assert abs(float(fast_loss - want_loss)) <= 2 * abs(float(hf_loss - want_loss)) + 1e-2
     assert fast_grads.keys() == want_grads.keys()
     for name, want in want_grads.items():
         assert fast_grads[name].isfinite().all(), name
-        hf_err = _err(hf_grads[name], want)
+        hf_err = rel_err(hf_grads[name], want)
         # HF's bf16 SDPA path gives NaN gradients on right-padded sliding-window rows (Mistral and
         # Gemma 3, seen on an H200); then an absolute bound of bf16 size applies (measured there:
         # 0.011 for Mistral, 0.024 for Gemma 3's 8 layers of sandwich norms).
         bound = 2 * hf_err + 2e-2 if math.isfinite(hf_err) else 3e-2
-        assert _err(fast_grads[name], want) <= bound, name
+        assert rel_err(fast_grads[name], want) <= bound, name
