@@ -82,3 +82,29 @@ def test_fla_trains_only_where_its_backward_runs(chunk, trains: bool, monkeypatc
     if warnings:
         assert "Hopper" in warnings[0] and "more" not in warnings[0]
     la.fla_backward_works.cache_clear()
+
+
+@pytest.mark.gpu
+def test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with flash-linear-attention installed: the patched model's loss and gradients equal
+    those of the same model on the PyTorch functions, whether the probe lets the kernel's backward
+    run or not (flash-linear-attention 0.6 refuses it on Hopper under Triton 3.4-3.7.0)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kestrel.model import linear_attention as la
+
+    if la._fla_ops() is None:
+        pytest.skip("flash-linear-attention is not installed")
+    la.fla_backward_works.cache_clear()
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    fast, ref = (tiny_model("qwen3_5_text", VOCAB, seed=1).cuda() for _ in range(2))
+    patch_model(fast), patch_model(ref)
+    loss = fast(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    monkeypatch.setenv("KESTREL_KERNELS", "torch")
+    want = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-3, atol=1e-3)
+    for (name, p), q in zip(fast.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=name)
