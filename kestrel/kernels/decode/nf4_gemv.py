@@ -55,7 +55,10 @@ import triton.language as tl
 
 from kestrel.kernels import nf4
 from kestrel.kernels._utils import cdiv, interpreted, sm_count
-from kestrel.kernels.decode.nf4_tiles import MAX_ROWS, NIBBLE, PAIR, Plan, Tiles, choose_tiles, measured_plan
+from kestrel.kernels.decode.nf4_tiles import (
+    MAX_ROWS, NIBBLE, PAIR, Plan, Tiles, choose_tiles, device_name,
+    measured_plan,
+)
 from kestrel.kernels.dispatch import use_triton
 
 __all__ = ["MAX_ROWS", "NIBBLE", "PAIR", "Tiles", "NF4Weight", "applies", "nf4_gemv", "nf4_weight"]
@@ -342,7 +345,7 @@ def nf4_weight(members: Sequence[tuple[torch.Tensor, Any, torch.Tensor | None]],
         if reason:
             raise ValueError(reason)
     sizes = tuple(int(state.shape[0]) for _, state, _ in members)
-    plan = measured_plan(torch.cuda.get_device_name(device), sum(sizes), k) if device.type == "cuda" else None
+    plan = measured_plan(device_name(device), sum(sizes), k)
     has_bias = any(b is not None for _, _, b in members)
     bias = tuple(torch.zeros(n, dtype=dtype, device=device) if b is None else b.detach()
                  for n, (_, _, b) in zip(sizes, members)) if has_bias else None

@@ -55,17 +55,27 @@ class Plan:
         return None
 
 
-def measured_plan(device: str, n: int, k: int, path: Path = TABLE) -> Plan | None:
-    """The plan the sweep stored for an (n, k) weight on `device` (a CUDA device name), or None."""
-    entry = _read(str(path)).get(device, {}).get(f"{n}x{k}")
+def device_name(device: object) -> str:
+    """The table's key for a torch device: the CUDA device's name, else its type ("cpu")."""
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def measured_plan(device: str, n: int, k: int, path: Path | None = None) -> Plan | None:
+    """The plan the sweep stored for an (n, k) weight on `device` (`device_name`) in the table at
+    `path` (default TABLE), or None."""
+    entry = _read(str(path or TABLE)).get(device, {}).get(f"{n}x{k}")
     if entry is None:
         return None
     tiles = tuple(sorted((int(rows), Tiles(*t)) for rows, t in entry["tiles"].items()))
     return Plan(tiles, bool(entry["kernel_one_row"]))
 
 
-def store_plan(device: str, n: int, k: int, plan: Plan, path: Path = TABLE) -> None:
-    """Write `plan` for (device, n, k) into the table at `path`, keeping its other entries."""
+def store_plan(device: str, n: int, k: int, plan: Plan, path: Path | None = None) -> None:
+    """Write `plan` for (device, n, k) into the table at `path` (default TABLE), keeping its other entries."""
+    path = path or TABLE
     table = json.loads(path.read_text()) if path.exists() else {}
     table.setdefault(device, {})[f"{n}x{k}"] = {"tiles": {str(rows): list(t) for rows, t in plan.tiles},
                                                  "kernel_one_row": plan.kernel_one_row}
