@@ -5,7 +5,7 @@
 For q/k/v (three members, 6144 x 4096), o (4096 x 4096), gate/up (two members, 28672 x 4096) and
 down (4096 x 14336), at M = 1, 2, 8 and 16 rows:
   1. every candidate of a grid (`candidates`: one-row multiply-adds at 1 row, tensor cores at
-     2-16, split-K on both, the byte-pair lookup) and the cost model's tiles with either lookup
+     1-16, split-K on both, the byte-pair lookup) and the cost model's tiles with either lookup
      (`nf4_tiles.choose_tiles`; NIBBLE with one split at one row is the session-15 kernel's
      decoding) is checked against bitsandbytes' CUDA dequantize: one-hot rows of x must return
      its values bit for bit, random rows its fp64 product within bf16 rounding. A candidate that
@@ -72,8 +72,8 @@ def candidates(one_row: bool, n: int, k: int, sms: int) -> list[Tiles]:
 
 
 def shape_tasks(name: str, sms: int) -> list[tuple[int, Tiles]]:
-    """(rows to time at, tiles) for one shape: the grid at one row and at 2-16 rows (one compiled
-    kernel, timed at each count), the cost model's tiles with each lookup."""
+    """(rows to time at, tiles) for one shape: the one-row grid (at 1) and the tensor-core grid (0:
+    at every count, one compiled kernel), the cost model's tiles with each lookup (at their m)."""
     sizes, k = SHAPES[name]
     n = sum(sizes)
     tasks = [(1, t) for t in candidates(True, n, k, sms)] + [(0, t) for t in candidates(False, n, k, sms)]
@@ -182,7 +182,7 @@ def sweep_shape(name: str, sms: int, bandwidth: float, old: dict) -> tuple[list[
         row: dict = {"shape": name, "n": first.n, "k": k, "m": m, "weight_MB": first.nbytes / 1e6, "tiles": {}}
         timed: dict[Tiles, float] = {}
         for at, t in tasks:
-            if at not in (m, 0 if m > 1 else 1) or (t.block_m == 1) != (m == 1):
+            if at not in (m, 0) or (t.block_m == 1 and m > 1):
                 continue
             entry = {"problem": check.problem(t)}
             if not entry["problem"]:
@@ -263,20 +263,19 @@ def main() -> None:
     compile_all(names, sms, args.workers)
     old = session_15(device)
     rows, plans = [], {}
-    for name in names:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name in names:  # each shape's plan and the report so far are written as soon as it is done
         shape_rows, plan = sweep_shape(name, sms, bandwidth, old)
         rows += shape_rows
         plans[name] = plan
         if not args.no_store:
             nf4_tiles.store_plan(device, shape_rows[0]["n"], shape_rows[0]["k"], plan)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"device": device, "sms": sms, "copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows,
-              "plans": {name: {"tiles": {m: list(t) for m, t in plan.tiles}, "kernel_one_row": plan.kernel_one_row}
-                        for name, plan in plans.items()},
-              "wall_s": round(time.perf_counter() - start, 1)}
-    args.out.write_text(json.dumps(report, indent=1))
-    if not args.no_store and nf4_tiles.TABLE.exists():
-        (args.out.parent / nf4_tiles.TABLE.name).write_text(nf4_tiles.TABLE.read_text())
+            (args.out.parent / nf4_tiles.TABLE.name).write_text(nf4_tiles.TABLE.read_text())
+        report = {"device": device, "sms": sms, "copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows,
+                  "plans": {name: {"tiles": {m: list(t) for m, t in plan.tiles}, "kernel_one_row": plan.kernel_one_row}
+                            for name, plan in plans.items()},
+                  "wall_s": round(time.perf_counter() - start, 1)}
+        args.out.write_text(json.dumps(report, indent=1))
     for name, plan in plans.items():
         print(f"plan {name}: kernel at one row {plan.kernel_one_row}; " + ", ".join(f"m={m} {tuple(t)}" for m, t in plan.tiles))
     print(f"wrote {args.out} in {report['wall_s']} s")

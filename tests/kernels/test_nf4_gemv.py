@@ -90,7 +90,7 @@ def test_product_matches_dequantized_matmul(m: int, shape: tuple[int, int], dtyp
     weight, _ = _weight((n,), k, dtype, nested=m % 2 == 0)
     x = _x(m, k, dtype, seed=m)
     ref = (x.double() @ dequantized(weight).double().T).to(dtype)
-    for tiles in (None, FMA, FMA._replace(lookup=NIBBLE), SPLIT1) if m == 1 else (None, DOT, SPLIT):
+    for tiles in (None, FMA, FMA._replace(lookup=NIBBLE), SPLIT1, DOT) if m == 1 else (None, DOT, SPLIT):
         y = nf4_gemv(x, weight, tiles)
         assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
         assert_close(y, ref)
@@ -133,8 +133,8 @@ def test_tiles_that_do_not_fit_are_refused() -> None:
     weight, _ = _weight((24,), 128, torch.bfloat16)
     with pytest.raises(ValueError, match="do not fit 2 rows"):
         nf4_gemv(_x(2, 128, torch.bfloat16), weight, FMA)
-    with pytest.raises(ValueError, match="do not fit 1 rows"):
-        nf4_gemv(_x(1, 128, torch.bfloat16), weight, DOT)
+    with pytest.raises(ValueError, match="in blocks of 64"):
+        nf4_gemv(_x(1, 128, torch.bfloat16), weight, Tiles(1, 4, 32, 1))
 
 
 def test_leading_dims_and_row_slices() -> None:
@@ -215,7 +215,7 @@ def test_measured_plan_decides_one_row_and_tiles() -> None:
     assert applies(x1, measured) and measured.tiles_for(1) == SPLIT1 and measured.tiles_for(5) == SPLIT
     assert measured.tiles_for(1) != weight.tiles_for(1)
     assert torch.equal(nf4_gemv(x1, measured), nf4_gemv(x1, weight, SPLIT1))
-    bad = dataclasses.replace(weight, plan=Plan(((1, DOT),), True))
+    bad = dataclasses.replace(weight, plan=Plan(((1, Tiles(1, 4, 32, 1)),), True))
     with pytest.raises(ValueError, match="do not fit"):
         nf4_gemv(x1, bad)
 

@@ -24,7 +24,8 @@ no nested decode per tile (whose mul + add must not fuse into an FMA) and no per
 Two ways through a tile (BLOCK_N rows x BLOCK_K columns; byte j gives elements 2j, 2j + 1, which
 multiply x's even and odd columns): one row of x as fp32 multiply-adds into a (BLOCK_N,
 BLOCK_K / 2) accumulator reduced once at the end (as `kestrel/kernels/decode/gemv.py`); 2..16
-rows as the decoded tile times x^T on tensor cores (`tl.dot`, fp32 accumulation). Split-K (at
+rows (or one, where measured faster) as the decoded tile times x^T on tensor cores (`tl.dot`, fp32
+accumulation). Split-K (at
 any row count: one row over few, tall matrices needs it to fill the SMs) is finished in the same
 launch: the last of a tile's SPLIT programs (a ticket counter) adds the fp32 partials in split
 order (deterministic) and resets the counter.
@@ -407,7 +408,7 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
     if not use_triton(x, weight.packed[0]):
         return nf4_gemv_reference(x, weight)
     t = tiles or weight.tiles_for(m)
-    if (t.block_m == 1) != (m == 1) or t.block_m not in (1, MAX_ROWS) or t.block_k % weight.blocksize:
+    if (t.block_m == 1 and m > 1) or t.block_m not in (1, MAX_ROWS) or t.block_k % weight.blocksize:
         raise ValueError(f"tiles {t} do not fit {m} rows of K = {k} in blocks of {weight.blocksize}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_n = cdiv(n, t.block_n)

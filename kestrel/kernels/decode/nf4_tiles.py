@@ -48,7 +48,7 @@ class Plan:
     kernel_one_row: bool
 
     def for_rows(self, m: int) -> Tiles | None:
-        """The tiles measured at the fewest rows >= m on the same path (one row: only one row's)."""
+        """The tiles measured at the fewest rows >= m, one row's only for one row (either path)."""
         for rows, t in self.tiles:
             if rows >= m and (rows == 1) == (m == 1):
                 return t
