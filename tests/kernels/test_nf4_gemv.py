@@ -4,7 +4,7 @@ Dequantized values bit for bit (one-hot rows of x pick single weights out) again
 `nf4.dequantize_reference` and bitsandbytes' own dequantize, products against the dequantized
 weight in float64, odd shapes (N no multiple of a tile, K of several quant blocks and no multiple
 of a step), M = 1, 2, 3, 8, 16, nested and plain absmax, fp16 and bf16, both lookups (byte pairs,
-nibbles), stacked members equal to their separate products, biases, split-K at one row and more
+nibbles), with and without prefetch, stacked members equal to their separate products, biases, split-K at one row and more
 (the tickets left zero), the measured plan (tiles, one row or not). CPU: Triton's interpreter.
 """
 
@@ -31,8 +31,10 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 # a K of 5 blocks: the last split partly past K) at 2-16 rows and at one, a row tile past N; all
 # with the byte-pair lookup, FMA and DOT also with the nibble lookup.
 FMA, DOT, SPLIT, SPLIT1 = Tiles(1, 8, 128, 1), Tiles(16, 32, 128, 1), Tiles(16, 16, 64, 3), Tiles(1, 4, 64, 3)
-PATHS = [FMA, DOT, SPLIT, SPLIT1, FMA._replace(lookup=NIBBLE), DOT._replace(lookup=NIBBLE)]
-PATH_IDS = ["fma", "dot", "split", "split1", "fma-nibble", "dot-nibble"]
+PATHS = [FMA, DOT, SPLIT, SPLIT1, FMA._replace(lookup=NIBBLE), DOT._replace(lookup=NIBBLE),
+         FMA._replace(prefetch=True), SPLIT._replace(prefetch=True), SPLIT1._replace(prefetch=True)]
+PATH_IDS = ["fma", "dot", "split", "split1", "fma-nibble", "dot-nibble", "fma-prefetch", "split-prefetch",
+            "split1-prefetch"]
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +92,8 @@ def test_product_matches_dequantized_matmul(m: int, shape: tuple[int, int], dtyp
     weight, _ = _weight((n,), k, dtype, nested=m % 2 == 0)
     x = _x(m, k, dtype, seed=m)
     ref = (x.double() @ dequantized(weight).double().T).to(dtype)
-    for tiles in (None, FMA, FMA._replace(lookup=NIBBLE), SPLIT1, DOT) if m == 1 else (None, DOT, SPLIT):
+    prefetch = [t._replace(prefetch=True) for t in ((FMA, SPLIT1) if m == 1 else (DOT, SPLIT))]
+    for tiles in (None, FMA, FMA._replace(lookup=NIBBLE), SPLIT1, DOT, *prefetch) if m == 1 else (None, DOT, SPLIT, *prefetch):
         y = nf4_gemv(x, weight, tiles)
         assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
         assert_close(y, ref)

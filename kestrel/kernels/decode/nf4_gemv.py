@@ -33,7 +33,8 @@ order (deterministic) and resets the counter.
 The work per weight, not the bytes, set the pace of the first version (bench/RESULTS.md, Decode
 "Session 15": a gather from the 16-entry code table, a nibble extraction, a multiply and a
 rounding per weight). The byte-pair lookup (`_codes`, PAIR) halves the gathers and drops the
-extraction; the multiply and the rounding stay, because the values must be the 16-bit
+extraction; PREFETCH loads the next tile's bytes before decoding the current one, so their latency
+overlaps the decoding. The multiply and the rounding stay, because the values must be the 16-bit
 dequantized weight's (scaling a block's partial sum by its absmax once would skip the rounding of
 each weight to 16 bits, so the product would no longer be the dequantized 16-bit product). The
 NIBBLE lookup is kept for the sweep's comparison.
@@ -120,35 +121,48 @@ def _codes(packed, CODE, PAIRS, LOOKUP: tl.constexpr):
 
 
 @triton.jit
-def _weight_pairs(w_rows, s_rows, CODE, PAIRS, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
-                  EVEN: tl.constexpr, LOOKUP: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Quant blocks blk0 .. blk0 + NB - 1 of each row, dequantized: (hi, lo), each (BLOCK_N, NB,
-    HB), hi[.., b, j] = element 2j of block b (byte j's high nibble), lo = element 2j + 1.
-    Blocks at or past N_BLK read as zeros (unless EVEN: none are)."""
+def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, MASKED: tl.constexpr):
+    """The packed bytes (BLOCK_N, NB, HB) uint8 and fp32 absmax (BLOCK_N, NB) of quant blocks blk0 ..
+    blk0 + NB - 1 of each row; blocks at or past N_BLK read as zeros (checked only when MASKED)."""
     blk = blk0 + tl.arange(0, NB)  # (NB,)
     byte = blk[:, None] * HB + tl.arange(0, HB)[None, :]  # (NB, HB) byte offsets within a row
-    if EVEN:
-        packed = tl.load(w_rows[:, None, None] + byte[None, :, :])
-        scale = tl.load(s_rows[:, None] + blk[None, :])
-    else:
+    if MASKED:
         ok = (blk < N_BLK)[None, :]
         packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=ok[:, :, None], other=0)
         scale = tl.load(s_rows[:, None] + blk[None, :], mask=ok, other=0.0)
-    scale = scale[:, :, None]
+    else:
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :])
+        scale = tl.load(s_rows[:, None] + blk[None, :])
+    return packed, scale
+
+
+@triton.jit
+def _weight_pairs(packed, scale, CODE, PAIRS, LOOKUP: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A tile from `_tile` dequantized: (hi, lo), each (BLOCK_N, NB, HB), hi[.., b, j] = element 2j
+    of block b (byte j's high nibble), lo = element 2j + 1."""
     hi, lo = _codes(packed, CODE, PAIRS, LOOKUP)
+    scale = scale[:, :, None]
     return _rounded(hi * scale, DTYPE, INTERPRETED), _rounded(lo * scale, DTYPE, INTERPRETED)
 
 
 @triton.jit
 def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, N_BLK: tl.constexpr,
               NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr, EVEN: tl.constexpr, LOOKUP: tl.constexpr,
-              DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """(BLOCK_N, 1) fp32: one row of x times BLOCK_N weight rows over STEPS tiles of NB blocks."""
+              PREFETCH: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(BLOCK_N, 1) fp32: one row of x times BLOCK_N weight rows over STEPS tiles of NB blocks.
+    PREFETCH: the next tile's bytes are loaded before this one is decoded (registers carry them)."""
     pair = tl.arange(0, HB)[:, None] * 2 + tl.arange(0, 2)[None, :]  # (HB, 2): columns 2j, 2j + 1
     acc = tl.zeros((BLOCK_N, NB, HB), tl.float32)
+    if PREFETCH:
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True)
     for i in range(STEPS):
         blk0 = blk_first + i * NB
-        hi, lo = _weight_pairs(w_rows, s_rows, CODE, PAIRS, blk0, N_BLK, NB, HB, EVEN, LOOKUP, DTYPE, INTERPRETED)
+        if PREFETCH:
+            cur_packed, cur_scale = packed, scale
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True)  # the last one unused
+        else:
+            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, LOOKUP, DTYPE, INTERPRETED)
         blk = blk0 + tl.arange(0, NB)
         cols = blk[:, None, None] * (2 * HB) + pair[None, :, :]  # (NB, HB, 2)
         if EVEN:
@@ -163,15 +177,23 @@ def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr,
-              EVEN: tl.constexpr, LOOKUP: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+              EVEN: tl.constexpr, LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, DTYPE: tl.constexpr,
+              INTERPRETED: tl.constexpr):
     """(BLOCK_N, BLOCK_M) fp32: the weight rows times up to BLOCK_M rows of x, on tensor cores."""
     BLOCK_K: tl.constexpr = NB * 2 * HB
     m = tl.arange(0, BLOCK_M)
     x_rows = X + m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    if PREFETCH:
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True)
     for i in range(STEPS):
         blk0 = blk_first + i * NB
-        hi, lo = _weight_pairs(w_rows, s_rows, CODE, PAIRS, blk0, N_BLK, NB, HB, EVEN, LOOKUP, DTYPE, INTERPRETED)
+        if PREFETCH:
+            cur_packed, cur_scale = packed, scale
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True)  # the last one unused
+        else:
+            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, LOOKUP, DTYPE, INTERPRETED)
         cols = blk0 * (2 * HB) + tl.arange(0, BLOCK_K)
         ok = (m < M)[:, None] & (cols < N_BLK * 2 * HB)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_K)
@@ -205,7 +227,7 @@ def _nf4_gemv_kernel(
     M, N, end0, end1, stride_x, stride_y,
     K: tl.constexpr, BS: tl.constexpr, MEMBERS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    LOOKUP: tl.constexpr, INTERPRETED: tl.constexpr,
+    LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # quant blocks a step
     HB: tl.constexpr = BS // 2  # bytes a quant block
@@ -226,11 +248,11 @@ def _nf4_gemv_kernel(
         bias = tl.zeros((BLOCK_N,), tl.float32)
     blk_first = split * STEPS * NB
     if BLOCK_M == 1:
-        y = _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N, N_BLK, NB, HB, STEPS, EVEN, LOOKUP, DTYPE,
-                      INTERPRETED)
+        y = _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N, N_BLK, NB, HB, STEPS, EVEN, LOOKUP,
+                      PREFETCH, DTYPE, INTERPRETED)
     else:
         y = _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M, BLOCK_N, N_BLK, NB, HB, STEPS,
-                      EVEN, LOOKUP, DTYPE, INTERPRETED)
+                      EVEN, LOOKUP, PREFETCH, DTYPE, INTERPRETED)
     if SPLIT == 1:
         _store(y, Y, bias, rows, row_ok, M, stride_y, BLOCK_M, HAS_BIAS)
     else:
@@ -421,8 +443,8 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
     _nf4_gemv_kernel[(grid_n, t.split)](
         rows, y, part, weight.tickets, *w, *s, *b, weight.code, weight.pairs, m, n, ends[0], ends[1], rows.stride(0),
         y.stride(0), K=k, BS=weight.blocksize, MEMBERS=members, HAS_BIAS=weight.bias is not None, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=t.lookup, INTERPRETED=interpreted(),
-        num_warps=t.warps, num_stages=t.stages,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=t.lookup, PREFETCH=t.prefetch,
+        INTERPRETED=interpreted(), num_warps=t.warps, num_stages=t.stages,
     )
     return y.view(*x.shape[:-1], n)
 

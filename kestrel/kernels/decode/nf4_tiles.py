@@ -37,6 +37,7 @@ class Tiles(NamedTuple):
     warps: int = 4
     stages: int = 1
     lookup: int = PAIR
+    prefetch: bool = False  # load the next tile's bytes before decoding this one
 
 
 @dataclass(frozen=True)
