@@ -52,12 +52,12 @@ SESSION_15 = ROOT / "bench" / "results" / "nf4-gemv-tiles-2026-11-25-h100.json"
 
 
 def candidates(one_row: bool, n: int, k: int, sms: int) -> list[Tiles]:
-    """The grid: 8-64 decoded values a thread a step; split-K only where the row tiles alone
-    give fewer than 4 programs an SM, and at most 8 programs an SM with it."""
+    """The grid: 8-64 decoded values a thread a step, with and without prefetch; split-K only where
+    the row tiles alone give fewer than 4 programs an SM, and at most 8 programs an SM with it."""
     if one_row:
-        rows, widths, warp_counts, block_m = (2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4), 1
+        rows, widths, warp_counts, block_m = (2, 4, 8, 16), (256, 512, 1024), (2, 4), 1
     else:
-        rows, widths, warp_counts, block_m = (16, 32, 64), (64, 128, 256), (4, 8), MAX_ROWS
+        rows, widths, warp_counts, block_m = (16, 32, 64), (64, 128, 256), (4,), MAX_ROWS
     out = []
     for block_n in rows:
         for block_k in widths:
@@ -67,7 +67,7 @@ def candidates(one_row: bool, n: int, k: int, sms: int) -> list[Tiles]:
                 tiles = cdiv(n, block_n)
                 for split in (1, 2, 4, 8):
                     if split == 1 or (tiles < 4 * sms and tiles * split <= 8 * sms and cdiv(k, block_k) >= 2 * split):
-                        out.append(Tiles(block_m, block_n, block_k, split, warps))
+                        out += [Tiles(block_m, block_n, block_k, split, warps, prefetch=p) for p in (False, True)]
     return out
 
 
