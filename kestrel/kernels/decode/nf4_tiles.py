@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from kestrel.kernels._utils import cdiv, next_pow2
 
 MAX_ROWS = 16  # rows of x one launch takes (the tensor-core tile's M)
@@ -56,10 +58,8 @@ class Plan:
         return None
 
 
-def device_name(device: object) -> str:
+def device_name(device: torch.device | str) -> str:
     """The table's key for a torch device: the CUDA device's name, else its type ("cpu")."""
-    import torch
-
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
