@@ -135,8 +135,9 @@ def run(args: argparse.Namespace) -> Report:
         bench.variant(model, "nf4_modules", compile=False, modules=True)
     if not args.skip_dense:
         model = dequantize_linears(model)
-        bench.variant(model, "bf16_dequantized")
-        if not args.skip_separate:
+        if args.dense in ("both", "fused"):
+            bench.variant(model, "bf16_dequantized")
+        if args.dense in ("both", "separate"):
             bench.variant(model, "bf16_dequantized_separate", fuse=False)
     report.data["tokens_match"] = compare(bench.tokens)
     print(json.dumps(report.data["tokens_match"], indent=1))
@@ -210,8 +211,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--skip-modules", action="store_true", help="skip the previous path (modules called)")
     p.add_argument("--skip-dense", action="store_true", help="skip the dequantized 16-bit runs (no token check)")
-    p.add_argument("--skip-separate", action="store_true",
-                   help="skip the dequantized run with separate products (the fused one still checks tokens)")
+    p.add_argument("--dense", choices=("both", "fused", "separate"), default="both",
+                   help="which dequantized 16-bit runs check the tokens (separate: the same step as nf4's)")
     args = p.parse_args()
     start = time.perf_counter()
     report = run(args)
