@@ -24,11 +24,10 @@ no nested decode per tile (whose mul + add must not fuse into an FMA) and no per
 Two ways through a tile (BLOCK_N rows x BLOCK_K columns; byte j gives elements 2j, 2j + 1, which
 multiply x's even and odd columns): one row of x as fp32 multiply-adds into a (BLOCK_N,
 BLOCK_K / 2) accumulator reduced once at the end (as `kestrel/kernels/decode/gemv.py`); 2..16
-rows (or one, where measured faster) as the decoded tile times x^T on tensor cores (`tl.dot`, fp32
-accumulation). Split-K (at
-any row count: one row over few, tall matrices needs it to fill the SMs) is finished in the same
-launch: the last of a tile's SPLIT programs (a ticket counter) adds the fp32 partials in split
-order (deterministic) and resets the counter.
+rows (or one, where measured faster) as the decoded tile times x^T on tensor cores (`tl.dot`,
+fp32 accumulation). Split-K (at any row count: few, long rows need it to fill the SMs) is
+finished in the same launch: the last of a tile's SPLIT programs (a ticket counter) adds the fp32
+partials in split order (deterministic) and resets the counter.
 
 The work per weight, not the bytes, set the pace of the first version (bench/RESULTS.md, Decode
 "Session 15": a gather from the 16-entry code table, a nibble extraction, a multiply and a
@@ -219,7 +218,9 @@ def _store(y, Y, bias, rows, row_ok, M, stride_y, BLOCK_M: tl.constexpr, HAS_BIA
     tl.store(out, y.to(Y.dtype.element_ty), mask=row_ok[:, None] & (m < M)[None, :])
 
 
-@triton.jit
+# M only masks rows of x: one compiled kernel serves every row count (Triton would otherwise compile
+# M = 1 and multiples of 16 apart).
+@triton.jit(do_not_specialize=["M"])
 def _nf4_gemv_kernel(
     X, Y, PART, TICKETS,  # x (M, K); y (M, N); split-K fp32 partials; int32 tickets, zero between launches
     W0, W1, W2, S0, S1, S2, B0, B1, B2,  # per member: packed uint8, fp32 absmax, bias (unused ones repeat W0...)
