@@ -172,7 +172,8 @@ def sweep_shape(name: str, sms: int, bandwidth: float, old: dict) -> tuple[list[
     sizes, k = SHAPES[name]
     first, members = make_weight(sizes, k)
     copies = max(2, ROTATE_BYTES // first.nbytes)
-    weights = [first] + [make_weight(sizes, k, seed=i + 1)[0] for i in range(copies - 1)]
+    built = [(first, members)] + [make_weight(sizes, k, seed=i + 1) for i in range(copies - 1)]
+    weights = [w for w, _ in built]
     w16 = torch.cat([bnb.functional.dequantize_4bit(p, s) for p, s, _ in members])
     tasks = shape_tasks(name, sms)
     rows, chosen = [], []
@@ -190,8 +191,10 @@ def sweep_shape(name: str, sms: int, bandwidth: float, old: dict) -> tuple[list[
                 entry["GBps"] = first.nbytes / entry["us"] / 1e3
                 entry["of_copy"] = entry["GBps"] * 1e9 / bandwidth
             row["tiles"][str(tuple(t))] = entry
-        # What Linear4bit.forward calls, per member: the 4-bit GEMV at one row, else dequantize + GEMM.
-        row["bnb_us"] = graph_time_us([lambda: [bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s, _ in members]])
+        # What Linear4bit.forward calls, per member: the 4-bit GEMV at one row, else dequantize + GEMM
+        # (over the same copies: no weight read from L2).
+        row["bnb_us"] = graph_time_us([lambda mb=mb: [bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s, _ in mb]
+                                       for _, mb in built])
         best = min(timed, key=timed.get) if timed else None
         summarize(row, best, nf4_tiles.choose_tiles(m, first.n, k, 64, sms), old.get((name, m)))
         chosen.append((m, best))
