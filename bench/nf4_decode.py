@@ -3,14 +3,20 @@
     python bench/nf4_decode.py --out $OUT/nf4_decode.json            # Llama-3.1-8B shape, ~5 min (H100)
     python bench/nf4_decode.py --smoke --out /tmp/nf4_smoke.json      # tiny model, checks the script
 
+Run bench/nf4_gemv_sweep.py first on the same machine: its measured plans (tiles per shape and
+row count, and whether the kernel takes one row) are what the decode path reads; without them
+the cost model's tiles are used and one row stays on bitsandbytes.
+
 Random-init weights at the real shape (bench/decode.py's model), every linear but lm_head
 quantized to NF4 (bitsandbytes, double quant, bf16 compute). Workload: a 512-token prompt, 256
 new tokens, greedy, no stop tokens. Rows:
-  - `nf4`: Kestrel's decode path: at 2-16 rows the NF4 groups read by `kernels/nf4_gemv.py`
-    (one launch per q/k/v, o, gate/up, down) in a compiled, graph-captured step; at one row the
-    bitsandbytes modules (their 4-bit GEMV measured faster there, see that file's docstring);
-  - `nf4_kernel_1row`: batch 1 with the kernel at one row too (`nf4_gemv.MIN_ROWS` = 1): exact
-    dequantized values (bitsandbytes' GEMV multiplies in bf16), compiled;
+  - `nf4`: Kestrel's decode path: at 2-16 rows the NF4 groups read by `kernels/decode/nf4_gemv.py`
+    (one launch per q/k/v, o, gate/up, down) in a compiled, graph-captured step; at one row too
+    where every group's measured plan found the kernel faster than bitsandbytes' GEMV, else the
+    bitsandbytes modules at one row (`nf4_min_rows` in the report);
+  - `nf4_kernel_1row` (only when `nf4` kept the modules at one row): batch 1 with the kernel at
+    one row too (`nf4_gemv.MIN_ROWS` = 1): exact dequantized values (bitsandbytes' GEMV
+    multiplies in bf16), compiled;
   - `nf4_modules`: the same generator with that kernel turned off (each bitsandbytes module
     called: 4-bit GEMV at batch 1, dequantize + GEMM above; eager in the graph), the previous path;
   - `bf16_dequantized`: every NF4 linear replaced by an nn.Linear holding its dequantized bf16
@@ -75,7 +81,7 @@ def step_bytes(backend: Any, batch: int, context: int) -> int:
 
     total = 0
     for g in backend.groups:
-        if g.nf4 is not None and nf4_gemv.MIN_ROWS <= batch <= nf4_gemv.MAX_ROWS:
+        if g.nf4 is not None and g.nf4.min_rows <= batch <= nf4_gemv.MAX_ROWS:
             total += g.nf4.nbytes
         else:
             total += sum(module_bytes(base_module(m)) for m in g.modules)
@@ -122,14 +128,17 @@ def run(args: argparse.Namespace) -> Report:
     })
     bench = Bench(report, [(b, prompts(b, plen, vocab)) for b in (1, args.batch)], args.new_tokens, bandwidth)
     bench.variant(model, "nf4")
-    with mock.patch.object(nf4_gemv, "MIN_ROWS", 1):  # the kernel at one row too: exact, slower
-        bench.variant(model, "nf4_kernel_1row", batches=bench.batches[:1])
+    if report.data.get("nf4_min_rows", nf4_gemv.MIN_ROWS) > 1:
+        with mock.patch.object(nf4_gemv, "MIN_ROWS", 1):  # the kernel at one row too
+            bench.variant(model, "nf4_kernel_1row", batches=bench.batches[:1])
     if not args.skip_modules:
         bench.variant(model, "nf4_modules", compile=False, modules=True)
     if not args.skip_dense:
         model = dequantize_linears(model)
-        bench.variant(model, "bf16_dequantized")
-        bench.variant(model, "bf16_dequantized_separate", fuse=False)
+        if args.dense in ("both", "fused"):
+            bench.variant(model, "bf16_dequantized")
+        if args.dense in ("both", "separate"):
+            bench.variant(model, "bf16_dequantized_separate", fuse=False)
     report.data["tokens_match"] = compare(bench.tokens)
     print(json.dumps(report.data["tokens_match"], indent=1))
     return report
@@ -153,6 +162,11 @@ class Bench:
         if modules:
             for g in gen.backend.groups:
                 g.nf4 = None
+        elif name == "nf4":
+            self.report.data["nf4_min_rows"] = gen.backend.nf4_min_rows
+            self.report.data["nf4_plans"] = {f"{g.nf4.n}x{g.nf4.k}": {
+                "measured": g.nf4.plan is not None, "min_rows": g.nf4.min_rows,
+                "tiles": {m: list(g.nf4.tiles_for(m)) for m in (1, 2, 8, 16)}} for g in gen.backend.groups if g.nf4}
         self.tokens[name] = {}
         for batch, ids in batches or self.batches:
             guarded(self.report, name, batch, lambda batch=batch, ids=ids, gen=gen: self.one(gen, name, batch, ids))
@@ -197,6 +211,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--skip-modules", action="store_true", help="skip the previous path (modules called)")
     p.add_argument("--skip-dense", action="store_true", help="skip the dequantized 16-bit runs (no token check)")
+    p.add_argument("--dense", choices=("both", "fused", "separate"), default="both",
+                   help="which dequantized 16-bit runs check the tokens (separate: the same step as nf4's)")
     args = p.parse_args()
     start = time.perf_counter()
     report = run(args)

@@ -121,6 +121,9 @@ class DecodeModel:
         self.layers = [self._layer(i, layer) for i, layer in enumerate(stack.layers)]
         for g in self.groups:  # NF4 bases: one small-batch kernel launch per group (projections.py)
             g.attach_nf4(self.dtype)
+        # Rows from which a step reads every NF4 group through the kernel: one only where each
+        # group's measured plan found it faster than bitsandbytes' one-row GEMV.
+        self.nf4_min_rows = max((g.nf4.min_rows for g in self.groups if g.nf4 is not None), default=nf4_gemv.MIN_ROWS)
         self.rope = self._rope_tables(stack.rotary_emb)
         self.adapters: list[str] = []
         self.attach_lora()
@@ -228,7 +231,7 @@ class DecodeModel:
 
     @property
     def compilable(self) -> bool:
-        """True when a step of `nf4_gemv.MIN_ROWS` to `MAX_ROWS` rows calls no quantized module
+        """True when a step of `nf4_min_rows` to `nf4_gemv.MAX_ROWS` rows calls no quantized module
         (every quantized group reads its NF4 weights through the Triton kernel), so it can be
         compiled; `step` runs other batch sizes of a quantized model eagerly (the modules)."""
         return all(g.nf4 is not None for g in self.groups if g.quantized)
@@ -351,7 +354,7 @@ class DecodeModel:
         x = self.embed(tok[:, None])  # (B, 1, H)
         h = self._rms(x, self.layers[0].input_norm)
         pre_fn, post_fn, head_fn = self._pre_fn, self._post_fn, self._head_fn
-        if self.quantized and not nf4_gemv.MIN_ROWS <= tok.shape[0] <= nf4_gemv.MAX_ROWS:
+        if self.quantized and not self.nf4_min_rows <= tok.shape[0] <= nf4_gemv.MAX_ROWS:
             pre_fn, post_fn, head_fn = self._pre_attention, self._post_attention, self._head  # modules run
         for i, layer in enumerate(self.layers):
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm

@@ -22,7 +22,7 @@ from kestrel.decode.generate import Generator
 from kestrel.decode.projections import base_module
 from tests.support.tiny import tiny_model
 from kestrel.kernels import nf4
-from kestrel.kernels.decode import nf4_gemv
+from kestrel.kernels.decode import nf4_gemv, nf4_tiles
 from tests.decode.test_decode_hf import VOCAB, _prompt, _with_adapters
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -86,6 +86,40 @@ def test_nf4_tokens_equal_dequantized_model(monkeypatch: pytest.MonkeyPatch) -> 
         dense = Generator(twin, max_seq_len=128, stop_ids=[], fuse=fuse)
         for rows in (prompts[:1], prompts):
             assert gen.generate(rows, 12).tokens == dense.generate(rows, 12).tokens, (fuse, len(rows))
+
+
+@pytest.mark.parametrize("every_group", [True, False])
+def test_measured_plans_decide_whether_one_row_takes_the_kernel(every_group: bool, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's table (here a temporary one for the CPU): when every group's plan measured the
+    kernel faster at one row, a batch-1 step reads all of them through it (and its tiles), the
+    compiled step's condition; when one shape's plan did not, batch-1 steps take the modules' path
+    and only that shape's groups call their modules."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    monkeypatch.setattr(nf4_tiles, "TABLE", tmp_path / "tiles.json")
+    quantized, twin = _pair(adapters=False)
+    groups = [g for g in Generator(quantized, max_seq_len=64, stop_ids=[]).backend.groups if g.nf4 is not None]
+    one_row = nf4_gemv.Tiles(1, 4, 64, 2)
+    slower = (groups[0].nf4.n, groups[0].nf4.k)  # the shape whose plan keeps one row off (not every_group)
+    for g in groups:
+        plan = nf4_tiles.Plan(((1, one_row), (16, nf4_gemv.Tiles(16, 16, 64, 1))),
+                              every_group or (g.nf4.n, g.nf4.k) != slower)
+        nf4_tiles.store_plan("cpu", g.nf4.n, g.nf4.k, plan)
+    gen = Generator(quantized, max_seq_len=64, stop_ids=[])
+    assert gen.backend.nf4_min_rows == (1 if every_group else 2)
+    launched, real = [], nf4_gemv.nf4_gemv
+
+    def spy(x: torch.Tensor, w: nf4_gemv.NF4Weight, tiles: nf4_gemv.Tiles | None = None) -> torch.Tensor:
+        if nf4_gemv.rows_of(x) == 1:  # not the prefill's 6 rows
+            launched.append((w.n, w.k, w.tiles_for(1)))
+        return real(x, w, tiles)
+
+    monkeypatch.setattr(nf4_gemv, "nf4_gemv", spy)
+    rows = [_prompt(6, seed=2)]
+    tokens = gen.generate(rows, 3).tokens
+    assert launched and all(t == one_row for _, _, t in launched)
+    assert any((n, k) == slower for n, k, _ in launched) == every_group  # otherwise that group's modules ran
+    assert tokens == Generator(twin, max_seq_len=64, stop_ids=[], fuse=False).generate(rows, 3).tokens
 
 
 def _teacher_forced(backend, ids: torch.Tensor, lora: LoraCall | None, steps: int = 4) -> list[torch.Tensor]:

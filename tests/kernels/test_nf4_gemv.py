@@ -3,29 +3,38 @@
 Dequantized values bit for bit (one-hot rows of x pick single weights out) against
 `nf4.dequantize_reference` and bitsandbytes' own dequantize, products against the dequantized
 weight in float64, odd shapes (N no multiple of a tile, K of several quant blocks and no multiple
-of a step), M = 1, 3, 8, 16, nested and plain absmax, fp16 and bf16, stacked members equal to
-their separate products, biases, split-K (the tickets left zero). CPU: Triton's interpreter.
+of a step), M = 1, 2, 3, 8, 16, nested and plain absmax, fp16 and bf16, both lookups (byte pairs,
+nibbles), with and without prefetch, stacked members equal to their separate products, biases, split-K at one row and more
+(the tickets left zero), the measured plan (tiles, one row or not). CPU: Triton's interpreter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
 from kestrel.kernels import nf4
+from kestrel.kernels.decode import nf4_tiles
 from kestrel.kernels.decode.nf4_gemv import (
-    MAX_ROWS, Tiles, applies, choose_tiles, dequantized, nf4_gemv, nf4_gemv_reference, nf4_weight, tile_cost,
+    MAX_ROWS, NIBBLE, Tiles, applies, code_pairs, dequantized, nf4_gemv, nf4_gemv_reference, nf4_weight,
 )
+from kestrel.kernels.decode.nf4_tiles import Plan, choose_tiles, measured_plan, store_plan, tile_cost
 from tests.kernels.tolerance import assert_close
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # Tiles that reach every path on small shapes: one-row FMAs, tensor cores, split-K (3 splits of
-# a K of 5 blocks: the last split partly past K), a row tile past N.
-FMA, DOT, SPLIT = Tiles(1, 8, 128, 1), Tiles(16, 32, 128, 1), Tiles(16, 16, 64, 3)
+# a K of 5 blocks: the last split partly past K) at 2-16 rows and at one, a row tile past N; all
+# with the byte-pair lookup, FMA and DOT also with the nibble lookup.
+FMA, DOT, SPLIT, SPLIT1 = Tiles(1, 8, 128, 1), Tiles(16, 32, 128, 1), Tiles(16, 16, 64, 3), Tiles(1, 4, 64, 3)
+PATHS = [FMA, DOT, SPLIT, SPLIT1, FMA._replace(lookup=NIBBLE), DOT._replace(lookup=NIBBLE),
+         FMA._replace(prefetch=True), SPLIT._replace(prefetch=True), SPLIT1._replace(prefetch=True)]
+PATH_IDS = ["fma", "dot", "split", "split1", "fma-nibble", "dot-nibble", "fma-prefetch", "split-prefetch",
+            "split1-prefetch"]
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +69,7 @@ def _one_hot(m: int, k: int, dtype: torch.dtype, first: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("nested", [True, False])
-@pytest.mark.parametrize("tiles", [FMA, DOT, SPLIT], ids=["fma", "dot", "split"])
+@pytest.mark.parametrize("tiles", PATHS, ids=PATH_IDS)
 def test_values_are_bitsandbytes_dequantization(dtype: torch.dtype, nested: bool, tiles: Tiles,
                                                 poisoned: None) -> None:
     weight, members = _weight((37, 24), 320, dtype, nested)
@@ -74,7 +83,7 @@ def test_values_are_bitsandbytes_dequantization(dtype: torch.dtype, nested: bool
         assert torch.equal(nf4_gemv(x, weight, tiles), expected[:, cols].T), first
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("shape", [(50, 192), (97, 320)])  # N no multiple of a row tile; 3 and 5 blocks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_product_matches_dequantized_matmul(m: int, shape: tuple[int, int], dtype: torch.dtype,
@@ -83,14 +92,15 @@ def test_product_matches_dequantized_matmul(m: int, shape: tuple[int, int], dtyp
     weight, _ = _weight((n,), k, dtype, nested=m % 2 == 0)
     x = _x(m, k, dtype, seed=m)
     ref = (x.double() @ dequantized(weight).double().T).to(dtype)
-    for tiles in (None, FMA if m == 1 else DOT, SPLIT):
+    prefetch = [t._replace(prefetch=True) for t in ((FMA, SPLIT1) if m == 1 else (DOT, SPLIT))]
+    for tiles in (None, FMA, FMA._replace(lookup=NIBBLE), SPLIT1, DOT, *prefetch) if m == 1 else (None, DOT, SPLIT, *prefetch):
         y = nf4_gemv(x, weight, tiles)
         assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
         assert_close(y, ref)
     assert torch.equal(nf4_gemv_reference(x, weight), (x.float() @ dequantized(weight).float().T).to(dtype))
 
 
-@pytest.mark.parametrize("tiles", [FMA, DOT, SPLIT], ids=["fma", "dot", "split"])
+@pytest.mark.parametrize("tiles", [FMA, DOT, SPLIT, SPLIT1], ids=["fma", "dot", "split", "split1"])
 def test_stacked_members_equal_separate_products(tiles: Tiles) -> None:
     """q/k/v as one launch: each member's rows equal that member's own product bit for bit (a
     row's sums do not depend on the other rows of its tile), for row tiles across member ends."""
@@ -105,12 +115,29 @@ def test_stacked_members_equal_separate_products(tiles: Tiles) -> None:
     assert_close(stacked, ref)
 
 
-def test_split_k_leaves_tickets_zero_and_repeats_exactly() -> None:
+@pytest.mark.parametrize("m,tiles", [(8, SPLIT), (1, SPLIT1)], ids=["rows", "one-row"])
+def test_split_k_leaves_tickets_zero_and_repeats_exactly(m: int, tiles: Tiles) -> None:
     weight, _ = _weight((50,), 320, torch.bfloat16)
-    x = _x(8, 320, torch.bfloat16)
-    first = nf4_gemv(x, weight, SPLIT)
+    x = _x(m, 320, torch.bfloat16)
+    first = nf4_gemv(x, weight, tiles)
     assert not weight.tickets.any()
-    assert torch.equal(nf4_gemv(x, weight, SPLIT), first)  # deterministic: partials summed in split order
+    assert torch.equal(nf4_gemv(x, weight, tiles), first)  # deterministic: partials summed in split order
+
+
+def test_code_pairs_hold_both_levels_of_each_byte() -> None:
+    code = torch.linspace(-1, 1, 16)
+    pairs = code_pairs(code)
+    b = torch.arange(256)
+    low, high = (pairs & 0xFFFFFFFF).to(torch.int32), (pairs >> 32).to(torch.int32)
+    assert torch.equal(low.view(torch.float32), code[b >> 4]) and torch.equal(high.view(torch.float32), code[b & 15])
+
+
+def test_tiles_that_do_not_fit_are_refused() -> None:
+    weight, _ = _weight((24,), 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="do not fit 2 rows"):
+        nf4_gemv(_x(2, 128, torch.bfloat16), weight, FMA)
+    with pytest.raises(ValueError, match="in blocks of 64"):
+        nf4_gemv(_x(1, 128, torch.bfloat16), weight, Tiles(1, 4, 32, 1))
 
 
 def test_leading_dims_and_row_slices() -> None:
@@ -135,7 +162,7 @@ def test_rejects_what_it_cannot_read() -> None:
     weight, members = _weight((24,), 128, torch.bfloat16)
     assert applies(_x(16, 128, torch.bfloat16), weight) and applies(_x(2, 128, torch.bfloat16), weight)
     assert not applies(_x(17, 128, torch.bfloat16), weight)
-    assert not applies(_x(1, 128, torch.bfloat16), weight)  # the decode path keeps bitsandbytes' GEMV there
+    assert not applies(_x(1, 128, torch.bfloat16), weight)  # unmeasured: the decode path keeps bitsandbytes' GEMV
     assert not applies(_x(2, 128, torch.float16), weight)
     with pytest.raises(ValueError, match="1-16 rows"):
         nf4_gemv(_x(17, 128, torch.bfloat16), weight)
@@ -149,17 +176,51 @@ def test_rejects_what_it_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 16])
-@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (50, 192)])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (50, 192), (2560, 9728)])
 def test_tile_choice_follows_the_cost_model(m: int, shape: tuple[int, int]) -> None:
     n, k = shape
     t = choose_tiles(m, n, k, 64, 132)
     assert t.block_m == (1 if m == 1 else MAX_ROWS) and t.block_k % 64 == 0
     assert t.block_n * t.block_k <= 64 * 32 * t.warps  # decoded values per thread bounded
-    assert t.split == 1 or (t.block_n >= 16 and k // t.block_k >= 2 * t.split)
+    assert t.split == 1 or k // t.block_k >= 2 * t.split
     # No other candidate is cheaper under the model (it is a minimum, not a fitted constant).
     for other in (t._replace(split=max(1, t.split // 2)), t._replace(block_n=max(1, t.block_n // 2))):
         if other.block_m == 1 or other.block_n >= 16:
             assert tile_cost(t, m, n, k, 132) <= tile_cost(other, m, n, k, 132)
+
+
+def test_measured_plan_round_trips_and_picks_rows(tmp_path) -> None:
+    """The sweep's table: stored per device and (N, K), read back; a row count takes the tiles
+    measured at the fewest rows at or above it on its own path."""
+    table = tmp_path / "tiles.json"
+    one, two, eight = Tiles(1, 4, 1024, 2, 4), Tiles(16, 32, 128, 4), Tiles(16, 64, 128, 2, 8)
+    plan = Plan(((1, one), (2, two), (8, eight)), kernel_one_row=True)
+    store_plan("GPU A", 6144, 4096, plan, table)
+    store_plan("GPU A", 4096, 4096, Plan(((2, two),), kernel_one_row=False), table)
+    assert measured_plan("GPU A", 6144, 4096, table) == plan
+    assert measured_plan("GPU B", 6144, 4096, table) is None and measured_plan("GPU A", 6144, 8, table) is None
+    assert [plan.for_rows(m) for m in (1, 2, 3, 8, 16)] == [one, two, eight, eight, None]
+    assert Plan(((2, two),), False).for_rows(1) is None
+    table.write_text("{not json")
+    nf4_tiles._read.cache_clear()
+    with pytest.raises(ValueError, match="tiles.json: not valid JSON"):
+        measured_plan("GPU A", 6144, 4096, table)
+
+
+def test_measured_plan_decides_one_row_and_tiles() -> None:
+    """A plan that measured the kernel faster at one row lets `applies` take one row; its tiles
+    are the ones launched (a plan whose tiles cannot fit would raise)."""
+    weight, _ = _weight((24,), 128, torch.bfloat16)
+    x1 = _x(1, 128, torch.bfloat16)
+    assert weight.min_rows == 2 and not applies(x1, weight)
+    plan = Plan(((1, SPLIT1), (16, SPLIT)), kernel_one_row=True)
+    measured = dataclasses.replace(weight, plan=plan, min_rows=1)
+    assert applies(x1, measured) and measured.tiles_for(1) == SPLIT1 and measured.tiles_for(5) == SPLIT
+    assert measured.tiles_for(1) != weight.tiles_for(1)
+    assert torch.equal(nf4_gemv(x1, measured), nf4_gemv(x1, weight, SPLIT1))
+    bad = dataclasses.replace(weight, plan=Plan(((1, Tiles(1, 4, 32, 1)),), True))
+    with pytest.raises(ValueError, match="do not fit"):
+        nf4_gemv(x1, bad)
 
 
 @pytest.mark.gpu

@@ -24,21 +24,30 @@ no nested decode per tile (whose mul + add must not fuse into an FMA) and no per
 Two ways through a tile (BLOCK_N rows x BLOCK_K columns; byte j gives elements 2j, 2j + 1, which
 multiply x's even and odd columns): one row of x as fp32 multiply-adds into a (BLOCK_N,
 BLOCK_K / 2) accumulator reduced once at the end (as `kestrel/kernels/decode/gemv.py`); 2..16
-rows as the decoded tile times x^T on tensor cores (`tl.dot`, fp32 accumulation). Split-K, when
-N has too few row tiles, is finished in the same launch: the last of a tile's SPLIT programs
-(a ticket counter) adds the fp32 partials in split order (deterministic) and resets the counter.
-Tiles come from a cost model (`choose_tiles`, `tile_cost`).
+rows (or one, where measured faster) as the decoded tile times x^T on tensor cores (`tl.dot`,
+fp32 accumulation). Split-K (at any row count: few, long rows need it to fill the SMs) is
+finished in the same launch: the last of a tile's SPLIT programs (a ticket counter) adds the fp32
+partials in split order (deterministic) and resets the counter.
 
-The kernel is bound by forming the values (a table lookup, a multiply and a rounding per
-weight), not by memory; bitsandbytes' one-row GEMV forms them faster (in bf16 arithmetic, not
-bit-exact with its own dequantize), so the decode path (`applies`) uses this kernel from
-MIN_ROWS = 2 rows and keeps bitsandbytes' at one (bench/RESULTS.md, Decode "Session 15").
+The work per weight, not the bytes, set the pace of the first version (bench/RESULTS.md, Decode
+"Session 15": a gather from the 16-entry code table, a nibble extraction, a multiply and a
+rounding per weight). The byte-pair lookup (`_codes`, PAIR) halves the gathers and drops the
+extraction; PREFETCH loads the next tile's bytes before decoding the current one, so their latency
+overlaps the decoding. The multiply and the rounding stay, because the values must be the 16-bit
+dequantized weight's (scaling a block's partial sum by its absmax once would skip the rounding of
+each weight to 16 bits, so the product would no longer be the dequantized 16-bit product). The
+NIBBLE lookup is kept for the sweep's comparison.
+
+Tiles (and the lookup) come from a measured plan where `bench/nf4_gemv_sweep.py` ran on the
+device, else a cost model (`nf4_tiles.py`); the plan also says whether this kernel beats
+bitsandbytes' one-row GEMV (which multiplies in bf16, not bit-exact with its own dequantize), and
+`applies` takes one row only then (`NF4Weight.min_rows`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,21 +55,17 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import nf4
-from kestrel.kernels._utils import cdiv, interpreted, next_pow2, sm_count
+from kestrel.kernels._utils import cdiv, interpreted, sm_count
+from kestrel.kernels.decode.nf4_tiles import (
+    MAX_ROWS, NIBBLE, PAIR, Plan, Tiles, choose_tiles, device_name,
+    measured_plan,
+)
 from kestrel.kernels.dispatch import use_triton
 
-MAX_ROWS = 16  # rows of x one launch takes (the tensor-core tile's M)
-MIN_ROWS = 2  # rows from which the decode path prefers this kernel (bench/RESULTS.md, Decode "Session 15")
+__all__ = ["MAX_ROWS", "NIBBLE", "PAIR", "Tiles", "NF4Weight", "applies", "nf4_gemv", "nf4_weight"]
+
+MIN_ROWS = 2  # rows from which the decode path takes this kernel unless a measured plan says one row too
 MAX_MEMBERS = 3
-_SPLIT_MIN_ROWS = 16  # split-K tiles have at least this many rows: one ticket per 16 rows suffices
-# Per path (one row; tensor cores): BLOCK_K, warps, programs an SM holds at once: the fastest at
-# every 8B shape and row count in a sweep of compiled variants (`python bench/nf4_gemv_tiles.py`).
-_FMA_K, _FMA_WARPS, _RESIDENT_FMA = 512, 2, 16
-_DOT_K, _DOT_WARPS, _RESIDENT_DOT = 128, 4, 4
-_VALUES_PER_THREAD = 64  # decoded weight values per thread per step (registers)
-_INFLIGHT_PER_SM = 32 * 1024  # bytes in flight per SM that cover memory latency (Little's law: bandwidth x latency / SMs)
-_X_COST = 0.4  # a byte of x from cache, against a byte of weight from HBM
-_PARTIAL_COST = 2.0  # a byte of split-K partials: written, then read back in series by the last split
 
 
 # --- kernel ------------------------------------------------------------------------------------
@@ -99,36 +104,64 @@ def _rounded(v, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _weight_pairs(w_rows, s_rows, CODE, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
-                  EVEN: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Quant blocks blk0 .. blk0 + NB - 1 of each row, dequantized: (hi, lo), each (BLOCK_N, NB,
-    HB), hi[.., b, j] = element 2j of block b (byte j's high nibble), lo = element 2j + 1.
-    Blocks at or past N_BLK read as zeros (unless EVEN: none are)."""
-    blk = blk0 + tl.arange(0, NB)  # (NB,)
-    byte = blk[:, None] * HB + tl.arange(0, HB)[None, :]  # (NB, HB) byte offsets within a row
-    if EVEN:
-        packed = tl.load(w_rows[:, None, None] + byte[None, :, :])
-        scale = tl.load(s_rows[:, None] + blk[None, :])
+def _codes(packed, CODE, PAIRS, LOOKUP: tl.constexpr):
+    """The NF4 levels of each byte's two elements, fp32 (hi: element 2j, the high nibble; lo:
+    2j + 1). NIBBLE: one gather from the 16-entry table per element. PAIR: one 8-byte gather per
+    byte from the 256-entry table of both levels (element 2j's fp32 bits in the low word), so no
+    nibble is extracted and half the gathers are issued."""
+    if LOOKUP == 1:
+        pair = tl.load(PAIRS + packed.to(tl.int32))  # int64
+        hi = pair.to(tl.int32).to(tl.float32, bitcast=True)
+        lo = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     else:
-        ok = (blk < N_BLK)[None, :]
-        packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=ok[:, :, None], other=0)
-        scale = tl.load(s_rows[:, None] + blk[None, :], mask=ok, other=0.0)
-    scale = scale[:, :, None]
-    hi = _rounded(tl.load(CODE + (packed >> 4).to(tl.int32)) * scale, DTYPE, INTERPRETED)
-    lo = _rounded(tl.load(CODE + (packed & 15).to(tl.int32)) * scale, DTYPE, INTERPRETED)
+        hi = tl.load(CODE + (packed >> 4).to(tl.int32))
+        lo = tl.load(CODE + (packed & 15).to(tl.int32))
     return hi, lo
 
 
 @triton.jit
-def _fma_rows(X, w_rows, s_rows, CODE, blk_first, BLOCK_N: tl.constexpr, N_BLK: tl.constexpr,
-              NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr, EVEN: tl.constexpr,
-              DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """(BLOCK_N, 1) fp32: one row of x times BLOCK_N weight rows over STEPS tiles of NB blocks."""
+def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, MASKED: tl.constexpr):
+    """The packed bytes (BLOCK_N, NB, HB) uint8 and fp32 absmax (BLOCK_N, NB) of quant blocks blk0 ..
+    blk0 + NB - 1 of each row; blocks at or past N_BLK read as zeros (checked only when MASKED)."""
+    blk = blk0 + tl.arange(0, NB)  # (NB,)
+    byte = blk[:, None] * HB + tl.arange(0, HB)[None, :]  # (NB, HB) byte offsets within a row
+    if MASKED:
+        ok = (blk < N_BLK)[None, :]
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=ok[:, :, None], other=0)
+        scale = tl.load(s_rows[:, None] + blk[None, :], mask=ok, other=0.0)
+    else:
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :])
+        scale = tl.load(s_rows[:, None] + blk[None, :])
+    return packed, scale
+
+
+@triton.jit
+def _weight_pairs(packed, scale, CODE, PAIRS, LOOKUP: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A tile from `_tile` dequantized: (hi, lo), each (BLOCK_N, NB, HB), hi[.., b, j] = element 2j
+    of block b (byte j's high nibble), lo = element 2j + 1."""
+    hi, lo = _codes(packed, CODE, PAIRS, LOOKUP)
+    scale = scale[:, :, None]
+    return _rounded(hi * scale, DTYPE, INTERPRETED), _rounded(lo * scale, DTYPE, INTERPRETED)
+
+
+@triton.jit
+def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, N_BLK: tl.constexpr,
+              NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr, EVEN: tl.constexpr, LOOKUP: tl.constexpr,
+              PREFETCH: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(BLOCK_N, 1) fp32: one row of x times BLOCK_N weight rows over STEPS tiles of NB blocks.
+    PREFETCH: the next tile's bytes are loaded before this one is decoded (registers carry them)."""
     pair = tl.arange(0, HB)[:, None] * 2 + tl.arange(0, 2)[None, :]  # (HB, 2): columns 2j, 2j + 1
     acc = tl.zeros((BLOCK_N, NB, HB), tl.float32)
+    if PREFETCH:
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True)
     for i in range(STEPS):
         blk0 = blk_first + i * NB
-        hi, lo = _weight_pairs(w_rows, s_rows, CODE, blk0, N_BLK, NB, HB, EVEN, DTYPE, INTERPRETED)
+        if PREFETCH:
+            cur_packed, cur_scale = packed, scale
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True)  # the last one unused
+        else:
+            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, LOOKUP, DTYPE, INTERPRETED)
         blk = blk0 + tl.arange(0, NB)
         cols = blk[:, None, None] * (2 * HB) + pair[None, :, :]  # (NB, HB, 2)
         if EVEN:
@@ -141,17 +174,25 @@ def _fma_rows(X, w_rows, s_rows, CODE, blk_first, BLOCK_N: tl.constexpr, N_BLK: 
 
 
 @triton.jit
-def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, blk_first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr,
-              EVEN: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr,
+              EVEN: tl.constexpr, LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, DTYPE: tl.constexpr,
+              INTERPRETED: tl.constexpr):
     """(BLOCK_N, BLOCK_M) fp32: the weight rows times up to BLOCK_M rows of x, on tensor cores."""
     BLOCK_K: tl.constexpr = NB * 2 * HB
     m = tl.arange(0, BLOCK_M)
     x_rows = X + m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    if PREFETCH:
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True)
     for i in range(STEPS):
         blk0 = blk_first + i * NB
-        hi, lo = _weight_pairs(w_rows, s_rows, CODE, blk0, N_BLK, NB, HB, EVEN, DTYPE, INTERPRETED)
+        if PREFETCH:
+            cur_packed, cur_scale = packed, scale
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True)  # the last one unused
+        else:
+            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, LOOKUP, DTYPE, INTERPRETED)
         cols = blk0 * (2 * HB) + tl.arange(0, BLOCK_K)
         ok = (m < M)[:, None] & (cols < N_BLK * 2 * HB)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_K)
@@ -177,15 +218,17 @@ def _store(y, Y, bias, rows, row_ok, M, stride_y, BLOCK_M: tl.constexpr, HAS_BIA
     tl.store(out, y.to(Y.dtype.element_ty), mask=row_ok[:, None] & (m < M)[None, :])
 
 
-@triton.jit
+# M only masks rows of x: one compiled kernel serves every row count (Triton would otherwise compile
+# M = 1 and multiples of 16 apart).
+@triton.jit(do_not_specialize=["M"])
 def _nf4_gemv_kernel(
     X, Y, PART, TICKETS,  # x (M, K); y (M, N); split-K fp32 partials; int32 tickets, zero between launches
     W0, W1, W2, S0, S1, S2, B0, B1, B2,  # per member: packed uint8, fp32 absmax, bias (unused ones repeat W0...)
-    CODE,  # fp32 (16,) NF4 levels
+    CODE, PAIRS,  # fp32 (16,) NF4 levels; int64 (256,) both levels of each byte (`_codes`)
     M, N, end0, end1, stride_x, stride_y,
     K: tl.constexpr, BS: tl.constexpr, MEMBERS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # quant blocks a step
     HB: tl.constexpr = BS // 2  # bytes a quant block
@@ -206,10 +249,11 @@ def _nf4_gemv_kernel(
         bias = tl.zeros((BLOCK_N,), tl.float32)
     blk_first = split * STEPS * NB
     if BLOCK_M == 1:
-        y = _fma_rows(X, w_rows, s_rows, CODE, blk_first, BLOCK_N, N_BLK, NB, HB, STEPS, EVEN, DTYPE, INTERPRETED)
+        y = _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N, N_BLK, NB, HB, STEPS, EVEN, LOOKUP,
+                      PREFETCH, DTYPE, INTERPRETED)
     else:
-        y = _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, blk_first, BLOCK_M, BLOCK_N, N_BLK, NB, HB, STEPS,
-                      EVEN, DTYPE, INTERPRETED)
+        y = _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M, BLOCK_N, N_BLK, NB, HB, STEPS,
+                      EVEN, LOOKUP, PREFETCH, DTYPE, INTERPRETED)
     if SPLIT == 1:
         _store(y, Y, bias, rows, row_ok, M, stride_y, BLOCK_M, HAS_BIAS)
     else:
@@ -249,23 +293,35 @@ class NF4Weight:
     absmax: per member, fp32 (out_i * K / blocksize,): decoded once (the module docstring)
     bias: per member, (out_i,) in the compute dtype (zeros for a member without one), or None
     code: fp32 (16,) the NF4 levels
-    tickets: int32 (cdiv(N, 16),) zeros: split-K counters, left zero by every launch
+    pairs: int64 (256,) per byte value b, code[b >> 4]'s fp32 bits | code[b & 15]'s << 32
+    tickets: int32 (N,) zeros: split-K counters (one per row tile), left zero by every launch
+    plan: the tiles measured for this (device, N, K) (`nf4_tiles.measured_plan`), or None
+    min_rows: the fewest rows the decode path runs here (1 where the plan measured this kernel
+    faster than bitsandbytes' one-row GEMV, else MIN_ROWS)
     """
 
     packed: tuple[torch.Tensor, ...]
     absmax: tuple[torch.Tensor, ...]
     bias: tuple[torch.Tensor, ...] | None
     code: torch.Tensor
+    pairs: torch.Tensor
     tickets: torch.Tensor
     sizes: tuple[int, ...]
     k: int
     blocksize: int
     dtype: torch.dtype  # the compute dtype the values are rounded to (x's)
     sms: int
+    plan: Plan | None = None
+    min_rows: int = MIN_ROWS
 
     @property
     def n(self) -> int:
         return sum(self.sizes)
+
+    def tiles_for(self, m: int) -> Tiles:
+        """The tiles for m rows: measured (`plan`) where the sweep ran, else the cost model's."""
+        t = self.plan.for_rows(m) if self.plan is not None else None
+        return t or choose_tiles(m, self.n, self.k, self.blocksize, self.sms)
 
     @property
     def nbytes(self) -> int:
@@ -313,15 +369,25 @@ def nf4_weight(members: Sequence[tuple[torch.Tensor, Any, torch.Tensor | None]],
         if reason:
             raise ValueError(reason)
     sizes = tuple(int(state.shape[0]) for _, state, _ in members)
+    plan = measured_plan(device_name(device), sum(sizes), k)
     has_bias = any(b is not None for _, _, b in members)
     bias = tuple(torch.zeros(n, dtype=dtype, device=device) if b is None else b.detach()
                  for n, (_, _, b) in zip(sizes, members)) if has_bias else None
     return NF4Weight(
         packed=tuple(torch.Tensor.as_subclass(p, torch.Tensor).reshape(-1) for p, _, _ in members),
         absmax=tuple(decoded_absmax(s, device) for _, s, _ in members), bias=bias, code=code,
-        tickets=torch.zeros(cdiv(sum(sizes), _SPLIT_MIN_ROWS), dtype=torch.int32, device=device),
-        sizes=sizes, k=k, blocksize=bs, dtype=dtype, sms=sm_count(device),
+        pairs=code_pairs(code), tickets=torch.zeros(sum(sizes), dtype=torch.int32, device=device),
+        sizes=sizes, k=k, blocksize=bs, dtype=dtype, sms=sm_count(device), plan=plan,
+        min_rows=1 if plan is not None and plan.kernel_one_row else MIN_ROWS,
     )
+
+
+def code_pairs(code: torch.Tensor) -> torch.Tensor:
+    """int64 (256,): entry b holds code[b >> 4]'s fp32 bits in its low 32 bits and code[b & 15]'s in
+    its high 32 (byte b's elements 2j and 2j + 1, in memory order)."""
+    b = torch.arange(256, device=code.device)
+    bits = code.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # (16,) unsigned
+    return bits[b >> 4] | (bits[b & 15] << 32)
 
 
 def decoded_absmax(quant_state: Any, device: torch.device) -> torch.Tensor:
@@ -335,78 +401,14 @@ def decoded_absmax(quant_state: Any, device: torch.device) -> torch.Tensor:
     return nf4._absmax_reference(quant_state, n_blocks, device).contiguous()
 
 
-# --- tiles -----------------------------------------------------------------------------------------
-
-
-class Tiles(NamedTuple):
-    block_m: int  # 1: fp32 multiply-adds; 16: tensor cores
-    block_n: int
-    block_k: int
-    split: int
-    warps: int = 4
-    stages: int = 1
-
-
-def choose_tiles(m: int, n: int, k: int, blocksize: int, sms: int) -> Tiles:
-    """The tiles of least `tile_cost` for m rows of x times an (n, k) weight on `sms` SMs
-    (no cache: plain integer work, traced as is inside torch.compile): BLOCK_N and SPLIT from the
-    model, per shape and m; BLOCK_K and warps fixed per path (one row: _FMA_*; tensor cores:
-    _DOT_*). Checked against the sweep, the model's choices are the fastest measured or close
-    to it (bench/RESULTS.md, Decode "Session 15")."""
-    if m == 1:
-        block_m, warps, rows, splits = 1, _FMA_WARPS, (1, 2, 4, 8, 16), (1,)
-        block_k = _FMA_K
-    else:
-        block_m, warps, rows, splits = MAX_ROWS, _DOT_WARPS, (16, 32, 64, 128), (1, 2, 4, 8, 16)
-        block_k = _DOT_K
-    block_k = max(blocksize, min(block_k, next_pow2(k)))
-    best: tuple[float, int, Tiles] | None = None
-    for block_n in rows:
-        if block_n * block_k > _VALUES_PER_THREAD * 32 * warps and block_n > rows[0]:
-            break
-        for split in splits:
-            if split > 1 and cdiv(k, block_k) < 2 * split:
-                break
-            t = Tiles(block_m, block_n, block_k, split, warps)
-            key = (tile_cost(t, m, n, k, sms), cdiv(n, block_n) * split, t)
-            best = key if best is None or key[:2] < best[:2] else best
-    assert best is not None
-    return best[2]
-
-
-def tile_cost(t: Tiles, m: int, n: int, k: int, sms: int) -> float:
-    """Relative time of a launch with tiles `t`, in bytes of HBM:
-    - bytes in flight: a program has one (BLOCK_N, BLOCK_K / 2)-byte tile of packed weight in
-      flight at a time, and an SM holds _RESIDENT_* programs at once, so by Little's law a launch
-      streams at about min(bandwidth, resident programs x tile bytes / latency); the weight's
-      bytes are divided by that fraction of the bandwidth, reached at _INFLIGHT_PER_SM bytes per SM;
-    - balance: the busiest SM runs ceil(programs / SMs) programs, the bandwidth is divided by
-      programs / (SMs x that);
-    - x re-reads: every program loads its K range of all M rows of x (M x 2 bytes a column, from
-      L1/L2) against BLOCK_N x 9/16 bytes of weight: _X_COST a byte, which favours tall row tiles;
-    - split-K partials: 8 SPLIT M bytes a row (written, read back by the last split in series),
-      _PARTIAL_COST a byte.
-    `choose_tiles` also caps the decoded tile (BLOCK_N x BLOCK_K values over 32 x warps threads)
-    at _VALUES_PER_THREAD a thread: more spilled or starved occupancy in the sweep."""
-    programs = cdiv(n, t.block_n) * t.split
-    resident = min(programs, sms * (_RESIDENT_FMA if t.block_m == 1 else _RESIDENT_DOT))
-    inflight = resident * t.block_n * t.block_k // 2
-    balance = programs / (sms * cdiv(programs, sms))  # the busiest SM has ceil(programs / sms)
-    weight = n * k * 9 // 16  # packed nibbles + fp32 absmax
-    x_reads = programs * cdiv(k, t.split) * m * 2
-    partials = 8 * t.split * m * n if t.split > 1 else 0  # fp32, written and read back
-    streamed = weight / (min(1.0, inflight / (_INFLIGHT_PER_SM * sms)) * balance)
-    return streamed + x_reads * _X_COST + partials * _PARTIAL_COST
-
-
 # --- host ------------------------------------------------------------------------------------------
 
 
 def applies(x: torch.Tensor, weight: NF4Weight) -> bool:
-    """True when the decode path should run this product here: MIN_ROWS to MAX_ROWS rows of x in
-    the weight's compute dtype, and the Triton kernels chosen (`kestrel.kernels.dispatch`: CUDA tensors,
-    or forced). (`nf4_gemv` itself takes one row too.)"""
-    return (x.shape[-1] == weight.k and MIN_ROWS <= rows_of(x) <= MAX_ROWS and x.dtype == weight.dtype
+    """True when the decode path should run this product here: `weight.min_rows` to MAX_ROWS rows of
+    x in the weight's compute dtype, and the Triton kernels chosen (`kestrel.kernels.dispatch`: CUDA
+    tensors, or forced). (`nf4_gemv` itself takes one row whatever `min_rows` says.)"""
+    return (x.shape[-1] == weight.k and weight.min_rows <= rows_of(x) <= MAX_ROWS and x.dtype == weight.dtype
             and use_triton(x, weight.packed[0]))
 
 
@@ -416,7 +418,8 @@ def rows_of(x: torch.Tensor) -> int:
 
 def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> torch.Tensor:
     """x (..., K) with at most MAX_ROWS rows, in `weight.dtype` -> (..., N) in x's dtype:
-    x dequant(W)^T (+ bias), fp32 sums, rounded once. `tiles`: override `choose_tiles` (tests).
+    x dequant(W)^T (+ bias), fp32 sums, rounded once. `tiles`: override `weight.tiles_for` (tests,
+    the sweep).
     The PyTorch reference where the Triton kernels are not chosen."""
     k, n = weight.k, weight.n
     rows = x.reshape(-1, k)
@@ -427,11 +430,11 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
         raise ValueError(f"nf4_gemv takes 1-{MAX_ROWS} rows of {weight.dtype}, got {m} of {x.dtype}")
     if not use_triton(x, weight.packed[0]):
         return nf4_gemv_reference(x, weight)
-    t = tiles or choose_tiles(m, n, k, weight.blocksize, weight.sms)
+    t = tiles or weight.tiles_for(m)
+    if (t.block_m == 1 and m > 1) or t.block_m not in (1, MAX_ROWS) or t.block_k % weight.blocksize:
+        raise ValueError(f"tiles {t} do not fit {m} rows of K = {k} in blocks of {weight.blocksize}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_n = cdiv(n, t.block_n)
-    if t.split > 1 and (t.block_n < _SPLIT_MIN_ROWS or grid_n > weight.tickets.numel()):
-        raise ValueError(f"split-K needs row tiles of at least {_SPLIT_MIN_ROWS} rows, got {t}")
     part = torch.empty(grid_n * t.split * t.block_n * t.block_m if t.split > 1 else 1, dtype=torch.float32,
                        device=x.device)
     members = len(weight.sizes)
@@ -439,10 +442,10 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
     b = _padded(weight.bias) if weight.bias is not None else w
     ends = [sum(weight.sizes[: i + 1]) for i in range(MAX_MEMBERS - 1)]
     _nf4_gemv_kernel[(grid_n, t.split)](
-        rows, y, part, weight.tickets, *w, *s, *b, weight.code, m, n, ends[0], ends[1], rows.stride(0), y.stride(0),
-        K=k, BS=weight.blocksize, MEMBERS=members, HAS_BIAS=weight.bias is not None, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, INTERPRETED=interpreted(), num_warps=t.warps,
-        num_stages=t.stages,
+        rows, y, part, weight.tickets, *w, *s, *b, weight.code, weight.pairs, m, n, ends[0], ends[1], rows.stride(0),
+        y.stride(0), K=k, BS=weight.blocksize, MEMBERS=members, HAS_BIAS=weight.bias is not None, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=t.lookup, PREFETCH=t.prefetch,
+        INTERPRETED=interpreted(), num_warps=t.warps, num_stages=t.stages,
     )
     return y.view(*x.shape[:-1], n)
 

@@ -1,0 +1,288 @@
+"""Check, time and choose the tiles of kernels/decode/nf4_gemv.py at the Llama-3.1-8B decode shapes.
+
+    python bench/nf4_gemv_sweep.py --out $OUT/nf4_gemv_sweep.json      # ~2-3 min on an H100
+
+For q/k/v (three members, 6144 x 4096), o (4096 x 4096), gate/up (two members, 28672 x 4096) and
+down (4096 x 14336), at M = 1, 2, 8 and 16 rows:
+  1. every candidate of a grid (`candidates`: one-row multiply-adds at 1 row, tensor cores at
+     1-16, split-K on both, the byte-pair lookup) and the cost model's tiles with either lookup
+     (`nf4_tiles.choose_tiles`; NIBBLE with one split at one row is the session-15 kernel's
+     decoding) is checked against bitsandbytes' CUDA dequantize: one-hot rows of x must return
+     its values bit for bit, random rows its fp64 product within bf16 rounding. A candidate that
+     fails is recorded and never chosen;
+  2. each checked candidate is timed: R launches over R copies of the weight (more bytes than L2
+     holds) captured in one CUDA graph, replayed; GB/s counts the bytes the kernel reads (packed
+     nibbles, fp32 absmax), `of_copy` divides that by the copy bandwidth (read + write of 1 GiB);
+  3. bitsandbytes as Linear4bit.forward calls it (its 4-bit GEMV at one row, dequantize + GEMM
+     above; one call per member) is timed the same way;
+  4. the fastest checked candidate per row count, and whether it beats bitsandbytes at one row,
+     is the shape's plan: written into the table the decode path reads
+     (`kestrel/kernels/decode/nf4_gemv_tiles.json`, keyed by device name and (N, K)) and copied
+     beside --out. bench/nf4_decode.py run afterwards on the same machine uses it.
+The kernels are compiled first in parallel worker processes (Triton's on-disk cache), then
+checked and timed one by one in this process. Session 15's measurements of the first kernel
+(bench/results/nf4-gemv-tiles-2026-11-25-h100.json) are printed beside, for the same card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.common import copy_bandwidth  # noqa: E402
+from kestrel.kernels._utils import cdiv  # noqa: E402
+from kestrel.kernels.decode import nf4_tiles  # noqa: E402
+from kestrel.kernels.decode.nf4_gemv import MAX_ROWS, NIBBLE, NF4Weight, Tiles, nf4_gemv, nf4_weight  # noqa: E402
+
+SHAPES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gate_up": ((14336, 14336), 4096),
+          "down": ((4096,), 14336)}
+ROWS = (1, 2, 8, 16)
+ROTATE_BYTES = 256 << 20  # weight copies per graph: past the 50 MB L2 several times over
+SESSION_15 = ROOT / "bench" / "results" / "nf4-gemv-tiles-2026-11-25-h100.json"
+
+
+def candidates(one_row: bool, n: int, k: int, sms: int) -> list[Tiles]:
+    """The grid: 8-64 decoded values a thread a step, with and without prefetch; split-K only where
+    the row tiles alone give fewer than 4 programs an SM, and at most 8 programs an SM with it."""
+    if one_row:
+        rows, widths, warp_counts, block_m = (2, 4, 8, 16), (256, 512, 1024), (2, 4), 1
+    else:
+        rows, widths, warp_counts, block_m = (16, 32, 64), (64, 128, 256), (4,), MAX_ROWS
+    out = []
+    for block_n in rows:
+        for block_k in widths:
+            for warps in warp_counts:
+                if not 8 <= block_n * block_k // (32 * warps) <= 64 or block_k > k:
+                    continue
+                tiles = cdiv(n, block_n)
+                for split in (1, 2, 4, 8):
+                    if split == 1 or (tiles < 4 * sms and tiles * split <= 8 * sms and cdiv(k, block_k) >= 2 * split):
+                        out += [Tiles(block_m, block_n, block_k, split, warps, prefetch=p) for p in (False, True)]
+    return out
+
+
+def shape_tasks(name: str, sms: int) -> list[tuple[int, Tiles]]:
+    """(rows to time at, tiles) for one shape: the one-row grid (at 1) and the tensor-core grid (0:
+    at every count, one compiled kernel), the cost model's tiles with each lookup (at their m)."""
+    sizes, k = SHAPES[name]
+    n = sum(sizes)
+    tasks = [(1, t) for t in candidates(True, n, k, sms)] + [(0, t) for t in candidates(False, n, k, sms)]
+    for m in ROWS:
+        model = nf4_tiles.choose_tiles(m, n, k, 64, sms)
+        tasks += [(m, model), (m, session_15_tiles(model))]
+    return list(dict.fromkeys(tasks))
+
+
+def session_15_tiles(model: Tiles) -> Tiles:
+    """The first kernel's decoding at the model's tiles: nibble lookups, no split-K at one row."""
+    return model._replace(lookup=NIBBLE, split=1) if model.block_m == 1 else model._replace(lookup=NIBBLE)
+
+
+def make_weight(sizes: tuple[int, ...], k: int, seed: int = 0) -> tuple[NF4Weight, list]:
+    import bitsandbytes.functional as bnbf
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    members = []
+    for n in sizes:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
+        packed, state = bnbf.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
+        members.append((packed, state, None))
+    return nf4_weight(members, torch.bfloat16), members
+
+
+def _compile(tasks: list[tuple[str, Tiles]]) -> int:
+    """Worker: run each (shape, tiles) once, which compiles it into Triton's disk cache."""
+    os.environ["KESTREL_KERNELS"] = "triton"
+    weights: dict[str, NF4Weight] = {}
+    for name, t in tasks:
+        if name not in weights:
+            weights[name] = make_weight(*SHAPES[name])[0]
+        w = weights[name]
+        try:
+            nf4_gemv(torch.randn(1 if t.block_m == 1 else 2, w.k, device="cuda", dtype=torch.bfloat16), w, t)
+        except Exception:  # noqa: BLE001 - reported when checked
+            pass
+    torch.cuda.synchronize()
+    return len(tasks)
+
+
+def graph_time_us(fns: list) -> float:
+    """Microseconds per call of each of `fns` (one call each per replay), CUDA-graph replayed."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 10
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / len(fns)
+
+
+class Checker:
+    """The reference for one weight at m rows: bitsandbytes' dequantized values (bf16) and the
+    fp64 product of random rows; `problem(tiles)` is "" when the kernel reproduces both."""
+
+    def __init__(self, weight: NF4Weight, w16: torch.Tensor, m: int):
+        self.weight, self.w16, self.m = weight, w16, m
+        gen = torch.Generator(device="cuda").manual_seed(m)
+        self.x = torch.randn(m, weight.k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        self.ref = self.x.double() @ w16.double().T
+        self.cols = torch.randint(0, weight.k, (m,), device="cuda", generator=gen)
+        self.hot = torch.zeros(m, weight.k, device="cuda", dtype=torch.bfloat16)
+        self.hot[torch.arange(m, device="cuda"), self.cols] = 1.0
+
+    def problem(self, t: Tiles) -> str:
+        try:
+            hot = nf4_gemv(self.hot, self.weight, t)
+            y = nf4_gemv(self.x, self.weight, t).double()
+        except Exception as exc:  # noqa: BLE001 - a candidate that fails to compile or run is recorded
+            return f"error: {type(exc).__name__}: {exc}"[:300]
+        if not torch.equal(hot, self.w16[:, self.cols].T):
+            return "values differ from bitsandbytes' dequantize"
+        # bf16 output: at most half an ulp of each value (2^-8 relative), twice that for room, plus
+        # the fp32 summation order over K (far below 2^-11 of the largest value).
+        tol = 2**-7 * self.ref.abs() + 2**-11 * float(self.ref.abs().max())
+        if not bool(((y - self.ref).abs() <= tol).all()) or bool(self.weight.tickets.any()):
+            return f"product off by {float((y - self.ref).abs().max()):.3g} (or split-K tickets left set)"
+        return ""
+
+
+def sweep_shape(name: str, sms: int, bandwidth: float, old: dict) -> tuple[list[dict], nf4_tiles.Plan]:
+    import bitsandbytes as bnb
+
+    sizes, k = SHAPES[name]
+    first, members = make_weight(sizes, k)
+    copies = max(2, ROTATE_BYTES // first.nbytes)
+    built = [(first, members)] + [make_weight(sizes, k, seed=i + 1) for i in range(copies - 1)]
+    weights = [w for w, _ in built]
+    w16 = torch.cat([bnb.functional.dequantize_4bit(p, s) for p, s, _ in members])
+    tasks = shape_tasks(name, sms)
+    rows, chosen = [], []
+    for m in ROWS:
+        check = Checker(first, w16, m)
+        x = check.x
+        row: dict = {"shape": name, "n": first.n, "k": k, "m": m, "weight_MB": first.nbytes / 1e6, "tiles": {}}
+        timed: dict[Tiles, float] = {}
+        for at, t in tasks:
+            if at not in (m, 0) or (t.block_m == 1 and m > 1):
+                continue
+            entry = {"problem": check.problem(t)}
+            if not entry["problem"]:
+                timed[t] = entry["us"] = graph_time_us([lambda w=w, t=t: nf4_gemv(x, w, t) for w in weights])
+                entry["GBps"] = first.nbytes / entry["us"] / 1e3
+                entry["of_copy"] = entry["GBps"] * 1e9 / bandwidth
+            row["tiles"][str(tuple(t))] = entry
+        # What Linear4bit.forward calls, per member: the 4-bit GEMV at one row, else dequantize + GEMM
+        # (over the same copies: no weight read from L2).
+        row["bnb_us"] = graph_time_us([lambda mb=mb: [bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s, _ in mb]
+                                       for _, mb in built])
+        best = min(timed, key=timed.get) if timed else None
+        summarize(row, best, nf4_tiles.choose_tiles(m, first.n, k, 64, sms), old.get((name, m)))
+        chosen.append((m, best))
+        rows.append(row)
+    plan = nf4_tiles.Plan(tuple((m, t) for m, t in chosen if t is not None),
+                          kernel_one_row=bool(rows[0].get("best_us", float("inf")) < rows[0]["bnb_us"]))
+    return rows, plan
+
+
+def summarize(row: dict, best: Tiles | None, model: Tiles, old: dict | None) -> None:
+    """Best checked tiles, the model's with each lookup, bitsandbytes, session 15; one line printed."""
+    failed = {key: v["problem"] for key, v in row["tiles"].items() if v["problem"]}
+    row["failed"] = len(failed)
+    if failed:
+        print(f"  {row['shape']} m={row['m']}: {len(failed)} candidates failed the check, e.g. "
+              f"{next(iter(failed.items()))}", flush=True)
+    if best is None:
+        return
+    got = row["tiles"][str(tuple(best))]
+    row.update(best=str(tuple(best)), best_us=got["us"], best_GBps=got["GBps"], best_of_copy=got["of_copy"])
+    for label, t in (("model", model), ("model_nibble", session_15_tiles(model))):
+        row[f"{label}_us"] = row["tiles"].get(str(tuple(t)), {}).get("us")
+    row["bnb_GBps"] = row["weight_MB"] / row["bnb_us"] * 1e3  # our bytes over its time (it reads uint8 absmax)
+    row["session15_us"] = old
+    old_text = f"{old['best_us']:6.1f} (bnb then {old['bnb_us']:5.1f})" if old else "n/a"
+    print(f"{row['shape']:8s} m={row['m']:2d} best {row['best']} {row['best_us']:7.1f} us {row['best_GBps']:6.0f} GB/s "
+          f"({row['best_of_copy']:.0%} of copy) | model tiles {fmt(row['model_us'])} | session-15 decoding "
+          f"{fmt(row['model_nibble_us'])} | bnb {row['bnb_us']:6.1f} | session 15 best {old_text}", flush=True)
+
+
+def fmt(us: float | None) -> str:
+    return f"{us:6.1f}" if us is not None else "  n/a "
+
+
+def session_15(device: str) -> dict:
+    """{(shape, m): {best_us, bnb_us}} from session 15's sweep of the first kernel, same device only."""
+    if not SESSION_15.exists():
+        return {}
+    data = json.loads(SESSION_15.read_text())
+    if data.get("device") != device:
+        return {}
+    return {(r["shape"], r["m"]): {"best_us": r["best_us"], "bnb_us": r["bnb_us"]} for r in data["rows"]}
+
+
+def compile_all(names: list[str], sms: int, workers: int) -> None:
+    tasks = [(name, t) for name in names for t in dict.fromkeys(t for _, t in shape_tasks(name, sms))]
+    start = time.perf_counter()
+    chunks = [tasks[i::workers] for i in range(workers)]
+    ctx = __import__("multiprocessing").get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        done = sum(pool.map(_compile, chunks))
+    print(f"compiled {done} kernels in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--workers", type=int, default=max(1, min(15, (os.cpu_count() or 2) - 1)))
+    p.add_argument("--no-store", action="store_true", help="do not write the plans into the decode path's table")
+    args = p.parse_args()
+    os.environ["KESTREL_KERNELS"] = "triton"
+    start = time.perf_counter()
+    device = torch.cuda.get_device_name()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    names = args.shapes.split(",")
+    print(f"{device}: {sms} SMs, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    compile_all(names, sms, args.workers)
+    old = session_15(device)
+    rows, plans = [], {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name in names:  # each shape's plan and the report so far are written as soon as it is done
+        shape_rows, plan = sweep_shape(name, sms, bandwidth, old)
+        rows += shape_rows
+        plans[name] = plan
+        if not args.no_store:
+            nf4_tiles.store_plan(device, shape_rows[0]["n"], shape_rows[0]["k"], plan)
+            (args.out.parent / nf4_tiles.TABLE.name).write_text(nf4_tiles.TABLE.read_text())
+        report = {"device": device, "sms": sms, "copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows,
+                  "plans": {name: {"tiles": {m: list(t) for m, t in plan.tiles}, "kernel_one_row": plan.kernel_one_row}
+                            for name, plan in plans.items()},
+                  "wall_s": round(time.perf_counter() - start, 1)}
+        args.out.write_text(json.dumps(report, indent=1))
+    for name, plan in plans.items():
+        print(f"plan {name}: kernel at one row {plan.kernel_one_row}; " + ", ".join(f"m={m} {tuple(t)}" for m, t in plan.tiles))
+    print(f"wrote {args.out} in {report['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()
