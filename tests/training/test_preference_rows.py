@@ -11,7 +11,7 @@ from kestrel.config import LoraSettings
 from kestrel.model.loader import load
 from kestrel.model.lora import attach_lora
 from kestrel.training.preference.reference import as_reference
-from kestrel.training.preference.rows import PAD, answer_logprobs, answer_rows
+from kestrel.training.preference.rows import answer_logprobs, answer_rows
 
 SHAPES = [(5, 7), (3, 1), (9, 4), (2, 6), (4, 3)]  # (prompt, answer) lengths, ragged on purpose
 
@@ -61,8 +61,12 @@ def test_batched_answer_logprobs_equal_full_logits(tiny_model_dir, lora: bool, f
     weights = torch.randn(len(pairs), generator=torch.Generator().manual_seed(1))  # signed, as DPO's are
     rows = answer_rows(pairs, tok.pad_token_id, torch.device("cpu"), flat)
     logp = answer_logprobs(model, rows)  # (R, L)
-    assert logp.shape == rows.targets.shape and logp[rows.targets == PAD].abs().max() == 0
-    assert rows.tokens.tolist() == [a for _, a in SHAPES]
+    answers = [a for _, a in SHAPES]
+    assert logp.shape == (len(pairs), max(answers))
+    assert all(logp[r, n:].abs().max() == 0 for r, n in enumerate(answers) if n < max(answers))
+    # only real answer tokens go through the LM head: no padding of short answers to the longest
+    assert rows.targets.tolist() == [t for _, a in pairs for t in a] and rows.index.shape == (sum(answers),)
+    assert rows.tokens.tolist() == answers
     seq = logp.sum(-1)
     (seq * weights).sum().backward()
     fused = _grads(model)
