@@ -13,7 +13,11 @@ rounded up by `bucket_width`):
     flat    (1, sum of lengths) one padding-free row, `position_ids` restarting at 0 for each
             (prompt, answer), for models whose patched attention runs variable-length kernels
 
-Either way the hidden state just before each answer token is gathered by its flat index, the N
+Only a forward with gradients (the policy's, which the CUDA-graph chooser sees) runs the rounded
+width; a no-gradient forward (the reference, KTO's KL rows, evaluation) runs the real columns
+alone (`AnswerRows.used`): the padding would be computed through every layer for nothing.
+
+Either way the hidden state just before each answer token is gathered at its (row, column), the N
 real answer tokens of all rows and no padding (`(N, H)`: rows' answers differ in length, and a
 padded `(R, L)` grid would send every short answer's padding through the LM head too), and
 `kernels.chunked_token_logprobs` projects it a chunk of tokens at a time:
@@ -38,7 +42,9 @@ from kestrel.training.grpo.logprobs import causal_lm
 class AnswerRows:
     input_ids: torch.Tensor  # (B, T): B = R padded, or 1 flat
     position_ids: torch.Tensor | None  # (1, T) flat layout only
-    index: torch.Tensor  # (N,) flat index into (B * T) of the hidden state predicting each answer token
+    row: torch.Tensor  # (N,) row in (B, T) of the hidden state predicting each answer token
+    col: torch.Tensor  # (N,) its column
+    used: int  # columns holding real tokens (flat: all rows' tokens; padded: the longest row)
     targets: torch.Tensor  # (N,) the answer tokens, row after row
     slots: torch.Tensor  # (N,) where each goes in the (R, L) result: r * L + j
     shape: tuple[int, int]  # (R, L): rows, longest answer
@@ -56,19 +62,18 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
     ids = torch.full((1 if flat else rows, width), pad_id, dtype=torch.long)
     positions = torch.zeros((1, width), dtype=torch.long) if flat else None
     answers = [len(a) for _, a in pairs]
-    index = torch.empty(sum(answers), dtype=torch.long)
-    slots = torch.empty(sum(answers), dtype=torch.long)
+    row_of, col_of, slots = (torch.empty(sum(answers), dtype=torch.long) for _ in range(3))
     at = done = 0
     for r, (p, a) in enumerate(pairs):
         n = len(p) + len(a)
-        start = at if flat else r * width  # flat index of the row's first token
         row = 0 if flat else r
-        col = at if flat else 0
+        col = at if flat else 0  # the row's first token
         ids[row, col : col + n] = torch.tensor(p + a, dtype=torch.long)
         if positions is not None:
             positions[0, at : at + n] = torch.arange(n)
-        # token j of the answer sits at column len(p) + j; the state before it predicts it
-        index[done : done + len(a)] = start + len(p) - 1 + torch.arange(len(a))
+        # token j of the answer sits at column col + len(p) + j; the state before it predicts it
+        row_of[done : done + len(a)] = row
+        col_of[done : done + len(a)] = col + len(p) - 1 + torch.arange(len(a))
         slots[done : done + len(a)] = r * length + torch.arange(len(a))
         done += len(a)
         at += n if flat else 0
@@ -76,8 +81,9 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
         positions[0, at:] = torch.arange(width - at)  # the padding tail is one more "sequence"
     targets = torch.tensor([t for _, a in pairs for t in a], dtype=torch.long)
     move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    return AnswerRows(move(ids), move(positions), move(index), move(targets), move(slots), (rows, length),
-                      move(torch.tensor(answers, dtype=torch.long)), sum(lengths))
+    return AnswerRows(move(ids), move(positions), move(row_of), move(col_of), sum(lengths) if flat else max(lengths),
+                      move(targets), move(slots), (rows, length), move(torch.tensor(answers, dtype=torch.long)),
+                      sum(lengths))
 
 
 FSDP_SCORE = "kestrel_answer_logprobs"  # the FSDP2 forward method `score_through_fsdp` adds
@@ -106,9 +112,10 @@ def score_through_fsdp(model: nn.Module) -> None:
 
 
 def _answer_logprobs(lm: nn.Module, rows: AnswerRows) -> torch.Tensor:
-    hidden = lm.model(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False).last_hidden_state
-    flat = hidden.reshape(-1, hidden.shape[-1])  # (B * T, H)
-    h = flat[rows.index]  # (N, H): the answer tokens' predicting states, no padding
+    cols = rows.input_ids.shape[1] if torch.is_grad_enabled() else rows.used  # no gradient: no padding columns
+    positions = None if rows.position_ids is None else rows.position_ids[:, :cols]
+    hidden = lm.model(input_ids=rows.input_ids[:, :cols], position_ids=positions, use_cache=False).last_hidden_state
+    h = hidden[rows.row, rows.col]  # (N, H): the answer tokens' predicting states, no padding
     softcap = getattr(lm.config, "final_logit_softcapping", None)
     logp = kernels.chunked_token_logprobs(h, lm.lm_head.weight, rows.targets, softcap=softcap)  # (N,)
     r, length = rows.shape
