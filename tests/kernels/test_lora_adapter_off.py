@@ -11,7 +11,7 @@ from torch import nn
 from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_qkv
 from kestrel.kernels.lora.mlp import lora_mlp
 from kestrel.model.forwards import fused_lora_weights
-from tests.kernels.test_lora import MLP, QKV, _nf4_block, _peft_block, _peft_mlp, _peft_qkv, _x
+from tests.kernels.test_lora import HIDDEN, MLP, QKV, _nf4_block, _peft_block, _peft_mlp, _peft_qkv, _x
 
 peft = pytest.importorskip("peft")
 
@@ -108,3 +108,18 @@ def test_fused_weights_follow_the_adapter_state_and_keep_both() -> None:
     assert fused_lora_weights(layer) is on  # toggled every step: each state's weights are kept, not rebuilt
     layer.enable_adapters(False)
     assert fused_lora_weights(layer) is off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_adapter_off_matches_bitsandbytes_base(dtype: torch.dtype) -> None:
+    """On the GPU, over bitsandbytes' own NF4 forward (what PEFT runs with the adapter disabled)."""
+    block = _nf4_block(dtype, device="cuda")
+    _disable(block)
+    x = _x(dtype, (3, 33, HIDDEN)).cuda()
+    with torch.no_grad():
+        expected = (*_peft_qkv(block)(x), _peft_mlp("swiglu")(block)(x))
+        got = (*lora_qkv(x, *_off(block, QKV)), lora_mlp(x, *_off(block, MLP)))
+    for g, e in zip(got, expected):
+        scale = e.float().abs().max().item()
+        torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2 * scale)
