@@ -49,7 +49,7 @@ class StepProfiler(Callback):
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.memory._record_memory_history(max_entries=500_000)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)  # C++ unwinding is slow
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
         self.prof.start()
