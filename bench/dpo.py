@@ -12,8 +12,13 @@ tokens of a step's 2 x batch sequences (prompt + answer) over it; peak memory is
 
     python bench/dpo.py --out bench/dpo.json                          # kestrel, trl, unsloth
     python bench/dpo.py --impl kestrel --out one.json                 # one, in this process
+    python bench/dpo.py --impl kestrel --profile DIR --out one.json   # + 2 profiled steps after the timed
+                                                                      # ones (bench/step_profile.py: DIR/profile.txt)
     TRITON_INTERPRET=1 python bench/dpo.py --smoke --impls kestrel,trl --out /tmp/s.json   # tiny model on a CPU:
                                                                       # checks the script, times nothing
+
+`--checkpointing` defaults to the product's default (`TrainConfig.gradient_checkpointing`);
+`offload` is the mode with the least GPU memory.
 
 TRL, bitsandbytes and datasets must be importable (the `.gpu-site` folder from
 ../shared/gpu/make-site.sh on PYTHONPATH); Unsloth runs from `--anchors` (its own TRL version).
@@ -35,12 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from kestrel.config import TrainConfig  # noqa: E402
+
 from bench.common import (  # noqa: E402
     TARGETS, bench_model_dir, gib, hf_qlora_model, llama8b_dir, run_isolated, step_recorder, trainer_clock,
 )
 
 PROMPT_WORDS, CHOSEN_WORDS, REJECTED_WORDS = "apple river stone cloud", "green fast bright warm", "cold slow dark dull"
 BETA, LR = 0.1, 5e-6
+PROFILED_STEPS = 2  # with --profile: run this many more steps, profiled, after the timed ones
 
 
 def texts(seq: int, pairs: int) -> list[dict[str, str]]:
@@ -64,20 +72,28 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="kestrel-dpo-"))
     data = work / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in texts(args.seq, args.batch * (args.steps + 1))))
+    profiled = PROFILED_STEPS if args.profile else 0
+    data.write_text("".join(json.dumps(r) + "\n" for r in texts(args.seq, args.batch * (args.steps + profiled + 1))))
     steps: list[dict[str, float]] = []
+    callbacks = [step_recorder(steps)]
+    if profiled:
+        from bench.step_profile import StepProfiler
+
+        callbacks.append(StepProfiler(Path(args.profile), after=args.steps, steps=profiled))
     cfg = config_from_dict(dict(
         model=str(folder), method="dpo", dataset=str(data), output_dir=str(work / "run"), max_seq_length=args.seq + 64,
-        batch_size=args.batch, max_steps=args.steps, learning_rate=LR, save_steps=0, seed=0, lr_scheduler="constant",
+        batch_size=args.batch, max_steps=args.steps + profiled, learning_rate=LR, save_steps=0, seed=0,
+        lr_scheduler="constant",
         gradient_checkpointing=args.checkpointing if not args.smoke else "off", dtype="fp32" if args.smoke else "bf16",
         lora={"r": 16, "alpha": 16, "dropout": 0.0, "targets": TARGETS},
         preference={"finetune": "lora" if args.smoke else "qlora", "beta": BETA, "loss_type": "sigmoid"},
     ))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    result = run(cfg, [step_recorder(steps)])
+    result = run(cfg, callbacks)
     if result.status != "completed":
         raise RuntimeError(f"kestrel run {result.status}: {result.error}")
+    steps = steps[: args.steps]  # the profiled steps are slower: not timed
     times = [steps[0]["elapsed_s"]] + [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)]
     return {"step_times": times, "s_per_step": _medians(times, args.warmup),
             "checkpointing": cfg.gradient_checkpointing, "loss_first": steps[0]["loss"]}
@@ -162,12 +178,16 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024, help="tokens of each chosen / rejected sequence")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
-    ap.add_argument("--checkpointing", default="standard", choices=["standard", "offload"])
+    ap.add_argument("--checkpointing", default=TrainConfig().gradient_checkpointing, choices=["standard", "offload"],
+                    help="Kestrel's gradient_checkpointing (default: the product's default); TRL and Unsloth keep theirs")
+    ap.add_argument("--profile", default="", help="kestrel only: profile 2 more steps into this folder (profile.txt)")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (a quick check of the script)")
     ap.add_argument("--anchors", default=str(Path(__file__).resolve().parent.parent / ".gpu-anchors"))
     ap.add_argument("--smoke", action="store_true", help="tiny model, fp32, no 4-bit: checks the script")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.profile and "--impl" in sys.argv and args.impl != "kestrel":
+        ap.error("--profile profiles Kestrel's steps: give it with --impl kestrel (or --impls including kestrel)")
     if "--impl" in sys.argv:  # one implementation, in this process
         Path(args.out).write_text(json.dumps(measure(args)))
         return
@@ -178,8 +198,9 @@ def main() -> None:
     common += (["--layers", str(args.layers)] if args.layers else []) + (["--smoke"] if args.smoke else [])
     results = []
     for impl in args.impls.split(","):
-        res = run_isolated(__file__, ["--impl", impl, *common], extra_path=args.anchors if impl == "unsloth" else None,
-                           timeout=900)
+        own = ["--profile", args.profile] if args.profile and impl == "kestrel" else []
+        res = run_isolated(__file__, ["--impl", impl, *common, *own],
+                           extra_path=args.anchors if impl == "unsloth" else None, timeout=900)
         res.setdefault("impl", impl)
         results.append(res)
         print(json.dumps({**res, "error": res["error"][-400:]} if "error" in res else res), flush=True)

@@ -25,9 +25,12 @@ The Triton kernel overwrites the chunk's logits in place with that gradient time
 `1 / num_valid` ("mean", a device tensor: no host sync) or 1 ("sum"); backward only multiplies the
 saved grads by the scalar grad_output, and on the GPU skips that pass over grad_W (2.1 GB of
 traffic) when grad_output is 1, deciding on the device (no host sync, graph-safe). "none" and
-`chunked_token_logprobs` get a per-token grad_output that must weight each row *before* the sum
-over tokens in grad_W, so they save only `lse` `(N,)` in forward and recompute the chunk logits
-in backward (one extra matmul per chunk).
+`chunked_token_logprobs` get a per-token grad_output g. With W frozen (LoRA's head) only grad_h
+is wanted, and its row i is g_i times the row computed for g = 1, so forward forms those unit
+rows (`(N, H)`, hidden's size, saved instead of hidden) and backward scales each by g_i: no
+chunk logits are recomputed. When W needs a gradient, g must weight each row *before* the sum
+over tokens in grad_W, so forward saves only `lse` `(N,)` and backward recomputes the chunk
+logits (one extra matmul per chunk).
 """
 
 from __future__ import annotations
@@ -271,26 +274,40 @@ class _FusedLinearCE(torch.autograd.Function):
 
 
 class _PerTokenCE(torch.autograd.Function):
-    """Per-token loss `(N,)` fp32; backward recomputes chunk logits from the saved `lse`.
+    """Per-token loss `(N,)` fp32.
 
-    Backward: with g_i = grad_out_i, dx[i, v] = g_i (softmax(z)[i, v] - [v == y_i]) dz/dx, then
-    grad_h = dx @ W and grad_W = dx^T @ h chunk by chunk: g weights each row before the sum
-    over tokens in grad_W, which is why these grads cannot be precomputed in forward.
+    Backward, with g_i = grad_out_i: dx[i, v] = g_i (softmax(z)[i, v] - [v == y_i]) dz/dx, then
+    grad_h = dx @ W and grad_W = dx^T @ h chunk by chunk.
+    - `unit_grads` (W frozen, h needs a gradient): grad_h[i] = g_i u_i with
+      u_i = (softmax(z_i) - onehot(y_i)) dz/dx @ W, formed in forward in the same sweep as the
+      loss and saved `(N, H)` in hidden's dtype; backward scales each row by g_i (in fp32,
+      rounded once to hidden's dtype).
+    - otherwise g weights each row before the sum over tokens in grad_W, so forward saves `lse`
+      and backward recomputes the chunk logits from it.
     """
 
     @staticmethod
-    def forward(ctx, h, w, labels, opts: dict):
+    def forward(ctx, h, w, labels, opts: dict, unit_grads: bool):
         loss = _alloc((h.shape[0],), torch.float32, h.device)
         lse = _alloc((h.shape[0],), torch.float32, h.device)
-        unused = torch.ones((), dtype=torch.float32, device=h.device)
-        _chunked_pass(h, w, labels, loss, lse, unused, None, None, opts, compute_lse=True)
-        ctx.save_for_backward(h, w, labels, lse)
+        ones = torch.ones((), dtype=torch.float32, device=h.device)
+        units = _alloc(h.shape, h.dtype, h.device) if unit_grads else None
+        _chunked_pass(h, w, labels, loss, lse, ones, units, None, opts, compute_lse=True)
+        ctx.unit_grads, ctx.units = unit_grads, units
+        if not unit_grads:
+            ctx.save_for_backward(h, w, labels, lse)
         ctx.opts = opts
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        if ctx.unit_grads:
+            if ctx.units is None:
+                raise RuntimeError("chunked_token_logprobs: backward can run only once per forward")
+            units, ctx.units = ctx.units, None  # scaled in place and handed over, not kept
+            # bf16 x fp32 in place: the product is formed in fp32 and rounded once
+            return units.mul_(grad_out.float().unsqueeze(1)), None, None, None, None
         h, w, labels, lse = ctx.saved_tensors
         need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gh = _alloc(h.shape, h.dtype, h.device) if need_gh else None
@@ -299,7 +316,7 @@ class _PerTokenCE(torch.autograd.Function):
             row_scale = grad_out.float().contiguous()
             # compute_lse=False: the kernel reads lse and writes no loss (lse fills that slot)
             _chunked_pass(h, w, labels, lse, lse, row_scale, gh, gw, ctx.opts, compute_lse=False)
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 # ---------------------------------------------------------------- public API
@@ -332,9 +349,10 @@ def fused_linear_cross_entropy(
     h, y = _flatten(hidden, lm_head_weight, labels)
     opts = {"ignore_index": int(ignore_index), "softcap": softcap, "inv_temp": 1.0,
             "triton": use_triton(hidden, lm_head_weight, labels)}
-    if reduction == "none":
-        return _PerTokenCE.apply(h, lm_head_weight, y, opts).reshape(hidden.shape[:-1])
     grad_on = torch.is_grad_enabled()
+    if reduction == "none":
+        units = _unit_grads(hidden, lm_head_weight)
+        return _PerTokenCE.apply(h, lm_head_weight, y, opts, units).reshape(hidden.shape[:-1])
     return _FusedLinearCE.apply(h, lm_head_weight, y, opts, reduction,
                                 grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad)
 
@@ -360,7 +378,14 @@ def chunked_token_logprobs(
     opts = {"ignore_index": -100, "softcap": softcap, "inv_temp": 1.0 / float(temperature),
             "triton": use_triton(hidden, lm_head_weight, token_ids)}
     # log p = -(lse - z_t): the per-token cross-entropy, negated.
-    return -_PerTokenCE.apply(h, lm_head_weight, t, opts).reshape(hidden.shape[:-1])
+    units = _unit_grads(hidden, lm_head_weight)
+    return -_PerTokenCE.apply(h, lm_head_weight, t, opts, units).reshape(hidden.shape[:-1])
+
+
+def _unit_grads(hidden: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a per-token call forms its hidden gradient in forward (`_PerTokenCE`): hidden
+    needs one and the head's weight does not."""
+    return torch.is_grad_enabled() and hidden.requires_grad and not w.requires_grad
 
 
 # ---------------------------------------------------------------- full-logits references

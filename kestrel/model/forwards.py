@@ -39,24 +39,26 @@ def _notice_once(message: str) -> None:
 def fused_lora_weights(layer: nn.Module) -> Any | None:
     """`kestrel.kernels.LoRAWeights` for a PEFT LoRA layer that the fused path can run now, else None.
 
-    None for a plain linear, a merged layer, or adapters disabled (base-only, e.g. the GRPO
-    reference pass); None with a one-time notice when PEFT carries something the kernel does not
-    support (dropout > 0, a bias, DoRA, several active adapters). The answer is cached on the
-    layer under the state it depends on, because this runs for every projection of every step.
+    With adapters disabled (the DPO / KTO / GRPO reference pass) the weights have the adapter
+    off (s = 0, `LoRAWeights.adapter_off`): the base runs through the same kernels as the policy.
+    None for a plain linear or a merged layer; None with a one-time notice when PEFT carries
+    something the kernel does not support (dropout > 0, a bias, DoRA, several active adapters).
+    The answer is cached on the layer for each state it depends on (a run switches between
+    enabled and disabled every step), because this runs for every projection of every step.
     """
     if not hasattr(layer, "lora_A"):
         return None
     active = tuple(layer.active_adapters)
     state = (active, layer.merged, layer.disable_adapters, tuple(layer.scaling.get(a) for a in active))
-    cached = layer.__dict__.get("_kestrel_fused")
-    if cached is not None and cached[0] == state:
-        return cached[1]
+    cached = layer.__dict__.setdefault("_kestrel_fused", {})
+    if state in cached:
+        return cached[state]
     weights = None
-    if not state[1] and not state[2] and len(state[0]) == 1:
-        weights, reason = kernels.LoRAWeights.from_peft(layer, state[0][0])
+    if not state[1] and len(state[0]) == 1:
+        weights, reason = kernels.LoRAWeights.from_peft(layer, state[0][0], adapter_off=bool(state[2]))
         if weights is None:
             _notice_once(f"fused LoRA kernel off for some layers ({reason}); using PEFT's path for them")
-    layer.__dict__["_kestrel_fused"] = (state, weights)
+    cached[state] = weights
     return weights
 
 

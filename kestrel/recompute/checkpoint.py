@@ -360,7 +360,8 @@ class Recompute:
     At the first layer of each training forward on CUDA it asks `chooser` whether this forward's
     layers run as CUDA graphs (`kestrel.recompute.graph_choice`, keyed by that layer's call signature), and
     every layer of the forward follows the answer. Graphs are dropped once no layout is left that
-    runs them.
+    runs them. A call with grad disabled (a no-grad pass of a model in training mode: KTO's KL
+    rows) runs the layer as it is: nothing will be back-propagated.
     """
 
     def __init__(
@@ -395,6 +396,8 @@ class Recompute:
             self.recomputing = False
 
     def __call__(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # nothing will be back-propagated: nothing to keep, no training forward to time
+            return run(hidden, *args)
         if self._starts_forward(run) and layer_graphs.graphable(run, hidden):
             key = layer_graphs.call_key(run, hidden, args)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)

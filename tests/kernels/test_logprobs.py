@@ -103,6 +103,62 @@ def test_backward_keeps_no_logits(backend) -> None:
     assert sum(t.numel() for t in saved) == hidden.numel() + weight.numel() + 2 * N
 
 
+def _counting_passes(monkeypatch) -> list[bool]:
+    """Each chunked sweep over the vocabulary, recorded as whether it formed hidden gradients."""
+    passes: list[bool] = []
+    real = ce._chunked_pass
+
+    def spy(h, w, labels, loss, lse, scale, gh, gw, opts, compute_lse):
+        passes.append(gh is not None)
+        return real(h, w, labels, loss, lse, scale, gh, gw, opts, compute_lse)
+
+    monkeypatch.setattr(ce, "_chunked_pass", spy)
+    return passes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["nocap", "cap5"])
+def test_frozen_weight_forms_hidden_grads_in_forward(backend, monkeypatch, dtype, softcap) -> None:
+    """A frozen head (LoRA): one sweep in all, forming the unit hidden gradients with the
+    log-probs; backward only scales them by each token's weight (signed, as DPO's are)."""
+    passes = _counting_passes(monkeypatch)
+    hidden, weight, ids = make_inputs(dtype=dtype)
+    weight.requires_grad_(False)
+    keep = torch.arange(N) % 5 != 0
+    ours = chunked_token_logprobs(hidden, weight, ids.where(keep, -100), temperature=0.8, softcap=softcap)
+    g = torch.randn(N, generator=torch.Generator().manual_seed(7))
+    (ours * g).sum().backward()
+    assert passes == [True]  # the forward's sweep only
+    h_ref = fp32_leaf(hidden)
+    ref = token_logprobs_reference(h_ref, weight.float(), ids, temperature=0.8, softcap=softcap)
+    (ref * g * keep).sum().backward()
+    assert (ours[~keep] == 0).all() and (hidden.grad[~keep] == 0).all()
+    assert_rel(ours[keep], ref[keep], TOL[dtype])
+    assert_rel(hidden.grad, h_ref.grad, TOL[dtype])
+
+
+def test_frozen_weight_without_grad_forms_nothing_and_trainable_weight_recomputes(monkeypatch) -> None:
+    passes = _counting_passes(monkeypatch)
+    hidden, weight, ids = make_inputs()
+    weight.requires_grad_(False)
+    with torch.no_grad():
+        chunked_token_logprobs(hidden, weight, ids)
+    assert passes == [False]
+    passes.clear()
+    weight.requires_grad_(True)
+    chunked_token_logprobs(hidden, weight, ids).sum().backward()  # grad_W needs the weights first
+    assert passes == [False, True] and weight.grad is not None
+
+
+def test_frozen_weight_backward_runs_once() -> None:
+    hidden, weight, ids = make_inputs()
+    weight.requires_grad_(False)
+    out = chunked_token_logprobs(hidden, weight, ids).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        out.backward()
+
+
 @pytest.mark.gpu
 def test_gpu_matches_reference_and_peak_memory(monkeypatch) -> None:
     """Compiled kernel vs reference, then GRPO's shape (N=8192, H=4096, V=128256, frozen bf16

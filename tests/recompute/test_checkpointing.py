@@ -197,6 +197,21 @@ def test_offloaded_layer_gives_the_same_gradients(device: str) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["standard", "offload"])
+def test_a_no_grad_call_runs_the_layer_as_it_is(offload: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward in training mode under no_grad (a reference or KL pass) keeps nothing, copies
+    nothing to the host and asks the graph chooser nothing: it is no training forward."""
+    owner = Recompute(offload, None, GraphChooser("auto"))
+    layer = torch.nn.Linear(16, 16)
+    monkeypatch.setattr(LayerCheckpoint, "apply", lambda *a: pytest.fail("checkpointed under no_grad"))
+    monkeypatch.setattr(owner.chooser, "begin", lambda *a: pytest.fail("a no-grad forward was timed"))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        y = owner(lambda t, scale: layer(t) * scale, x, 2.0)
+    torch.testing.assert_close(y, layer(x).detach() * 2.0, rtol=0, atol=0)
+    assert owner.offloaded.last is None and not owner.offloaded.reading
+
+
 def test_a_copy_gives_its_buffer_back_when_taken(fake_pinning: dict[int, int]) -> None:
     x = torch.randn(4, 250)
     copy = _HostCopy(STATE.now, x)

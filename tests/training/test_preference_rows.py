@@ -11,7 +11,7 @@ from kestrel.config import LoraSettings
 from kestrel.model.loader import load
 from kestrel.model.lora import attach_lora
 from kestrel.training.preference.reference import as_reference
-from kestrel.training.preference.rows import PAD, answer_logprobs, answer_rows
+from kestrel.training.preference.rows import answer_logprobs, answer_rows
 
 SHAPES = [(5, 7), (3, 1), (9, 4), (2, 6), (4, 3)]  # (prompt, answer) lengths, ragged on purpose
 
@@ -61,8 +61,12 @@ def test_batched_answer_logprobs_equal_full_logits(tiny_model_dir, lora: bool, f
     weights = torch.randn(len(pairs), generator=torch.Generator().manual_seed(1))  # signed, as DPO's are
     rows = answer_rows(pairs, tok.pad_token_id, torch.device("cpu"), flat)
     logp = answer_logprobs(model, rows)  # (R, L)
-    assert logp.shape == rows.targets.shape and logp[rows.targets == PAD].abs().max() == 0
-    assert rows.tokens.tolist() == [a for _, a in SHAPES]
+    answers = [a for _, a in SHAPES]
+    assert logp.shape == (len(pairs), max(answers))
+    assert all(logp[r, n:].abs().max() == 0 for r, n in enumerate(answers) if n < max(answers))
+    # only real answer tokens go through the LM head: no padding of short answers to the longest
+    assert rows.targets.tolist() == [t for _, a in pairs for t in a] and rows.col.shape == (sum(answers),)
+    assert rows.tokens.tolist() == answers
     seq = logp.sum(-1)
     (seq * weights).sum().backward()
     fused = _grads(model)
@@ -92,3 +96,24 @@ def test_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir) -> None
     torch.testing.assert_close(ref, expected, rtol=1e-6, atol=1e-6)
     assert (policy - expected).abs().max() > 1e-3  # the adapter does change the policy
     assert model.training  # as_reference restores the mode
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["padded", "flat"])
+def test_only_a_forward_with_gradients_runs_the_rounded_width(tiny_model_dir, flat: bool) -> None:
+    """The rounded width keeps the policy's shapes few (CUDA graphs); a no-gradient pass (the
+    reference) runs the real columns alone, with the same log-probs."""
+    model, tok = _model(str(tiny_model_dir("llama")), lora=True)
+    g = torch.Generator().manual_seed(5)
+    pairs = [(torch.randint(4, len(tok), (p,), generator=g).tolist(), torch.randint(4, len(tok), (a,), generator=g).tolist())
+             for p, a in [(10, 9), (7, 8)]]  # rows of 19 and 15 tokens: widths 20 (padded) and 36 (flat) rounded
+    rows = answer_rows(pairs, tok.pad_token_id, torch.device("cpu"), flat)
+    assert (rows.input_ids.shape[1], rows.used) == ((36, 34) if flat else (20, 19))
+    widths = []
+    stack = model.get_base_model().model
+    hook = stack.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        exact = answer_logprobs(model, rows)
+    rounded = answer_logprobs(model, rows)
+    hook.remove()
+    assert widths == [rows.used, rows.input_ids.shape[1]]
+    torch.testing.assert_close(exact, rounded.detach(), rtol=1e-5, atol=1e-5)

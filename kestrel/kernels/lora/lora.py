@@ -32,6 +32,12 @@ tests/kernels/test_lora_small_updates.py pins this down.
 Matmuls go to cuBLAS through torch; compute runs in X's dtype (or autocast's), A and B cast to it.
 Bias, dropout and DoRA are refused by `LoRAWeights.from_peft` with a reason, so the caller keeps
 PEFT's forward.
+
+Adapter off (`from_peft(..., adapter_off=True)`: PEFT's `disable_adapter()`, the DPO / KTO / GRPO
+reference pass): scaling s = 0, so Y = X W^T exactly, and the forward skips every adapter product
+(no shrink, no expansion, a plain dequantization instead of the merged one): the base runs
+through the same dequantization and grouped products as the policy, not PEFT's per-projection
+path. PEFT has set A and B to need no gradient meanwhile, so a backward gives them none.
 """
 
 from __future__ import annotations
@@ -70,6 +76,11 @@ class LoRAWeights:
             raise ValueError(f"base weight {base} does not match the adapter's {expected}")
 
     @property
+    def adapter_off(self) -> bool:
+        """s = 0: the adapter adds nothing (Y = X W^T) and its products are skipped."""
+        return self.scaling == 0.0
+
+    @property
     def in_features(self) -> int:
         return self.lora_A.shape[1]
 
@@ -79,19 +90,21 @@ class LoRAWeights:
 
     @classmethod
     def from_peft(
-        cls, layer: Any, adapter_name: str | None = None
+        cls, layer: Any, adapter_name: str | None = None, adapter_off: bool = False
     ) -> tuple[LoRAWeights | None, str]:
         """Read a PEFT `lora.Linear` / `lora.bnb.Linear4bit` layer. Returns (weights, "") or, when
-        the fused path would not compute what PEFT computes, (None, reason). Duck-typed: no peft
-        import (it pulls in transformers)."""
-        reason = lora_peft.refusal(layer, adapter_name)
+        the fused path would not compute what PEFT computes, (None, reason). adapter_off: the
+        layer's adapters are disabled (PEFT then runs the base alone): weights with s = 0
+        (`adapter_off`), whatever the adapter carries. Duck-typed: no peft import (it pulls in
+        transformers)."""
+        reason = lora_peft.refusal(layer, adapter_name, adapter_off)
         if reason:
             return None, reason
         name = adapter_name or layer.active_adapters[0]
         weight = layer.get_base_layer().weight
         quant_state = getattr(weight, "quant_state", None) if weight.dtype == torch.uint8 else None
         lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-        return cls(weight, quant_state, lora_a, lora_b, float(layer.scaling[name])), ""
+        return cls(weight, quant_state, lora_a, lora_b, 0.0 if adapter_off else float(layer.scaling[name])), ""
 
     def _flat(self) -> tuple[Any, ...]:
         return (self.weight, self.quant_state, self.lora_A, self.lora_B, self.scaling)
@@ -140,6 +153,8 @@ def _merged(
     group's stacked cast, which the backward uses too, so no copy of A is kept for this alone):
     the kernel rounds them to a 16-bit `dtype` anyway, and reading 16 bits instead of fp32 is
     faster (bench/nf4_tiles.py --quick; bench/RESULTS.md, QLoRA "Session 10")."""
+    if w.adapter_off:  # W' = W: no adapter to read
+        return nf4.dequantize(w.weight, w.quant_state, out=out, dtype=None if out is not None else dtype)
     a = cast(w.lora_A, dtype) if a is None else a
     return nf4_lora.dequantize_merged(w.weight, w.quant_state, a, cast(w.lora_B, dtype), w.scaling, dtype, out=out)
 
@@ -183,8 +198,10 @@ def _expand(
     order of the two products is `_ADAPTER_FIRST_MIN`'s."""
     if merged:
         return torch.mm(x, (_merged(w, dtype, a=a) if dense is None else dense).t(), out=out)
-    b = cast(w.lora_B, dtype)
     base = _base(w.weight, w.quant_state, dtype) if dense is None else dense
+    if w.adapter_off:
+        return torch.mm(x, base.t(), out=out)
+    b = cast(w.lora_B, dtype)
     if x.is_cuda and w.out_features * w.in_features < _ADAPTER_FIRST_MIN:
         return torch.mm(x, base.t(), out=out).addmm_(xa, b.t())
     return torch.mm(xa, b.t(), out=out).addmm_(x, base.t())
@@ -250,6 +267,12 @@ def _group_backward(
     return _input_backward(dys, dyb, a, ws, dtype, dense, merged, out)
 
 
+def _needs_shrink(grad: bool, merged: bool, ws: list[LoRAWeights] | tuple[LoRAWeights, ...]) -> bool:
+    """Whether a forward forms the rank-r products X A^T: for backward (dB needs them), or for
+    unmerged expansions of an adapter that is on."""
+    return grad or not (merged or all(w.adapter_off for w in ws))
+
+
 def _will_backward(x: torch.Tensor, ws: list[LoRAWeights]) -> bool:
     """Whether autograd will record the call (a checkpoint's no-grad first pass will not: then
     nothing is saved, and a merged group forms no X A^T at all)."""
@@ -302,7 +325,7 @@ class _LoRAProjections(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
             a = _stacked_a(ws, dtype)  # (N r, in)
-            xa = _shrink(x2, ws, a) if grad or not merged else None  # (M, N r)
+            xa = _shrink(x2, ws, a) if _needs_shrink(grad, merged, ws) else None  # (M, N r)
             outs = []
             for span, w in zip(_spans(ws), ws):
                 y = _expand(x2, None if xa is None else xa[:, span], w, dtype, merged, a=a[span])

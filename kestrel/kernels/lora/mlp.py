@@ -191,7 +191,7 @@ def _forward(
     merged_gu, merged_d = base._merges([gate, up]), base._merges([down])
     xa_gu = ha_d = a_d = None  # the rank-r pieces: for backward, or unmerged expands
     a_gu = base._stacked_a([gate, up], dtype)  # (2r, H)
-    if grad or not merged_gu:
+    if base._needs_shrink(grad, merged_gu, (gate, up)):
         xa_gu = base._shrink(x2, [gate, up], a_gu)  # (M, 2r)
     xa_g, xa_u = (None, None) if xa_gu is None else (xa_gu[:, sg], xa_gu[:, su])
     e = store.take() if store is not None and grad else None
@@ -203,7 +203,7 @@ def _forward(
             store.keep(e)
     g = base._expand(x2, xa_u, up, dtype, merged_gu, a=a_gu[su])
     h = _glu_forward(e, g, activation)
-    if grad or not (merged_d or discard):  # for backward, or for the down product
+    if base._needs_shrink(grad, merged_d or discard, (down,)):  # for backward, or for the down product
         a_d = cast(down.lora_A, dtype)  # (r, I)
         ha_d = base._shrink(h, [down], a_d)  # (M, r)
     if discard:

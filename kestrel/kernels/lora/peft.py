@@ -11,12 +11,14 @@ from typing import Any
 import torch
 
 
-def refusal(layer: Any, adapter_name: str | None) -> str:
-    """Why the fused path cannot stand in for this PEFT layer ("" when it can)."""
+def refusal(layer: Any, adapter_name: str | None, adapter_off: bool = False) -> str:
+    """Why the fused path cannot stand in for this PEFT layer ("" when it can). adapter_off: for
+    the layer with its adapters disabled, where PEFT runs the base alone: what the adapter
+    carries (DoRA, dropout, a bias) no longer matters, only the base does."""
     if not all(hasattr(layer, a) for a in ("lora_A", "lora_B", "scaling", "get_base_layer")):
         return f"{type(layer).__name__} is not a PEFT LoRA layer"
-    if getattr(layer, "disable_adapters", False):
-        return "adapters are disabled"
+    if getattr(layer, "disable_adapters", False) != adapter_off:
+        return "adapters are disabled" if not adapter_off else "adapters are enabled"
     if getattr(layer, "merged", False):
         return "adapter is merged into the base weight"
     active = list(getattr(layer, "active_adapters", []))
@@ -27,6 +29,18 @@ def refusal(layer: Any, adapter_name: str | None) -> str:
         return f"adapter {name!r} is not the active one ({active[0]!r})"
     if name not in layer.lora_A or name not in layer.lora_B:
         return f"adapter {name!r} has no lora_A/lora_B on this layer (not a Linear adapter)"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out (Conv1D) layout"
+    if not adapter_off:
+        reason = _adapter_refusal(layer, name)
+        if reason:
+            return reason
+    base = layer.get_base_layer()
+    return _base_refusal(base, layer.lora_A[name], layer.lora_B[name], layer.scaling[name])
+
+
+def _adapter_refusal(layer: Any, name: str) -> str:
+    """What in the adapter `name` itself the fused path does not compute ("" when nothing)."""
     if getattr(layer, "use_dora", {}).get(name, False):
         return "DoRA"
     variant = getattr(layer, "lora_variant", {}).get(name)
@@ -38,10 +52,7 @@ def refusal(layer: Any, adapter_name: str | None) -> str:
             return f"lora dropout {getattr(dropout, 'p', dropout)} > 0"
     if getattr(layer, "lora_bias", {}).get(name, False) or layer.lora_B[name].bias is not None:
         return "lora_B has a bias"
-    if getattr(layer, "fan_in_fan_out", False):
-        return "fan_in_fan_out (Conv1D) layout"
-    base = layer.get_base_layer()
-    return _base_refusal(base, layer.lora_A[name], layer.lora_B[name], layer.scaling[name])
+    return ""
 
 
 def _base_refusal(base: Any, lora_a: Any, lora_b: Any, scaling: Any) -> str:

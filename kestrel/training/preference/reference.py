@@ -29,16 +29,43 @@ NEEDS_REFERENCE = ("dpo", "kto")
 
 @contextlib.contextmanager
 def as_reference(model: nn.Module) -> Iterator[None]:
-    """No gradient, eval mode (no checkpointing to record), adapter disabled when there is one."""
+    """No gradient, eval mode (no dropout, no checkpointing), adapters disabled when there are any.
+
+    The adapters are switched as PEFT's `disable_adapter()` switches them (each tuner layer's
+    `enable_adapters`, which also stops A and B from needing a gradient), on the layers found once
+    per model (`adapter_layers`), and only those enabled before are enabled again after: PEFT's
+    context walks every module and takes the model's adapter status each time, host work at the
+    start of every step while the GPU waits."""
     was_training = model.training
+    switched = [layer for layer in adapter_layers(model) if not layer.disable_adapters]
     model.eval()
     try:
         with torch.no_grad():
-            disable = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-            with disable:
+            for layer in switched:
+                layer.enable_adapters(False)
+            try:
                 yield
+            finally:
+                for layer in switched:
+                    layer.enable_adapters(True)
     finally:
         model.train(was_training)
+
+
+def adapter_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules PEFT switches to disable its adapters (LoRA layers, `modules_to_save` wrappers),
+    found on the first call and kept on the model (its adapters are attached once, before
+    training); none for a model without PEFT adapters."""
+    found = model.__dict__.get("_kestrel_adapter_layers")
+    if found is None:
+        found = []
+        if hasattr(model, "disable_adapter"):
+            from peft.tuners.tuners_utils import BaseTunerLayer
+            from peft.utils.other import AuxiliaryTrainingWrapper
+
+            found = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+        model.__dict__["_kestrel_adapter_layers"] = found
+    return found
 
 
 @dataclass

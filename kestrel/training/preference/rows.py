@@ -13,10 +13,17 @@ rounded up by `bucket_width`):
     flat    (1, sum of lengths) one padding-free row, `position_ids` restarting at 0 for each
             (prompt, answer), for models whose patched attention runs variable-length kernels
 
-Either way the hidden state just before each answer token is gathered by its flat index `(R, L)`
-into `(R, L, H)`, and `kernels.chunked_token_logprobs` projects it a chunk of tokens at a time:
-logp[r, j] = log_softmax(cap(h[idx[r, j]] @ W^T))[y[r, j]]. Backward recomputes each chunk's
-logits (kestrel/kernels/cross_entropy.py), so this step's memory is the hidden states'.
+Only a forward with gradients (the policy's, which the CUDA-graph chooser sees) runs the rounded
+width; a no-gradient forward (the reference, KTO's KL rows, evaluation) runs the real columns
+alone (`AnswerRows.used`): the padding would be computed through every layer for nothing.
+
+Either way the hidden state just before each answer token is gathered at its (row, column), the N
+real answer tokens of all rows and no padding (`(N, H)`: rows' answers differ in length, and a
+padded `(R, L)` grid would send every short answer's padding through the LM head too), and
+`kernels.chunked_token_logprobs` projects it a chunk of tokens at a time:
+logp_n = log_softmax(cap(h[idx_n] @ W^T))[y_n], placed at (r, j) of the `(R, L)` result (0 past
+each answer's end). Chunk logits are never kept (kestrel/kernels/cross_entropy.py), so this
+step's memory is the hidden states'.
 """
 
 from __future__ import annotations
@@ -31,15 +38,16 @@ from kestrel import kernels
 from kestrel.data.collate import bucket_width
 from kestrel.training.grpo.logprobs import causal_lm
 
-PAD = -100  # a target that is no answer token: log-prob 0, no gradient
-
-
 @dataclass
 class AnswerRows:
     input_ids: torch.Tensor  # (B, T): B = R padded, or 1 flat
     position_ids: torch.Tensor | None  # (1, T) flat layout only
-    index: torch.Tensor  # (R, L) flat index into (B * T) of the hidden state predicting each target
-    targets: torch.Tensor  # (R, L) answer ids, PAD past each answer's end
+    row: torch.Tensor  # (N,) row in (B, T) of the hidden state predicting each answer token
+    col: torch.Tensor  # (N,) its column
+    used: int  # columns holding real tokens (flat: all rows' tokens; padded: the longest row)
+    targets: torch.Tensor  # (N,) the answer tokens, row after row
+    slots: torch.Tensor  # (N,) where each goes in the (R, L) result: r * L + j
+    shape: tuple[int, int]  # (R, L): rows, longest answer
     tokens: torch.Tensor  # (R,) answer lengths
     real_tokens: int  # prompt + answer tokens of all rows (no padding)
 
@@ -53,33 +61,36 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
     width = bucket_width(sum(lengths) if flat else max(lengths))
     ids = torch.full((1 if flat else rows, width), pad_id, dtype=torch.long)
     positions = torch.zeros((1, width), dtype=torch.long) if flat else None
-    index = torch.zeros((rows, length), dtype=torch.long)
-    targets = torch.full((rows, length), PAD, dtype=torch.long)
-    at = 0
+    answers = [len(a) for _, a in pairs]
+    row_of, col_of, slots = (torch.empty(sum(answers), dtype=torch.long) for _ in range(3))
+    at = done = 0
     for r, (p, a) in enumerate(pairs):
         n = len(p) + len(a)
-        start = at if flat else r * width  # flat index of the row's first token
         row = 0 if flat else r
-        col = at if flat else 0
+        col = at if flat else 0  # the row's first token
         ids[row, col : col + n] = torch.tensor(p + a, dtype=torch.long)
         if positions is not None:
             positions[0, at : at + n] = torch.arange(n)
-        # token j of the answer sits at column len(p) + j; the state before it predicts it
-        index[r, : len(a)] = start + len(p) - 1 + torch.arange(len(a))
-        targets[r, : len(a)] = torch.tensor(a, dtype=torch.long)
+        # token j of the answer sits at column col + len(p) + j; the state before it predicts it
+        row_of[done : done + len(a)] = row
+        col_of[done : done + len(a)] = col + len(p) - 1 + torch.arange(len(a))
+        slots[done : done + len(a)] = r * length + torch.arange(len(a))
+        done += len(a)
         at += n if flat else 0
     if positions is not None:
         positions[0, at:] = torch.arange(width - at)  # the padding tail is one more "sequence"
-    tokens = torch.tensor([len(a) for _, a in pairs], dtype=torch.long)
+    targets = torch.tensor([t for _, a in pairs for t in a], dtype=torch.long)
     move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    return AnswerRows(move(ids), move(positions), move(index), move(targets), move(tokens), sum(lengths))
+    return AnswerRows(move(ids), move(positions), move(row_of), move(col_of), sum(lengths) if flat else max(lengths),
+                      move(targets), move(slots), (rows, length), move(torch.tensor(answers, dtype=torch.long)),
+                      sum(lengths))
 
 
 FSDP_SCORE = "kestrel_answer_logprobs"  # the FSDP2 forward method `score_through_fsdp` adds
 
 
 def answer_logprobs(model: nn.Module, rows: AnswerRows) -> torch.Tensor:
-    """log pi(answer token | everything before it) for every row: (R, L) fp32, 0 at PAD.
+    """log pi(answer token | everything before it) for every row: (R, L) fp32, 0 past each answer.
     Differentiable w.r.t. the trainable weights when grad is enabled; the adapter state
     (enabled or disabled) is the caller's."""
     lm = causal_lm(model)
@@ -101,8 +112,11 @@ def score_through_fsdp(model: nn.Module) -> None:
 
 
 def _answer_logprobs(lm: nn.Module, rows: AnswerRows) -> torch.Tensor:
-    hidden = lm.model(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False).last_hidden_state
-    flat = hidden.reshape(-1, hidden.shape[-1])  # (B * T, H)
-    h = flat[rows.index]  # (R, L, H); PAD targets read some state and give 0 with no gradient
+    cols = rows.input_ids.shape[1] if torch.is_grad_enabled() else rows.used  # no gradient: no padding columns
+    positions = None if rows.position_ids is None else rows.position_ids[:, :cols]
+    hidden = lm.model(input_ids=rows.input_ids[:, :cols], position_ids=positions, use_cache=False).last_hidden_state
+    h = hidden[rows.row, rows.col]  # (N, H): the answer tokens' predicting states, no padding
     softcap = getattr(lm.config, "final_logit_softcapping", None)
-    return kernels.chunked_token_logprobs(h, lm.lm_head.weight, rows.targets, softcap=softcap)
+    logp = kernels.chunked_token_logprobs(h, lm.lm_head.weight, rows.targets, softcap=softcap)  # (N,)
+    r, length = rows.shape
+    return logp.new_zeros(r * length).index_put((rows.slots,), logp).view(r, length)  # (R, L), 0 past each end

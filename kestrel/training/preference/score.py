@@ -18,8 +18,8 @@ import torch
 from kestrel.data.preference_tokens import PreferenceSample
 from kestrel.training.distributed import World
 from kestrel.training.preference import loss as L
-from kestrel.training.preference.reference import RefTable, as_reference, sequence_logps
-from kestrel.training.preference.rows import answer_logprobs, answer_rows
+from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, as_reference, sequence_logps
+from kestrel.training.preference.rows import AnswerRows, answer_logprobs, answer_rows
 
 
 @dataclass
@@ -46,12 +46,13 @@ class StepStats:
     tokens: int = 0
 
 
-def _reference(s: Any, data: RowSet, idx: list[int], pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """(R,) reference log-probs of the micro-batch's rows, in `pairs` order (answer-major)."""
+def _reference(s: Any, data: RowSet, idx: list[int], rows: AnswerRows) -> torch.Tensor:
+    """(R,) reference log-probs of the micro-batch's rows (answer-major), scored on the same
+    `rows` the policy scores."""
     if data.reference is not None:
         return data.reference.answers[idx].t().reshape(-1)  # (A, P) -> answer-major, as the rows are
     with as_reference(s.model):
-        return sequence_logps(s.model, pairs, s.pad_id, s.device, s.flat)
+        return answer_logprobs(s.model, rows).sum(-1)
 
 
 def _kto_kl(s: Any, data: RowSet, idx: list[int]) -> torch.Tensor:
@@ -75,13 +76,16 @@ def micro_loss(s: Any, data: RowSet, idx: list[int], stats: StepStats) -> torch.
     chosen = [data.samples[i] for i in idx]
     pairs = [(x.prompt, x.answers[k]) for k in range(len(chosen[0].answers)) for x in chosen]  # answer-major
     rows = answer_rows(pairs, s.pad_id, s.device, s.flat)
+    # The no-gradient passes first: their activations are gone before the policy's forward keeps
+    # its checkpoints for the backward, so the two never sit in memory together.
+    ref = _reference(s, data, idx, rows) if method in NEEDS_REFERENCE else None  # (R,)
+    kl = _kto_kl(s, data, idx) if method == "kto" else None
     logp = answer_logprobs(s.model, rows)  # (R, L)
     seq, tokens = logp.sum(-1), rows.tokens.to(logp.dtype)  # (R,)
     stats.tokens += rows.real_tokens
     if method == "kto":
         labels = torch.tensor([bool(x.label) for x in chosen], device=s.device)
-        out = L.kto_loss(seq, _reference(s, data, idx, pairs), labels, _kto_kl(s, data, idx), p.beta,
-                         p.desirable_weight, p.undesirable_weight)
+        out = L.kto_loss(seq, ref, labels, kl, p.beta, p.desirable_weight, p.undesirable_weight)
         stats.chosen.append(out.rewards[labels])
         stats.rejected.append(out.rewards[~labels])
         stats.logps_chosen.append(seq.detach()[labels])
@@ -90,7 +94,6 @@ def micro_loss(s: Any, data: RowSet, idx: list[int], stats: StepStats) -> torch.
         return out.loss
     n = len(idx)
     if method == "dpo":
-        ref = _reference(s, data, idx, pairs)
         out = L.dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], p.beta, p.loss_type, tokens[:n], tokens[n:],
                          p.label_smoothing)
     else:

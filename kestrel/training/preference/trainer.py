@@ -7,12 +7,15 @@
    preference rows (prompt masked: only answer tokens are scored); LoRA attached (or every weight
    trainable); reference log-probs precomputed when asked or when training every weight; AdamW,
    schedule, resume as in SFT.
-2. score: a micro-batch of `batch_size` pairs runs as one forward of 2 x batch_size rows, the
-   chosen answers first and the rejected after them (KTO: batch_size labelled rows); sequence
-   log-probs come from the chunked fused log-prob path (`rows.py`).
-3. reference (DPO, KTO): the same rows with the adapter disabled, no gradient (or the
-   precomputed table). KTO also scores each prompt with another row's answer, under the policy and
-   the reference, for its KL reference point. (Scoring is `score.py`'s, shared with evaluation.)
+2. reference (DPO, KTO): the micro-batch's rows with the adapter disabled (the base through the
+   same fused kernels, adapter products skipped), no gradient (or the precomputed table), before
+   the policy's forward, so its activations are gone before the policy keeps its checkpoints.
+   KTO also scores each prompt with another row's answer, under the policy and the reference,
+   for its KL reference point, also before.
+3. score: the same rows (one set of tensors for both passes): a micro-batch of `batch_size` pairs
+   runs as one forward of 2 x batch_size rows, the chosen answers first and the rejected after
+   them (KTO: batch_size labelled rows); sequence log-probs come from the chunked fused log-prob
+   path (`rows.py`). (Scoring is `score.py`'s, shared with evaluation.)
 4. update: each micro-batch's loss (a mean over its rows) divided by the step's micro-batch
    count (grad_accum x ranks), so the step's loss is the mean over its micro-batches; then clip
    and step.
