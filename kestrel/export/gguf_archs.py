@@ -1,4 +1,4 @@
-"""llama.cpp layouts that need more than a tensor rename: Qwen3.5 (`qwen35`) and Gemma 4 (`gemma4`).
+"""llama.cpp layouts that need more than a tensor rename: Qwen3.5 (`qwen35`, and `qwen35moe`) and Gemma 4 (`gemma4`).
 
     layout = layout_for(family)          # ArchLayout: the common case, nothing extra
     layout.metadata(writer, config)      # the architecture's own keys
@@ -20,6 +20,12 @@ Qwen3.5 (read from llama.cpp's `src/models/qwen35.cpp` and `convert_hf_to_gguf.p
   llama.cpp as Hugging Face stores them; the M-RoPE sections go into the metadata.
 - every other norm scales by (1 + w): the family's `norm_offset` is added (not to ssm_norm).
 - the multi-token-prediction head (`mtp.*`) is left out: llama.cpp's trunk does not need it.
+
+Qwen3.5-MoE (`qwen35moe`, llama.cpp's `src/models/qwen35moe.cpp`): Qwen3.5's layers above, with
+Qwen3-MoE's router and stacked experts in every MLP (`kestrel.export.experts.GGUFView`, keys written
+by `gguf_writer.add_metadata`) and a shared expert: `shared_expert.*_proj` -> ffn_*_shexp,
+`shared_expert_gate` (1, H) -> ffn_gate_inp_shexp, kept F32 as llama.cpp's converter keeps it;
+llama.cpp adds sigmoid(x W_gate) * shared_expert(x) to the experts' output, as Hugging Face does.
 
 Gemma 4: per-layer head sizes and K/V heads (sliding vs full), K/V shared by the last
 `num_kv_shared_layers` layers (llama.cpp reuses the last sliding and the last full layer before them,
@@ -79,13 +85,14 @@ def _tiled(w: torch.Tensor, dim: int, n_k: int, head: int) -> torch.Tensor:
 
 
 class Qwen35Layout(ArchLayout):
-    f32_tensors = (gguf.MODEL_TENSOR.SSM_CONV1D,)
+    # the shared expert's gate only exists in qwen35moe
+    f32_tensors = (gguf.MODEL_TENSOR.SSM_CONV1D, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)
 
     def metadata(self, writer: Any, config: Any) -> list[str]:
         n_k, n_v = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
         d_k, d_v = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
         if d_k != d_v:  # llama.cpp sizes value heads by ssm.state_size, the key head size
-            raise KestrelError(f"llama.cpp's qwen35 needs linear_key_head_dim == linear_value_head_dim; "
+            raise KestrelError(f"llama.cpp's {writer.arch} needs linear_key_head_dim == linear_value_head_dim; "
                                f"this model has {d_k} and {d_v}")
         if n_v % n_k:
             raise KestrelError(f"linear_num_value_heads ({n_v}) is not a multiple of linear_num_key_heads ({n_k})")
@@ -209,7 +216,8 @@ class Gemma4Layout(ArchLayout):
         return [(gguf.MODEL_TENSOR.ROPE_FREQS, freqs)]
 
 
-_LAYOUTS: dict[str, ArchLayout] = {"qwen35": Qwen35Layout(), "gemma4": Gemma4Layout()}
+_QWEN35 = Qwen35Layout()
+_LAYOUTS: dict[str, ArchLayout] = {"qwen35": _QWEN35, "qwen35moe": _QWEN35, "gemma4": Gemma4Layout()}
 _COMMON = ArchLayout()
 
 

@@ -158,7 +158,8 @@ def add_metadata(writer: Any, config: Any, family: FamilySpec, name: str, file_t
     notes = layout.metadata(writer, config)
     if layout.owns_heads_and_rope:
         return notes
-    writer.add_feed_forward_length(int(config.intermediate_size))
+    if getattr(config, "intermediate_size", None):  # Qwen3.5-MoE's config has none: every MLP is the sparse block
+        writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
     writer.add_key_length(_head_dim(config))
     writer.add_value_length(_head_dim(config))
@@ -167,6 +168,8 @@ def add_metadata(writer: Any, config: Any, family: FamilySpec, name: str, file_t
         writer.add_expert_count(int(getattr(config, family.moe.num_experts_attr)))
         writer.add_expert_used_count(int(config.num_experts_per_tok))
         writer.add_expert_feed_forward_length(int(getattr(config, family.moe.expert_intermediate_attr)))
+        if family.moe.shared_expert:
+            writer.add_expert_shared_feed_forward_length(int(config.shared_expert_intermediate_size))
     if family.gguf_arch == "gemma3":
         notes += _gemma3_metadata(writer, config)
     elif family.gguf_arch == "gpt-oss":  # llama.cpp alternates sliding and full layers, sliding first

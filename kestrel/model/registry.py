@@ -264,8 +264,7 @@ _MOE_FAMILIES = (
         norm_class="Qwen3_5MoeRMSNorm",
         linear_attention_class="Qwen3_5MoeGatedDeltaNet",
         moe=replace(_QWEN3_MOE_BLOCK, block_class="Qwen3_5MoeSparseMoeBlock", shared_expert=True),
-        gguf=False,  # its own: llama.cpp's qwen35moe layout is not mapped, whatever Qwen3.5's says
-        gguf_arch="qwen35moe",
+        gguf_arch="qwen35moe",  # Qwen3.5's layout with Qwen3-MoE's experts and a shared expert
     ),
 )
 FAMILIES.update({spec.model_type: spec for spec in _MOE_FAMILIES})

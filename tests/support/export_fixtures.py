@@ -201,12 +201,21 @@ def lively(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Re-draw every projection inside the layers with variance-preserving scale (std 1/sqrt(in)):
     at Hugging Face's init (std 0.02) a tiny model's layers barely move the residual stream, so
     with tied embeddings its greedy tokens hardly depend on them, and a wrong layer layout in an
-    export would go unnoticed."""
+    export would go unnoticed. A mixture of experts' stacked experts (E, out, in), router (E, H) and
+    shared-expert gate (1, H) are re-drawn too, so routing and every expert matter."""
+    from kestrel.model.registry import family_for
+
+    moe = family_for(model.config).moe
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".layers." in name and name.endswith("proj.weight") and param.dim() == 2:
+            if ".layers." not in name:
+                continue
+            if param.dim() == 2 and name.endswith(("proj.weight", "mlp.gate.weight", "shared_expert_gate.weight")):
                 param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+            elif moe is not None and param.dim() == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                fan_in = param.shape[1] if moe.transposed else param.shape[2]
+                param.copy_(torch.randn(param.shape, generator=gen) / fan_in ** 0.5)
     return model
 
 
