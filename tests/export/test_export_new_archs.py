@@ -20,6 +20,8 @@ from kestrel.export.check import greedy, load_reference, prompt_ids
 from tests.support.export_fixtures import FAMILY_STYLE, save_tiny_model, train_tokenizer
 
 NEW = ("qwen3_5_text", "gemma4_text", "qwen3_5_moe_text")
+# Qwen3.5-35B-A3B's config has no dense `intermediate_size` (every MLP is the sparse block)
+_AS_RELEASED = {"qwen3_5_moe_text": {"intermediate_size": None}}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,8 @@ def lively_dir(tmp_path_factory: pytest.TempPathFactory, tokenizers: dict):
     def make(family: str) -> Path:
         if family not in made:
             folder = tmp_path_factory.mktemp(family)
-            made[family] = save_tiny_model(family, tokenizers[FAMILY_STYLE[family]], folder, layers_matter=True)
+            made[family] = save_tiny_model(family, tokenizers[FAMILY_STYLE[family]], folder, layers_matter=True,
+                                           **_AS_RELEASED.get(family, {}))
         return made[family]
 
     return make
@@ -79,6 +82,7 @@ def _assert_qwen35moe(reader: gguf.GGUFReader, types: dict) -> None:
     assert (_field(reader, f"{arch}.expert_count"), _field(reader, f"{arch}.expert_used_count")) == (8, 2)
     assert _field(reader, f"{arch}.expert_feed_forward_length") == 64
     assert _field(reader, f"{arch}.expert_shared_feed_forward_length") == 96
+    assert f"{arch}.feed_forward_length" not in reader.fields
     tensors = {t.name: t for t in reader.tensors}
     assert list(tensors["blk.0.ffn_gate_exps.weight"].shape) == [128, 64, 8]  # ggml order: (H, I, E)
     assert list(tensors["blk.1.ffn_down_exps.weight"].shape) == [64, 128, 8]
@@ -100,7 +104,14 @@ def _untiled(name: str, w: torch.Tensor, n_k: int, d_k: int, d_v: int) -> torch.
     return w  # value heads left grouped by key head, as Hugging Face stores them
 
 
-_GGUF_HALF = GGUFView._half
+_GGUF_GET = GGUFView.get
+
+
+def _experts_gate_up_swapped(self, name: str):
+    """The stacked experts' gate and up projections exchanged (a per-expert stacking mix-up)."""
+    if ".experts." in name:
+        name = name.replace("gate_proj", "@").replace("up_proj", "gate_proj").replace("@", "up_proj")
+    return _GGUF_GET(self, name)
 
 
 def _all_rotated(self, config) -> list:
@@ -112,12 +123,12 @@ def _all_rotated(self, config) -> list:
     ("qwen3_5_text", "offsets_norm", lambda self, name: True),  # (1 + w) on the gated norm too
     ("gemma4_text", "extra_tensors", _all_rotated),
     ("qwen3_5_moe_text", "_tile_value_heads", staticmethod(_untiled)),
-    ("qwen3_5_moe_text", "_half", lambda self, name, which: _GGUF_HALF(self, name, 1 - which)),  # gate and up swapped
+    ("qwen3_5_moe_text", "get", _experts_gate_up_swapped),
 ])
 def test_a_wrong_layout_fails_the_check(family: str, attr: str, wrong, lively_dir, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     layout = {"qwen3_5_text": gguf_archs.Qwen35Layout, "gemma4_text": gguf_archs.Gemma4Layout,
-              "qwen3_5_moe_text": GGUFView if attr == "_half" else gguf_archs.Qwen35Layout}[family]
+              "qwen3_5_moe_text": GGUFView if attr == "get" else gguf_archs.Qwen35Layout}[family]
     monkeypatch.setattr(layout, attr, wrong)
     with pytest.raises(ExportCheckError):
         export(lively_dir(family), "gguf", tmp_path / "out", quant="f16")
