@@ -27,11 +27,12 @@ from kestrel.export.source import resolve_source
 from kestrel.model.registry import FAMILIES, GGUF_FAMILIES
 
 EXPECTED_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": None, "gemma3_text": None,
-                "qwen3_moe": "qwen2", "gpt_oss": "llama-bpe", "qwen3_5_text": "qwen2", "gemma4_text": None}
+                "qwen3_moe": "qwen2", "gpt_oss": "llama-bpe", "qwen3_5_text": "qwen2", "gemma4_text": None,
+                "qwen3_5_moe_text": "qwen2"}
 EXPECTED_STOPS = {"llama": ["<|eot_id|>"], "qwen2": ["<|im_end|>"], "qwen3": ["<|im_end|>"],
                   "mistral": ["</s>"], "gemma3_text": ["<end_of_turn>", "<eos>"],
                   "qwen3_moe": ["<|im_end|>"], "gpt_oss": ["<|eot_id|>"], "qwen3_5_text": ["<|im_end|>"],
-                  "gemma4_text": ["<turn|>", "<eos>"]}
+                  "gemma4_text": ["<turn|>", "<eos>"], "qwen3_5_moe_text": ["<|im_end|>"]}
 # Top-1 agreement on the prompt positions (not checked by the export: no tie allowance there). Gemma 4
 # attends unscaled (scale 1 on normed q, k): llama.cpp's f16 K/V cache moves its logits by up to
 # ~3% of their spread (~0.3% with an f32 cache), enough to flip a near-tie among the prompt's tokens.
@@ -80,7 +81,7 @@ def test_f16_gguf_gives_hugging_face_greedy_tokens(family: str, family_dir, tmp_
     assert names == sorted(["Modelfile", "export.json", gguf_name])  # nothing staged is left behind
     fields, tensors = _fields(out / gguf_name)
     assert fields["general.architecture"] == FAMILIES[family].gguf_arch
-    tied = family in ("qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "gemma4_text")
+    tied = family in ("qwen2", "qwen3", "gemma3_text", "qwen3_5_text", "gemma4_text", "qwen3_5_moe_text")
     assert ("output.weight" in tensors) != tied
     if FAMILIES[family].qk_norm:
         assert "blk.1.attn_q_norm.weight" in tensors and "blk.1.attn_k_norm.weight" in tensors  # Qwen3.5: blk.0 is linear

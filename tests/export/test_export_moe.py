@@ -18,13 +18,12 @@ from tests.support.export_fixtures import FAMILY_STYLE, decisive, save_tiny_mode
 from tests.support.mxfp4 import write_mxfp4_gpt_oss
 from tests.support.tiny import tiny_model
 
-MOE = ("qwen3_moe", "gpt_oss")  # GGUF too
-MERGED = (*MOE, "qwen3_5_moe_text")  # Qwen3.5-MoE: no GGUF layout yet, merged exports
+MOE = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text")  # merged and GGUF
 
 
 @pytest.fixture(scope="module")
 def tokenizers() -> dict:
-    return {style: train_tokenizer(style, 600) for style in {FAMILY_STYLE[f] for f in MERGED}}
+    return {style: train_tokenizer(style, 600) for style in {FAMILY_STYLE[f] for f in MOE}}
 
 
 def _run(base: Path, run: Path, seed: int = 1) -> Path:
@@ -45,7 +44,7 @@ def _run(base: Path, run: Path, seed: int = 1) -> Path:
     return run
 
 
-@pytest.mark.parametrize("family", MERGED)
+@pytest.mark.parametrize("family", MOE)
 def test_expert_lora_merges_as_peft_computes_and_a_wrong_merge_fails(
     family: str, tokenizers: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

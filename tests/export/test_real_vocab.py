@@ -29,7 +29,7 @@ from tests.support.real_vocab import INEXACT, VOCABS
 
 # family -> the vocabulary of its real models
 FAMILY_VOCAB = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "mistral": "llama-spm",
-                "qwen3_5_text": "qwen35", "gemma4_text": "gemma-4"}
+                "qwen3_5_text": "qwen35", "gemma4_text": "gemma-4", "qwen3_5_moe_text": "qwen35"}
 # the real template of a family whose vocabulary file carries none
 TEMPLATE = {"llama-bpe": LLAMA3, "llama-spm": MISTRAL}
 # tiny but with the real vocabulary: the embedding (vocab x 64) is most of the model
