@@ -200,7 +200,7 @@ FAMILIES: dict[str, FamilySpec] = {
 
 # --- Mixture-of-experts families (issue 26, item 2) ----------------------------------------
 # Kestrel's decode forward has no sparse block and no sinks: they decode through HF's forward
-# (`kestrel.decode.hf_backend`); the GGUF of Qwen3-MoE and gpt-oss maps the 3-D expert tensors
+# (`kestrel.decode.hf_backend`); the GGUF of Qwen3-MoE, gpt-oss and Qwen3.5-MoE maps the 3-D expert tensors
 # (`kestrel.export.experts`).
 # Qwen3-MoE's router and experts; Qwen3.5-MoE's block adds a gated shared expert.
 _QWEN3_MOE_BLOCK = MoeSpec(
