@@ -6,6 +6,7 @@ tokens in f16, and each deliberately wrong one is caught."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import gguf
@@ -91,6 +92,36 @@ def _assert_qwen35moe(reader: gguf.GGUFReader, types: dict) -> None:
     assert types["blk.0.ssm_conv1d.weight"] == gguf.GGMLQuantizationType.F32
     assert "blk.0.ssm_a" in types and "blk.1.attn_q.weight" in types and "blk.0.ffn_gate_inp.weight" in types
     assert not any(".ffn_down.weight" in n for n in types)  # every MLP is the sparse block
+
+
+def _fuse_experts(folder: Path) -> None:
+    """Rewrite `folder`'s per-expert tensors as Qwen3.5-MoE's released checkpoints store them:
+    `experts.gate_up_proj` (E, 2I, H) with [gate | up] halves and `experts.down_proj` (E, H, I)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    prefixes = sorted({k.split(".experts.")[0] for k in state if ".experts." in k})
+    for prefix in prefixes:
+        def stack(proj: str) -> torch.Tensor:
+            keys = sorted((k for k in state if k.startswith(f"{prefix}.experts.") and k.endswith(f".{proj}.weight")),
+                          key=lambda k: int(k.split(".experts.")[1].split(".")[0]))
+            return torch.stack([state.pop(k) for k in keys])
+
+        gate, up, down = stack("gate_proj"), stack("up_proj"), stack("down_proj")
+        state[f"{prefix}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1).contiguous()
+        state[f"{prefix}.experts.down_proj"] = down.contiguous()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_f16_gguf_of_qwen3_5_moe_with_fused_experts_as_released(lively_dir, tmp_path: Path) -> None:
+    folder = tmp_path / "fused"
+    shutil.copytree(lively_dir("qwen3_5_moe_text"), folder)
+    _fuse_experts(folder)
+    result = export(folder, "gguf", tmp_path / "out", quant="f16")
+    f16 = result.checks["gguf_f16"]
+    assert result.passed and f16.passed and f16.ties <= 1 and (f16.greedy_identical or f16.ties == 1), f16
+    reader = gguf.GGUFReader(next((tmp_path / "out").glob("*.gguf")))
+    _assert_qwen35moe(reader, {t.name: t.tensor_type for t in reader.tensors})
 
 
 def test_q8_0_gguf_of_qwen3_5_moe_agrees_with_hugging_face(lively_dir, tmp_path: Path) -> None:
