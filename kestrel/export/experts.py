@@ -2,10 +2,12 @@
 merged in, and the stacked per-projection tensors llama.cpp reads.
 
 Checkpoint layouts of an experts module `P` (`...mlp.experts`), as Hugging Face saves them:
-- per expert (Qwen3-MoE): `P.{e}.gate_proj.weight` (I, H), `P.{e}.up_proj.weight`, `P.{e}.down_proj.weight` (H, I);
-- fused (gpt-oss): `P.gate_up_proj` (E, H, 2I) with gate/up columns interleaved, `P.down_proj`
-  (E, I, H), biases `P.gate_up_proj_bias` (E, 2I), `P.down_proj_bias` (E, H); a fused
-  non-transposed family stores (E, 2I, H) with [gate | up] halves;
+- per expert (Qwen3-MoE, and Qwen3.5-MoE as transformers saves it): `P.{e}.gate_proj.weight` (I, H),
+  `P.{e}.up_proj.weight`, `P.{e}.down_proj.weight` (H, I);
+- fused, [gate | up] halves (the layout llama.cpp's converter reads for Qwen3.5-MoE): `P.gate_up_proj`
+  (E, 2I, H), `P.down_proj` (E, H, I);
+- fused, transposed (gpt-oss): `P.gate_up_proj` (E, H, 2I) with gate/up columns interleaved, `P.down_proj`
+  (E, I, H), biases `P.gate_up_proj_bias` (E, 2I), `P.down_proj_bias` (E, H);
 - MXFP4 (gpt-oss as released): `P.gate_up_proj_blocks` / `_scales` instead of `P.gate_up_proj`,
   dequantized here with transformers' own decoder (exact: e2m1 codes times a power of two).
 
