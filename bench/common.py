@@ -106,13 +106,19 @@ def hf_qlora_model(folder: Path, smoke: bool, checkpointing: bool = False) -> An
                                             bias="none", task_type="CAUSAL_LM"))
 
 
-def step_recorder(steps: list[dict[str, float]]) -> Any:
-    """A Kestrel training callback that appends each step's metrics to `steps`."""
+def step_recorder(steps: list[dict[str, float]], graph_steps: list[int] | None = None) -> Any:
+    """A Kestrel training callback that appends each step's metrics to `steps`, and to
+    `graph_steps` the index of each step during which the CUDA-graph chooser decided a layout
+    (its probes, eager then graphed, make those steps and the ones before them slower)."""
     from kestrel.training.metrics import Callback
 
     class Record(Callback):
         def on_step(self, metrics: dict[str, float]) -> None:
             steps.append(dict(metrics))
+
+        def on_log(self, message: str) -> None:
+            if graph_steps is not None and message.startswith("CUDA graphs "):
+                graph_steps.append(len(steps))
 
     return Record()
 

@@ -75,7 +75,8 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     profiled = PROFILED_STEPS if args.profile else 0
     data.write_text("".join(json.dumps(r) + "\n" for r in texts(args.seq, args.batch * (args.steps + profiled + 1))))
     steps: list[dict[str, float]] = []
-    callbacks = [step_recorder(steps)]
+    decided: list[int] = []  # steps during which the CUDA-graph chooser decided a layout
+    callbacks = [step_recorder(steps, decided)]
     if profiled:
         from bench.step_profile import StepProfiler
 
@@ -95,8 +96,11 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         raise RuntimeError(f"kestrel run {result.status}: {result.error}")
     steps = steps[: args.steps]  # the profiled steps are slower: not timed
     times = [steps[0]["elapsed_s"]] + [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)]
+    settled = max([args.warmup, *(d + 1 for d in decided)])  # past the warm-up and every probe
     return {"step_times": times, "s_per_step": _medians(times, args.warmup),
-            "checkpointing": cfg.gradient_checkpointing, "loss_first": steps[0]["loss"]}
+            "checkpointing": cfg.gradient_checkpointing, "loss_first": steps[0]["loss"],
+            "graph_decision_steps": decided,
+            "settled_s_per_step": statistics.median(times[settled:]) if settled < len(times) else None}
 
 
 # --- TRL and Unsloth (TRL's DPOTrainer, Unsloth patching it) ---------------------------------
