@@ -19,7 +19,7 @@ from kestrel.training.metrics import Callback
 from kestrel.training.preference import loss as L
 from kestrel.training.preference.data import prepare_samples
 from kestrel.training.preference.evaluation import preference_evaluator
-from kestrel.training.preference.reference import as_reference, sequence_logps
+from kestrel.training.preference.reference import adapter_layers, as_reference, sequence_logps
 from kestrel.training.preference.score import RowSet
 from kestrel.training.run import run
 from tests.training.test_preference_train import _config, _metrics, _subset
@@ -109,7 +109,8 @@ def _session(tiny_model_dir, tmp_path: Path, method: str, name: str, **kw):
     data = prepare_samples(cfg, tokenizer, Logs())
     s = SimpleNamespace(config=cfg, model=model, tokenizer=tokenizer, samples=data.train, pad_id=0,
                         device=torch.device("cpu"), flat=False, total_steps=4, start_step=0,
-                        output_dir=tmp_path / "out", paired=method != "kto", world=World())
+                        output_dir=tmp_path / "out", paired=method != "kto", world=World(),
+                        adapter_layers=adapter_layers(model))
     s.output_dir.mkdir(parents=True, exist_ok=True)
     return s, data
 

@@ -23,7 +23,8 @@ def test_reference_first_on_the_same_rows_then_the_policy(tiny_model_dir, monkey
     pairs = _pairs(len(tok))
     samples = [PreferenceSample(prompt=p, answers=[a, pairs[(i + 1) % len(pairs)][1]]) for i, (p, a) in enumerate(pairs)]
     cfg = config_from_dict({"model": "demo", "method": "dpo", "preference": {"beta": 0.1, "loss_type": "sigmoid"}})
-    s = SimpleNamespace(config=cfg, model=model, pad_id=tok.pad_token_id, device=torch.device("cpu"), flat=False)
+    s = SimpleNamespace(config=cfg, model=model, pad_id=tok.pad_token_id, device=torch.device("cpu"), flat=False,
+                        adapter_layers=adapter_layers(model))
     calls = []
 
     def spy(m, rows):
@@ -47,15 +48,16 @@ def test_reference_first_on_the_same_rows_then_the_policy(tiny_model_dir, monkey
     assert loss.requires_grad
 
 
-def test_as_reference_switches_the_adapter_layers_found_once_and_restores_them(tiny_model_dir, monkeypatch) -> None:
+def test_as_reference_switches_the_given_adapter_layers_without_a_walk_and_restores_them(tiny_model_dir, monkeypatch) -> None:
     model, _ = _model(str(tiny_model_dir("llama")), lora=True)
-    layers = adapter_layers(model)
-    assert layers and adapter_layers(model) is layers  # found once
+    layers = adapter_layers(model)  # found once, by the run's setup
+    assert layers
     kept_off = layers[0]
     kept_off.enable_adapters(False)  # already disabled: stays so after the context
     # PEFT's context takes the model's adapter status (a walk over every module) each time
     monkeypatch.setattr(type(model), "get_model_status", lambda self: pytest.fail("walked the model"))
-    with as_reference(model):
+    monkeypatch.setattr(type(model), "modules", lambda self: pytest.fail("walked the model"))
+    with as_reference(model, layers):
         assert not model.training and not torch.is_grad_enabled()
         assert all(layer.disable_adapters for layer in layers)
         assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)

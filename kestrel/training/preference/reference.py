@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -28,16 +28,16 @@ NEEDS_REFERENCE = ("dpo", "kto")
 
 
 @contextlib.contextmanager
-def as_reference(model: nn.Module) -> Iterator[None]:
+def as_reference(model: nn.Module, layers: Sequence[nn.Module] | None = None) -> Iterator[None]:
     """No gradient, eval mode (no dropout, no checkpointing), adapters disabled when there are any.
 
     The adapters are switched as PEFT's `disable_adapter()` switches them (each tuner layer's
-    `enable_adapters`, which also stops A and B from needing a gradient), on the layers found once
-    per model (`adapter_layers`), and only those enabled before are enabled again after: PEFT's
-    context walks every module and takes the model's adapter status each time, host work at the
-    start of every step while the GPU waits."""
+    `enable_adapters`, which also stops A and B from needing a gradient), on `layers` (a run finds
+    them once, `adapter_layers`, and passes them at every step; found here when not given), and
+    only those enabled before are enabled again after: PEFT's context walks every module and takes
+    the model's adapter status each time, host work at the start of every step while the GPU waits."""
     was_training = model.training
-    switched = [layer for layer in adapter_layers(model) if not layer.disable_adapters]
+    switched = [layer for layer in (adapter_layers(model) if layers is None else layers) if not layer.disable_adapters]
     model.eval()
     try:
         with torch.no_grad():
@@ -53,19 +53,14 @@ def as_reference(model: nn.Module) -> Iterator[None]:
 
 
 def adapter_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules PEFT switches to disable its adapters (LoRA layers, `modules_to_save` wrappers),
-    found on the first call and kept on the model (its adapters are attached once, before
-    training); none for a model without PEFT adapters."""
-    found = model.__dict__.get("_kestrel_adapter_layers")
-    if found is None:
-        found = []
-        if hasattr(model, "disable_adapter"):
-            from peft.tuners.tuners_utils import BaseTunerLayer
-            from peft.utils.other import AuxiliaryTrainingWrapper
+    """The modules PEFT switches to disable its adapters (LoRA layers, `modules_to_save` wrappers);
+    none for a model without PEFT adapters. A walk over every module: a run does it once."""
+    if not hasattr(model, "disable_adapter"):
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
-            found = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
-        model.__dict__["_kestrel_adapter_layers"] = found
-    return found
+    return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
 
 
 @dataclass

@@ -60,7 +60,7 @@ from kestrel.training.metrics import Callback
 from kestrel.training.grpo.logprobs import check_lm_head
 from kestrel.training.preference.data import data_kind, kl_partners, micro_batch, per_epoch, prepare_samples
 from kestrel.training.preference.evaluation import eval_rows, preference_evaluator
-from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, precompute
+from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, adapter_layers, precompute
 from kestrel.training.preference.rows import score_through_fsdp
 from kestrel.training.preference.score import RowSet, StepStats, micro_loss, preference_metrics
 from kestrel.training.recipe import (
@@ -89,6 +89,7 @@ class PreferenceSession:
     recompute: Recompute | None = None
     world: World = field(default_factory=World)  # this rank of a run on several devices
     evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
+    adapter_layers: list[nn.Module] = field(default_factory=list)  # what the reference switch flips (found once)
 
     @property
     def paired(self) -> bool:
@@ -141,6 +142,7 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
     optimizer, scheduler, start = optimizer_and_resume(config, model, total_steps, output_dir, cb)
     s = PreferenceSession(config, output_dir, model, tokenizer, samples, optimizer, scheduler, total_steps, start,
                           device, pad, flat, train.reference, train.partner, recompute, world)
+    s.adapter_layers = adapter_layers(model)
     s.evaluator = preference_evaluator(s, held, data.held, data.held_rows, cb)
     return s
 
