@@ -65,9 +65,8 @@ class LinkedCall:
         """The call's links, or None when it has none (the usual decoder layer)."""
         keywords = getattr(run, "keywords", None) or {}
         shared = keywords.get(shared_kwarg) if shared_kwarg else None
-        shared = shared if isinstance(shared, MutableMapping) else None
-        grad_args = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        return LinkedCall(run, args, shared) if shared is not None or grad_args else None
+        call = LinkedCall(run, args, shared if isinstance(shared, MutableMapping) else None)
+        return call if call.shared is not None or call.arg_slots else None
 
     @property
     def inputs(self) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ models loaded in 16/32-bit (HF's 4-bit loading needs CUDA; the expert step is th
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -123,22 +124,35 @@ def test_qlora_on_nf4_experts_trains(family: str) -> None:
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 
 
-def test_nf4_experts_gradients_equal_16_bit_experts_holding_the_dequantized_values() -> None:
-    """LoRA gradients through the NF4 product equal those through 16-bit experts set to the NF4 values."""
-    quant = tiny_model("qwen3_moe", VOCAB, seed=6)
+def _nf4_twins(seed: int) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
+    """A patched tiny Qwen3-MoE with NF4 experts, its twin whose 16-bit experts hold the
+    dequantized values, and the quantization handle."""
+    quant = tiny_model("qwen3_moe", VOCAB, seed=seed)
     patch_model(quant)
     handle = quantize_experts(quant, family_of("qwen3_moe"))
     dense = copy.deepcopy(quant)
     dense.kestrel_expert_quant.undo()  # 16-bit parameters holding the dequantized values
+    return quant, dense, handle
+
+
+def _expert_lora(model: torch.nn.Module, seed: int, b_std: float) -> torch.nn.Module:
+    """LoRA r=4 on every expert projection (seeded), B drawn from N(0, b_std) so it acts."""
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_parameters=EXPERT_PARAMS, target_modules=[]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, b_std)
+    return peft_model
+
+
+def test_nf4_experts_gradients_equal_16_bit_experts_holding_the_dequantized_values() -> None:
+    """LoRA gradients through the NF4 product equal those through 16-bit experts set to the NF4 values."""
+    quant, dense, handle = _nf4_twins(seed=6)
     assert handle.modules and not packed_experts(dense.model.layers[0].mlp.experts)
     grads = []
     for model in (quant, dense):
-        torch.manual_seed(7)
-        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_parameters=EXPERT_PARAMS, target_modules=[]))
-        with torch.no_grad():
-            for n, p in peft_model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.05)
+        peft_model = _expert_lora(model, seed=7, b_std=0.05)
         ids = _ids(3)
         peft_model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad})
@@ -200,21 +214,12 @@ def test_nf4_experts_decode_with_an_adapter_as_16_bit_experts_holding_their_valu
     block) gives the greedy tokens of 16-bit experts set to the NF4 values, adapter on and off."""
     from kestrel.decode.generate import Generator
 
-    quant = tiny_model("qwen3_moe", VOCAB, seed=9)
-    quant.generation_config.eos_token_id = None
-    patch_model(quant)
-    quantize_experts(quant, family_of("qwen3_moe"))
-    dense = copy.deepcopy(quant)
-    dense.kestrel_expert_quant.undo()
+    quant, dense, _ = _nf4_twins(seed=9)
     prompt = _ids(5, b=1, t=9)[0].tolist()
     tokens = []
     for model in (quant, dense):
-        torch.manual_seed(10)
-        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_parameters=EXPERT_PARAMS, target_modules=[]))
-        with torch.no_grad():
-            for n, p in peft_model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.5)
+        model.generation_config.eos_token_id = None
+        peft_model = _expert_lora(model, seed=10, b_std=0.5)
         peft_model.eval()
         gen = Generator(peft_model, max_seq_len=64, stop_ids=[])
         tokens.append([gen.generate([prompt], max_new_tokens=8, adapter=a).tokens[0] for a in ("default", None)])

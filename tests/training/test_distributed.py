@@ -60,6 +60,19 @@ def _rank_processes(config_path: Path) -> list[int]:
     return found
 
 
+def assert_ranks_ended_as_one(one: Path, two: Path, atol: float = 1e-6) -> None:
+    """The 2-rank run's weights (in folder `two`) equal the one-process run's (in `one`), rank 1
+    logged no traceback, and no rank process of the 2-rank run is left."""
+    wa, wb = _weights(one), _weights(two)
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=atol)
+    run_dir = two.parent if two.name == "best" else two
+    assert (run_dir / "rank-1.log").is_file()
+    assert not (run_dir / "rank-1.log").read_text().count("Traceback")
+    assert not _rank_processes(run_dir / "config.yaml")
+
+
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_two_ranks_train_as_one_process_with_twice_the_accumulation(method, tiny_model_dir, tmp_path) -> None:
     model = tiny_model_dir("llama")
@@ -71,13 +84,7 @@ def test_two_ranks_train_as_one_process_with_twice_the_accumulation(method, tiny
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
-    wa, wb = _weights(tmp_path / "one"), _weights(tmp_path / "two")
-    assert wa.keys() == wb.keys() and wa
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
-    assert (tmp_path / "two" / "rank-1.log").is_file()
-    assert not (tmp_path / "two" / "rank-1.log").read_text().count("Traceback")
-    assert not _rank_processes(tmp_path / "two" / "config.yaml")
+    assert_ranks_ended_as_one(tmp_path / "one", tmp_path / "two")
 
 
 class CancelAt(Callback):
