@@ -63,7 +63,7 @@ def check_free_disk(folder: Path, need: int, name: str) -> None:
     if free < need + DISK_MARGIN:
         raise OSError(
             f"building {name} needs about {(need + DISK_MARGIN) / 1e9:.1f} GB free at {probe} "
-            f"({need / 1e9:.1f} GB of weights, the routed experts left out) and {free / 1e9:.1f} GB is free: "
+            f"({need / 1e9:.1f} GB of weights) and {free / 1e9:.1f} GB is free: "
             f"remove other models' folders under {folder.parent} (the matrix does unless --keep-models) "
             "or other large files there")
 

@@ -103,6 +103,13 @@ MOE_MODELS: dict[str, dict[str, Any]] = {
                             rms_norm_eps=1e-6, hidden_act="silu", router_aux_loss_coef=0.001, tie_word_embeddings=False),
 }
 MODELS.update(MOE_MODELS)
+
+# --- too large for the matrix's bf16 folders (issue 28's sharded QLoRA): built as NF4 checkpoints
+# (`bench.matrix_models.build_nf4_model_dir`), run by `bench/multi_gpu.py` only ---
+LARGE_MODELS: dict[str, dict[str, Any]] = {
+    "llama-3.1-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, tie_word_embeddings=False),
+}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",

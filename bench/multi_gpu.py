@@ -1,6 +1,7 @@
 """Scaling of one run over several GPUs of one host: the same config with `devices: 1` and
 `devices: N`, each through `python -m kestrel train` in its own process, on a random-init model
-at a real model's shape (`bench/model_shapes.py`), rows of `--seq` tokens.
+at a real model's shape (`bench/model_shapes.py`), rows of `--seq` tokens. LARGE_MODELS (the 70B
+shape) are built as NF4 checkpoints (`bench/large_models.py`) and run with `--method qlora`.
 
     python bench/multi_gpu.py --model llama-3.1-8b --method lora --devices 1,2 --steps 12 --out $OUT/multi.json
 
@@ -26,7 +27,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.large_models import build_nf4_model_dir  # noqa: E402
 from bench.matrix_models import build_model_dir  # noqa: E402
+from bench.model_shapes import LARGE_MODELS  # noqa: E402
 
 WORDS = ("the of and to in is was for on are with as by at from this that which or be an have "
          "model data train value layer token step rate batch loss weight").split()
@@ -78,7 +81,9 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "kestrel-multi"
     work.mkdir(parents=True, exist_ok=True)
-    model = build_model_dir(args.model)
+    if args.model in LARGE_MODELS and args.method != "qlora":
+        ap.error(f"{args.model} is built as an NF4 checkpoint (bench/large_models.py): run it with --method qlora")
+    model = build_nf4_model_dir(args.model) if args.model in LARGE_MODELS else build_model_dir(args.model)
     counts = [int(d) for d in args.devices.split(",")]
     data = write_dataset(work / "rows.jsonl", rows=args.steps * args.batch * max(counts), words=int(args.seq * 1.2))
     results = []
