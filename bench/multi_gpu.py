@@ -63,6 +63,7 @@ def run_one(model: Path, data: Path, out: Path, args: argparse.Namespace, device
             "tokens_per_s": statistics.median(timed) if timed else None,
             "peak_gib": {k: v for k, v in last.items() if k.startswith("vram_peak_gib")},
             "losses": [round(m["loss"], 4) for m in steps],
+            "step_tokens_per_s": [round(m["tokens_per_s"]) for m in steps],
             "tail": (proc.stdout + proc.stderr)[-1500:] if proc.returncode else ""}
 
 
