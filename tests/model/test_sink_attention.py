@@ -17,6 +17,7 @@ import torch
 from kestrel.model import attention as attn
 from kestrel.model.patching import PatchFlags, patch_model, runs_varlen
 from kestrel.model.sink_attention import FlashKernels, sink_attention
+from kestrel.recompute.checkpoint import set_gradient_checkpointing
 from tests.support.compare import assert_same_trainable_grads
 from tests.support.tiny import tiny_model
 from tests.support.unpacked import two_layouts
@@ -130,10 +131,12 @@ def _counting_reference(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return seen
 
 
-def test_packed_gpt_oss_matches_hf_on_the_samples_one_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("checkpointing", ["off", "standard", "offload"])
+def test_packed_gpt_oss_matches_hf_on_the_samples_one_a_row(checkpointing: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed rows (samples of 13 + 6 and 4 + 15 tokens; sliding window 6 on layer 0, full layer 1)
     through the reference varlen path with sinks, against HF's eager gpt-oss on the same samples
-    one a row: logits of every real token, the summed loss, every parameter's gradient (sinks too)."""
+    one a row: logits of every real token, the summed loss, every parameter's gradient (sinks
+    too), with the layers recomputed in the backward too (`kestrel.recompute`)."""
     seen = _counting_reference(monkeypatch)
     ref = tiny_model("gpt_oss", VOCAB, seed=3, sliding_window=6)
     with torch.no_grad():
@@ -142,6 +145,7 @@ def test_packed_gpt_oss_matches_hf_on_the_samples_one_a_row(monkeypatch: pytest.
     fast = copy.deepcopy(ref)
     patch_model(fast, PatchFlags(varlen="reference"))
     assert runs_varlen(fast)  # training lays batches out padding-free for it
+    set_gradient_checkpointing(fast, checkpointing)
     data = two_layouts([[13, 6], [4, 15]], VOCAB, seed=4)
     ref.train(), fast.train()
     want = ref(**data.unpacked, num_items_in_batch=data.num_items)
@@ -150,6 +154,7 @@ def test_packed_gpt_oss_matches_hf_on_the_samples_one_a_row(monkeypatch: pytest.
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5)
     want.loss.backward()
     got.loss.backward()
+    assert len(seen) == (2 if checkpointing == "off" else 4) and all(seen)  # a recompute per layer
     assert_same_trainable_grads(fast, ref, rtol=1e-4, atol=1e-6)
     with torch.no_grad():
         want_logits = ref(**{k: v for k, v in data.unpacked.items() if k != "labels"}).logits
