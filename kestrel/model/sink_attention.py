@@ -142,7 +142,8 @@ def flash_sink_varlen_attn(
     sinks: torch.Tensor,
 ) -> torch.Tensor:
     """`varlen_attn`'s signature (a `kestrel.model.attention.VarlenFn`) plus the sinks (Hq,), on
-    CUDA's flash kernel. Self-attention only: the same samples for queries and keys."""
+    CUDA's flash kernel. Self-attention only: the same samples for queries and keys. `enable_gqa`
+    is there so `varlen_attention` hands over Hkv < Hq heads unrepeated: flash reads them natively."""
     if cu_seq_q is not cu_seq_k or max_q != max_k:
         raise ValueError("sink attention handles self-attention only (the same cu_seqlens for queries and keys)")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
