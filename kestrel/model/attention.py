@@ -13,6 +13,11 @@ Three layouts, as in Unsloth's model-level patch:
 The varlen function is a parameter (`VarlenFn`), never a global: `reference_varlen_attn` computes
 the same thing with a loop of SDPA calls and runs on a CPU, so tests check the whole varlen path
 against the unpatched model there.
+
+Attention sinks (gpt-oss) run the same layouts through `kestrel.model.sink_attention` on CUDA
+(flash's forward and backward around the sink's softmax share) and through the reference's
+explicit sink softmax elsewhere. HF itself runs sinks only in eager attention (no SDPA), so sink
+families take the varlen kernel on unpacked rows too, wherever it can run.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.model.registry import FamilySpec
+from kestrel.model.sink_attention import flash_sink_varlen_attn
 
 HALF = (torch.float16, torch.bfloat16)
-# varlen_attn's signature: (q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size[, enable_gqa])
+# varlen_attn's signature: (q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size[, enable_gqa][, sinks])
 VarlenFn = Callable[..., torch.Tensor]
 VarlenMode = Literal["auto", "off", "reference"]
 VARLEN_KWARG = "kestrel_varlen"  # the keyword the model forward hands each patched attention layer
@@ -153,11 +159,14 @@ def row_samples(batch: int, seq_len: int, device: torch.device) -> Samples:
 # --- The dispatch decision ------------------------------------------------------------------
 
 
-def varlen_backend(mode: VarlenMode, device: torch.device, dtype: torch.dtype, dropout: bool) -> VarlenFn | None:
+def varlen_backend(
+    mode: VarlenMode, device: torch.device, dtype: torch.dtype, dropout: bool, sinks: bool = False
+) -> VarlenFn | None:
     """The varlen function for this forward, or None when the mask path must run.
 
-    `auto`: torch's `varlen_attn` (flash) on CUDA in fp16/bf16; `reference`: the SDPA loop on any
-    device (tests, debugging); `off`: never. The kernel has no dropout, so dropout means None.
+    `auto`: torch's `varlen_attn` (flash) on CUDA in fp16/bf16, `flash_sink_varlen_attn` for a
+    family with attention `sinks`; `reference`: the SDPA loop on any device (tests, debugging);
+    `off`: never. The kernel has no dropout, so dropout means None.
     """
     if mode == "off" or dropout:
         return None
@@ -169,21 +178,24 @@ def varlen_backend(mode: VarlenMode, device: torch.device, dtype: torch.dtype, d
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch older than 2.10
         return None
-    return varlen_attn
+    return flash_sink_varlen_attn if sinks else varlen_attn
 
 
-def plan_layer(*, padded: bool, packed: bool, window: int | None, seq_len: int, varlen: bool) -> Plan:
+def plan_layer(
+    *, padded: bool, packed: bool, window: int | None, seq_len: int, varlen: bool, sinks: bool = False
+) -> Plan:
     """How the layers of one window size attend in this forward.
 
     `varlen_samples`: packed rows through the varlen kernel; `varlen_rows`: a sliding layer over
-    rows longer than its window (one sample per row), which spares the dense windowed mask;
+    rows longer than its window (one sample per row), which spares the dense windowed mask, and
+    every layer of a family with attention `sinks` (HF's path for those is eager attention);
     `hf_mask`: HF's own mask (None for plain causal under SDPA, so SDPA runs `is_causal`).
     """
     if padded or not varlen:
         return "hf_mask"
     if packed:
         return "varlen_samples"
-    if window is not None and seq_len > window:
+    if sinks or (window is not None and seq_len > window):
         return "varlen_rows"
     return "hf_mask"
 
@@ -198,18 +210,19 @@ def _takes_enable_gqa(fn: VarlenFn) -> bool:
 
 
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: VarlenCall, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: VarlenCall, scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length attention over the samples of a flattened batch.
 
     q (B, Hq, T, D), k and v (B, Hkv, T, D), as the attention forward holds them after RoPE
-    (usually transposed views of (B, T, H, D) memory, so the reshapes below are free).
-    Returns (B, T, Hq * D), ready for o_proj.
+    (usually transposed views of (B, T, H, D) memory, so the reshapes below are free); sinks
+    (Hq,) the attention sinks' logits, or None. Returns (B, T, Hq * D), ready for o_proj.
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     q_, k_, v_ = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # (B*T, H, D)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {} if sinks is None else {"sinks": sinks}
     if hkv != hq:
         if _takes_enable_gqa(call.fn):
             extra["enable_gqa"] = True
@@ -233,6 +246,21 @@ def window_mask(length: int, window: tuple[int, int], device: torch.device) -> t
     return allowed
 
 
+def sink_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention whose softmax has one more key per head: logit sinks[h], value 0 (HF's eager gpt-oss).
+
+    q (1, Hq, L, D), k and v (1, Hq, L, D) (KV heads already repeated), allowed (L, L) bool,
+    sinks (Hq,); returns (1, Hq, L, D). Explicit on purpose: autograd gives the exact gradients.
+    """
+    scores = (q @ k.transpose(-1, -2)) * scale  # (1, Hq, L, L)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (1, Hq, L, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the sink's share dropped
+    return probs.to(v.dtype) @ v
+
+
 def reference_varlen_attn(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -245,8 +273,10 @@ def reference_varlen_attn(
     scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`varlen_attn`'s math on any device: one SDPA call per sample with the window as a mask.
+    """`varlen_attn`'s math on any device: one SDPA call per sample with the window as a mask
+    (`sink_softmax_attention` in its place when attention `sinks` (Hq,) are given).
 
     query (total, Hq, D), key/value (total, Hkv, D); returns (total, Hq, D). Slow (a host sync
     per sample); for tests and debugging.
@@ -260,6 +290,10 @@ def reference_varlen_attn(
             continue  # an empty sample (cu_seqlens padded to its capacity)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))  # (1, H, L, D)
         mask = window_mask(q1 - q0, tuple(window_size), query.device)  # (L, L)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))  # as HF's repeat_kv
+            o = sink_softmax_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale, sinks)
         pieces.append(o.squeeze(0).transpose(0, 1))  # (L, Hq, D)
     return torch.cat(pieces)

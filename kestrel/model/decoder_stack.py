@@ -77,17 +77,18 @@ def _hf_mask(model: nn.Module, window: int | None, embeds: torch.Tensor, attenti
 
 def attention_inputs(
     model: nn.Module, mode: attn.VarlenMode, windows: list[int | None], embeds: torch.Tensor,
-    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, sinks: bool = False,
 ) -> dict[int | None, LayerInputs]:
     """The attention layout of one forward: for each window size in `windows`, what its layers get.
 
     embeds (B, T, H); attention_mask (B, T) or None; position_ids (B or 1, T) as the caller gave
-    them, None when defaulted (then there is nothing to detect). At most one host sync: the
-    sample starts, when the varlen path could run and the caller passed positions.
+    them, None when defaulted (then there is nothing to detect); sinks: the family's attention
+    has sinks (`FamilySpec.attention_sinks`). At most one host sync: the sample starts, when the
+    varlen path could run and the caller passed positions.
     """
     b, t = embeds.shape[:2]
     dropout = model.training and getattr(model.config, "attention_dropout", 0.0) > 0
-    fn = attn.varlen_backend(mode, embeds.device, embeds.dtype, dropout)
+    fn = attn.varlen_backend(mode, embeds.device, embeds.dtype, dropout, sinks=sinks)
     padded, packed, samples, hf_positions = attention_mask is not None, False, None, position_ids
     starts = attn.segment_starts(attention_mask, position_ids, b) if fn is not None else None  # the one host sync
     if starts is not None:
@@ -99,7 +100,7 @@ def attention_inputs(
             hf_positions = None  # HF would find no packing either; spares its own sync
     out: dict[int | None, LayerInputs] = {}
     for window in dict.fromkeys(windows):
-        plan = attn.plan_layer(padded=padded, packed=packed, window=window, seq_len=t, varlen=fn is not None)
+        plan = attn.plan_layer(padded=padded, packed=packed, window=window, seq_len=t, varlen=fn is not None, sinks=sinks)
         if plan == "hf_mask":
             out[window] = (_hf_mask(model, window, embeds, attention_mask, hf_positions), None)
         else:
@@ -144,7 +145,7 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
         n = self.config.num_hidden_layers
         windows = [attn.layer_window(spec, self.config, i) for i in range(n)]
-        layouts = attention_inputs(self, mode, windows, h, attention_mask, given_positions)
+        layouts = attention_inputs(self, mode, windows, h, attention_mask, given_positions, sinks=spec.attention_sinks)
         rotary = _rotary(self, spec, h, position_ids)
         passed = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH}
         stats = moe.router_stats_for(self.config, spec, attention_mask)

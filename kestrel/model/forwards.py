@@ -135,7 +135,7 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         q, k = _rope_(q, k, cos, sin)
         varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
         if varlen is not None:
-            out = varlen_attention(q, k, v, varlen, self.scaling)
+            out = varlen_attention(q, k, v, varlen, self.scaling, self.sinks if spec.attention_sinks else None)
             return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
@@ -144,7 +144,7 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         window = layer_window(spec, self.config, self.layer_idx)
         if window is not None:  # flash / flex read the window from here (Mistral's included)
             kwargs["sliding_window"] = window
-        if spec.attention_sinks:  # gpt-oss: HF's eager, flash and flex kernels take the sinks as s_aux
+        if spec.attention_sinks:  # gpt-oss off the varlen path: HF's eager, flash and flex kernels take them as s_aux
             kwargs["s_aux"] = self.sinks
         out, weights = interface(
             self, q, k, v, attention_mask,

@@ -126,8 +126,7 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
         for layer in _modules_named(model, spec.decoder_layer_class):
             handle.rebind(layer, ff.make_decoder_layer_forward(spec))
     if "model" in on:
-        # No varlen kernel takes gpt-oss's attention sinks: its layers get HF's masks.
-        forward = make_model_forward(spec, flags.varlen if "attention" in on and not spec.attention_sinks else "off")
+        forward = make_model_forward(spec, flags.varlen if "attention" in on else "off")
         for stack in _modules_named(model, spec.model_class):
             handle.rebind(stack, forward)
     if "causal_lm" in on:
@@ -170,13 +169,14 @@ def runs_varlen(model: nn.Module) -> bool:
     flattened batch (patched attention and decoder stack, and a varlen kernel for its device and
     dtype): then a batch laid out as one padding-free row costs no padding."""
     handle = _find_handle(model)
-    if handle is None or not (handle.flags.attention and handle.flags.model) or handle.family.attention_sinks:
+    if handle is None or not (handle.flags.attention and handle.flags.model):
         return False
     if not {"attention", "model"} <= handle.family.levels:  # HF's stack: its own mask per row
         return False
     embeddings = model.get_input_embeddings().weight
     dropout = getattr(model.config, "attention_dropout", 0.0) > 0
-    return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout) is not None
+    sinks = handle.family.attention_sinks
+    return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout, sinks=sinks) is not None
 
 
 def packing_refusal(model: nn.Module) -> str | None:

@@ -18,7 +18,7 @@ from kestrel.model import attention as attn
 from kestrel.model import decoder_stack as model_forward
 from kestrel.recompute.checkpoint import set_gradient_checkpointing
 from kestrel.model.patching import PatchFlags, patch_lora_layers, patch_model
-from kestrel.model.registry import FULL_PATH_FAMILIES as SUPPORTED, family_of
+from kestrel.model.registry import FULL_PATH_FAMILIES as SUPPORTED
 from tests.support.compare import assert_same_trainable_grads
 from tests.support.tiny import tiny_model
 from tests.model.test_patching import VOCAB, _lora
@@ -89,7 +89,8 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 # HF 5.17's GptOssModel builds its masks without position_ids, so packed samples see each other
-# there; ours keeps them apart as in every family (tests/model/test_moe.py checks that).
+# there; ours keeps them apart as in every family (tests/model/test_moe.py and
+# tests/model/test_sink_attention.py check that).
 PACKING_BLIND = frozenset({"gpt_oss"})
 
 # (case, varlen mode); "long" (40 tokens against a window of 6) only where layers slide.
@@ -128,8 +129,7 @@ def test_logits_loss_and_lora_grads_match_hf(family: str, case: str, mode: str, 
     assert counts["model"] == 2  # the logits and the loss forward, neither delegated
     # Right-padded rows run as segments (real tokens, then padding) through varlen; left padding
     # and a mask with a hole take HF's mask.
-    # gpt-oss's attention sinks have no varlen kernel: its layers always take HF's masks.
-    uses_varlen = mode == "reference" and case in ("packed", "long", "padded") and not family_of(family).attention_sinks
+    uses_varlen = mode == "reference" and case in ("packed", "long", "padded")
     assert (counts["varlen"] > 0) == uses_varlen
 
 

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("layout", ["packed", "long-row", "padded"])
-@pytest.mark.parametrize("family", [f for f in SUPPORTED if not family_of(f).attention_sinks])  # sinks: no varlen
+# Attention sinks run their own kernel, judged against HF on unpacked samples: test_sink_attention_gpu.py.
+@pytest.mark.parametrize("family", [f for f in SUPPORTED if not family_of(f).attention_sinks])
 def test_varlen_matches_hf_in_bf16(family: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if layout == "long-row" and family not in OVERRIDES:
         pytest.skip("no sliding layers: an unpacked row takes SDPA's is_causal path")

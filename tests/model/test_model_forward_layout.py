@@ -10,6 +10,7 @@ from transformers import masking_utils
 
 from kestrel.model import attention as attn
 from kestrel.model.decoder_stack import attention_inputs
+from kestrel.model.sink_attention import flash_sink_varlen_attn
 from kestrel.model.registry import FAMILIES
 from tests.support.tiny import tiny_config, tiny_model
 
@@ -45,19 +46,26 @@ def test_row_samples() -> None:
 
 
 @pytest.mark.parametrize(
-    "padded,packed,window,seq_len,varlen,expected",
+    "padded,packed,window,seq_len,varlen,sinks,expected",
     [
-        (False, False, None, 64, True, "hf_mask"),  # plain causal: SDPA is_causal
-        (False, True, None, 64, True, "varlen_samples"),
-        (False, True, 16, 64, True, "varlen_samples"),
-        (False, False, 16, 64, True, "varlen_rows"),  # longer than the window
-        (False, False, 16, 16, True, "hf_mask"),  # within the window: plain causal
-        (True, True, 16, 64, True, "hf_mask"),  # padding: HF's mask
-        (False, True, None, 64, False, "hf_mask"),  # no varlen kernel: HF's block mask
+        (False, False, None, 64, True, False, "hf_mask"),  # plain causal: SDPA is_causal
+        (False, True, None, 64, True, False, "varlen_samples"),
+        (False, True, 16, 64, True, False, "varlen_samples"),
+        (False, False, 16, 64, True, False, "varlen_rows"),  # longer than the window
+        (False, False, 16, 16, True, False, "hf_mask"),  # within the window: plain causal
+        (True, True, 16, 64, True, False, "hf_mask"),  # padding: HF's mask
+        (False, True, None, 64, False, False, "hf_mask"),  # no varlen kernel: HF's block mask
+        (False, False, None, 64, True, True, "varlen_rows"),  # sinks: HF's path would be eager
+        (False, False, 16, 16, True, True, "varlen_rows"),
+        (True, False, None, 64, True, True, "hf_mask"),  # left padding, a hole: HF's mask still
+        (False, False, None, 64, False, True, "hf_mask"),
     ],
 )
-def test_plan_layer(padded: bool, packed: bool, window: int | None, seq_len: int, varlen: bool, expected: str) -> None:
-    assert attn.plan_layer(padded=padded, packed=packed, window=window, seq_len=seq_len, varlen=varlen) == expected
+def test_plan_layer(
+    padded: bool, packed: bool, window: int | None, seq_len: int, varlen: bool, sinks: bool, expected: str
+) -> None:
+    plan = attn.plan_layer(padded=padded, packed=packed, window=window, seq_len=seq_len, varlen=varlen, sinks=sinks)
+    assert plan == expected
 
 
 def test_varlen_backend_choice() -> None:
@@ -71,6 +79,10 @@ def test_varlen_backend_choice() -> None:
     assert attn.varlen_backend("auto", cuda, torch.bfloat16, dropout=True) is None
     assert attn.varlen_backend("off", cuda, torch.bfloat16, dropout=False) is None
     assert attn.varlen_backend("reference", cpu, torch.float32, dropout=False) is attn.reference_varlen_attn
+    # attention sinks: the sink function on CUDA, the reference (which takes sinks) elsewhere
+    assert attn.varlen_backend("auto", cuda, torch.bfloat16, dropout=False, sinks=True) is flash_sink_varlen_attn
+    assert attn.varlen_backend("auto", cpu, torch.bfloat16, dropout=False, sinks=True) is None
+    assert attn.varlen_backend("reference", cpu, torch.float32, dropout=False, sinks=True) is attn.reference_varlen_attn
 
 
 @pytest.mark.parametrize("window", [1, 3, 8])
