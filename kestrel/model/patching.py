@@ -179,6 +179,23 @@ def runs_varlen(model: nn.Module) -> bool:
     return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout) is not None
 
 
+def prompt_sharing_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot score a prompt once for several answers (`kestrel.model.attention.ForkedSamples`:
+    each answer's keys are the prompt's and its own, through the varlen kernel), or None when it can."""
+    handle = _find_handle(model)
+    if handle is None or not runs_varlen(model):
+        return ("no variable-length attention kernel runs this model here (it needs CUDA in fp16/bf16 and Kestrel's "
+                "attention and decoder-stack forwards; attention sinks have no such kernel)")
+    spec = handle.family
+    if spec.linear_attention_class:
+        return f"{spec.model_type}'s linear-attention layers carry a recurrent state, which would have to fork after the prompt"
+    if spec.layer_shared_state:
+        return f"{spec.model_type}'s layers share K/V across layers ({spec.layer_shared_state}), which the fork does not follow"
+    if spec.attn_softcap_attr and getattr(model.config, spec.attn_softcap_attr, None):
+        return f"{spec.model_type} caps its attention logits ({spec.attn_softcap_attr}), which the varlen kernel does not"
+    return None
+
+
 def packing_refusal(model: nn.Module) -> str | None:
     """Why `model` must not train on packed rows (several samples side by side in one row), or
     None. Attention keeps inside each sample (masks, varlen); a recurrent layer would not."""
