@@ -1,0 +1,132 @@
+"""A pair scored as one sample [prompt, chosen, rejected], the prompt computed once
+(`rows.shared_answer_rows`, preference.share_prompt), gives the log-probs, DPO loss and LoRA
+gradients of chosen and rejected scored as separate sequences: fp32 on a CPU through the varlen
+reference (`reference_varlen_attn`), prompts and answers of different lengths in one batch, and a
+pair whose answers share their first tokens. A layout whose rejected answer sees the chosen one
+fails the same check."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kestrel.config import config_from_dict
+from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.model import attention as attn
+from kestrel.model.patching import PatchFlags, prompt_sharing_refusal
+from kestrel.training.preference import rows as R
+from kestrel.training.preference import score
+from kestrel.training.preference.reference import adapter_layers
+from kestrel.training.preference.rows import answer_logprobs, answer_rows, shared_answer_rows
+from tests.training.test_preference_rows import _grads, _model
+
+# (prompt, chosen, rejected) lengths; the last pair's answers share their first three tokens
+SHAPES = [(5, 7, 3), (9, 2, 6), (2, 4, 4), (6, 5, 8)]
+SHARED_START = 3
+
+
+def _samples(vocab: int) -> list[PreferenceSample]:
+    g = torch.Generator().manual_seed(7)
+    ids = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
+    out = [PreferenceSample(ids(p), [ids(c), ids(r)]) for p, c, r in SHAPES]
+    last = out[-1].answers
+    last[1][:SHARED_START] = last[0][:SHARED_START]
+    return out
+
+
+def _run(model, samples, share: bool) -> dict:
+    """One DPO micro-batch through `score.micro_loss` (reference pass with the adapter off, then
+    the policy with gradients): the (R, L) policy log-probs, the loss and the LoRA gradients."""
+    cfg = config_from_dict({"model": "demo", "method": "dpo", "preference": {"beta": 0.1, "loss_type": "sigmoid"}})
+    s = SimpleNamespace(config=cfg, model=model, pad_id=0, device=torch.device("cpu"), flat=True, share_prompt=share,
+                        adapter_layers=adapter_layers(model))
+    stats = score.StepStats(torch.zeros(()))
+    loss = score.micro_loss(s, score.RowSet(samples), list(range(len(samples))), stats)
+    loss.backward()
+    with torch.no_grad():
+        logp = answer_logprobs(model, score.scored_rows(s, samples))
+    return {"loss": loss.detach(), "logp": logp, "chosen": stats.logps_chosen[0], "rejected": stats.logps_rejected[0],
+            "grads": _grads(model)}
+
+
+def _assert_same(shared: dict, separate: dict) -> None:
+    torch.testing.assert_close(shared["logp"], separate["logp"], rtol=1e-5, atol=1e-5)
+    for key in ("chosen", "rejected", "loss"):
+        torch.testing.assert_close(shared[key], separate[key], rtol=1e-5, atol=1e-5, msg=key)
+    assert shared["grads"].keys() == separate["grads"].keys() and shared["grads"]
+    for name, grad in separate["grads"].items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(shared["grads"][name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_prompt_scored_once_equals_separate_sequences(tiny_model_dir, family: str, one_thread) -> None:
+    model, tok = _model(str(tiny_model_dir(family)), lora=True, patch=PatchFlags(varlen="reference"))
+    assert prompt_sharing_refusal(model) is None
+    samples = _samples(len(tok))
+    separate = _run(model, samples, share=False)
+    shared = _run(model, samples, share=True)
+    _assert_same(shared, separate)
+    lengths = [c for _, c, _ in SHAPES] + [r for _, _, r in SHAPES]
+    assert all(separate["logp"][i, n:].abs().max() == 0 for i, n in enumerate(lengths) if n < max(lengths))
+    rows = shared_answer_rows([(x.prompt, x.answers) for x in samples], 0, torch.device("cpu"))
+    assert rows.used == sum(p + c + r for p, c, r in SHAPES)  # each prompt once
+    assert rows.real_tokens == sum(2 * p + c + r for p, c, r in SHAPES)  # counted as the separate rows count it
+
+
+def _leaky_fork_layout(groups, width, key_width, device):
+    """The rejected answer sees the chosen one: each group one plain causal sample."""
+    lengths = [p + sum(b) for p, b in groups]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()] + ([width] if width > sum(lengths) else []))
+    samples = attn.Samples(cu.to(torch.int32), width)
+    return attn.ForkedSamples(samples, attn.KeyLayout(torch.arange(width), samples))
+
+
+def test_a_rejected_answer_that_sees_the_chosen_one_fails_the_check(tiny_model_dir, monkeypatch, one_thread) -> None:
+    model, tok = _model(str(tiny_model_dir("llama")), lora=True, patch=PatchFlags(varlen="reference"))
+    samples = _samples(len(tok))
+    separate = _run(model, samples, share=False)
+    monkeypatch.setattr(R, "fork_layout", _leaky_fork_layout)
+    leaky = _run(model, samples, share=True)
+    torch.testing.assert_close(leaky["chosen"], separate["chosen"], rtol=1e-5, atol=1e-5)  # chosen is unaffected
+    with pytest.raises(AssertionError):
+        _assert_same(leaky, separate)
+
+
+def test_shared_rows_layout() -> None:
+    """Positions, predicting columns and the fork of two groups; widths rounded with a padding tail."""
+    groups = [([1, 2, 3], [[4, 5], [6, 7, 8]]), ([9, 10], [[11], [12, 13]])]
+    rows = shared_answer_rows(groups, 0, torch.device("cpu"))
+    width = rows.input_ids.shape[1]
+    assert rows.used == 13 and width == 14  # 13 real tokens and at least one padding column
+    assert rows.input_ids[0, :13].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert rows.position_ids[0, :13].tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2, 2, 3]
+    # answer-major rows: chosen of group 0, chosen of group 1, rejected of group 0, rejected of group 1
+    assert rows.targets.tolist() == [4, 5, 11, 6, 7, 8, 12, 13]
+    assert rows.col.tolist() == [2, 3, 9, 2, 5, 6, 9, 11]  # first tokens: the prompt's last state
+    assert rows.tokens.tolist() == [2, 1, 3, 2] and rows.shape == (4, 3)
+    padded, real = rows.forks
+    assert padded.queries.cu_seqlens.tolist()[:6] == [0, 5, 8, 11, 13, 14]
+    assert real.queries.cu_seqlens.tolist()[:5] == [0, 5, 8, 11, 13]
+    assert real.keys.index.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10, 8, 9, 11, 12]
+    assert real.keys.samples.cu_seqlens.tolist()[:5] == [0, 5, 11, 14, 18]
+    # 5 prompt rows gathered again, rounded up to quarters of the width (14 // 4 = 3): 14 + 6 keys
+    assert padded.keys.samples.max_len == 20 and padded.keys.index.shape == (20,)
+    assert padded.keys.samples.cu_seqlens.tolist()[:6] == [0, 5, 11, 14, 18, 20]
+    assert padded.keys.index[18:].tolist() == [13, 13]  # one spare key (a copy of the tail's row), then the tail
+    for fork in rows.forks:
+        assert fork.queries.cu_seqlens.shape == fork.keys.samples.cu_seqlens.shape == (16,)
+
+
+def test_key_widths_repeat() -> None:
+    """The key side's width takes at most four values per row width (CUDA graphs replay shapes)."""
+    seen: dict[int, set[int]] = {}
+    for prompt in range(1, 40):
+        for answer in range(1, 30, 3):
+            rows = shared_answer_rows([([5] * prompt, [[6] * answer, [7] * (answer + 2)])], 0, torch.device("cpu"))
+            width, key_width = rows.input_ids.shape[1], rows.forks[0].keys.samples.max_len
+            assert width > rows.used and key_width >= rows.forks[1].keys.samples.max_len + width - rows.used
+            seen.setdefault(width, set()).add(key_width)
+    assert max(len(v) for v in seen.values()) <= 4
