@@ -14,12 +14,15 @@ import torch
 
 from kestrel.config import config_from_dict
 from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.errors import ConfigError
 from kestrel.model import attention as attn
-from kestrel.model.patching import PatchFlags, prompt_sharing_refusal
+from kestrel.model.patching import PatchFlags, patch_model, prompt_sharing_refusal
 from kestrel.training.preference import rows as R
 from kestrel.training.preference import score
 from kestrel.training.preference.reference import adapter_layers
-from kestrel.training.preference.rows import answer_logprobs, answer_rows, shared_answer_rows
+from kestrel.training.preference.trainer import share_prompt
+from kestrel.training.preference.rows import answer_logprobs, shared_answer_rows
+from tests.support.tiny import tiny_model
 from tests.training.test_preference_rows import _grads, _model
 
 # (prompt, chosen, rejected) lengths; the last pair's answers share their first three tokens
@@ -36,11 +39,11 @@ def _samples(vocab: int) -> list[PreferenceSample]:
     return out
 
 
-def _run(model, samples, share: bool) -> dict:
+def _run(model, samples, share: bool, device: str = "cpu") -> dict:
     """One DPO micro-batch through `score.micro_loss` (reference pass with the adapter off, then
     the policy with gradients): the (R, L) policy log-probs, the loss and the LoRA gradients."""
     cfg = config_from_dict({"model": "demo", "method": "dpo", "preference": {"beta": 0.1, "loss_type": "sigmoid"}})
-    s = SimpleNamespace(config=cfg, model=model, pad_id=0, device=torch.device("cpu"), flat=True, share_prompt=share,
+    s = SimpleNamespace(config=cfg, model=model, pad_id=0, device=torch.device(device), flat=True, share_prompt=share,
                         adapter_layers=adapter_layers(model))
     stats = score.StepStats(torch.zeros(()))
     loss = score.micro_loss(s, score.RowSet(samples), list(range(len(samples))), stats)
@@ -130,3 +133,38 @@ def test_key_widths_repeat() -> None:
             assert width > rows.used and key_width >= rows.forks[1].keys.samples.max_len + width - rows.used
             seen.setdefault(width, set()).add(key_width)
     assert max(len(v) for v in seen.values()) <= 4
+
+
+def test_share_prompt_setting_is_checked() -> None:
+    with pytest.raises(ConfigError, match="preference.share_prompt must be one of auto, on, off, got 'yes'"):
+        config_from_dict({"model": "demo", "method": "dpo", "preference": {"share_prompt": "yes"}})
+
+
+def test_share_prompt_choice_is_logged_and_on_is_honoured_or_refused(tiny_model_dir) -> None:
+    folder = str(tiny_model_dir("llama"))
+    plain, _ = _model(folder, lora=False)  # CPU, no varlen reference: no kernel to fork with
+    forking, _ = _model(folder, lora=False, patch=PatchFlags(varlen="reference"))
+    config = lambda method, mode: config_from_dict({"model": "demo", "method": method,  # noqa: E731
+                                                    "preference": {"share_prompt": mode}})
+    logs: list[str] = []
+    cb = SimpleNamespace(on_log=logs.append)
+    assert share_prompt(config("dpo", "auto"), forking, cb) and "prompt scored once" in logs[-1]
+    assert share_prompt(config("orpo", "on"), forking, cb)
+    assert not share_prompt(config("dpo", "off"), forking, cb) and "share_prompt: off" in logs[-1]
+    assert not share_prompt(config("dpo", "auto"), plain, cb)
+    assert "separate sequences" in logs[-1] and "no variable-length attention kernel" in logs[-1]
+    with pytest.raises(ConfigError, match="share_prompt: on, but no variable-length attention kernel"):
+        share_prompt(config("simpo", "on"), plain, cb)
+    count = len(logs)
+    assert not share_prompt(config("kto", "auto"), forking, cb) and len(logs) == count  # one answer a row: nothing to say
+    with pytest.raises(ConfigError, match="method kto has one answer a row"):
+        share_prompt(config("kto", "on"), forking, cb)
+
+
+@pytest.mark.parametrize(("family", "why"), [("qwen3_5_text", "linear-attention layers carry a recurrent state"),
+                                             ("gemma4_text", "share K/V across layers"),
+                                             ("gpt_oss", "attention sinks")])
+def test_families_that_cannot_fork_say_why(family: str, why: str) -> None:
+    model = tiny_model(family, 64)
+    patch_model(model, PatchFlags(varlen="reference"))
+    assert why in prompt_sharing_refusal(model)
