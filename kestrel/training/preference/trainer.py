@@ -88,13 +88,13 @@ class PreferenceSession:
     device: torch.device
     pad_id: int = 0
     flat: bool = False  # padding-free rows (the model runs variable-length attention)
-    share_prompt: bool = False  # paired rows as [prompt, chosen, rejected], the prompt scored once
     reference: RefTable | None = None  # precomputed reference log-probs
     partner: list[int] | None = None  # KTO: whose answer each sample's KL row borrows
     recompute: Recompute | None = None
     world: World = field(default_factory=World)  # this rank of a run on several devices
     evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
     adapter_layers: list[nn.Module] = field(default_factory=list)  # what the reference switch flips (found once)
+    share_prompt: bool = False  # paired rows as [prompt, chosen, rejected], the prompt scored once
 
     @property
     def paired(self) -> bool:
