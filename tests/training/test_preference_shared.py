@@ -168,3 +168,17 @@ def test_families_that_cannot_fork_say_why(family: str, why: str) -> None:
     model = tiny_model(family, 64)
     patch_model(model, PatchFlags(varlen="reference"))
     assert why in prompt_sharing_refusal(model)
+
+
+def test_batches_of_one_size_share_every_shape() -> None:
+    """Micro-batches whose prompts and answers split differently (14 and 13 prompt tokens) but whose
+    totals match run the same shapes and sizes (cu_seqlens, gather index, longest samples): a CUDA
+    graph captured for one replays the other."""
+    a = shared_answer_rows([([1] * 5, [[2] * 7, [3] * 3]), ([1] * 9, [[2] * 2, [3] * 6])], 0, torch.device("cpu"))
+    b = shared_answer_rows([([1] * 6, [[2] * 4, [3] * 5]), ([1] * 7, [[2] * 5, [3] * 5])], 0, torch.device("cpu"))
+    assert a.used == b.used and a.forks[1].keys.index.shape != b.forks[1].keys.index.shape  # real keys differ
+    x, y = a.forks[0], b.forks[0]
+    assert x.queries.cu_seqlens.shape == y.queries.cu_seqlens.shape and x.queries.max_len == y.queries.max_len
+    assert x.keys.index.shape == y.keys.index.shape and x.keys.samples.max_len == y.keys.samples.max_len
+    assert x.keys.samples.cu_seqlens.shape == y.keys.samples.cu_seqlens.shape
+    assert a.input_ids.shape == b.input_ids.shape and a.position_ids.shape == b.position_ids.shape
