@@ -285,9 +285,10 @@ def varlen_attention(
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     q_, k_, v_ = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # (B*T, H, D)
-    keys = call.keys or KeyLayout(torch.empty(0), call.samples)
+    key_samples = call.samples
     if call.keys is not None:  # (Tk, Hkv, D); the backward adds each copy's gradient into its row (index_add)
-        k_, v_ = k_.index_select(0, keys.index), v_.index_select(0, keys.index)
+        k_, v_ = k_.index_select(0, call.keys.index), v_.index_select(0, call.keys.index)
+        key_samples = call.keys.samples
     extra: dict[str, Any] = {}
     if hkv != hq:
         if _takes_enable_gqa(call.fn):
@@ -295,7 +296,7 @@ def varlen_attention(
         else:  # query head h reads KV head h // (Hq / Hkv), as HF's repeat_kv lays them out
             k_, v_ = (x.repeat_interleave(hq // hkv, dim=1) for x in (k_, v_))
     cu_q, n_q = call.samples.cu_seqlens, call.samples.max_len
-    cu_k, n_k = keys.samples.cu_seqlens, keys.samples.max_len
+    cu_k, n_k = key_samples.cu_seqlens, key_samples.max_len
     out = call.fn(q_, k_, v_, cu_q, cu_k, n_q, n_k, scale=scale, window_size=call.window, **extra)  # (B*T, Hq, D)
     return out.reshape(b, t, hq * d)
 
