@@ -97,28 +97,32 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
                       sum(lengths))
 
 
+def shared_widths(real: int, keys: int) -> tuple[int, int]:
+    """(row width, key width) of a shared forward with gradients over `real` tokens whose key side
+    holds `keys` rows: the row rounded up as `bucket_width` rounds, with room for at least one
+    padding column (the spare key rows sit in its sample, `fork_layout`), and the key side to the
+    row width plus a multiple of a quarter of it, so a run's forwards repeat their shapes (CUDA
+    graphs replay them; at most four key widths a row width)."""
+    width = bucket_width(real + 1)
+    step = max(1, width // 4)
+    return width, width + -(-(keys - real) // step) * step
+
+
 def shared_answer_rows(groups: list[Group], pad_id: int, device: torch.device) -> AnswerRows:
     """(prompt ids, [answer ids, ...]) groups -> one padding-free row [prompt, answer 1, answer 2, ...]
     per group, the prompt scored once (module docstring). Its rows are those `answer_rows` makes of
     the pairs [(prompt, answers[k]) for k for group] (answer-major: row k * G + g), with the same
     (R, L) log-probs. Answer k's token j is predicted by the state before it in its own branch:
-    the prompt's last state for j = 0, else the answer's token j - 1.
-
-    Widths: the row is rounded up with room for at least one padding column, and the key side
-    (prompt rows gathered again for each later answer) to the row width plus a multiple of a
-    quarter of it, so the shapes of a run's forwards repeat (CUDA graphs; at most four key
-    widths a row width); the spare key rows sit in the padding's sample (`fork_layout`)."""
-    count = len(groups[0][1])
+    the prompt's last state for j = 0, else the answer's token j - 1."""
+    count, n = len(groups[0][1]), len(groups)
     if any(len(answers) != count for _, answers in groups):
         raise ValueError("every group of a shared batch needs the same number of answers")
-    per_row: list[tuple[list[int], torch.Tensor] | None] = [None] * (count * len(groups))  # (targets, columns)
     real = sum(len(p) + sum(len(a) for a in answers) for p, answers in groups)
     keys = real + sum(len(p) * (count - 1) for p, _ in groups)
-    width = bucket_width(real + 1)
-    step = max(1, width // 4)
-    key_width = width + -(-(keys - real) // step) * step
+    width, key_width = shared_widths(real, keys)
     ids = torch.full((1, width), pad_id, dtype=torch.long)
     positions = torch.zeros((1, width), dtype=torch.long)
+    scored: dict[int, tuple[list[int], torch.Tensor]] = {}  # row -> (answer tokens, predicting columns)
     at = 0
     for g, (prompt, answers) in enumerate(groups):
         ids[0, at : at + len(prompt)] = torch.tensor(prompt, dtype=torch.long)
@@ -129,22 +133,21 @@ def shared_answer_rows(groups: list[Group], pad_id: int, device: torch.device) -
             positions[0, start : start + len(answer)] = torch.arange(len(prompt), len(prompt) + len(answer))
             cols = start - 1 + torch.arange(len(answer))
             cols[0] = at + len(prompt) - 1  # every answer's first token: the prompt's last state
-            per_row[k * len(groups) + g] = (answer, cols)
+            scored[k * n + g] = (answer, cols)
             start += len(answer)
         at = start
     positions[0, at:] = torch.arange(width - at)  # the padding tail is one more "sequence"
-    scored = [row for row in per_row if row is not None]
-    length = max(len(t) for t, _ in scored)
-    slots = torch.cat([r * length + torch.arange(len(t)) for r, (t, _) in enumerate(scored)])
-    answers_len = torch.tensor([len(t) for t, _ in scored], dtype=torch.long)
+    rows = [scored[r] for r in range(count * n)]
+    length = max(len(t) for t, _ in rows)
+    slots = torch.cat([r * length + torch.arange(len(t)) for r, (t, _) in enumerate(rows)])
     lengths = [(len(p), [len(a) for a in answers]) for p, answers in groups]
     forks = (fork_layout(lengths, width, key_width, device), fork_layout(lengths, real, keys, device))
     move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    return AnswerRows(move(ids), move(positions), move(torch.zeros(len(slots), dtype=torch.long)),
-                      move(torch.cat([c for _, c in scored])), real,
-                      move(torch.tensor([t for row, _ in scored for t in row], dtype=torch.long)), move(slots),
-                      (len(scored), length), move(answers_len),
-                      sum(len(p) * count + sum(len(a) for a in answers) for p, answers in groups), forks)
+    return AnswerRows(
+        move(ids), move(positions), move(torch.zeros(len(slots), dtype=torch.long)), move(torch.cat([c for _, c in rows])),
+        real, move(torch.tensor([t for answer, _ in rows for t in answer], dtype=torch.long)), move(slots),
+        (len(rows), length), move(torch.tensor([len(t) for t, _ in rows], dtype=torch.long)),
+        sum(len(p) * count + sum(len(a) for a in answers) for p, answers in groups), forks)
 
 
 FSDP_SCORE = "kestrel_answer_logprobs"  # the FSDP2 forward method `score_through_fsdp` adds
