@@ -20,10 +20,13 @@ from kestrel.model.patching import PatchFlags, patch_model, prompt_sharing_refus
 from kestrel.training.preference import rows as R
 from kestrel.training.preference import score
 from kestrel.training.preference.reference import adapter_layers
+from kestrel.training.preference import trainer
 from kestrel.training.preference.trainer import share_prompt
+from kestrel.training.run import run
 from kestrel.training.preference.rows import answer_logprobs, shared_answer_rows
 from tests.support.tiny import tiny_model
 from tests.training.test_preference_rows import _grads, _model
+from tests.training.test_preference_train import _config, _metrics, _subset
 
 # (prompt, chosen, rejected) lengths; the last pair's answers share their first three tokens
 SHAPES = [(5, 7, 3), (9, 2, 6), (2, 4, 4), (6, 5, 8)]
@@ -182,3 +185,22 @@ def test_batches_of_one_size_share_every_shape() -> None:
     assert x.keys.index.shape == y.keys.index.shape and x.keys.samples.max_len == y.keys.samples.max_len
     assert x.keys.samples.cu_seqlens.shape == y.keys.samples.cu_seqlens.shape
     assert a.input_ids.shape == b.input_ids.shape and a.position_ids.shape == b.position_ids.shape
+
+
+def test_a_run_scoring_each_prompt_once_follows_the_separate_run(tiny_model_dir, tmp_path, monkeypatch, one_thread) -> None:
+    """The whole DPO run (setup's choice, evaluation-free steps, metrics) with share_prompt on and
+    off, the model patched with the varlen reference: the same losses, rewards and log-probs; the
+    layout that ran is in the metrics."""
+    real_load = trainer.load
+    monkeypatch.setattr(trainer, "load", lambda *a, **kw: real_load(*a, **{**kw, "patch": PatchFlags(varlen="reference")}))
+    data = _subset(tmp_path, "arithmetic_preferences", 12)
+    runs = {}
+    for mode in ("off", "on"):
+        cfg = _config(str(tiny_model_dir("llama")), tmp_path / mode, data, max_steps=3, preference={"share_prompt": mode})
+        result = run(config_from_dict(cfg))
+        assert result.status == "completed", result.error
+        runs[mode] = _metrics(tmp_path / mode)
+    assert [m["shared_prompt"] for m in runs["on"]] == [1.0] * 3 and [m["shared_prompt"] for m in runs["off"]] == [0.0] * 3
+    for on, off in zip(runs["on"], runs["off"]):
+        for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected", "grad_norm"):
+            assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-5), key
