@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kestrel.config_values import check, show
-from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE, SMOOTHED_LOSS_TYPES
+from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE, SHARE_PROMPT_MODES, SMOOTHED_LOSS_TYPES
 
 
 @dataclass
@@ -37,6 +37,11 @@ class PreferenceSettings:
     # dpo, kto: reference log-probs computed once over the dataset before training (one extra
     # no-grad pass up front instead of one per step); always on with finetune: full.
     precompute_ref_logps: bool = False
+    # dpo, orpo, simpo: each pair as one sample [prompt, chosen, rejected] whose prompt is computed
+    # once for both answers (on), or chosen and rejected as two whole sequences (off). auto: once
+    # wherever the model can (varlen attention on CUDA in 16-bit; not linear attention, shared K/V
+    # or attention sinks); the layout that ran is logged and recorded as the metric shared_prompt.
+    share_prompt: str = "auto"
 
     def __post_init__(self) -> None:
         check(self.finetune in PREFERENCE_FINETUNE,
@@ -51,6 +56,8 @@ class PreferenceSettings:
         check(self.label_smoothing == 0 or self.loss_type in SMOOTHED_LOSS_TYPES,
               f"preference.label_smoothing is read only by loss_type {' and '.join(SMOOTHED_LOSS_TYPES)}, "
               f"not {show(self.loss_type)}: set it to 0 or choose one of them")
+        check(self.share_prompt in SHARE_PROMPT_MODES,
+              f"preference.share_prompt must be one of {', '.join(SHARE_PROMPT_MODES)}, got {show(self.share_prompt)}")
         check(0 <= self.simpo_gamma <= 100, f"preference.simpo_gamma must be 0..100, got {show(self.simpo_gamma)}")
         check(0 <= self.cpo_alpha <= 100, f"preference.cpo_alpha must be 0..100, got {show(self.cpo_alpha)}")
         for name in ("desirable_weight", "undesirable_weight"):

@@ -25,6 +25,8 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "
                   "apo_down")
 SMOOTHED_LOSS_TYPES = ("robust", "exo_pair")  # the DPO losses that read label_smoothing (the chance a label is flipped)
 PREFERENCE_FINETUNE = ("lora", "qlora", "full")  # what a preference method trains: an adapter, or every weight
+# Paired rows: each prompt scored once for both answers (on), with each answer (off), or once where the model can (auto)
+SHARE_PROMPT_MODES = ("auto", "on", "off")
 # GRPO reward names (`kestrel.training.grpo.rewards`): the built-ins, and `custom` for a Python file.
 REWARD_NAMES = ("exact_answer", "format_regex", "length_penalty", "json_valid", "custom")
 

@@ -10,6 +10,10 @@ Three layouts, as in Unsloth's model-level patch:
   (and runs of padding) laid end to end, so no (B, 1, T, T) mask is ever built. Sliding-window
   layers on rows longer than the window use the same kernel with one "sample" per row and a window.
 
+Samples that share a prefix (a preference pair's prompt, then its chosen and its rejected answer)
+run as one query sample per branch with keys of their own (`ForkedSamples`): queries [P B1 B2],
+keys gathered as [P B1 | P B2], so the prefix is computed once and B2 never sees B1.
+
 The varlen function is a parameter (`VarlenFn`), never a global: `reference_varlen_attn` computes
 the same thing with a loop of SDPA calls and runs on a CPU, so tests check the whole varlen path
 against the unpatched model there.
@@ -38,6 +42,7 @@ HALF = (torch.float16, torch.bfloat16)
 VarlenFn = Callable[..., torch.Tensor]
 VarlenMode = Literal["auto", "off", "reference"]
 VARLEN_KWARG = "kestrel_varlen"  # the keyword the model forward hands each patched attention layer
+FORK_KWARG = "kestrel_forked_samples"  # the keyword a caller hands the model forward (`ForkedSamples`)
 Plan = Literal["varlen_samples", "varlen_rows", "hf_mask"]
 
 
@@ -74,12 +79,34 @@ class Samples:
 
 
 @dataclass(frozen=True)
+class KeyLayout:
+    """Keys laid out apart from the queries: key row i is the flattened (B*T) k/v row `index[i]`,
+    and key sample s (`samples`) is what query sample s attends to, its end aligned with the
+    query sample's end (flash's bottom-right causal alignment)."""
+
+    index: torch.Tensor  # (Tk,) int64 on the batch's device
+    samples: Samples  # the keys' cu_seqlens (as many entries as the queries'), Tk as the longest
+
+
+@dataclass(frozen=True)
+class ForkedSamples:
+    """A flattened batch of groups [prefix, branch 1, ..., branch k] (one row, B = 1), each branch
+    a continuation of the prefix alone: query samples [prefix + branch 1], [branch 2], ...,
+    [branch k]; key samples [prefix + branch 1], [prefix + branch 2], ... (`fork_layout`).
+    Positions of branch i restart where the prefix ends (the caller's position_ids)."""
+
+    queries: Samples
+    keys: KeyLayout
+
+
+@dataclass(frozen=True)
 class VarlenCall:
     """What one attention layer needs to run variable-length attention."""
 
     samples: Samples
     window: tuple[int, int]  # flash-style (left, right), see `flash_window`
     fn: VarlenFn
+    keys: KeyLayout | None = None  # None: each query sample attends to itself
 
 
 def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -144,10 +171,59 @@ def samples_from_starts(starts: torch.Tensor, device: torch.device) -> Samples:
     room = segment_capacity(begin.numel() + 1)
     cu = torch.full((room,), flat.numel(), dtype=torch.int32)  # (room,): the S+1 bounds, then empty samples
     cu[: begin.numel()] = begin
-    max_len = starts.shape[-1]
-    if device.type == "cuda":
-        return Samples(cu.pin_memory().to(device, non_blocking=True), max_len)
-    return Samples(cu.to(device), max_len)
+    return Samples(_to_device(cu, device), starts.shape[-1])
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; through pinned memory on CUDA, so the copy does not wait for the GPU."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def fork_layout(
+    groups: list[tuple[int, list[int]]], width: int, key_width: int, device: torch.device
+) -> ForkedSamples:
+    """`ForkedSamples` of groups (prefix length P, branch lengths [B1, ..., Bk]) laid end to end
+    in a row of `width` tokens, whose keys take `key_width` rows.
+
+    Group g at offset a: query samples [a, a+P+B1), then each later branch alone; key samples
+    rows a..a+P+B1, then for branch i rows a..a+P and its own rows. The row's tail (padding,
+    width - sum(P + sum B) tokens) is one more query sample whose key sample is the tail itself
+    after (key_width - keys so far - tail) copies of the tail's first row, so the key side has
+    the fixed width a CUDA graph replays; those pad queries' outputs feed nothing, so the copies
+    get a zero gradient. A tail is needed whenever key rows are left over. cu_seqlens of both
+    sides are padded to `segment_capacity` with empty samples, as `samples_from_starts` pads.
+    Built on the host once per forward: no device sync, none per layer.
+    """
+    q_bounds, k_bounds, index = [0], [0], []
+    at = 0
+    for prefix, branches in groups:
+        if prefix < 1 or not branches or min(branches) < 1:
+            raise ValueError(f"a forked group needs a prefix and non-empty branches, got {prefix} and {branches}")
+        first = at + prefix + branches[0]
+        index.extend(range(at, first))
+        q_bounds.append(first)
+        k_bounds.append(len(index))
+        start = first
+        for length in branches[1:]:
+            index.extend(range(at, at + prefix))
+            index.extend(range(start, start + length))
+            start += length
+            q_bounds.append(start)
+            k_bounds.append(len(index))
+        at = start
+    spare = key_width - len(index) - (width - at)
+    if at > width or spare < 0 or (spare > 0 and width == at):
+        raise ValueError(f"{at} query and {len(index)} key tokens do not fit widths {width} and {key_width} "
+                         "(left-over key rows need a padding tail to sit in)")
+    if width > at:
+        index.extend([at] * spare + list(range(at, width)))
+        q_bounds.append(width)
+        k_bounds.append(key_width)
+    room = segment_capacity(len(q_bounds))
+    cu_q, cu_k = torch.full((room,), width, dtype=torch.int32), torch.full((room,), key_width, dtype=torch.int32)
+    cu_q[: len(q_bounds)], cu_k[: len(k_bounds)] = torch.tensor(q_bounds), torch.tensor(k_bounds)
+    keys = KeyLayout(_to_device(torch.tensor(index, dtype=torch.long), device), Samples(_to_device(cu_k, device), key_width))
+    return ForkedSamples(Samples(_to_device(cu_q, device), width), keys)
 
 
 def row_samples(batch: int, seq_len: int, device: torch.device) -> Samples:
@@ -222,23 +298,30 @@ def varlen_attention(
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     q_, k_, v_ = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # (B*T, H, D)
+    key_samples = call.samples
+    if call.keys is not None:  # (Tk, Hkv, D); the backward adds each copy's gradient into its row (index_add)
+        k_, v_ = k_.index_select(0, call.keys.index), v_.index_select(0, call.keys.index)
+        key_samples = call.keys.samples
     extra: dict[str, Any] = {} if sinks is None else {"sinks": sinks}
     if hkv != hq:
         if _takes_enable_gqa(call.fn):
             extra["enable_gqa"] = True
         else:  # query head h reads KV head h // (Hq / Hkv), as HF's repeat_kv lays them out
             k_, v_ = (x.repeat_interleave(hq // hkv, dim=1) for x in (k_, v_))
-    cu, n = call.samples.cu_seqlens, call.samples.max_len
-    out = call.fn(q_, k_, v_, cu, cu, n, n, scale=scale, window_size=call.window, **extra)  # (B*T, Hq, D)
+    cu_q, n_q = call.samples.cu_seqlens, call.samples.max_len
+    cu_k, n_k = key_samples.cu_seqlens, key_samples.max_len
+    out = call.fn(q_, k_, v_, cu_q, cu_k, n_q, n_k, scale=scale, window_size=call.window, **extra)  # (B*T, Hq, D)
     return out.reshape(b, t, hq * d)
 
 
-def window_mask(length: int, window: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """(L, L) bool, True where query i may see key j under flash's (left, right) window."""
-    i = torch.arange(length, device=device)[:, None]
-    j = torch.arange(length, device=device)[None, :]
+def window_mask(queries: int, keys: int, window: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """(Lq, Lk) bool, True where query i may see key j under flash's (left, right) window,
+    aligned bottom-right as flash aligns it: query i stands at key position i + Lk - Lq (the
+    queries are the last Lq of the keys' positions)."""
+    i = torch.arange(queries, device=device)[:, None] + (keys - queries)
+    j = torch.arange(keys, device=device)[None, :]
     left, right = window
-    allowed = torch.ones(length, length, dtype=torch.bool, device=device)
+    allowed = torch.ones(queries, keys, dtype=torch.bool, device=device)
     if left >= 0:
         allowed &= i - j <= left
     if right >= 0:
@@ -278,18 +361,20 @@ def reference_varlen_attn(
     """`varlen_attn`'s math on any device: one SDPA call per sample with the window as a mask
     (`sink_softmax_attention` in its place when attention `sinks` (Hq,) are given).
 
-    query (total, Hq, D), key/value (total, Hkv, D); returns (total, Hq, D). Slow (a host sync
-    per sample); for tests and debugging.
+    query (total_q, Hq, D), key/value (total_k, Hkv, D); returns (total_q, Hq, D). A query
+    sample shorter than its key sample is aligned bottom-right (`window_mask`), as flash does.
+    Slow (a host sync per sample); for tests and debugging.
     """
     pieces = []
     bounds_q, bounds_k = cu_seq_q.tolist(), cu_seq_k.tolist()
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
-        if q1 - q0 != k1 - k0:
-            raise ValueError("the reference handles self-attention only (equal query and key samples)")
+        if q1 - q0 > k1 - k0:
+            raise ValueError(f"a query sample of {q1 - q0} tokens has only {k1 - k0} keys; bottom-right alignment "
+                             "needs at least as many keys as queries")
         if q1 == q0:
             continue  # an empty sample (cu_seqlens padded to its capacity)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))  # (1, H, L, D)
-        mask = window_mask(q1 - q0, tuple(window_size), query.device)  # (L, L)
+        mask = window_mask(q1 - q0, k1 - k0, tuple(window_size), query.device)  # (Lq, Lk)
         if sinks is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
         else:

@@ -7,7 +7,9 @@ checkpointing, which `kestrel.recompute.checkpoint` hooks into, keeps working), 
 
 The attention layout (`kestrel.model.attention`) is where this differs from HF: packed and padded rows
 on CUDA in 16-bit run the varlen kernel instead of a (B, 1, T, T) mask. Everything else uses the very
-masks HF builds. Any call this forward does not handle (a cache, `use_cache`, attention or
+masks HF builds. A caller may also hand it `ForkedSamples` (keyword `attn.FORK_KWARG`): groups that
+share a prefix, every layer then attends through the varlen kernel with keys of their own (no
+host sync at all: the caller built the layout). Any other call this forward does not handle (a cache, `use_cache`, attention or
 hidden-state outputs, a prepared 4-D mask, unknown keywords...) goes to the original class
 forward unchanged.
 """
@@ -28,7 +30,7 @@ from kestrel.model.registry import FamilySpec
 # Keywords HF hands down to the layers, which change nothing in the math.
 _PASSTHROUGH = frozenset({"num_items_in_batch"})
 # Keywords read here to decide whether to delegate, and not passed on.
-_CHECKED = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
+_CHECKED = frozenset({"output_attentions", "output_hidden_states", "return_dict", attn.FORK_KWARG})
 
 LayerInputs = tuple[Any, attn.VarlenCall | None]  # (HF attention mask or None, varlen call or None)
 
@@ -77,18 +79,28 @@ def _hf_mask(model: nn.Module, window: int | None, embeds: torch.Tensor, attenti
 
 def attention_inputs(
     model: nn.Module, mode: attn.VarlenMode, windows: list[int | None], embeds: torch.Tensor,
-    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, sinks: bool = False,
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, *, sinks: bool = False,
+    forked: attn.ForkedSamples | None = None,
 ) -> dict[int | None, LayerInputs]:
     """The attention layout of one forward: for each window size in `windows`, what its layers get.
 
     embeds (B, T, H); attention_mask (B, T) or None; position_ids (B or 1, T) as the caller gave
     them, None when defaulted (then there is nothing to detect); sinks: the family's attention
     has sinks (`FamilySpec.attention_sinks`). At most one host sync: the sample starts, when the
-    varlen path could run and the caller passed positions.
+    varlen path could run and the caller passed positions. `forked`: the caller's layout of
+    groups sharing a prefix, which only the varlen kernel runs (a sliding window stays exact:
+    flash aligns it bottom-right, at each query's own position).
     """
     b, t = embeds.shape[:2]
     dropout = model.training and getattr(model.config, "attention_dropout", 0.0) > 0
     fn = attn.varlen_backend(mode, embeds.device, embeds.dtype, dropout, sinks=sinks)
+    if forked is not None:
+        if fn is None or attention_mask is not None or b != 1:
+            raise ValueError("forked samples (a shared prompt) need one padding-free row and a varlen kernel for this "
+                             f"device and dtype ({embeds.device.type}, {embeds.dtype}, varlen {mode!r}, dropout "
+                             f"{dropout}); score the answers as separate sequences instead")
+        return {w: (None, attn.VarlenCall(forked.queries, attn.flash_window(w), fn, forked.keys))
+                for w in dict.fromkeys(windows)}
     padded, packed, samples, hf_positions = attention_mask is not None, False, None, position_ids
     starts = attn.segment_starts(attention_mask, position_ids, b) if fn is not None else None  # the one host sync
     if starts is not None:
@@ -134,7 +146,11 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
+        forked = kwargs.get(attn.FORK_KWARG)
         if not handles(self, spec, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache, kwargs):
+            if forked is not None:  # HF's forward has no such layout: it would score something else
+                raise ValueError(f"{spec.model_type}: this call goes to Hugging Face's forward, which cannot run "
+                                 "forked samples (a shared prompt); score the answers as separate sequences")
             return type(self).forward(
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
@@ -145,7 +161,8 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
         n = self.config.num_hidden_layers
         windows = [attn.layer_window(spec, self.config, i) for i in range(n)]
-        layouts = attention_inputs(self, mode, windows, h, attention_mask, given_positions, sinks=spec.attention_sinks)
+        layouts = attention_inputs(self, mode, windows, h, attention_mask, given_positions,
+                                   sinks=spec.attention_sinks, forked=forked)
         rotary = _rotary(self, spec, h, position_ids)
         passed = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH}
         stats = moe.router_stats_for(self.config, spec, attention_mask)

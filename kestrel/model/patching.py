@@ -179,6 +179,25 @@ def runs_varlen(model: nn.Module) -> bool:
     return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout, sinks=sinks) is not None
 
 
+def prompt_sharing_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot score a prompt once for several answers (`kestrel.model.attention.ForkedSamples`:
+    each answer's keys are the prompt's and its own, through the varlen kernel), or None when it can."""
+    handle = _find_handle(model)
+    spec = handle.family if handle is not None else None
+    if spec is not None and spec.linear_attention_class:
+        return f"{spec.model_type}'s linear-attention layers carry a recurrent state, which would have to fork after the prompt"
+    if spec is not None and spec.layer_shared_state:
+        return f"{spec.model_type}'s layers share K/V across layers ({spec.layer_shared_state}), which the fork does not follow"
+    if spec is not None and spec.attention_sinks:
+        return f"{spec.model_type}'s attention sinks have no variable-length attention kernel"
+    if spec is not None and spec.attn_softcap_attr and getattr(model.config, spec.attn_softcap_attr, None):
+        return f"{spec.model_type} caps its attention logits ({spec.attn_softcap_attr}), which the varlen kernel does not"
+    if not runs_varlen(model):
+        return ("no variable-length attention kernel runs this model here (it needs CUDA in fp16/bf16 and Kestrel's "
+                "attention and decoder-stack forwards)")
+    return None
+
+
 def packing_refusal(model: nn.Module) -> str | None:
     """Why `model` must not train on packed rows (several samples side by side in one row), or
     None. Attention keeps inside each sample (masks, varlen); a recurrent layer would not."""

@@ -91,8 +91,8 @@ def test_flash_window_is_hf_sliding_window(window: int) -> None:
     hf = masking_utils.sliding_window_causal_mask_function(window)
     idx = [torch.tensor(n) for n in range(t)]
     expected = torch.tensor([[bool(hf(0, 0, i, j)) for j in idx] for i in idx])
-    assert torch.equal(attn.window_mask(t, attn.flash_window(window), torch.device("cpu")), expected)
-    assert torch.equal(attn.window_mask(t, attn.flash_window(None), torch.device("cpu")), torch.ones(t, t).tril().bool())
+    assert torch.equal(attn.window_mask(t, t, attn.flash_window(window), torch.device("cpu")), expected)
+    assert torch.equal(attn.window_mask(t, t, attn.flash_window(None), torch.device("cpu")), torch.ones(t, t).tril().bool())
 
 
 def test_layer_windows_per_family() -> None:
@@ -111,7 +111,7 @@ def _block_mask(cu: list[int], window: tuple[int, int]) -> torch.Tensor:
     """(total, total) bool: same sample, and inside the window."""
     total = cu[-1]
     sample = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
-    return (sample[:, None] == sample[None, :]) & attn.window_mask(total, window, torch.device("cpu"))
+    return (sample[:, None] == sample[None, :]) & attn.window_mask(total, total, window, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("window", [(-1, 0), (2, 0), (6, 0)])

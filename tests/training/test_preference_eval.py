@@ -108,7 +108,7 @@ def _session(tiny_model_dir, tmp_path: Path, method: str, name: str, **kw):
                 p.normal_(0, 0.05)
     data = prepare_samples(cfg, tokenizer, Logs())
     s = SimpleNamespace(config=cfg, model=model, tokenizer=tokenizer, samples=data.train, pad_id=0,
-                        device=torch.device("cpu"), flat=False, total_steps=4, start_step=0,
+                        device=torch.device("cpu"), flat=False, share_prompt=False, total_steps=4, start_step=0,
                         output_dir=tmp_path / "out", paired=method != "kto", world=World(),
                         adapter_layers=adapter_layers(model))
     s.output_dir.mkdir(parents=True, exist_ok=True)

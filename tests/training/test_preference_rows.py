@@ -10,14 +10,15 @@ import torch
 from kestrel.config import LoraSettings
 from kestrel.model.loader import load
 from kestrel.model.lora import attach_lora
+from kestrel.model.patching import PatchFlags
 from kestrel.training.preference.reference import as_reference
 from kestrel.training.preference.rows import answer_logprobs, answer_rows
 
 SHAPES = [(5, 7), (3, 1), (9, 4), (2, 6), (4, 3)]  # (prompt, answer) lengths, ragged on purpose
 
 
-def _model(model_dir: str, lora: bool):
-    model, tok = load(model_dir, 128, dtype="fp32", device="cpu")
+def _model(model_dir: str, lora: bool, patch: bool | PatchFlags = True):
+    model, tok = load(model_dir, 128, dtype="fp32", device="cpu", patch=patch)
     if lora:
         for p in model.parameters():
             p.requires_grad_(False)

@@ -24,7 +24,7 @@ def test_reference_first_on_the_same_rows_then_the_policy(tiny_model_dir, monkey
     samples = [PreferenceSample(prompt=p, answers=[a, pairs[(i + 1) % len(pairs)][1]]) for i, (p, a) in enumerate(pairs)]
     cfg = config_from_dict({"model": "demo", "method": "dpo", "preference": {"beta": 0.1, "loss_type": "sigmoid"}})
     s = SimpleNamespace(config=cfg, model=model, pad_id=tok.pad_token_id, device=torch.device("cpu"), flat=False,
-                        adapter_layers=adapter_layers(model))
+                        share_prompt=False, adapter_layers=adapter_layers(model))
     calls = []
 
     def spy(m, rows):

@@ -18,7 +18,7 @@ from tests.training.test_train import StopAt
 
 PAIRED_KEYS = ("step", "total_steps", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "eta_s",
                "vram_peak_gib", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-               "logps/chosen", "logps/rejected")
+               "logps/chosen", "logps/rejected", "shared_prompt")
 
 
 
@@ -71,6 +71,8 @@ def test_each_method_reports_trl_metric_names(tiny_model_dir, tmp_path: Path, on
     keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins") + extra
     for key in keys:
         assert key in last and last[key] == last[key], key  # present and not NaN
+    assert ("shared_prompt" in last) == (method != "kto")  # the layout of paired rows that ran (0 here: no varlen kernel)
+    assert last.get("shared_prompt", 0.0) == 0.0
 
 
 @pytest.mark.parametrize("loss_type, smoothing, first_loss", [

@@ -6,12 +6,17 @@ log-prob path: `(rows, length, vocab)` logits never exist.
     seq = logp.sum(-1); tokens = rows.tokens         # (R,) sequence log-probs and answer lengths
 
 Paired methods put the chosen rows first and the rejected rows after them (concatenated along
-the batch), so one forward of the decoder stack scores both. Two layouts, as SFT batches (widths
+the batch), so one forward of the decoder stack scores both. Three layouts, as SFT batches (widths
 rounded up by `bucket_width`):
 
     padded  (R, T) right-padded rows; plain causal attention is exact for every real token
     flat    (1, sum of lengths) one padding-free row, `position_ids` restarting at 0 for each
             (prompt, answer), for models whose patched attention runs variable-length kernels
+    shared  (1, sum of P + C + R) one padding-free row of groups [prompt, chosen, rejected]: the
+            prompt computed once (`shared_answer_rows`); the rejected answer's positions restart
+            at |P| and its queries see the prompt's keys and its own, never the chosen answer's
+            (`kestrel.model.attention.ForkedSamples`). Both answers' first tokens are predicted
+            by the prompt's last state.
 
 Only a forward with gradients (the policy's, which the CUDA-graph chooser sees) runs the rounded
 width; a no-gradient forward (the reference, KTO's KL rows, evaluation) runs the real columns
@@ -36,7 +41,10 @@ from torch import nn
 
 from kestrel import kernels
 from kestrel.data.collate import bucket_width
+from kestrel.model.attention import FORK_KWARG, ForkedSamples, fork_layout
 from kestrel.training.grpo.logprobs import causal_lm
+
+Group = tuple[list[int], list[list[int]]]  # (prompt ids, [answer ids, ...]) that share the prompt
 
 @dataclass
 class AnswerRows:
@@ -49,7 +57,10 @@ class AnswerRows:
     slots: torch.Tensor  # (N,) where each goes in the (R, L) result: r * L + j
     shape: tuple[int, int]  # (R, L): rows, longest answer
     tokens: torch.Tensor  # (R,) answer lengths
-    real_tokens: int  # prompt + answer tokens of all rows (no padding)
+    real_tokens: int  # prompt + answer tokens of all rows (no padding; a shared prompt counted with each answer)
+    # Shared layout: the model forward's `ForkedSamples` for the rounded width (a forward with
+    # gradients) and for the real columns (`used`, without); None for the other layouts.
+    forks: tuple[ForkedSamples, ForkedSamples] | None = None
 
 
 def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: torch.device, flat: bool) -> AnswerRows:
@@ -86,6 +97,59 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
                       sum(lengths))
 
 
+def shared_widths(real: int, keys: int) -> tuple[int, int]:
+    """(row width, key width) of a shared forward with gradients over `real` tokens whose key side
+    holds `keys` rows: the row rounded up as `bucket_width` rounds, with room for at least one
+    padding column (the spare key rows sit in its sample, `fork_layout`), and the key side to the
+    row width plus a multiple of a quarter of it, so a run's forwards repeat their shapes (CUDA
+    graphs replay them; at most four key widths a row width)."""
+    width = bucket_width(real + 1)
+    step = max(1, width // 4)
+    return width, width + -(-(keys - real) // step) * step
+
+
+def shared_answer_rows(groups: list[Group], pad_id: int, device: torch.device) -> AnswerRows:
+    """(prompt ids, [answer ids, ...]) groups -> one padding-free row [prompt, answer 1, answer 2, ...]
+    per group, the prompt scored once (module docstring). Its rows are those `answer_rows` makes of
+    the pairs [(prompt, answers[k]) for k for group] (answer-major: row k * G + g), with the same
+    (R, L) log-probs. Answer k's token j is predicted by the state before it in its own branch:
+    the prompt's last state for j = 0, else the answer's token j - 1."""
+    count, n = len(groups[0][1]), len(groups)
+    if any(len(answers) != count for _, answers in groups):
+        raise ValueError("every group of a shared batch needs the same number of answers")
+    real = sum(len(p) + sum(len(a) for a in answers) for p, answers in groups)
+    keys = real + sum(len(p) * (count - 1) for p, _ in groups)
+    width, key_width = shared_widths(real, keys)
+    ids = torch.full((1, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((1, width), dtype=torch.long)
+    scored: dict[int, tuple[list[int], torch.Tensor]] = {}  # row -> (answer tokens, predicting columns)
+    at = 0
+    for g, (prompt, answers) in enumerate(groups):
+        ids[0, at : at + len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        positions[0, at : at + len(prompt)] = torch.arange(len(prompt))
+        start = at + len(prompt)
+        for k, answer in enumerate(answers):
+            ids[0, start : start + len(answer)] = torch.tensor(answer, dtype=torch.long)
+            positions[0, start : start + len(answer)] = torch.arange(len(prompt), len(prompt) + len(answer))
+            cols = start - 1 + torch.arange(len(answer))
+            cols[0] = at + len(prompt) - 1  # every answer's first token: the prompt's last state
+            scored[k * n + g] = (answer, cols)
+            start += len(answer)
+        at = start
+    positions[0, at:] = torch.arange(width - at)  # the padding tail is one more "sequence"
+    rows = [scored[r] for r in range(count * n)]
+    length = max(len(t) for t, _ in rows)
+    slots = torch.cat([r * length + torch.arange(len(t)) for r, (t, _) in enumerate(rows)])
+    lengths = [(len(p), [len(a) for a in answers]) for p, answers in groups]
+    forks = (fork_layout(lengths, width, key_width, device), fork_layout(lengths, real, keys, device))
+    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    return AnswerRows(
+        move(ids), move(positions), move(torch.zeros(len(slots), dtype=torch.long)), move(torch.cat([c for _, c in rows])),
+        real, move(torch.tensor([t for answer, _ in rows for t in answer], dtype=torch.long)), move(slots),
+        (len(rows), length), move(torch.tensor([len(t) for t, _ in rows], dtype=torch.long)),
+        sum(len(p) * count + sum(len(a) for a in answers) for p, answers in groups), forks)
+
+
 FSDP_SCORE = "kestrel_answer_logprobs"  # the FSDP2 forward method `score_through_fsdp` adds
 
 
@@ -112,9 +176,11 @@ def score_through_fsdp(model: nn.Module) -> None:
 
 
 def _answer_logprobs(lm: nn.Module, rows: AnswerRows) -> torch.Tensor:
-    cols = rows.input_ids.shape[1] if torch.is_grad_enabled() else rows.used  # no gradient: no padding columns
+    grad = torch.is_grad_enabled()
+    cols = rows.input_ids.shape[1] if grad else rows.used  # no gradient: no padding columns
     positions = None if rows.position_ids is None else rows.position_ids[:, :cols]
-    hidden = lm.model(input_ids=rows.input_ids[:, :cols], position_ids=positions, use_cache=False).last_hidden_state
+    fork = {} if rows.forks is None else {FORK_KWARG: rows.forks[0 if grad else 1]}
+    hidden = lm.model(input_ids=rows.input_ids[:, :cols], position_ids=positions, use_cache=False, **fork).last_hidden_state
     h = hidden[rows.row, rows.col]  # (N, H): the answer tokens' predicting states, no padding
     softcap = getattr(lm.config, "final_logit_softcapping", None)
     logp = kernels.chunked_token_logprobs(h, lm.lm_head.weight, rows.targets, softcap=softcap)  # (N,)

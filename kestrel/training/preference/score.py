@@ -19,7 +19,7 @@ from kestrel.data.preference_tokens import PreferenceSample
 from kestrel.training.distributed import World
 from kestrel.training.preference import loss as L
 from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, as_reference, sequence_logps
-from kestrel.training.preference.rows import AnswerRows, answer_logprobs, answer_rows
+from kestrel.training.preference.rows import AnswerRows, answer_logprobs, answer_rows, shared_answer_rows
 
 
 @dataclass
@@ -69,13 +69,21 @@ def _kto_kl(s: Any, data: RowSet, idx: list[int]) -> torch.Tensor:
     return L.kto_kl(policy, ref)
 
 
+def scored_rows(s: Any, samples: list[PreferenceSample]) -> AnswerRows:
+    """The micro-batch's rows, answer-major (all chosen answers, then all rejected): each pair's
+    prompt scored once (`s.share_prompt`, paired rows) or with each of its answers."""
+    if s.share_prompt and len(samples[0].answers) > 1:
+        return shared_answer_rows([(x.prompt, x.answers) for x in samples], s.pad_id, s.device)
+    pairs = [(x.prompt, x.answers[k]) for k in range(len(samples[0].answers)) for x in samples]
+    return answer_rows(pairs, s.pad_id, s.device, s.flat)
+
+
 def micro_loss(s: Any, data: RowSet, idx: list[int], stats: StepStats) -> torch.Tensor:
     """The loss of one micro-batch of `data` (a mean over its rows), its stats added to `stats`.
-    `s`: the run (config, model, pad_id, device, flat)."""
+    `s`: the run (config, model, pad_id, device, flat, share_prompt)."""
     p, method = s.config.preference, s.config.method
     chosen = [data.samples[i] for i in idx]
-    pairs = [(x.prompt, x.answers[k]) for k in range(len(chosen[0].answers)) for x in chosen]  # answer-major
-    rows = answer_rows(pairs, s.pad_id, s.device, s.flat)
+    rows = scored_rows(s, chosen)
     # The no-gradient passes first: their activations are gone before the policy's forward keeps
     # its checkpoints for the backward, so the two never sit in memory together.
     ref = _reference(s, data, idx, rows) if method in NEEDS_REFERENCE else None  # (R,)

@@ -15,7 +15,9 @@
 3. score: the same rows (one set of tensors for both passes): a micro-batch of `batch_size` pairs
    runs as one forward of 2 x batch_size rows, the chosen answers first and the rejected after
    them (KTO: batch_size labelled rows); sequence log-probs come from the chunked fused log-prob
-   path (`rows.py`). (Scoring is `score.py`'s, shared with evaluation.)
+   path (`rows.py`). Where the model runs varlen attention each pair is one sample [prompt,
+   chosen, rejected] whose prompt is computed once for both answers (preference.share_prompt,
+   `share_prompt`). (Scoring is `score.py`'s, shared with evaluation.)
 4. update: each micro-batch's loss (a mean over its rows) divided by the step's micro-batch
    count (grad_accum x ranks), so the step's loss is the mean over its micro-batches; then clip
    and step.
@@ -31,7 +33,9 @@ share of the eval batches and reduces its sums the same way (`kestrel.training.e
 Metrics per step, as TRL names them: loss, rewards/chosen, rewards/rejected, rewards/margins,
 rewards/accuracies (paired), logps/chosen, logps/rejected, kl (KTO), nll_loss (ORPO, SimPO with
 cpo_alpha), log_odds_ratio (ORPO); besides SFT's step, epoch, lr, grad_norm, tokens_per_s
-(prompt + answer tokens of every scored row, no padding), memory, elapsed_s, eta_s. With an
+(prompt + answer tokens of every scored row, no padding; a shared prompt counts with each answer,
+as TRL counts it), memory, elapsed_s, eta_s; shared_prompt (paired: 1 when prompts were scored
+once) and cuda_graphs as the run's performance choices. With an
 evaluation set (eval_split / eval_dataset), eval_loss and the same names with an eval_ prefix
 every eval_steps and at the end (`evaluation.py`); the best weights kept, early stopping.
 """
@@ -52,7 +56,7 @@ from kestrel.data.preference_tokens import PreferenceSample
 from kestrel.errors import ConfigError
 from kestrel.model.loader import load
 from kestrel.model.lora import trainable_parameters
-from kestrel.model.patching import runs_varlen
+from kestrel.model.patching import prompt_sharing_refusal, runs_varlen
 from kestrel.recompute.checkpoint import Recompute
 from kestrel.training.distributed import World
 from kestrel.training.evaluation import Evaluator
@@ -90,6 +94,7 @@ class PreferenceSession:
     world: World = field(default_factory=World)  # this rank of a run on several devices
     evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
     adapter_layers: list[nn.Module] = field(default_factory=list)  # what the reference switch flips (found once)
+    share_prompt: bool = False  # paired rows as [prompt, chosen, rejected], the prompt scored once
 
     @property
     def paired(self) -> bool:
@@ -101,6 +106,30 @@ class PreferenceSession:
 
 
 # --- 1. setup ---------------------------------------------------------------------------------
+
+
+def share_prompt(config: TrainConfig, model: nn.Module, cb: Callback) -> bool:
+    """Whether the run scores each pair's prompt once for both answers (preference.share_prompt),
+    said once in the log. ConfigError when `on` cannot be honoured."""
+    mode = config.preference.share_prompt
+    if data_kind(config.method) != "paired":
+        if mode == "on":
+            raise ConfigError(f"preference.share_prompt: on shares a prompt between a pair's two answers, and method "
+                              f"{config.method} has one answer a row; set it to auto or off")
+        return False
+    if mode == "off":
+        cb.on_log("chosen and rejected scored as separate sequences, each with its prompt (preference.share_prompt: off)")
+        return False
+    why = prompt_sharing_refusal(model)
+    if why is not None and mode == "on":
+        raise ConfigError(f"preference.share_prompt: on, but {why}; set it to auto or off")
+    if why is not None:
+        cb.on_log(f"chosen and rejected scored as separate sequences, each with its prompt: {why} "
+                  "(preference.share_prompt: auto)")
+        return False
+    cb.on_log(f"each pair's prompt scored once for both answers (preference.share_prompt: {mode})")
+    return True
+
 
 
 def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> PreferenceSession:
@@ -143,6 +172,7 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
     s = PreferenceSession(config, output_dir, model, tokenizer, samples, optimizer, scheduler, total_steps, start,
                           device, pad, flat, train.reference, train.partner, recompute, world)
     s.adapter_layers = adapter_layers(model)
+    s.share_prompt = share_prompt(config, model, cb)
     s.evaluator = preference_evaluator(s, held, data.held, data.held_rows, cb)
     return s
 
@@ -179,7 +209,8 @@ def train_loop(s: PreferenceSession, cb: Callback) -> str:
         if s.world.distributed:
             tokens = int(s.world.sum(torch.tensor([float(tokens)], device=s.device)).item())
         epoch = (step + 1) * s.config.grad_accum * s.world.size / per_epoch(len(s.samples), s.config.batch_size)
-        metrics = {"epoch": epoch, **preference_metrics(stats, s.paired, s.world), **update, **graph_metrics(s.recompute)}
+        metrics = {"epoch": epoch, **preference_metrics(stats, s.paired, s.world), **update, **graph_metrics(s.recompute),
+                   **({"shared_prompt": float(s.share_prompt)} if s.paired else {})}
         stop = report_step(s, cb, step, metrics, tokens, started, t0, now)
         if stop:
             return stop
