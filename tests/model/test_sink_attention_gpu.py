@@ -77,21 +77,14 @@ def _run(model: torch.nn.Module, batch: dict[str, torch.Tensor], data: TwoLayout
     return logits, loss.detach().float(), grads
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_packed_gpt_oss_in_bf16_matches_hf_eager(lora: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every expert routed (top-k = all experts), so bf16 cannot flip a routing decision."""
-    windows = []
-    real = sink_attention.sink_attention
-
-    def spy(*args: Any) -> torch.Tensor:
-        windows.append(args[-2])  # (q, k, v, sinks, cu, max_len, scale, window, kernels)
-        return real(*args)
-
-    monkeypatch.setattr(sink_attention, "sink_attention", spy)
+def _errors(sinks_std: float | None, lora: bool, data: TwoLayouts) -> tuple[dict[str, float], dict[str, float]]:
+    """Relative errors against the fp32 HF model on the unpacked samples, per output ("logits",
+    "loss") and gradient: of HF's own bf16 run, and of the patched bf16 model on packed rows.
+    sinks_std None: every sink at -30, so the model is plain attention (flash's own precision)."""
     base = tiny_model("gpt_oss", VOCAB, seed=21, sliding_window=32, num_experts_per_tok=8)
     with torch.no_grad():
         for layer in base.model.layers:
-            layer.self_attn.sinks.normal_(0, 2)
+            layer.self_attn.sinks.fill_(-30.0) if sinks_std is None else layer.self_attn.sinks.normal_(0, sinks_std)
     hf = base.to("cuda", torch.bfloat16)
     hf = _lora(hf, seed=22) if lora else hf
     hf.train()
@@ -100,14 +93,39 @@ def test_packed_gpt_oss_in_bf16_matches_hf_eager(lora: bool, monkeypatch: pytest
     if lora:
         assert patch_lora_layers(fast) > 0
     assert runs_varlen(fast)
+    want, got_hf, got_fast = _run(truth, data.unpacked, data), _run(hf, data.unpacked, data), _run(fast, data.packed, data)
+    assert got_fast[2].keys() == want[2].keys() and (lora or any("sinks" in n for n in want[2]))
+
+    def errors(got: tuple[torch.Tensor, ...]) -> dict[str, float]:
+        assert all(g.isfinite().all() for g in got[2].values())
+        out = {"logits": rel_err(got[0], want[0]), "loss": abs(float(got[1] - want[1]))}
+        return out | {name: rel_err(got[2][name], w) for name, w in want[2].items()}
+
+    return errors(got_hf), errors(got_fast)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_packed_gpt_oss_in_bf16_matches_hf_eager(lora: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every expert routed (top-k = all experts), so bf16 cannot flip a routing decision.
+
+    The yardstick of each output and gradient is the larger of HF's own bf16 error and the flash
+    path's error on the same model with the sinks at -30 (plain attention): flash's backward is
+    less precise than bf16 eager math on some layers (dq up to 2x), with or without sinks, so the
+    sinks may add no error beyond what plain flash attention has."""
+    windows = []
+    real = sink_attention.sink_attention
+
+    def spy(*args: Any) -> torch.Tensor:
+        windows.append(args[-2])  # (q, k, v, sinks, cu, max_len, scale, window, kernels)
+        return real(*args)
+
+    monkeypatch.setattr(sink_attention, "sink_attention", spy)
     data = two_layouts([[40, 24], [7, 30, 27]], VOCAB, seed=3, device="cuda")
-    want_logits, want_loss, want_grads = _run(truth, data.unpacked, data)
-    hf_logits, hf_loss, hf_grads = _run(hf, data.unpacked, data)
-    fast_logits, fast_loss, fast_grads = _run(fast, data.packed, data)
+    hf_err, fast_err = _errors(2.0, lora, data)
     assert set(windows) == {(31, 0), (-1, 0)}  # both layers (sliding and full) on the sink kernel
-    assert rel_err(fast_logits, want_logits) <= 2 * rel_err(hf_logits, want_logits) + 1e-2
-    assert abs(float(fast_loss - want_loss)) <= 2 * abs(float(hf_loss - want_loss)) + 1e-2
-    assert fast_grads.keys() == want_grads.keys() and (lora or any("sinks" in n for n in want_grads))
-    for name, want in want_grads.items():
-        assert fast_grads[name].isfinite().all(), name
-        assert rel_err(fast_grads[name], want) <= 2 * rel_err(hf_grads[name], want) + 2e-2, name
+    _, plain_err = _errors(None, lora, data)
+    for name, err in fast_err.items():
+        tolerance = 2e-2 if name not in ("logits", "loss") else 1e-2
+        # the sinks' own gradient is ~0 at -30 (its relative error there is noise): HF's alone
+        yardstick = hf_err[name] if name.endswith("sinks") else max(hf_err[name], plain_err[name])
+        assert err <= 2 * yardstick + tolerance, name
