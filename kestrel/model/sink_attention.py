@@ -96,8 +96,8 @@ class SinkAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         out, lse = kernels.forward(q, k, v, cu, max_len, scale, window)  # (N, Hq, D), (Hq, N)
         s = sinks.to(lse.dtype)[:, None]  # (Hq, 1), in lse's precision (flash's: fp32)
-        kept = torch.sigmoid(lse - s).t().unsqueeze(-1)  # (N, Hq, 1): the real keys' share of the mass
-        out_s = out * kept.to(out.dtype)  # (N, Hq, D)
+        kept = torch.sigmoid(lse - s).t().unsqueeze(-1)  # (N, Hq, 1) fp32: the real keys' share of the mass
+        out_s = (out.to(kept.dtype) * kept).to(out.dtype)  # (N, Hq, D), rounded once: the backward's D reads it
         lse_s = torch.logaddexp(lse, s)  # (Hq, N)
         ctx.save_for_backward(q, k, v, sinks, cu, out_s, lse_s)
         ctx.args = (max_len, scale, window, kernels)
