@@ -35,6 +35,7 @@ from kestrel.training.distributed import World, shard_full_model
 from kestrel.training.best import BEST_DIR
 from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback, RunInfo, memory_metrics
+from kestrel.training.heap import steps_heap
 
 
 class RunState(Protocol):
@@ -284,7 +285,8 @@ def run_recipe(
     this; rank 0 alone writes (the collectives inside the saves need every rank)."""
     s = setup_fn(config, output_dir, cb, world or World())
     cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
-    status = loop_fn(s, cb) if s.start_step < s.total_steps else "completed"
+    with steps_heap():  # no full garbage collection walks the libraries and the model between steps
+        status = loop_fn(s, cb) if s.start_step < s.total_steps else "completed"
     last = s.scheduler.last_epoch  # steps done: below total_steps when stopped (or stopped early)
     if status == "completed":
         path = save_weights(s.model, output_dir, s.tokenizer, s.world)
