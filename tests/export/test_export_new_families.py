@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 
 from kestrel.errors import KestrelError
 from kestrel.export import ExportCheckError, export, mmproj
-from kestrel.export.mmproj import PROJECTORS as MMPROJ
+from kestrel.export.mmproj_families import PROJECTORS as MMPROJ
 from kestrel.model.multimodal import lora_targets
 from kestrel.model.registry import FAMILIES, GGUF_FAMILIES, SUPPORTED
 from tests.support.export_fixtures import save_tiny_image_text_model, save_tiny_model, train_tokenizer
@@ -91,16 +91,53 @@ def test_gemma3_projector_file_loads_in_mtmd(gemma3_dir: Path, tmp_path: Path) -
     assert np.allclose(tensors["mm.soft_emb_norm.weight"].data, norm + 1)  # Gemma's (1 + w)
 
 
-@pytest.mark.parametrize("wrong", ["no projector tensors", "norm without (1 + w)"])
-def test_a_wrong_projector_file_fails_the_check(wrong: str, gemma3_dir: Path, tmp_path: Path,
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory: pytest.TempPathFactory, tokenizers: dict) -> Path:
+    return save_tiny_image_text_model("gemma4", tokenizers["gemma4"], tmp_path_factory.mktemp("gemma4"))
+
+
+def test_gemma4_projector_file_loads_in_mtmd(gemma4_dir: Path, tmp_path: Path) -> None:
+    result = export(gemma4_dir, "gguf", tmp_path / "out", quant="f16")
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"], (found, result.summary())
+    assert found["n_tokens"] == 81 and found["max_error"] <= found["tolerance"]  # 27 x 27 patches pooled by 3
+    reader = gguf.GGUFReader(tmp_path / "out" / f"{gemma4_dir.name}-mmproj-f16.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    assert fields["clip.vision.projector_type"] == "gemma4v" and "clip.projector_type" not in fields
+    assert fields["clip.vision.image_mean"] == [0.0] * 3 and fields["clip.vision.image_std"] == [1.0] * 3
+    assert "clip.vision.projector.scale_factor" not in fields  # pooling_kernel_size 3: clip's default
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["v.position_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert list(tensors["v.patch_embd.weight"].shape) == [8, 8, 3, 32]  # ggml order of the (32, 3, 8, 8) conv
+    assert {"mm.input_projection.weight", "v.blk.0.attn_q_norm.weight", "v.blk.0.ffn_gate.weight"} <= set(tensors)
+
+
+def _drop_projector(p: mmproj.Projector) -> mmproj.Projector:
+    return dataclasses.replace(p, source_name=lambda n: None if "projector" in n or "projection" in n
+                               else p.source_name(n))
+
+
+def _swap_q_k(p: mmproj.Projector) -> mmproj.Projector:
+    swap = {"q_proj": "k_proj", "k_proj": "q_proj"}
+    return dataclasses.replace(p, source_name=lambda n: p.source_name(
+        next((n.replace(a, b) for a, b in swap.items() if a in n), n)))
+
+
+_BREAKS = {  # how a layout goes wrong: mtmd refuses the file, or loads it and encodes images differently
+    "no projector tensors": _drop_projector,
+    "no transforms": lambda p: dataclasses.replace(p, transforms={}),  # Gemma 3's (1 + w); Gemma 4's patch conv
+    "q and k misnamed": _swap_q_k,
+}
+
+
+@pytest.mark.parametrize("wrong", list(_BREAKS))
+@pytest.mark.parametrize("kind", ["gemma3", "gemma4"])
+def test_a_wrong_projector_file_fails_the_check(kind: str, wrong: str, request: pytest.FixtureRequest, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    if wrong == "no projector tensors":  # mtmd refuses the file
-        original = mmproj._vision_name
-        monkeypatch.setattr(mmproj, "_vision_name", lambda n: None if "multi_modal_projector" in n else original(n))
-    else:  # mtmd loads it, the image embeddings differ
-        monkeypatch.setattr(mmproj, "transform", lambda gguf_name, w: w)
+    folder = request.getfixturevalue(f"{kind}_dir")
+    monkeypatch.setitem(MMPROJ, kind, _BREAKS[wrong](MMPROJ[kind]))
     with pytest.raises(ExportCheckError, match="check mmproj: passed=False"):
-        export(gemma3_dir, "gguf", tmp_path / "out", quant="f16")
+        export(folder, "gguf", tmp_path / "out", quant="f16")
 
 
 @pytest.mark.parametrize("kind,quant", [("gemma3", "q8_0"), ("mistral3", "q4_k_m")])

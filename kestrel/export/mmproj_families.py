@@ -1,0 +1,140 @@
+"""The vision projectors Kestrel writes for llama.cpp, one table row per image-text family.
+
+Each row is what llama.cpp's `convert_hf_to_gguf.py --mmproj` writes for that family (read in
+`conversion/gemma.py` of llama.cpp as vendored by llama-cpp-python 0.3.36) and what its loader
+(`tools/mtmd/clip.cpp`, `models/<projector>.cpp`) reads: the projector type and its key, which
+checkpoint tensors go in and under which names, the transforms of their values, the image
+mean/std, the pooling key; plus how Hugging Face's vision tower takes the check's image.
+
+- Gemma 3 (`gemma3`): SigLIP tower + soft-embedding norm + input projection. The norm scales by
+  (1 + w): 1 is added. SigLIP's pooling head is unused and left out. Pooling: 4 unless
+  `clip.vision.projector.scale_factor` says otherwise. Image mean/std from preprocessor_config.json.
+- Gemma 4 (`gemma4v`, key `clip.vision.projector_type`): patch embedder as a linear layer over
+  (row, col, channel)-flattened patches, reshaped to the (n_embd, 3, p, p) convolution clip runs;
+  position table (2, n_positions, n_embd) kept as is; RMS norms multiply by w (no offset); pooling
+  `pooling_kernel_size` (clip's default 3); no normalisation (mean 0, std 1: the tower computes
+  2 * (x - 0.5) itself). llama.cpp's converter writes no `use_gelu`, so clip would run GELU-quick;
+  Hugging Face's tower runs tanh GELU, which `use_gelu` selects. The audio tower is not written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+import torch
+
+_SIGLIP_MEAN_STD = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+_IDENTITY_MEAN_STD = ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
+
+
+@dataclass(frozen=True)
+class Projector:
+    """One family's projector file. Names are checkpoint names; `gguf name` is the file's."""
+
+    kind: gguf.VisionProjectorType
+    type_key: str  # the metadata key clip reads the projector type from
+    source_name: Callable[[str], str | None]  # checkpoint name -> gguf.TensorNameMap input, None: left out
+    transforms: dict[str, Callable[[np.ndarray], np.ndarray]]  # gguf name -> HF values to clip's
+    f32: tuple[str, ...]  # gguf name prefixes kept F32 (besides every 1-D tensor)
+    mean_std: tuple[list[float], list[float]]  # when preprocessor_config.json has none
+    image_size: Callable[[Any], int]  # vision config -> `clip.vision.image_size`
+    eps: Callable[[Any], float]  # vision config -> norm epsilon
+    pooling: Callable[[Any, dict[str, Any]], int | None]  # (config, preprocessor) -> scale factor to write
+    check_side: Callable[[Any], int]  # config -> side of a square image clip encodes without resizing
+    hf_inputs: Callable[[torch.Tensor, Any], dict[str, torch.Tensor]]  # (3, H, W) normalised -> kwargs
+    suffixes: tuple[str, ...] = (".weight", ".bias")  # what gguf.TensorNameMap may strip and put back
+
+
+# ---- Gemma 3
+
+
+def _gemma3_name(name: str) -> str | None:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        name = "vision_tower.vision_model." + name[len("vision_tower."):]
+    if not name.startswith(("vision_tower.", "multi_modal_projector.")) or ".head." in name:
+        return None
+    return name.replace("_weight", ".weight")
+
+
+def _gemma3_pooling(config: Any, pre: dict[str, Any]) -> int | None:
+    vision = config.vision_config
+    tokens = int(pre.get("image_seq_length", getattr(config, "mm_tokens_per_image", 256)))
+    scale = (int(vision.image_size) // int(vision.patch_size)) // int(round(tokens ** 0.5))
+    return None if scale == 4 else scale  # clip's default for Gemma 3: 64 patches a side to 16
+
+
+GEMMA3 = Projector(
+    kind=gguf.VisionProjectorType.GEMMA3,
+    type_key=gguf.Keys.Clip.PROJECTOR_TYPE,
+    source_name=_gemma3_name,
+    transforms={"mm.soft_emb_norm.weight": lambda w: w + 1.0},  # Gemma's (1 + w); clip multiplies by w
+    f32=("v.patch_embd", "v.position_embd"),
+    mean_std=_SIGLIP_MEAN_STD,
+    image_size=lambda vision: int(vision.image_size),
+    eps=lambda vision: float(getattr(vision, "layer_norm_eps", 1e-6)),
+    pooling=_gemma3_pooling,
+    check_side=lambda config: int(config.vision_config.image_size),
+    hf_inputs=lambda pixels, config: {"pixel_values": pixels[None]},
+)
+
+
+# ---- Gemma 4
+
+_GEMMA4_CLIP_POOLING = 3  # clip.cpp's default n_merge for gemma4v
+_GEMMA4_MIN_TOKENS = 70  # clip.cpp resizes images that pool to fewer tokens
+
+
+def _gemma4_name(name: str) -> str | None:
+    if not name.startswith(("model.vision_tower.", "model.embed_vision.")):
+        return None  # the language model, the audio tower
+    name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight", ".weight")
+    return name + ".weight" if name.endswith(("layer_scalar", "position_embedding_table")) else name
+
+
+def _gemma4_patch_conv(w: np.ndarray) -> np.ndarray:
+    """(n_embd, p * p * 3) linear over (row, col, channel)-flattened patches -> (n_embd, 3, p, p) conv."""
+    n_embd, k = w.shape
+    p = int(round((k // 3) ** 0.5))
+    return np.ascontiguousarray(w.reshape(n_embd, p, p, 3).transpose(0, 3, 1, 2))
+
+
+def _gemma4_side(config: Any) -> int:
+    """Side of the smallest square image whose pooled tokens clip takes as they are (>= 70 tokens)."""
+    vision = config.vision_config
+    per_side = int(np.ceil(_GEMMA4_MIN_TOKENS ** 0.5))
+    return per_side * int(vision.pooling_kernel_size) * int(vision.patch_size)
+
+
+def _gemma4_inputs(pixels: torch.Tensor, config: Any) -> dict[str, torch.Tensor]:
+    """(3, H, W) -> patches (1, n, p * p * 3) flattened (row, col, channel), and their (x, y) positions."""
+    p = int(config.vision_config.patch_size)
+    c, h, w = pixels.shape
+    patches = pixels.reshape(c, h // p, p, w // p, p).permute(1, 3, 2, 4, 0).reshape(1, (h // p) * (w // p), -1)
+    ys, xs = torch.meshgrid(torch.arange(h // p), torch.arange(w // p), indexing="ij")
+    return {"pixel_values": patches, "image_position_ids": torch.stack([xs, ys], dim=-1).reshape(1, -1, 2)}
+
+
+GEMMA4 = Projector(
+    kind=gguf.VisionProjectorType.GEMMA4V,
+    type_key=gguf.Keys.ClipVision.PROJECTOR_TYPE,
+    source_name=_gemma4_name,
+    transforms={"v.patch_embd.weight": _gemma4_patch_conv},
+    f32=("v.position_embd",),
+    mean_std=_IDENTITY_MEAN_STD,
+    image_size=lambda vision: 224,  # clip reads it but sizes Gemma 4's images dynamically
+    eps=lambda vision: float(getattr(vision, "rms_norm_eps", 1e-6)),
+    pooling=lambda config, pre: (None if int(config.vision_config.pooling_kernel_size) == _GEMMA4_CLIP_POOLING
+                                 else int(config.vision_config.pooling_kernel_size)),
+    check_side=_gemma4_side,
+    hf_inputs=_gemma4_inputs,
+    suffixes=(".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min"),  # clipped linears
+)
+
+
+# image-text model_type -> its projector
+PROJECTORS: dict[str, Projector] = {"gemma3": GEMMA3, "gemma4": GEMMA4}
