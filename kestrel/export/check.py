@@ -286,7 +286,10 @@ def check_mmproj(mmproj: Path, model_path: Path, model_dir: Path, tol: float = M
         ref = out.pooler_output[0].float().numpy()  # (n_tokens, hidden)
     del model
     stage = f"loading {mmproj.name} with llama.cpp's mtmd and encoding an image (the projector check)"
-    ours = run_in_child(stage, llama_child.encode_image, model_path, mmproj, rgb.tobytes(), (size, size))
+    try:
+        ours = run_in_child(stage, llama_child.encode_image, model_path, mmproj, rgb.tobytes(), (size, size))
+    except llama_child.LlamaCrashError as e:  # clip aborts on tensors of shapes it does not expect: a wrong file
+        return {"passed": False, "file": mmproj.name, "problems": [str(e)]}
     if ours is None:
         return {"passed": False, "file": mmproj.name, "problems": ["llama.cpp's mtmd could not load the projector file"]}
     if ours.shape != ref.shape:

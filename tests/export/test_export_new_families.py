@@ -125,7 +125,10 @@ def _swap_q_k(p: mmproj.Projector) -> mmproj.Projector:
 
 _BREAKS = {  # how a layout goes wrong: mtmd refuses the file, or loads it and encodes images differently
     "no projector tensors": _drop_projector,
-    "no transforms": lambda p: dataclasses.replace(p, transforms={}),  # Gemma 3's (1 + w); Gemma 4's patch conv
+    "no transforms": lambda p: dataclasses.replace(p, transforms={}),  # Gemma 4's: clip aborts on the 2-D patch weight
+    # Gemma 3's norm without (1 + w); Gemma 4's patch weight reshaped to the conv's shape but not permuted
+    "transforms keep shapes only": lambda p: dataclasses.replace(
+        p, transforms={k: (lambda w, fn=fn: w.reshape(fn(w).shape)) for k, fn in p.transforms.items()}),
     "q and k misnamed": _swap_q_k,
 }
 
