@@ -53,8 +53,8 @@ def _metadata(writer: Any, config: Any, model_dir: Path) -> list[str]:
     writer.add_vision_patch_size(int(vision.patch_size))
     writer.add_vision_embedding_length(int(vision.hidden_size))
     writer.add_vision_feed_forward_length(int(vision.intermediate_size))
-    writer.add_vision_block_count(int(vision.num_hidden_layers))
-    writer.add_vision_head_count(int(vision.num_attention_heads))
+    writer.add_vision_block_count(_blocks(vision))
+    writer.add_vision_head_count(int(getattr(vision, "num_attention_heads", None) or vision.num_heads))
     writer.add_vision_attention_layernorm_eps(projector.eps(vision))
     writer.add_vision_use_gelu(True)  # both towers run tanh GELU
     pre = _preprocessor(model_dir)
@@ -64,16 +64,26 @@ def _metadata(writer: Any, config: Any, model_dir: Path) -> list[str]:
                      f"{config.model_type}'s ({mean}, {std})")
     writer.add_vision_image_mean(mean)
     writer.add_vision_image_std(std)
-    scale = projector.pooling(config, pre)
-    if scale is not None:
-        writer.add_vision_projector_scale_factor(scale)
+    for key, value in projector.pooling(config, pre).items():
+        writer.add_uint32(key, value)
     return notes
+
+
+def _blocks(vision: Any) -> int:
+    return int(getattr(vision, "num_hidden_layers", None) or vision.depth)
 
 
 def transform(projector: Projector, gguf_name: str, w: np.ndarray) -> np.ndarray:
     """Hugging Face's values -> clip's (the family's transforms, by the file's tensor name)."""
     fn = projector.transforms.get(gguf_name)
     return w if fn is None else fn(w)
+
+
+def _gguf_name(projector: Projector, name_map: gguf.TensorNameMap, name: str) -> str | None:
+    base, _, suffix = name.rpartition(".")
+    if base in projector.renames:
+        return f"{projector.renames[base]}.{suffix}"
+    return name_map.get_name(name, try_suffixes=projector.suffixes)
 
 
 def _encode(projector: Projector, gguf_name: str, w: np.ndarray) -> np.ndarray:
@@ -88,7 +98,7 @@ def write_mmproj(path: Path, model_dir: Path, config: Any) -> list[str]:
     """Write the projector file of the image-text checkpoint in `model_dir`; returns notes."""
     logging.getLogger("gguf").setLevel(logging.WARNING)
     checkpoint, projector = CheckpointTensors(model_dir), PROJECTORS[config.model_type]
-    name_map = gguf.TensorNameMap(gguf.MODEL_ARCH.MMPROJ, int(config.vision_config.num_hidden_layers))
+    name_map = gguf.TensorNameMap(gguf.MODEL_ARCH.MMPROJ, _blocks(config.vision_config))
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     try:
         notes = _metadata(writer, config, model_dir)
@@ -96,11 +106,13 @@ def write_mmproj(path: Path, model_dir: Path, config: Any) -> list[str]:
             mapped = projector.source_name(name)
             if mapped is None:
                 continue
-            gguf_name = name_map.get_name(mapped, try_suffixes=projector.suffixes)
+            gguf_name = _gguf_name(projector, name_map, mapped)
             if gguf_name is None:
                 raise ValueError(f"no projector-file name for tensor {name} of {model_dir}")
             w = transform(projector, gguf_name, checkpoint.get(name).float().numpy())
-            writer.add_tensor(gguf_name, _encode(projector, gguf_name, w))
+            split = projector.splits.get(gguf_name)
+            for part, value in (split(w) if split else {gguf_name: w}).items():
+                writer.add_tensor(part, _encode(projector, part, value))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

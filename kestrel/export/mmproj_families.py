@@ -19,7 +19,7 @@ mean/std, the pooling key; plus how Hugging Face's vision tower takes the check'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import gguf
@@ -28,6 +28,7 @@ import torch
 
 _SIGLIP_MEAN_STD = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 _IDENTITY_MEAN_STD = ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
+_SCALE = gguf.Keys.ClipVision.Projector.SCALE_FACTOR
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,12 @@ class Projector:
     mean_std: tuple[list[float], list[float]]  # when preprocessor_config.json has none
     image_size: Callable[[Any], int]  # vision config -> `clip.vision.image_size`
     eps: Callable[[Any], float]  # vision config -> norm epsilon
-    pooling: Callable[[Any, dict[str, Any]], int | None]  # (config, preprocessor) -> scale factor to write
+    pooling: Callable[[Any, dict[str, Any]], dict[str, int]]  # (config, preprocessor) -> pooling keys to write
     check_side: Callable[[Any], int]  # config -> side of a square image clip encodes without resizing
     hf_inputs: Callable[[torch.Tensor, Any], dict[str, torch.Tensor]]  # (3, H, W) normalised -> kwargs
     suffixes: tuple[str, ...] = (".weight", ".bias")  # what gguf.TensorNameMap may strip and put back
+    renames: dict[str, str] = field(default_factory=dict)  # names gguf.TensorNameMap lacks -> gguf names (no suffix)
+    splits: dict[str, Callable[[np.ndarray], dict[str, np.ndarray]]] = field(default_factory=dict)  # one -> several
 
 
 # ---- Gemma 3
@@ -61,11 +64,11 @@ def _gemma3_name(name: str) -> str | None:
     return name.replace("_weight", ".weight")
 
 
-def _gemma3_pooling(config: Any, pre: dict[str, Any]) -> int | None:
+def _gemma3_pooling(config: Any, pre: dict[str, Any]) -> dict[str, int]:
     vision = config.vision_config
     tokens = int(pre.get("image_seq_length", getattr(config, "mm_tokens_per_image", 256)))
     scale = (int(vision.image_size) // int(vision.patch_size)) // int(round(tokens ** 0.5))
-    return None if scale == 4 else scale  # clip's default for Gemma 3: 64 patches a side to 16
+    return {} if scale == 4 else {_SCALE: scale}  # clip's default for Gemma 3: 64 patches a side to 16
 
 
 GEMMA3 = Projector(
@@ -128,13 +131,63 @@ GEMMA4 = Projector(
     mean_std=_IDENTITY_MEAN_STD,
     image_size=lambda vision: 224,  # clip reads it but sizes Gemma 4's images dynamically
     eps=lambda vision: float(getattr(vision, "rms_norm_eps", 1e-6)),
-    pooling=lambda config, pre: (None if int(config.vision_config.pooling_kernel_size) == _GEMMA4_CLIP_POOLING
-                                 else int(config.vision_config.pooling_kernel_size)),
+    pooling=lambda config, pre: ({} if int(config.vision_config.pooling_kernel_size) == _GEMMA4_CLIP_POOLING
+                                 else {_SCALE: int(config.vision_config.pooling_kernel_size)}),
     check_side=_gemma4_side,
     hf_inputs=_gemma4_inputs,
     suffixes=(".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min"),  # clipped linears
 )
 
 
+# ---- Qwen3.5 (and Qwen3.5-MoE: the same tower)
+
+
+def _qwen3_5_name(name: str) -> str | None:
+    return "visual." + name[len("model.visual."):] if name.startswith("model.visual.") else None
+
+
+def _qwen3_5_side(config: Any) -> int:
+    """The side of the learned position grid: clip and Hugging Face both interpolate it to the image's
+    patch grid, an identity at this size; aligned to the 2 x 2 merge, so clip does not resize."""
+    vision = config.vision_config
+    return int(round(int(vision.num_position_embeddings) ** 0.5)) * int(vision.patch_size)
+
+
+def _qwen3_5_conv_split(w: np.ndarray) -> dict[str, np.ndarray]:
+    """(n_embd, 3, 2, p, p) Conv3d over two frames -> two (n_embd, 3, p, p) Conv2d kernels, one a frame."""
+    if w.shape[2] != 2:
+        raise ValueError(f"llama.cpp's qwen3vl takes a temporal patch size of 2, not {w.shape[2]}")
+    return {"v.patch_embd.weight": np.ascontiguousarray(w[:, :, 0]), "v.patch_embd.weight.1": np.ascontiguousarray(w[:, :, 1])}
+
+
+def _qwen3_5_inputs(pixels: torch.Tensor, config: Any) -> dict[str, torch.Tensor]:
+    """(3, H, W) -> Qwen's flattened patches (n, 3 * 2 * p * p): the image twice in time, patches in
+    2 x 2 merge windows, windows row-major; and the grid (1, 3) = [[1, H / p, W / p]]."""
+    vision = config.vision_config
+    p, m, t = int(vision.patch_size), int(vision.spatial_merge_size), int(vision.temporal_patch_size)
+    c, h, w = pixels.shape
+    frames = pixels[None].expand(t, c, h, w)  # (T, C, H, W)
+    x = frames.reshape(1, t, c, h // p // m, m, p, w // p // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return {"pixel_values": x.reshape((h // p) * (w // p), c * t * p * p),
+            "image_grid_thw": torch.tensor([[1, h // p, w // p]])}
+
+
+QWEN3_5 = Projector(
+    kind=gguf.VisionProjectorType.QWEN3VL,
+    type_key=gguf.Keys.Clip.PROJECTOR_TYPE,
+    source_name=_qwen3_5_name,
+    transforms={},
+    f32=("v.patch_embd", "v.position_embd"),
+    mean_std=_SIGLIP_MEAN_STD,
+    image_size=lambda vision: int(round(int(vision.num_position_embeddings) ** 0.5)) * int(vision.patch_size),
+    eps=lambda vision: 1e-6,  # the tower's LayerNorms are built with eps 1e-6
+    pooling=lambda config, pre: {gguf.Keys.ClipVision.SPATIAL_MERGE_SIZE: int(config.vision_config.spatial_merge_size)},
+    check_side=_qwen3_5_side,
+    hf_inputs=_qwen3_5_inputs,
+    renames={"visual.merger.norm": "v.post_ln", "visual.merger.linear_fc1": "mm.0", "visual.merger.linear_fc2": "mm.2"},
+    splits={"v.patch_embd.weight": _qwen3_5_conv_split},
+)
+
+
 # image-text model_type -> its projector
-PROJECTORS: dict[str, Projector] = {"gemma3": GEMMA3, "gemma4": GEMMA4}
+PROJECTORS: dict[str, Projector] = {"gemma3": GEMMA3, "gemma4": GEMMA4, "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5}

@@ -112,6 +112,25 @@ def test_gemma4_projector_file_loads_in_mtmd(gemma4_dir: Path, tmp_path: Path) -
     assert {"mm.input_projection.weight", "v.blk.0.attn_q_norm.weight", "v.blk.0.ffn_gate.weight"} <= set(tensors)
 
 
+@pytest.fixture  # not module-wide: building it runs HF's Qwen3.5, which the suite's per-test fixture keeps on PyTorch
+def qwen3_5_dir(tmp_path: Path, tokenizers: dict) -> Path:
+    return save_tiny_image_text_model("qwen3_5", tokenizers["qwen2"], tmp_path / "qwen3_5")
+
+
+def test_qwen3_5_projector_file_loads_in_mtmd(qwen3_5_dir: Path, tmp_path: Path) -> None:
+    result = export(qwen3_5_dir, "gguf", tmp_path / "out", quant="f16")
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"], (found, result.summary())
+    assert found["n_tokens"] == 576 and found["max_error"] <= found["tolerance"]  # 48 x 48 patches merged 2 x 2
+    reader = gguf.GGUFReader(tmp_path / "out" / f"{qwen3_5_dir.name}-mmproj-f16.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    assert fields["clip.projector_type"] == "qwen3vl_merger" and fields["clip.vision.spatial_merge_size"] == 2
+    assert fields["clip.vision.image_size"] == 384 and fields["clip.vision.block_count"] == 1
+    tensors = {t.name: t for t in reader.tensors}
+    assert list(tensors["v.patch_embd.weight.1"].shape) == [8, 8, 3, 32]  # the Conv3d's second frame
+    assert {"v.patch_embd.weight", "v.post_ln.weight", "mm.0.weight", "mm.2.bias", "v.blk.0.attn_qkv.weight"} <= set(tensors)
+
+
 def _drop_projector(p: mmproj.Projector) -> mmproj.Projector:
     return dataclasses.replace(p, source_name=lambda n: None if "projector" in n or "projection" in n
                                else p.source_name(n))
