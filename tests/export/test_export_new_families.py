@@ -132,7 +132,7 @@ def test_qwen3_5_projector_file_loads_in_mtmd(qwen3_5_dir: Path, tmp_path: Path)
 
 
 def _drop_projector(p: mmproj.Projector) -> mmproj.Projector:
-    return dataclasses.replace(p, source_name=lambda n: None if "projector" in n or "projection" in n
+    return dataclasses.replace(p, source_name=lambda n: None if any(k in n for k in ("projector", "projection", "merger"))
                                else p.source_name(n))
 
 
@@ -142,6 +142,17 @@ def _swap_q_k(p: mmproj.Projector) -> mmproj.Projector:
         next((n.replace(a, b) for a, b in swap.items() if a in n), n)))
 
 
+def _swap_merger_layers(p: mmproj.Projector) -> mmproj.Projector:
+    swap = {"mm.0": "mm.2", "mm.2": "mm.0"}
+    return dataclasses.replace(p, renames={k: swap.get(v, v) for k, v in p.renames.items()})
+
+
+def _one_frame_kernel(p: mmproj.Projector) -> mmproj.Projector:
+    """Both frames' kernels from the first frame: the Conv3d's time axis handled wrong."""
+    return dataclasses.replace(p, splits={k: (lambda w, fn=fn: {n: np.ascontiguousarray(w[:, :, 0]) for n in fn(w)})
+                                          for k, fn in p.splits.items()})
+
+
 _BREAKS = {  # how a layout goes wrong: mtmd refuses the file, or loads it and encodes images differently
     "no projector tensors": _drop_projector,
     "no transforms": lambda p: dataclasses.replace(p, transforms={}),  # Gemma 4's: clip aborts on the 2-D patch weight
@@ -149,11 +160,16 @@ _BREAKS = {  # how a layout goes wrong: mtmd refuses the file, or loads it and e
     "transforms keep shapes only": lambda p: dataclasses.replace(
         p, transforms={k: (lambda w, fn=fn: w.reshape(fn(w).shape)) for k, fn in p.transforms.items()}),
     "q and k misnamed": _swap_q_k,
+    "merger layers misnamed": _swap_merger_layers,  # Qwen3.5's fc1 and fc2 (same shapes in the tiny tower)
+    "one frame's kernel for both": _one_frame_kernel,
 }
 
 
-@pytest.mark.parametrize("wrong", list(_BREAKS))
-@pytest.mark.parametrize("kind", ["gemma3", "gemma4"])
+_WRONG = [(kind, wrong) for kind in ("gemma3", "gemma4") for wrong in list(_BREAKS)[:4]] + [
+    ("qwen3_5", "no projector tensors"), ("qwen3_5", "merger layers misnamed"), ("qwen3_5", "one frame's kernel for both")]
+
+
+@pytest.mark.parametrize("kind,wrong", _WRONG)
 def test_a_wrong_projector_file_fails_the_check(kind: str, wrong: str, request: pytest.FixtureRequest, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     folder = request.getfixturevalue(f"{kind}_dir")
