@@ -3,12 +3,13 @@ load next to an image-text model's language model GGUF.
 
     if has_mmproj(src.config): notes = write_mmproj(path, src.model_dir, src.config)
 
-Written for the families in `kestrel.export.mmproj_families.PROJECTORS` (Gemma 3, Gemma 4): each
+Written for the families in `kestrel.export.mmproj_families.PROJECTORS` (Gemma 3, Gemma 4, Qwen3.5): each
 row there is the layout llama.cpp's converter writes for it. Common to all, as the converter writes:
 - architecture `clip`, the vision tower's sizes, `clip.vision.projection_dim` = the text hidden size,
   image mean/std from preprocessor_config.json (else the family's);
 - names through `gguf.TensorNameMap(MODEL_ARCH.MMPROJ)` (`v.blk.0.attn_q.weight`, `mm.input_projection.weight`);
-- the family's embeddings F32, other matrices F16, 1-D tensors (and scalars, as 1-D) F32.
+- the family's embeddings F32, other matrices F16, 1-D tensors (and scalars, as 1-D) F32;
+- a family's renames (names gguf's map lacks), transforms (values) and splits (one tensor to several).
 The vision tower is the checkpoint's own (training leaves it frozen), so the file is the base model's.
 """
 
@@ -33,8 +34,13 @@ def has_mmproj(config: Any) -> bool:
 
 
 def _preprocessor(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "preprocessor_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """preprocessor_config.json, updated by processor_config.json's `image_processor` (newer checkpoints)."""
+    found: dict[str, Any] = {}
+    for file in ("preprocessor_config.json", "processor_config.json"):
+        if (model_dir / file).is_file():
+            data = json.loads((model_dir / file).read_text())
+            found.update({**data, **(data.get("image_processor") or {})})
+    return found
 
 
 def image_stats(model_dir: Path, config: Any) -> tuple[list[float], list[float]]:
@@ -60,7 +66,7 @@ def _metadata(writer: Any, config: Any, model_dir: Path) -> list[str]:
     pre = _preprocessor(model_dir)
     mean, std = image_stats(model_dir, config)
     if "image_mean" not in pre:
-        notes.append(f"{model_dir} has no image mean/std in preprocessor_config.json: the projector file uses "
+        notes.append(f"{model_dir} has no image mean/std in its (pre)processor_config.json: the projector file uses "
                      f"{config.model_type}'s ({mean}, {std})")
     writer.add_vision_image_mean(mean)
     writer.add_vision_image_std(std)

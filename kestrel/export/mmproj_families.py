@@ -1,7 +1,8 @@
 """The vision projectors Kestrel writes for llama.cpp, one table row per image-text family.
 
 Each row is what llama.cpp's `convert_hf_to_gguf.py --mmproj` writes for that family (read in
-`conversion/gemma.py` of llama.cpp as vendored by llama-cpp-python 0.3.36) and what its loader
+`conversion/gemma.py` and `conversion/qwen3vl.py` of llama.cpp as vendored by llama-cpp-python
+0.3.36) and what its loader
 (`tools/mtmd/clip.cpp`, `models/<projector>.cpp`) reads: the projector type and its key, which
 checkpoint tensors go in and under which names, the transforms of their values, the image
 mean/std, the pooling key; plus how Hugging Face's vision tower takes the check's image.
@@ -15,6 +16,12 @@ mean/std, the pooling key; plus how Hugging Face's vision tower takes the check'
   `pooling_kernel_size` (clip's default 3); no normalisation (mean 0, std 1: the tower computes
   2 * (x - 0.5) itself). llama.cpp's converter writes no `use_gelu`, so clip would run GELU-quick;
   Hugging Face's tower runs tanh GELU, which `use_gelu` selects. The audio tower is not written.
+- Qwen3.5 and Qwen3.5-MoE (`qwen3vl_merger`): the Conv3d patch embedding over 2 frames split into
+  two Conv2d kernels (`v.patch_embd.weight`, `.weight.1`); the merger's norm, fc1, fc2 as
+  `v.post_ln`, `mm.0`, `mm.2`; `clip.vision.spatial_merge_size`; image size = the learned position
+  grid's side x patch size; eps 1e-6 (the tower's LayerNorms; the converter writes the text model's
+  rms_norm_eps, 1e-6 in released checkpoints). Deepstack mergers (Qwen3-VL's) are not in Qwen3.5.
+Mistral 3 (llama.cpp's `pixtral`, with its [IMG_BREAK] rows) is not written yet.
 """
 
 from __future__ import annotations
@@ -146,10 +153,9 @@ def _qwen3_5_name(name: str) -> str | None:
     return "visual." + name[len("model.visual."):] if name.startswith("model.visual.") else None
 
 
-def _qwen3_5_side(config: Any) -> int:
-    """The side of the learned position grid: clip and Hugging Face both interpolate it to the image's
-    patch grid, an identity at this size; aligned to the 2 x 2 merge, so clip does not resize."""
-    vision = config.vision_config
+def _qwen3_5_image_size(vision: Any) -> int:
+    """The learned position grid's side in pixels: clip and Hugging Face both interpolate the grid to
+    an image's patch grid, an identity at this size (which the 2 x 2 merge divides: clip keeps it)."""
     return int(round(int(vision.num_position_embeddings) ** 0.5)) * int(vision.patch_size)
 
 
@@ -179,10 +185,10 @@ QWEN3_5 = Projector(
     transforms={},
     f32=("v.patch_embd", "v.position_embd"),
     mean_std=_SIGLIP_MEAN_STD,
-    image_size=lambda vision: int(round(int(vision.num_position_embeddings) ** 0.5)) * int(vision.patch_size),
+    image_size=_qwen3_5_image_size,
     eps=lambda vision: 1e-6,  # the tower's LayerNorms are built with eps 1e-6
     pooling=lambda config, pre: {gguf.Keys.ClipVision.SPATIAL_MERGE_SIZE: int(config.vision_config.spatial_merge_size)},
-    check_side=_qwen3_5_side,
+    check_side=lambda config: _qwen3_5_image_size(config.vision_config),
     hf_inputs=_qwen3_5_inputs,
     renames={"visual.merger.norm": "v.post_ln", "visual.merger.linear_fc1": "mm.0", "visual.merger.linear_fc2": "mm.2"},
     splits={"v.patch_embd.weight": _qwen3_5_conv_split},

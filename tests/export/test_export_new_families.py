@@ -1,11 +1,13 @@
 """Export of the issue-26 families: image-text checkpoints (their language model's GGUF, checked
-by llama.cpp, and Gemma 3's vision projector file, checked by llama.cpp's mtmd; merged and adapter
-exports of the whole model) and a family without a GGUF layout (a clear refusal; adapter and merged
+by llama.cpp, and the vision projector file of Gemma 3, Gemma 4 and Qwen3.5, checked by llama.cpp's
+mtmd; merged and adapter exports of the whole model) and a family without a GGUF layout (a clear refusal; adapter and merged
 exports work)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import types
 from pathlib import Path
 
 import gguf
@@ -59,7 +61,7 @@ def test_image_text_gguf_holds_the_language_model(kind: str, tokenizers: dict, t
     names = [t.name for t in reader.tensors]
     assert "token_embd.weight" in names and any(n.startswith("blk.1.ffn_down") for n in names)  # ffn_down_exps: MoE
     assert not any("vision" in n or "mm" in n or "v.blk" in n for n in names)
-    if kind in MMPROJ:  # the projector file is checked by `test_gemma3_projector_file_loads_in_mtmd`
+    if kind in MMPROJ:  # its layout is tested by `test_<kind>_projector_file_loads_in_mtmd`
         assert result.checks["mmproj"]["passed"]
     else:
         assert any("vision tower is not exported" in n for n in result.notes)
@@ -129,6 +131,14 @@ def test_qwen3_5_projector_file_loads_in_mtmd(qwen3_5_dir: Path, tmp_path: Path)
     tensors = {t.name: t for t in reader.tensors}
     assert list(tensors["v.patch_embd.weight.1"].shape) == [8, 8, 3, 32]  # the Conv3d's second frame
     assert {"v.patch_embd.weight", "v.post_ln.weight", "mm.0.weight", "mm.2.bias", "v.blk.0.attn_qkv.weight"} <= set(tensors)
+
+
+def test_image_stats_read_processor_config_then_the_family_default(tmp_path: Path) -> None:
+    config = types.SimpleNamespace(model_type="gemma4")
+    assert mmproj.image_stats(tmp_path, config) == ([0.0] * 3, [1.0] * 3)  # Gemma 4 normalises nothing
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": {"image_mean": [0.1] * 3,
+                                                                                    "image_std": [0.2] * 3}}))
+    assert mmproj.image_stats(tmp_path, config) == ([0.1] * 3, [0.2] * 3)  # newer checkpoints nest it there
 
 
 def _drop_projector(p: mmproj.Projector) -> mmproj.Projector:
