@@ -114,6 +114,41 @@ def test_gemma4_projector_file_loads_in_mtmd(gemma4_dir: Path, tmp_path: Path) -
     assert {"mm.input_projection.weight", "v.blk.0.attn_q_norm.weight", "v.blk.0.ffn_gate.weight"} <= set(tensors)
 
 
+def _clipped_gemma4(tokenizer: object, folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny Gemma 4 whose vision linears clip their inputs and outputs to [-0.5, 0.5] (ranges that bind)
+    and whose pooled features are standardized (random bias and scale)."""
+    from safetensors.torch import load_file, save_file
+
+    family, vision, extra = IMAGE_TEXT["gemma4"]
+    monkeypatch.setitem(IMAGE_TEXT, "gemma4", (family, {**vision, "use_clipped_linears": True, "standardize": True}, extra))
+    save_tiny_image_text_model("gemma4", tokenizer, folder)
+    tensors, gen = load_file(folder / "model.safetensors"), torch.Generator().manual_seed(3)
+    for name, t in tensors.items():
+        if name.endswith(("_max", "_min")):
+            t.fill_(0.5 if name.endswith("_max") else -0.5)
+        elif name.endswith(("std_scale", "std_bias")):
+            t.copy_(torch.rand(t.shape, generator=gen) + (0.5 if name.endswith("scale") else -0.5))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("ranges", ["written", "left out"])
+def test_gemma4_clipped_linears_and_standardize(ranges: str, tokenizers: dict, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = _clipped_gemma4(tokenizers["gemma4"], tmp_path / "gemma4", monkeypatch)
+    if ranges == "left out":  # clip then multiplies unclipped: the image embeddings differ
+        good = MMPROJ["gemma4"]
+        monkeypatch.setitem(MMPROJ, "gemma4", dataclasses.replace(
+            good, source_name=lambda n: None if n.endswith(("_max", "_min")) else good.source_name(n)))
+        with pytest.raises(ExportCheckError, match="check mmproj: passed=False, file=[^;]*max_error"):
+            export(folder, "gguf", tmp_path / "out", quant="f16")
+        return
+    result = export(folder, "gguf", tmp_path / "out", quant="f16")
+    assert result.passed and result.checks["mmproj"]["passed"], result.summary()
+    names = [t.name for t in gguf.GGUFReader(tmp_path / "out" / f"{folder.name}-mmproj-f16.gguf").tensors]
+    assert {"v.std_bias", "v.std_scale", "v.blk.0.attn_q.input_max", "v.blk.0.ffn_down.output_min"} <= set(names)
+
+
 @pytest.fixture  # not module-wide: building it runs HF's Qwen3.5, which the suite's per-test fixture keeps on PyTorch
 def qwen3_5_dir(tmp_path: Path, tokenizers: dict) -> Path:
     return save_tiny_image_text_model("qwen3_5", tokenizers["qwen2"], tmp_path / "qwen3_5")
