@@ -283,7 +283,7 @@ def check_mmproj(mmproj: Path, model_path: Path, model_dir: Path, tol: float = M
     pixels = (torch.from_numpy(rgb).permute(2, 0, 1).float() / 255 - mean) / std  # (3, H, W)
     with torch.no_grad():
         out = model.model.get_image_features(**projector.hf_inputs(pixels, model.config))
-        ref = out.pooler_output[0].float().numpy()  # (n_tokens, hidden)
+        ref = projector.expected(out.pooler_output[0].float().numpy(), model, model_dir)  # (n_tokens, hidden)
     del model
     stage = f"loading {mmproj.name} with llama.cpp's mtmd and encoding an image (the projector check)"
     try:

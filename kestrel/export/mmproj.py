@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,10 @@ def _metadata(writer: Any, config: Any, model_dir: Path) -> list[str]:
     writer.add_vision_block_count(_blocks(vision))
     writer.add_vision_head_count(int(getattr(vision, "num_attention_heads", None) or vision.num_heads))
     writer.add_vision_attention_layernorm_eps(projector.eps(vision))
-    writer.add_vision_use_gelu(True)  # both towers run tanh GELU
+    if projector.activation(vision) == "silu":
+        writer.add_vision_use_silu(True)
+    else:
+        writer.add_vision_use_gelu(True)  # tanh GELU, which the towers run
     pre = _preprocessor(model_dir)
     mean, std = image_stats(model_dir, config)
     if "image_mean" not in pre:
@@ -79,10 +83,15 @@ def _blocks(vision: Any) -> int:
     return int(getattr(vision, "num_hidden_layers", None) or vision.depth)
 
 
-def transform(projector: Projector, gguf_name: str, w: np.ndarray) -> np.ndarray:
+def transform(projector: Projector, gguf_name: str, w: np.ndarray, vision: Any) -> np.ndarray:
     """Hugging Face's values -> clip's (the family's transforms, by the file's tensor name)."""
-    fn = projector.transforms.get(gguf_name)
-    return w if fn is None else fn(w)
+    fn = projector.transforms.get(re.sub(r"^v\.blk\.\d+\.", "v.blk.{bid}.", gguf_name))
+    return w if fn is None else fn(w, vision)
+
+
+def missing_part(model_dir: Path, config: Any) -> str | None:
+    """Why llama.cpp could not load a projector file of this checkpoint (None: it could)."""
+    return PROJECTORS[config.model_type].missing(model_dir)
 
 
 def _gguf_name(projector: Projector, name_map: gguf.TensorNameMap, name: str) -> str | None:
@@ -115,10 +124,12 @@ def write_mmproj(path: Path, model_dir: Path, config: Any) -> list[str]:
             gguf_name = _gguf_name(projector, name_map, mapped)
             if gguf_name is None:
                 raise ValueError(f"no projector-file name for tensor {name} of {model_dir}")
-            w = transform(projector, gguf_name, checkpoint.get(name).float().numpy())
+            w = transform(projector, gguf_name, checkpoint.get(name).float().numpy(), config.vision_config)
             split = projector.splits.get(gguf_name)
             for part, value in (split(w) if split else {gguf_name: w}).items():
                 writer.add_tensor(part, _encode(projector, part, value))
+        for gguf_name, w in projector.extras(checkpoint, config, model_dir).items():
+            writer.add_tensor(gguf_name, _encode(projector, gguf_name, w))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

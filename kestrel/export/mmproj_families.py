@@ -27,6 +27,7 @@ Mistral 3 (llama.cpp's `pixtral`, with its [IMG_BREAK] rows) is not written yet.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import gguf
@@ -45,7 +46,7 @@ class Projector:
     kind: gguf.VisionProjectorType
     type_key: str  # the metadata key clip reads the projector type from
     source_name: Callable[[str], str | None]  # checkpoint name -> gguf.TensorNameMap input, None: left out
-    transforms: dict[str, Callable[[np.ndarray], np.ndarray]]  # gguf name -> HF values to clip's
+    transforms: dict[str, Callable[[np.ndarray, Any], np.ndarray]]  # gguf name ("v.blk.{bid}.x"), (w, vision) -> clip's
     f32: tuple[str, ...]  # gguf name prefixes kept F32 (besides every 1-D tensor)
     mean_std: tuple[list[float], list[float]]  # when preprocessor_config.json has none
     image_size: Callable[[Any], int]  # vision config -> `clip.vision.image_size`
@@ -56,6 +57,13 @@ class Projector:
     suffixes: tuple[str, ...] = (".weight", ".bias")  # what gguf.TensorNameMap may strip and put back
     renames: dict[str, str] = field(default_factory=dict)  # names gguf.TensorNameMap lacks -> gguf names (no suffix)
     splits: dict[str, Callable[[np.ndarray], dict[str, np.ndarray]]] = field(default_factory=dict)  # one -> several
+    activation: Callable[[Any], str] = lambda vision: "gelu"  # the tower's FFN: gelu (tanh) or silu
+    # tensors from outside the tower: (checkpoint's tensors, config, model_dir) -> {gguf name: values}
+    extras: Callable[[Any, Any, Path], dict[str, np.ndarray]] = lambda checkpoint, config, model_dir: {}
+    # why no file can be written for this checkpoint (None: it can)
+    missing: Callable[[Path], str | None] = lambda model_dir: None
+    # (HF's image embeddings (n, d), HF model, model_dir) -> the rows clip outputs
+    expected: Callable[[np.ndarray, Any, Path], np.ndarray] = lambda ref, model, model_dir: ref
 
 
 # ---- Gemma 3
@@ -82,7 +90,7 @@ GEMMA3 = Projector(
     kind=gguf.VisionProjectorType.GEMMA3,
     type_key=gguf.Keys.Clip.PROJECTOR_TYPE,
     source_name=_gemma3_name,
-    transforms={"mm.soft_emb_norm.weight": lambda w: w + 1.0},  # Gemma's (1 + w); clip multiplies by w
+    transforms={"mm.soft_emb_norm.weight": lambda w, vision: w + 1.0},  # Gemma's (1 + w); clip multiplies by w
     f32=("v.patch_embd", "v.position_embd"),
     mean_std=_SIGLIP_MEAN_STD,
     image_size=lambda vision: int(vision.image_size),
@@ -106,7 +114,7 @@ def _gemma4_name(name: str) -> str | None:
     return name + ".weight" if name.endswith(("layer_scalar", "position_embedding_table")) else name
 
 
-def _gemma4_patch_conv(w: np.ndarray) -> np.ndarray:
+def _gemma4_patch_conv(w: np.ndarray, vision: Any) -> np.ndarray:
     """(n_embd, p * p * 3) linear over (row, col, channel)-flattened patches -> (n_embd, 3, p, p) conv."""
     n_embd, k = w.shape
     p = int(round((k // 3) ** 0.5))
@@ -195,5 +203,76 @@ QWEN3_5 = Projector(
 )
 
 
+# ---- Mistral 3 (Pixtral tower + patch merger + LLaVA projector)
+
+_CLIP_MEAN_STD = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])  # Pixtral's processor
+_PIXTRAL_MAX_TOKENS = 1024  # clip resizes images that merge to more tokens
+_IMG_BREAK = "[IMG_BREAK]"
+
+
+def _mistral3_name(name: str) -> str | None:
+    name = name[len("model."):] if name.startswith("model.") else name
+    return name if name.startswith(("vision_tower.", "multi_modal_projector.")) else None
+
+
+def _rope_interleave(w: np.ndarray, vision: Any) -> np.ndarray:
+    """q/k rows per head from Hugging Face's rotate-half order (all first halves, then all second
+    halves) to ggml's interleaved pairs: (n_head, 2, d / 2, ...) -> (n_head, d / 2, 2, ...)."""
+    n_head = int(vision.num_attention_heads)
+    return np.ascontiguousarray(w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def _img_break_id(model_dir: Path) -> int | None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    found = tokenizer.convert_tokens_to_ids(_IMG_BREAK)
+    return None if found is None or found == tokenizer.unk_token_id else int(found)
+
+
+def _img_break_row(checkpoint: Any, config: Any, model_dir: Path) -> dict[str, np.ndarray]:
+    """clip appends the language model's [IMG_BREAK] embedding after each row of image tokens."""
+    name = next(n for n in checkpoint.names() if n.endswith("embed_tokens.weight"))
+    row = checkpoint.get(name)[_img_break_id(model_dir)]
+    return {"v.token_embd.img_break": row.float().numpy()}
+
+
+def _mistral3_side(config: Any) -> int:
+    merge = int(config.vision_config.patch_size) * int(config.spatial_merge_size)
+    per_side = min(int(config.vision_config.image_size) // merge, int(_PIXTRAL_MAX_TOKENS ** 0.5))
+    return per_side * merge
+
+
+def _with_breaks(ref: np.ndarray, model: Any, model_dir: Path) -> np.ndarray:
+    """HF's (rows x cols, d) image embeddings with the [IMG_BREAK] embedding after each row but the last."""
+    cols = int(round(ref.shape[0] ** 0.5))  # the check's image is square
+    brk = model.get_input_embeddings().weight[_img_break_id(model_dir)].detach().float().numpy()
+    rows = [np.concatenate([r, brk[None]]) for r in ref.reshape(cols, cols, -1)]
+    return np.concatenate(rows)[:-1]
+
+
+MISTRAL3 = Projector(
+    kind=gguf.VisionProjectorType.PIXTRAL,
+    type_key=gguf.Keys.Clip.PROJECTOR_TYPE,
+    source_name=_mistral3_name,
+    transforms={"v.blk.{bid}.attn_q.weight": _rope_interleave, "v.blk.{bid}.attn_k.weight": _rope_interleave},
+    f32=("v.patch_embd",),
+    mean_std=_CLIP_MEAN_STD,
+    image_size=lambda vision: int(vision.image_size),
+    eps=lambda vision: 1e-5,  # Pixtral's RMS norms are built with eps 1e-5
+    pooling=lambda config, pre: {gguf.Keys.ClipVision.SPATIAL_MERGE_SIZE: int(config.spatial_merge_size)},
+    check_side=_mistral3_side,
+    hf_inputs=lambda pixels, config: {"pixel_values": pixels[None], "image_sizes": torch.tensor([list(pixels.shape[1:])]),
+                                      "vision_feature_layer": config.vision_feature_layer},
+    activation=lambda vision: "silu" if vision.hidden_act == "silu" else "gelu",
+    renames={"multi_modal_projector.linear_1": "mm.1", "multi_modal_projector.linear_2": "mm.2"},
+    extras=_img_break_row,
+    missing=lambda model_dir: (None if _img_break_id(model_dir) is not None else f"llama.cpp's pixtral projector "
+                               f"needs the tokenizer's {_IMG_BREAK} token, which {model_dir} lacks"),
+    expected=_with_breaks,
+)
+
+
 # image-text model_type -> its projector
-PROJECTORS: dict[str, Projector] = {"gemma3": GEMMA3, "gemma4": GEMMA4, "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5}
+PROJECTORS: dict[str, Projector] = {"gemma3": GEMMA3, "gemma4": GEMMA4, "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5,
+                                   "mistral3": MISTRAL3}

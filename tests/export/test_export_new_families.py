@@ -5,6 +5,7 @@ exports work)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import types
@@ -61,10 +62,11 @@ def test_image_text_gguf_holds_the_language_model(kind: str, tokenizers: dict, t
     names = [t.name for t in reader.tensors]
     assert "token_embd.weight" in names and any(n.startswith("blk.1.ffn_down") for n in names)  # ffn_down_exps: MoE
     assert not any("vision" in n or "mm" in n or "v.blk" in n for n in names)
-    if kind in MMPROJ:  # its layout is tested by `test_<kind>_projector_file_loads_in_mtmd`
+    if kind == "mistral3":  # the test tokenizer has no [IMG_BREAK], which llama.cpp's pixtral projector needs
+        assert "mmproj" not in result.checks and not list((tmp_path / "out").glob("*mmproj*"))
+        assert any(n.startswith("no projector file: llama.cpp's pixtral projector needs") for n in result.notes)
+    else:  # its layout is tested by `test_<kind>_projector_file_loads_in_mtmd`
         assert result.checks["mmproj"]["passed"]
-    else:
-        assert any("vision tower is not exported" in n for n in result.notes)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,14 @@ def test_gemma3_projector_file_loads_in_mtmd(gemma3_dir: Path, tmp_path: Path) -
     with safe_open(gemma3_dir / "model.safetensors", "pt") as f:
         norm = f.get_tensor("multi_modal_projector.mm_soft_emb_norm.weight").numpy()
     assert np.allclose(tensors["mm.soft_emb_norm.weight"].data, norm + 1)  # Gemma's (1 + w)
+
+
+def test_image_text_family_without_a_projector_layout_says_so(gemma3_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(MMPROJ, "gemma3")
+    result = export(gemma3_dir, "gguf", tmp_path / "out", quant="f16")
+    assert result.passed and "mmproj" not in result.checks
+    assert any("vision tower is not exported" in n for n in result.notes)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +186,42 @@ def test_image_stats_read_processor_config_then_the_family_default(tmp_path: Pat
     assert mmproj.image_stats(tmp_path, config) == ([0.1] * 3, [0.2] * 3)  # newer checkpoints nest it there
 
 
+@pytest.fixture
+def mistral3_dir(tmp_path: Path, tokenizers: dict) -> Path:
+    tokenizer = copy.deepcopy(tokenizers["mistral"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG_BREAK]"]})  # as Mistral 3's tokenizers have
+    folder = save_tiny_image_text_model("mistral3", tokenizer, tmp_path / "mistral3")
+    _sharpen_vision_attention(folder, 30.0)
+    return folder
+
+
+def _sharpen_vision_attention(folder: Path, scale: float) -> None:
+    """Scale the tower's q and k (sharper attention) and v and o (a larger share in the output): with
+    random initial values attention is near-uniform and small, and positions (the rotary layout the
+    file must get right) barely move the output."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    for name, t in tensors.items():
+        if "vision" in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t.mul_(scale)
+        elif "vision" in name and name.endswith(("v_proj.weight", "o_proj.weight")):
+            t.mul_(scale ** 0.5)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_mistral3_projector_file_loads_in_mtmd(mistral3_dir: Path, tmp_path: Path) -> None:
+    result = export(mistral3_dir, "gguf", tmp_path / "out", quant="f16")
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"], (found, result.summary())
+    assert found["n_tokens"] == 19 and found["max_error"] <= found["tolerance"]  # 4 rows of 4, 3 [IMG_BREAK]s
+    reader = gguf.GGUFReader(tmp_path / "out" / f"{mistral3_dir.name}-mmproj-f16.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    assert fields["clip.projector_type"] == "pixtral" and fields["clip.vision.spatial_merge_size"] == 2
+    names = {t.name for t in reader.tensors}
+    assert {"v.token_embd.img_break", "mm.patch_merger.weight", "mm.input_norm.weight", "mm.1.weight", "mm.2.weight"} <= names
+
+
 def _drop_projector(p: mmproj.Projector) -> mmproj.Projector:
     return dataclasses.replace(p, source_name=lambda n: None if any(k in n for k in ("projector", "projection", "merger"))
                                else p.source_name(n))
@@ -203,7 +249,7 @@ _BREAKS = {  # how a layout goes wrong: mtmd refuses the file, or loads it and e
     "no transforms": lambda p: dataclasses.replace(p, transforms={}),  # Gemma 4's: clip aborts on the 2-D patch weight
     # Gemma 3's norm without (1 + w); Gemma 4's patch weight reshaped to the conv's shape but not permuted
     "transforms keep shapes only": lambda p: dataclasses.replace(
-        p, transforms={k: (lambda w, fn=fn: w.reshape(fn(w).shape)) for k, fn in p.transforms.items()}),
+        p, transforms={k: (lambda w, v, fn=fn: w.reshape(fn(w, v).shape)) for k, fn in p.transforms.items()}),
     "q and k misnamed": _swap_q_k,
     "merger layers misnamed": _swap_merger_layers,  # Qwen3.5's fc1 and fc2 (same shapes in the tiny tower)
     "one frame's kernel for both": _one_frame_kernel,
@@ -211,7 +257,8 @@ _BREAKS = {  # how a layout goes wrong: mtmd refuses the file, or loads it and e
 
 
 _WRONG = [(kind, wrong) for kind in ("gemma3", "gemma4") for wrong in list(_BREAKS)[:4]] + [
-    ("qwen3_5", "no projector tensors"), ("qwen3_5", "merger layers misnamed"), ("qwen3_5", "one frame's kernel for both")]
+    ("qwen3_5", "no projector tensors"), ("qwen3_5", "merger layers misnamed"), ("qwen3_5", "one frame's kernel for both"),
+    ("mistral3", "no projector tensors"), ("mistral3", "no transforms")]  # Mistral 3's: q/k rows in rotate-half order
 
 
 @pytest.mark.parametrize("kind,wrong", _WRONG)
