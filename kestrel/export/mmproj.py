@@ -3,13 +3,14 @@ load next to an image-text model's language model GGUF.
 
     if has_mmproj(src.config): notes = write_mmproj(path, src.model_dir, src.config)
 
-Written for the families in `kestrel.export.mmproj_families.PROJECTORS` (Gemma 3, Gemma 4, Qwen3.5): each
-row there is the layout llama.cpp's converter writes for it. Common to all, as the converter writes:
+Written for the families in `kestrel.export.mmproj_families.PROJECTORS` (Gemma 3, Gemma 4, Qwen3.5,
+Mistral 3): each row there is the layout llama.cpp's converter writes for it. Common to all, as the converter writes:
 - architecture `clip`, the vision tower's sizes, `clip.vision.projection_dim` = the text hidden size,
   image mean/std from preprocessor_config.json (else the family's);
 - names through `gguf.TensorNameMap(MODEL_ARCH.MMPROJ)` (`v.blk.0.attn_q.weight`, `mm.input_projection.weight`);
 - the family's embeddings F32, other matrices F16, 1-D tensors (and scalars, as 1-D) F32;
-- a family's renames (names gguf's map lacks), transforms (values) and splits (one tensor to several).
+- a family's renames (names gguf's map lacks), transforms (values), splits (one tensor to several)
+  and extras (tensors from outside the tower).
 The vision tower is the checkpoint's own (training leaves it frozen), so the file is the base model's.
 """
 

@@ -1,11 +1,10 @@
 """The vision projectors Kestrel writes for llama.cpp, one table row per image-text family.
 
 Each row is what llama.cpp's `convert_hf_to_gguf.py --mmproj` writes for that family (read in
-`conversion/gemma.py` and `conversion/qwen3vl.py` of llama.cpp as vendored by llama-cpp-python
-0.3.36) and what its loader
-(`tools/mtmd/clip.cpp`, `models/<projector>.cpp`) reads: the projector type and its key, which
-checkpoint tensors go in and under which names, the transforms of their values, the image
-mean/std, the pooling key; plus how Hugging Face's vision tower takes the check's image.
+`conversion/gemma.py`, `conversion/qwen3vl.py`, `conversion/llava.py` of llama.cpp as vendored by
+llama-cpp-python 0.3.36) and what its loader (`tools/mtmd/clip.cpp`, `models/<projector>.cpp`)
+reads: the projector type and its key, which checkpoint tensors go in and under which names, the
+transforms of their values, the image mean/std, the pooling key; plus how Hugging Face's vision tower takes the check's image.
 
 - Gemma 3 (`gemma3`): SigLIP tower + soft-embedding norm + input projection. The norm scales by
   (1 + w): 1 is added. SigLIP's pooling head is unused and left out. Pooling: 4 unless
@@ -21,7 +20,13 @@ mean/std, the pooling key; plus how Hugging Face's vision tower takes the check'
   `v.post_ln`, `mm.0`, `mm.2`; `clip.vision.spatial_merge_size`; image size = the learned position
   grid's side x patch size; eps 1e-6 (the tower's LayerNorms; the converter writes the text model's
   rms_norm_eps, 1e-6 in released checkpoints). Deepstack mergers (Qwen3-VL's) are not in Qwen3.5.
-Mistral 3 (llama.cpp's `pixtral`, with its [IMG_BREAK] rows) is not written yet.
+- Mistral 3 (`pixtral`, from `conversion/llava.py`): q and k rows permuted per head from Hugging
+  Face's rotate-half order to ggml's interleaved pairs; the projector's norm, patch merger,
+  linear_1, linear_2 as `mm.input_norm`, `mm.patch_merger`, `mm.1`, `mm.2`; the language model's
+  [IMG_BREAK] embedding row as `v.token_embd.img_break` (clip puts it after each row of image
+  tokens, and needs it: without that token in the tokenizer no file is written); activation from
+  `hidden_act` (silu or gelu); CLIP's image mean/std; eps 1e-5.
+The check encodes a square image of a size each family's clip preprocessing keeps as it is.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Export of the issue-26 families: image-text checkpoints (their language model's GGUF, checked
-by llama.cpp, and the vision projector file of Gemma 3, Gemma 4 and Qwen3.5, checked by llama.cpp's
-mtmd; merged and adapter exports of the whole model) and a family without a GGUF layout (a clear refusal; adapter and merged
-exports work)."""
+by llama.cpp, and the vision projector file of Gemma 3, Gemma 4, Qwen3.5 and Mistral 3, checked by
+llama.cpp's mtmd; merged and adapter exports of the whole model) and a family without a GGUF layout
+(a clear refusal; adapter and merged exports work)."""
 
 from __future__ import annotations
 
