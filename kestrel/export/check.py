@@ -272,19 +272,24 @@ def check_mmproj(mmproj: Path, model_path: Path, model_dir: Path, tol: float = M
     the image embeddings (n_tokens, text hidden) must agree within `tol` x the reference's std."""
     from transformers import AutoModelForImageTextToText
 
-    from kestrel.export.mmproj import image_stats
+    from kestrel.export.mmproj import PROJECTORS, image_stats
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    size = int(model.config.vision_config.image_size)  # exactly the tower's size: no resize on either side
+    projector = PROJECTORS[model.config.model_type]
+    size = projector.check_side(model.config)  # a size clip encodes as it is: no resize on either side
     gen = np.random.default_rng(0)
     rgb = gen.integers(0, 256, (size, size, 3), dtype=np.uint8)  # (H, W, 3)
-    mean, std = (torch.tensor(v, dtype=torch.float32)[:, None, None] for v in image_stats(model_dir))
-    pixels = ((torch.from_numpy(rgb).permute(2, 0, 1).float() / 255 - mean) / std)[None]  # (1, 3, H, W)
+    mean, std = (torch.tensor(v, dtype=torch.float32)[:, None, None] for v in image_stats(model_dir, model.config))
+    pixels = (torch.from_numpy(rgb).permute(2, 0, 1).float() / 255 - mean) / std  # (3, H, W)
     with torch.no_grad():
-        ref = model.model.get_image_features(pixels).pooler_output[0].float().numpy()  # (n_tokens, hidden)
+        out = model.model.get_image_features(**projector.hf_inputs(pixels, model.config))
+        ref = projector.expected(out.pooler_output[0].float().numpy(), model, model_dir)  # (n_tokens, hidden)
     del model
     stage = f"loading {mmproj.name} with llama.cpp's mtmd and encoding an image (the projector check)"
-    ours = run_in_child(stage, llama_child.encode_image, model_path, mmproj, rgb.tobytes(), (size, size))
+    try:
+        ours = run_in_child(stage, llama_child.encode_image, model_path, mmproj, rgb.tobytes(), (size, size))
+    except llama_child.LlamaCrashError as e:  # clip aborts on tensors of shapes it does not expect: a wrong file
+        return {"passed": False, "file": mmproj.name, "problems": [str(e)]}
     if ours is None:
         return {"passed": False, "file": mmproj.name, "problems": ["llama.cpp's mtmd could not load the projector file"]}
     if ours.shape != ref.shape:

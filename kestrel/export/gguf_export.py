@@ -23,7 +23,7 @@ from kestrel.export.formats import _quant_notes, compute_device, gguf_basename, 
 from kestrel.export.gguf_tokenizer import GGUFVocab, build_vocab
 from kestrel.export.gguf_writer import gguf_nbytes, write_gguf
 from kestrel.export.merge import ModelTensors
-from kestrel.export.mmproj import PROJECTORS as MMPROJ_TYPES, has_mmproj, write_mmproj
+from kestrel.export.mmproj import PROJECTORS as MMPROJ_TYPES, has_mmproj, missing_part, write_mmproj
 from kestrel.export.modelfile import detect_chat_format, end_of_turn_tokens, modelfile
 from kestrel.export.quantize import DIRECT, estimate_bytes, quantize, rows_fit_blocks
 from kestrel.export.source import ExportSource
@@ -149,7 +149,10 @@ def write_checked_gguf(src: ExportSource, stage: Path, result: Any, report: Prog
             report(0.9, f"checking the {quant} file with llama.cpp")
             result.checks[f"gguf_{quant}"] = checks.check_gguf(path, refs, exact=False)
 
-    if src.image_text and has_mmproj(src.config):
+    missing = missing_part(src.model_dir, src.config) if src.image_text and has_mmproj(src.config) else None
+    if missing:
+        result.notes.append(f"no projector file: {missing}")
+    elif src.image_text and has_mmproj(src.config):
         report(0.95, "writing the vision projector file")
         result.checks["mmproj"] = _write_checked_mmproj(stage / f"{name}-mmproj-f16.gguf", path, src, result)
     result.checks["chat_template"] = checks.check_template(path, tokenizer, _MESSAGES)

@@ -1,11 +1,14 @@
 """Export of the issue-26 families: image-text checkpoints (their language model's GGUF, checked
-by llama.cpp, and Gemma 3's vision projector file, checked by llama.cpp's mtmd; merged and adapter
-exports of the whole model) and a family without a GGUF layout (a clear refusal; adapter and merged
-exports work)."""
+by llama.cpp, and the vision projector file of Gemma 3, Gemma 4, Qwen3.5 and Mistral 3, checked by
+llama.cpp's mtmd; merged and adapter exports of the whole model) and a family without a GGUF layout
+(a clear refusal; adapter and merged exports work)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import types
 from pathlib import Path
 
 import gguf
@@ -16,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 
 from kestrel.errors import KestrelError
 from kestrel.export import ExportCheckError, export, mmproj
-from kestrel.export.mmproj import PROJECTORS as MMPROJ
+from kestrel.export.mmproj_families import PROJECTORS as MMPROJ
 from kestrel.model.multimodal import lora_targets
 from kestrel.model.registry import FAMILIES, GGUF_FAMILIES, SUPPORTED
 from tests.support.export_fixtures import save_tiny_image_text_model, save_tiny_model, train_tokenizer
@@ -59,10 +62,11 @@ def test_image_text_gguf_holds_the_language_model(kind: str, tokenizers: dict, t
     names = [t.name for t in reader.tensors]
     assert "token_embd.weight" in names and any(n.startswith("blk.1.ffn_down") for n in names)  # ffn_down_exps: MoE
     assert not any("vision" in n or "mm" in n or "v.blk" in n for n in names)
-    if kind in MMPROJ:  # the projector file is checked by `test_gemma3_projector_file_loads_in_mtmd`
+    if kind == "mistral3":  # the test tokenizer has no [IMG_BREAK], which llama.cpp's pixtral projector needs
+        assert "mmproj" not in result.checks and not list((tmp_path / "out").glob("*mmproj*"))
+        assert any(n.startswith("no projector file: llama.cpp's pixtral projector needs") for n in result.notes)
+    else:  # its layout is tested by `test_<kind>_projector_file_loads_in_mtmd`
         assert result.checks["mmproj"]["passed"]
-    else:
-        assert any("vision tower is not exported" in n for n in result.notes)
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +95,179 @@ def test_gemma3_projector_file_loads_in_mtmd(gemma3_dir: Path, tmp_path: Path) -
     assert np.allclose(tensors["mm.soft_emb_norm.weight"].data, norm + 1)  # Gemma's (1 + w)
 
 
-@pytest.mark.parametrize("wrong", ["no projector tensors", "norm without (1 + w)"])
-def test_a_wrong_projector_file_fails_the_check(wrong: str, gemma3_dir: Path, tmp_path: Path,
+def test_image_text_family_without_a_projector_layout_says_so(gemma3_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(MMPROJ, "gemma3")
+    result = export(gemma3_dir, "gguf", tmp_path / "out", quant="f16")
+    assert result.passed and "mmproj" not in result.checks
+    assert any("vision tower is not exported" in n for n in result.notes)
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory: pytest.TempPathFactory, tokenizers: dict) -> Path:
+    return save_tiny_image_text_model("gemma4", tokenizers["gemma4"], tmp_path_factory.mktemp("gemma4"))
+
+
+def test_gemma4_projector_file_loads_in_mtmd(gemma4_dir: Path, tmp_path: Path) -> None:
+    result = export(gemma4_dir, "gguf", tmp_path / "out", quant="f16")
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"], (found, result.summary())
+    assert found["n_tokens"] == 81 and found["max_error"] <= found["tolerance"]  # 27 x 27 patches pooled by 3
+    reader = gguf.GGUFReader(tmp_path / "out" / f"{gemma4_dir.name}-mmproj-f16.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    assert fields["clip.vision.projector_type"] == "gemma4v" and "clip.projector_type" not in fields
+    assert fields["clip.vision.image_mean"] == [0.0] * 3 and fields["clip.vision.image_std"] == [1.0] * 3
+    assert "clip.vision.projector.scale_factor" not in fields  # pooling_kernel_size 3: clip's default
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["v.position_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert list(tensors["v.patch_embd.weight"].shape) == [8, 8, 3, 32]  # ggml order of the (32, 3, 8, 8) conv
+    assert {"mm.input_projection.weight", "v.blk.0.attn_q_norm.weight", "v.blk.0.ffn_gate.weight"} <= set(tensors)
+
+
+def _clipped_gemma4(tokenizer: object, folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny Gemma 4 whose vision linears clip their inputs and outputs to [-0.5, 0.5] (ranges that bind)
+    and whose pooled features are standardized (random bias and scale)."""
+    from safetensors.torch import load_file, save_file
+
+    family, vision, extra = IMAGE_TEXT["gemma4"]
+    monkeypatch.setitem(IMAGE_TEXT, "gemma4", (family, {**vision, "use_clipped_linears": True, "standardize": True}, extra))
+    save_tiny_image_text_model("gemma4", tokenizer, folder)
+    tensors, gen = load_file(folder / "model.safetensors"), torch.Generator().manual_seed(3)
+    for name, t in tensors.items():
+        if name.endswith(("_max", "_min")):
+            t.fill_(0.5 if name.endswith("_max") else -0.5)
+        elif name.endswith(("std_scale", "std_bias")):
+            t.copy_(torch.rand(t.shape, generator=gen) + (0.5 if name.endswith("scale") else -0.5))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("ranges", ["written", "left out"])
+def test_gemma4_clipped_linears_and_standardize(ranges: str, tokenizers: dict, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    if wrong == "no projector tensors":  # mtmd refuses the file
-        original = mmproj._vision_name
-        monkeypatch.setattr(mmproj, "_vision_name", lambda n: None if "multi_modal_projector" in n else original(n))
-    else:  # mtmd loads it, the image embeddings differ
-        monkeypatch.setattr(mmproj, "transform", lambda gguf_name, w: w)
+    folder = _clipped_gemma4(tokenizers["gemma4"], tmp_path / "gemma4", monkeypatch)
+    if ranges == "left out":  # clip then multiplies unclipped: the image embeddings differ
+        good = MMPROJ["gemma4"]
+        monkeypatch.setitem(MMPROJ, "gemma4", dataclasses.replace(
+            good, source_name=lambda n: None if n.endswith(("_max", "_min")) else good.source_name(n)))
+        with pytest.raises(ExportCheckError, match="check mmproj: passed=False, file=[^;]*max_error"):
+            export(folder, "gguf", tmp_path / "out", quant="f16")
+        return
+    result = export(folder, "gguf", tmp_path / "out", quant="f16")
+    assert result.passed and result.checks["mmproj"]["passed"], result.summary()
+    names = [t.name for t in gguf.GGUFReader(tmp_path / "out" / f"{folder.name}-mmproj-f16.gguf").tensors]
+    assert {"v.std_bias", "v.std_scale", "v.blk.0.attn_q.input_max", "v.blk.0.ffn_down.output_min"} <= set(names)
+
+
+@pytest.fixture  # not module-wide: building it runs HF's Qwen3.5, which the suite's per-test fixture keeps on PyTorch
+def qwen3_5_dir(tmp_path: Path, tokenizers: dict) -> Path:
+    return save_tiny_image_text_model("qwen3_5", tokenizers["qwen2"], tmp_path / "qwen3_5")
+
+
+def test_qwen3_5_projector_file_loads_in_mtmd(qwen3_5_dir: Path, tmp_path: Path) -> None:
+    result = export(qwen3_5_dir, "gguf", tmp_path / "out", quant="f16")
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"], (found, result.summary())
+    assert found["n_tokens"] == 576 and found["max_error"] <= found["tolerance"]  # 48 x 48 patches merged 2 x 2
+    reader = gguf.GGUFReader(tmp_path / "out" / f"{qwen3_5_dir.name}-mmproj-f16.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    assert fields["clip.projector_type"] == "qwen3vl_merger" and fields["clip.vision.spatial_merge_size"] == 2
+    assert fields["clip.vision.image_size"] == 384 and fields["clip.vision.block_count"] == 1
+    tensors = {t.name: t for t in reader.tensors}
+    assert list(tensors["v.patch_embd.weight.1"].shape) == [8, 8, 3, 32]  # the Conv3d's second frame
+    assert {"v.patch_embd.weight", "v.post_ln.weight", "mm.0.weight", "mm.2.bias", "v.blk.0.attn_qkv.weight"} <= set(tensors)
+
+
+def test_image_stats_read_processor_config_then_the_family_default(tmp_path: Path) -> None:
+    config = types.SimpleNamespace(model_type="gemma4")
+    assert mmproj.image_stats(tmp_path, config) == ([0.0] * 3, [1.0] * 3)  # Gemma 4 normalises nothing
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": {"image_mean": [0.1] * 3,
+                                                                                    "image_std": [0.2] * 3}}))
+    assert mmproj.image_stats(tmp_path, config) == ([0.1] * 3, [0.2] * 3)  # newer checkpoints nest it there
+
+
+@pytest.fixture
+def mistral3_dir(tmp_path: Path, tokenizers: dict) -> Path:
+    tokenizer = copy.deepcopy(tokenizers["mistral"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG_BREAK]"]})  # as Mistral 3's tokenizers have
+    folder = save_tiny_image_text_model("mistral3", tokenizer, tmp_path / "mistral3")
+    _sharpen_vision_attention(folder, 30.0)
+    return folder
+
+
+def _sharpen_vision_attention(folder: Path, scale: float) -> None:
+    """Scale the tower's q and k (sharper attention) and v and o (a larger share in the output): with
+    random initial values attention is near-uniform and small, and positions (the rotary layout the
+    file must get right) barely move the output."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    for name, t in tensors.items():
+        if "vision" in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t.mul_(scale)
+        elif "vision" in name and name.endswith(("v_proj.weight", "o_proj.weight")):
+            t.mul_(scale ** 0.5)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_mistral3_projector_file_loads_in_mtmd(mistral3_dir: Path, tmp_path: Path) -> None:
+    result = export(mistral3_dir, "gguf", tmp_path / "out", quant="f16")
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"], (found, result.summary())
+    assert found["n_tokens"] == 19 and found["max_error"] <= found["tolerance"]  # 4 rows of 4, 3 [IMG_BREAK]s
+    reader = gguf.GGUFReader(tmp_path / "out" / f"{mistral3_dir.name}-mmproj-f16.gguf")
+    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    assert fields["clip.projector_type"] == "pixtral" and fields["clip.vision.spatial_merge_size"] == 2
+    names = {t.name for t in reader.tensors}
+    assert {"v.token_embd.img_break", "mm.patch_merger.weight", "mm.input_norm.weight", "mm.1.weight", "mm.2.weight"} <= names
+
+
+def _drop_projector(p: mmproj.Projector) -> mmproj.Projector:
+    return dataclasses.replace(p, source_name=lambda n: None if any(k in n for k in ("projector", "projection", "merger"))
+                               else p.source_name(n))
+
+
+def _swap_q_k(p: mmproj.Projector) -> mmproj.Projector:
+    swap = {"q_proj": "k_proj", "k_proj": "q_proj"}
+    return dataclasses.replace(p, source_name=lambda n: p.source_name(
+        next((n.replace(a, b) for a, b in swap.items() if a in n), n)))
+
+
+def _swap_merger_layers(p: mmproj.Projector) -> mmproj.Projector:
+    swap = {"mm.0": "mm.2", "mm.2": "mm.0"}
+    return dataclasses.replace(p, renames={k: swap.get(v, v) for k, v in p.renames.items()})
+
+
+def _one_frame_kernel(p: mmproj.Projector) -> mmproj.Projector:
+    """Both frames' kernels from the first frame: the Conv3d's time axis handled wrong."""
+    return dataclasses.replace(p, splits={k: (lambda w, fn=fn: {n: np.ascontiguousarray(w[:, :, 0]) for n in fn(w)})
+                                          for k, fn in p.splits.items()})
+
+
+_BREAKS = {  # how a layout goes wrong: mtmd refuses the file, or loads it and encodes images differently
+    "no projector tensors": _drop_projector,
+    "no transforms": lambda p: dataclasses.replace(p, transforms={}),  # Gemma 4's: clip aborts on the 2-D patch weight
+    # Gemma 3's norm without (1 + w); Gemma 4's patch weight reshaped to the conv's shape but not permuted
+    "transforms keep shapes only": lambda p: dataclasses.replace(
+        p, transforms={k: (lambda w, v, fn=fn: w.reshape(fn(w, v).shape)) for k, fn in p.transforms.items()}),
+    "q and k misnamed": _swap_q_k,
+    "merger layers misnamed": _swap_merger_layers,  # Qwen3.5's fc1 and fc2 (same shapes in the tiny tower)
+    "one frame's kernel for both": _one_frame_kernel,
+}
+
+
+_WRONG = [(kind, wrong) for kind in ("gemma3", "gemma4") for wrong in list(_BREAKS)[:4]] + [
+    ("qwen3_5", "no projector tensors"), ("qwen3_5", "merger layers misnamed"), ("qwen3_5", "one frame's kernel for both"),
+    ("mistral3", "no projector tensors"), ("mistral3", "no transforms")]  # Mistral 3's: q/k rows in rotate-half order
+
+
+@pytest.mark.parametrize("kind,wrong", _WRONG)
+def test_a_wrong_projector_file_fails_the_check(kind: str, wrong: str, request: pytest.FixtureRequest, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = request.getfixturevalue(f"{kind}_dir")
+    monkeypatch.setitem(MMPROJ, kind, _BREAKS[wrong](MMPROJ[kind]))
     with pytest.raises(ExportCheckError, match="check mmproj: passed=False"):
-        export(gemma3_dir, "gguf", tmp_path / "out", quant="f16")
+        export(folder, "gguf", tmp_path / "out", quant="f16")
 
 
 @pytest.mark.parametrize("kind,quant", [("gemma3", "q8_0"), ("mistral3", "q4_k_m")])

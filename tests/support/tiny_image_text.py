@@ -24,7 +24,7 @@ IMAGE_TEXT: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                                    num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
                dict(mm_tokens_per_image=4)),
     "mistral3": ("mistral", dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, image_size=32, patch_size=8, head_dim=16), {}),
+                                 num_attention_heads=2, image_size=64, patch_size=8, head_dim=16), {}),  # 16 merged tokens: clip's minimum is 8
     "qwen3_5": ("qwen3_5_text", _QWEN3_5_VISION, {}),
     "qwen3_5_moe": ("qwen3_5_moe_text", _QWEN3_5_VISION, {}),
     "gemma4": ("gemma4_text", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
