@@ -131,7 +131,6 @@ def share_prompt(config: TrainConfig, model: nn.Module, cb: Callback) -> bool:
     return True
 
 
-
 def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> PreferenceSession:
     if config.load_in_4bit and not torch.cuda.is_available():
         raise ConfigError("preference.finetune: qlora loads the base in 4-bit NF4, which needs an NVIDIA GPU with "
