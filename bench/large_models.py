@@ -6,7 +6,8 @@ speed and memory, so `build_nf4_model_dir` builds `LAYERS_BUILT` layers in bf16 
 widths, has transformers + bitsandbytes quantize them to NF4 on the GPU and save them in
 bitsandbytes' serialized 4-bit layout (which `from_pretrained` loads as it is), and then writes
 those tensors again under the names of every layer of the real depth (`write_replicated`): about
-about 40 GB of NF4 weights and bf16 embeddings for the 70B shape (`_nf4_bytes`), with no 141 GB bf16 folder ever written.
+40 GB of NF4 weights and bf16 embeddings for the 70B shape (`_nf4_bytes`), with no 141 GB bf16
+folder ever written.
 """
 
 from __future__ import annotations
