@@ -6,6 +6,7 @@ memory) and saved once as bf16 safetensors under /tmp on the GPU machine, then r
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -109,16 +110,35 @@ def hf_qlora_model(folder: Path, smoke: bool, checkpointing: bool = False) -> An
 def step_recorder(steps: list[dict[str, float]], graph_steps: list[int] | None = None) -> Any:
     """A Kestrel training callback that appends each step's metrics to `steps`, and to
     `graph_steps` the index of each step during which the CUDA-graph chooser decided a layout
-    (its probes, eager then graphed, make those steps and the ones before them slower)."""
+    (its probes, eager then graphed, make those steps and the ones before them slower). Each
+    step's record also holds `gc_full_ms`: the milliseconds of CPython's full (generation 2)
+    garbage collections since the step before, a host stall that can make a step slow."""
     from kestrel.training.metrics import Callback
 
     class Record(Callback):
+        def __init__(self) -> None:
+            self.full_ms, self.began = 0.0, 0.0
+            gc.callbacks.append(self.clock)
+
+        def clock(self, phase: str, info: dict[str, int]) -> None:
+            if info.get("generation") != 2:
+                return
+            if phase == "start":
+                self.began = time.perf_counter()
+            else:
+                self.full_ms += (time.perf_counter() - self.began) * 1e3
+
         def on_step(self, metrics: dict[str, float]) -> None:
-            steps.append(dict(metrics))
+            steps.append({**metrics, "gc_full_ms": round(self.full_ms, 2)})
+            self.full_ms = 0.0
 
         def on_log(self, message: str) -> None:
             if graph_steps is not None and message.startswith("CUDA graphs "):
                 graph_steps.append(len(steps))
+
+        def on_end(self, status: str, error: str | None = None) -> None:
+            if self.clock in gc.callbacks:
+                gc.callbacks.remove(self.clock)
 
     return Record()
 

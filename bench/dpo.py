@@ -99,7 +99,7 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     settled = max([args.warmup, *(d + 1 for d in decided)])  # past the warm-up and every probe
     return {"step_times": times, "s_per_step": _medians(times, args.warmup),
             "checkpointing": cfg.gradient_checkpointing, "loss_first": steps[0]["loss"],
-            "graph_decision_steps": decided,
+            "graph_decision_steps": decided, "gc_full_ms": [m.get("gc_full_ms", 0.0) for m in steps],
             "settled_s_per_step": statistics.median(times[settled:]) if settled < len(times) else None}
 
 
