@@ -69,22 +69,28 @@ def test_image_text_gguf_holds_the_language_model(kind: str, tokenizers: dict, t
         assert result.checks["mmproj"]["passed"]
 
 
+def _projector_file(model_dir: Path, tmp_path: Path, n_tokens: int, quant: str = "f16") -> tuple[dict, dict]:
+    """Export `model_dir` to GGUF: the projector check passed, an image encoded as `n_tokens` tokens
+    within its tolerance; returns the projector file's metadata fields and its tensors by name."""
+    result = export(model_dir, "gguf", tmp_path / "out", quant=quant)
+    found = result.checks["mmproj"]
+    assert result.passed and found["passed"] and found["file"] == f"{model_dir.name}-mmproj-f16.gguf", (
+        found, result.summary())
+    assert found["n_tokens"] == n_tokens and found["max_error"] <= found["tolerance"], found
+    reader = gguf.GGUFReader(tmp_path / "out" / found["file"])
+    return {k: reader.fields[k].contents() for k in reader.fields}, {t.name: t for t in reader.tensors}
+
+
 @pytest.fixture(scope="module")
 def gemma3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizers: dict) -> Path:
     return save_tiny_image_text_model("gemma3", tokenizers["gemma"], tmp_path_factory.mktemp("gemma3"))
 
 
 def test_gemma3_projector_file_loads_in_mtmd(gemma3_dir: Path, tmp_path: Path) -> None:
-    result = export(gemma3_dir, "gguf", tmp_path / "out", quant="q8_0")
-    found = result.checks["mmproj"]
-    assert result.passed and found["passed"] and found["file"] == f"{gemma3_dir.name}-mmproj-f16.gguf", found
-    assert found["n_tokens"] == 4 and found["max_error"] <= found["tolerance"]  # an image encoded as HF encodes it
-    reader = gguf.GGUFReader(tmp_path / "out" / f"{gemma3_dir.name}-mmproj-f16.gguf")
-    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    fields, tensors = _projector_file(gemma3_dir, tmp_path, 4, quant="q8_0")  # an image encoded as HF encodes it
     assert fields["general.architecture"] == "clip" and fields["clip.projector_type"] == "gemma3"
     assert fields["clip.vision.projection_dim"] == 128 and fields["clip.vision.block_count"] == 1
     assert fields["clip.vision.projector.scale_factor"] == 2  # 4x4 patches pooled to mm_tokens_per_image = 4
-    tensors = {t.name: t for t in reader.tensors}
     assert tensors["v.patch_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert tensors["mm.input_projection.weight"].tensor_type == gguf.GGMLQuantizationType.F16
     assert "v.blk.0.attn_q.weight" in tensors and not any("head" in n for n in tensors)
@@ -109,16 +115,10 @@ def gemma4_dir(tmp_path_factory: pytest.TempPathFactory, tokenizers: dict) -> Pa
 
 
 def test_gemma4_projector_file_loads_in_mtmd(gemma4_dir: Path, tmp_path: Path) -> None:
-    result = export(gemma4_dir, "gguf", tmp_path / "out", quant="f16")
-    found = result.checks["mmproj"]
-    assert result.passed and found["passed"], (found, result.summary())
-    assert found["n_tokens"] == 81 and found["max_error"] <= found["tolerance"]  # 27 x 27 patches pooled by 3
-    reader = gguf.GGUFReader(tmp_path / "out" / f"{gemma4_dir.name}-mmproj-f16.gguf")
-    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    fields, tensors = _projector_file(gemma4_dir, tmp_path, 81)  # 27 x 27 patches pooled by 3
     assert fields["clip.vision.projector_type"] == "gemma4v" and "clip.projector_type" not in fields
     assert fields["clip.vision.image_mean"] == [0.0] * 3 and fields["clip.vision.image_std"] == [1.0] * 3
     assert "clip.vision.projector.scale_factor" not in fields  # pooling_kernel_size 3: clip's default
-    tensors = {t.name: t for t in reader.tensors}
     assert tensors["v.position_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert list(tensors["v.patch_embd.weight"].shape) == [8, 8, 3, 32]  # ggml order of the (32, 3, 8, 8) conv
     assert {"mm.input_projection.weight", "v.blk.0.attn_q_norm.weight", "v.blk.0.ffn_gate.weight"} <= set(tensors)
@@ -165,15 +165,9 @@ def qwen3_5_dir(tmp_path: Path, tokenizers: dict) -> Path:
 
 
 def test_qwen3_5_projector_file_loads_in_mtmd(qwen3_5_dir: Path, tmp_path: Path) -> None:
-    result = export(qwen3_5_dir, "gguf", tmp_path / "out", quant="f16")
-    found = result.checks["mmproj"]
-    assert result.passed and found["passed"], (found, result.summary())
-    assert found["n_tokens"] == 576 and found["max_error"] <= found["tolerance"]  # 48 x 48 patches merged 2 x 2
-    reader = gguf.GGUFReader(tmp_path / "out" / f"{qwen3_5_dir.name}-mmproj-f16.gguf")
-    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    fields, tensors = _projector_file(qwen3_5_dir, tmp_path, 576)  # 48 x 48 patches merged 2 x 2
     assert fields["clip.projector_type"] == "qwen3vl_merger" and fields["clip.vision.spatial_merge_size"] == 2
     assert fields["clip.vision.image_size"] == 384 and fields["clip.vision.block_count"] == 1
-    tensors = {t.name: t for t in reader.tensors}
     assert list(tensors["v.patch_embd.weight.1"].shape) == [8, 8, 3, 32]  # the Conv3d's second frame
     assert {"v.patch_embd.weight", "v.post_ln.weight", "mm.0.weight", "mm.2.bias", "v.blk.0.attn_qkv.weight"} <= set(tensors)
 
@@ -211,15 +205,9 @@ def _sharpen_vision_attention(folder: Path, scale: float) -> None:
 
 
 def test_mistral3_projector_file_loads_in_mtmd(mistral3_dir: Path, tmp_path: Path) -> None:
-    result = export(mistral3_dir, "gguf", tmp_path / "out", quant="f16")
-    found = result.checks["mmproj"]
-    assert result.passed and found["passed"], (found, result.summary())
-    assert found["n_tokens"] == 19 and found["max_error"] <= found["tolerance"]  # 4 rows of 4, 3 [IMG_BREAK]s
-    reader = gguf.GGUFReader(tmp_path / "out" / f"{mistral3_dir.name}-mmproj-f16.gguf")
-    fields = {k: reader.fields[k].contents() for k in reader.fields}
+    fields, tensors = _projector_file(mistral3_dir, tmp_path, 19)  # 4 rows of 4, 3 [IMG_BREAK]s
     assert fields["clip.projector_type"] == "pixtral" and fields["clip.vision.spatial_merge_size"] == 2
-    names = {t.name for t in reader.tensors}
-    assert {"v.token_embd.img_break", "mm.patch_merger.weight", "mm.input_norm.weight", "mm.1.weight", "mm.2.weight"} <= names
+    assert {"v.token_embd.img_break", "mm.patch_merger.weight", "mm.input_norm.weight", "mm.1.weight", "mm.2.weight"} <= set(tensors)
 
 
 def _drop_projector(p: mmproj.Projector) -> mmproj.Projector:
