@@ -299,7 +299,7 @@ def append_record(path: Path, record: dict[str, Any], mirror: str | None) -> Non
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
-    if mirror:
+    if mirror and Path(mirror).resolve() != path.parent.resolve():  # the results already written there: nothing to copy
         Path(mirror).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(mirror) / path.name)
 

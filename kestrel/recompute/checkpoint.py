@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from kestrel.model.registry import family_for
-from kestrel.recompute import layer_graphs
+from kestrel.recompute import layer_graphs, no_grad
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from kestrel.recompute.host_memory import HostMemoryError, host_buffer, side_stream
 from kestrel.recompute.linked import LinkedCall
@@ -361,7 +361,8 @@ class Recompute:
     layers run as CUDA graphs (`kestrel.recompute.graph_choice`, keyed by that layer's call signature), and
     every layer of the forward follows the answer. Graphs are dropped once no layout is left that
     runs them. A call with grad disabled (a no-grad pass of a model in training mode: KTO's KL
-    rows) runs the layer as it is: nothing will be back-propagated.
+    rows) runs the layer as it is: nothing will be back-propagated; within `no_grad_forwards` (a
+    reference pass) it may replay a first-pass graph (`kestrel.recompute.no_grad`).
     """
 
     def __init__(
@@ -371,7 +372,10 @@ class Recompute:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.shared_state = shared_state  # the layers' keyword holding tensors shared between them (`LinkedCall`)
         self.first = weakref.ref(first_layer) if first_layer is not None else None
+        self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the decoder layers calling it
         self.graphed = False  # this forward's choice
+        self.no_grad_active = False  # inside `no_grad.no_grad_forwards`
+        self.no_grad_graphed = False  # that no-grad forward's choice
         self.graphs = layer_graphs.GraphRegistry()
         self.holds_graphs = False
         self.offloaded = OffloadState()
@@ -397,8 +401,8 @@ class Recompute:
 
     def __call__(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any) -> torch.Tensor:
         if not torch.is_grad_enabled():  # nothing will be back-propagated: nothing to keep, no training forward to time
-            return run(hidden, *args)
-        if self._starts_forward(run) and layer_graphs.graphable(run, hidden):
+            return no_grad.call(self, run, hidden, args) if self.no_grad_active else run(hidden, *args)
+        if self.starts_forward(run) and layer_graphs.graphable(run, hidden):
             key = layer_graphs.call_key(run, hidden, args)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
             self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
@@ -420,9 +424,14 @@ class Recompute:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _starts_forward(self, run: Callable[..., torch.Tensor]) -> bool:
+    def starts_forward(self, run: Callable[..., torch.Tensor]) -> bool:
+        """Whether `run` is the call of the forward's first decoder layer."""
         layer = getattr(getattr(run, "func", None), "__self__", None)
         return self.first is not None and layer is self.first()
+
+    def layers(self) -> list[nn.Module]:
+        """The decoder layers checkpointed through this run's recompute."""
+        return list(self._layers)
 
 
 def graph_mode(configured: GraphMode) -> GraphMode:
@@ -465,6 +474,7 @@ def set_gradient_checkpointing(
                           shared_state=spec.layer_shared_state if spec is not None else None)
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
+        recompute._layers.add(layer)
     return recompute
 
 

@@ -157,6 +157,14 @@ class GraphChooser:
         self._last = graphed
         return graphed
 
+    def decided_graphed(self, key: Hashable) -> bool:
+        """Whether layout `key` is decided graphed (always, with graphs forced on): what a no-grad
+        forward of the same layout follows. Nothing is timed or recorded."""
+        if self.mode != "auto":
+            return self.mode == "on"
+        layout = self.layouts.get(key)
+        return layout is not None and layout.decision is not None and layout.decision.graphed
+
     def decisions(self) -> list[Decision]:
         return [lay.decision for lay in self.layouts.values() if lay.decision is not None]
 

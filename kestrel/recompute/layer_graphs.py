@@ -242,9 +242,11 @@ class GraphedLayer:
         args, kwargs = substitute((self.args, self.kwargs), iter(g.leaves))
         return lambda h: self.call(h, *args, **kwargs)
 
-    def __call__(self, hidden: torch.Tensor, gate: GateKeeper | None = None) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, gate: GateKeeper | None = None, alone: bool = False) -> torch.Tensor:
         """The first pass (under no_grad). `gate`: where offloaded checkpointing keeps this call's
-        MLP gate product; the graphs keep it in a static buffer, which `gate` copies out."""
+        MLP gate product; the graphs keep it in a static buffer, which `gate` copies out. `alone`:
+        a no-grad forward that no backward follows (a reference pass): its first-pass graph is
+        captured once the layer holds a backward graph of another signature (the pool's order)."""
         self.gate = gate
         g = self.graphs = None if torch.is_grad_enabled() else self._lookup(hidden, gate)
         if g is None:
@@ -257,7 +259,7 @@ class GraphedLayer:
         # Captured once the backward graph is: the pool's segments are then cut for the
         # backward's larger working set, and the first pass fits into them (the other way round
         # the pool grows; bench/RESULTS.md, QLoRA "Session 12"). Until then it runs eagerly.
-        if g.forward is None and g.backward is None:
+        if g.forward is None and (g.backward is None if not alone else not self._holds_backward()):
             out = self.eager(hidden)
         else:
             bufs = self.registry.device(hidden.device).buffers
@@ -278,6 +280,9 @@ class GraphedLayer:
         if gate is not None:
             gate.copy_out()
         return out
+
+    def _holds_backward(self) -> bool:
+        return any(g.backward is not None for g in self.registry.state(self.layer).graphs.values())
 
     def backward(
         self, hidden: torch.Tensor, grad_out: torch.Tensor,
@@ -406,16 +411,16 @@ def _set_grads(g: _Graphs) -> None:
         torch._foreach_add_(into, add)
 
 
-def graphable(run: Callable[..., torch.Tensor], hidden: torch.Tensor) -> bool:
-    """Whether a checkpoint's call can run as a `GraphedLayer`: CUDA, a training forward, `run`
-    a layer's bound call."""
+def graphable(run: Callable[..., torch.Tensor], hidden: torch.Tensor, training: bool = True) -> bool:
+    """Whether a checkpoint's call can run as a `GraphedLayer`: CUDA, a training forward (or, with
+    `training` False, a no-grad one: `kestrel.recompute.no_grad`), `run` a layer's bound call."""
     layer = getattr(run.func, "__self__", None) if isinstance(run, functools.partial) else None
     return (
         isinstance(layer, nn.Module)
         and not run.args
         and hidden.is_cuda
         and hidden.is_contiguous()
-        and torch.is_grad_enabled()
+        and torch.is_grad_enabled() == training
         and not torch.cuda.is_current_stream_capturing()
     )
 

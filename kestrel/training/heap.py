@@ -20,9 +20,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
+REFREEZES = 4  # full collections during a loop after which the survivors are frozen too
+
+
 @contextmanager
-def steps_heap() -> Iterator[int]:
+def steps_heap(refreezes: int = REFREEZES) -> Iterator[int]:
     """Collect, freeze what is alive, run the block, unfreeze; yields how many objects were frozen.
+
+    The first steps make long-lived objects of their own (compiled kernels, captured CUDA graphs,
+    autotuning caches: several hundred thousand on a QLoRA run), which a full collection would walk
+    again and again. So the first `refreezes` full collections inside the block freeze their
+    survivors as well: a full collection has just freed the cyclic garbage, so what is frozen is
+    alive, and what dies later is still freed by its reference count. Only a cycle among objects
+    alive at one of those few moments waits for the end of the block.
 
     A freeze is process-wide and does not nest: when one is already in place (a caller's own),
     this leaves it alone and yields 0."""
@@ -31,7 +41,18 @@ def steps_heap() -> Iterator[int]:
         return
     gc.collect()
     gc.freeze()
+    left = [refreezes]
+
+    def after_full_collection(phase: str, info: dict) -> None:
+        # Runs once the collection is over (the "stop" callback): freezing then is what a call
+        # right after `gc.collect()` would do; it never walks or frees anything.
+        if phase == "stop" and info.get("generation") == 2 and left[0] > 0:
+            left[0] -= 1
+            gc.freeze()
+
+    gc.callbacks.append(after_full_collection)
     try:
         yield gc.get_freeze_count()
     finally:
+        gc.callbacks.remove(after_full_collection)
         gc.unfreeze()

@@ -88,3 +88,14 @@ def test_table_notes_how_each_system_held_the_experts_under_qlora() -> None:
     assert "- qwen3-30b-a3b qlora packed: experts held as kestrel nf4; hf bfloat16" in table
     dense = render_table([dict(base, model="qwen3-4b", system="kestrel")], ["packed"])
     assert "experts" not in dense
+
+
+def test_results_mirror_into_another_folder_and_are_not_copied_onto_themselves(tmp_path: Path) -> None:
+    from bench.matrix import append_record
+
+    out, mirror = tmp_path / "res" / "m.jsonl", tmp_path / "mirror"
+    append_record(out, {"a": 1}, str(mirror))
+    append_record(out, {"a": 2}, str(mirror))
+    assert (mirror / "m.jsonl").read_text() == out.read_text() and len(out.read_text().splitlines()) == 2
+    append_record(out, {"a": 3}, str(out.parent))  # --mirror naming the results' own folder
+    assert len(out.read_text().splitlines()) == 3

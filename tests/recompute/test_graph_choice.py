@@ -162,3 +162,21 @@ def test_a_layout_of_as_many_tokens_takes_the_timed_decision_even_mid_probe() ->
     decided = {d.layout: d for d in run.decisions}
     assert decided["('packed', 16)"].graphed_s is not None
     assert decided["('packed', 64)"].graphed and decided["('packed', 64)"].graphed_s is None
+
+
+def test_a_no_grad_forward_follows_only_a_decided_layout_and_times_nothing() -> None:
+    run = FakeRun(host_bound)
+    assert not run.chooser.decided_graphed("small")  # never seen
+    for _ in range(6):
+        run.forward("small", 1000)  # still timing
+        assert not run.chooser.decided_graphed("small")
+    for _ in range(8):
+        run.forward("small", 1000)
+    assert run.decisions[0].graphed and run.chooser.decided_graphed("small")
+    for _ in range(14):
+        run.forward("large", 100_000)
+    assert not run.decisions[1].graphed and not run.chooser.decided_graphed("large")
+    layouts = dict(run.chooser.layouts)
+    assert not run.chooser.decided_graphed("other")
+    assert run.chooser.layouts == layouts  # nothing recorded for the asked layout
+    assert GraphChooser("on").decided_graphed("x") and not GraphChooser("off").decided_graphed("x")

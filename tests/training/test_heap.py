@@ -48,3 +48,31 @@ def test_garbage_made_in_the_block_is_collected_and_a_callers_freeze_is_left_alo
         assert gc.get_freeze_count() == outer  # not unfrozen by the inner block
     finally:
         gc.unfreeze()
+
+
+def test_the_first_full_collections_in_the_block_freeze_their_survivors_only() -> None:
+    class Node:
+        pass
+
+    callbacks = list(gc.callbacks)
+    with steps_heap(refreezes=2) as frozen:
+        kept = [Node() for _ in range(1000)]  # long-lived objects of the first steps
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        del a, b
+        assert gc.collect() >= 2  # the cycle is collected, not frozen
+        after_one = gc.get_freeze_count()
+        assert after_one >= frozen + 1000  # the survivors joined the frozen heap
+        young = [Node() for _ in range(1000)]
+        gc.collect()
+        after_two = gc.get_freeze_count()
+        assert after_two >= after_one + 1000
+        more = [Node() for _ in range(1000)]
+        gc.collect()
+        assert gc.get_freeze_count() == after_two  # only `refreezes` collections freeze
+        c, d = Node(), Node()
+        c.other, d.other = d, c
+        del c, d
+        assert gc.collect() >= 2  # garbage made later is still collected
+    assert gc.get_freeze_count() == 0 and gc.callbacks == callbacks
+    del kept, young, more

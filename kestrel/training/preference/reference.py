@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.recompute.checkpoint import Recompute
+from kestrel.recompute.no_grad import no_grad_forwards
 from kestrel.training.distributed import World, reshard_after_scoring
 from kestrel.training.preference.rows import answer_logprobs, answer_rows
 
@@ -28,8 +30,12 @@ NEEDS_REFERENCE = ("dpo", "kto")
 
 
 @contextlib.contextmanager
-def as_reference(model: nn.Module, layers: Sequence[nn.Module] | None = None) -> Iterator[None]:
-    """No gradient, eval mode (no dropout, no checkpointing), adapters disabled when there are any.
+def as_reference(
+    model: nn.Module, layers: Sequence[nn.Module] | None = None, recompute: Recompute | None = None,
+) -> Iterator[None]:
+    """No gradient, eval mode (no dropout, no checkpointing), adapters disabled when there are any;
+    with the run's `recompute`, the decoder layers replay CUDA graphs where the run graphs this
+    batch layout (`kestrel.recompute.no_grad`).
 
     The adapters are switched as PEFT's `disable_adapter()` switches them (each tuner layer's
     `enable_adapters`, which also stops A and B from needing a gradient), on `layers` (a run finds
@@ -44,7 +50,8 @@ def as_reference(model: nn.Module, layers: Sequence[nn.Module] | None = None) ->
             for layer in switched:
                 layer.enable_adapters(False)
             try:
-                yield
+                with no_grad_forwards(recompute):
+                    yield
             finally:
                 for layer in switched:
                     layer.enable_adapters(True)

@@ -51,7 +51,7 @@ def _reference(s: Any, data: RowSet, idx: list[int], rows: AnswerRows) -> torch.
     `rows` the policy scores."""
     if data.reference is not None:
         return data.reference.answers[idx].t().reshape(-1)  # (A, P) -> answer-major, as the rows are
-    with as_reference(s.model, s.adapter_layers):
+    with as_reference(s.model, s.adapter_layers, getattr(s, "recompute", None)):
         return answer_logprobs(s.model, rows).sum(-1)
 
 
@@ -64,7 +64,7 @@ def _kto_kl(s: Any, data: RowSet, idx: list[int]) -> torch.Tensor:
     if data.reference is not None and data.reference.kl is not None:
         ref = data.reference.kl[idx]
     else:
-        with as_reference(s.model, s.adapter_layers):
+        with as_reference(s.model, s.adapter_layers, getattr(s, "recompute", None)):
             ref = sequence_logps(s.model, rows, s.pad_id, s.device, s.flat)
     return L.kto_kl(policy, ref)
 
