@@ -6,7 +6,7 @@ Runs three warm-up steps, then profiles two. Reports, per step:
 - wall time, GPU busy time (union of kernel intervals) and the idle rest;
 - kernel time and launch count by kind (matrix products, NF4 dequantization, attention, loss,
   norms/RoPE/GLU, copies, other), from the kernels' names;
-- the idle gaps (>= 20 us) summed by the Python frame of ours (engine/, kernels/) or the op that
+- the idle gaps (>= 20 us) summed by the op and the Python frames of ours (kestrel/, bench/) that
   launched the kernel which ended the gap: what the host was doing while the GPU waited.
 """
 
@@ -57,7 +57,8 @@ def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _ours(frame: str) -> bool:
-    return ("engine/" in frame or "kernels/" in frame or "bench/" in frame) and "profile_train" not in frame
+    return ("kestrel/" in frame or "bench/" in frame) and not any(
+        skip in frame for skip in ("profile_train", "step_profile", "bench/dpo", "bench/common"))
 
 
 def analyse(trace: dict, steps: int) -> str:
@@ -154,9 +155,15 @@ def _frames_at(cpu: list[dict], queries: list[tuple]) -> list[str]:
             j += 1
         open_ = [e for e in stacks[tid] if e["ts"] + e["dur"] >= ts]
         ours = [e for e in open_ if e.get("cat") == "python_function" and _ours(e["name"])]
-        pick = ours[-1] if ours else (open_[-1] if open_ else None)
-        out[i] = pick["name"][-100:] if pick else "?"
+        op = next((e for e in reversed(open_) if e.get("cat") == "cpu_op"), None)
+        where = " < ".join(_short(e["name"]) for e in reversed(ours[-2:]))  # innermost frame of ours, its caller
+        out[i] = (f"{op['name']} in {where}" if op and where else where or (op["name"] if op else "?"))[-150:]
     return out
+
+
+def _short(frame: str) -> str:
+    """'…/kestrel/model/attention.py(183): fn' -> 'model/attention.py(183): fn'."""
+    return re.sub(r"^.*?(kestrel|bench)/", "", frame)
 
 
 def host_profile(step, steps: int) -> str:

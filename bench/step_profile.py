@@ -51,7 +51,8 @@ class StepProfiler(Callback):
             torch.cuda.synchronize()
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)  # C++ unwinding is slow
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
+        # with_stack: the idle gaps are then told by the Python frames of ours that launched the kernel after them
+        self.prof = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=True)
         self.prof.start()
 
     def _end(self) -> None:
