@@ -20,7 +20,9 @@ rounded up by `bucket_width`):
 
 Only a forward with gradients (the policy's, which the CUDA-graph chooser sees) runs the rounded
 width; a no-gradient forward (the reference, KTO's KL rows, evaluation) runs the real columns
-alone (`AnswerRows.used`): the padding would be computed through every layer for nothing.
+alone (`AnswerRows.used`): the padding would be computed through every layer for nothing. The
+exception is a reference pass of a run that graphs its layouts (`kestrel.recompute.no_grad`): it
+runs the rounded width too, so that its layers replay graphs of the policy's shapes.
 
 Either way the hidden state just before each answer token is gathered at its (row, column), the N
 real answer tokens of all rows and no padding (`(N, H)`: rows' answers differ in length, and a
@@ -42,6 +44,7 @@ from torch import nn
 from kestrel import kernels
 from kestrel.data.collate import bucket_width
 from kestrel.model.attention import FORK_KWARG, ForkedSamples, fork_layout
+from kestrel.recompute.no_grad import replays_training_shapes
 from kestrel.training.grpo.logprobs import causal_lm
 
 Group = tuple[list[int], list[list[int]]]  # (prompt ids, [answer ids, ...]) that share the prompt
@@ -176,10 +179,10 @@ def score_through_fsdp(model: nn.Module) -> None:
 
 
 def _answer_logprobs(lm: nn.Module, rows: AnswerRows) -> torch.Tensor:
-    grad = torch.is_grad_enabled()
-    cols = rows.input_ids.shape[1] if grad else rows.used  # no gradient: no padding columns
+    rounded = torch.is_grad_enabled() or replays_training_shapes(lm)
+    cols = rows.input_ids.shape[1] if rounded else rows.used  # no gradient: no padding columns (module docstring)
     positions = None if rows.position_ids is None else rows.position_ids[:, :cols]
-    fork = {} if rows.forks is None else {FORK_KWARG: rows.forks[0 if grad else 1]}
+    fork = {} if rows.forks is None else {FORK_KWARG: rows.forks[0 if rounded else 1]}
     hidden = lm.model(input_ids=rows.input_ids[:, :cols], position_ids=positions, use_cache=False, **fork).last_hidden_state
     h = hidden[rows.row, rows.col]  # (N, H): the answer tokens' predicting states, no padding
     softcap = getattr(lm.config, "final_logit_softcapping", None)
