@@ -321,14 +321,13 @@ class GraphedLayer:
         recompute: Callable[[Callable[[torch.Tensor], Any], torch.Tensor], Any],
         grad_written: tuple[torch.Tensor | None, ...] = (),
     ) -> tuple[tuple[torch.Tensor | None, ...] | None, torch.Tensor | None]:
-        """((dX, *the linked inputs' gradients), None) for grad_out (and a linked call's
-        `grad_written`, the incoming gradients of what it wrote), the parameters' gradients set;
-        or (None, hidden): run eagerly. The caller hands `hidden` over without keeping it: once in
-        the static buffer it is let go before the replay (its memory serves the replay's eager
-        neighbours). dX is the static incoming-gradient buffer itself, which the layer below's
-        backward reads in place (no clone: autograd hands it straight to that backward, and a
-        replay only overwrites it after it has been read); the linked inputs' gradients are
-        clones. `recompute(fn, h)` runs fn(h) as the checkpoint's recompute."""
+        """((dX, *the linked inputs' gradients), None) for grad_out and a linked call's
+        `grad_written` (what it wrote), the parameters' gradients set; or (None, hidden): run
+        eagerly. The caller hands `hidden` over without keeping it: once in the static buffer it
+        is let go before the replay (its memory serves the replay's eager neighbours). dX is the
+        static incoming-gradient buffer itself, which the layer below's backward reads in place
+        (no clone: autograd hands it straight to that backward, and a replay only overwrites it
+        after it has been read). `recompute(fn, h)` runs fn(h) as the checkpoint's recompute."""
         g = self.graphs
         if g is None or g.failed:
             return None, hidden
