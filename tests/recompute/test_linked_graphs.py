@@ -156,9 +156,10 @@ class _Replayed:
         self.body()
 
 
-def _fake_graphs(monkeypatch: pytest.MonkeyPatch) -> list[_Replayed]:
+def _fake_graphs(monkeypatch: pytest.MonkeyPatch, fail: set | None = None) -> list[_Replayed]:
     """Graph CPU layers: what checks for CUDA sees it, a capture runs the body's Python and puts
-    the static buffers back as they were fed (a capture records kernels, it does not run them)."""
+    the static buffers back as they were fed (a capture records kernels, it does not run them).
+    The layers in `fail` do not capture."""
     captured: list[_Replayed] = []
 
     def as_cuda(fn):
@@ -173,6 +174,9 @@ def _fake_graphs(monkeypatch: pytest.MonkeyPatch) -> list[_Replayed]:
         return self.devices.setdefault(dev, layer_graphs._Device(StaticBuffers(), None, None))
 
     def capture(self, g, body):
+        if self.layer in (fail or ()):
+            g.failed = True
+            return None
         bufs = self.registry.device(g.x.device).buffers
         fed = {k: v.clone() for k, v in bufs.storage.items()}
         body()
@@ -233,6 +237,32 @@ def test_graphed_layers_train_as_eager_checkpointing(monkeypatch, family, mode) 
     assert stats["forward"] == stats["backward"] == layers and stats["failed"] == 0, stats
     assert stats["linked"] == (layers if family == "gemma4_text" else 0), stats
     assert len(captured) == 2 * layers
+
+
+def test_a_linked_call_that_does_not_capture_runs_eagerly_through_its_graphed_layer(monkeypatch) -> None:
+    """A reader of shared K/V whose capture fails (as `GraphedLayer._capture` reports it) runs
+    `LinkedCall`'s eager passes from then on, between replaying neighbours, with eager
+    checkpointing's gradients."""
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+
+    ref = tiny_model("gemma4_text", VOCAB, seed=3)
+    fast = copy.deepcopy(ref)
+    reader = fast.model.layers[2]
+    assert reader.self_attn.is_kv_shared_layer
+    _fake_graphs(monkeypatch, fail={reader})
+    set_gradient_checkpointing(ref, "standard", "off")
+    run = set_gradient_checkpointing(fast, "standard", "on")
+    for step in range(4):
+        for model in (ref, fast):
+            model.train()
+            model.zero_grad(set_to_none=True)
+            model(**_batch(step), use_cache=False).loss.backward()
+        for (name, p), q in zip(fast.named_parameters(), ref.parameters()):
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+    stats = run.graphs.stats()
+    layers = fast.config.num_hidden_layers
+    assert stats["forward"] == stats["backward"] == stats["linked"] == layers - 1 and stats["failed"] == 1, stats
 
 
 def test_auto_mode_times_linked_layouts(monkeypatch) -> None:
