@@ -18,8 +18,8 @@ time than the layer's first pass takes, not GPU memory (bench/RESULTS.md, QLoRA 
 On CUDA, when the run's `GraphChooser` finds it faster for the forward's batch layout, each
 layer's first pass and its recompute-with-backward replay as CUDA graphs
 (`kestrel.recompute.layer_graphs`): `Recompute` hands `LayerCheckpoint` a `GraphedLayer` instead
-of the plain call (or of the `LinkedCall` of a layer with ties beyond its hidden states). The pinned host buffers and the side stream come from
-`kestrel.recompute.host_memory`.
+of the plain call (or of the `LinkedCall` of a layer with ties beyond its hidden states). The
+pinned host buffers and the side stream come from `kestrel.recompute.host_memory`.
 """
 
 from __future__ import annotations

@@ -239,6 +239,42 @@ def test_graphed_layers_train_as_eager_checkpointing(monkeypatch, family, mode) 
     assert len(captured) == 2 * layers
 
 
+def _train_lora(graphs: bool, steps: int = 4) -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
+    """Kestrel's Gemma 4 (patched, fused LoRA) trained `steps` SGD steps, graphs forced on or off."""
+    from kestrel.config import LoraSettings
+    from kestrel.model.lora import attach_lora
+    from kestrel.model.patching import patch_model
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+
+    model = tiny_model("gemma4_text", VOCAB, seed=0)
+    patch_model(model)
+    torch.manual_seed(0)
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    run = set_gradient_checkpointing(model, "standard", "on" if graphs else "off")
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1)
+    losses = []
+    for step in range(steps):
+        loss = model(**_batch(step), use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, [p.detach().clone() for p in params], run.graphs.stats()
+
+
+def test_graphed_patched_lora_gemma4_trains_as_eager(monkeypatch) -> None:
+    """Kestrel's forwards and fused LoRA layers (adapters updated in place between replays)."""
+    eager, eager_w, _ = _train_lora(False)
+    _fake_graphs(monkeypatch)
+    graphed, graphed_w, stats = _train_lora(True)
+    assert stats["forward"] == stats["backward"] == stats["linked"] == 4 and stats["failed"] == 0, stats
+    assert graphed == pytest.approx(eager, rel=1e-6)
+    for a, b in zip(graphed_w, eager_w):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_a_linked_call_that_does_not_capture_runs_eagerly_through_its_graphed_layer(monkeypatch) -> None:
     """A reader of shared K/V whose capture fails (as `GraphedLayer._capture` reports it) runs
     `LinkedCall`'s eager passes from then on, between replaying neighbours, with eager
