@@ -18,8 +18,8 @@ time than the layer's first pass takes, not GPU memory (bench/RESULTS.md, QLoRA 
 On CUDA, when the run's `GraphChooser` finds it faster for the forward's batch layout, each
 layer's first pass and its recompute-with-backward replay as CUDA graphs
 (`kestrel.recompute.layer_graphs`): `Recompute` hands `LayerCheckpoint` a `GraphedLayer` instead
-of the plain call. The pinned host buffers and the side stream come from
-`kestrel.recompute.host_memory`.
+of the plain call (or of the `LinkedCall` of a layer with ties beyond its hidden states). The
+pinned host buffers and the side stream come from `kestrel.recompute.host_memory`.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ class LayerCheckpoint(torch.autograd.Function):
             with torch.no_grad():
                 if isinstance(run, layer_graphs.GraphedLayer):
                     return run(hidden, ctx.gate)
-                if isinstance(run, LinkedCall):  # `links` are run.inputs: (y, *what it wrote)
+                if isinstance(run, LinkedCall):  # `links` are its inputs: (y, *what it wrote)
                     return run.first_pass(hidden)
                 return run(hidden)
         finally:
@@ -315,21 +315,21 @@ class LayerCheckpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *grad_written: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved, ctx.saved_input = ctx.saved_input, None
-        owner = ctx.owner
+        owner, run = ctx.owner, ctx.run
         owner.gate = ctx.gate
         try:
-            if isinstance(ctx.run, LinkedCall):
-                hidden = _taken(saved).detach().requires_grad_(True)
-                link_grads = ctx.run.backward(owner.recompute, hidden, grad_out, grad_written)
-                return None, None, hidden.grad, *link_grads
-            if isinstance(ctx.run, layer_graphs.GraphedLayer):  # hands the input over: not kept here
-                dx, hidden = ctx.run.backward(_taken(saved), grad_out, owner.recompute)
-                if dx is not None:
-                    return None, None, dx
+            if isinstance(run, layer_graphs.GraphedLayer):  # hands the input over: not kept here
+                grads, hidden = run.backward(_taken(saved), grad_out, owner.recompute, grad_written)
+                if grads is not None:
+                    return None, None, *grads
+                run = run.links.linked if run.links is not None else run  # eagerly, as it would be ungraphed
             else:
                 hidden = _taken(saved)
             hidden = hidden.detach().requires_grad_(True)
-            torch.autograd.backward(owner.recompute(ctx.run, hidden), grad_out)
+            if isinstance(run, LinkedCall):
+                link_grads = run.backward(owner.recompute, hidden, grad_out, grad_written)
+                return None, None, hidden.grad, *link_grads
+            torch.autograd.backward(owner.recompute(run, hidden), grad_out)
         finally:
             owner.gate = ctx.gate = None
         return None, None, hidden.grad
@@ -402,19 +402,19 @@ class Recompute:
     def __call__(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any) -> torch.Tensor:
         if not torch.is_grad_enabled():  # nothing will be back-propagated: nothing to keep, no training forward to time
             return no_grad.call(self, run, hidden, args) if self.no_grad_active else run(hidden, *args)
+        linked = LinkedCall.of(run, args, self.shared_state)
         if self.starts_forward(run) and layer_graphs.graphable(run, hidden):
-            key = layer_graphs.call_key(run, hidden, args)
+            key = layer_graphs.call_key(run, hidden, args, linked)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
             self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
             if self.holds_graphs and not self.chooser.any_graphed():
                 self.release()  # every layout runs eagerly: give the graphs' memory back
             self.holds_graphs |= self.graphed
-        linked = LinkedCall.of(run, args, self.shared_state)
-        if linked is not None:  # never graphed: its grad-requiring arguments are not graphable
-            y, *written = LayerCheckpoint.apply(linked, self, hidden, *linked.inputs)
+        wrapped = layer_graphs.wrap(run, hidden, args, self.graphs if self.graphed else None, linked)
+        if linked is not None:  # `LinkedCall` or a `GraphedLayer` of it: its ties are the checkpoint's too
+            y, *written = LayerCheckpoint.apply(wrapped, self, hidden, *linked.inputs)
             linked.publish(tuple(written))
             return y
-        wrapped = layer_graphs.wrap(run, hidden, args, self.graphs if self.graphed else None)
         return LayerCheckpoint.apply(wrapped, self, hidden)
 
     def release(self) -> None:

@@ -68,7 +68,8 @@ class StaticBuffers:
     def __init__(self) -> None:
         self.storage: dict[tuple, torch.Tensor] = {}  # (slot, dtype, device) -> flat buffer
         self.views: dict[tuple, torch.Tensor] = {}  # (slot, shape, dtype, device) -> view of it
-        self.holds: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # data_ptr -> (tensor, version, shape)
+        # data_ptr -> (tensor, version, shape, stride): a slot's views of one storage differ in shape or layout
+        self.holds: dict[int, tuple[weakref.ref, int, tuple[int, ...], tuple[int, ...]]] = {}
         self.copies = 0  # copies made (tests and profiling read it)
 
     def get(self, slot: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -91,16 +92,27 @@ class StaticBuffers:
     def like(self, slot: Any, t: torch.Tensor) -> torch.Tensor:
         return self.get(slot, tuple(t.shape), t.dtype, t.device)
 
+    def get_strided(
+        self, slot: Any, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    ) -> torch.Tensor:
+        """A buffer of `shape` laid out with `stride`'s order of dimensions when that order is a
+        dense layout (a transposed K/V (B, H, T, D) view of (B, T, H, D) keeps its strides, so the
+        kernels reading it see what they see eagerly); contiguous otherwise (a slice)."""
+        order = sorted(range(len(shape)), key=lambda d: stride[d], reverse=True)
+        base = self.get(slot, tuple(shape[d] for d in order), dtype, device)
+        view = base.permute(*sorted(range(len(shape)), key=order.__getitem__))
+        return view if view.stride() == tuple(stride) else self.get(slot, tuple(shape), dtype, device)
+
     def feed(self, buf: torch.Tensor, t: torch.Tensor) -> None:
         held = self.holds.get(buf.data_ptr())
-        if held is None or held[0]() is not t or held[1] != t._version or held[2] != tuple(buf.shape):
+        if held is None or held[0]() is not t or held[1:] != (t._version, tuple(buf.shape), buf.stride()):
             buf.copy_(t)
             self.copies += 1
             self.hold(buf, t)
 
     def hold(self, buf: torch.Tensor, t: torch.Tensor) -> None:
         """Record that `buf` now holds `t`'s values."""
-        self.holds[buf.data_ptr()] = (weakref.ref(t), t._version, tuple(buf.shape))
+        self.holds[buf.data_ptr()] = (weakref.ref(t), t._version, tuple(buf.shape), buf.stride())
 
     def forget(self, buf: torch.Tensor) -> None:
         self.holds.pop(buf.data_ptr(), None)

@@ -21,7 +21,8 @@ that nothing outlives a replay in, so all layers share one layer's working set
 (`memory_allocated` no longer counts it; `memory_reserved` does). A signature that does not
 capture runs eagerly from then on, with one warning; a layer whose signatures keep changing
 stops capturing. Offloaded layers page their MLP gate product E through one of two static
-buffers (`GateKeeper`).
+buffers (`GateKeeper`). A layer tied to others beyond its hidden states (`kestrel.recompute.linked`)
+takes its ties as further static inputs and outputs (`kestrel.recompute.linked_graphs`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import torch
 from torch import nn
 
 from kestrel.recompute.graph_inputs import NotGraphable, StaticBuffers, signature, substitute
+from kestrel.recompute.linked import LinkedCall
+from kestrel.recompute.linked_graphs import GraphLinks, LinkBuffers, WrittenLike, feed_dw, grad_lists, split_grads
 from kestrel.kernels import dispatch, nf4
 from kestrel.kernels.lora import casts as lora_casts
 
@@ -95,6 +98,7 @@ class _Graphs:
     params: list[tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(default_factory=list)
     flats: list[torch.Tensor] = dataclasses.field(default_factory=list)  # gradient buffers, one per dtype
     gate: torch.Tensor | None = None  # the MLP gate product E between the passes (`GateKeeper`)
+    links: LinkBuffers | None = None  # a linked call's ties (`kestrel.recompute.linked_graphs`)
     failed: bool = False
 
 
@@ -102,6 +106,7 @@ class _LayerState:
     def __init__(self) -> None:
         self.seen: dict[Any, int] = {}
         self.gate_like: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}  # E kept by a first sighting
+        self.wrote: dict[Any, list[WrittenLike]] = {}  # what a linked call's first sighting wrote
         self.graphs: collections.OrderedDict[Any, _Graphs] = collections.OrderedDict()
         self.captures = 0
         self.eager_backwards = 0  # backwards run eagerly after a graphed first pass
@@ -140,8 +145,8 @@ class GraphRegistry:
         self.devices.clear()
 
     def stats(self) -> dict[str, int]:
-        """Graphs captured, those keeping a gate product in a static buffer, and input copies made
-        so far (tests, profiling)."""
+        """Graphs captured, those keeping a gate product in a static buffer, linked calls' backward
+        graphs, and input copies made so far (tests, profiling)."""
         states = list(self.layers.values())
         graphs = [g for state in states for g in state.graphs.values()]
         return {
@@ -149,6 +154,7 @@ class GraphRegistry:
             "backward": sum(g.backward is not None for g in graphs),
             "failed": sum(g.failed for g in graphs),
             "gates": sum(g.gate is not None for g in graphs),
+            "linked": sum(g.links is not None and g.backward is not None for g in graphs),
             "eager_backwards": sum(state.eager_backwards for state in states),
             "copies": sum(d.buffers.copies for d in self.devices.values()),
         }
@@ -173,27 +179,37 @@ def layer_state(layer: nn.Module, registry: GraphRegistry) -> tuple:
 
 class GraphedLayer:
     """One call of a checkpointed decoder layer, as HF's checkpointing hands it over: `run`, a
-    partial of the layer's `__call__` holding its keyword arguments, and positional `args`.
+    partial of the layer's `__call__` holding its keyword arguments, and positional `args`;
+    `linked`: its ties beyond the hidden states (`kestrel.recompute.linked`), if any.
 
     Calling it runs the first pass: under no_grad its graph once captured, else eagerly (the
-    recompute, with grad on, always goes through `backward`). `backward(hidden, grad_out,
-    recompute)` replays the recompute-and-backward graph, sets the parameters' gradients and
-    returns dX, or returns None when this call is not graphed (the caller then runs eagerly).
+    recompute, with grad on, always goes through `backward`); a linked call returns
+    (y, *what it wrote), as `LinkedCall.first_pass`. `backward(hidden, grad_out, recompute,
+    grad_written)` replays the recompute-and-backward graph, sets the parameters' gradients and
+    returns (dX, *the linked inputs' gradients), or None when this call is not graphed (the
+    caller then runs eagerly).
     """
 
-    def __init__(self, run: functools.partial, hidden: torch.Tensor, args: tuple, registry: GraphRegistry) -> None:
+    def __init__(
+        self, run: functools.partial, hidden: torch.Tensor, args: tuple, registry: GraphRegistry,
+        linked: LinkedCall | None = None,
+    ) -> None:
         self.registry = registry
         self.call, self.args, self.kwargs = run.func, args, run.keywords
         self.layer: nn.Module = run.func.__self__
+        self.links = GraphLinks(linked, run.keywords) if linked is not None else None
+        self.masked = self.links.masked(args, self.kwargs) if self.links is not None else (args, self.kwargs)
         self.leaves: list[torch.Tensor] = []
         self.graphs: _Graphs | None = None
         self.gate: GateKeeper | None = None
         self.key: Any = None
+        self.seen: Any = None  # the key and the gate buffer this call uses
         if registry.state(self.layer).off:
             return
         try:
+            ties = self.links.key(hidden.device) if self.links is not None else None
             self.key = (tuple(hidden.shape), hidden.dtype, hidden.device,
-                        signature((args, self.kwargs), self.leaves), layer_state(self.layer, registry))
+                        signature(self.masked, self.leaves), ties, layer_state(self.layer, registry))
         except NotGraphable as exc:
             registry.warn_once(f"CUDA graphs off for some decoder layers: {exc}")
 
@@ -202,7 +218,7 @@ class GraphedLayer:
         state = self.registry.state(self.layer)
         if self.key is None or state.off:
             return None
-        seen = (self.key, None if gate is None else gate.slot)
+        seen = self.seen
         # Graphs read the NF4 workspace they saw, so its generation keys them; not the sightings,
         # or the layer whose first pass grew the workspace would take a step more to be graphed.
         key = (seen, nf4.WORKSPACE.generation)
@@ -213,8 +229,8 @@ class GraphedLayer:
         if len(state.seen) > 64:
             state.seen.clear()
         state.seen[seen] = state.seen.get(seen, 0) + 1
-        like = state.gate_like.get(seen)
-        if state.seen[seen] < 2:
+        like, written = state.gate_like.get(seen), state.wrote.get(seen)
+        if state.seen[seen] < 2 or self.links is not None and written is None:
             return None
         if state.captures >= MAX_CAPTURES:
             state.off = True
@@ -224,71 +240,97 @@ class GraphedLayer:
         graphs = _Graphs(bufs.like("x", hidden), [bufs.like(("arg", i), t) for i, t in enumerate(self.leaves)])
         if like is not None:
             graphs.gate = bufs.get(("gate", gate.slot), *like, hidden.device)
+        if self.links is not None:
+            graphs.links = self.links.allocate(bufs, written, hidden.device)
         state.graphs[key] = graphs
         state.captures += 1
         while len(state.graphs) > GRAPHS_PER_LAYER:
             state.graphs.popitem(last=False)
         return graphs
 
-    def eager(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.call(hidden, *self.args, **self.kwargs)
+    def eager(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.links is None:
+            return self.call(hidden, *self.args, **self.kwargs)
+        out = self.links.linked.first_pass(hidden)
+        if self.seen is not None:  # what it wrote: its graphs' outputs
+            self.registry.state(self.layer).wrote[self.seen] = self.links.written_like()
+        return out
 
     def _feed(self, bufs: StaticBuffers, g: _Graphs, hidden: torch.Tensor) -> None:
         bufs.feed(g.x, hidden)
         for buf, t in zip(g.leaves, self.leaves):
             bufs.feed(buf, t)
+        if g.links is not None:
+            self.links.feed(bufs, g.links)
 
-    def _static_call(self, g: _Graphs) -> Callable[[torch.Tensor], torch.Tensor]:
-        args, kwargs = substitute((self.args, self.kwargs), iter(g.leaves))
-        return lambda h: self.call(h, *args, **kwargs)
+    def _static_call(
+        self, g: _Graphs, inputs: list[torch.Tensor] | None = None,
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
+        """h -> (y, [the tensors a linked call wrote]) on the static buffers; `inputs`: the linked
+        inputs to use instead of their static buffers (the backward's leaves)."""
+        args, kwargs = substitute(self.masked, iter(g.leaves))
+        if self.links is None:
+            return lambda h: (self.call(h, *args, **kwargs), [])
+        return self.links.bind(self.call, args, kwargs, g.links.links if inputs is None else inputs, g.links.written)
 
-    def __call__(self, hidden: torch.Tensor, gate: GateKeeper | None = None, alone: bool = False) -> torch.Tensor:
+    def __call__(
+        self, hidden: torch.Tensor, gate: GateKeeper | None = None, alone: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The first pass (under no_grad). `gate`: where offloaded checkpointing keeps this call's
         MLP gate product; the graphs keep it in a static buffer, which `gate` copies out. `alone`:
         a no-grad forward that no backward follows (a reference pass): its first-pass graph is
         captured once the layer holds a backward graph of another signature (the pool's order)."""
         self.gate = gate
+        self.seen = None if self.key is None else (self.key, None if gate is None else gate.slot)
         g = self.graphs = None if torch.is_grad_enabled() else self._lookup(hidden, gate)
         if g is None:
             out = self.eager(hidden)
-            if gate is not None and gate.like is not None and self.key is not None:
-                self.registry.state(self.layer).gate_like[(self.key, gate.slot)] = gate.like
+            if gate is not None and gate.like is not None and self.seen is not None:
+                self.registry.state(self.layer).gate_like[self.seen] = gate.like
             return out
         if gate is not None:
             gate.bind(g.gate)
         # Captured once the backward graph is: the pool's segments are then cut for the
         # backward's larger working set, and the first pass fits into them (the other way round
         # the pool grows; bench/RESULTS.md, QLoRA "Session 12"). Until then it runs eagerly.
-        if g.forward is None and (g.backward is None if not alone else not self._holds_backward()):
-            out = self.eager(hidden)
-        else:
-            bufs = self.registry.device(hidden.device).buffers
-            self._feed(bufs, g, hidden)
-            if g.forward is None:
-                layer = self._static_call(g)
-
-                def body() -> None:
-                    g.x.copy_(layer(g.x))
-
-                g.forward = self._capture(g, body)
-            if g.forward is None:
-                out = self.eager(hidden)
-            else:
-                g.forward.replay()
-                out = g.x.clone()
-                bufs.hold(g.x, out)  # the next layer's input: already in the buffer
+        first = g.forward is not None or (g.backward is not None if not alone else self._holds_backward())
+        out = self._first_pass(g, hidden) if first else self.eager(hidden)
         if gate is not None:
             gate.copy_out()
         return out
+
+    def _first_pass(self, g: _Graphs, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The first pass's graph replayed (captured on its first call here); eager if it does not capture."""
+        bufs = self.registry.device(hidden.device).buffers
+        self._feed(bufs, g, hidden)
+        if g.forward is None:
+            layer = self._static_call(g)
+            wrote = g.links.wrote if g.links is not None else []
+
+            def body() -> None:
+                y, written = layer(g.x)
+                for buf, w in zip(wrote, written):  # before y overwrites the input they came from
+                    buf.copy_(w)
+                g.x.copy_(y)
+
+            g.forward = self._capture(g, body)
+        if g.forward is None:
+            return self.eager(hidden)
+        g.forward.replay()
+        out = g.x.clone()
+        bufs.hold(g.x, out)  # the next layer's input: already in the buffer
+        return out if g.links is None else (out, *self.links.publish_replayed(g.links))
 
     def _holds_backward(self) -> bool:
         return any(g.backward is not None for g in self.registry.state(self.layer).graphs.values())
 
     def backward(
         self, hidden: torch.Tensor, grad_out: torch.Tensor,
-        recompute: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(dX, None) for grad_out, the parameters' gradients set; or (None, hidden): run
+        recompute: Callable[[Callable[[torch.Tensor], Any], torch.Tensor], Any],
+        grad_written: tuple[torch.Tensor | None, ...] = (),
+    ) -> tuple[tuple[torch.Tensor | None, ...] | None, torch.Tensor | None]:
+        """((dX, *the linked inputs' gradients), None) for grad_out and a linked call's
+        `grad_written` (what it wrote), the parameters' gradients set; or (None, hidden): run
         eagerly. The caller hands `hidden` over without keeping it: once in the static buffer it
         is let go before the replay (its memory serves the replay's eager neighbours). dX is the
         static incoming-gradient buffer itself, which the layer below's backward reads in place
@@ -308,6 +350,8 @@ class GraphedLayer:
         del hidden
         bufs.feed(g.grad, grad_out)
         del grad_out
+        if g.links is not None:
+            feed_dw(bufs, g.links.dw, grad_written)
         if g.backward is None:
             g.backward = self._capture(g, self._backward_body(g, bufs, recompute))
             if g.backward is None:
@@ -315,27 +359,39 @@ class GraphedLayer:
         g.backward.replay()
         bufs.hold(g.grad, g.grad)  # the layer below's incoming gradient: already in the buffer
         _set_grads(g)
-        return g.grad, None
+        if g.links is None:
+            return (g.grad,), None
+        return (g.grad, *(d.clone() if ok else None for d, ok in zip(g.links.dlinks, g.links.got))), None
 
     def _backward_body(self, g: _Graphs, bufs: StaticBuffers, recompute: Callable) -> Callable[[], None]:
-        """The captured backward: recompute, then the gradients of the input and the trainable
-        parameters into the static buffers (`g.params` keeps the parameters that got one)."""
+        """The captured backward: recompute, then the gradients of the input, the linked inputs
+        and the trainable parameters into the static buffers (`g.params` keeps the parameters
+        that got one, `g.links.got` the linked inputs that did)."""
         params = [p for p in self.layer.parameters() if p.requires_grad]
         slots = _flat_slots(g, bufs, params)
-        layer = self._static_call(g)
+        lb = g.links
+        wants = self.links.wants if lb is not None else []
         got: list[bool] = []
 
         def body() -> None:
             h = g.x.detach().requires_grad_(True)
-            out = recompute(layer, h)
-            if not isinstance(out, torch.Tensor):
+            leaves = [b.detach().requires_grad_(w) for b, w in zip(lb.links, wants)] if lb is not None else []
+            y, written = recompute(self._static_call(g, leaves), h)
+            if not isinstance(y, torch.Tensor):
                 raise NotGraphable("the layer returns more than a tensor")
-            grads = torch.autograd.grad(out, [h, *params], g.grad, allow_unused=True)
-            got[:] = [d is not None for d in grads[1:]]
-            for (p, i, start), d in zip(slots, grads[1:]):
+            outputs, inputs, douts = grad_lists(h, y, g.grad, written, lb.dw if lb is not None else [], leaves, params)
+            dh, dlinks, dparams = split_grads(torch.autograd.grad(outputs, inputs, douts, allow_unused=True),
+                                              wants, len(params))
+            got[:] = [d is not None for d in dparams]
+            for (p, i, start), d in zip(slots, dparams):
                 if d is not None:
                     g.flats[i][start : start + p.numel()].view(p.shape).copy_(d)
-            g.grad.copy_(grads[0])
+            if lb is not None:
+                lb.got = [d is not None for d in dlinks]
+                for buf, d in zip(lb.dlinks, dlinks):
+                    if d is not None:
+                        buf.copy_(d)
+            g.grad.copy_(dh)
 
         def run() -> None:
             body()
@@ -425,20 +481,28 @@ def graphable(run: Callable[..., torch.Tensor], hidden: torch.Tensor, training: 
     )
 
 
-def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple) -> Any:
+def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple, linked: LinkedCall | None = None) -> Any:
     """The signature a layer's graphs replay for (input shape, the other arguments' shapes and
-    values), or None when a replay could not reproduce the call."""
+    values, a linked call's ties: `GraphLinks.key`), or None when a replay could not reproduce the call."""
     try:
-        return tuple(hidden.shape), hidden.dtype, signature((args, run.keywords), [])
+        if linked is None:
+            return tuple(hidden.shape), hidden.dtype, signature((args, run.keywords), [])
+        links = GraphLinks(linked, run.keywords)
+        return (tuple(hidden.shape), hidden.dtype, signature(links.masked(args, run.keywords), []),
+                links.key(hidden.device))
     except NotGraphable:
         return None
 
 
 def wrap(
     run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple, graphs: GraphRegistry | None,
-) -> Callable[[torch.Tensor], torch.Tensor]:
+    linked: LinkedCall | None = None,
+) -> Callable[[torch.Tensor], torch.Tensor] | LinkedCall | GraphedLayer:
     """What a layer checkpoint runs for this call: a `GraphedLayer` of the run's `graphs` when
-    given (the run's choice for this forward) and the call can be graphed, else `run` with `args`."""
+    given (the run's choice for this forward) and the call can be graphed; else `linked` when the
+    call has ties (`kestrel.recompute.linked`), else `run` with `args`."""
     if graphs is not None and graphable(run, hidden):
-        return GraphedLayer(run, hidden, args, graphs)
+        return GraphedLayer(run, hidden, args, graphs, linked)
+    if linked is not None:
+        return linked
     return (lambda h: run(h, *args)) if args else run

@@ -29,7 +29,7 @@ import torch
 Slot = tuple[Any, int | None]  # (mapping key, index in its tuple value or None for a bare tensor)
 
 
-def _tensors_of(mapping: MutableMapping) -> dict[Slot, torch.Tensor]:
+def tensors_of(mapping: MutableMapping) -> dict[Slot, torch.Tensor]:
     """The mapping's tensors by slot: a value that is a tensor, or a tuple / list of them."""
     out: dict[Slot, torch.Tensor] = {}
     for key, value in mapping.items():
@@ -40,7 +40,7 @@ def _tensors_of(mapping: MutableMapping) -> dict[Slot, torch.Tensor]:
     return out
 
 
-def _put(mapping: MutableMapping, values: dict[Slot, torch.Tensor]) -> None:
+def put_slots(mapping: MutableMapping, values: dict[Slot, torch.Tensor]) -> None:
     """Write tensors back into their slots, rebuilding tuple values."""
     for (key, index), tensor in values.items():
         if index is None:
@@ -57,7 +57,7 @@ class LinkedCall:
     def __init__(self, run: Callable[..., torch.Tensor], args: tuple, shared: MutableMapping | None) -> None:
         self.run, self.args, self.shared = run, args, shared
         self.arg_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        self.read: dict[Slot, torch.Tensor] = _tensors_of(shared) if shared is not None else {}
+        self.read: dict[Slot, torch.Tensor] = tensors_of(shared) if shared is not None else {}
         self.written: list[Slot] = []
 
     @staticmethod
@@ -78,14 +78,14 @@ class LinkedCall:
         y = self.run(hidden, *self.args)
         if self.shared is None:
             return (y,)
-        after = _tensors_of(self.shared)
+        after = tensors_of(self.shared)
         self.written = [slot for slot, t in after.items() if self.read.get(slot) is not t]
         return (y, *(after[slot] for slot in self.written))
 
     def publish(self, written: tuple[torch.Tensor, ...]) -> None:
         """Put the checkpoint's outputs (autograd-reachable) in place of what the first pass wrote."""
         if self.shared is not None and written:
-            _put(self.shared, dict(zip(self.written, written)))
+            put_slots(self.shared, dict(zip(self.written, written)))
 
     def backward(
         self, recompute: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor],
@@ -100,9 +100,9 @@ class LinkedCall:
         kept = dict(self.shared.items()) if self.shared is not None else {}
         try:
             if self.shared is not None:
-                _put(self.shared, dict(zip(self.read, leaves[len(self.arg_slots):])))
+                put_slots(self.shared, dict(zip(self.read, leaves[len(self.arg_slots):])))
             y = recompute(lambda h: self.run(h, *args), hidden)
-            rewritten = _tensors_of(self.shared) if self.shared is not None else {}
+            rewritten = tensors_of(self.shared) if self.shared is not None else {}
             outs, grads = [y], [grad_out]
             for slot, grad in zip(self.written, grad_written):
                 if grad is not None and rewritten[slot].requires_grad:

@@ -89,6 +89,36 @@ def test_qlora_offload_pages_gate_products_out_and_keeps_the_curve(
     assert curves["offload"] == pytest.approx(curves["standard"], rel=1e-5)
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_gemma4_graphed_curve_matches_eager(tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            method: str) -> None:
+    """Gemma 4's linked layers (per-layer inputs, shared K/V) replay as CUDA graphs in a run (the
+    padded shapes that recur), every capture succeeds, and the curve is the eager run's."""
+    from kestrel.recompute import layer_graphs
+
+    model = str(tiny_model_dir("gemma4_text"))
+    captures: list[tuple[bool, bool]] = []  # (linked, captured) per capture
+    real_capture = layer_graphs.GraphedLayer._capture
+
+    def spy(self, g, body):
+        graph = real_capture(self, g, body)
+        captures.append((self.links is not None, graph is not None))
+        return graph
+
+    monkeypatch.setattr(layer_graphs.GraphedLayer, "_capture", spy)
+    curves = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("KESTREL_CUDA_GRAPHS", graphs)
+        result = run(config_from_dict(_cfg(model, tmp_path / graphs, method=method)))
+        assert result.status == "completed", result.error
+        curves[graphs] = _losses(tmp_path / graphs)
+        if graphs == "0":
+            assert captures == []
+    assert captures and all(linked and ok for linked, ok in captures), captures
+    for step, (x, y) in enumerate(zip(curves["1"], curves["0"]), 1):
+        assert abs(x - y) <= 1e-2 * abs(y), f"step {step}: graphed {x} vs eager {y}"
+
+
 def test_real_out_of_memory_fails_with_advice_and_releases_the_gpu(demo_tokenizer, tmp_path: Path) -> None:
     """A genuine CUDA allocator OOM (memory capped for this process), not an injected one."""
     folder = tmp_path / "mid"
