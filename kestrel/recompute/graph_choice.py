@@ -165,6 +165,11 @@ class GraphChooser:
         layout = self.layouts.get(key)
         return layout is not None and layout.decision is not None and layout.decision.graphed
 
+    def graphs_kept(self) -> bool:
+        """Whether some layout is decided graphed (always, with graphs forced on)."""
+        return self.mode == "on" or self.mode == "auto" and any(
+            lay.decision is not None and lay.decision.graphed for lay in self.layouts.values())
+
     def decisions(self) -> list[Decision]:
         return [lay.decision for lay in self.layouts.values() if lay.decision is not None]
 

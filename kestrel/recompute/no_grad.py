@@ -13,10 +13,11 @@ mode live, stays in eval mode, and no decoder layer of the supported families re
 `Recompute` then hands each no-grad call to `call`: at the first layer it asks the run's
 `GraphChooser` whether this layout (the same key as a training forward of these rows) is decided
 graphed; it times nothing, so a layout still being timed runs eagerly. A reference pass otherwise
-runs its real columns alone, a width no training forward has, so while the run graphs any layout
-it takes the training forward's rounded width instead (`replays_training_shapes`): the padding
-columns (at most an eighth of the row, `kestrel.data.collate.bucket_width`) cost less than a
-forward of eager launches. A graphed call replays a
+runs its real columns alone, a width no training forward has, so once the run has decided to graph
+some layout it takes the training forward's rounded width instead (`replays_training_shapes`):
+the padding columns (at most an eighth of the row, `kestrel.data.collate.bucket_width`) then buy
+replayed layers; while the chooser is still timing, or where every layout runs eagerly, the
+reference keeps its real columns. A graphed call replays a
 first-pass graph of its own signature (the adapter switch is part of it: `layer_graphs.layer_state`),
 captured on its second sighting once the layer holds a backward graph.
 
@@ -61,11 +62,11 @@ def no_grad_forwards(recompute: Recompute | None) -> Iterator[None]:
 
 def replays_training_shapes(model: nn.Module) -> bool:
     """Whether a no-grad forward of `model` should take the training forward's shapes: it runs
-    under `no_grad_forwards` of a run that graphs some layout (or is still timing one)."""
+    under `no_grad_forwards` of a run that has decided to graph some layout."""
     from kestrel.recompute.checkpoint import recompute_of  # checkpoint.py imports this module
 
     recompute = recompute_of(model)
-    return recompute is not None and recompute.no_grad_active and recompute.chooser.any_graphed()
+    return recompute is not None and recompute.no_grad_active and recompute.chooser.graphs_kept()
 
 
 def call(recompute: Recompute, run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple) -> torch.Tensor:

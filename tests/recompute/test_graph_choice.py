@@ -180,3 +180,18 @@ def test_a_no_grad_forward_follows_only_a_decided_layout_and_times_nothing() -> 
     assert not run.chooser.decided_graphed("other")
     assert run.chooser.layouts == layouts  # nothing recorded for the asked layout
     assert GraphChooser("on").decided_graphed("x") and not GraphChooser("off").decided_graphed("x")
+
+
+def test_graphs_are_kept_once_a_layout_is_decided_graphed_not_while_timing() -> None:
+    run = FakeRun(host_bound)
+    for _ in range(6):
+        run.forward("small", 1000)
+    assert run.chooser.any_graphed() and not run.chooser.graphs_kept()  # still timing
+    for _ in range(8):
+        run.forward("small", 1000)
+    assert run.chooser.graphs_kept()
+    eager = FakeRun(lambda tokens, graphed: 1.0 if graphed else 0.5)
+    for _ in range(14):
+        eager.forward("k", 10)
+    assert not eager.chooser.graphs_kept() and not eager.chooser.any_graphed()
+    assert GraphChooser("on").graphs_kept() and not GraphChooser("off").graphs_kept()
