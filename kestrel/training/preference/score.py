@@ -6,6 +6,7 @@ Training (`trainer.py`, with gradients) and evaluation (`evaluation.py`, in no_g
     stats = StepStats(torch.zeros(()))
     loss = micro_loss(s, rows, idx, stats)         # () mean over the micro-batch's rows
     preference_metrics(stats, paired=True, world=world)  # TRL's names, over every rank's rows
+    staged = stage_metrics(stats, True, world, shared={"grad_norm": g})  # the same, read later: staged.read()
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class StepStats:
     tokens: int = 0
 
 
-def _reference(s: Any, data: RowSet, idx: list[int], rows: AnswerRows) -> torch.Tensor:
+def reference_logps(s: Any, data: RowSet, idx: list[int], rows: AnswerRows) -> torch.Tensor:
     """(R,) reference log-probs of the micro-batch's rows (answer-major), scored on the same
     `rows` the policy scores."""
     if data.reference is not None:
@@ -83,10 +84,12 @@ def micro_loss(s: Any, data: RowSet, idx: list[int], stats: StepStats) -> torch.
     `s`: the run (config, model, pad_id, device, flat, share_prompt)."""
     p, method = s.config.preference, s.config.method
     chosen = [data.samples[i] for i in idx]
-    rows = scored_rows(s, chosen)
+    ahead = getattr(s, "ahead", None)  # the rows and reference queued during the previous step (`ahead.py`)
+    early = ahead.take(data, idx) if ahead is not None else None
+    rows = early[0] if early is not None else scored_rows(s, chosen)
     # The no-gradient passes first: their activations are gone before the policy's forward keeps
     # its checkpoints for the backward, so the two never sit in memory together.
-    ref = _reference(s, data, idx, rows) if method in NEEDS_REFERENCE else None  # (R,)
+    ref = early[1] if early is not None else reference_logps(s, data, idx, rows) if method in NEEDS_REFERENCE else None
     kl = _kto_kl(s, data, idx) if method == "kto" else None
     logp = answer_logprobs(s.model, rows)  # (R, L)
     seq, tokens = logp.sum(-1), rows.tokens.to(logp.dtype)  # (R,)
@@ -127,7 +130,46 @@ def preference_metrics(stats: StepStats, paired: bool, world: World | None = Non
     KTO: its desirable or undesirable rows; the extras: micro-batches) of every rank, from one
     all-reduce of (sum, count) per metric and the loss (one host read). A metric with no row is
     left out."""
+    return stage_metrics(stats, paired, world).read()
+
+
+@dataclass
+class StagedMetrics:
+    """A step's metric sums, reduced over the ranks and on their way to host memory behind an
+    event (`stage_metrics`): `read` waits for the step's work only, not for work queued after it
+    (the next step's reference pass, `ahead.py`)."""
+
+    names: list[str]
+    values: torch.Tensor  # (1 + 2 x names + extras,) float64 on the host (pinned on CUDA)
+    done: Any  # torch.cuda.Event once the copy is queued, or None (nothing to wait for)
+    paired: bool
+    extras: list[str]
+    ranks: list[int]  # per extra: what its sum over the ranks is divided by (1: a sum; N: a value every rank shares)
+
+    def read(self) -> dict[str, float]:
+        if self.done is not None:
+            self.done.synchronize()
+        values = self.values.tolist()
+        out = {"loss": values[0]}
+        for i, name in enumerate(self.names):
+            total, count = values[1 + 2 * i], values[2 + 2 * i]
+            if count:
+                out[name] = total / count
+        if not self.paired and "rewards/chosen" in out and "rewards/rejected" in out:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        out.update((k, v / r) for k, v, r in zip(self.extras, values[1 + 2 * len(self.names):], self.ranks))
+        return out
+
+
+def stage_metrics(stats: StepStats, paired: bool, world: World | None = None,
+                  summed: dict[str, torch.Tensor] | None = None, shared: dict[str, torch.Tensor] | None = None,
+                  ) -> StagedMetrics:
+    """`preference_metrics`' sums, and scalars `summed` over the ranks or `shared` by every rank (the
+    gradient norm), reduced in one all-reduce and copied to host memory without waiting (see
+    `StagedMetrics`)."""
     world = world or World()
+    extras = {**(summed or {}), **(shared or {})}
+    ranks = [1] * len(summed or {}) + [world.size] * len(shared or {})
     device = stats.loss.device
     chosen, rejected = _joined(stats.chosen, device), _joined(stats.rejected, device)
     parts = {"rewards/chosen": chosen, "rewards/rejected": rejected,
@@ -138,13 +180,13 @@ def preference_metrics(stats: StepStats, paired: bool, world: World | None = Non
         parts["rewards/accuracies"] = (chosen > rejected).double()
     names = list(parts)  # the same on every rank: the method decides them
     sums = torch.stack([stats.loss.double().reshape(()), *(v for n in names for v in (parts[n].sum(),
-                        torch.tensor(float(parts[n].numel()), dtype=torch.float64, device=device)))])
-    values = world.sum(sums).tolist()
-    out = {"loss": values[0]}
-    for i, name in enumerate(names):
-        total, count = values[1 + 2 * i], values[2 + 2 * i]
-        if count:
-            out[name] = total / count
-    if not paired and "rewards/chosen" in out and "rewards/rejected" in out:
-        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-    return out
+                        torch.tensor(float(parts[n].numel()), dtype=torch.float64, device=device))),
+                        *(x.detach().double().reshape(()).to(device) for x in extras.values())])
+    sums = world.sum(sums)
+    if device.type != "cuda":
+        return StagedMetrics(names, sums, None, paired, list(extras), ranks)
+    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+    host.copy_(sums, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return StagedMetrics(names, host, done, paired, list(extras), ranks)

@@ -66,9 +66,10 @@ from kestrel.training.preference.data import data_kind, kl_partners, micro_batch
 from kestrel.training.preference.evaluation import eval_rows, preference_evaluator
 from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, adapter_layers, precompute
 from kestrel.training.preference.rows import score_through_fsdp
-from kestrel.training.preference.score import RowSet, StepStats, micro_loss, preference_metrics
+from kestrel.training.preference.ahead import Ahead, ahead_for
+from kestrel.training.preference.score import RowSet, StepStats, micro_loss, stage_metrics
 from kestrel.training.recipe import (
-    graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything, step_end,
+    graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything,
 )
 
 
@@ -95,6 +96,7 @@ class PreferenceSession:
     evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
     adapter_layers: list[nn.Module] = field(default_factory=list)  # what the reference switch flips (found once)
     share_prompt: bool = False  # paired rows as [prompt, chosen, rejected], the prompt scored once
+    ahead: Ahead | None = None  # the next step's reference pass, queued early (`ahead.py`)
 
     @property
     def paired(self) -> bool:
@@ -179,9 +181,10 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
 # --- 4. update and metrics --------------------------------------------------------------------
 
 
-def train_step(s: PreferenceSession, step: int) -> tuple[StepStats, dict[str, float]]:
-    """One optimizer step over `grad_accum` micro-batches on each rank; returns its stats and
-    update metrics (`stats.loss`: this rank's part of the step's loss).
+def train_step(s: PreferenceSession, step: int) -> tuple[StepStats, torch.Tensor, float]:
+    """One optimizer step over `grad_accum` micro-batches on each rank; returns its stats, the
+    gradient norm (on the device: read with the metrics) and the lr (`stats.loss`: this rank's part
+    of the step's loss).
 
     A step's window is micro-batches step*W .. step*W + W-1 (W = grad_accum x ranks); rank r takes
     every size-th of them from r, as SFT's ranks do."""
@@ -194,23 +197,30 @@ def train_step(s: PreferenceSession, step: int) -> tuple[StepStats, dict[str, fl
         (loss * world.loss_scale if world.loss_scale != 1.0 else loss).backward()
         stats.loss += loss.detach()
     grad_norm, lr = optimizer_step(s, world.sum(stats.loss.clone()))
-    return stats, {"grad_norm": float(grad_norm), "lr": lr}
+    return stats, grad_norm, lr
 
 
 def train_loop(s: PreferenceSession, cb: Callback) -> str:
-    """Steps until done or asked to stop; returns the final status."""
-    started = time.perf_counter()
+    """Steps until done or asked to stop; returns the final status.
+
+    Each step's metrics are staged on their way to the host before the next step's reference pass
+    is queued (`ahead.py`), so the host reads and reports them while the GPU scores that pass. A
+    step's time runs from the previous step's work being done to its own (the first: from here)."""
+    started = done = time.perf_counter()
+    s.ahead = ahead_for(s)
     for step in range(s.start_step, s.total_steps):
-        t0 = time.perf_counter()
-        stats, update = train_step(s, step)
-        now = step_end(s.device)
-        tokens = stats.tokens
-        if s.world.distributed:
-            tokens = int(s.world.sum(torch.tensor([float(tokens)], device=s.device)).item())
+        stats, grad_norm, lr = train_step(s, step)
+        tokens = torch.tensor(float(stats.tokens), device=s.device)
+        staged = stage_metrics(stats, s.paired, s.world, summed={"tokens": tokens}, shared={"grad_norm": grad_norm})
+        if s.ahead is not None and step + 1 < s.total_steps:
+            s.ahead.queue(s, step + 1)
+        values = staged.read()
+        t0, done = done, time.perf_counter()
+        tokens = int(values.pop("tokens"))
         epoch = (step + 1) * s.config.grad_accum * s.world.size / per_epoch(len(s.samples), s.config.batch_size)
-        metrics = {"epoch": epoch, **preference_metrics(stats, s.paired, s.world), **update, **graph_metrics(s.recompute),
+        metrics = {"epoch": epoch, **values, "lr": lr, **graph_metrics(s.recompute),
                    **({"shared_prompt": float(s.share_prompt)} if s.paired else {})}
-        stop = report_step(s, cb, step, metrics, tokens, started, t0, now)
+        stop = report_step(s, cb, step, metrics, tokens, started, t0, done)
         if stop:
             return stop
     return "completed"
