@@ -56,13 +56,14 @@ import triton.language as tl
 
 from kestrel.kernels import nf4
 from kestrel.kernels._utils import cdiv, interpreted, sm_count
+from kestrel.kernels.decode import nf4_lookup
 from kestrel.kernels.decode.nf4_tiles import (
-    MAX_ROWS, NIBBLE, PAIR, Plan, Tiles, choose_tiles, device_name,
+    MAX_ROWS, NIBBLE, PAIR, PRMT, Plan, Tiles, choose_tiles, device_name,
     measured_plan,
 )
 from kestrel.kernels.dispatch import use_triton
 
-__all__ = ["MAX_ROWS", "NIBBLE", "PAIR", "Tiles", "NF4Weight", "applies", "nf4_gemv", "nf4_weight"]
+__all__ = ["MAX_ROWS", "NIBBLE", "PAIR", "PRMT", "Tiles", "NF4Weight", "applies", "nf4_gemv", "nf4_weight"]
 
 MIN_ROWS = 2  # rows from which the decode path takes this kernel unless a measured plan says one row too
 MAX_MEMBERS = 3
@@ -120,11 +121,16 @@ def _codes(packed, CODE, PAIRS, LOOKUP: tl.constexpr):
 
 
 @triton.jit
-def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, MASKED: tl.constexpr):
-    """The packed bytes (BLOCK_N, NB, HB) uint8 and fp32 absmax (BLOCK_N, NB) of quant blocks blk0 ..
-    blk0 + NB - 1 of each row; blocks at or past N_BLK read as zeros (checked only when MASKED)."""
+def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, MASKED: tl.constexpr,
+          LOOKUP: tl.constexpr):
+    """The packed bytes (BLOCK_N, NB, HB) uint8 (PRMT: int32 words (BLOCK_N, NB, HB / 4)) and fp32
+    absmax (BLOCK_N, NB) of quant blocks blk0 .. blk0 + NB - 1 of each row; blocks at or past N_BLK
+    read as zeros (checked only when MASKED)."""
     blk = blk0 + tl.arange(0, NB)  # (NB,)
-    byte = blk[:, None] * HB + tl.arange(0, HB)[None, :]  # (NB, HB) byte offsets within a row
+    PER: tl.constexpr = HB // 4 if LOOKUP == 2 else HB  # words or bytes a block
+    if LOOKUP == 2:  # rows start at multiples of K / 2 bytes, the buffers at multiples of 4 (`nf4_weight`)
+        w_rows = w_rows.to(tl.pointer_type(tl.int32))
+    byte = blk[:, None] * PER + tl.arange(0, PER)[None, :]  # (NB, PER) offsets within a row
     if MASKED:
         ok = (blk < N_BLK)[None, :]
         packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=ok[:, :, None], other=0)
@@ -136,12 +142,17 @@ def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.co
 
 
 @triton.jit
-def _weight_pairs(packed, scale, CODE, PAIRS, LOOKUP: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _weight_pairs(packed, scale, CODE, PAIRS, HB: tl.constexpr, LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
     """A tile from `_tile` dequantized: (hi, lo), each (BLOCK_N, NB, HB), hi[.., b, j] = element 2j
     of block b (byte j's high nibble), lo = element 2j + 1."""
-    hi, lo = _codes(packed, CODE, PAIRS, LOOKUP)
-    scale = scale[:, :, None]
-    return _rounded(hi * scale, DTYPE, INTERPRETED), _rounded(lo * scale, DTYPE, INTERPRETED)
+    if LOOKUP == 2:
+        hi, lo = nf4_lookup.block_values(packed, scale, DTYPE, HB)
+    else:
+        hi, lo = _codes(packed, CODE, PAIRS, LOOKUP)
+        scale = scale[:, :, None]
+        hi, lo = _rounded(hi * scale, DTYPE, INTERPRETED), _rounded(lo * scale, DTYPE, INTERPRETED)
+    return hi, lo
 
 
 @triton.jit
@@ -153,15 +164,15 @@ def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, 
     pair = tl.arange(0, HB)[:, None] * 2 + tl.arange(0, 2)[None, :]  # (HB, 2): columns 2j, 2j + 1
     acc = tl.zeros((BLOCK_N, NB, HB), tl.float32)
     if PREFETCH:
-        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True)
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP)
     for i in range(STEPS):
         blk0 = blk_first + i * NB
         if PREFETCH:
             cur_packed, cur_scale = packed, scale
-            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True)  # the last one unused
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP)  # the last one unused
         else:
-            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN)
-        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, LOOKUP, DTYPE, INTERPRETED)
+            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED)
         blk = blk0 + tl.arange(0, NB)
         cols = blk[:, None, None] * (2 * HB) + pair[None, :, :]  # (NB, HB, 2)
         if EVEN:
@@ -184,15 +195,15 @@ def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M: t
     x_rows = X + m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     if PREFETCH:
-        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True)
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP)
     for i in range(STEPS):
         blk0 = blk_first + i * NB
         if PREFETCH:
             cur_packed, cur_scale = packed, scale
-            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True)  # the last one unused
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP)  # the last one unused
         else:
-            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN)
-        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, LOOKUP, DTYPE, INTERPRETED)
+            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED)
         cols = blk0 * (2 * HB) + tl.arange(0, BLOCK_K)
         ok = (m < M)[:, None] & (cols < N_BLK * 2 * HB)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_K)
@@ -298,6 +309,8 @@ class NF4Weight:
     plan: the tiles measured for this (device, N, K) (`nf4_tiles.measured_plan`), or None
     min_rows: the fewest rows the decode path runs here (1 where the plan measured this kernel
     faster than bitsandbytes' one-row GEMV, else MIN_ROWS)
+    register_table: the PRMT lookup can read it (bitsandbytes' NF4 code, packed buffers 4-byte
+    aligned); elsewhere tiles asking for PRMT run the NIBBLE lookup (the same values)
     """
 
     packed: tuple[torch.Tensor, ...]
@@ -313,6 +326,7 @@ class NF4Weight:
     sms: int
     plan: Plan | None = None
     min_rows: int = MIN_ROWS
+    register_table: bool = False
 
     @property
     def n(self) -> int:
@@ -370,6 +384,8 @@ def nf4_weight(members: Sequence[tuple[torch.Tensor, Any, torch.Tensor | None]],
             raise ValueError(reason)
     sizes = tuple(int(state.shape[0]) for _, state, _ in members)
     plan = measured_plan(device_name(device), sum(sizes), k)
+    register_table = (torch.equal(code.cpu(), torch.tensor(nf4.NF4_CODE))
+                      and all(p.data_ptr() % 4 == 0 for p, _, _ in members))
     has_bias = any(b is not None for _, _, b in members)
     bias = tuple(torch.zeros(n, dtype=dtype, device=device) if b is None else b.detach()
                  for n, (_, _, b) in zip(sizes, members)) if has_bias else None
@@ -378,7 +394,7 @@ def nf4_weight(members: Sequence[tuple[torch.Tensor, Any, torch.Tensor | None]],
         absmax=tuple(decoded_absmax(s, device) for _, s, _ in members), bias=bias, code=code,
         pairs=code_pairs(code), tickets=torch.zeros(sum(sizes), dtype=torch.int32, device=device),
         sizes=sizes, k=k, blocksize=bs, dtype=dtype, sms=sm_count(device), plan=plan,
-        min_rows=1 if plan is not None and plan.kernel_one_row else MIN_ROWS,
+        min_rows=1 if plan is not None and plan.kernel_one_row else MIN_ROWS, register_table=register_table,
     )
 
 
@@ -431,6 +447,7 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
     if not use_triton(x, weight.packed[0]):
         return nf4_gemv_reference(x, weight)
     t = tiles or weight.tiles_for(m)
+    lookup = NIBBLE if t.lookup == PRMT and (interpreted() or not weight.register_table) else t.lookup
     if (t.block_m == 1 and m > 1) or t.block_m not in (1, MAX_ROWS) or t.block_k % weight.blocksize:
         raise ValueError(f"tiles {t} do not fit {m} rows of K = {k} in blocks of {weight.blocksize}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -444,7 +461,7 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
     _nf4_gemv_kernel[(grid_n, t.split)](
         rows, y, part, weight.tickets, *w, *s, *b, weight.code, weight.pairs, m, n, ends[0], ends[1], rows.stride(0),
         y.stride(0), K=k, BS=weight.blocksize, MEMBERS=members, HAS_BIAS=weight.bias is not None, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=t.lookup, PREFETCH=t.prefetch,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=lookup, PREFETCH=t.prefetch,
         INTERPRETED=interpreted(), num_warps=t.warps, num_stages=t.stages,
     )
     return y.view(*x.shape[:-1], n)
