@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kestrel.kernels import nf4
 from kestrel.kernels.decode import nf4_lookup
@@ -105,6 +107,32 @@ def test_ptx_names_every_register_once() -> None:
     assert asm.count("mul.rn.f32") == 16 and asm.count("cvt.rn.f16x2.f32") == 8 and constraints.count("=r") == 8
     with pytest.raises(KeyError):
         nf4_lookup.ptx(Program(("q",), ("o",), 32, (Instr("and", ("o",), ("missing", 1)),)))
+
+
+@triton.jit
+def _interleave_kernel(O, HI, LO, BN: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
+    row = tl.arange(0, BN)[:, None, None] * NB + tl.arange(0, NB)[None, :, None]  # (BN, NB, 1)
+    idx = row * W + tl.arange(0, W)[None, None, :]
+    o = (tl.load(O + idx), tl.load(O + 1 * BN * NB * W + idx), tl.load(O + 2 * BN * NB * W + idx),
+         tl.load(O + 3 * BN * NB * W + idx), tl.load(O + 4 * BN * NB * W + idx), tl.load(O + 5 * BN * NB * W + idx),
+         tl.load(O + 6 * BN * NB * W + idx), tl.load(O + 7 * BN * NB * W + idx))
+    hi, lo = nf4_lookup.interleave(o, 4 * W)
+    out = row * 4 * W + tl.arange(0, 4 * W)[None, None, :]
+    tl.store(HI + out, hi)
+    tl.store(LO + out, lo)
+
+
+def test_interleave_puts_each_word_element_in_its_place() -> None:
+    """The lookup's eight outputs back in memory order (the kernel's hi/lo halves), through the
+    same Triton function the compiled kernel calls (interpreted here)."""
+    bn, nb, w = 2, 2, 8  # 64-element blocks: 8 words of 8
+    e, rows, words = torch.meshgrid(torch.arange(8), torch.arange(bn * nb), torch.arange(w), indexing="ij")
+    o = (8 * words + e + 1000 * rows).float().reshape(8, bn, nb, w)  # element 8w + e of block `rows`
+    hi, lo = torch.empty(bn, nb, 4 * w), torch.empty(bn, nb, 4 * w)
+    _interleave_kernel[(1,)](o, hi, lo, BN=bn, NB=nb, W=w)
+    element = torch.arange(64).view(32, 2) + 1000 * torch.arange(bn * nb).view(-1, 1, 1)  # (blocks, 32, 2)
+    assert torch.equal(hi, element[..., 0].view(bn, nb, 32).float())
+    assert torch.equal(lo, element[..., 1].view(bn, nb, 32).float())
 
 
 def test_interpreted_kernel_falls_back_to_the_gathers(monkeypatch: pytest.MonkeyPatch) -> None:

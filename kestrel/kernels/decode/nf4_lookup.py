@@ -134,8 +134,15 @@ def block_values(words, scale, DTYPE: tl.constexpr, HB: tl.constexpr):
                                       is_pure=True, pack=1)
         o = tl.inline_asm_elementwise(LOOKUP_ASM, LOOKUP_CONSTRAINTS, _lookup_args(words, t),
                                       dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    shape: tl.constexpr = (words.shape[0], words.shape[1], HB)
-    # word w gives hi[4w + i] = o_2i, lo[4w + i] = o_2i+1: [.., w, a, b] = o_(4a + 2b) is index 4w + 2a + b
+    return interleave(o, HB)
+
+
+@triton.jit
+def interleave(o, HB: tl.constexpr):
+    """o: 8 tensors (BLOCK_N, NB, HB / 4), o[e][.., w] = element 8w + e of the block -> (hi, lo), each
+    (BLOCK_N, NB, HB): hi[.., 4w + i] = o[2i][.., w], lo[.., 4w + i] = o[2i + 1][.., w]."""
+    shape: tl.constexpr = (o[0].shape[0], o[0].shape[1], HB)
+    # join(join(A, B), join(C, D))[.., w, a, b] is (A, B, C, D)[2b + a], at 4w + 2a + b of the reshape
     hi = tl.reshape(tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6])), shape)
     lo = tl.reshape(tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7])), shape)
     return hi, lo
