@@ -29,14 +29,20 @@ fp32 accumulation). Split-K (at any row count: few, long rows need it to fill th
 finished in the same launch: the last of a tile's SPLIT programs (a ticket counter) adds the fp32
 partials in split order (deterministic) and resets the counter.
 
-The work per weight, not the bytes, set the pace of the first version (bench/RESULTS.md, Decode
-"Session 15": a gather from the 16-entry code table, a nibble extraction, a multiply and a
-rounding per weight). The byte-pair lookup (`_codes`, PAIR) halves the gathers and drops the
-extraction; PREFETCH loads the next tile's bytes before decoding the current one, so their latency
-overlaps the decoding. The multiply and the rounding stay, because the values must be the 16-bit
-dequantized weight's (scaling a block's partial sum by its absmax once would skip the rounding of
-each weight to 16 bits, so the product would no longer be the dequantized 16-bit product). The
-NIBBLE lookup is kept for the sweep's comparison.
+The work per weight, not the bytes, sets the pace (bench/RESULTS.md, Decode "Session 15" and
+"Session 18": 0.5-0.8 TB/s of packed weight with a gather from the 16-entry code table, a nibble
+extraction, a multiply and a rounding per weight). Three lookups: NIBBLE (that gather), PAIR
+(`_codes`: one 8-byte gather per byte from a 256-entry table of both levels) and PRMT
+(`nf4_lookup.py`, compiled CUDA only): per quant block a thread holds, its 16 dequantized values
+are formed in registers (16 multiplies and roundings a block, not one a weight) and each weight is
+looked up among them by byte permutes: no gather, no per-weight multiply. PRMT stays exact: codes
+looked up in 16 bits with the block's partial sum scaled once would save only that table (about
+half an instruction a weight at 64 weights a thread, of ~6) and be off the dequantized weight by
+up to 2^-8 relative (the code's rounding plus the weight's own), the product by up to
+2^-8 sum_k |x_k w_k|, as large as the output's own rounding. Where PRMT cannot run (the
+interpreter, a code other than bitsandbytes' NF4 table, packed buffers not 4-byte aligned: see
+`NF4Weight.register_table`) tiles asking for it run NIBBLE, the same values. PREFETCH loads the
+next tile's bytes before decoding the current one, so their latency overlaps the decoding.
 
 Tiles (and the lookup) come from a measured plan where `bench/nf4_gemv_sweep.py` ran on the
 device, else a cost model (`nf4_tiles.py`); the plan also says whether this kernel beats
