@@ -78,13 +78,13 @@ def test_emulation_catches_broken_selectors(case: str) -> None:
     """Each mistake the asm could hold changes some value: the test above cannot pass by accident."""
     lookup, table = lookup_program(), table_program(torch.bfloat16)
     if case == "sign-bit-kept":  # bit 3 of the selector nibbles left set: prmt's sign mode
-        lookup = _broken(lookup, "and", ("q", 0x7777), ("q", 0xFFFF))
+        lookup = _broken(lookup, "and", ("q", 0x77777777), ("q", 0xFFFFFFFF))
     elif case == "halves-swapped":  # the low 16 bits' elements looked up for the high ones too
-        lookup = _broken(lookup, "and", ("qB", 0x7777), ("q", 0x7777))
+        lookup = _broken(lookup, "shr", ("sA", 16), ("sA", 0))
     elif case == "planes-swapped":  # the table's low and high bytes exchanged
         table = _broken(table, "prmt", ("r0", "r1", 0x6420), ("r0", "r1", 0x7531))
     elif case == "pair-order":  # elements 2j and 2j + 1 exchanged
-        lookup = _broken(lookup, "prmt", ("P0", "P1", 0x5140), ("P0", "P1", 0x4051))
+        lookup = _broken(lookup, "prmt", ("P0", "P1", 0x7351), ("P0", "P1", 0x5173))
     else:  # the select's bit taken from the wrong nibble bit
         lookup = _broken(lookup, "shr", ("q", 1), ("q", 2))
     assert not torch.equal(_run(torch.bfloat16, 0.37, table, lookup), _expected(_words(), torch.bfloat16, 0.37))

@@ -6,17 +6,19 @@ fp32 rounded once (`mul.rn.f32` by the code as an immediate, `cvt.rn.{bf16,f16}x
 what bitsandbytes' dequantize writes, so the product stays the dequantized 16-bit product. The
 table is two byte planes (the low and the high byte of each v_i), four registers each: plane p's
 register g holds byte p of v_4g .. v_4g+3 (byte 0 = v_4g). Building it is 16 mul + 8 cvt + 8 prmt
-per block a thread holds (32 of its values at the usual 16 bytes a thread).
+per block a thread holds (32 or 64 of its values, as Triton lays the tile out).
 
 Per 32-bit word of packed nibbles (8 consecutive elements of one block, little-endian: element 2i
 in the HIGH nibble of byte i, 2i + 1 in the low one), `prmt.b32 d, a, b, c` builds each byte n of d
-from byte (c >> 4n) & 7 of the 8 bytes {b, a} (bit 3 of that selector nibble asks for the byte's
-sign replicated instead, so it must be clear). The word's low 16 bits are four nibbles, elements
-(1, 0, 3, 2), already a selector; its high 16 bits elements (5, 4, 7, 6). For each half and plane,
-prmt(plane[0], plane[1], s & 0x7777) looks up codes 0-7, prmt(plane[2], plane[3], s & 0x7777) codes
-8-15, and prmt(low, high, 0x3210 | ((s >> 1) & 0x4444)) keeps the second where the nibble's bit 3
-is set; two more prmt interleave the planes into 16-bit pairs: 24 integer operations per 8 values
-(`lookup_program`), against a gather, an extraction, a multiply and a rounding per value.
+from byte (c >> 4n) & 7 of the 8 bytes {b, a}; bit 3 of that selector nibble asks for the byte's
+sign replicated instead (so it must be clear), and c's high 16 bits are not read. The word's low
+16 bits are four nibbles, elements (1, 0, 3, 2), already a selector; its high 16 bits elements
+(5, 4, 7, 6). For each half and plane, prmt(plane[0], plane[1], s & 0x7777) looks up codes 0-7,
+prmt(plane[2], plane[3], s & 0x7777) codes 8-15, and prmt(low, high, 0x3210 | ((s >> 1) & 0x4444))
+keeps the second where the nibble's bit 3 is set; two more prmt per half pair the planes into the
+16-bit pairs the kernel's tiles hold side by side. 21 integer operations per 8 values
+(`lookup_program`: 16 prmt, 5 for the selectors) against a gather, an extraction, a multiply and a
+rounding per value.
 
 Both programs are written once as data (`Program`): `ptx` renders them for
 `tl.inline_asm_elementwise`, `emulate` runs the same instructions with torch integer ops (the
@@ -40,7 +42,7 @@ Operand = str | int  # a register name, or an immediate (u32 bits)
 
 
 class Instr(NamedTuple):
-    op: str  # mul (fp32, rn), cvt2 (two fp32 -> 16-bit pair: first src upper), prmt, and, or, shr, split
+    op: str  # mul (fp32, rn), cvt2 (two fp32 -> 16-bit pair: first src upper), prmt, and, andor ((a & b) | c), shr, mov, split
     dst: tuple[str, ...]  # split: (low half, high half); every other op one register
     src: tuple[Operand, ...]
 
@@ -65,18 +67,19 @@ def table_program(dtype: torch.dtype, code: Sequence[float] = NF4_CODE) -> Progr
 
 def lookup_program() -> Program:
     """A packed word `q` and the block table t0..t7 -> o0..o7, element e's 16-bit value."""
-    body = [Instr("and", ("sA",), ("q", 0x7777)), Instr("shr", ("qB",), ("q", 16)), Instr("and", ("sB",), ("qB", 0x7777))]
-    for half, shift in (("A", 1), ("B", 17)):  # bit 3 of each selector nibble -> 4 added to byte n's index n
-        body += [Instr("shr", (f"c{half}",), ("q", shift)), Instr("and", (f"c{half}",), (f"c{half}", 0x4444)),
-                 Instr("or", (f"c{half}",), (f"c{half}", 0x3210))]
-    pairs = {"A": ("o1", "o0", "o3", "o2"), "B": ("o5", "o4", "o7", "o6")}  # selector nibble n -> element
-    for half, (e0, e1, e2, e3) in pairs.items():
+    # prmt reads its selector's low 16 bits only: the high halves need a shift, no mask
+    body = [Instr("and", ("sA",), ("q", 0x77777777)), Instr("shr", ("sB",), ("sA", 16)),
+            Instr("mov", ("k",), (0x32103210,)),  # in a register: one lop3 takes it and the mask
+            Instr("shr", ("cA",), ("q", 1)),  # bit 3 of each nibble -> 4 added to byte n's index n
+            Instr("andor", ("cA",), ("cA", 0x44444444, "k")), Instr("shr", ("cB",), ("cA", 16))]
+    for half, first in (("A", 0), ("B", 4)):  # byte n of P0, P1: elements first + (1, 0, 3, 2)[n]
         for plane in (0, 1):
             t = [f"t{4 * plane + g}" for g in range(4)]
             body += [Instr("prmt", ("lo",), (t[0], t[1], f"s{half}")), Instr("prmt", ("hi",), (t[2], t[3], f"s{half}")),
                      Instr("prmt", (f"P{plane}",), ("lo", "hi", f"c{half}"))]
-        body += [Instr("prmt", ("X",), ("P0", "P1", 0x5140)), Instr("split", (e0, e1), ("X",)),
-                 Instr("prmt", ("Y",), ("P0", "P1", 0x7362)), Instr("split", (e2, e3), ("Y",))]
+        # the pairs the kernel's halves hold side by side (`interleave`): elements (first, first + 2), (first + 1, first + 3)
+        body += [Instr("prmt", ("X",), ("P0", "P1", 0x7351)), Instr("split", (f"o{first}", f"o{first + 2}"), ("X",)),
+                 Instr("prmt", ("Y",), ("P0", "P1", 0x6240)), Instr("split", (f"o{first + 1}", f"o{first + 3}"), ("Y",))]
     return Program(("q", *(f"t{i}" for i in range(8))), tuple(f"o{e}" for e in range(8)), 16, tuple(body))
 
 
@@ -105,7 +108,11 @@ def ptx(program: Program, dtype: torch.dtype | None = None) -> tuple[str, str]:
             lines.append(f"mov.b32 {{{d}}}, {arg(ins.src[0])};")
         elif ins.op == "shr":
             lines.append(f"shr.u32 {d}, {arg(ins.src[0])}, {ins.src[1]};")
-        else:  # prmt, and, or
+        elif ins.op == "andor":  # lop3's table for (a & b) | c: 0xF0 & 0xCC | 0xAA
+            lines.append(f"lop3.b32 {d}, {', '.join(arg(x) for x in ins.src)}, 0xEA;")
+        elif ins.op == "mov":
+            lines.append(f"mov.b32 {d}, {arg(ins.src[0])};")
+        else:  # prmt, and
             lines.append(f"{ins.op}.b32 {d}, {', '.join(arg(x) for x in ins.src)};")
     out = "=h" if program.out_bits == 16 else "=r"
     constraints = ",".join([out] * len(program.outputs) + ["r"] * len(program.inputs))
@@ -175,8 +182,8 @@ def emulate(program: Program, inputs: dict[str, torch.Tensor], dtype: torch.dtyp
         elif ins.op == "prmt":
             out = prmt(*src)
         else:
-            a, b = src
-            out = {"and": a & b, "or": a | b, "shr": a >> b}[ins.op]
+            out = {"and": lambda a, b: a & b, "andor": lambda a, b, c: (a & b) | c, "shr": lambda a, b: a >> b,
+                   "mov": lambda a: a}[ins.op](*src)
         regs[ins.dst[0]] = out & 0xFFFFFFFF
     return {k: regs[k] for k in program.outputs}
 
