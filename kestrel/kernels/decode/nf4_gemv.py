@@ -186,7 +186,8 @@ def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, 
         else:
             x = tl.load(X + cols, mask=(blk < N_BLK)[:, None, None], other=0.0)
         x_even, x_odd = tl.split(x.to(tl.float32))  # (NB, HB) each
-        acc += hi.to(tl.float32) * x_even[None, :, :] + lo.to(tl.float32) * x_odd[None, :, :]
+        acc += hi.to(tl.float32) * x_even[None, :, :]  # two fused multiply-adds a byte
+        acc += lo.to(tl.float32) * x_odd[None, :, :]
     return tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]
 
 
