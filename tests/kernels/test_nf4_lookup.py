@@ -154,7 +154,7 @@ def test_interpreted_kernel_falls_back_to_the_gathers(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no Triton NVIDIA backend")
-@pytest.mark.parametrize("dtype,block_m,prefetch", [("bf16", 16, False), ("fp16", 1, True), ("bf16", 1, False)])
+@pytest.mark.parametrize("dtype,block_m,prefetch", [("bf16", 16, False), ("fp16", 16, True), ("fp16", 1, True), ("bf16", 1, False)])
 def test_prmt_kernel_compiles_for_sm90(dtype: str, block_m: int, prefetch: bool) -> None:
     """The whole kernel with the PRMT lookup through Triton and ptxas for an H100/H200 (no GPU needed;
     its own process, uninterpreted): the lookup's 16 prmt and the table's 8 are in the PTX."""
