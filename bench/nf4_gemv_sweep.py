@@ -279,13 +279,21 @@ def session_15(device: str) -> dict:
 
 
 def compile_all(names: list[str], sms: int, workers: int) -> dict[tuple[str, Tiles], str]:
-    """Compile every task in `workers` processes; {(shape, tiles): error} of those that failed there."""
+    """Compile every task in `workers` processes; {(shape, tiles): error} of those that failed there.
+    A worker that dies takes its PRMT tasks (the inline PTX: the likeliest cause) with it as failed;
+    its other tasks are compiled by the sweep itself."""
     tasks = [(name, t) for name in names for t in dict.fromkeys(t for _, t in shape_tasks(name, sms))]
     start = time.perf_counter()
     chunks = [tasks[i::workers] for i in range(workers)]
     ctx = __import__("multiprocessing").get_context("spawn")
+    results = []
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        results = list(pool.map(_compile, chunks))
+        for chunk, future in [(chunk, pool.submit(_compile, chunk)) for chunk in chunks]:
+            try:
+                results.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - a dead worker (BrokenProcessPool) must not end the sweep
+                died = f"not run: its compile worker died ({type(exc).__name__}: {exc})"[:300]
+                results.append([died if t.lookup == PRMT else "" for _, t in chunk])
     errors = {task: err for chunk, got in zip(chunks, results) for task, err in zip(chunk, got) if err}
     print(f"compiled {len(tasks)} kernels in {time.perf_counter() - start:.0f} s ({len(errors)} failed)", flush=True)
     return errors
