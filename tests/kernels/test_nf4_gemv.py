@@ -194,7 +194,7 @@ def test_measured_plan_round_trips_and_picks_rows(tmp_path) -> None:
     """The sweep's table: stored per device and (N, K), read back; a row count takes the tiles
     measured at the fewest rows at or above it on its own path."""
     table = tmp_path / "tiles.json"
-    one, two, eight = Tiles(1, 4, 1024, 2, 4), Tiles(16, 32, 128, 4), Tiles(16, 64, 128, 2, 8)
+    one, two, eight = Tiles(1, 4, 1024, 2, 4), Tiles(16, 32, 128, 4, lookup=PRMT), Tiles(16, 64, 128, 2, 8, lookup=NIBBLE)
     plan = Plan(((1, one), (2, two), (8, eight)), kernel_one_row=True)
     store_plan("GPU A", 6144, 4096, plan, table)
     store_plan("GPU A", 4096, 4096, Plan(((2, two),), kernel_one_row=False), table)
