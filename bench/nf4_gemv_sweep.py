@@ -121,19 +121,31 @@ def _compile(tasks: list[tuple[str, Tiles]]) -> list[str]:
                        if t.lookup == broken[0] else "")
             continue
         try:
-            if name not in weights:
-                weights[name] = make_weight(*SHAPES[name])[0]
-            w = weights[name]
-            nf4_gemv(torch.randn(1 if t.block_m == 1 else 2, w.k, device="cuda", dtype=torch.bfloat16), w, t)
-            torch.cuda.synchronize()  # a fault shows here, at its own task
+            _run_once(name, t, weights)
             out.append("")
         except Exception as exc:  # noqa: BLE001 - reported as the candidate's problem
             out.append(f"error in a compile worker: {type(exc).__name__}: {exc}"[:300])
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 - the context is gone: stop using it
+            if not _cuda_alive():
                 broken = (t.lookup, f"{type(exc).__name__}: {exc}"[:120])
     return out
+
+
+def _run_once(name: str, t: Tiles, weights: dict[str, NF4Weight]) -> None:
+    """One launch of tiles `t` on shape `name` (its weight built once into `weights`), waited for."""
+    if name not in weights:
+        weights[name] = make_weight(*SHAPES[name])[0]
+    w = weights[name]
+    nf4_gemv(torch.randn(1 if t.block_m == 1 else 2, w.k, device="cuda", dtype=torch.bfloat16), w, t)
+    torch.cuda.synchronize()  # a fault shows here, at its own task
+
+
+def _cuda_alive() -> bool:
+    """False once a fault has left this process's CUDA context unusable."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return False
+    return True
 
 
 def graph_time_us(fns: list) -> float:
