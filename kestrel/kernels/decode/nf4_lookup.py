@@ -131,6 +131,9 @@ LOOKUP_ASM, LOOKUP_CONSTRAINTS = tl.constexpr(_LOOKUP[0]), tl.constexpr(_LOOKUP[
 def block_values(words, scale, DTYPE: tl.constexpr, HB: tl.constexpr):
     """words int32 (BLOCK_N, NB, HB / 4) of packed nibbles, scale fp32 (BLOCK_N, NB) -> (hi, lo),
     each DTYPE (BLOCK_N, NB, HB): hi[.., j] = element 2j of the block, lo = element 2j + 1."""
+    # The scale laid out as the words are (a reduction's result takes its input's layout, sliced): the
+    # table is then built by the threads that read it, not moved to them through shared memory.
+    scale = tl.max(tl.broadcast_to(scale[:, :, None], words.shape), axis=2)
     if DTYPE == tl.bfloat16:  # (the output types spelled out: a constexpr dtype is refused there)
         t = tl.inline_asm_elementwise(TABLE_BF16_ASM, TABLE_BF16_CONSTRAINTS, [scale], dtype=(tl.int32,) * 8,
                                       is_pure=True, pack=1)
