@@ -50,11 +50,12 @@ def _expected(words: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Te
 
 
 def _run(dtype: torch.dtype, scale: float, table: Program | None = None, lookup: Program | None = None) -> torch.Tensor:
-    """(words, 8) u16 bits of elements 0..7 of each word, through the emulated programs."""
+    """(words, 8) u16 bits of elements 0..7 of each word (u32 fp32 bits with a widening lookup),
+    through the emulated programs."""
     words = _words()
     a = torch.tensor([scale], dtype=torch.float32).view(torch.int32).to(torch.int64).expand(words.shape)
     t = emulate(table or table_program(dtype), {"a": a}, dtype)
-    o = emulate(lookup or lookup_program(), {"q": words, **t})
+    o = emulate(lookup or lookup_program(), {"q": words, **t}, dtype)
     return torch.stack([o[f"o{e}"] for e in range(8)], dim=1)
 
 
@@ -65,6 +66,9 @@ def test_emulated_lookup_is_bitsandbytes_dequantize(dtype: torch.dtype, scale: f
     code = torch.tensor(nf4.NF4_CODE)
     assert torch.equal(expected[:, 0], (code[(_words() >> 4) & 15] * scale).to(dtype).view(torch.int16).long() & 0xFFFF)
     assert torch.equal(_run(dtype, scale), expected)
+    widened = _run(dtype, scale, lookup=lookup_program(widen=True))  # the one-row path's fp32 operands
+    as_f32 = expected.to(torch.int16).view(dtype).float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(widened, as_f32)
 
 
 def _broken(program: Program, op: str, src: tuple, new: tuple) -> Program:
@@ -103,6 +107,8 @@ def test_ptx_names_every_register_once() -> None:
     asm, constraints = nf4_lookup.ptx(lookup_program())
     assert constraints == ",".join(["=h"] * 8 + ["r"] * 9)
     assert asm.count("prmt.b32") == 16 and "$17" not in asm and "$16" in asm
+    asm, constraints = nf4_lookup.ptx(lookup_program(widen=True), torch.float16)
+    assert constraints == ",".join(["=r"] * 8 + ["r"] * 9) and asm.count("cvt.f32.f16") == 8
     asm, constraints = nf4_lookup.ptx(table_program(torch.float16), torch.float16)
     assert asm.count("mul.rn.f32") == 16 and asm.count("cvt.rn.f16x2.f32") == 8 and constraints.count("=r") == 8
     with pytest.raises(KeyError):

@@ -149,11 +149,12 @@ def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.co
 
 @triton.jit
 def _weight_pairs(packed, scale, CODE, PAIRS, HB: tl.constexpr, LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+                  INTERPRETED: tl.constexpr, FP32: tl.constexpr):
     """A tile from `_tile` dequantized: (hi, lo), each (BLOCK_N, NB, HB), hi[.., b, j] = element 2j
-    of block b (byte j's high nibble), lo = element 2j + 1."""
+    of block b (byte j's high nibble), lo = element 2j + 1. FP32: PRMT may return the DTYPE values
+    as fp32 (the one-row path's operands)."""
     if LOOKUP == 2:
-        hi, lo = nf4_lookup.block_values(packed, scale, DTYPE, HB)
+        hi, lo = nf4_lookup.block_values(packed, scale, DTYPE, HB, FP32)
     else:
         hi, lo = _codes(packed, CODE, PAIRS, LOOKUP)
         scale = scale[:, :, None]
@@ -178,7 +179,7 @@ def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, 
             packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP)  # the last one unused
         else:
             cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP)
-        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED, True)
         blk = blk0 + tl.arange(0, NB)
         cols = blk[:, None, None] * (2 * HB) + pair[None, :, :]  # (NB, HB, 2)
         if EVEN:
@@ -210,7 +211,7 @@ def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M: t
             packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP)  # the last one unused
         else:
             cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP)
-        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED, False)
         cols = blk0 * (2 * HB) + tl.arange(0, BLOCK_K)
         ok = (m < M)[:, None] & (cols < N_BLK * 2 * HB)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_K)

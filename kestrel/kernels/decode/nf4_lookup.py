@@ -18,7 +18,8 @@ prmt(plane[2], plane[3], s & 0x7777) codes 8-15, and prmt(low, high, 0x3210 | ((
 keeps the second where the nibble's bit 3 is set; two more prmt per half pair the planes into the
 16-bit pairs the kernel's tiles hold side by side. 21 integer operations per 8 values
 (`lookup_program`: 16 prmt, 5 for the selectors) against a gather, an extraction, a multiply and a
-rounding per value.
+rounding per value. For the one-row path's fp32 multiply-adds the pairs are widened in the same asm
+(bf16: a shift and a mask; fp16: cvt), so no 16-bit half is extracted first.
 
 Both programs are written once as data (`Program`): `ptx` renders them for
 `tl.inline_asm_elementwise`, `emulate` runs the same instructions with torch integer ops (the
@@ -42,8 +43,10 @@ Operand = str | int  # a register name, or an immediate (u32 bits)
 
 
 class Instr(NamedTuple):
-    op: str  # mul (fp32, rn), cvt2 (two fp32 -> 16-bit pair: first src upper), prmt, and, andor ((a & b) | c), shr, mov, split
-    dst: tuple[str, ...]  # split: (low half, high half); every other op one register
+    # mul (fp32, rn), cvt2 (two fp32 -> 16-bit pair: first src upper), prmt, and, andor ((a & b) | c), shr, mov,
+    # split (a 16-bit pair into its halves), widen (a 16-bit pair into the fp32 values of its halves)
+    op: str
+    dst: tuple[str, ...]  # split, widen: (low half's, high half's); every other op one register
     src: tuple[Operand, ...]
 
 
@@ -65,8 +68,9 @@ def table_program(dtype: torch.dtype, code: Sequence[float] = NF4_CODE) -> Progr
     return Program(("a",), tuple(f"t{i}" for i in range(8)), 32, tuple(body))
 
 
-def lookup_program() -> Program:
-    """A packed word `q` and the block table t0..t7 -> o0..o7, element e's 16-bit value."""
+def lookup_program(widen: bool = False) -> Program:
+    """A packed word `q` and the block table t0..t7 -> o0..o7, element e's 16-bit value (`widen`: that
+    value as fp32, for the one-row path's fp32 multiply-adds)."""
     # prmt reads its selector's low 16 bits only: the high halves need a shift, no mask
     body = [Instr("and", ("sA",), ("q", 0x77777777)), Instr("shr", ("sB",), ("sA", 16)),
             Instr("mov", ("k",), (0x32103210,)),  # in a register: one lop3 takes it and the mask
@@ -78,9 +82,11 @@ def lookup_program() -> Program:
             body += [Instr("prmt", ("lo",), (t[0], t[1], f"s{half}")), Instr("prmt", ("hi",), (t[2], t[3], f"s{half}")),
                      Instr("prmt", (f"P{plane}",), ("lo", "hi", f"c{half}"))]
         # the pairs the kernel's halves hold side by side (`interleave`): elements (first, first + 2), (first + 1, first + 3)
-        body += [Instr("prmt", ("X",), ("P0", "P1", 0x7351)), Instr("split", (f"o{first}", f"o{first + 2}"), ("X",)),
-                 Instr("prmt", ("Y",), ("P0", "P1", 0x6240)), Instr("split", (f"o{first + 1}", f"o{first + 3}"), ("Y",))]
-    return Program(("q", *(f"t{i}" for i in range(8))), tuple(f"o{e}" for e in range(8)), 16, tuple(body))
+        unpack = "widen" if widen else "split"
+        body += [Instr("prmt", ("X",), ("P0", "P1", 0x7351)), Instr(unpack, (f"o{first}", f"o{first + 2}"), ("X",)),
+                 Instr("prmt", ("Y",), ("P0", "P1", 0x6240)), Instr(unpack, (f"o{first + 1}", f"o{first + 3}"), ("Y",))]
+    outputs = tuple(f"o{e}" for e in range(8))
+    return Program(("q", *(f"t{i}" for i in range(8))), outputs, 32 if widen else 16, tuple(body))
 
 
 # --- PTX ------------------------------------------------------------------------------------------
@@ -88,7 +94,7 @@ def lookup_program() -> Program:
 
 def ptx(program: Program, dtype: torch.dtype | None = None) -> tuple[str, str]:
     """(asm, constraints) for `tl.inline_asm_elementwise(..., pack=1)`: outputs $0.., then inputs;
-    every other register a local .b32. `dtype`: the 16-bit type of cvt2 (bf16 or fp16)."""
+    every other register a local .b32. `dtype`: the 16-bit type of cvt2 and widen (bf16 or fp16)."""
     names = {r: f"${i}" for i, r in enumerate(program.outputs + program.inputs)}
     temps = sorted({d for ins in program.body for d in ins.dst} - set(names))
     reg = {**names, **{t: f"%kn_{t}" for t in temps}}
@@ -106,6 +112,13 @@ def ptx(program: Program, dtype: torch.dtype | None = None) -> tuple[str, str]:
             lines.append(f"cvt.rn.{cvt}.f32 {d}, {arg(ins.src[0])}, {arg(ins.src[1])};")
         elif ins.op == "split":
             lines.append(f"mov.b32 {{{d}}}, {arg(ins.src[0])};")
+        elif ins.op == "widen" and dtype == torch.bfloat16:  # bf16 is fp32's high half
+            lo, hi = (reg[x] for x in ins.dst)
+            lines += [f"shl.b32 {lo}, {arg(ins.src[0])}, 16;", f"and.b32 {hi}, {arg(ins.src[0])}, 0xFFFF0000;"]
+        elif ins.op == "widen":
+            lo, hi = (reg[x] for x in ins.dst)
+            lines.append(f"{{ .reg .b16 %kn_l, %kn_h; mov.b32 {{%kn_l, %kn_h}}, {arg(ins.src[0])}; "
+                         f"cvt.f32.f16 {lo}, %kn_l; cvt.f32.f16 {hi}, %kn_h; }}")
         elif ins.op == "shr":
             lines.append(f"shr.u32 {d}, {arg(ins.src[0])}, {ins.src[1]};")
         elif ins.op == "andor":  # lop3's table for (a & b) | c: 0xF0 & 0xCC | 0xAA
@@ -122,28 +135,42 @@ def ptx(program: Program, dtype: torch.dtype | None = None) -> tuple[str, str]:
 _TABLE_BF16 = ptx(table_program(torch.bfloat16), torch.bfloat16)
 _TABLE_FP16 = ptx(table_program(torch.float16), torch.float16)
 _LOOKUP = ptx(lookup_program())
+_LOOKUP_F32_BF16 = ptx(lookup_program(widen=True), torch.bfloat16)
+_LOOKUP_F32_FP16 = ptx(lookup_program(widen=True), torch.float16)
 TABLE_BF16_ASM, TABLE_BF16_CONSTRAINTS = tl.constexpr(_TABLE_BF16[0]), tl.constexpr(_TABLE_BF16[1])
 TABLE_FP16_ASM, TABLE_FP16_CONSTRAINTS = tl.constexpr(_TABLE_FP16[0]), tl.constexpr(_TABLE_FP16[1])
 LOOKUP_ASM, LOOKUP_CONSTRAINTS = tl.constexpr(_LOOKUP[0]), tl.constexpr(_LOOKUP[1])
+LOOKUP_F32_BF16_ASM, LOOKUP_F32_BF16_CONSTRAINTS = tl.constexpr(_LOOKUP_F32_BF16[0]), tl.constexpr(_LOOKUP_F32_BF16[1])
+LOOKUP_F32_FP16_ASM, LOOKUP_F32_FP16_CONSTRAINTS = tl.constexpr(_LOOKUP_F32_FP16[0]), tl.constexpr(_LOOKUP_F32_FP16[1])
 
 
 @triton.jit
-def block_values(words, scale, DTYPE: tl.constexpr, HB: tl.constexpr):
+def block_values(words, scale, DTYPE: tl.constexpr, HB: tl.constexpr, FP32: tl.constexpr):
     """words int32 (BLOCK_N, NB, HB / 4) of packed nibbles, scale fp32 (BLOCK_N, NB) -> (hi, lo),
-    each DTYPE (BLOCK_N, NB, HB): hi[.., j] = element 2j of the block, lo = element 2j + 1."""
+    each (BLOCK_N, NB, HB): hi[.., j] = element 2j of the block, lo = element 2j + 1; DTYPE values,
+    or (FP32) those values as fp32."""
     # The scale laid out as the words are (a reduction's result takes its input's layout, sliced): the
     # table is then built by the threads that read it, not moved to them through shared memory.
     scale = tl.max(tl.broadcast_to(scale[:, :, None], words.shape), axis=2)
-    if DTYPE == tl.bfloat16:  # (the output types spelled out: a constexpr dtype is refused there)
+    # (the output types spelled out in each branch: a constexpr dtype is refused there)
+    if DTYPE == tl.bfloat16:
         t = tl.inline_asm_elementwise(TABLE_BF16_ASM, TABLE_BF16_CONSTRAINTS, [scale], dtype=(tl.int32,) * 8,
                                       is_pure=True, pack=1)
-        o = tl.inline_asm_elementwise(LOOKUP_ASM, LOOKUP_CONSTRAINTS, _lookup_args(words, t),
-                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        if FP32:
+            o = tl.inline_asm_elementwise(LOOKUP_F32_BF16_ASM, LOOKUP_F32_BF16_CONSTRAINTS, _lookup_args(words, t),
+                                          dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            o = tl.inline_asm_elementwise(LOOKUP_ASM, LOOKUP_CONSTRAINTS, _lookup_args(words, t),
+                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
         t = tl.inline_asm_elementwise(TABLE_FP16_ASM, TABLE_FP16_CONSTRAINTS, [scale], dtype=(tl.int32,) * 8,
                                       is_pure=True, pack=1)
-        o = tl.inline_asm_elementwise(LOOKUP_ASM, LOOKUP_CONSTRAINTS, _lookup_args(words, t),
-                                      dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        if FP32:
+            o = tl.inline_asm_elementwise(LOOKUP_F32_FP16_ASM, LOOKUP_F32_FP16_CONSTRAINTS, _lookup_args(words, t),
+                                          dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            o = tl.inline_asm_elementwise(LOOKUP_ASM, LOOKUP_CONSTRAINTS, _lookup_args(words, t),
+                                          dtype=(tl.float16,) * 8, is_pure=True, pack=1)
     return interleave(o, HB)
 
 
@@ -170,8 +197,8 @@ def _lookup_args(words, t):
 
 def emulate(program: Program, inputs: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Run `program` on int64 tensors holding u32 register values (same shape), as the PTX would:
-    prmt with its sign mode, fp32 mul and 16-bit cvt rounded to nearest even. Returns the outputs
-    (16-bit ones as u16 values)."""
+    prmt with its sign mode, fp32 mul and 16-bit cvt rounded to nearest even (`dtype`: cvt2's and
+    widen's 16-bit type). Returns the outputs (16-bit ones as u16 values)."""
     regs = {k: v.to(torch.int64) & 0xFFFFFFFF for k, v in inputs.items()}
     for ins in program.body:
         src = [regs[x] if isinstance(x, str) else torch.full_like(regs[program.inputs[0]], x) for x in ins.src]
@@ -179,8 +206,11 @@ def emulate(program: Program, inputs: dict[str, torch.Tensor], dtype: torch.dtyp
             out = _bits(_f32(src[0]) * _f32(src[1]))
         elif ins.op == "cvt2":
             out = (_u16(_f32(src[0]), dtype) << 16) | _u16(_f32(src[1]), dtype)
-        elif ins.op == "split":
-            regs[ins.dst[0]], regs[ins.dst[1]] = src[0] & 0xFFFF, src[0] >> 16
+        elif ins.op in ("split", "widen"):
+            halves = src[0] & 0xFFFF, src[0] >> 16
+            if ins.op == "widen":
+                halves = tuple(_bits(h.to(torch.int16).view(dtype).float()) for h in halves)
+            regs[ins.dst[0]], regs[ins.dst[1]] = halves
             continue
         elif ins.op == "prmt":
             out = prmt(*src)
