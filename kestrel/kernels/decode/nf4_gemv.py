@@ -36,10 +36,11 @@ extraction, a multiply and a rounding per weight). Three lookups: NIBBLE (that g
 (`nf4_lookup.py`, compiled CUDA only): per quant block a thread holds, its 16 dequantized values
 are formed in registers (16 multiplies and roundings a block, not one a weight) and each weight is
 looked up among them by byte permutes: no gather, no per-weight multiply. PRMT stays exact: codes
-looked up in 16 bits with the block's partial sum scaled once would save only that table (about
-half an instruction a weight at 64 weights a thread, of ~6) and be off the dequantized weight by
-up to 2^-8 relative (the code's rounding plus the weight's own), the product by up to
-2^-8 sum_k |x_k w_k|, as large as the output's own rounding. Where PRMT cannot run (the
+looked up in 16 bits with the block's partial sum scaled once would save only that table (32
+instructions a block a thread holds, about 1 of ~5.5 a weight, half of them multiplies beside the
+integer pipe the byte permutes fill) and be off the dequantized weight by up to 2^-7 relative (two
+bf16 roundings of 2^-8), the product by up to 2^-7 sum_k |x_k w_k|: twice the output's own
+rounding where nothing cancels, far more where the sum cancels. Where PRMT cannot run (the
 interpreter, a code other than bitsandbytes' NF4 table, packed buffers not 4-byte aligned: see
 `NF4Weight.register_table`) tiles asking for it run NIBBLE, the same values. PREFETCH loads the
 next tile's bytes before decoding the current one, so their latency overlaps the decoding.
