@@ -166,6 +166,7 @@ class Bench:
             self.report.data["nf4_min_rows"] = gen.backend.nf4_min_rows
             self.report.data["nf4_plans"] = {f"{g.nf4.n}x{g.nf4.k}": {
                 "measured": g.nf4.plan is not None, "min_rows": g.nf4.min_rows,
+                "register_table": g.nf4.register_table,  # False: tiles asking for PRMT ran NIBBLE
                 "tiles": {m: list(g.nf4.tiles_for(m)) for m in (1, 2, 8, 16)}} for g in gen.backend.groups if g.nf4}
         self.tokens[name] = {}
         for batch, ids in batches or self.batches:

@@ -1,22 +1,24 @@
 """Check, time and choose the tiles of kernels/decode/nf4_gemv.py at the Llama-3.1-8B decode shapes.
 
-    python bench/nf4_gemv_sweep.py --out $OUT/nf4_gemv_sweep.json      # ~2-3 min on an H100
+    python bench/nf4_gemv_sweep.py --out $OUT/nf4_gemv_sweep.json      # ~3-5 min on an H100
 
 For q/k/v (three members, 6144 x 4096), o (4096 x 4096), gate/up (two members, 28672 x 4096) and
 down (4096 x 14336), at M = 1, 2, 8 and 16 rows:
   1. every candidate of a grid (`candidates`: one-row multiply-adds at 1 row, tensor cores at
-     1-16, split-K on both, the byte-pair lookup) and the cost model's tiles with either lookup
-     (`nf4_tiles.choose_tiles`; NIBBLE with one split at one row is the session-15 kernel's
-     decoding) is checked against bitsandbytes' CUDA dequantize: one-hot rows of x must return
-     its values bit for bit, random rows its fp64 product within bf16 rounding. A candidate that
-     fails is recorded and never chosen;
+     1-16, split-K on both, each with the byte-pair lookup and with the gather-free register
+     table, PRMT) and the cost model's tiles with each lookup (`nf4_tiles.choose_tiles`; NIBBLE
+     with one split at one row is the session-15 kernel's decoding) is checked against
+     bitsandbytes' CUDA dequantize: one-hot rows of x must return its values bit for bit, random
+     rows its fp64 product within bf16 rounding. A candidate that fails (to compile, to run, or
+     the check) is recorded and never chosen; one that failed in a compile worker is not run in
+     this process again (a kernel that faults would leave its CUDA context unusable);
   2. each checked candidate is timed: R launches over R copies of the weight (more bytes than L2
      holds) captured in one CUDA graph, replayed; GB/s counts the bytes the kernel reads (packed
      nibbles, fp32 absmax), `of_copy` divides that by the copy bandwidth (read + write of 1 GiB);
   3. bitsandbytes as Linear4bit.forward calls it (its 4-bit GEMV at one row, dequantize + GEMM
      above; one call per member) is timed the same way;
-  4. the fastest checked candidate per row count, and whether it beats bitsandbytes at one row,
-     is the shape's plan: written into the table the decode path reads
+  4. the fastest checked candidate per row count (its lookup included), and whether it beats
+     bitsandbytes at one row, is the shape's plan: written into the table the decode path reads
      (`kestrel/kernels/decode/nf4_gemv_tiles.json`, keyed by device name and (N, K)) and copied
      beside --out. bench/nf4_decode.py run afterwards on the same machine uses it.
 The kernels are compiled first in parallel worker processes (Triton's on-disk cache), then
@@ -42,18 +44,22 @@ import torch  # noqa: E402
 from bench.common import copy_bandwidth  # noqa: E402
 from kestrel.kernels._utils import cdiv  # noqa: E402
 from kestrel.kernels.decode import nf4_tiles  # noqa: E402
-from kestrel.kernels.decode.nf4_gemv import MAX_ROWS, NIBBLE, NF4Weight, Tiles, nf4_gemv, nf4_weight  # noqa: E402
+from kestrel.kernels.decode.nf4_gemv import (  # noqa: E402
+    MAX_ROWS, NIBBLE, PAIR, PRMT, NF4Weight, Tiles, nf4_gemv, nf4_weight,
+)
 
 SHAPES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gate_up": ((14336, 14336), 4096),
           "down": ((4096,), 14336)}
 ROWS = (1, 2, 8, 16)
+LOOKUPS = {NIBBLE: "nibble", PAIR: "pair", PRMT: "prmt"}
 ROTATE_BYTES = 256 << 20  # weight copies per graph: past the 50 MB L2 several times over
 SESSION_15 = ROOT / "bench" / "results" / "nf4-gemv-tiles-2026-11-25-h100.json"
 
 
 def candidates(one_row: bool, n: int, k: int, sms: int) -> list[Tiles]:
-    """The grid: 8-64 decoded values a thread a step, with and without prefetch; split-K only where
-    the row tiles alone give fewer than 4 programs an SM, and at most 8 programs an SM with it."""
+    """The grid: 8-64 decoded values a thread a step, with and without prefetch, the PAIR and PRMT
+    lookups; split-K only where the row tiles alone give fewer than 4 programs an SM, and at most 8
+    programs an SM with it."""
     if one_row:
         rows, widths, warp_counts, block_m = (2, 4, 8, 16), (256, 512, 1024), (2, 4), 1
     else:
@@ -67,7 +73,8 @@ def candidates(one_row: bool, n: int, k: int, sms: int) -> list[Tiles]:
                 tiles = cdiv(n, block_n)
                 for split in (1, 2, 4, 8):
                     if split == 1 or (tiles < 4 * sms and tiles * split <= 8 * sms and cdiv(k, block_k) >= 2 * split):
-                        out += [Tiles(block_m, block_n, block_k, split, warps, prefetch=p) for p in (False, True)]
+                        out += [Tiles(block_m, block_n, block_k, split, warps, lookup=lookup, prefetch=p)
+                                for lookup in (PAIR, PRMT) for p in (False, True)]
     return out
 
 
@@ -79,7 +86,7 @@ def shape_tasks(name: str, sms: int) -> list[tuple[int, Tiles]]:
     tasks = [(1, t) for t in candidates(True, n, k, sms)] + [(0, t) for t in candidates(False, n, k, sms)]
     for m in ROWS:
         model = nf4_tiles.choose_tiles(m, n, k, 64, sms)
-        tasks += [(m, model), (m, session_15_tiles(model))]
+        tasks += [(m, model), (m, session_15_tiles(model)), (m, model._replace(lookup=PRMT))]
     return list(dict.fromkeys(tasks))
 
 
@@ -100,20 +107,45 @@ def make_weight(sizes: tuple[int, ...], k: int, seed: int = 0) -> tuple[NF4Weigh
     return nf4_weight(members, torch.bfloat16), members
 
 
-def _compile(tasks: list[tuple[str, Tiles]]) -> int:
-    """Worker: run each (shape, tiles) once, which compiles it into Triton's disk cache."""
+def _compile(tasks: list[tuple[str, Tiles]]) -> list[str]:
+    """Worker: run each (shape, tiles) once, which compiles it into Triton's disk cache; per task ""
+    or the error it raised. Once an error leaves this process's CUDA context unusable, the tasks
+    left with the failed one's lookup are reported failed too, the others "" (the sweep runs them)."""
     os.environ["KESTREL_KERNELS"] = "triton"
     weights: dict[str, NF4Weight] = {}
+    out: list[str] = []
+    broken: tuple[int, str] | None = None  # (lookup, error) that broke the context
     for name, t in tasks:
-        if name not in weights:
-            weights[name] = make_weight(*SHAPES[name])[0]
-        w = weights[name]
+        if broken is not None:
+            out.append(f"not run: a {LOOKUPS[broken[0]]} candidate broke a compile worker ({broken[1]})"[:300]
+                       if t.lookup == broken[0] else "")
+            continue
         try:
-            nf4_gemv(torch.randn(1 if t.block_m == 1 else 2, w.k, device="cuda", dtype=torch.bfloat16), w, t)
-        except Exception:  # noqa: BLE001 - reported when checked
-            pass
-    torch.cuda.synchronize()
-    return len(tasks)
+            _run_once(name, t, weights)
+            out.append("")
+        except Exception as exc:  # noqa: BLE001 - reported as the candidate's problem
+            out.append(f"error in a compile worker: {type(exc).__name__}: {exc}"[:300])
+            if not _cuda_alive():
+                broken = (t.lookup, f"{type(exc).__name__}: {exc}"[:120])
+    return out
+
+
+def _run_once(name: str, t: Tiles, weights: dict[str, NF4Weight]) -> None:
+    """One launch of tiles `t` on shape `name` (its weight built once into `weights`), waited for."""
+    if name not in weights:
+        weights[name] = make_weight(*SHAPES[name])[0]
+    w = weights[name]
+    nf4_gemv(torch.randn(1 if t.block_m == 1 else 2, w.k, device="cuda", dtype=torch.bfloat16), w, t)
+    torch.cuda.synchronize()  # a fault shows here, at its own task
+
+
+def _cuda_alive() -> bool:
+    """False once a fault has left this process's CUDA context unusable."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return False
+    return True
 
 
 def graph_time_us(fns: list) -> float:
@@ -150,7 +182,11 @@ class Checker:
         self.hot = torch.zeros(m, weight.k, device="cuda", dtype=torch.bfloat16)
         self.hot[torch.arange(m, device="cuda"), self.cols] = 1.0
 
-    def problem(self, t: Tiles) -> str:
+    def problem(self, t: Tiles, worker_error: str = "") -> str:
+        if worker_error:
+            return worker_error
+        if t.lookup == PRMT and not self.weight.register_table:
+            return "the PRMT lookup cannot read this weight (it would run NIBBLE)"
         try:
             hot = nf4_gemv(self.hot, self.weight, t)
             y = nf4_gemv(self.x, self.weight, t).double()
@@ -166,7 +202,9 @@ class Checker:
         return ""
 
 
-def sweep_shape(name: str, sms: int, bandwidth: float, old: dict) -> tuple[list[dict], nf4_tiles.Plan]:
+def sweep_shape(name: str, sms: int, bandwidth: float, old: dict,
+                errors: dict[tuple[str, Tiles], str]) -> tuple[list[dict], nf4_tiles.Plan]:
+    """Check and time every task of one shape at each row count (`errors`: the compile workers')."""
     import bitsandbytes as bnb
 
     sizes, k = SHAPES[name]
@@ -185,11 +223,16 @@ def sweep_shape(name: str, sms: int, bandwidth: float, old: dict) -> tuple[list[
         for at, t in tasks:
             if at not in (m, 0) or (t.block_m == 1 and m > 1):
                 continue
-            entry = {"problem": check.problem(t)}
+            entry = {"lookup": LOOKUPS[t.lookup], "problem": check.problem(t, errors.get((name, t), ""))}
             if not entry["problem"]:
-                timed[t] = entry["us"] = graph_time_us([lambda w=w, t=t: nf4_gemv(x, w, t) for w in weights])
-                entry["GBps"] = first.nbytes / entry["us"] / 1e3
-                entry["of_copy"] = entry["GBps"] * 1e9 / bandwidth
+                try:
+                    us = graph_time_us([lambda w=w, t=t: nf4_gemv(x, w, t) for w in weights])
+                except Exception as exc:  # noqa: BLE001 - recorded, never chosen
+                    entry["problem"] = f"timing failed: {type(exc).__name__}: {exc}"[:300]
+                else:
+                    timed[t] = entry["us"] = us
+                    entry["GBps"] = first.nbytes / us / 1e3
+                    entry["of_copy"] = entry["GBps"] * 1e9 / bandwidth
             row["tiles"][str(tuple(t))] = entry
         # What Linear4bit.forward calls, per member: the 4-bit GEMV at one row, else dequantize + GEMM
         # (over the same copies: no weight read from L2).
@@ -205,24 +248,32 @@ def sweep_shape(name: str, sms: int, bandwidth: float, old: dict) -> tuple[list[
 
 
 def summarize(row: dict, best: Tiles | None, model: Tiles, old: dict | None) -> None:
-    """Best checked tiles, the model's with each lookup, bitsandbytes, session 15; one line printed."""
-    failed = {key: v["problem"] for key, v in row["tiles"].items() if v["problem"]}
+    """Best checked tiles, the model's with each lookup, the best of each lookup, bitsandbytes,
+    session 15; one line printed (and per lookup the count of failed candidates and one's problem)."""
+    failed = {key: v for key, v in row["tiles"].items() if v["problem"]}
     row["failed"] = len(failed)
-    if failed:
-        print(f"  {row['shape']} m={row['m']}: {len(failed)} candidates failed the check, e.g. "
-              f"{next(iter(failed.items()))}", flush=True)
+    row["failed_by_lookup"] = {name: sum(v["lookup"] == name for v in failed.values()) for name in LOOKUPS.values()}
+    for name, count in row["failed_by_lookup"].items():
+        if count:
+            key, v = next((key, v) for key, v in failed.items() if v["lookup"] == name)
+            print(f"  {row['shape']} m={row['m']}: {count} {name} candidates failed, e.g. {key}: {v['problem']}",
+                  flush=True)
     if best is None:
         return
     got = row["tiles"][str(tuple(best))]
     row.update(best=str(tuple(best)), best_us=got["us"], best_GBps=got["GBps"], best_of_copy=got["of_copy"])
-    for label, t in (("model", model), ("model_nibble", session_15_tiles(model))):
+    for label, t in (("model", model), ("model_nibble", session_15_tiles(model)), ("model_prmt", model._replace(lookup=PRMT))):
         row[f"{label}_us"] = row["tiles"].get(str(tuple(t)), {}).get("us")
+    row["best_us_by_lookup"] = {name: min((v["us"] for v in row["tiles"].values() if "us" in v and v["lookup"] == name),
+                                          default=None) for name in LOOKUPS.values()}
     row["bnb_GBps"] = row["weight_MB"] / row["bnb_us"] * 1e3  # our bytes over its time (it reads uint8 absmax)
     row["session15_us"] = old
     old_text = f"{old['best_us']:6.1f} (bnb then {old['bnb_us']:5.1f})" if old else "n/a"
     print(f"{row['shape']:8s} m={row['m']:2d} best {row['best']} {row['best_us']:7.1f} us {row['best_GBps']:6.0f} GB/s "
           f"({row['best_of_copy']:.0%} of copy) | model tiles {fmt(row['model_us'])} | session-15 decoding "
-          f"{fmt(row['model_nibble_us'])} | bnb {row['bnb_us']:6.1f} | session 15 best {old_text}", flush=True)
+          f"{fmt(row['model_nibble_us'])} | best by lookup "
+          + " ".join(f"{name} {fmt(us)}" for name, us in row["best_us_by_lookup"].items())
+          + f" | bnb {row['bnb_us']:6.1f} | session 15 best {old_text}", flush=True)
 
 
 def fmt(us: float | None) -> str:
@@ -239,14 +290,25 @@ def session_15(device: str) -> dict:
     return {(r["shape"], r["m"]): {"best_us": r["best_us"], "bnb_us": r["bnb_us"]} for r in data["rows"]}
 
 
-def compile_all(names: list[str], sms: int, workers: int) -> None:
+def compile_all(names: list[str], sms: int, workers: int) -> dict[tuple[str, Tiles], str]:
+    """Compile every task in `workers` processes; {(shape, tiles): error} of those that failed there.
+    A worker that dies takes its PRMT tasks (the inline PTX: the likeliest cause) with it as failed;
+    its other tasks are compiled by the sweep itself."""
     tasks = [(name, t) for name in names for t in dict.fromkeys(t for _, t in shape_tasks(name, sms))]
     start = time.perf_counter()
     chunks = [tasks[i::workers] for i in range(workers)]
     ctx = __import__("multiprocessing").get_context("spawn")
+    results = []
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        done = sum(pool.map(_compile, chunks))
-    print(f"compiled {done} kernels in {time.perf_counter() - start:.0f} s", flush=True)
+        for chunk, future in [(chunk, pool.submit(_compile, chunk)) for chunk in chunks]:
+            try:
+                results.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - a dead worker (BrokenProcessPool) must not end the sweep
+                died = f"not run: its compile worker died ({type(exc).__name__}: {exc})"[:300]
+                results.append([died if t.lookup == PRMT else "" for _, t in chunk])
+    errors = {task: err for chunk, got in zip(chunks, results) for task, err in zip(chunk, got) if err}
+    print(f"compiled {len(tasks)} kernels in {time.perf_counter() - start:.0f} s ({len(errors)} failed)", flush=True)
+    return errors
 
 
 def main() -> None:
@@ -263,12 +325,12 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     names = args.shapes.split(",")
     print(f"{device}: {sms} SMs, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    compile_all(names, sms, args.workers)
+    errors = compile_all(names, sms, args.workers)
     old = session_15(device)
     rows, plans = [], {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:  # each shape's plan and the report so far are written as soon as it is done
-        shape_rows, plan = sweep_shape(name, sms, bandwidth, old)
+        shape_rows, plan = sweep_shape(name, sms, bandwidth, old, errors)
         rows += shape_rows
         plans[name] = plan
         if not args.no_store:

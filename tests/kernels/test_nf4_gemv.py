@@ -6,6 +6,7 @@ weight in float64, odd shapes (N no multiple of a tile, K of several quant block
 of a step), M = 1, 2, 3, 8, 16, nested and plain absmax, fp16 and bf16, both lookups (byte pairs,
 nibbles), with and without prefetch, stacked members equal to their separate products, biases, split-K at one row and more
 (the tickets left zero), the measured plan (tiles, one row or not). CPU: Triton's interpreter.
+GPU only: the gather-free PRMT lookup (inline PTX) on every path, at the 8B shapes too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from kestrel.kernels import nf4
 from kestrel.kernels.decode import nf4_tiles
 from kestrel.kernels.decode.nf4_gemv import (
-    MAX_ROWS, NIBBLE, Tiles, applies, code_pairs, dequantized, nf4_gemv, nf4_gemv_reference, nf4_weight,
+    MAX_ROWS, NIBBLE, PRMT, Tiles, applies, code_pairs, dequantized, nf4_gemv, nf4_gemv_reference, nf4_weight,
 )
 from kestrel.kernels.decode.nf4_tiles import Plan, choose_tiles, measured_plan, store_plan, tile_cost
 from tests.kernels.tolerance import assert_close
@@ -193,7 +194,7 @@ def test_measured_plan_round_trips_and_picks_rows(tmp_path) -> None:
     """The sweep's table: stored per device and (N, K), read back; a row count takes the tiles
     measured at the fewest rows at or above it on its own path."""
     table = tmp_path / "tiles.json"
-    one, two, eight = Tiles(1, 4, 1024, 2, 4), Tiles(16, 32, 128, 4), Tiles(16, 64, 128, 2, 8)
+    one, two, eight = Tiles(1, 4, 1024, 2, 4), Tiles(16, 32, 128, 4, lookup=PRMT), Tiles(16, 64, 128, 2, 8, lookup=NIBBLE)
     plan = Plan(((1, one), (2, two), (8, eight)), kernel_one_row=True)
     store_plan("GPU A", 6144, 4096, plan, table)
     store_plan("GPU A", 4096, 4096, Plan(((2, two),), kernel_one_row=False), table)
@@ -224,10 +225,40 @@ def test_measured_plan_decides_one_row_and_tiles() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize("sizes,k", [((4096, 1024, 1024), 4096), ((14336, 14336), 4096), ((4096,), 14336)],
-                         ids=["qkv", "gate_up", "down"])
-def test_cuda_8b_shapes_match_dequantize_and_matmul(m: int, sizes: tuple[int, ...], k: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("tiles", PATHS[:4] + PATHS[6:], ids=PATH_IDS[:4] + PATH_IDS[6:])
+def test_cuda_prmt_lookup_is_exact_on_every_path(dtype: torch.dtype, nested: bool, tiles: Tiles) -> None:
+    """The register-table lookup: bitsandbytes' values bit for bit (one-hot rows), products at 1-16 rows
+    against the dequantized weight in fp64, stacked members (bias, row tiles across member ends)
+    equal to their separate launches, split-K tickets left zero."""
+    tiles = tiles._replace(lookup=PRMT)
+    weight, members = _weight((37, 24, 17), 320, dtype, nested, bias=True)
+    assert weight.register_table  # the PRMT lookup runs, not the NIBBLE fallback
+    expected = torch.cat([bnb_functional.dequantize_4bit(p, s) for p, s, _ in members])  # (78, 320)
+    nobias = dataclasses.replace(weight, bias=None)
+    for first in (0, 101, 250):
+        m = 1 if tiles.block_m == 1 else MAX_ROWS
+        cols = (first + 37 * torch.arange(m)) % 320
+        assert torch.equal(nf4_gemv(_one_hot(m, 320, dtype, first), nobias, tiles), expected[:, cols].T), first
+    bias = torch.cat([b for _, _, b in members]).double()
+    for m in (1,) if tiles.block_m == 1 else (1, 2, 8, 16):
+        x = _x(m, 320, dtype, seed=m)
+        y = nf4_gemv(x, weight, tiles)
+        assert_close(y, (x.double() @ expected.double().T + bias).to(dtype))
+        alone = [nf4_gemv(x, nf4_weight([mb], dtype), tiles) for mb in members]
+        assert torch.equal(y, torch.cat(alone, dim=-1))
+    assert not weight.tickets.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lookup", [None, PRMT], ids=["planned", "prmt"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("sizes,k", [((4096, 1024, 1024), 4096), ((4096,), 4096), ((14336, 14336), 4096),
+                                     ((4096,), 14336)], ids=["qkv", "o", "gate_up", "down"])
+def test_cuda_8b_shapes_match_dequantize_and_matmul(m: int, sizes: tuple[int, ...], k: int, lookup: int | None) -> None:
+    """The 8B decode shapes (q/k/v and gate/up grouped) with the tiles the decode path takes (the measured
+    plan where there is one), or those tiles with the PRMT lookup (at one row also the tensor-core tiles)."""
     dtype = torch.bfloat16
     members = []
     for i, n in enumerate(sizes):
@@ -237,12 +268,15 @@ def test_cuda_8b_shapes_match_dequantize_and_matmul(m: int, sizes: tuple[int, ..
     weight = nf4_weight(members, dtype)
     w16 = torch.cat([bnb_functional.dequantize_4bit(p, s) for p, s, _ in members])  # bitsandbytes' CUDA kernel
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    y = nf4_gemv(x, weight)
     ref = x.double() @ w16.double().T
-    assert_close(y, ref.to(dtype))
-    torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()) / 16)
     cols = torch.randint(0, k, (m,), device="cuda")
     hot = torch.zeros(m, k, device="cuda", dtype=dtype)
     hot[torch.arange(m), cols] = 1.0
-    assert torch.equal(nf4_gemv(hot, weight), w16[:, cols].T)  # the values, bit for bit
-    assert not weight.tickets.any()
+    tiles = [None] if lookup is None else [weight.tiles_for(r)._replace(lookup=lookup) for r in {m, max(m, 2)}]
+    assert lookup is None or weight.register_table
+    for t in tiles:
+        y = nf4_gemv(x, weight, t)
+        assert_close(y, ref.to(dtype))
+        torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()) / 16)
+        assert torch.equal(nf4_gemv(hot, weight, t), w16[:, cols].T), t  # the values, bit for bit
+        assert not weight.tickets.any()

@@ -29,14 +29,21 @@ fp32 accumulation). Split-K (at any row count: few, long rows need it to fill th
 finished in the same launch: the last of a tile's SPLIT programs (a ticket counter) adds the fp32
 partials in split order (deterministic) and resets the counter.
 
-The work per weight, not the bytes, set the pace of the first version (bench/RESULTS.md, Decode
-"Session 15": a gather from the 16-entry code table, a nibble extraction, a multiply and a
-rounding per weight). The byte-pair lookup (`_codes`, PAIR) halves the gathers and drops the
-extraction; PREFETCH loads the next tile's bytes before decoding the current one, so their latency
-overlaps the decoding. The multiply and the rounding stay, because the values must be the 16-bit
-dequantized weight's (scaling a block's partial sum by its absmax once would skip the rounding of
-each weight to 16 bits, so the product would no longer be the dequantized 16-bit product). The
-NIBBLE lookup is kept for the sweep's comparison.
+The work per weight, not the bytes, sets the pace (bench/RESULTS.md, Decode "Session 15" and
+"Session 18": 0.5-0.8 TB/s of packed weight with a gather from the 16-entry code table, a nibble
+extraction, a multiply and a rounding per weight). Three lookups: NIBBLE (that gather), PAIR
+(`_codes`: one 8-byte gather per byte from a 256-entry table of both levels) and PRMT
+(`nf4_lookup.py`, compiled CUDA only): per quant block a thread holds, its 16 dequantized values
+are formed in registers (16 multiplies and roundings a block, not one a weight) and each weight is
+looked up among them by byte permutes: no gather, no per-weight multiply. PRMT stays exact: codes
+looked up in 16 bits with the block's partial sum scaled once would save only that table (32
+instructions a block a thread holds, about 1 of ~5.5 a weight, half of them multiplies beside the
+integer pipe the byte permutes fill) and be off the dequantized weight by up to 2^-7 relative (two
+bf16 roundings of 2^-8), the product by up to 2^-7 sum_k |x_k w_k|: twice the output's own
+rounding where nothing cancels, far more where the sum cancels. Where PRMT cannot run (the
+interpreter, a code other than bitsandbytes' NF4 table, packed buffers not 4-byte aligned: see
+`NF4Weight.register_table`) tiles asking for it run NIBBLE, the same values. PREFETCH loads the
+next tile's bytes before decoding the current one, so their latency overlaps the decoding.
 
 Tiles (and the lookup) come from a measured plan where `bench/nf4_gemv_sweep.py` ran on the
 device, else a cost model (`nf4_tiles.py`); the plan also says whether this kernel beats
@@ -56,13 +63,14 @@ import triton.language as tl
 
 from kestrel.kernels import nf4
 from kestrel.kernels._utils import cdiv, interpreted, sm_count
+from kestrel.kernels.decode import nf4_lookup
 from kestrel.kernels.decode.nf4_tiles import (
-    MAX_ROWS, NIBBLE, PAIR, Plan, Tiles, choose_tiles, device_name,
+    MAX_ROWS, NIBBLE, PAIR, PRMT, Plan, Tiles, choose_tiles, device_name,
     measured_plan,
 )
 from kestrel.kernels.dispatch import use_triton
 
-__all__ = ["MAX_ROWS", "NIBBLE", "PAIR", "Tiles", "NF4Weight", "applies", "nf4_gemv", "nf4_weight"]
+__all__ = ["MAX_ROWS", "NIBBLE", "PAIR", "PRMT", "Tiles", "NF4Weight", "applies", "nf4_gemv", "nf4_weight"]
 
 MIN_ROWS = 2  # rows from which the decode path takes this kernel unless a measured plan says one row too
 MAX_MEMBERS = 3
@@ -120,11 +128,16 @@ def _codes(packed, CODE, PAIRS, LOOKUP: tl.constexpr):
 
 
 @triton.jit
-def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, MASKED: tl.constexpr):
-    """The packed bytes (BLOCK_N, NB, HB) uint8 and fp32 absmax (BLOCK_N, NB) of quant blocks blk0 ..
-    blk0 + NB - 1 of each row; blocks at or past N_BLK read as zeros (checked only when MASKED)."""
+def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, MASKED: tl.constexpr,
+          LOOKUP: tl.constexpr):
+    """The packed bytes (BLOCK_N, NB, HB) uint8 (PRMT: int32 words (BLOCK_N, NB, HB / 4)) and fp32
+    absmax (BLOCK_N, NB) of quant blocks blk0 .. blk0 + NB - 1 of each row; blocks at or past N_BLK
+    read as zeros (checked only when MASKED)."""
     blk = blk0 + tl.arange(0, NB)  # (NB,)
-    byte = blk[:, None] * HB + tl.arange(0, HB)[None, :]  # (NB, HB) byte offsets within a row
+    PER: tl.constexpr = HB // 4 if LOOKUP == 2 else HB  # words or bytes a block
+    if LOOKUP == 2:  # rows start at multiples of K / 2 bytes, the buffers at multiples of 4 (`nf4_weight`)
+        w_rows = w_rows.to(tl.pointer_type(tl.int32))
+    byte = blk[:, None] * PER + tl.arange(0, PER)[None, :]  # (NB, PER) offsets within a row
     if MASKED:
         ok = (blk < N_BLK)[None, :]
         packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=ok[:, :, None], other=0)
@@ -136,12 +149,18 @@ def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.co
 
 
 @triton.jit
-def _weight_pairs(packed, scale, CODE, PAIRS, LOOKUP: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _weight_pairs(packed, scale, CODE, PAIRS, HB: tl.constexpr, LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
+                  INTERPRETED: tl.constexpr, FP32: tl.constexpr):
     """A tile from `_tile` dequantized: (hi, lo), each (BLOCK_N, NB, HB), hi[.., b, j] = element 2j
-    of block b (byte j's high nibble), lo = element 2j + 1."""
-    hi, lo = _codes(packed, CODE, PAIRS, LOOKUP)
-    scale = scale[:, :, None]
-    return _rounded(hi * scale, DTYPE, INTERPRETED), _rounded(lo * scale, DTYPE, INTERPRETED)
+    of block b (byte j's high nibble), lo = element 2j + 1. FP32: PRMT may return the DTYPE values
+    as fp32 (the one-row path's operands)."""
+    if LOOKUP == 2:
+        hi, lo = nf4_lookup.block_values(packed, scale, DTYPE, HB, FP32)
+    else:
+        hi, lo = _codes(packed, CODE, PAIRS, LOOKUP)
+        scale = scale[:, :, None]
+        hi, lo = _rounded(hi * scale, DTYPE, INTERPRETED), _rounded(lo * scale, DTYPE, INTERPRETED)
+    return hi, lo
 
 
 @triton.jit
@@ -153,15 +172,15 @@ def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, 
     pair = tl.arange(0, HB)[:, None] * 2 + tl.arange(0, 2)[None, :]  # (HB, 2): columns 2j, 2j + 1
     acc = tl.zeros((BLOCK_N, NB, HB), tl.float32)
     if PREFETCH:
-        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True)
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP)
     for i in range(STEPS):
         blk0 = blk_first + i * NB
         if PREFETCH:
             cur_packed, cur_scale = packed, scale
-            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True)  # the last one unused
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP)  # the last one unused
         else:
-            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN)
-        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, LOOKUP, DTYPE, INTERPRETED)
+            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED, True)
         blk = blk0 + tl.arange(0, NB)
         cols = blk[:, None, None] * (2 * HB) + pair[None, :, :]  # (NB, HB, 2)
         if EVEN:
@@ -169,7 +188,8 @@ def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, 
         else:
             x = tl.load(X + cols, mask=(blk < N_BLK)[:, None, None], other=0.0)
         x_even, x_odd = tl.split(x.to(tl.float32))  # (NB, HB) each
-        acc += hi.to(tl.float32) * x_even[None, :, :] + lo.to(tl.float32) * x_odd[None, :, :]
+        acc += hi.to(tl.float32) * x_even[None, :, :]  # two fused multiply-adds a byte
+        acc += lo.to(tl.float32) * x_odd[None, :, :]
     return tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]
 
 
@@ -184,15 +204,15 @@ def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M: t
     x_rows = X + m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     if PREFETCH:
-        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True)
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP)
     for i in range(STEPS):
         blk0 = blk_first + i * NB
         if PREFETCH:
             cur_packed, cur_scale = packed, scale
-            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True)  # the last one unused
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP)  # the last one unused
         else:
-            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN)
-        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, LOOKUP, DTYPE, INTERPRETED)
+            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP)
+        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED, False)
         cols = blk0 * (2 * HB) + tl.arange(0, BLOCK_K)
         ok = (m < M)[:, None] & (cols < N_BLK * 2 * HB)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_K)
@@ -298,6 +318,8 @@ class NF4Weight:
     plan: the tiles measured for this (device, N, K) (`nf4_tiles.measured_plan`), or None
     min_rows: the fewest rows the decode path runs here (1 where the plan measured this kernel
     faster than bitsandbytes' one-row GEMV, else MIN_ROWS)
+    register_table: the PRMT lookup can read it (bitsandbytes' NF4 code, packed buffers 4-byte
+    aligned); elsewhere tiles asking for PRMT run the NIBBLE lookup (the same values)
     """
 
     packed: tuple[torch.Tensor, ...]
@@ -313,6 +335,7 @@ class NF4Weight:
     sms: int
     plan: Plan | None = None
     min_rows: int = MIN_ROWS
+    register_table: bool = False
 
     @property
     def n(self) -> int:
@@ -370,6 +393,8 @@ def nf4_weight(members: Sequence[tuple[torch.Tensor, Any, torch.Tensor | None]],
             raise ValueError(reason)
     sizes = tuple(int(state.shape[0]) for _, state, _ in members)
     plan = measured_plan(device_name(device), sum(sizes), k)
+    register_table = (torch.equal(code.cpu(), torch.tensor(nf4.NF4_CODE))
+                      and all(p.data_ptr() % 4 == 0 for p, _, _ in members))
     has_bias = any(b is not None for _, _, b in members)
     bias = tuple(torch.zeros(n, dtype=dtype, device=device) if b is None else b.detach()
                  for n, (_, _, b) in zip(sizes, members)) if has_bias else None
@@ -378,7 +403,7 @@ def nf4_weight(members: Sequence[tuple[torch.Tensor, Any, torch.Tensor | None]],
         absmax=tuple(decoded_absmax(s, device) for _, s, _ in members), bias=bias, code=code,
         pairs=code_pairs(code), tickets=torch.zeros(sum(sizes), dtype=torch.int32, device=device),
         sizes=sizes, k=k, blocksize=bs, dtype=dtype, sms=sm_count(device), plan=plan,
-        min_rows=1 if plan is not None and plan.kernel_one_row else MIN_ROWS,
+        min_rows=1 if plan is not None and plan.kernel_one_row else MIN_ROWS, register_table=register_table,
     )
 
 
@@ -431,6 +456,7 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
     if not use_triton(x, weight.packed[0]):
         return nf4_gemv_reference(x, weight)
     t = tiles or weight.tiles_for(m)
+    lookup = NIBBLE if t.lookup == PRMT and (interpreted() or not weight.register_table) else t.lookup
     if (t.block_m == 1 and m > 1) or t.block_m not in (1, MAX_ROWS) or t.block_k % weight.blocksize:
         raise ValueError(f"tiles {t} do not fit {m} rows of K = {k} in blocks of {weight.blocksize}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -444,7 +470,7 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
     _nf4_gemv_kernel[(grid_n, t.split)](
         rows, y, part, weight.tickets, *w, *s, *b, weight.code, weight.pairs, m, n, ends[0], ends[1], rows.stride(0),
         y.stride(0), K=k, BS=weight.blocksize, MEMBERS=members, HAS_BIAS=weight.bias is not None, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=t.lookup, PREFETCH=t.prefetch,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=lookup, PREFETCH=t.prefetch,
         INTERPRETED=interpreted(), num_warps=t.warps, num_stages=t.stages,
     )
     return y.view(*x.shape[:-1], n)

@@ -21,7 +21,9 @@ from kestrel.kernels._utils import cdiv, next_pow2
 
 MAX_ROWS = 16  # rows of x one launch takes (the tensor-core tile's M)
 TABLE = Path(__file__).with_name("nf4_gemv_tiles.json")
-NIBBLE, PAIR = 0, 1  # lookups: one 16-entry code gather per weight; one 256-entry pair gather per byte
+# Lookups: one 16-entry code gather per weight; one 256-entry pair gather per byte; the block's 16
+# values in registers, read by byte permutes (`nf4_lookup.py`; compiled CUDA only).
+NIBBLE, PAIR, PRMT = 0, 1, 2
 # Per path (one row; tensor cores): BLOCK_K, warps, programs an SM holds at once.
 _FMA_K, _FMA_WARPS, _RESIDENT_FMA = 512, 2, 16
 _DOT_K, _DOT_WARPS, _RESIDENT_DOT = 128, 4, 4
