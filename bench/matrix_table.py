@@ -89,7 +89,7 @@ def _run_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], ord
                 decided, seen = len(r.get("graph_decisions", [])), r.get("graph_layouts_seen", 0)
                 lines.append(f"- {' '.join(cell)} {system}: timed before the CUDA-graph chooser had settled "
                              f"({decided} of {seen} layouts decided after {r.get('settle_steps', 0)} settle steps): "
-                             "its timed steps hold the chooser's eager probes")
+                             "its timed steps hold the chooser's probes, some layouts eager")
     shared = [r for by in cells.values() for r in by.values() if r.get("concurrent", 1) > 1]
     if shared:
         lines.append(f"- {len(shared)} records ran beside other processes on the same host (up to "
