@@ -27,7 +27,7 @@ Each record holds `gpu` (the CUDA_VISIBLE_DEVICES entry it ran on) and `concurre
 processes the host ran at once meanwhile, itself included): pairs on other GPUs share the host's
 cores and memory bandwidth, which a host-bound step feels. Kestrel's records hold `settle_steps`,
 `settled` (whether the chooser had decided every layout of the batches when timing began: if not,
-the timed steps hold its eager probes, and the table says so) and every record `warmup_s`.
+the timed steps hold its probes, and the table says so) and every record `warmup_s`.
 
 Systems: `kestrel` (CUDA graphs per --cuda-graphs, default auto: the run's chooser decides),
 `kestrel-on` / `kestrel-off` (forced), each with offloaded checkpointing and the product's batches
