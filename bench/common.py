@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +209,7 @@ def run_isolated(script: str, args: list[str], extra_path: str | None = None, ti
     env = {**os.environ, **(env or {})}
     if extra_path:
         env["PYTHONPATH"] = f"{extra_path}:{env.get('PYTHONPATH', '')}"
-    out = Path(f"/tmp/kestrel-bench/result-{time.time_ns()}.json")
+    out = Path(f"/tmp/kestrel-bench/result-{uuid.uuid4().hex}.json")  # unique across threads running cases at once
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     proc = subprocess.run([sys.executable, script, *args, "--out", str(out)], env=env, cwd=ROOT,

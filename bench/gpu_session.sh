@@ -13,6 +13,13 @@
 #   train     the 8B QLoRA bench, offloaded checkpointing, Kestrel and Unsloth (issue 25's figure)
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
 #   dpo       DPO QLoRA at the 8B shape: Kestrel, TRL, Unsloth (issue 27's target)
+#   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
+#             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
+#             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
+#             matrix-all.jsonl) when the checkout has it, and writes $OUT/$MATRIX_FILE: after the call, copy
+#             it back from the reply's files_at (cp <files_at>/matrix-all.jsonl bench/results/) and commit,
+#             so the next call's checkout carries it and runs only the pairs still missing.
+#             MATRIX_ARGS adds options (e.g. MATRIX_ARGS="--models qwen3-4b,gemma3-4b").
 #
 # Needs .gpu-site (and .gpu-anchors for the baselines; .gpu-fla, flash-linear-attention, for Qwen3.5)
 # carried with the checkout; see bench/RESULTS.md for how they are built.
@@ -37,6 +44,18 @@ phase() {  # phase NAME SECONDS COMMAND...: run it with a wall-clock limit, log 
     echo "=== $name exit $? $(date +%T)"
 }
 
+matrix() {  # the whole matrix, resumed from bench/results/$MATRIX_FILE; a pair is started until 170 s
+    # before the phase's limit and one still running 40 s before it is stopped and left for the next call
+    local file="${MATRIX_FILE:-matrix-all.jsonl}" limit=${LIMIT_matrix:-570}
+    [ -f "bench/results/$file" ] && [ ! -f "$OUT/$file" ] && cp "bench/results/$file" "$OUT/$file"
+    # shellcheck disable=SC2086  # MATRIX_ARGS holds several options
+    phase matrix "$limit" python bench/matrix.py --models all --methods all --layouts all --systems all \
+        --gpus all --settle "${MATRIX_SETTLE:-160}" --budget-s $((limit - 170)) --hard-s $((limit - 40)) \
+        --out "$OUT/$file" ${MATRIX_ARGS:-}
+    grep -hE "pairs to run|budget of|chunk's end|ahead did not" "$OUT/matrix.log" | tail -n 20
+    echo "$(wc -l <"$OUT/$file" 2>/dev/null || echo 0) records in $OUT/$file"
+}
+
 for want in "$@"; do
     case $want in
         tests)    phase tests 300 python -m pytest -q -m gpu -p no:cacheprovider "${GPU_TESTS[@]}" ;;
@@ -48,7 +67,8 @@ for want in "$@"; do
                       --steps 8 --warmup 12 --out "$OUT/train_off.json" ;;
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
         dpo)      phase dpo 300 python bench/dpo.py --out "$OUT/dpo.json" ;;
-        *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo)" >&2; exit 2 ;;
+        matrix)   matrix ;;
+        *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1

@@ -3,19 +3,31 @@ r"""Training throughput matrix: model shapes x QLoRA/LoRA x batch layouts, Kestr
 Every (cell, system) runs in its own process (`bench.common.run_isolated`) on a random-init model
 at a real model's config, built once on the GPU machine and cached under /tmp (weights' values
 change neither speed nor memory), and appends one JSON line to --out. Pairs already in --out are
-skipped, and no new work starts once --budget-s has passed, so the matrix runs in chunks:
+skipped, and no new work starts once --budget-s has passed, so the matrix runs in chunks
+(`bench/matrix_runner.py`: the driver; with --gpus, a model's pairs run on several GPUs at once):
 
     python bench/matrix.py --models qwen3-4b,gemma3-4b --methods qlora --layouts padded,packed \
         --systems kestrel,kestrel-on,kestrel-off,unsloth,hf --out results/matrix.jsonl --budget-s 540
+    python bench/matrix.py --models all --methods all --layouts all --systems all --gpus all \
+        --settle 120 --out results/matrix.jsonl --budget-s 400 --hard-s 530   # every GPU of the host
     python bench/matrix.py --table results/matrix.jsonl          # the markdown table
     python bench/matrix.py --models all --methods qlora,lora --out m.jsonl --dry-run   # the plan
     options: --steps 10  --warmup 12 (Kestrel's; its CUDA-graph chooser times both ways first)
+             --settle N (Kestrel's: up to N more steps until the chooser has decided every layout; 0: off)
              --warmup-baselines 3  --batches 16  --seed 0  --cuda-graphs auto|on|off (system kestrel)
+             --gpus 1|N|all (a worker per GPU, each pair's process on one: CUDA_VISIBLE_DEVICES)
              --anchors DIR (Unsloth's packages, first on its PYTHONPATH)  --cell-timeout 420
              --hard-s (default budget + 45: a case still running then is stopped, left for later)
              --mirror DIR (copy --out there after each line, e.g. $OUT)  --keep-models  --retry-errors
 On the GPU machine: PYTHONPATH=$PWD/.gpu-site with .gpu-site and .gpu-anchors carried, --mirror $OUT
-(the file comes back even when the command hits its limit), and the file carried into the next chunk.
+(the file comes back even when the command hits its limit), and the file carried into the next chunk
+(`bash bench/gpu_session.sh matrix` does all of it).
+
+Each record holds `gpu` (the CUDA_VISIBLE_DEVICES entry it ran on) and `concurrent` (the most
+processes the host ran at once meanwhile, itself included): pairs on other GPUs share the host's
+cores and memory bandwidth, which a host-bound step feels. Kestrel's records hold `settle_steps`,
+`settled` (whether the chooser had decided every layout of the batches when timing began: if not,
+the timed steps hold its probes, and the table says so) and every record `warmup_s`.
 
 Systems: `kestrel` (CUDA graphs per --cuda-graphs, default auto: the run's chooser decides),
 `kestrel-on` / `kestrel-off` (forced), each with offloaded checkpointing and the product's batches
@@ -49,18 +61,17 @@ import argparse
 import dataclasses
 import json
 import random
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.matrix_table import FORCED_GRAPHS, METHODS, record_key, render_table  # noqa: E402
-from bench.matrix_models import MODEL_ROOT, build_model_dir, model_dir  # noqa: E402
+from bench.matrix_models import build_model_dir, model_dir  # noqa: E402
+from bench.matrix_runner import load_records, pending, run_matrix  # noqa: E402
+from bench.matrix_table import FORCED_GRAPHS, METHODS, render_table  # noqa: E402
 from bench.model_shapes import MODELS  # noqa: E402
 
 PAD_ID = 0  # padding id; sample tokens are drawn from 1..vocab-1 so padding is recognisable
@@ -187,8 +198,30 @@ def system_model(system: str, folder: Path, method: str, seq: int, cuda_graphs: 
     return build(system, folder, args), False, None
 
 
-def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int) -> dict[str, Any]:
-    """`warmup` then `steps` AdamW steps, step i on batches[i % len]; timings, memory, losses."""
+def chooser_settled(chooser: Any, stepped: int, n_batches: int) -> bool:
+    """Whether Kestrel's CUDA-graph chooser (`GraphChooser`; None: no chooser) has nothing left to time
+    for the timed steps: forced on or off, or every batch stepped at least once (`stepped` steps so
+    far, cycling `n_batches`) and every layout it has seen decided."""
+    if chooser is None or chooser.mode != "auto":
+        return True
+    return stepped >= n_batches and len(chooser.decisions()) == len(chooser.layouts)
+
+
+def settle(step: Callable[[int], None], chooser: Any, start: int, most: int, n_batches: int) -> int:
+    """After `start` warm-up steps, step on (`step(i)`, cycling the batches) until `chooser_settled`
+    or `most` more steps: how many ran. The chooser decides a layout only after timing it both ways
+    (`GraphChooser`), so a run whose batches make many layouts needs more than the warm-up."""
+    n = 0
+    while n < most and not chooser_settled(chooser, start + n, n_batches):
+        step(start + n)
+        n += 1
+    return n
+
+
+def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser: Any = None,
+                settle_most: int = 0) -> dict[str, Any]:
+    """`warmup` steps, up to `settle_most` more while Kestrel's `chooser` settles (`settle`), then
+    `steps` timed AdamW steps; step i on batches[i % len]; timings, memory, losses."""
     import torch
 
     from bench.common import gib
@@ -206,23 +239,29 @@ def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int) -> dict
         losses.append(loss.detach())
 
     model.train()
+    began = time.perf_counter()
     for i in range(warmup):
         step(i)
+    settled = settle(step, chooser, warmup, settle_most, len(batches))
     torch.cuda.synchronize()
+    warm_s = time.perf_counter() - began
+    first = warmup + settled
+    chooser_state = {"settled": chooser_settled(chooser, first, len(batches))} if chooser is not None else {}
     warm = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())
     torch.cuda.reset_peak_memory_stats()  # the timed steps' own peaks, next to the whole run's
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     start = time.perf_counter()
     for j in range(steps):
         marks[j].record()
-        step(warmup + j)
+        step(first + j)
     marks[-1].record()
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     steady = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())
     return {"elapsed_s": elapsed, "step_s": [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])],
             "peak_alloc_gib": max(warm[0], steady[0]), "peak_reserved_gib": max(warm[1], steady[1]),
-            "steady_alloc_gib": steady[0], "steady_reserved_gib": steady[1], "losses": [float(x) for x in losses]}
+            "steady_alloc_gib": steady[0], "steady_reserved_gib": steady[1], "losses": [float(x) for x in losses],
+            "warmup_s": warm_s, "settle_steps": settled, **chooser_state}
 
 
 def graph_report(recompute: Any, system: str, cuda_graphs: str) -> dict[str, Any]:
@@ -261,8 +300,10 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
     batches = plan_batches(layout, MODELS[name]["vocab_size"], flat, args.batches, args.seed)
     flops = [useful_flops(b, MODELS[name]) for b in batches]
     gpu = [b.to(torch.device("cuda")) for b in batches]
-    res = timed_steps(model, gpu, args.warmup, args.steps)
-    timed = [(args.warmup + j) % len(batches) for j in range(args.steps)]
+    kestrel = system.startswith("kestrel")
+    chooser = getattr(recompute, "chooser", None) if kestrel else None
+    res = timed_steps(model, gpu, args.warmup, args.steps, chooser, args.settle if kestrel else 0)
+    timed = [(args.warmup + res["settle_steps"] + j) % len(batches) for j in range(args.steps)]
     tokens = sum(batches[i].tokens for i in timed)
     slots = sum(batches[i].input_ids.numel() for i in timed)
     tflops = sum(flops[i] for i in timed) / res["elapsed_s"] / 1e12
@@ -270,6 +311,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             "real_tokens": tokens, "padding_share": 1 - tokens / slots, "flat": flat,
             "useful_tflops": tflops, "mfu_vs_spec": tflops / SPEC_PEAK_TFLOPS, **res,
             "device": torch.cuda.get_device_name(), "warmup": args.warmup, "steps": args.steps,
+            **({"settle": args.settle} if kestrel else {}),
             "batches": args.batches, "seed": args.seed, "versions": _versions(), **expert_storage(model),
             **graph_report(recompute, system, args.cuda_graphs)}
 
@@ -278,138 +320,6 @@ def _versions() -> dict[str, str]:
     """Versions of the packages this process imported."""
     names = ("torch", "transformers", "peft", "bitsandbytes", "unsloth", "triton")
     return {n: str(getattr(sys.modules[n], "__version__", "?")) for n in names if n in sys.modules}
-
-
-# --- The driver: cells in order, each system in its own process, one JSON line each ------------
-
-def load_records(path: Path) -> list[dict[str, Any]]:
-    """The records in a results file (a line cut short by a kill is skipped)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def append_record(path: Path, record: dict[str, Any], mirror: str | None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-    if mirror and Path(mirror).resolve() != path.parent.resolve():  # the results already written there: nothing to copy
-        Path(mirror).mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, Path(mirror) / path.name)
-
-
-def pending(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
-    """The (model, method, layout, system) pairs asked for and not yet in --out, in run order."""
-    done = {record_key(r) for r in load_records(Path(args.out)) if not (args.retry_errors and "error" in r)}
-    return [(m, me, lay, s) for m in args.models for me in args.methods for lay in args.layouts
-            for s in args.systems if (m, me, lay, s) not in done]
-
-
-class Clock:
-    """The chunk's time: --budget-s for starting new work, --hard-s for stopping a running case."""
-
-    def __init__(self, budget_s: float, hard_s: float | None) -> None:
-        self.t0, self.budget = time.monotonic(), budget_s
-        self.hard = hard_s if hard_s is not None else (budget_s + 45 if budget_s else None)
-
-    def spent(self) -> bool:
-        return bool(self.budget) and time.monotonic() - self.t0 >= self.budget
-
-    def limit(self, cell_timeout: float) -> tuple[float, bool]:
-        """Seconds a case may run now, and whether that is the chunk's end rather than its own limit."""
-        if self.hard is None:
-            return cell_timeout, False
-        left = self.hard - (time.monotonic() - self.t0)
-        return min(cell_timeout, left), left < cell_timeout
-
-
-def isolated(args: list[str], timeout: float, extra_path: str | None = None,
-             env: dict[str, str] | None = None) -> dict[str, Any]:
-    """This script in its own process (`run_isolated`); a timeout becomes {"timeout": seconds}."""
-    from bench.common import run_isolated
-
-    started = time.monotonic()
-    try:
-        res = run_isolated(str(Path(__file__).resolve()), args, extra_path=extra_path,
-                           timeout=max(1, int(timeout)), env=env)
-    except subprocess.TimeoutExpired:
-        return {"timeout": timeout, "wall_s": time.monotonic() - started}
-    res.setdefault("wall_s", time.monotonic() - started)
-    return res
-
-
-def prepare(name: str, args: argparse.Namespace, clock: Clock) -> dict[str, Any] | None:
-    """Make sure the model folder exists (other models' folders go first unless --keep-models).
-    None when ready, else the failure ({"error"} or {"timeout"} cut by the chunk's end)."""
-    if not args.keep_models and MODEL_ROOT.exists():
-        for other in MODEL_ROOT.iterdir():
-            if other.is_dir() and other.name != name:
-                shutil.rmtree(other, ignore_errors=True)  # 64 GiB disk: one model at a time
-    if (model_dir(name) / "config.json").exists():
-        return None
-    limit, cut = clock.limit(args.cell_timeout)
-    print(f"building {name} at {model_dir(name)} ...", flush=True)
-    res = isolated(["--prepare", name], limit)
-    if "timeout" in res and not cut:
-        return {"error": f"building the model took over {limit:.0f} s"}
-    return res if ("error" in res or "timeout" in res) else None
-
-
-def run_one(key: tuple[str, str, str, str], args: argparse.Namespace, clock: Clock) -> dict[str, Any] | None:
-    """One (cell, system) in its own process; its record, or None when the chunk's end cut it."""
-    limit, cut = clock.limit(args.cell_timeout)
-    if limit < 30:
-        return None
-    system = key[3]
-    kestrel = system.startswith("kestrel")
-    warmup = args.warmup if kestrel else args.warmup_baselines
-    child = ["--cell", ",".join(key), "--steps", str(args.steps), "--warmup", str(warmup),
-             "--batches", str(args.batches), "--seed", str(args.seed), "--cuda-graphs", args.cuda_graphs]
-    env = {"KESTREL_CUDA_GRAPHS": ""} if kestrel else {}  # the mode asked for, not an inherited override
-    if system == "unsloth":  # a MoE folder leaves its experts out on purpose (bench.matrix_models)
-        env["UNSLOTH_WARN_UNINITIALIZED"] = "0"
-    res = isolated(child, limit, extra_path=args.anchors if system == "unsloth" else None, env=env)
-    if "timeout" in res:
-        if cut:
-            return None
-        res = {"error": f"timeout after {limit:.0f} s", "wall_s": res["wall_s"]}
-    return keyed(key, res)
-
-
-def keyed(key: tuple[str, str, str, str], res: dict[str, Any]) -> dict[str, Any]:
-    """A result as a line of the results file: its (cell, system) first, and when it was made."""
-    return {"model": key[0], "method": key[1], "layout": key[2], "system": key[3], **res,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
-
-def run_matrix(args: argparse.Namespace) -> None:
-    """Every pending pair in order until done or the budget is spent; then the table."""
-    todo, clock = pending(args), Clock(args.budget_s, args.hard_s)
-    current, failed = None, None  # the model whose folder was last prepared, and how that failed
-    print(f"{len(todo)} (cell, system) pairs to run", flush=True)
-    for n, key in enumerate(todo):
-        if clock.spent():
-            print(f"budget of {args.budget_s:.0f} s spent: {len(todo) - n} pairs left for the next chunk", flush=True)
-            break
-        if key[0] != current:
-            current, failed = key[0], prepare(key[0], args, clock)
-            if failed is not None and "timeout" in failed:
-                print(f"stopped while building {key[0]}: the chunk's end; left for the next chunk", flush=True)
-                break
-        record = keyed(key, failed) if failed is not None else run_one(key, args, clock)
-        if record is None:
-            print(f"{','.join(key)}: stopped at the chunk's end; left for the next chunk", flush=True)
-            break
-        append_record(Path(args.out), record, args.mirror)
-        skip = ("losses", "step_s", "graph_decisions", "versions")
-        print(json.dumps({k: v for k, v in record.items() if k not in skip})[:1500], flush=True)
-    print(render_table(load_records(Path(args.out)), list(LAYOUTS)))
 
 
 # --- Command line ------------------------------------------------------------------------------
@@ -437,6 +347,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=12, help="Kestrel's warm-up steps")
     ap.add_argument("--warmup-baselines", type=int, default=3)
+    ap.add_argument("--settle", type=int, default=0, help="Kestrel only: up to this many more steps after "
+                    "--warmup until its CUDA-graph chooser has decided every layout (0: off)")
+    ap.add_argument("--gpus", default="1", help="GPUs of this host to run pairs on at once: a count or all")
     ap.add_argument("--batches", type=int, default=16, help="distinct batches, cycled through")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"), help="for system kestrel")
@@ -454,6 +367,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.systems = _names(args.systems, SYSTEMS, "systems", ap)
     if not args.table and not args.out:
         ap.error("--out is required (or --table FILE)")
+    if args.gpus != "all" and not (args.gpus.isdigit() and int(args.gpus) >= 1):
+        ap.error(f"--gpus takes a count of at least 1 or all, got {args.gpus!r}")
+    if args.settle < 0:
+        ap.error(f"--settle takes a number of steps (0: off), got {args.settle}")
     return args
 
 
@@ -471,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
             print(",".join(key))
     else:
         run_matrix(args)
+        print(render_table(load_records(Path(args.out)), list(LAYOUTS)))
 
 
 if __name__ == "__main__":

@@ -76,7 +76,26 @@ def _expert_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], 
         lines.insert(0, "- qlora on a mixture of experts: Kestrel stores the routed experts in NF4. bitsandbytes quantizes "
                         "`nn.Linear` only and transformers 5 holds the experts as fused 3-D parameters, so HF+PEFT's QLoRA "
                         "keeps them 16-bit (the baseline as its users get it); Unsloth's as recorded below.")
-    return ["", *lines] if lines else []
+    return lines
+
+
+def _run_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], order: list[tuple[str, str, str]]) -> list[str]:
+    """Notes under the table: Kestrel runs timed before their CUDA-graph chooser had settled, and
+    records measured beside others on the same host (`bench.matrix_runner`)."""
+    lines = []
+    for cell in order:
+        for system, r in cells[cell].items():
+            if _ok(r) and r.get("settled") is False:
+                decided, seen = len(r.get("graph_decisions", [])), r.get("graph_layouts_seen", 0)
+                lines.append(f"- {' '.join(cell)} {system}: timed before the CUDA-graph chooser had settled "
+                             f"({decided} of {seen} layouts decided after {r.get('settle_steps', 0)} settle steps): "
+                             "its timed steps hold the chooser's probes, some layouts eager")
+    shared = [r for by in cells.values() for r in by.values() if r.get("concurrent", 1) > 1]
+    if shared:
+        lines.append(f"- {len(shared)} records ran beside other processes on the same host (up to "
+                     f"{max(r['concurrent'] for r in shared)} at once, one GPU each): they shared its cores "
+                     "and memory bandwidth (`gpu`, `concurrent` in each record)")
+    return lines
 
 
 def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
@@ -94,4 +113,5 @@ def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
         device = next((r["device"] for r in by.values() if r.get("device")), "")
         lines.append(f"| {' | '.join(cell)} | {_tps(k)} | {_tps(u)} | {_tps(h)} | {_ratio(k, u)} "
                      f"| {_auto_vs_forced(by)} | {_mem(k)} | {_mem(u)} | {_mem(h)} | {_graphs(k)} | {device} |")
-    return "\n".join(lines + _expert_notes(cells, order))
+    notes = _expert_notes(cells, order) + _run_notes(cells, order)
+    return "\n".join(lines + (["", *notes] if notes else []))

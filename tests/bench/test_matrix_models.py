@@ -91,7 +91,7 @@ def test_table_notes_how_each_system_held_the_experts_under_qlora() -> None:
 
 
 def test_results_mirror_into_another_folder_and_are_not_copied_onto_themselves(tmp_path: Path) -> None:
-    from bench.matrix import append_record
+    from bench.matrix_runner import append_record
 
     out, mirror = tmp_path / "res" / "m.jsonl", tmp_path / "mirror"
     append_record(out, {"a": 1}, str(mirror))

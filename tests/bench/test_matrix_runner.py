@@ -1,0 +1,222 @@
+"""bench/matrix_runner.py's scheduling on the CPU, its processes faked: a worker per GPU, every
+pending pair once, records saying where they ran, the chunk's budget and hard stop, models one at
+a time; and bench/matrix.py's settle loop with a fake CUDA-graph chooser."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.matrix import chooser_settled, parse_args, settle
+from bench.matrix_runner import Clock, Runner, load_records, pending, visible_gpus
+from bench.matrix_table import render_table
+
+MODELS = "qwen3-0.6b,qwen3-1.7b"
+
+
+class FakeHost:
+    """The processes a chunk starts: `--prepare` writes a folder's config.json under `root`, a pair
+    takes `pair_s` seconds of a fake clock. Checks, as they run, that no two pairs share a GPU, that
+    pairs of two models never run at once, and that a pair's folder exists from its start to its end."""
+
+    def __init__(self, root: Path, pair_s: float = 100.0, together: int = 0, cut: tuple[str, ...] = ()) -> None:
+        self.root, self.pair_s, self.cut = root, pair_s, cut
+        self.lock = threading.Lock()
+        self.t = 0.0
+        self.running: dict[str, tuple[str, ...]] = {}  # GPU -> the pair on it
+        self.pairs: list[tuple[tuple[str, ...], str, float, list[str]]] = []  # key, GPU, start, child args
+        self.builds: list[tuple[str, str, bool, list[str]]] = []  # model, GPU, whether a pair ran meanwhile, folders there
+        self.problems: list[str] = []
+        self.together = threading.Barrier(together, timeout=20) if together else None  # the first pairs wait for each other
+
+    def now(self) -> float:
+        with self.lock:
+            return self.t
+
+    def launch(self, args: list[str], timeout: float, extra_path: str | None = None,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+        gpu = (env or {}).get("CUDA_VISIBLE_DEVICES", "?")
+        if args[0] == "--prepare":
+            with self.lock:
+                there = sorted(p.name for p in self.root.iterdir()) if self.root.exists() else []
+                self.builds.append((args[1], gpu, bool(self.running), there))
+            (self.root / args[1]).mkdir(parents=True, exist_ok=True)
+            (self.root / args[1] / "config.json").write_text("{}")
+            return {"folder": str(self.root / args[1])}
+        key = tuple(args[1].split(","))
+        with self.lock:
+            if gpu in self.running:
+                self.problems.append(f"{key} started on GPU {gpu}, which runs {self.running[gpu]}")
+            if any(k[0] != key[0] for k in self.running.values()):
+                self.problems.append(f"{key} started beside another model's pair: {self.running}")
+            self.running[gpu] = key
+            self.pairs.append((key, gpu, self.t, args))
+            wait = self.together is not None and len(self.pairs) <= self.together.parties
+        self._check_folder(key, "start")
+        if wait:
+            self.together.wait()
+        self._check_folder(key, "end")
+        with self.lock:
+            del self.running[gpu]
+            self.t += self.pair_s
+        if key[3] in self.cut:
+            return {"timeout": timeout, "wall_s": timeout}
+        return {"tokens_per_s": 1000.0, "peak_alloc_gib": 1.0, "peak_reserved_gib": 1.0}
+
+    def _check_folder(self, key: tuple[str, ...], when: str) -> None:
+        if not (self.root / key[0] / "config.json").exists():
+            with self.lock:
+                self.problems.append(f"{key}: its model's folder is missing at its {when}")
+
+
+def _args(tmp_path: Path, *extra: str) -> Any:
+    return parse_args(["--models", MODELS, "--methods", "qlora", "--layouts", "padded,packed", "--systems", "kestrel,hf",
+                       "--out", str(tmp_path / "m.jsonl"), "--anchors", "", *extra])
+
+
+def test_workers_take_distinct_gpus_run_every_pair_once_and_models_one_at_a_time(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    args = _args(tmp_path, "--gpus", "all", "--settle", "7")
+    root = tmp_path / "models"
+    (root / "stale-model").mkdir(parents=True)  # an earlier chunk's folder: removed before the first model's build
+    host = FakeHost(root, together=3)
+    todo = pending(args)
+    Runner(args, visible_gpus(args.gpus), host.launch, Clock(0, None, host.now), root).run()
+
+    assert not host.problems
+    assert sorted(k for k, *_ in host.pairs) == sorted(todo) and len(todo) == 8  # each pending pair once
+    assert {g for _, g, *_ in host.pairs} == {"0", "1", "2"}
+    first, second = MODELS.split(",")
+    assert host.builds[0] == (first, "0", False, [])  # before any of its pairs, the stale folder gone first
+    assert [b[0] for b in host.builds] == [first, second]  # the second built once, ahead or in its turn
+    assert sorted(p.name for p in root.iterdir()) == [second]  # the first folder went once its pairs had ended
+    records = load_records(Path(args.out))
+    assert sorted((r["model"], r["method"], r["layout"], r["system"]) for r in records) == sorted(todo)
+    assert {r["gpu"] for r in records} <= {0, 1, 2} and all(r["concurrent"] >= 1 for r in records)
+    assert max(r["concurrent"] for r in records) == 3  # the first three ran together
+    assert not pending(args)
+    for key, _, _, child in host.pairs:  # only Kestrel is asked to settle its chooser
+        assert ("--settle" in child) == key[3].startswith("kestrel")
+    assert "ran beside other processes on the same host (up to 3 at once" in render_table(records, ["padded", "packed"])
+
+
+@pytest.mark.parametrize("gpus", ["0", "0,1"])
+def test_no_pair_starts_after_the_budget_and_the_next_chunk_runs_the_rest(tmp_path, monkeypatch, gpus) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)
+    args = _args(tmp_path, "--gpus", "all", "--budget-s", "250")
+    host = FakeHost(tmp_path / "models")
+    todo = pending(args)
+    Runner(args, visible_gpus(args.gpus), host.launch, Clock(250, None, host.now), host.root).run()
+
+    # A pair starts only while under two of them have ended (100 s each): three in a row on one GPU;
+    # on two, each worker may have started one more while the other's was ending.
+    n_gpus = len(gpus.split(","))
+    assert 3 <= len(host.pairs) <= 2 + n_gpus
+    first = load_records(Path(args.out))
+    assert len(first) == len(host.pairs) < len(todo) and len(pending(args)) == len(todo) - len(first)
+    if n_gpus == 1:
+        assert [start for _, _, start, _ in host.pairs] == [0, 100, 200]
+        assert {(r["gpu"], r["concurrent"]) for r in first} == {(0, 1)}
+        assert len(host.builds) == 1  # one GPU: no folder built ahead
+    later = FakeHost(host.root)
+    Runner(args, visible_gpus(args.gpus), later.launch, Clock(0, None, later.now), host.root).run()
+    assert sorted(k for k, *_ in host.pairs + later.pairs) == sorted(todo)  # every pair once over the two chunks
+    assert not pending(args) and not host.problems + later.problems
+    if n_gpus == 1:  # as before --gpus: the next folder is built once the one before it is gone
+        assert [b[0] for b in later.builds] == [MODELS.split(",")[1]] and later.builds[0][3] == []
+
+
+def test_a_pair_cut_at_the_chunks_end_is_not_recorded_and_nothing_starts_after_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    args = _args(tmp_path, "--budget-s", "250", "--hard-s", "300")
+    host = FakeHost(tmp_path / "models", cut=("hf",))  # the second pair runs past the hard stop
+    Runner(args, visible_gpus(args.gpus), host.launch, Clock(250, 300, host.now), host.root).run()
+
+    assert [k[3] for k, *_ in host.pairs] == ["kestrel", "hf"]  # nothing after the cut pair
+    records = load_records(Path(args.out))
+    assert [r["system"] for r in records] == ["kestrel"] and "error" not in records[0]
+    assert pending(args)[0][3] == "hf"  # left for the next chunk
+
+
+def test_a_pair_over_its_own_timeout_is_recorded_as_an_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    args = _args(tmp_path, "--models", "qwen3-0.6b", "--systems", "hf", "--layouts", "long")
+    host = FakeHost(tmp_path / "models", cut=("hf",))
+    Runner(args, visible_gpus(args.gpus), host.launch, Clock(0, None, host.now), host.root).run()
+    [record] = load_records(Path(args.out))
+    assert record["error"].startswith("timeout after 420")
+
+
+def test_gpus_are_read_from_cuda_visible_devices_or_counted(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert visible_gpus("all") == ["3", "5"] and visible_gpus("1") == ["3"]
+    with pytest.raises(ValueError, match="--gpus 4: 2 GPU"):
+        visible_gpus("4")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr("bench.matrix_runner.gpu_count", lambda: 8)
+    assert visible_gpus("all") == [str(i) for i in range(8)] and visible_gpus("2") == ["0", "1"]
+    with pytest.raises(ValueError, match="at least 1 or all"):
+        visible_gpus("0")
+
+
+class FakeChooser:
+    """GraphChooser's surface the settle loop reads: a layout is decided at its `k`-th sighting."""
+
+    def __init__(self, k: int, mode: str = "auto") -> None:
+        self.k, self.mode = k, mode
+        self.layouts: dict[str, int] = {}
+
+    def begin(self, key: str) -> None:
+        if self.mode == "auto":
+            self.layouts[key] = self.layouts.get(key, 0) + 1
+
+    def decisions(self) -> list[str]:
+        return [key for key, seen in self.layouts.items() if seen >= self.k]
+
+
+def _stepper(chooser: FakeChooser, batches: list[str]) -> tuple[Any, list[int]]:
+    ran: list[int] = []
+
+    def step(i: int) -> None:
+        ran.append(i)
+        chooser.begin(batches[i % len(batches)])
+
+    return step, ran
+
+
+def test_settle_steps_until_every_layout_seen_is_decided_or_its_limit() -> None:
+    batches = ["a", "b", "a", "c"]  # a decided at its 3rd sighting (step 4), b at step 9, c at step 11
+    chooser = FakeChooser(k=3)
+    step, ran = _stepper(chooser, batches)
+    for i in range(2):  # the warm-up
+        step(i)
+    assert settle(step, chooser, 2, 100, len(batches)) == 10 and ran[-1] == 11  # stops as soon as c is decided
+    assert chooser_settled(chooser, 12, len(batches))
+
+    capped = FakeChooser(k=3)
+    step, ran = _stepper(capped, batches)
+    assert settle(step, capped, 0, 5, len(batches)) == 5 and ran == [0, 1, 2, 3, 4]
+    assert not chooser_settled(capped, 5, len(batches))
+
+
+def test_settle_runs_every_batch_once_and_nothing_when_graphs_are_forced() -> None:
+    batches = ["a", "b", "c", "d"]
+    chooser = FakeChooser(k=1)  # decided on sight: settled once every batch has run
+    step, ran = _stepper(chooser, batches)
+    step(0)
+    assert settle(step, chooser, 1, 100, len(batches)) == 3 and ran == [0, 1, 2, 3]
+    forced = FakeChooser(k=99, mode="on")
+    step, ran = _stepper(forced, batches)
+    assert settle(step, forced, 0, 100, len(batches)) == 0 and settle(step, None, 0, 100, 4) == 0 and not ran
+
+
+def test_table_notes_a_kestrel_cell_timed_before_its_chooser_settled() -> None:
+    base = dict(model="gemma4-e2b", method="qlora", layout="padded", tokens_per_s=1.0, peak_alloc_gib=1.0,
+                peak_reserved_gib=1.0, cuda_graphs="auto", graph_layouts_seen=11)
+    table = render_table([dict(base, system="kestrel", settled=False, settle_steps=40, graph_decisions=[{"graphed": True}] * 4),
+                          dict(base, system="hf")], ["padded"])
+    assert "- gemma4-e2b qlora padded kestrel: timed before the CUDA-graph chooser had settled (4 of 11 layouts" in table
+    assert "settled" not in render_table([dict(base, system="kestrel", settled=True)], ["padded"])
