@@ -107,9 +107,9 @@ class GraphChooser:
       graphs' pool are never reserved together.
     - A forward's time is the time from its start to the next forward's start on the device's clock
       (CUDA events, read without a sync once they have passed), so it counts its backward, the
-      optimizer step and any time the GPU sat waiting for the host. The first forward after the way
-      changes is not timed, and the device is drained before it: a graphed step lets the host run
-      ahead, and the queue it leaves would hide the host's cost of the eager step after it.
+      optimizer step and any time the GPU sat waiting for the host. Where the way changes the
+      device is drained first: a graphed step lets the host run ahead, and the queue it leaves
+      would hide the host's cost of the eager step after it.
     - Cost model, to spare probing every layout of a run whose shapes vary (padded rows): the host's
       share of a step falls as its tokens grow, so once a layout of n tokens is decided graphed,
       every layout of at most n tokens is graphed, and once one of n is decided eager, every layout
@@ -153,7 +153,9 @@ class GraphChooser:
         mark = self.clock.mark()
         if self._open is not None:  # after a switch, it ends once its own work has drained
             self._pending.append((*self._open, mark))
-        self._open = (layout, graphed, mark) if timed and not switched else None
+        # Timed after a switch too: the drain leaves no queue that could hide this forward's host
+        # cost, and layouts that take turns would otherwise switch at every forward, never timed.
+        self._open = (layout, graphed, mark) if timed else None
         self._last = graphed
         return graphed
 

@@ -195,3 +195,16 @@ def test_graphs_are_kept_once_a_layout_is_decided_graphed_not_while_timing() -> 
         eager.forward("k", 10)
     assert not eager.chooser.graphs_kept() and not eager.chooser.any_graphed()
     assert GraphChooser("on").graphs_kept() and not GraphChooser("off").graphs_kept()
+
+
+def test_interleaved_layouts_are_all_decided() -> None:
+    """Layouts that take turns (a, b, a, c, ...: padded rows of several widths) make the ways
+    alternate from one forward to the next while they are probed; each forward is still timed
+    (the device is drained at a switch), so every layout is decided, each the right way."""
+    run = FakeRun(host_bound)
+    order = [("a", 800), ("b", 1600), ("a", 800), ("c", 200_000)]
+    for i in range(160):
+        run.forward(*order[i % len(order)])
+    decided = {d.layout: d.graphed for d in run.decisions}
+    assert decided == {"a": True, "b": True, "c": False}
+    assert all(run.ways[-8:][i] == (order[i % 4][0] != "c") for i in range(8))  # each follows its decision
