@@ -74,9 +74,10 @@ class PackedExperts:
         """index (M,) expert ids -> (M, a, b) those experts' stored-layout weights in `self.dtype`.
 
         Only the chosen experts' codes and block scales are read (a decode step's top-k). Needs
-        each expert's a*b values to be whole 64-blocks (`selectable`), so that expert e owns bytes [e*a*b/2, (e+1)*a*b/2) of the codes and blocks [e*a*b/64, ...). The
-        values are bitsandbytes' (`kestrel.kernels.nf4.dequantize_reference`): code[nibble] *
-        absmax in fp32, rounded once. Loop-free, no host read (captured in CUDA graphs)."""
+        each expert's a*b values to be whole 64-blocks (`selectable`), so that expert e owns bytes
+        [e*a*b/2, (e+1)*a*b/2) of the codes and blocks [e*a*b/64, (e+1)*a*b/64). The values are
+        bitsandbytes' (`kestrel.kernels.nf4.dequantize_reference`): code[nibble] * absmax in fp32,
+        rounded once. Loop-free, no host read (captured in CUDA graphs)."""
         e, a, b = self.stored_shape
         per, m = a * b, index.shape[0]
         codes = self.packed.reshape(e, per // 2)[index]  # (M, a*b/2) uint8
