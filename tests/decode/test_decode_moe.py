@@ -137,3 +137,44 @@ def test_expert_adapter_updates_are_seen_without_rebuilding() -> None:
     peft.set_adapter("default")
     after = gen.generate([prompt], 24, adapter="default").tokens[0]
     assert after == _hf_greedy(peft, prompt, 24) and after != before
+
+
+# --- CUDA: compiled and graph-captured steps (the lead's GPU runs) ------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_bf16_graphed_tokens_match_hf(case: str) -> None:
+    """bf16 on CUDA, compiled and captured: three left-padded rows (gpt-oss's two past its window),
+    each equal to HF's greedy tokens up to a near-tie of HF's own logits (the rule of
+    test_decode_nf4.py: bf16 sums in another order may flip a tie there, and the paths part)."""
+    from tests.decode.test_decode_gpu import _assert_graphed
+    from tests.decode.test_decode_nf4 import _assert_same_until_near_tie
+
+    model = _model(case, dtype=torch.bfloat16).cuda()
+    gen = Generator(model, max_seq_len=256, stop_ids=[])
+    prompts = [_prompt(n, seed=n) for n in PROMPTS]
+    tokens = gen.generate(prompts, 40).tokens
+    _assert_graphed(gen)
+    assert gen.compile
+    for prompt, ours in zip(prompts, tokens):
+        _assert_same_until_near_tie(model, prompt, ours, _hf_greedy(model, prompt, 40))
+    assert gen.generate(prompts[1:2], 40).tokens[0] == tokens[1]  # batch 1 (a fresh session) as in the batch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["qwen3_moe_mixed", "gpt_oss"])
+def test_cuda_graphed_expert_adapters_match_eager(case: str) -> None:
+    """fp32 on CUDA: per-request and per-row adapters (attention and experts), compiled and
+    captured, give the eager loop's tokens exactly; and HF's for one adapter."""
+    from tests.decode.test_decode_gpu import _assert_graphed
+
+    peft = _with_adapters(_model(case)).cuda()
+    fast = Generator(peft, max_seq_len=256, stop_ids=[])
+    eager = Generator(peft, max_seq_len=256, stop_ids=[], compile=False, cuda_graphs=False)
+    prompts = [_prompt(n, seed=n) for n in PROMPTS]
+    for adapter in (["qv", None, "default"], "default", None):
+        assert fast.generate(prompts, 32, adapter=adapter).tokens == eager.generate(prompts, 32, adapter=adapter).tokens
+    _assert_graphed(fast)
+    peft.set_adapter("default")
+    assert fast.generate(prompts[1:2], 32, adapter="default").tokens[0] == _hf_greedy(peft, prompts[1], 32)
