@@ -45,7 +45,7 @@ from kestrel.decode import fast_layer
 from kestrel.decode.adapters import LoraCall, adapter_names, build_group, is_lora_layer
 from kestrel.decode.cache import StaticKVCache
 from kestrel.decode.fused import fuse_allowed, tied_parameters
-from kestrel.decode.moe import MoeBlock, is_sparse, moe_block
+from kestrel.decode.moe import MoeBlock, is_sparse, moe_block, unreadable
 from kestrel.decode.projections import ProjGroup, base_module, make_group
 from kestrel.errors import KestrelError
 from kestrel.model.multimodal import language_stack
@@ -153,6 +153,9 @@ class DecodeModel:
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
         layer_types = getattr(cfg, "layer_types", None)
         sparse = is_sparse(mlp, self.spec.moe)
+        reason = unreadable(mlp, self.spec.moe) if sparse else ""
+        if reason:
+            raise UnsupportedModelError(f"no decode path for this {self.spec.model_type} model: {reason}")
         return Layer(
             qkv=make_group(attn.q_proj, attn.k_proj, attn.v_proj), o=make_group(attn.o_proj),
             gate_up=None if sparse else make_group(mlp.gate_proj, mlp.up_proj),

@@ -182,10 +182,23 @@ def is_sparse(mlp: nn.Module, moe: MoeSpec | None) -> bool:
     return moe is not None and type(mlp).__name__ == moe.block_class
 
 
-def moe_block(block: nn.Module, moe: MoeSpec) -> MoeBlock:
-    """The decode view of a loaded sparse block (PEFT-wrapped experts or not); no copies."""
+def unreadable(block: nn.Module, moe: MoeSpec) -> str:
+    """Why the decode block cannot read `block`'s experts ("" when it can): e.g. gpt-oss kept in
+    MXFP4 blocks by Hugging Face (Kestrel's loader dequantizes them), or a shared expert."""
     if moe.shared_expert:
-        raise ValueError(f"{moe.block_class}: the decode block has no shared expert")
+        return f"{moe.block_class} has a shared expert"
+    base, _ = expert_wrappers(block.experts)
+    packed = packed_experts(base)
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(base, name, None)
+        if name not in packed and not (isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.is_floating_point()):
+            return f"its experts hold no 3-D {name} (e.g. MXFP4 blocks; load with Kestrel's loader to dequantize them)"
+    return ""
+
+
+def moe_block(block: nn.Module, moe: MoeSpec) -> MoeBlock:
+    """The decode view of a loaded sparse block (PEFT-wrapped experts or not; `unreadable` says
+    "" for it); no copies."""
     base, wrappers = expert_wrappers(block.experts)
     packed = packed_experts(base)
 

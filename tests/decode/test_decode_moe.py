@@ -66,6 +66,18 @@ def test_the_moe_families_decode_on_kestrels_forward() -> None:
     assert "qwen3_5_moe_text" not in DECODE_FAMILIES  # linear attention: HF's forward and cache
 
 
+def test_experts_the_block_cannot_read_fall_back_to_hf() -> None:
+    """Experts without 3-D weights (gpt-oss's MXFP4 blocks as HF keeps them when not dequantized)
+    decode through HF's forward, with the reason logged, rather than failing."""
+    from kestrel.decode.hf_backend import HFDecodeBackend
+
+    model = _model("gpt_oss")
+    experts = model.model.layers[1].mlp.experts
+    del experts.gate_up_proj
+    experts.gate_up_proj_blocks = torch.nn.Parameter(torch.zeros(8, 128, 4, 16, dtype=torch.uint8), requires_grad=False)
+    assert isinstance(Generator(model, max_seq_len=64, stop_ids=[]).backend, HFDecodeBackend)
+
+
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_and_step_logits_match_hf(case: str, kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
