@@ -259,6 +259,11 @@ class DecodeModel:
             self.fuse()
             return True
         repaired = [g.repair() for g in self.groups]  # every group, not up to the first failure
+        for layer in self.layers:  # experts whose parameters were replaced (e.g. NF4 undone): read anew
+            if layer.moe is not None and not layer.moe.current():
+                layer.moe = moe_block(layer.moe.module, self.spec.moe)
+                layer.moe.attach_lora(self.adapters, self.dtype, self.device)
+                repaired.append(False)
         return not all(repaired)
 
     @property

@@ -146,6 +146,14 @@ class MoeBlock:
     down: Experts
     act: Callable[[torch.Tensor], torch.Tensor]  # (M, 2I) -> (M, I)
     wrappers: dict[str, nn.Module]  # PEFT's parameter wrappers by parameter name
+    module: nn.Module  # the HF sparse block it reads
+
+    def current(self) -> bool:
+        """True while the experts module still holds the weights read here (same tensors, same NF4)."""
+        base = expert_wrappers(self.module.experts)[0]
+        packed = packed_experts(base)
+        return all(getattr(base, f"{name}_proj") is p.weight and packed.get(f"{name}_proj") is p.packed
+                   for name, p in (("gate_up", self.gate_up), ("down", self.down)))
 
     def attach_lora(self, names: list[str], dtype: torch.dtype, device: torch.device) -> None:
         for name in ("gate_up", "down"):
@@ -218,4 +226,5 @@ def moe_block(block: nn.Module, moe: MoeSpec) -> MoeBlock:
             gate, up = h.chunk(2, dim=-1)
             return act_fn(gate) * up
 
-    return MoeBlock(getattr(block, moe.router_attr), projection("gate_up_proj"), projection("down_proj"), act, wrappers)
+    return MoeBlock(getattr(block, moe.router_attr), projection("gate_up_proj"), projection("down_proj"), act, wrappers,
+                    block)

@@ -151,6 +151,19 @@ def test_expert_adapter_updates_are_seen_without_rebuilding() -> None:
     assert after == _hf_greedy(peft, prompt, 24) and after != before
 
 
+def test_replaced_expert_weights_are_read_anew() -> None:
+    """An experts parameter replaced between requests (a reload, NF4 undone): the next request
+    reads the new tensor, not the one the decode block was built on."""
+    model = _model("qwen3_moe")
+    gen = Generator(model, max_seq_len=128, stop_ids=[])
+    prompt = _prompt(10, seed=6)
+    before = gen.generate([prompt], 24).tokens[0]
+    experts = model.model.layers[0].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(-experts.gate_up_proj.detach().flip(0), requires_grad=False)
+    after = gen.generate([prompt], 24).tokens[0]
+    assert after == _hf_greedy(model, prompt, 24) and after != before
+
+
 # --- CUDA: compiled and graph-captured steps (the lead's GPU runs) ------------------------------
 
 
