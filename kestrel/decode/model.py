@@ -20,8 +20,8 @@ back). One `DecodeModel` covers every registered family; the family differences 
                               biased experts and a clamped GLU
 
 Two entry points, both returning only the last token's logits (B, V) in float32:
-- `prefill(ids, pad, cache, lora)`: the whole (left-padded) prompt at once, SDPA attention,
-  K/V written to cache columns [0, T);
+- `prefill(ids, pad, cache, lora)`: the whole (left-padded) prompt at once, SDPA attention (the
+  sink softmax over query chunks where the family has sinks), K/V written to cache columns [0, T);
 - `step(tok, col, pad, cache, lora)`: one token per row at cache column `col` (a (1,) device
   tensor). Fixed shapes, no host reads: the function the generator compiles and graph-captures.
   Attention reads the cache in one kernel (`kestrel.kernels.decode.attention`); batch 1 without an
@@ -367,7 +367,7 @@ class DecodeModel:
             v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             mask = masks[layer.window][:, None]  # (B, 1, T, T)
             if layer.sinks is not None:  # gpt-oss: HF's eager sink softmax
-                out = sink_softmax_attention(q, k, v, mask, layer.scaling, layer.sinks)
+                out = _sink_attention(q, k, v, mask, layer.scaling, layer.sinks)
             elif self.attn_softcap is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
             else:
@@ -461,6 +461,20 @@ class DecodeModel:
         self._pre_fn = torch.compile(self._pre_attention, fullgraph=True)
         self._post_fn = torch.compile(self._post_attention, fullgraph=True)
         self._head_fn = torch.compile(self._head, fullgraph=True)
+
+
+_SINK_SCORES = 1 << 25  # scores a prefill's sink softmax holds at once (128 MB in fp32)
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    sinks: torch.Tensor) -> torch.Tensor:
+    """q, k, v (B, nh, T, d) (KV heads repeated), mask (B, 1, T, T), sinks (nh,) -> (B, nh, T, d):
+    `sink_softmax_attention` over chunks of queries, so the scores are (B, nh, C, T) at a time,
+    not (B, nh, T, T) (a long prompt's full score tensor would not fit)."""
+    b, nh, t, _ = q.shape
+    rows = max(1, _SINK_SCORES // (b * nh * t))
+    return torch.cat([sink_softmax_attention(q[:, :, i : i + rows], k, v, mask[:, :, i : i + rows], scale, sinks)
+                      for i in range(0, t, rows)], dim=2)
 
 
 def _return_freed_memory(device: torch.device) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from kestrel.decode import model as decode_model
 from kestrel.decode.generate import Generator
 from kestrel.decode.model import DecodeModel
 from kestrel.model.registry import DECODE_FAMILIES
@@ -83,8 +84,10 @@ def test_experts_the_block_cannot_read_fall_back_to_hf() -> None:
 def test_prefill_and_step_logits_match_hf(case: str, kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three left-padded rows: prefill's last logits and six steps' logits against HF's forward
     over each row's own tokens. `triton`: norms, RoPE and the step's attention (sinks included)
-    as the Triton kernels (interpreted here), as on CUDA."""
+    as the Triton kernels (interpreted here), as on CUDA. gpt-oss's prefill sink softmax runs
+    over chunks of 4 queries (as a long prompt's would)."""
     monkeypatch.setenv("KESTREL_KERNELS", kernels)
+    monkeypatch.setattr(decode_model, "_SINK_SCORES", 3 * 4 * max(PROMPTS) * 4)  # rows, heads, keys, queries
     model = _model(case)
     backend = DecodeModel(model, max_seq_len=128)
     rows = [_prompt(n, seed=n) for n in PROMPTS]
