@@ -154,6 +154,35 @@ def test_expert_adapter_updates_are_seen_without_rebuilding() -> None:
     assert after == _hf_greedy(peft, prompt, 24) and after != before
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_grpo_rollout_of_a_patched_model_in_training_mode(case: str) -> None:
+    """A GRPO rollout: Kestrel's patched model with its LoRA (attention and experts, `attach_lora`),
+    in training mode under gradient checkpointing, decodes HF's greedy tokens after a training step
+    changed the adapters (each request syncs them)."""
+    from kestrel.config import LoraSettings
+    from kestrel.model.lora import attach_lora
+    from kestrel.model.patching import patch_model
+
+    model = _model(case)
+    patch_model(model)
+    peft = attach_lora(model, LoraSettings(r=4, alpha=8))
+    peft.gradient_checkpointing_enable()
+    peft.train()
+    gen = Generator(peft, max_seq_len=128, stop_ids=[])
+    assert gen.adapters == ["default"] and all(b.gate_up.lora is not None for b in gen.backend.moe_blocks)
+    ids = torch.tensor([_prompt(12, seed=8)])
+    peft(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # B gets a gradient; step by hand
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.add_(p.grad.sign() * 0.05)
+    prompts = [_prompt(n, seed=n) for n in PROMPTS]
+    tokens = gen.generate(prompts, 24, adapter="default").tokens
+    assert tokens != gen.generate(prompts, 24).tokens and peft.training  # the adapters act
+    peft.eval()
+    assert tokens == [_hf_greedy(peft, p, 24) for p in prompts]
+
+
 def test_replaced_expert_weights_are_read_anew() -> None:
     """An experts parameter replaced between requests (a reload, NF4 undone): the next request
     reads the new tensor, not the one the decode block was built on."""
