@@ -19,9 +19,10 @@ o's shrink and the first layer's q/k/v keep a small launch of their own.
 
 When (`applies`): a CUDA (or forced-Triton) model, one row, no adapter or one for the call,
 q/k/v and gate/up fused into one buffer each (fused.py), plain dense o and down without bias,
-and a family without QK-norm, sandwich norms, Gemma's norm casting or attention softcapping
-(Llama, Mistral, Qwen2). Everything else takes `DecodeModel`'s general step: same math, rounded
-to the model dtype between the small ops (the two agree to bf16 rounding, not bit for bit).
+and a family without QK-norm, sandwich norms, Gemma's norm casting, attention softcapping or
+sinks, or sparse MLP blocks (Llama, Mistral, Qwen2). Everything else takes `DecodeModel`'s
+general step: same math, rounded to the model dtype between the small ops (the two agree to
+bf16 rounding, not bit for bit).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def applies(model: DecodeModel, batch: int, lora: LoraCall | None) -> bool:
     if spec.qk_norm or spec.sandwich_norm or spec.norm_casting != "llama" or model.attn_softcap is not None:
         return False
     if spec.activation != "swiglu" or spec.embed_scale or spec.logit_softcap_attr:
+        return False
+    if spec.moe is not None or spec.attention_sinks:  # sparse blocks and sinks run the general step
         return False
     head = model.lm_head
     if head.lora is not None or head.fused is not None or head.projs[0].weight is None:
@@ -106,7 +109,7 @@ def _norm_floats(n_layers: int) -> int:
 
 
 def _width(model: DecodeModel) -> int:
-    spans = [hi - lo for layer in model.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    spans = [hi - lo for layer in model.layers for g in layer.groups
              if g.lora is not None for lo, hi in g.lora.spans.values()]
     return next_pow2(max(spans)) if spans else 0
 

@@ -1,9 +1,8 @@
 """The decode loop's backend for families that Kestrel's decode forward does not cover.
 
-Qwen3.5 (linear-attention layers with a recurrent state), Gemma 4 (per-layer inputs, shared
-K/V), the mixture-of-experts families (Qwen3-MoE; gpt-oss with its attention sinks) and any
-family a later transformers adds decode through the model's own forward with
-Hugging Face's cache: slower (no graph capture, no compile, one host read of the cache column a
+Qwen3.5 and Qwen3.5-MoE (linear-attention layers with a recurrent state), Gemma 4 (per-layer
+inputs, shared K/V) and any family a later transformers adds decode through the model's own
+forward with Hugging Face's cache: slower (no graph capture, no compile, one host read of the cache column a
 step) but exact, so chat, the studio and GRPO rollouts work on every model that loads.
 
 It speaks the `DecodeBackend` protocol of `generate.py`: rows are left-padded, a row's token at

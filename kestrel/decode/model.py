@@ -12,10 +12,16 @@ back). One `DecodeModel` covers every registered family; the family differences 
     Gemma 3                   + QK-norm, (1 + w) norms cast after the scale, embeddings times
                               sqrt(hidden), sandwich norms around attention and MLP, GeGLU,
                               sliding-window layers with their own RoPE, final logit softcap
+    Qwen3-MoE                 Qwen3's attention; the MLP a sparse block (router, top-k experts,
+                              `moe.py`), dense in `mlp_only_layers`
+    gpt-oss                   biased q/k/v/o, attention sinks (one more softmax logit per head,
+                              value 0), alternating sliding-window layers, half-width RoPE
+                              tables, norms cast after the scale; every MLP a sparse block with
+                              biased experts and a clamped GLU
 
 Two entry points, both returning only the last token's logits (B, V) in float32:
-- `prefill(ids, pad, cache, lora)`: the whole (left-padded) prompt at once, SDPA attention,
-  K/V written to cache columns [0, T);
+- `prefill(ids, pad, cache, lora)`: the whole (left-padded) prompt at once, SDPA attention (the
+  sink softmax over query chunks where the family has sinks), K/V written to cache columns [0, T);
 - `step(tok, col, pad, cache, lora)`: one token per row at cache column `col` (a (1,) device
   tensor). Fixed shapes, no host reads: the function the generator compiles and graph-captures.
   Attention reads the cache in one kernel (`kestrel.kernels.decode.attention`); batch 1 without an
@@ -39,9 +45,11 @@ from kestrel.decode import fast_layer
 from kestrel.decode.adapters import LoraCall, adapter_names, build_group, is_lora_layer
 from kestrel.decode.cache import StaticKVCache
 from kestrel.decode.fused import fuse_allowed, tied_parameters
+from kestrel.decode.moe import MoeBlock, is_sparse, moe_block, unreadable
 from kestrel.decode.projections import ProjGroup, base_module, make_group
 from kestrel.errors import KestrelError
 from kestrel.model.multimodal import language_stack
+from kestrel.model.attention import sink_softmax_attention
 from kestrel.model.registry import FamilySpec, family_for, text_config
 from kestrel.kernels.decode import nf4_gemv
 from kestrel.kernels.decode.attention import decode_attention
@@ -71,9 +79,9 @@ def _norm(module: nn.Module | None) -> Norm | None:
 class Layer:
     qkv: ProjGroup
     o: ProjGroup
-    gate_up: ProjGroup
-    down: ProjGroup
-    act: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: ProjGroup | None  # None in a sparse layer (`moe`)
+    down: ProjGroup | None
+    act: Callable[[torch.Tensor], torch.Tensor] | None
     input_norm: Norm
     post_attn_norm: Norm
     pre_ff_norm: Norm | None  # sandwich-norm families only
@@ -83,6 +91,13 @@ class Layer:
     scaling: float
     window: int | None  # sliding-window size (keys with q_pos - k_pos < window), None = full
     rope: str  # key into DecodeModel.rope
+    moe: MoeBlock | None = None  # the sparse MLP (mixture-of-experts families), else gate_up/down
+    sinks: torch.Tensor | None = None  # (n_heads,) attention-sink logits (gpt-oss)
+
+    @property
+    def groups(self) -> tuple[ProjGroup, ...]:
+        """The layer's linear projection groups: q/k/v, o, then gate/up and down unless sparse."""
+        return (self.qkv, self.o) if self.moe is not None else (self.qkv, self.o, self.gate_up, self.down)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -137,10 +152,15 @@ class DecodeModel:
         attn, mlp, cfg = layer.self_attn, layer.mlp, self.config
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
         layer_types = getattr(cfg, "layer_types", None)
+        sparse = is_sparse(mlp, self.spec.moe)
+        reason = unreadable(mlp, self.spec.moe) if sparse else ""
+        if reason:
+            raise UnsupportedModelError(f"no decode path for this {self.spec.model_type} model: {reason}")
         return Layer(
             qkv=make_group(attn.q_proj, attn.k_proj, attn.v_proj), o=make_group(attn.o_proj),
-            gate_up=make_group(mlp.gate_proj, mlp.up_proj), down=make_group(mlp.down_proj),
-            act=mlp.act_fn,
+            gate_up=None if sparse else make_group(mlp.gate_proj, mlp.up_proj),
+            down=None if sparse else make_group(mlp.down_proj),
+            act=None if sparse else mlp.act_fn,
             input_norm=_norm(layer.input_layernorm),
             post_attn_norm=_norm(layer.post_attention_layernorm),
             pre_ff_norm=_norm(getattr(layer, "pre_feedforward_layernorm", None)) if self.spec.sandwich_norm else None,
@@ -150,6 +170,8 @@ class DecodeModel:
             scaling=float(attn.scaling),
             window=int(window) if window else None,
             rope=layer_types[index] if layer_types and self._rope_per_type else "",
+            moe=moe_block(mlp, self.spec.moe) if sparse else None,
+            sinks=attn.sinks if self.spec.attention_sinks else None,
         )
 
     @torch.no_grad()
@@ -160,21 +182,32 @@ class DecodeModel:
         tables = {}
         for key in sorted({layer.rope for layer in self.layers}):
             cos, sin = rotary(probe, pos, key) if key else rotary(probe, pos)
-            tables[key] = (cos[0].contiguous(), sin[0].contiguous())  # (S, d)
+            cos, sin = cos[0], sin[0]
+            if self.spec.rope_half_table:  # (S, d/2): x1 cos - x2 sin | x2 cos + x1 sin is rotate_half's
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # math on repeated halves
+            tables[key] = (cos.contiguous(), sin.contiguous())  # (S, d)
         return tables
 
     @property
     def groups(self) -> list[ProjGroup]:
         """Every projection group: per layer q/k/v, o, gate/up, down; then lm_head."""
-        return [g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        return [g for layer in self.layers for g in layer.groups] + [self.lm_head]
+
+    @property
+    def moe_blocks(self) -> list[MoeBlock]:
+        return [layer.moe for layer in self.layers if layer.moe is not None]
 
     def attach_lora(self) -> None:
-        """(Re)build the LoRA groups from the PEFT layers now on the model's projections, then fuse."""
+        """(Re)build the LoRA groups from the PEFT layers now on the model's projections (and the
+        experts' parameter wrappers), then fuse."""
         self.unfuse()
         groups = self.groups
-        self.adapters = adapter_names([m for g in groups for m in g.modules if is_lora_layer(m)])
+        wrappers = [w for block in self.moe_blocks for w in block.wrappers.values()]
+        self.adapters = adapter_names([m for g in groups for m in g.modules if is_lora_layer(m)] + wrappers)
         for g in groups:
             g.lora = build_group(g.modules, g.sizes, self.adapters, self.dtype, self.device)
+        for block in self.moe_blocks:
+            block.attach_lora(self.adapters, self.dtype, self.device)
         self.fuse()
 
     def sync_lora(self) -> None:
@@ -182,6 +215,9 @@ class DecodeModel:
         for g in self.groups:
             if g.lora is not None:
                 g.lora.sync()
+        for block in self.moe_blocks:
+            for bank in block.banks:
+                bank.sync()
 
     # --- fused projections (fused.py) --------------------------------------------------------
 
@@ -195,7 +231,7 @@ class DecodeModel:
         for layer in self.layers:
             fused = [
                 g.fuse(self.dtype, tied)
-                for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                for g in layer.groups
                 if g.fused is None and fuse_allowed([base_module(m) for m in g.modules], self.model, self.fuse_setting)
             ]
             if any(fused):
@@ -212,7 +248,7 @@ class DecodeModel:
         if not self.fused_groups:
             return
         for layer in self.layers:
-            for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for g in layer.groups:
                 g.unfuse()
             _return_freed_memory(self.device)
 
@@ -223,11 +259,16 @@ class DecodeModel:
             self.fuse()
             return True
         repaired = [g.repair() for g in self.groups]  # every group, not up to the first failure
+        for layer in self.layers:  # experts whose parameters were replaced (e.g. NF4 undone): read anew
+            if layer.moe is not None and not layer.moe.current():
+                layer.moe = moe_block(layer.moe.module, self.spec.moe)
+                layer.moe.attach_lora(self.adapters, self.dtype, self.device)
+                repaired.append(False)
         return not all(repaired)
 
     @property
     def quantized(self) -> bool:
-        return any(g.quantized for layer in self.layers for g in (layer.qkv, layer.gate_up, layer.down))
+        return any(g.quantized for layer in self.layers for g in layer.groups)
 
     @property
     def compilable(self) -> bool:
@@ -283,8 +324,11 @@ class DecodeModel:
             a = self._rms(a, layer.post_attn_norm, kernels)
         x = x + a
         h = self._rms(x, layer.pre_ff_norm if layer.pre_ff_norm is not None else layer.post_attn_norm, kernels)
-        gate, up = layer.gate_up(h, lora)
-        (h,) = layer.down(layer.act(gate) * up, lora)
+        if layer.moe is not None:
+            h = layer.moe(h, lora)
+        else:
+            gate, up = layer.gate_up(h, lora)
+            (h,) = layer.down(layer.act(gate) * up, lora)
         if layer.post_ff_norm is not None:
             h = self._rms(h, layer.post_ff_norm, kernels)
         return x + h
@@ -322,7 +366,9 @@ class DecodeModel:
             k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             mask = masks[layer.window][:, None]  # (B, 1, T, T)
-            if self.attn_softcap is None:
+            if layer.sinks is not None:  # gpt-oss: HF's eager sink softmax
+                out = _sink_attention(q, k, v, mask, layer.scaling, layer.sinks)
+            elif self.attn_softcap is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
             else:
                 scores = self._softcap_scores((q @ k.transpose(-1, -2)) * layer.scaling)
@@ -360,7 +406,7 @@ class DecodeModel:
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             q = pre_fn(layer, h, col, pad, cache.k[i], cache.v[i], lora)
             out = decode_attention(q, cache.k[i], cache.v[i], col, pad, layer.scaling, layer.window,
-                                   self.attn_softcap, counters)
+                                   self.attn_softcap, counters, layer.sinks)
             x, h = post_fn(layer, after, x, out, lora)
         return head_fn(h, lora)
 
@@ -415,6 +461,20 @@ class DecodeModel:
         self._pre_fn = torch.compile(self._pre_attention, fullgraph=True)
         self._post_fn = torch.compile(self._post_attention, fullgraph=True)
         self._head_fn = torch.compile(self._head, fullgraph=True)
+
+
+_SINK_SCORES = 1 << 25  # scores a prefill's sink softmax holds at once (128 MB in fp32)
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    sinks: torch.Tensor) -> torch.Tensor:
+    """q, k, v (B, nh, T, d) (KV heads repeated), mask (B, 1, T, T), sinks (nh,) -> (B, nh, T, d):
+    `sink_softmax_attention` over chunks of queries, so the scores are (B, nh, C, T) at a time,
+    not (B, nh, T, T) (a long prompt's full score tensor would not fit)."""
+    b, nh, t, _ = q.shape
+    rows = max(1, _SINK_SCORES // (b * nh * t))
+    return torch.cat([sink_softmax_attention(q[:, :, i : i + rows], k, v, mask[:, :, i : i + rows], scale, sinks)
+                      for i in range(0, t, rows)], dim=2)
 
 
 def _return_freed_memory(device: torch.device) -> None:

@@ -334,8 +334,9 @@ def sink_softmax_attention(
 ) -> torch.Tensor:
     """Attention whose softmax has one more key per head: logit sinks[h], value 0 (HF's eager gpt-oss).
 
-    q (1, Hq, L, D), k and v (1, Hq, L, D) (KV heads already repeated), allowed (L, L) bool,
-    sinks (Hq,); returns (1, Hq, L, D). Explicit on purpose: autograd gives the exact gradients.
+    q (B, Hq, Lq, D), k and v (B, Hq, L, D) (KV heads already repeated), allowed (Lq, L) bool or
+    any shape that broadcasts to (B, Hq, Lq, L), sinks (Hq,); returns (B, Hq, Lq, D). Explicit on
+    purpose: autograd gives the exact gradients.
     """
     scores = (q @ k.transpose(-1, -2)) * scale  # (1, Hq, L, L)
     scores = scores.masked_fill(~allowed, float("-inf"))

@@ -100,7 +100,7 @@ def router_stats_from_logits(
 # --- PEFT's per-expert LoRA, read as factors -------------------------------------------------
 
 
-def _wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+def expert_wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
     """(the experts module under PEFT's nested `ParamWrapper`s, wrapper of each parameter name)."""
     found: dict[str, nn.Module] = {}
     while hasattr(experts, "parameter_name") and hasattr(experts, "lora_A"):
@@ -118,20 +118,27 @@ def _factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
     if len(active) != 1 or wrapper.lora_B[active[0]].bias is not None:
         return False
-    name, experts = active[0], wrapper.num_experts
+    a, b, scaling = adapter_factors(wrapper, active[0])
+    # B made contiguous (a small copy): torch's grouped GEMM needs a unit stride in one of the
+    # last two dimensions, and PEFT's column order gives B none.
+    return a.to(dtype), b.contiguous().to(dtype), scaling
+
+
+def adapter_factors(wrapper: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(A (E, in, r), B (E, r, out), scaling) of adapter `name` on a PEFT parameter wrapper, as views
+    of its parameters: y_e = x W_e + scaling * (x A_e) B_e."""
+    experts = wrapper.num_experts
     a = wrapper.lora_A[name].weight  # (E*r, in), row e*r + i
     b = wrapper.lora_B[name].weight  # (out, r*E), column i*E + e
     a = a.reshape(experts, -1, a.shape[-1]).transpose(1, 2)  # (E, in, r)
-    # (E, r, out) made contiguous (a small copy): torch's grouped GEMM needs a unit stride in one
-    # of the last two dimensions, and PEFT's column order gives B none.
-    b = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0).contiguous()
-    return a.to(dtype), b.to(dtype), float(wrapper.scaling[name])
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 1, 0)  # (E, r, out)
+    return a, b, float(wrapper.scaling[name])
 
 
 def expert_projections(experts: nn.Module, moe: MoeSpec) -> tuple[ExpertProjection, ExpertProjection] | None:
     """(gate_up, down) of `experts` (PEFT-wrapped or not) for the grouped product, or None when
     PEFT's own forward must run. NF4 experts (`kestrel.model.expert_quant`) come as their packed form."""
-    base, wrappers = _wrappers(experts)
+    base, wrappers = expert_wrappers(experts)
     packed = packed_experts(base)
     out = []
     for name in ("gate_up_proj", "down_proj"):
@@ -161,7 +168,7 @@ def make_moe_forward(spec: FamilySpec) -> Callable[..., Any]:
         if projections is None:
             out = self.experts(x, index, weights)
         else:
-            base = _wrappers(self.experts)[0]
+            base = expert_wrappers(self.experts)[0]
             out = moe_experts(
                 x, index, weights, *projections, activation=moe.activation,
                 alpha=getattr(base, "alpha", 1.702), limit=getattr(base, "limit", 7.0),

@@ -199,9 +199,11 @@ FAMILIES: dict[str, FamilySpec] = {
 }
 
 # --- Mixture-of-experts families (issue 26, item 2) ----------------------------------------
-# Kestrel's decode forward has no sparse block and no sinks: they decode through HF's forward
-# (`kestrel.decode.hf_backend`); the GGUF of Qwen3-MoE, gpt-oss and Qwen3.5-MoE maps the 3-D expert tensors
-# (`kestrel.export.experts`).
+# Qwen3-MoE and gpt-oss decode on Kestrel's decode forward (its sparse block: `kestrel.decode.moe`;
+# gpt-oss's sinks in the decode attention kernel). Qwen3.5-MoE decodes through HF's forward
+# (`kestrel.decode.hf_backend`), as Qwen3.5 does: the decode forward has no linear-attention
+# layers (a recurrent state per row, not a K/V cache). The GGUF of all three maps the 3-D expert
+# tensors (`kestrel.export.experts`).
 # Qwen3-MoE's router and experts; Qwen3.5-MoE's block adds a gated shared expert.
 _QWEN3_MOE_BLOCK = MoeSpec(
     block_class="Qwen3MoeSparseMoeBlock",
@@ -221,7 +223,6 @@ _MOE_FAMILIES = (
         qk_norm=True,
         sliding_layers="all",  # config.sliding_window is None unless use_sliding_window
         moe=_QWEN3_MOE_BLOCK,
-        decode=False,
         gguf_arch="qwen3moe",
     ),
     FamilySpec(
@@ -246,7 +247,6 @@ _MOE_FAMILIES = (
         ),
         attention_sinks=True,
         rope_half_table=True,
-        decode=False,
         gguf_arch="gpt-oss",
     ),
     # Qwen3.5-MoE: Qwen3.5's layers (linear and gated full attention, on the same forwards) with

@@ -1,8 +1,8 @@
 """decode_attention (kernels/decode_attention.py) against its PyTorch reference computed in
 float64: grouped-query heads, rows with different left padding, sliding windows, softcapping,
 a head_dim that is no power of two, caches that are views of one larger buffer, enough keys for
-several splits of several blocks each, poisoned outputs and scratch, and the per-head counters
-left at zero for the next launch. On CUDA the same checks run at the Llama-3.1-8B shape, many
+several splits of several blocks each, attention sinks (gpt-oss), poisoned outputs and scratch,
+and the per-head counters left at zero for the next launch. On CUDA the same checks run at the Llama-3.1-8B shape, many
 launches in a row, to catch a merge that reads a split before it is written."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kestrel.kernels.decode.attention import decode_attention, decode_attention_reference, splits_for
+from kestrel.model.attention import sink_softmax_attention
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -63,6 +64,48 @@ def test_reference_is_the_masked_softmax() -> None:
             keys, vals = k[b, h // 2, lo:31], v[b, h // 2, lo:31]
             want = torch.softmax(keys @ q[b, h] * scale, dim=0) @ vals
             torch.testing.assert_close(out[b, h], want)
+
+
+SINK_CASES = [CASES[0], CASES[2], CASES[4]]  # GQA, a sliding window, splits of several blocks
+
+
+def _sinks(nh: int, dtype: torch.dtype) -> torch.Tensor:
+    # e^4 against ~100 keys of scores ~N(0, 1): the sink takes a real share of every softmax.
+    return (4.0 + torch.randn(nh, generator=torch.Generator().manual_seed(5))).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", SINK_CASES)
+def test_sinks_match_reference(case, dtype: torch.dtype, poisoned, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sink joins the merge's normaliser: the kernel against the reference's explicit sink
+    column, and differs from attention without sinks (so a kernel that ignores them fails)."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    q, k, v, col, pad, scale, window, cap = _inputs(case, dtype)
+    sinks = _sinks(q.shape[1], dtype)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k, v, col, pad, scale, window, cap, counters=counters, sinks=sinks)
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), col, pad, scale, window, cap, sinks.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    plain = decode_attention_reference(q.double(), k.double(), v.double(), col, pad, scale, window, cap)
+    assert (plain - ref).norm() > 0.1 * ref.norm()  # the sinks take a real share of the mass
+    assert not counters.any()
+
+
+def test_reference_sinks_are_the_training_paths_sink_softmax() -> None:
+    """The decode reference with sinks against `sink_softmax_attention` (HF's eager gpt-oss math),
+    one row at a time over its valid keys, the step's query the last of them."""
+    b, nh, nkv, length, d, col, window = 2, 4, 2, 40, 8, 30, 12
+    q, k, v, col_t, pad, scale, _, _ = _inputs((b, nh, nkv, length, d, col, window, None), torch.float64)
+    sinks = _sinks(nh, torch.float64)
+    out = decode_attention_reference(q, k, v, col_t, pad, scale, window, sinks=sinks)
+    for row in range(b):
+        lo = max(int(pad[row]), col - window + 1)
+        keys = k[row, :, lo : col + 1].repeat_interleave(nh // nkv, 0)[None]  # (1, nh, L, d)
+        vals = v[row, :, lo : col + 1].repeat_interleave(nh // nkv, 0)[None]
+        allowed = torch.ones(1, keys.shape[2], dtype=torch.bool, device=DEVICE)  # the one query sees every key
+        want = sink_softmax_attention(q[row][None, :, None], keys, vals, allowed, scale, sinks)  # (1, nh, 1, d)
+        torch.testing.assert_close(out[row], want[0, :, 0])
 
 
 def test_splits_cover_the_cache() -> None:

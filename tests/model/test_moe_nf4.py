@@ -209,18 +209,34 @@ def test_4bit_loading_stores_moe_experts_in_nf4_and_trains(tiny_model_dir) -> No
     assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_selected_nf4_experts_equal_the_whole_dequantization(transposed: bool) -> None:
+    """A decode step dequantizes only its top-k experts (`PackedExperts.select`): bit for bit the
+    whole tensor's dequantization at those experts, repeats and any order included."""
+    packed = PackedExperts(torch.randn(6, 64, 48, generator=torch.Generator().manual_seed(3)), transposed=transposed)
+    index = torch.tensor([3, 0, 3, 5])
+    assert packed.selectable and packed.state.nested
+    assert torch.equal(packed.select(index), packed.stored().clone()[index])
+
+
 def test_nf4_experts_decode_with_an_adapter_as_16_bit_experts_holding_their_values() -> None:
-    """GRPO rollouts and chat on a QLoRA MoE: the decode loop (HF's forward through the patched
-    block) gives the greedy tokens of 16-bit experts set to the NF4 values, adapter on and off."""
+    """GRPO rollouts and chat on a QLoRA MoE: Kestrel's decode forward (each step dequantizing only
+    the chosen experts, prefill the grouped product) gives the greedy tokens of 16-bit experts set
+    to the NF4 values, adapter on and off."""
     from kestrel.decode.generate import Generator
 
+    from kestrel.decode.model import DecodeModel
+
     quant, dense, _ = _nf4_twins(seed=9)
-    prompt = _ids(5, b=1, t=9)[0].tolist()
+    ids = _ids(5, b=3, t=9)
+    prompts = [ids[0].tolist(), ids[1, 4:].tolist(), ids[2, 2:].tolist()]  # a left-padded batch
     tokens = []
     for model in (quant, dense):
         model.generation_config.eos_token_id = None
         peft_model = _expert_lora(model, seed=10, b_std=0.5)
         peft_model.eval()
         gen = Generator(peft_model, max_seq_len=64, stop_ids=[])
-        tokens.append([gen.generate([prompt], max_new_tokens=8, adapter=a).tokens[0] for a in ("default", None)])
+        assert isinstance(gen.backend, DecodeModel)
+        assert all((b.gate_up.packed is not None) == (model is quant) for b in gen.backend.moe_blocks)
+        tokens.append([gen.generate(prompts, max_new_tokens=8, adapter=a).tokens for a in ("default", None)])
     assert tokens[0] == tokens[1] and tokens[0][0] != tokens[0][1]

@@ -5,7 +5,9 @@
     v_cache  (B, n_kv, S, d)
     col      (1,) int64                 the step's cache column (already written)
     pad      (B,) int64                 left-padding columns per row
+    sinks    (n_heads,) or None         attention sinks (gpt-oss): one more logit per head, value 0
     out      (B, n_heads, d)            softmax(q K^T * scale) V over the row's valid keys
+                                        (with sinks: softmax over [scores, sink], the sink's share dropped)
 
 Valid keys of row b: pad[b] <= j <= col, and j > col - window for sliding-window layers. Query
 head h reads KV head h // (n_heads / n_kv) (grouped-query attention, as HF's `repeat_kv`).
@@ -17,7 +19,8 @@ Decode "Session 3"). Here one launch reads K and V once, at any batch.
 Split-S with the merge in the same launch (flash-decoding): the grid is (B * n_kv, n_splits);
 each program keeps an online softmax over its share of the keys, and the last one of a KV head
 to finish merges the partials (`_decode_attention_kernel`, `_merge`) and leaves the counters at
-zero for the next launch or CUDA graph replay.
+zero for the next launch or CUDA graph replay. A sink joins only the merge: it is one more term
+e^(s_h - M) of the normaliser and adds nothing to the numerator.
 
 The G query heads ride as the rows of one (BLOCK_G >= 16, d) tile so both products are
 `tl.dot`s, on float32 operands: 16-bit q, K and V are exact in TF32, so TF32 products lose
@@ -46,11 +49,11 @@ _WARPS = 4
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, K, V, OUT, PART_O, PART_ML, COUNTER, COL, PAD,
+    Q, K, V, OUT, PART_O, PART_ML, COUNTER, COL, PAD, SINKS,
     q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh,
     scale, softcap, window,
     N_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SP: tl.constexpr, BLOCK_GM: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -119,15 +122,16 @@ def _decode_attention_kernel(
     done = tl.atomic_add(COUNTER + bh, 1, sem="acq_rel", scope="gpu")
     if done == N_SPLITS - 1:
         _merge(PART_O, PART_ML, OUT + b.to(tl.int64) * o_sb + (hk * G).to(tl.int64) * o_sh, o_sh,
-               bh, N_SPLITS, G, D, BLOCK_SP, BLOCK_GM, BLOCK_D)
+               SINKS + hk * G, bh, N_SPLITS, G, D, HAS_SINKS, BLOCK_SP, BLOCK_GM, BLOCK_D)
         tl.atomic_xchg(COUNTER + bh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge(PART_O, PART_ML, OUT, o_sh, bh, N_SPLITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-           BLOCK_SP: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[g] = sum_s acc_s[g] e^(m_s[g] - M) / sum_s l_s[g] e^(m_s[g] - M), M = max_s m_s[g], over
-    the bh's splits, all loaded at once (one memory round trip, not one a split)."""
+def _merge(PART_O, PART_ML, OUT, o_sh, SINKS, bh, N_SPLITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+           HAS_SINKS: tl.constexpr, BLOCK_SP: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[g] = sum_s acc_s[g] e^(m_s[g] - M) / (sum_s l_s[g] e^(m_s[g] - M) [+ e^(sink[g] - M)]),
+    M = max(max_s m_s[g] [, sink[g]]), over the bh's splits, all loaded at once (one memory round
+    trip, not one a split). SINKS points at the bh's first query head's sink."""
     s = tl.arange(0, BLOCK_SP)[:, None]
     g = tl.arange(0, BLOCK_GM)[None, :]
     d = tl.arange(0, BLOCK_D)[None, None, :]
@@ -138,8 +142,15 @@ def _merge(PART_O, PART_ML, OUT, o_sh, bh, N_SPLITS: tl.constexpr, G: tl.constex
     o_ok = sg_ok[:, :, None] & (d < D)
     o_s = tl.load(PART_O + ((part * G + g) * D)[:, :, None] + d, mask=o_ok, other=0.0, cache_modifier=".cg")
     big_m = tl.max(m_s, axis=0)  # (GM,): every real head has a valid key, so finite
+    if HAS_SINKS:
+        gm = tl.arange(0, BLOCK_GM)
+        sink = tl.load(SINKS + gm, mask=gm < G, other=0.0).to(tl.float32)
+        big_m = tl.maximum(big_m, sink)
+        sink_mass = tl.exp(sink - big_m)  # the sink's share of the normaliser: value 0, nothing joins big_o
+    else:
+        sink_mass = tl.zeros((BLOCK_GM,), tl.float32)
     c = tl.exp(m_s - tl.where(big_m == float("-inf"), 0.0, big_m)[None, :])  # (SP, GM); 0 for empty splits
-    big_l = tl.sum(l_s * c, axis=0)
+    big_l = tl.sum(l_s * c, axis=0) + sink_mass
     big_o = tl.sum(o_s * c[:, :, None], axis=0)  # (GM, D)
     out = big_o / tl.where(big_l == 0.0, 1.0, big_l)[:, None]
     gg = tl.arange(0, BLOCK_GM)[:, None]
@@ -173,15 +184,17 @@ def decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     counters: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (B, nh, d), caches (B, nkv, S, d), col (1,), pad (B,) -> out (B, nh, d) in q's dtype.
+    """q (B, nh, d), caches (B, nkv, S, d), col (1,), pad (B,), sinks (nh,) or None -> out (B, nh, d)
+    in q's dtype.
 
     `counters`: an int32 tensor of at least B * nkv zeros, owned by the caller and reused across
     calls (each launch leaves it zero); None allocates one. The Triton kernel runs where
     `kestrel.kernels.dispatch` says so, else `decode_attention_reference`. No host synchronisation.
     """
     if not use_triton(q, k_cache, v_cache):
-        return decode_attention_reference(q, k_cache, v_cache, col, pad, scale, window, softcap)
+        return decode_attention_reference(q, k_cache, v_cache, col, pad, scale, window, softcap, sinks)
     b, nh, d = q.shape
     nkv, length = k_cache.shape[1], k_cache.shape[2]
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
@@ -199,12 +212,15 @@ def decode_attention(
         counters = torch.zeros(b * nkv, dtype=torch.int32, device=q.device)
     elif counters.numel() < b * nkv or counters.dtype != torch.int32:
         raise ValueError(f"counters must be int32 with at least {b * nkv} elements")
+    if sinks is not None and sinks.shape != (nh,):
+        raise ValueError(f"sinks must have one logit per query head ({nh}), got shape {tuple(sinks.shape)}")
     _decode_attention_kernel[(b * nkv, n_splits)](
-        q, k_cache, v_cache, out, part_o, part_ml, counters, col, pad,
+        q, k_cache, v_cache, out, part_o, part_ml, counters, col, pad, q if sinks is None else sinks,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
         float(scale), float(softcap or 1.0), int(window or 0),
         N_KV=nkv, G=group, D=d, N_SPLITS=n_splits, CHUNK=chunk,
-        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_S=_BLOCK_S, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_SP=triton.next_power_of_2(n_splits), BLOCK_GM=triton.next_power_of_2(group), num_warps=_WARPS,
         **pdl_launch(pdl(q.device)),
@@ -221,8 +237,10 @@ def decode_attention_reference(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same attention in plain PyTorch: scores in float32, probabilities in q's dtype."""
+    """The same attention in plain PyTorch: scores in float32, probabilities in q's dtype; with
+    `sinks` (nh,) a sink column joins each softmax and is dropped after it."""
     b, nh, d = q.shape
     nkv, length = k_cache.shape[1], k_cache.shape[2]
     keys = torch.arange(length, device=q.device)[None]  # (1, S)
@@ -234,5 +252,10 @@ def decode_attention_reference(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.matmul(F.softmax(scores, dim=-1).to(q.dtype), v_cache)  # (B, nkv, G, d)
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().reshape(1, nkv, nh // nkv, 1).expand(b, -1, -1, 1)  # (B, nkv, G, 1)
+        probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.matmul(probs.to(q.dtype), v_cache)  # (B, nkv, G, d)
     return out.reshape(b, nh, d)

@@ -70,6 +70,35 @@ class PackedExperts:
         (valid until the next dequantization on this device and dtype), or written into `out`."""
         return nf4.dequantize(self.packed, self.state, out=out, dtype=self.dtype)
 
+    def select(self, index: torch.Tensor) -> torch.Tensor:
+        """index (M,) expert ids -> (M, a, b) those experts' stored-layout weights in `self.dtype`.
+
+        Only the chosen experts' codes and block scales are read (a decode step's top-k). Needs
+        each expert's a*b values to be whole 64-blocks (`selectable`), so that expert e owns bytes
+        [e*a*b/2, (e+1)*a*b/2) of the codes and blocks [e*a*b/64, (e+1)*a*b/64). The values are
+        bitsandbytes' (`kestrel.kernels.nf4.dequantize_reference`): code[nibble] * absmax in fp32,
+        rounded once. Loop-free, no host read (captured in CUDA graphs)."""
+        e, a, b = self.stored_shape
+        per, m = a * b, index.shape[0]
+        codes = self.packed.reshape(e, per // 2)[index]  # (M, a*b/2) uint8
+        nibbles = torch.stack((codes >> 4, codes & 15), dim=-1).reshape(m, per // BLOCKSIZE, BLOCKSIZE).long()
+        n_blocks = per // BLOCKSIZE
+        blocks = index[:, None] * n_blocks + torch.arange(n_blocks, device=index.device)  # (M, a*b/64)
+        state = self.state
+        if state.nested:  # absmax[blk] = code2[q[blk]] * absmax2[blk // 256] + offset, rounded apart
+            state2 = state.state2
+            scale = state2.code.float()[state.absmax[blocks].long()] * state2.absmax.float()[blocks // state2.blocksize]
+            scale = scale + state.offset.float()
+        else:
+            scale = state.absmax.float()[blocks]
+        values = state.code.float()[nibbles] * scale[..., None]  # (M, a*b/64, 64)
+        return values.to(self.dtype).view(m, a, b)
+
+    @property
+    def selectable(self) -> bool:
+        """True when each expert's values are whole quant blocks (`select` reads them apart)."""
+        return (self.stored_shape[1] * self.stored_shape[2]) % BLOCKSIZE == 0
+
     def weight(self) -> torch.Tensor:
         """(E, in, out) in `self.dtype`, a view of the shared workspace (see `stored`)."""
         w = self.stored()
