@@ -17,6 +17,14 @@ from kestrel.kernels.decode.nf4_gemv import NIBBLE, PAIR, PRMT, Tiles
 TASKS = [("o", Tiles(1, 8, 512, 1, 2, lookup=lookup)) for lookup in (PAIR, PRMT, NIBBLE)]
 
 
+@pytest.fixture(autouse=True)
+def _kernels_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_compile` (a worker's entry point) sets KESTREL_KERNELS=triton in its process; here that is
+    the test process, so the setting is put back afterwards (left set, every later test would run
+    the Triton kernels through the CPU interpreter)."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+
+
 def test_a_failing_candidate_is_recorded_and_the_worker_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     ran = []
 
