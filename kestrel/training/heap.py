@@ -20,7 +20,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-REFREEZES = 4  # full collections during a loop after which the survivors are frozen too
+# Full collections during a loop after which the survivors are frozen too. Off by default: on the
+# GPU it did not keep the warm-up's collections away (bench/RESULTS.md, DPO, session 20), and what
+# it freezes is only collected after the loop, later than before.
+REFREEZES = 0
 
 
 @contextmanager
@@ -29,8 +32,8 @@ def steps_heap(refreezes: int = REFREEZES) -> Iterator[int]:
 
     The first steps make long-lived objects of their own (compiled kernels, captured CUDA graphs,
     autotuning caches: several hundred thousand on a QLoRA run), which a full collection would walk
-    again and again. So the first `refreezes` full collections inside the block freeze their
-    survivors as well: a full collection has just freed the cyclic garbage, so what is frozen is
+    again and again. With `refreezes` the first that many full collections inside the block freeze
+    their survivors as well: a full collection has just freed the cyclic garbage, so what is frozen is
     alive, and what dies later is still freed by its reference count. Only a cycle among objects
     alive at one of those few moments waits for the end of the block.
 
