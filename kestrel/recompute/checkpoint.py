@@ -374,8 +374,7 @@ class Recompute:
         self.first = weakref.ref(first_layer) if first_layer is not None else None
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the decoder layers calling it
         self.graphed = False  # this forward's choice
-        self.no_grad_active = False  # inside `no_grad.no_grad_forwards`
-        self.no_grad_graphed = False  # that no-grad forward's choice
+        self.no_grad_active, self.no_grad_graphed = False, False  # inside `no_grad_forwards`; its forward's choice
         self.graphs = layer_graphs.GraphRegistry()
         self.holds_graphs = False
         self.offloaded = OffloadState()
@@ -430,8 +429,7 @@ class Recompute:
         return self.first is not None and layer is self.first()
 
     def layers(self) -> list[nn.Module]:
-        """The decoder layers checkpointed through this run's recompute."""
-        return list(self._layers)
+        return list(self._layers)  # the decoder layers checkpointed through this run's recompute
 
 
 def graph_mode(configured: GraphMode) -> GraphMode:

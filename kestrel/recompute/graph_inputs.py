@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
@@ -116,3 +118,17 @@ class StaticBuffers:
 
     def forget(self, buf: torch.Tensor) -> None:
         self.holds.pop(buf.data_ptr(), None)
+
+
+def graphable(run: Callable[..., torch.Tensor], hidden: torch.Tensor, training: bool = True) -> bool:
+    """Whether a checkpoint's call can run as a `GraphedLayer`: CUDA, a training forward (or, with
+    `training` False, a no-grad one: `kestrel.recompute.no_grad`), `run` a layer's bound call."""
+    layer = getattr(run.func, "__self__", None) if isinstance(run, functools.partial) else None
+    return (
+        isinstance(layer, nn.Module)
+        and not run.args
+        and hidden.is_cuda
+        and hidden.is_contiguous()
+        and torch.is_grad_enabled() == training
+        and not torch.cuda.is_current_stream_capturing()
+    )

@@ -37,7 +37,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from kestrel.recompute.graph_inputs import NotGraphable, StaticBuffers, signature, substitute
+from kestrel.recompute.graph_inputs import graphable, NotGraphable, StaticBuffers, signature, substitute
 from kestrel.recompute.linked import LinkedCall
 from kestrel.recompute.linked_graphs import GraphLinks, LinkBuffers, WrittenLike, feed_dw, grad_lists, split_grads
 from kestrel.kernels import dispatch, nf4
@@ -465,20 +465,6 @@ def _set_grads(g: _Graphs) -> None:
             add.append(view)
     if into:
         torch._foreach_add_(into, add)
-
-
-def graphable(run: Callable[..., torch.Tensor], hidden: torch.Tensor, training: bool = True) -> bool:
-    """Whether a checkpoint's call can run as a `GraphedLayer`: CUDA, a training forward (or, with
-    `training` False, a no-grad one: `kestrel.recompute.no_grad`), `run` a layer's bound call."""
-    layer = getattr(run.func, "__self__", None) if isinstance(run, functools.partial) else None
-    return (
-        isinstance(layer, nn.Module)
-        and not run.args
-        and hidden.is_cuda
-        and hidden.is_contiguous()
-        and torch.is_grad_enabled() == training
-        and not torch.cuda.is_current_stream_capturing()
-    )
 
 
 def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple, linked: LinkedCall | None = None) -> Any:
