@@ -89,6 +89,12 @@ def test_tensorboard_resume_purges_events_past_the_checkpoint(tmp_path: Path) ->
     for step in range(1, 7):
         first.on_step({"step": step, "loss": float(step)})
     first.on_end("interrupted")
+    # Event files are read in name order: `events.out.tfevents.<seconds>.<host>.<pid>.<n>`. Both writers here start
+    # in one second of one process, so the names differ only in a process-wide counter, which sorts as text (10 < 9)
+    # and so depends on the tests before. A real resume starts later; date the first file a minute back, as one would be.
+    (old,) = tmp_path.glob("events.out.tfevents.*")
+    stamp = old.name.split(".")[3]
+    old.rename(old.with_name(old.name.replace(f".{stamp}.", f".{int(stamp) - 60:010d}.", 1)))
     resumed = TensorBoardWriter(tmp_path)
     resumed.on_start(_info(tmp_path, start=4))
     for step in range(5, 9):
