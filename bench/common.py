@@ -113,7 +113,8 @@ def step_recorder(steps: list[dict[str, float]], graph_steps: list[int] | None =
     `graph_steps` the index of each step during which the CUDA-graph chooser decided a layout
     (its probes, eager then graphed, make those steps and the ones before them slower). Each
     step's record also holds `gc_full_ms`: the milliseconds of CPython's full (generation 2)
-    garbage collections since the step before, a host stall that can make a step slow."""
+    garbage collections since the step before, a host stall that can make a step slow, and on
+    CUDA `max_alloc_gib`, the process's allocated peak up to that step's end."""
     from kestrel.training.metrics import Callback
 
     class Record(Callback):
@@ -130,7 +131,9 @@ def step_recorder(steps: list[dict[str, float]], graph_steps: list[int] | None =
                 self.full_ms += (time.perf_counter() - self.began) * 1e3
 
         def on_step(self, metrics: dict[str, float]) -> None:
-            steps.append({**metrics, "gc_full_ms": round(self.full_ms, 2)})
+            # the process's allocated peak so far: the step where it grows is the step that set it
+            peak = {"max_alloc_gib": round(gib(torch.cuda.max_memory_allocated()), 3)} if torch.cuda.is_available() else {}
+            steps.append({**metrics, "gc_full_ms": round(self.full_ms, 2), **peak})
             self.full_ms = 0.0
 
         def on_log(self, message: str) -> None:

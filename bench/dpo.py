@@ -14,6 +14,8 @@ tokens of a step's 2 x batch sequences (prompt + answer) over it; peak memory is
     python bench/dpo.py --impl kestrel --out one.json                 # one, in this process
     python bench/dpo.py --impl kestrel --profile DIR --out one.json   # + 2 profiled steps after the timed
                                                                       # ones (bench/step_profile.py: DIR/profile.txt)
+    python bench/dpo.py --impl kestrel --memory-history peak.txt --out one.json  # where the run's memory
+                                                                      # peak was set (a slower, untimed run)
     TRITON_INTERPRET=1 python bench/dpo.py --smoke --impls kestrel,trl --out /tmp/s.json   # tiny model on a CPU:
                                                                       # checks the script, times nothing
 
@@ -91,7 +93,12 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     ))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    history = args.memory_history and torch.cuda.is_available()
+    if history:  # every allocation from the model's load to the run's end, with its Python stack
+        torch.cuda.memory._record_memory_history(max_entries=8_000_000, stacks="python")
     result = run(cfg, callbacks)
+    if history:
+        write_history(Path(args.memory_history), steps)
     if result.status != "completed":
         raise RuntimeError(f"kestrel run {result.status}: {result.error}")
     steps = steps[: args.steps]  # the profiled steps are slower: not timed
@@ -101,6 +108,22 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "checkpointing": cfg.gradient_checkpointing, "loss_first": steps[0]["loss"],
             "graph_decision_steps": decided, "gc_full_ms": [m.get("gc_full_ms", 0.0) for m in steps],
             "settled_s_per_step": statistics.median(times[settled:]) if settled < len(times) else None}
+
+
+def write_history(path: Path, steps: list[dict[str, float]]) -> None:
+    """The whole run's allocated peak: the step that set it (each step's running `max_alloc_gib`)
+    and the blocks alive at that moment by the site that allocated them (`bench/memory_peak.py`)."""
+    from bench.memory_peak import peak_report, pools_report
+
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    running = [m.get("max_alloc_gib", 0.0) for m in steps]
+    grew = [i for i, (a, b) in enumerate(itertools.pairwise([0.0, *running])) if b > a]
+    lines = [f"running allocated peak by step (GiB): {running}",
+             f"steps that raised it: {grew}; the run's peak was set in step {grew[-1] if grew else '?'}",
+             "(`allocated at its peak` below counts everything allocated since the model's load)",
+             peak_report(snapshot["device_traces"][torch.cuda.current_device()], top=40), pools_report(snapshot)]
+    path.write_text("\n".join(lines) + "\n")
 
 
 # --- TRL and Unsloth (TRL's DPOTrainer, Unsloth patching it) ---------------------------------
@@ -185,6 +208,8 @@ def main() -> None:
     ap.add_argument("--checkpointing", default=TrainConfig().gradient_checkpointing, choices=["standard", "offload"],
                     help="Kestrel's gradient_checkpointing (default: the product's default); TRL and Unsloth keep theirs")
     ap.add_argument("--profile", default="", help="kestrel only: profile 2 more steps into this folder (profile.txt)")
+    ap.add_argument("--memory-history", default="", help="kestrel only: record the allocator over the whole run and "
+                    "write where its peak was set to this file (slows the run: its times are not comparable)")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (a quick check of the script)")
     ap.add_argument("--anchors", default=str(Path(__file__).resolve().parent.parent / ".gpu-anchors"))
     ap.add_argument("--smoke", action="store_true", help="tiny model, fp32, no 4-bit: checks the script")
@@ -203,6 +228,7 @@ def main() -> None:
     results = []
     for impl in args.impls.split(","):
         own = ["--profile", args.profile] if args.profile and impl == "kestrel" else []
+        own += ["--memory-history", args.memory_history] if args.memory_history and impl == "kestrel" else []
         res = run_isolated(__file__, ["--impl", impl, *common, *own],
                            extra_path=args.anchors if impl == "unsloth" else None, timeout=900)
         res.setdefault("impl", impl)

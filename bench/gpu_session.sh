@@ -12,7 +12,13 @@
 #   moe       Qwen3-MoE and gpt-oss 16-bit LoRA against HF+PEFT (issue 26's MoE target)
 #   train     the 8B QLoRA bench, offloaded checkpointing, Kestrel and Unsloth (issue 25's figure)
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
-#   dpo       DPO QLoRA at the 8B shape: Kestrel, TRL, Unsloth (issue 27's target)
+#   dpo       DPO QLoRA at the 8B shape (issue 27's target): Kestrel (standard checkpointing) and TRL, then
+#             Kestrel with offloaded checkpointing, each in its own process, 14 steps; then one untimed
+#             Kestrel run that records the allocator to say which step set the run's memory peak, and where
+#   nf4       NF4 decode (issue 24): the GEMV tile sweep (writes the plans it picked), then 8B decode at
+#             batch 1 and 8 against its bandwidth bound and the dequantized 16-bit path's tokens
+#   moedecode a MoE layer's decode step at the Qwen3-30B-A3B and gpt-oss-20b shapes: gathered weights
+#             against the expert GEMV kernel, 16-bit and NF4 (bench/moe_decode.py)
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
 #             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
@@ -32,7 +38,8 @@ export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .gpu-fla ] && export PYTHONPATH="$PWD/.gpu-fla:$PYTHONPATH"
 
 GPU_TESTS=(tests/data/test_flat_batches.py tests/decode tests/kernels tests/model tests/recompute
-           tests/training/test_small_updates.py tests/training/test_train_gpu.py)
+           tests/training/test_small_updates.py tests/training/test_train_gpu.py
+           tests/training/test_preference_ahead.py)
 
 phase() {  # phase NAME SECONDS COMMAND...: run it with a wall-clock limit, log to $OUT/NAME.log
     local name=$1 limit=$2
@@ -66,9 +73,16 @@ for want in "$@"; do
         train)    phase train 300 python bench/train.py --all --impls unsloth,kestrel --checkpointing offload \
                       --steps 8 --warmup 12 --out "$OUT/train_off.json" ;;
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
-        dpo)      phase dpo 300 python bench/dpo.py --out "$OUT/dpo.json" ;;
+        dpo)      phase dpo 480 bash -c "python bench/dpo.py --impls kestrel,trl --steps 14 --warmup 3 --out $OUT/dpo.json \
+                      && python bench/dpo.py --impls kestrel --checkpointing offload --steps 14 --warmup 3 \
+                             --out $OUT/dpo-offload.json \
+                      && python bench/dpo.py --impl kestrel --steps 8 --memory-history $OUT/dpo-peak.txt \
+                             --out $OUT/dpo-history.json" ;;
+        nf4)      phase nf4 540 bash -c "python bench/nf4_gemv_sweep.py --out $OUT/nf4_sweep.json && python \
+                      bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 --out $OUT/nf4_decode.json" ;;
+        moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo, nf4, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1

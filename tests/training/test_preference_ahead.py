@@ -110,3 +110,31 @@ def test_a_queued_pass_is_taken_once_and_only_for_its_own_rows() -> None:
     assert ahead.take(score.RowSet(rows.samples), [0, 1]) is None  # another micro-batch
     assert ahead.take(score.RowSet(rows.samples), [0, 2]) == ("rows", "ref")
     assert ahead.take(score.RowSet(rows.samples), [0, 2]) is None  # once
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("checkpointing,graphs", [("standard", "off"), ("standard", "on"), ("offload", "on")])
+def test_a_queued_reference_gives_the_same_run_on_cuda(tiny_model_dir, tmp_path: Path, monkeypatch,
+                                                       checkpointing: str, graphs: str) -> None:
+    """On CUDA the queued pass runs while the host reads the staged metrics (pinned copy behind an
+    event): QLoRA in bf16, graphs forced one way so both runs take the same kernels."""
+    model = str(tiny_model_dir("llama"))
+    taken: list[bool] = []
+    real_take = A.Ahead.take
+
+    def take(self, data, idx):
+        got = real_take(self, data, idx)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(A.Ahead, "take", take)
+    kw = dict(gradient_checkpointing=checkpointing, dtype="bf16", preference={"finetune": "qlora"},
+              performance={"cuda_graphs": graphs})
+    early = _run(tmp_path, model, "early", [], **kw)
+    assert taken.count(True) == 3
+    monkeypatch.setattr("kestrel.training.preference.trainer.ahead_for", lambda s: None)
+    plain = _run(tmp_path, model, "plain", [], **kw)
+    for a, b in zip(early, plain, strict=True):
+        for key in KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), key
