@@ -17,6 +17,8 @@
 #             Kestrel run that records the allocator to say which step set the run's memory peak, and where
 #   nf4       NF4 decode (issue 24): the GEMV tile sweep (writes the plans it picked), then 8B decode at
 #             batch 1 and 8 against its bandwidth bound and the dequantized 16-bit path's tokens
+#   qwen35    where a Qwen3.5-9B QLoRA step's time goes (bench/profile_train.py): its gated-delta-rule layers
+#             train on HF's PyTorch functions wherever flash-linear-attention cannot run its backward
 #   moedecode a MoE layer's decode step at the Qwen3-30B-A3B and gpt-oss-20b shapes: gathered weights
 #             against the expert GEMV kernel, 16-bit and NF4 (bench/moe_decode.py)
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
@@ -80,9 +82,10 @@ for want in "$@"; do
                              --out $OUT/dpo-history.json" ;;
         nf4)      phase nf4 540 bash -c "python bench/nf4_gemv_sweep.py --out $OUT/nf4_sweep.json && python \
                       bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 --out $OUT/nf4_decode.json" ;;
+        qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo, nf4, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo, nf4, qwen35, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import SHAPES, cuda_time, gib, random_batch, run_isolated, shape_dir  # noqa: E402
+from bench.model_shapes import MODELS  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -118,16 +119,23 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--checkpointing", default="standard")
-    ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES) + sorted(MODELS),
+                    help="a Llama shape, or any model of bench/matrix.py (its random-init folder)")
 
 
 def training_step(args: argparse.Namespace, losses: list[torch.Tensor] | None = None) -> Callable[[], None]:
     """args.impl's model at args.shape and one training step on a fixed random batch: forward,
     backward, fused AdamW, gradients cleared; each step's loss appended to `losses` if given."""
-    model = build(args.impl, shape_dir(args.shape), args)
+    if args.shape in SHAPES:
+        folder, vocab = shape_dir(args.shape), SHAPES[args.shape]["vocab_size"]
+    else:  # a matrix model: its folder as bench/matrix.py builds it (routed experts left out, made on load)
+        from bench.matrix_models import build_model_dir
+
+        folder, vocab = build_model_dir(args.shape), MODELS[args.shape]["vocab_size"]
+    model = build(args.impl, folder, args)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    ids, labels = random_batch(args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
+    ids, labels = random_batch(args.batch, args.seq, vocab)
 
     def step() -> None:
         loss = model(input_ids=ids, labels=labels, use_cache=False).loss
