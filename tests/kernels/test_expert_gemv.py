@@ -17,7 +17,7 @@ import torch
 from kestrel.kernels import nf4
 from kestrel.kernels.decode import expert_gemv as module
 from kestrel.kernels.decode.expert_gemv import (
-    _SECTOR_BITS, _TILE_VALUES, _WAVES, expert_gemv, expert_products, expert_tiles, expert_weights, gathered_products,
+    _SECTOR_BITS, _TILE_VALUES, _WAVES, ExpertTiles, expert_gemv, expert_products, expert_tiles, expert_weights, gathered_products,
 )
 from kestrel.kernels.moe import PackedExperts
 from tests.kernels.tolerance import assert_close
@@ -70,10 +70,12 @@ def test_kernel_equals_the_gathered_products(kind: str, transposed: bool) -> Non
     source, values = _stored(kind, transposed)
     weights = expert_weights(source, transposed)
     assert not weights.reason
-    for m in (1, 9):
+    # the launch's own tiles (one program a pair when interpreted), and tiles that leave partial
+    # output tiles (40 = 16 + 16 + 8) and partial reduction steps (72 = 32 + 32 + 8)
+    for m, tiles in ((1, None), (9, ExpertTiles(16, 32))):
         ids = _ids(m, seed=m)
         x = torch.randn(m, IN, generator=torch.Generator().manual_seed(m)).to(DEVICE, values.dtype)
-        y = expert_gemv(x, ids, weights)
+        y = expert_gemv(x, ids, weights, tiles)
         assert y.shape == (m, OUT) and y.dtype == values.dtype
         ref = gathered_products(x, ids, source, transposed)
         assert_close(y, ref)

@@ -57,6 +57,7 @@ _WAVES = 2  # programs an SM holds at least
 _SECTOR_BITS = 32 * 8  # a DRAM sector: the shortest contiguous run a tile row reads
 _TILE_VALUES = 4096  # weights a program step holds
 _WARPS = 4
+_INTERPRETED_VALUES = 1 << 14  # the interpreter runs programs one by one: one program a pair, one step where it fits
 
 
 # --- kernel ------------------------------------------------------------------------------------
@@ -252,9 +253,10 @@ def applies(x: torch.Tensor, weights: ExpertWeights) -> bool:
     return not weights.reason and use_triton(x, weights.tensors[0])
 
 
-def expert_gemv(x: torch.Tensor, ids: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+def expert_gemv(x: torch.Tensor, ids: torch.Tensor, weights: ExpertWeights,
+                tiles: ExpertTiles | None = None) -> torch.Tensor:
     """x (M, K) pair rows (cast to the weight dtype), ids (M,) their experts on the device ->
-    (M, N) in the weight dtype. No checks (`applies`)."""
+    (M, N) in the weight dtype. No checks (`applies`). `tiles`: override the cost model's (tests)."""
     m = x.shape[0]
     x = x.to(weights.dtype)
     if x.stride(-1) != 1:
@@ -263,7 +265,13 @@ def expert_gemv(x: torch.Tensor, ids: torch.Tensor, weights: ExpertWeights) -> t
     if m == 0:
         return y
     k_contig = not weights.transposed
-    t = expert_tiles(m, weights.n, weights.k, k_contig, weights.bits, weights.sms)
+    if tiles is not None:
+        t = tiles
+    elif interpreted():
+        block_n = min(next_pow2(weights.n), _INTERPRETED_VALUES // 2)
+        t = ExpertTiles(max(block_n, 2), max(min(next_pow2(weights.k), _INTERPRETED_VALUES // block_n), 2))
+    else:
+        t = expert_tiles(m, weights.n, weights.k, k_contig, weights.bits, weights.sms)
     _expert_gemv_kernel[(m, cdiv(weights.n, t.block_n))](
         x, ids, y, *weights.tensors, x.stride(0), y.stride(0), N=weights.n, K=weights.k, STRIDE_E=weights.stride_e,
         STRIDE_ROW=weights.stride_row, K_CONTIG=k_contig, NF4=weights.nf4, BS=weights.blocksize, BS2=weights.blocksize2,
