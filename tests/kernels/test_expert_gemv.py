@@ -43,8 +43,8 @@ def _stored(kind: str, transposed: bool, shape: tuple[int, int, int] = (E, IN, O
     as the products read them (NF4: dequantized, bitsandbytes' reference)."""
     dtype, is_nf4, nested = KINDS[kind]
     e, k, n = shape
-    w = (torch.randn((e, k, n) if transposed else (e, n, k), generator=torch.Generator().manual_seed(seed)) * 0.1)
-    w = w.to(DEVICE, dtype)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    w = (torch.randn((e, k, n) if transposed else (e, n, k), generator=gen, device=DEVICE) * 0.1).to(dtype)
     if not is_nf4:
         return w, w
     packed = PackedExperts(w, transposed, nested=nested)
@@ -141,20 +141,21 @@ def test_what_the_kernel_cannot_read_takes_the_gathered_path(monkeypatch: pytest
 @pytest.mark.parametrize("m", [1, 4, 8, 64])
 @pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768), (5760, 2880), (2880, 2880), (40, 72)])
 def test_tiles_follow_the_cost_model(n: int, k: int, m: int, bits: int, k_contig: bool) -> None:
-    """Powers of two; a tile row along the contiguous axis spans a DRAM sector (unless the axis is
-    shorter); at most _TILE_VALUES weights a step; at least _WAVES programs an SM unless the output
-    tile is already at its floor, and then no larger."""
+    """Powers of two, at most _TILE_VALUES weights a step; K contiguous: the longest run along K;
+    N contiguous: a tile row spans a DRAM sector (unless N is shorter); at least _WAVES programs an
+    SM unless the output tile is at its floor, and the output tile no smaller than that needs."""
     sms = 132
     t = expert_tiles(m, n, k, k_contig, bits, sms)
-    assert all(b & (b - 1) == 0 for b in t)
-    run = _SECTOR_BITS // bits
-    contiguous, length = (t.block_k, k) if k_contig else (t.block_n, n)
-    assert contiguous >= min(run, 1 << (length - 1).bit_length())
-    assert t.block_n * t.block_k <= max(_TILE_VALUES, 2 * run)
-    programs = m * -(-n // t.block_n)
-    floor_n = 2 if k_contig else run
-    assert programs >= _WAVES * sms or t.block_n <= floor_n
-    if t.block_n < min(1 << (n - 1).bit_length(), _TILE_VALUES // (run if k_contig else 1)):  # halved: needed to be
+    assert all(b & (b - 1) == 0 for b in t) and t.block_n * t.block_k <= _TILE_VALUES
+    pow2_n = 1 << (n - 1).bit_length()
+    if k_contig:
+        assert t.block_k == min(1 << (k - 1).bit_length(), _TILE_VALUES // 2)
+        floor_n = 2
+    else:
+        floor_n = min(_SECTOR_BITS // bits, pow2_n)
+        assert t.block_n >= floor_n
+    assert m * -(-n // t.block_n) >= _WAVES * sms or t.block_n == floor_n
+    if t.block_n < min(pow2_n, _TILE_VALUES // (t.block_k if k_contig else 2)):  # halved: it had to be
         assert m * -(-n // (2 * t.block_n)) < _WAVES * sms
 
 

@@ -27,15 +27,17 @@ even, so a byte never straddles two rows): byte j of a tile row gives elements 2
 `PackedExperts.select`'s value. Sums in fp32, output rounded once to the weight dtype.
 
 Tiles: a cost model, per (M, N, K, orientation, bits, SM count), no fitted constants:
-- every SM holds at least _WAVES programs (M * cdiv(N, BLOCK_N) >= _WAVES * SMs), so one
-  program's loads overlap another's sums and the last wave is at most half idle: BLOCK_N is the
-  largest power of two that leaves that many programs;
-- a tile row along the contiguous axis spans at least one 32-byte DRAM sector (16 weights in
-  16-bit, 64 in NF4: one quant block), so no sector is fetched for a part of it;
 - a program step holds _TILE_VALUES weights (32 a thread on _WARPS warps: four 16-byte loads in
-  flight a thread in 16-bit), which sets the reduction tile BLOCK_K = _TILE_VALUES / BLOCK_N.
-No split-K: where N is narrow and M small (gpt-oss's down at batch 1: 45 NF4 tiles x 4 pairs)
-fewer programs than _WAVES * SMs run.
+  flight a thread in 16-bit, as many weights a thread as the one-row `gemv.py` holds);
+- the tile runs as far as it can along the contiguous axis: with K contiguous (Qwen3-MoE) a step
+  reads up to _TILE_VALUES / 2 consecutive weights of 2 or more rows (`gemv.py`'s 2 x 2048 shape);
+- every SM gets at least _WAVES programs (M * cdiv(N, BLOCK_N) >= _WAVES * SMs), so one program's
+  loads overlap another's sums and the last wave is at most half idle: BLOCK_N is halved until
+  there are that many, but with N contiguous (gpt-oss) not below one 32-byte DRAM sector a tile row
+  (16 weights in 16-bit, 64 in NF4: one quant block), so no sector is fetched for a part of it;
+  BLOCK_K = _TILE_VALUES / BLOCK_N there.
+No split-K: where N is narrow, N contiguous and M small (gpt-oss's down at batch 1: 45 NF4 tiles x
+4 pairs) fewer programs than _WAVES * SMs run.
 """
 
 from __future__ import annotations
@@ -234,13 +236,16 @@ class ExpertTiles(NamedTuple):
 
 
 def expert_tiles(m: int, n: int, k: int, k_contig: bool, bits: int, sms: int) -> ExpertTiles:
-    """The cost model's tiles (module docstring) for m pairs of an (N, K) product."""
-    run = _SECTOR_BITS // bits  # weights in one sector
-    floor_n, floor_k = (1, run) if k_contig else (run, 1)
-    block_n = min(next_pow2(n), _TILE_VALUES // floor_k)
+    """The cost model's tiles (module docstring) for m pairs of an (N, K) product, `bits` a weight."""
+    if k_contig:  # the contiguous axis is summed over: all of the step's run along it, rows of N for programs
+        block_k = min(next_pow2(k), _TILE_VALUES // 2)
+        block_n, floor_n = min(_TILE_VALUES // block_k, next_pow2(n)), 2
+    else:  # the contiguous axis is the output's: programs come from cutting it, down to one sector a row
+        block_n, floor_n = min(next_pow2(n), _TILE_VALUES // 2), min(_SECTOR_BITS // bits, next_pow2(n))
     while block_n > floor_n and m * cdiv(n, block_n) < _WAVES * sms:
         block_n //= 2
-    block_k = min(max(_TILE_VALUES // block_n, floor_k), next_pow2(k))
+    if not k_contig:
+        block_k = min(_TILE_VALUES // block_n, next_pow2(k))
     return ExpertTiles(max(block_n, 2), max(block_k, 2))  # NF4 reads pairs along the contiguous axis
 
 
