@@ -16,7 +16,7 @@ Two ways to run the products, by the number of tokens:
   ids read on the device. Bytes read: the chosen experts' weights as stored, once per pair
   (N*k*in*out weights; an expert chosen twice is read twice, the repeat mostly from L2), in
   16-bit or, for NF4 experts (QLoRA, `kestrel.model.expert_quant`), their packed codes and block
-  scales (about 0.53 byte a weight); nothing is written but the (N*k, out) products. No host
+  scales (about 0.52 byte a weight); nothing is written but the (N*k, out) products. No host
   read, fixed shapes: the step compiles and captures. Where the Triton kernels do not run (a
   CPU without the interpreter) the chosen slices are gathered into an (N*k, in, out) copy (NF4:
   dequantized from the chosen experts' codes, `PackedExperts.select`) and multiplied by one

@@ -6,7 +6,7 @@ A mixture-of-experts decode step (one token a row, N*k pairs) multiplies each pa
 chosen expert's slice. Gathering the slices into an (M, in, out) copy for one batched matmul
 writes every chosen slice and reads it back: about 3x the bytes the products need in 16-bit, and
 for NF4 experts (`PackedExperts.select`) an int64 index and an fp32 value per chosen weight, ~25
-bytes moved per weight against the 0.53 stored. This kernel reads each pair's expert in place:
+bytes moved per weight against the 0.52 stored. This kernel reads each pair's expert in place:
 one program per (pair, output tile), the expert id loaded on the device (no host read, fixed
 shapes: capturable in a CUDA graph). An expert chosen by several pairs is read once per pair (the
 repeats mostly from L2: their programs run side by side).
@@ -277,6 +277,7 @@ def expert_gemv(x: torch.Tensor, ids: torch.Tensor, weights: ExpertWeights,
         t = ExpertTiles(max(block_n, 2), max(min(next_pow2(weights.k), _INTERPRETED_VALUES // block_n), 2))
     else:
         t = expert_tiles(m, weights.n, weights.k, k_contig, weights.bits, weights.sms)
+    # kernel[grid] (not `_launch.launch`): the decode step is traced by torch.compile, which launches it itself
     _expert_gemv_kernel[(m, cdiv(weights.n, t.block_n))](
         x, ids, y, *weights.tensors, x.stride(0), y.stride(0), N=weights.n, K=weights.k, STRIDE_E=weights.stride_e,
         STRIDE_ROW=weights.stride_row, K_CONTIG=k_contig, NF4=weights.nf4, BS=weights.blocksize, BS2=weights.blocksize2,
