@@ -10,6 +10,9 @@ inside a CUDA graph.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ from tests.kernels.tolerance import assert_close
 
 pytest.importorskip("bitsandbytes.functional")
 
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 E, IN, OUT = 5, 72, 40  # no multiple of any tile; each expert's 72 * 40 values are 45 whole quant blocks
 KINDS = {  # name: (dtype, NF4, nested absmax)
@@ -157,6 +161,18 @@ def test_tiles_follow_the_cost_model(n: int, k: int, m: int, bits: int, k_contig
     assert m * -(-n // t.block_n) >= _WAVES * sms or t.block_n == floor_n
     if t.block_n < min(pow2_n, _TILE_VALUES // (t.block_k if k_contig else 2)):  # halved: it had to be
         assert m * -(-n // (2 * t.block_n)) < _WAVES * sms
+
+
+def test_kernel_compiles_for_sm90() -> None:
+    """Every variant (16-bit and NF4, both layouts, nested and plain absmax) through Triton and ptxas for
+    an H100/H200 (no GPU needed; its own process, uninterpreted: the interpreter runs what the compiler
+    refuses). A nested absmax's offset add is PTX `add.rn.f32` (never fused into an FMA); a plain one has none."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.support.sm90_compile", "expert"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    adds = [int(c) for c in done.stdout.split()[-6:]]
+    assert adds[:2] == [0, 0] and adds[2] > 0 and adds[3] > 0 and adds[4:] == [0, 0]
 
 
 # --- CUDA: the real shapes, in a CUDA graph ------------------------------------------------------------

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from kestrel.kernels import nf4
 from kestrel.kernels._utils import cdiv, interpreted, next_pow2, sm_count
-from kestrel.kernels.decode.nf4_gemv import _rounded
+from kestrel.kernels.decode.nf4_gemv import PAIR, _codes, _rounded, code_pairs
 from kestrel.kernels.dispatch import use_triton
 from kestrel.kernels.moe.nf4_experts import PackedExperts
 
@@ -59,6 +59,7 @@ _WAVES = 2  # programs an SM holds at least
 _SECTOR_BITS = 32 * 8  # a DRAM sector: the shortest contiguous run a tile row reads
 _TILE_VALUES = 4096  # weights a program step holds
 _WARPS = 4
+_PAIR_LOOKUP = tl.constexpr(PAIR)  # a global a compiled kernel reads must be a constexpr
 _INTERPRETED_VALUES = 1 << 14  # the interpreter runs programs one by one: one program a pair, one step where it fits
 
 
@@ -66,7 +67,7 @@ _INTERPRETED_VALUES = 1 << 14  # the interpreter runs programs one by one: one p
 
 
 @triton.jit
-def _nf4_pairs(P, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first_byte, rows, row_ok, cbytes,
+def _nf4_pairs(P, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first_byte, rows, row_ok, cbytes,
                ROW_BYTES: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
                DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """hi, lo (R, C) fp32 holding DTYPE values: the dequantized elements of bytes first_byte +
@@ -76,13 +77,14 @@ def _nf4_pairs(P, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first_byte, rows, row_ok
     ok = row_ok[:, None] & (cbytes < ROW_BYTES)[None, :]
     packed = tl.load(P + byte, mask=ok, other=0)
     scale = nf4.block_scales(ABSMAX, CODE2, ABSMAX2, OFFSET, byte // (BS // 2), ok, BS2, NESTED, not INTERPRETED)
-    hi = _rounded(tl.load(CODE + (packed >> 4).to(tl.int32)) * scale, DTYPE, INTERPRETED).to(tl.float32)
-    lo = _rounded(tl.load(CODE + (packed & 15).to(tl.int32)) * scale, DTYPE, INTERPRETED).to(tl.float32)
+    hi, lo = _codes(packed, CODE, PAIRS, _PAIR_LOOKUP)  # one 8-byte gather a byte (`nf4_gemv._codes`)
+    hi = _rounded(hi * scale, DTYPE, INTERPRETED).to(tl.float32)
+    lo = _rounded(lo * scale, DTYPE, INTERPRETED).to(tl.float32)
     return hi, lo
 
 
 @triton.jit
-def _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n, n_ok, stride_n,
+def _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n, n_ok, stride_n,
              K: tl.constexpr, NF4: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """(BLOCK_N,) fp32 sum_k x[k] W[n, k] for an expert stored (N, K), K contiguous; `first`: its
@@ -93,7 +95,7 @@ def _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n, n_ok, str
         acc = tl.zeros((BLOCK_N, HALF), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + 2 * j  # even columns: the high nibbles
-            hi, lo = _nf4_pairs(W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n, n_ok, k0 // 2 + j, K // 2, BS, BS2,
+            hi, lo = _nf4_pairs(W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n, n_ok, k0 // 2 + j, K // 2, BS, BS2,
                                 NESTED, DTYPE, INTERPRETED)
             x_even = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             x_odd = tl.load(x_row + cols + 1, mask=cols < K, other=0.0).to(tl.float32)
@@ -110,7 +112,7 @@ def _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n, n_ok, str
 
 
 @triton.jit
-def _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n0, n, n_ok, stride_k,
+def _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n0, n, n_ok, stride_k,
             N: tl.constexpr, K: tl.constexpr, NF4: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr,
             NESTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
             INTERPRETED: tl.constexpr):
@@ -123,7 +125,7 @@ def _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n0, n, n_ok, 
         odd = tl.zeros((BLOCK_K, HALF), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            hi, lo = _nf4_pairs(W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, k, k < K, cbytes, N // 2, BS, BS2,
+            hi, lo = _nf4_pairs(W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, k, k < K, cbytes, N // 2, BS, BS2,
                                 NESTED, DTYPE, INTERPRETED)
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[:, None]
             even += hi * x
@@ -144,7 +146,7 @@ def _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n0, n, n_ok, 
 @triton.jit
 def _expert_gemv_kernel(
     X, IDS, Y,  # x (M, K) in the weight dtype; expert ids (M,); y (M, N)
-    W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET,  # 16-bit: the (E, a, b) weight (the rest repeat it); NF4: `nf4._plan`'s six
+    W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS,  # 16-bit: the weight (repeated); NF4: `nf4._plan`'s six, code pairs
     stride_x, stride_y,
     N: tl.constexpr, K: tl.constexpr,  # constexpr: the interpreter cannot loop to a run-time bound (numpy >= 2.4)
     STRIDE_E: tl.constexpr, STRIDE_ROW: tl.constexpr,  # elements between experts, between rows of b
@@ -160,10 +162,10 @@ def _expert_gemv_kernel(
     first = expert * (STRIDE_E // 2) if NF4 else expert * STRIDE_E  # NF4: in bytes
     x_row = X + pair.to(tl.int64) * stride_x
     if K_CONTIG:
-        y = _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n, n_ok, STRIDE_ROW, K, NF4, BS, BS2,
+        y = _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n, n_ok, STRIDE_ROW, K, NF4, BS, BS2,
                      NESTED, BLOCK_N, BLOCK_K, DTYPE, INTERPRETED)
     else:
-        y = _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, first, n0, n, n_ok, STRIDE_ROW, N, K, NF4, BS, BS2,
+        y = _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n0, n, n_ok, STRIDE_ROW, N, K, NF4, BS, BS2,
                     NESTED, BLOCK_N, BLOCK_K, DTYPE, INTERPRETED)
     tl.store(Y + pair.to(tl.int64) * stride_y + n, _rounded(y, DTYPE, INTERPRETED), mask=n_ok)
 
@@ -177,8 +179,8 @@ class ExpertWeights:
 
     source: what the PyTorch reference gathers from (the (E, a, b) tensor or the `PackedExperts`)
     transposed: stored (E, in, out) (gpt-oss), else (E, out, in) (Qwen3-MoE)
-    tensors: the kernel's six weight operands (16-bit: the weight six times; NF4: packed, code,
-        absmax, code2, absmax2, offset as `nf4._plan` gives them)
+    tensors: the kernel's seven weight operands (16-bit: the weight seven times; NF4: packed, code,
+        absmax, code2, absmax2, offset as `nf4._plan` gives them, and `nf4_gemv.code_pairs(code)`)
     stride_e, stride_row: elements between experts and between rows of the contiguous axis b
     reason: why the kernel cannot read them ("" when it can)
     """
@@ -212,12 +214,14 @@ class ExpertWeights:
 
 
 def expert_weights(source: torch.Tensor | PackedExperts, transposed: bool) -> ExpertWeights:
-    """The kernel's view of `source` ((E, a, b) weight or NF4 experts in the stored layout); no copies."""
+    """The kernel's view of `source` ((E, a, b) weight or NF4 experts in the stored layout); no copies of
+    the weights (NF4: a 2 KB table of code pairs)."""
     if isinstance(source, PackedExperts):
         plan = nf4._plan(source.packed, source.state)
         e, a, b = source.stored_shape
         reason = "" if b % 2 == 0 and plan.tensors[0].is_contiguous() else f"NF4 rows of {b} values split bytes"
-        return ExpertWeights(source, transposed, plan.tensors, (e, a, b), source.dtype, a * b, b, True, plan.nested,
+        tensors = (*plan.tensors, code_pairs(plan.tensors[1]))
+        return ExpertWeights(source, transposed, tensors, (e, a, b), source.dtype, a * b, b, True, plan.nested,
                              plan.blocksize, plan.blocksize2, sm_count(source.packed.device), reason)
     shape = tuple(source.shape)
     reason = ""
@@ -226,7 +230,7 @@ def expert_weights(source: torch.Tensor | PackedExperts, transposed: bool) -> Ex
     elif source.shape[2] > 1 and source.stride(2) != 1:
         reason = "expert weights not contiguous along their last dimension"
     strides = source.stride() if source.dim() == 3 else (0, 0, 0)
-    return ExpertWeights(source, transposed, (source,) * 6, shape if source.dim() == 3 else (0, 0, 0), source.dtype,
+    return ExpertWeights(source, transposed, (source,) * 7, shape if source.dim() == 3 else (0, 0, 0), source.dtype,
                          strides[0], strides[1], False, sms=sm_count(source.device), reason=reason)
 
 
