@@ -87,6 +87,23 @@ def test_kernel_equals_the_gathered_products(kind: str, transposed: bool) -> Non
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
+@pytest.mark.parametrize("kind", ["nf4-fp32", "nf4-bf16"])
+def test_nf4_rows_of_whole_quant_blocks_decode_a_scale_a_group(kind: str, transposed: bool) -> None:
+    """Rows of 192 or 128 values (whole 64-blocks): each group of a tile row's bytes takes one decoded
+    scale. Tiles of several groups (a K step of 128 values, partly past K = 192; a 128-wide output tile)
+    and the launch's own."""
+    in_, out = 192, 128
+    source, values = _stored(kind, transposed, shape=(4, in_, out), seed=9)
+    weights = expert_weights(source, transposed)
+    for m, tiles in ((5, ExpertTiles(128, 16) if transposed else ExpertTiles(16, 128)), (2, None)):
+        ids = _ids(m, seed=10 + m, e=4)
+        x = torch.randn(m, in_, generator=torch.Generator().manual_seed(m)).to(DEVICE, values.dtype)
+        y = expert_gemv(x, ids, weights, tiles)
+        assert_close(y, _fp64_products(x, ids, values, transposed).to(values.dtype))
+        assert_close(y, gathered_products(x, ids, source, transposed))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
 def test_nf4_values_are_bitsandbytes_bit_for_bit(transposed: bool) -> None:
     """One-hot rows: y[p] is row k of expert e[p]'s (in, out) weights, rounded to bf16 from the fp32
     code * absmax exactly as `PackedExperts.select` and bitsandbytes' dequantize round it. Rows of

@@ -32,10 +32,11 @@ def compile_kernel(dtype: str, block_m: int, prefetch: bool, lookup: int) -> str
     return compiled.asm["ptx"]
 
 
-def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool) -> str:
+def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool, aligned: bool = True) -> str:
     """The PTX of `expert_gemv`'s kernel over 8 experts of (a, b) = (96, 320) in the stored layout (K
-    contiguous: N = 96, K = 320; else K = 96, N = 320: masked last tiles either way), compiled through
-    ptxas for sm_90 (raises where Triton or ptxas refuse it)."""
+    contiguous: N = 96, K = 320; else K = 96, N = 320: masked last tiles either way), NF4 scales decoded
+    once a 32-byte group (`aligned`) or once a byte, compiled through ptxas for sm_90 (raises where Triton
+    or ptxas refuse it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,7 +49,8 @@ def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool) -
     sig = {k: f"*{v}" for k, v in ptrs.items()} | dict.fromkeys(("stride_x", "stride_y"), "i32")
     n, k = (96, 320) if k_contig else (320, 96)
     consts = dict(N=n, K=k, STRIDE_E=96 * 320, STRIDE_ROW=320, K_CONTIG=k_contig, NF4=nf4, BS=64 if nf4 else 1,
-                  BS2=256 if nested else 1, NESTED=nested, BLOCK_N=2 if k_contig else 64,
+                  BS2=256 if nested else 1, NESTED=nested, GROUP=32 if nf4 else 1, ALIGNED=nf4 and aligned,
+                  BLOCK_N=2 if k_contig else 64,
                   BLOCK_K=256 if k_contig else 64, INTERPRETED=False)
     src = ASTSource(fn=expert_gemv._expert_gemv_kernel, signature=sig | dict.fromkeys(consts, "constexpr"),
                     constexprs=consts)
@@ -60,7 +62,7 @@ def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool) -
 if __name__ == "__main__":
     if sys.argv[1] == "expert":
         variants = [("bf16", False, True, False), ("bf16", False, False, False), ("bf16", True, True, True),
-                    ("bf16", True, False, True), ("fp16", True, False, False), ("fp32", True, True, False)]
+                    ("bf16", True, False, True), ("fp16", True, False, False, False), ("fp32", True, True, False, False)]
         print(*(compile_expert_kernel(*v).count("add.rn.f32") for v in variants))
     else:
         dtype, block_m, prefetch, lookup = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])

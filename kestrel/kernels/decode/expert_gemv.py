@@ -67,16 +67,28 @@ _INTERPRETED_VALUES = 1 << 14  # the interpreter runs programs one by one: one p
 
 
 @triton.jit
-def _nf4_pairs(P, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first_byte, rows, row_ok, cbytes,
-               ROW_BYTES: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
-               DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """hi, lo (R, C) fp32 holding DTYPE values: the dequantized elements of bytes first_byte +
-    rows * ROW_BYTES + cbytes (rows (R,), cbytes (C,) within a row of ROW_BYTES bytes); hi is the
-    byte's first element (high nibble), lo its second. Masked bytes give finite values."""
-    byte = first_byte + rows.to(tl.int64)[:, None] * ROW_BYTES + cbytes[None, :]  # (R, C)
-    ok = row_ok[:, None] & (cbytes < ROW_BYTES)[None, :]
+def _nf4_pairs(P, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first_byte, rows, row_ok, c0,
+               HALF: tl.constexpr, GROUP: tl.constexpr, ALIGNED: tl.constexpr, ROW_BYTES: tl.constexpr,
+               BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr, DTYPE: tl.constexpr,
+               INTERPRETED: tl.constexpr):
+    """hi, lo (R, HALF / GROUP, GROUP) fp32 holding DTYPE values: the dequantized elements of bytes
+    c0 .. c0 + HALF - 1 of rows `rows` (R,) (a row: ROW_BYTES bytes from first_byte + row * ROW_BYTES),
+    in groups of GROUP bytes; hi is a byte's first element (high nibble), lo its second. ALIGNED
+    (rows of whole quant blocks): a group lies in one quant block, so its scale is decoded once;
+    else once a byte. Masked bytes give finite values."""
+    NG: tl.constexpr = HALF // GROUP
+    starts = c0 + tl.arange(0, NG) * GROUP  # (NG,) each group's first byte in the row
+    off = starts[:, None] + tl.arange(0, GROUP)[None, :]  # (NG, GROUP)
+    base = first_byte + rows.to(tl.int64) * ROW_BYTES  # (R,)
+    byte = base[:, None, None] + off[None, :, :]  # (R, NG, GROUP)
+    ok = row_ok[:, None, None] & (off < ROW_BYTES)[None, :, :]
     packed = tl.load(P + byte, mask=ok, other=0)
-    scale = nf4.block_scales(ABSMAX, CODE2, ABSMAX2, OFFSET, byte // (BS // 2), ok, BS2, NESTED, not INTERPRETED)
+    if ALIGNED:
+        blk = (base[:, None] + starts[None, :]) // (BS // 2)  # (R, NG)
+        group_ok = row_ok[:, None] & (starts < ROW_BYTES)[None, :]
+        scale = nf4.block_scales(ABSMAX, CODE2, ABSMAX2, OFFSET, blk, group_ok, BS2, NESTED, not INTERPRETED)[:, :, None]
+    else:
+        scale = nf4.block_scales(ABSMAX, CODE2, ABSMAX2, OFFSET, byte // (BS // 2), ok, BS2, NESTED, not INTERPRETED)
     hi, lo = _codes(packed, CODE, PAIRS, _PAIR_LOOKUP)  # one 8-byte gather a byte (`nf4_gemv._codes`)
     hi = _rounded(hi * scale, DTYPE, INTERPRETED).to(tl.float32)
     lo = _rounded(lo * scale, DTYPE, INTERPRETED).to(tl.float32)
@@ -86,20 +98,23 @@ def _nf4_pairs(P, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first_byte, rows,
 @triton.jit
 def _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n, n_ok, stride_n,
              K: tl.constexpr, NF4: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+             GROUP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """(BLOCK_N,) fp32 sum_k x[k] W[n, k] for an expert stored (N, K), K contiguous; `first`: its
     first element (16-bit) or byte (NF4)."""
     if NF4:
         HALF: tl.constexpr = BLOCK_K // 2
-        j = tl.arange(0, HALF)
-        acc = tl.zeros((BLOCK_N, HALF), tl.float32)
+        NG: tl.constexpr = HALF // GROUP
+        j = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (NG, GROUP) bytes of the step
+        acc = tl.zeros((BLOCK_N, NG, GROUP), tl.float32)
         for k0 in range(0, K, BLOCK_K):
+            hi, lo = _nf4_pairs(W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n, n_ok, k0 // 2, HALF, GROUP,
+                                ALIGNED, K // 2, BS, BS2, NESTED, DTYPE, INTERPRETED)
             cols = k0 + 2 * j  # even columns: the high nibbles
-            hi, lo = _nf4_pairs(W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n, n_ok, k0 // 2 + j, K // 2, BS, BS2,
-                                NESTED, DTYPE, INTERPRETED)
             x_even = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             x_odd = tl.load(x_row + cols + 1, mask=cols < K, other=0.0).to(tl.float32)
-            acc += hi * x_even[None, :] + lo * x_odd[None, :]
+            acc += hi * x_even[None, :, :] + lo * x_odd[None, :, :]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
     else:
         w_rows = W + first + n.to(tl.int64)[:, None] * stride_n
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
@@ -108,26 +123,27 @@ def _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n, n_
             w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
-    return tl.sum(acc, axis=1)
+        y = tl.sum(acc, axis=1)
+    return y
 
 
 @triton.jit
 def _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n0, n, n_ok, stride_k,
             N: tl.constexpr, K: tl.constexpr, NF4: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr,
-            NESTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
-            INTERPRETED: tl.constexpr):
+            NESTED: tl.constexpr, GROUP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """(BLOCK_N,) fp32 sum_k x[k] W[k, n] for an expert stored (K, N), N contiguous; outputs
     n = n0 .. n0 + BLOCK_N - 1."""
     if NF4:
         HALF: tl.constexpr = BLOCK_N // 2
-        cbytes = n0 // 2 + tl.arange(0, HALF)  # byte j: outputs n0 + 2j (hi) and n0 + 2j + 1 (lo)
-        even = tl.zeros((BLOCK_K, HALF), tl.float32)
-        odd = tl.zeros((BLOCK_K, HALF), tl.float32)
+        NG: tl.constexpr = HALF // GROUP
+        even = tl.zeros((BLOCK_K, NG, GROUP), tl.float32)  # byte j of the tile: outputs n0 + 2j (hi), n0 + 2j + 1 (lo)
+        odd = tl.zeros((BLOCK_K, NG, GROUP), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            hi, lo = _nf4_pairs(W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, k, k < K, cbytes, N // 2, BS, BS2,
-                                NESTED, DTYPE, INTERPRETED)
-            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[:, None]
+            hi, lo = _nf4_pairs(W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, k, k < K, n0 // 2, HALF, GROUP,
+                                ALIGNED, N // 2, BS, BS2, NESTED, DTYPE, INTERPRETED)
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[:, None, None]
             even += hi * x
             odd += lo * x
         y = tl.reshape(tl.join(tl.sum(even, axis=0), tl.sum(odd, axis=0)), (BLOCK_N,))  # interleaved back
@@ -151,6 +167,7 @@ def _expert_gemv_kernel(
     N: tl.constexpr, K: tl.constexpr,  # constexpr: the interpreter cannot loop to a run-time bound (numpy >= 2.4)
     STRIDE_E: tl.constexpr, STRIDE_ROW: tl.constexpr,  # elements between experts, between rows of b
     K_CONTIG: tl.constexpr, NF4: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
+    GROUP: tl.constexpr, ALIGNED: tl.constexpr,  # NF4: bytes a scale group, rows of whole quant blocks (`_nf4_pairs`)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     DTYPE: tl.constexpr = Y.dtype.element_ty
@@ -163,10 +180,10 @@ def _expert_gemv_kernel(
     x_row = X + pair.to(tl.int64) * stride_x
     if K_CONTIG:
         y = _along_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n, n_ok, STRIDE_ROW, K, NF4, BS, BS2,
-                     NESTED, BLOCK_N, BLOCK_K, DTYPE, INTERPRETED)
+                     NESTED, GROUP, ALIGNED, BLOCK_N, BLOCK_K, DTYPE, INTERPRETED)
     else:
-        y = _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n0, n, n_ok, STRIDE_ROW, N, K, NF4, BS, BS2,
-                    NESTED, BLOCK_N, BLOCK_K, DTYPE, INTERPRETED)
+        y = _down_k(x_row, W, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first, n0, n, n_ok, STRIDE_ROW, N, K, NF4, BS,
+                    BS2, NESTED, GROUP, ALIGNED, BLOCK_N, BLOCK_K, DTYPE, INTERPRETED)
     tl.store(Y + pair.to(tl.int64) * stride_y + n, _rounded(y, DTYPE, INTERPRETED), mask=n_ok)
 
 
@@ -281,11 +298,15 @@ def expert_gemv(x: torch.Tensor, ids: torch.Tensor, weights: ExpertWeights,
         t = ExpertTiles(max(block_n, 2), max(min(next_pow2(weights.k), _INTERPRETED_VALUES // block_n), 2))
     else:
         t = expert_tiles(m, weights.n, weights.k, k_contig, weights.bits, weights.sms)
+    half_bytes = (t.block_k if k_contig else t.block_n) // 2  # NF4 bytes a tile row reads a step
+    row_bytes = weights.shape[2] // 2
     # kernel[grid] (not `_launch.launch`): the decode step is traced by torch.compile, which launches it itself
     _expert_gemv_kernel[(m, cdiv(weights.n, t.block_n))](
         x, ids, y, *weights.tensors, x.stride(0), y.stride(0), N=weights.n, K=weights.k, STRIDE_E=weights.stride_e,
         STRIDE_ROW=weights.stride_row, K_CONTIG=k_contig, NF4=weights.nf4, BS=weights.blocksize, BS2=weights.blocksize2,
-        NESTED=weights.nested, BLOCK_N=t.block_n, BLOCK_K=t.block_k, INTERPRETED=interpreted(), num_warps=_WARPS,
+        NESTED=weights.nested, GROUP=max(1, min(half_bytes, weights.blocksize // 2)),
+        ALIGNED=weights.nf4 and row_bytes % (weights.blocksize // 2) == 0, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        INTERPRETED=interpreted(), num_warps=_WARPS,
     )
     return y
 
