@@ -23,12 +23,16 @@ consecutive elements, double-quantised absmax decoded per block in the kernel,
 `nf4.block_scales`). NF4 tiles are read as bytes along the contiguous axis (its length b must be
 even, so a byte never straddles two rows): byte j of a tile row gives elements 2j (hi) and 2j + 1
 (lo), multiplied by x's even and odd entries (K contiguous) or summed into even and odd outputs
-(N contiguous). Each weight is code[nibble] * absmax in fp32 rounded to the weight dtype, exactly
-`PackedExperts.select`'s value. Sums in fp32, output rounded once to the weight dtype.
+(N contiguous). A byte's two levels come from one 8-byte gather in `nf4_gemv`'s 256-entry pair
+table. Where rows are whole quant blocks (every real model's shape) a tile row's bytes go in
+groups of up to 32 (within one quant block) that decode their scale once; elsewhere (rows of 72
+values) each byte decodes its own. Each weight is code[nibble] * absmax in fp32 rounded to the
+weight dtype, exactly `PackedExperts.select`'s value. Sums in fp32, output rounded once to the
+weight dtype.
 
 Tiles: a cost model, per (M, N, K, orientation, bits, SM count), no fitted constants:
 - a program step holds _TILE_VALUES weights (32 a thread on _WARPS warps: four 16-byte loads in
-  flight a thread in 16-bit, as many weights a thread as the one-row `gemv.py` holds);
+  flight a thread in 16-bit, one in NF4);
 - the tile runs as far as it can along the contiguous axis: with K contiguous (Qwen3-MoE) a step
   reads up to _TILE_VALUES / 2 consecutive weights of 2 or more rows (`gemv.py`'s 2 x 2048 shape);
 - every SM gets at least _WAVES programs (M * cdiv(N, BLOCK_N) >= _WAVES * SMs), so one program's
