@@ -288,7 +288,7 @@ def expert_gemv(x: torch.Tensor, ids: torch.Tensor, weights: ExpertWeights,
     """x (M, K) pair rows (cast to the weight dtype), ids (M,) their experts on the device ->
     (M, N) in the weight dtype. No checks (`applies`). `tiles`: override the cost model's (tests)."""
     m = x.shape[0]
-    x = x.to(weights.dtype)
+    x, ids = x.to(weights.dtype), ids.contiguous()  # no copies where they are already so
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty((m, weights.n), dtype=weights.dtype, device=x.device)
