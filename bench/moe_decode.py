@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # before bench/kernels.py shadows the package
 
+from bench.decode_kernels import LAUNCHES, timed  # noqa: E402  (us a launch, LAUNCHES launches in one CUDA graph)
 from kestrel.kernels.decode.expert_gemv import expert_gemv, expert_weights, gathered_products  # noqa: E402
 from kestrel.kernels.moe import PackedExperts  # noqa: E402
 
@@ -32,27 +32,6 @@ MODELS = {
     "gpt-oss-20b": (32, 4, {"gate_up": ((2880, 2 * 2880), True), "down": ((2880, 2880), True)}),
 }
 ROWS = (1, 8)
-LAUNCHES = 64
-
-
-def timed(fn: Callable[[int], object]) -> float:
-    """us per launch of fn(i) over LAUNCHES launches captured in one CUDA graph."""
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAUNCHES):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * LAUNCHES)
 
 
 def expert_bytes(source: torch.Tensor | PackedExperts) -> float:
