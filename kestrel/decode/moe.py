@@ -11,12 +11,16 @@ columns (`kestrel.kernels.moe.gpt_oss_glu`). The weights are the model's own 3-D
 stored layout: (E, out, in) for Qwen3-MoE, (E, in, out) for gpt-oss (`MoeSpec.transposed`).
 
 Two ways to run the products, by the number of tokens:
-- a decode step (one token a row, N = B): the N*k chosen experts' slices are gathered and
-  multiplied by one batched matmul per projection. Bytes read: the chosen experts' weights only,
-  N*k*(in*out) values (an expert chosen twice is read twice); the gather writes them once as
-  an (N*k, in, out) copy that the bmm reads. NF4 experts (QLoRA, `kestrel.model.expert_quant`)
-  are dequantized from the chosen experts' codes and scales only (`PackedExperts.select`).
-  No host read, fixed shapes: the step compiles and captures.
+- a decode step (one token a row, N = B): one launch per projection computes every pair's
+  product straight from the stored experts (`kestrel.kernels.decode.expert_gemv`), the expert
+  ids read on the device. Bytes read: the chosen experts' weights as stored, once per pair
+  (N*k*in*out weights; an expert chosen twice is read twice, the repeat mostly from L2), in
+  16-bit or, for NF4 experts (QLoRA, `kestrel.model.expert_quant`), their packed codes and block
+  scales (about 0.52 byte a weight); nothing is written but the (N*k, out) products. No host
+  read, fixed shapes: the step compiles and captures. Where the Triton kernels do not run (a
+  CPU without the interpreter) the chosen slices are gathered into an (N*k, in, out) copy (NF4:
+  dequantized from the chosen experts' codes, `PackedExperts.select`) and multiplied by one
+  batched matmul (`expert_gemv.gathered_products`).
 - prefill (many tokens, most experts hit): the training path's grouped product, rows sorted by
   expert, one grouped GEMM per projection (`kestrel.kernels.moe`); NF4 experts dequantized whole,
   once per projection.
@@ -37,6 +41,8 @@ import torch
 from torch import nn
 
 from kestrel.decode.adapters import LoraCall
+from kestrel.kernels.decode import expert_gemv
+from kestrel.kernels.decode.expert_gemv import ExpertWeights, expert_weights
 from kestrel.kernels.moe import ExpertProjection, PackedExperts, Routing, gpt_oss_glu, grouped_mm
 from kestrel.model.expert_quant import packed_experts
 from kestrel.model.moe import adapter_factors, expert_wrappers
@@ -99,18 +105,16 @@ class Experts:
     transposed: bool
     bias: torch.Tensor | None  # (E, out)
     lora: ExpertLora | None = None
+    stored: ExpertWeights = field(init=False)  # what a step's products read (`expert_gemv`)
+
+    def __post_init__(self) -> None:
+        self.stored = expert_weights(self.packed if self.packed is not None else self.weight, self.transposed)
 
     def step(self, xs: torch.Tensor, experts: torch.Tensor, call: LoraCall | None,
              gate: torch.Tensor | None) -> torch.Tensor:
         """xs (M, in) pair rows, experts (M,) their expert, gate (M, n_adapters) for a mixed call
-        -> (M, out): gathered slices, one batched matmul (see the module docstring)."""
-        if self.packed is not None and self.packed.selectable:
-            w = self.packed.select(experts)  # (M, a, b)
-        elif self.packed is not None:
-            w = self.packed.stored()[experts]  # experts not on block boundaries: all dequantized
-        else:
-            w = self.weight[experts]
-        y = torch.bmm(xs[:, None].to(w.dtype), w if self.transposed else w.transpose(1, 2))[:, 0]
+        -> (M, out): each pair's expert read in place (see the module docstring)."""
+        y = expert_gemv.expert_products(xs, experts, self.stored)
         if self.bias is not None:
             y = y + self.bias[experts]
         span = None if call is None or self.lora is None else self.lora.span(call)

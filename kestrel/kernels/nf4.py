@@ -46,15 +46,23 @@ _ROWS = 32
 
 @triton.jit
 def block_scales(
-    absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blk, mask, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr
+    absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, blk, mask, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+    ADD_RN: tl.constexpr = False,
 ):
     """fp32 absmax of the quant blocks `blk` (any shape): read directly, or decoded from double
-    quantization as code2[q] * absmax2[blk // BLOCKSIZE2] + offset (the add kept separate: launch
-    with enable_fp_fusion=False to round as bitsandbytes does)."""
+    quantization as code2[q] * absmax2[blk // BLOCKSIZE2] + offset, the add rounded apart from the
+    multiply as bitsandbytes does: launch with enable_fp_fusion=False, or (a kernel launched where
+    that option cannot be passed, e.g. inside torch.compile; compiled CUDA only) ADD_RN: the add as
+    PTX `add.rn.f32`, which is never contracted into an FMA."""
     if NESTED:
         q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + blk // BLOCKSIZE2, mask=mask)
-        scale = scale + tl.load(offset_ptr)
+        if ADD_RN:
+            offset = tl.broadcast_to(tl.load(offset_ptr), scale.shape)
+            scale = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [scale, offset], dtype=tl.float32,
+                                              is_pure=True, pack=1)
+        else:
+            scale = scale + tl.load(offset_ptr)
     else:  # one return at the end: the compiler rejects a return inside the branch
         scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
     return scale

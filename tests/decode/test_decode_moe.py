@@ -18,6 +18,7 @@ from peft import LoraConfig, get_peft_model
 from kestrel.decode import model as decode_model
 from kestrel.decode.generate import Generator
 from kestrel.decode.model import DecodeModel
+from kestrel.kernels.decode import expert_gemv
 from kestrel.model.registry import DECODE_FAMILIES
 from tests.decode.test_decode_hf import ALL_LINEARS, VOCAB, _hf_greedy, _prompt
 from tests.support.tiny import tiny_model
@@ -85,8 +86,13 @@ def test_prefill_and_step_logits_match_hf(case: str, kernels: str, monkeypatch: 
     """Three left-padded rows: prefill's last logits and six steps' logits against HF's forward
     over each row's own tokens. `triton`: norms, RoPE and the step's attention (sinks included)
     as the Triton kernels (interpreted here), as on CUDA. gpt-oss's prefill sink softmax runs
-    over chunks of 4 queries (as a long prompt's would)."""
+    over chunks of 4 queries (as a long prompt's would). The steps' expert products: the kernel that
+    reads the chosen experts in place (`kestrel.kernels.decode.expert_gemv`) under `triton`, the
+    gathered slices under `torch`."""
     monkeypatch.setenv("KESTREL_KERNELS", kernels)
+    launches: list[int] = []
+    kernel = expert_gemv.expert_gemv
+    monkeypatch.setattr(expert_gemv, "expert_gemv", lambda x, ids, w: launches.append(x.shape[0]) or kernel(x, ids, w))
     monkeypatch.setattr(decode_model, "_SINK_SCORES", 3 * 4 * max(PROMPTS) * 4)  # rows, heads, keys, queries
     model = _model(case)
     backend = DecodeModel(model, max_seq_len=128)
@@ -103,6 +109,8 @@ def test_prefill_and_step_logits_match_hf(case: str, kernels: str, monkeypatch: 
             tok = ref.argmax(-1)
             rows = [r + [int(x)] for r, x in zip(rows, tok)]
             logits = backend.step(tok, torch.tensor([t + step]), pad, cache, None)
+    layers = len(backend.moe_blocks)
+    assert launches == ([3 * 2] * (2 * layers * 7) if kernels == "triton" else [])  # 3 rows x top-2; 7 steps
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -219,14 +219,21 @@ def test_selected_nf4_experts_equal_the_whole_dequantization(transposed: bool) -
     assert torch.equal(packed.select(index), packed.stored().clone()[index])
 
 
-def test_nf4_experts_decode_with_an_adapter_as_16_bit_experts_holding_their_values() -> None:
-    """GRPO rollouts and chat on a QLoRA MoE: Kestrel's decode forward (each step dequantizing only
-    the chosen experts, prefill the grouped product) gives the greedy tokens of 16-bit experts set
-    to the NF4 values, adapter on and off."""
+@pytest.mark.parametrize("in_place", [False, True], ids=["gathered", "expert_gemv"])
+def test_nf4_experts_decode_with_an_adapter_as_16_bit_experts_holding_their_values(
+        in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRPO rollouts and chat on a QLoRA MoE: Kestrel's decode forward (each step reading only the
+    chosen experts, prefill the grouped product) gives the greedy tokens of 16-bit experts set to the
+    NF4 values, adapter on and off. The NF4 model's steps gather the chosen experts (PyTorch) or read
+    them in place (the Triton kernel `kestrel.kernels.decode.expert_gemv`, interpreted on a CPU; the
+    rest of the step stays PyTorch); the 16-bit twin's always gather."""
     from kestrel.decode.generate import Generator
-
     from kestrel.decode.model import DecodeModel
+    from kestrel.kernels.decode import expert_gemv
 
+    launches: list[bool] = []
+    kernel = expert_gemv.expert_gemv
+    monkeypatch.setattr(expert_gemv, "expert_gemv", lambda x, ids, w: launches.append(w.nf4) or kernel(x, ids, w))
     quant, dense, _ = _nf4_twins(seed=9)
     ids = _ids(5, b=3, t=9)
     prompts = [ids[0].tolist(), ids[1, 4:].tolist(), ids[2, 2:].tolist()]  # a left-padded batch
@@ -238,5 +245,9 @@ def test_nf4_experts_decode_with_an_adapter_as_16_bit_experts_holding_their_valu
         gen = Generator(peft_model, max_seq_len=64, stop_ids=[])
         assert isinstance(gen.backend, DecodeModel)
         assert all((b.gate_up.packed is not None) == (model is quant) for b in gen.backend.moe_blocks)
-        tokens.append([gen.generate(prompts, max_new_tokens=8, adapter=a).tokens for a in ("default", None)])
+        with monkeypatch.context() as patch:
+            if in_place and model is quant:
+                patch.setattr(expert_gemv, "applies", lambda x, w: not w.reason)
+            tokens.append([gen.generate(prompts, max_new_tokens=8, adapter=a).tokens for a in ("default", None)])
     assert tokens[0] == tokens[1] and tokens[0][0] != tokens[0][1]
+    assert launches == ([True] * len(launches) if in_place else []) and (launches or not in_place)

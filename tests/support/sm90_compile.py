@@ -1,7 +1,9 @@
-"""Compile `nf4_gemv`'s kernel for sm_90 without a GPU (Triton's NVIDIA backend and its ptxas), in a
-process of its own: under TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile.
+"""Compile decode kernels for sm_90 without a GPU (Triton's NVIDIA backend and its ptxas), in a process
+of its own: under TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile (and the
+interpreter accepts what the compiler refuses, e.g. a plain global read inside a kernel).
 
-    python -m tests.support.sm90_compile DTYPE BLOCK_M PREFETCH LOOKUP   # prints the PTX's prmt count
+    python -m tests.support.sm90_compile DTYPE BLOCK_M PREFETCH LOOKUP   # nf4_gemv: prints the PTX's prmt count
+    python -m tests.support.sm90_compile expert                          # expert_gemv: its variants' add.rn counts
 """
 
 from __future__ import annotations
@@ -30,6 +32,38 @@ def compile_kernel(dtype: str, block_m: int, prefetch: bool, lookup: int) -> str
     return compiled.asm["ptx"]
 
 
+def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool, aligned: bool = True) -> str:
+    """The PTX of `expert_gemv`'s kernel over 8 experts of (a, b) = (96, 320) in the stored layout (K
+    contiguous: N = 96, K = 320; else K = 96, N = 320: masked last tiles either way), NF4 scales decoded
+    once a 32-byte group (`aligned`) or once a byte, compiled through ptxas for sm_90 (raises where Triton
+    or ptxas refuse it)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kestrel.kernels.decode import expert_gemv
+
+    table = ("fp32", "u8" if nested else "fp32", "fp32", "fp32", "fp32", "i64")  # CODE .. PAIRS
+    ptrs = {"X": dtype, "IDS": "i64", "Y": dtype, "W": "u8" if nf4 else dtype}
+    ptrs |= dict(zip(("CODE", "ABSMAX", "CODE2", "ABSMAX2", "OFFSET", "PAIRS"), table if nf4 else (dtype,) * 6))
+    sig = {k: f"*{v}" for k, v in ptrs.items()} | dict.fromkeys(("stride_x", "stride_y"), "i32")
+    n, k = (96, 320) if k_contig else (320, 96)
+    consts = dict(N=n, K=k, STRIDE_E=96 * 320, STRIDE_ROW=320, K_CONTIG=k_contig, NF4=nf4, BS=64 if nf4 else 1,
+                  BS2=256 if nested else 1, NESTED=nested, GROUP=32 if nf4 else 1, ALIGNED=nf4 and aligned,
+                  BLOCK_N=2 if k_contig else 64,
+                  BLOCK_K=256 if k_contig else 64, INTERPRETED=False)
+    src = ASTSource(fn=expert_gemv._expert_gemv_kernel, signature=sig | dict.fromkeys(consts, "constexpr"),
+                    constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"], "no cubin"
+    return compiled.asm["ptx"]
+
+
 if __name__ == "__main__":
-    dtype, block_m, prefetch, lookup = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-    print(compile_kernel(dtype, block_m, prefetch, lookup).count("prmt.b32"))
+    if sys.argv[1] == "expert":
+        variants = [("bf16", False, True, False), ("bf16", False, False, False), ("bf16", True, True, True),
+                    ("bf16", True, False, True), ("fp16", True, False, False, False), ("fp32", True, True, False, False)]
+        print(*(compile_expert_kernel(*v).count("add.rn.f32") for v in variants))
+    else:
+        dtype, block_m, prefetch, lookup = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+        print(compile_kernel(dtype, block_m, prefetch, lookup).count("prmt.b32"))

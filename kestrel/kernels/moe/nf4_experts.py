@@ -37,14 +37,15 @@ class PackedExperts:
     (E, out, in) (Qwen3-MoE's experts: read through a transposed view), True when (E, in, out) (gpt-oss).
     """
 
-    def __init__(self, weight: torch.Tensor, transposed: bool) -> None:
-        """Quantize `weight` (E, a, b), any float dtype; the result dequantizes back to that dtype."""
+    def __init__(self, weight: torch.Tensor, transposed: bool, nested: bool = True) -> None:
+        """Quantize `weight` (E, a, b), any float dtype; the result dequantizes back to that dtype.
+        `nested`: double-quantize the absmax (bitsandbytes' compress_statistics; the 4-bit linears' default)."""
         from bitsandbytes.functional import quantize_4bit
 
         if weight.dim() != 3:
             raise ValueError(f"expert weights are (experts, rows, columns), got shape {tuple(weight.shape)}")
         self.packed, self.state = quantize_4bit(
-            weight.detach().contiguous(), blocksize=BLOCKSIZE, quant_type="nf4", compress_statistics=True,
+            weight.detach().contiguous(), blocksize=BLOCKSIZE, quant_type="nf4", compress_statistics=nested,
         )
         self.stored_shape = tuple(weight.shape)
         self.dtype = weight.dtype
