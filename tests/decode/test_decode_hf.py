@@ -48,9 +48,11 @@ def _hf_greedy(model, prompt: list[int], n: int, **kw) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def _with_adapters(model):
-    """Two adapters of different ranks and targets, B random so each really changes the output."""
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEARS, lora_dropout=0.0))
+def _with_adapters(model, target_parameters: list[str] | None = None):
+    """Two adapters of different ranks and targets ("default" on every linear and on the 3-D
+    `target_parameters`, "qv" on q/v only), B random so each really changes the output."""
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEARS,
+                                            target_parameters=target_parameters, lora_dropout=0.0))
     peft.add_adapter("qv", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -153,20 +155,25 @@ def test_unmerged_adapters_match_peft_and_switch_per_request(family: str) -> Non
     assert mixed == [ref_qv, ref_base, ref_default]
 
 
-def test_adapter_updates_are_seen_without_rebuilding() -> None:
-    """GRPO trains the adapter between rollouts: every request syncs the latest weights."""
-    peft = _with_adapters(_model("llama"))
+def assert_updates_are_seen(peft, new_tokens: int, part: str = "") -> None:
+    """A GRPO update between rollouts: adapter "default"'s B factors (those whose names hold
+    `part` too) scaled by -3 in place; the same Generator then decodes HF's new greedy tokens."""
     gen = Generator(peft, max_seq_len=128, stop_ids=[])
     prompt = _prompt(10, seed=6)
-    before = gen.generate([prompt], 32, adapter="default").tokens[0]
+    before = gen.generate([prompt], new_tokens, adapter="default").tokens[0]
     with torch.no_grad():
         for name, p in peft.named_parameters():
-            if "lora_B.default" in name:
+            if "lora_B.default" in name and part in name:
                 p.mul_(-3.0)
     peft.set_adapter("default")
-    after = gen.generate([prompt], 32, adapter="default").tokens[0]
-    assert after == _hf_greedy(peft, prompt, 32)
+    after = gen.generate([prompt], new_tokens, adapter="default").tokens[0]
+    assert after == _hf_greedy(peft, prompt, new_tokens)
     assert after != before
+
+
+def test_adapter_updates_are_seen_without_rebuilding() -> None:
+    """GRPO trains the adapter between rollouts: every request syncs the latest weights."""
+    assert_updates_are_seen(_with_adapters(_model("llama")), 32)
 
 
 def test_adapter_loaded_from_a_folder(tmp_path: Path) -> None:

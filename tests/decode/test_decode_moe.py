@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 from kestrel.decode import model as decode_model
 from kestrel.decode.generate import Generator
 from kestrel.decode.model import DecodeModel
 from kestrel.kernels.decode import expert_gemv
 from kestrel.model.registry import DECODE_FAMILIES
-from tests.decode.test_decode_hf import ALL_LINEARS, VOCAB, _hf_greedy, _prompt
+from tests.decode.test_decode_hf import VOCAB, _hf_greedy, _prompt, assert_updates_are_seen
+from tests.decode.test_decode_hf import _with_adapters as with_adapters
 from tests.support.tiny import tiny_model
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -52,15 +52,7 @@ def _model(case: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torc
 
 def _with_adapters(model: torch.nn.Module) -> torch.nn.Module:
     """"default" on every linear and both expert projections, "qv" on q/v only; B random."""
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEARS,
-                                            target_parameters=EXPERT_PARAMS, lora_dropout=0.0))
-    peft.add_adapter("qv", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return peft.eval()
+    return with_adapters(model, EXPERT_PARAMS)
 
 
 def test_the_moe_families_decode_on_kestrels_forward() -> None:
@@ -149,17 +141,7 @@ def test_adapters_on_attention_and_experts_match_peft(case: str) -> None:
 
 def test_expert_adapter_updates_are_seen_without_rebuilding() -> None:
     """GRPO trains between rollouts: each request copies the experts' current factors in."""
-    peft = _with_adapters(_model("qwen3_moe"))
-    gen = Generator(peft, max_seq_len=128, stop_ids=[])
-    prompt = _prompt(10, seed=6)
-    before = gen.generate([prompt], 24, adapter="default").tokens[0]
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B.default" in name and "experts" in name:
-                p.mul_(-3.0)
-    peft.set_adapter("default")
-    after = gen.generate([prompt], 24, adapter="default").tokens[0]
-    assert after == _hf_greedy(peft, prompt, 24) and after != before
+    assert_updates_are_seen(_with_adapters(_model("qwen3_moe")), 24, part="experts")
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
