@@ -35,6 +35,7 @@ from torch import nn
 
 from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs, no_grad
+from kestrel.recompute.gate_share import gate_share, pages_gate_out
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from kestrel.recompute.host_memory import HostMemoryError, host_buffer, side_stream
 from kestrel.recompute.linked import LinkedCall
@@ -340,19 +341,6 @@ def _taken(saved: _HostCopy | torch.Tensor) -> torch.Tensor:
     return saved.take() if isinstance(saved, _HostCopy) else saved
 
 
-def gate_share(configured: float = 1.0) -> float:
-    """The share of offloaded layers that page their gate product out, 0 to 1: KESTREL_OFFLOAD_GATE
-    (a debugging override) wins over the configured one."""
-    try:
-        share = env.number("KESTREL_OFFLOAD_GATE", configured)
-    except ValueError:
-        share = -1.0
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"KESTREL_OFFLOAD_GATE={env.raw('KESTREL_OFFLOAD_GATE')!r} is not valid: "
-                         "a share of the layers, 0 to 1")
-    return share
-
-
 class Recompute:
     """One run's checkpointing: the function Hugging Face's decoder layers call
     (`_gradient_checkpointing_func`, hidden states first) and the run's CUDA-graph choice.
@@ -387,7 +375,7 @@ class Recompute:
     def pages_gate_out(self, depth: int) -> bool:
         """Whether an offloaded layer (`depth` layers below it) pages its MLP's gate product out
         too: a `gate_share` of the layers, spread evenly."""
-        return int((depth + 1) * self.gate_share) > int(depth * self.gate_share)
+        return pages_gate_out(depth, self.gate_share)
 
     def recompute(self, run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         """run(hidden) with autograd on, as a checkpoint's recompute (`recomputing` meanwhile)."""

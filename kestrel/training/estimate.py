@@ -32,7 +32,10 @@ The model of memory (bytes), written for the way the engine trains:
 - a fixed overhead for the CUDA context and allocator slack (0.6 GiB + 8 %).
 - host RAM (`offload_host_ram`, not part of the GPU total): `offload` keeps every layer's input in
   page-locked host memory, layers x tokens x hidden x 2 bytes (100 GiB at 409,600 tokens on the
-  8B shape); pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
+  8B shape), and where the MLP keeps its gate product E (rows short of its deferral point, a dense
+  MLP) it pages E out too, in `performance.offload_gate` of the layers: tokens x intermediate x 2
+  bytes each (3.5 GiB more at 2 x 2,048 tokens on the 8B shape, against 1 GiB of inputs).
+  Pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
 - mixture of experts (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): every expert's weights count (E x 3 h ie, plus the
   router's E h); QLoRA stores the experts in NF4 too (`kestrel.model.expert_quant`; the router
   stays 16-bit) and dequantizes one projection of one layer's experts at a time into a 16-bit
@@ -65,6 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 from kestrel.constants import DEFERRED_ROWS, PREFERENCE_METHODS
 from kestrel.model.registry import family_of
+from kestrel.recompute.gate_share import paged_gate_layers
 
 GIB = 2**30
 FITS_BELOW = 0.80  # of the card's memory: room for the estimate's error
@@ -308,6 +312,7 @@ def estimate_training_memory(
     shape: ModelShape, method: str = "lora", lora_r: int = 16, lora_targets: list[str] | None = None,
     batch_size: int = 2, max_seq_length: int = 2048, gradient_checkpointing: str = "standard",
     num_generations: int = 8, max_completion_length: int = 256, max_prompt_length: int = 512, devices: int = 1,
+    offload_gate: float = 1.0,
 ) -> MemoryEstimate:
     """Peak training memory of `shape` under these settings, per device of `devices` (see the
     module docstring)."""
@@ -344,8 +349,11 @@ def estimate_training_memory(
     extra = logits + kv_cache
     weights, optimizer, communication = _per_device(shape, method, weights, optimizer, trainable, devices)
     overhead = CONTEXT_BYTES + int(SLACK * (weights + optimizer + activations + extra + communication))
-    # offload moves the same layer inputs `standard` keeps on the GPU into pinned host memory
-    host = shape.layers * tokens * shape.hidden * 2 if gradient_checkpointing == "offload" else 0
+    # offload moves the same layer inputs `standard` keeps on the GPU into pinned host memory, and
+    # `offload_gate` of the layers their MLP gate products
+    host = 0
+    if gradient_checkpointing == "offload":
+        host = shape.layers * tokens * shape.hidden * 2 + _paged_gates(shape, method == "qlora", tokens, offload_gate)
     return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host, communication, devices)
 
 
@@ -363,6 +371,24 @@ def _per_device(shape: ModelShape, method: str, weights: int, optimizer: int, tr
     return -(-weights // devices), -(-optimizer // devices), gathered
 
 
+def _mlp_values(tokens: int, h: int, i: int, qlora: bool) -> tuple[int, int]:
+    """(whole, deferred): values a recomputed MLP holds keeping E, G, h for all `tokens` rows, and
+    deferred to its backward in chunks over dense gate/up weights (`kestrel.kernels.lora.mlp._defer_pays`
+    takes the smaller)."""
+    dense = 2 * h * i if qlora else 0
+    return 3 * tokens * i, 3 * min(tokens, DEFERRED_ROWS) * i + dense
+
+
+def _paged_gates(shape: ModelShape, qlora: bool, tokens: int, share: float) -> int:
+    """Host bytes of the gate products E (tokens x intermediate, 16-bit) that offload pages out: a
+    `share` of the layers (`kestrel.recompute.gate_share`), and only where the MLP keeps E, i.e.
+    does not defer. A mixture of experts' sparse blocks keep no E aside."""
+    whole, deferred = _mlp_values(tokens, shape.hidden, shape.intermediate, qlora)
+    if shape.experts or deferred < whole:
+        return 0
+    return paged_gate_layers(shape.layers, share) * tokens * shape.intermediate * 2
+
+
 def _activations(shape: ModelShape, qlora: bool, tokens: int, checkpointing: str) -> int:
     """GPU bytes of activations at the peak (module docstring: activations)."""
     h, i = shape.hidden, shape.active_intermediate
@@ -370,8 +396,7 @@ def _activations(shape: ModelShape, qlora: bool, tokens: int, checkpointing: str
     if checkpointing == "off":
         return shape.layers * tokens * (SAVED_HIDDENS * h + SAVED_INTERMEDIATES * i + rows) * 2
     # the recomputed MLP: E, G, h whole, or chunked over dense gate/up weights (kestrel.kernels.lora.mlp)
-    dense = 2 * h * i if qlora else 0
-    mlp = min(3 * tokens * i, 3 * min(tokens, DEFERRED_ROWS) * i + dense) * 2
+    mlp = min(_mlp_values(tokens, h, i, qlora)) * 2
     recompute = tokens * (RECOMPUTE_HIDDENS * h + rows) * 2 + mlp
     kept_inputs = (2 if checkpointing == "offload" else shape.layers) * tokens * h * 2
     return recompute + kept_inputs

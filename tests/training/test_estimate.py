@@ -102,6 +102,26 @@ def test_offload_reports_the_layer_inputs_in_host_ram() -> None:
     assert grpo.offload_host_ram == 32 * (2 * 4 * 768) * 4096 * 2
 
 
+def test_offload_reports_the_gate_products_it_pages_out() -> None:
+    from bench.model_shapes import MODELS
+
+    """Short rows: the MLP keeps its gate product E, and offload pages it out of `offload_gate` of
+    the layers (32 x 4,096 x 14,336 x 2 bytes: 3.5 GiB beside the inputs' 1 GiB at 2 x 2,048)."""
+    shape = shape_from_config(LLAMA_8B)
+    inputs, gates = 32 * 4096 * 4096 * 2, 32 * 4096 * 14336 * 2
+    assert estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload").offload_host_ram == inputs + gates
+    lora = estimate_training_memory(shape, "lora", 16, None, 1, 2048, "offload")  # 16-bit keeps E up to 2,048 rows
+    assert lora.offload_host_ram == (inputs + gates) // 2
+    half = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", offload_gate=0.5)
+    assert half.offload_host_ram == inputs + gates // 2
+    none = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", offload_gate=0.0)
+    assert none.offload_host_ram == inputs
+    # past the deferral point (16-bit: 2,048 rows) the MLP keeps no E, so nothing more is paged
+    assert estimate_training_memory(shape, "lora", 16, None, 2, 2048, "offload").offload_host_ram == inputs
+    moe = shape_from_config(MODELS["qwen3-30b-a3b"])  # sparse blocks: experts' products, no E kept
+    assert estimate_training_memory(moe, "qlora", 16, None, 2, 2048, "offload").offload_host_ram == 48 * 4096 * 2048 * 2
+
+
 def test_host_verdict_uses_the_gpu_thresholds() -> None:
     est = estimate_training_memory(shape_from_config(LLAMA_8B), "qlora", 16, None, 1, 409_600, "offload")
     assert host_verdict(est, 200 * GIB) == "fits"
