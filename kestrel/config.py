@@ -36,7 +36,7 @@ from kestrel.recompute.graph_choice import GRAPH_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
 METHODS = ("qlora", "lora", "full", "grpo", *PREFERENCE_METHODS)
-CHECKPOINTING = ("off", "standard", "offload")
+CHECKPOINTING = ("auto", "off", "standard", "offload")
 SCHEDULERS = ("cosine", "linear", "constant")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 LOSS_TYPES = GRPO_LOSS_TYPES
@@ -190,9 +190,10 @@ class TrainConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     packing: bool = False  # several samples per row, attention kept inside each sample
     train_on_responses_only: bool = True  # mask prompt tokens out of the loss
-    # off | standard | offload (layer inputs and MLP gate products in CPU memory: the least GPU
-    # memory, and on CUDA the fastest)
-    gradient_checkpointing: str = "standard"
+    # auto | off | standard | offload (layer inputs and MLP gate products in CPU memory: the least
+    # GPU memory). auto: offload on one GPU where its pages fit the RAM, else standard
+    # (`kestrel.recompute.policy`); the run's log and performance.json say which and why.
+    gradient_checkpointing: str = "auto"
     save_steps: int = 100  # 0 saves only at the end
     seed: int = 42
     # 1, a count N (N GPUs, or N CPU processes without a GPU), auto (every visible GPU) or a list

@@ -35,7 +35,7 @@ def oom_message(batch_size: int, max_seq_length: int, gradient_checkpointing: st
     """What to change after a CUDA out-of-memory error, given the settings that were used."""
     steps = [f"lower batch_size (now {batch_size}) and raise grad_accum to keep the same batch"]
     steps.append(f"lower max_seq_length (now {max_seq_length})")
-    if gradient_checkpointing != "offload":
+    if gradient_checkpointing in ("off", "standard"):  # auto may have chosen offload already (the run's log says)
         steps.append("set gradient_checkpointing: offload (layer inputs kept in CPU memory)")
     return "GPU out of memory. To fit, " + "; or ".join(steps) + "."
 

@@ -107,9 +107,11 @@ PATH_NONE = ("No fast path for model type `{model_type}` yet: it trains through 
 PATH_IMAGE_TEXT = " An image-text model: its language model trains on text, the vision tower stays frozen."
 PATH_LEVELS = {"rms_norm": "norms", "attention": "attention", "linear_attention": "linear attention", "mlp": "MLP",
                "decoder_layer": "layers", "model": "packing", "causal_lm": "chunked loss"}
-VRAM_HOST = ("{verdict_icon} Offloaded layer inputs: **{host:.1f} GiB** of host RAM "
+VRAM_HOST = ("{verdict_icon} Offloaded activations (layer inputs, MLP gate products): **{host:.1f} GiB** of host RAM "
              "(this machine has {ram:.1f} GiB): **{verdict}**.")
-VRAM_HOST_NO_RAM = "Offloaded layer inputs: **{host:.1f} GiB** of host RAM (this machine's RAM is unknown)."
+VRAM_HOST_NO_RAM = ("Offloaded activations (layer inputs, MLP gate products): **{host:.1f} GiB** of host RAM "
+                    "(this machine's RAM is unknown).")
+VRAM_AUTO = "Gradient checkpointing **auto** → **{mode}** here: {why}."
 # what sets the number of tokens whose layer inputs are offloaded (GRPO: its rollouts)
 VRAM_HOST_LOWER = {
     "grpo": " Lower the batch size, the number of generations or the prompt/completion lengths, "

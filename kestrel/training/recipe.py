@@ -30,9 +30,11 @@ from kestrel.model.lora import attach_lora
 from kestrel.model.multimodal import freeze_outside_language_model
 from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
+from kestrel.recompute.policy import choose_checkpointing
 from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
 from kestrel.training.distributed import World, shard_full_model
 from kestrel.training.best import BEST_DIR
+from kestrel.training.estimate import detect_host_memory, estimate_training_memory, shape_from_config, training_rows
 from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback, RunInfo, memory_metrics
 from kestrel.training.heap import steps_heap
@@ -78,18 +80,54 @@ def lr_lambda(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def graph_reporter(output_dir: Path, cb: Callback) -> Callable[[Decision], None]:
-    """Where a run's CUDA-graph choices go: a line in its log each, and all of them in
-    `output_dir/performance.json` (with the timings each was made from)."""
-    made: list[dict[str, Any]] = []
+class PerformanceRecord:
+    """The speed choices a run made, in `output_dir/performance.json` (rewritten whole at each):
+    `gradient_checkpointing` {requested, mode, reason}, and `cuda_graphs`, one entry a decided
+    batch layout (with the timings each was made from)."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = output_dir / "performance.json"
+        self.made: dict[str, Any] = {"cuda_graphs": []}
+
+    def set(self, key: str, value: Any) -> None:
+        self.made[key] = value
+        self.path.write_text(json.dumps(self.made, indent=1) + "\n")
+
+
+def graph_reporter(record: PerformanceRecord, cb: Callback) -> Callable[[Decision], None]:
+    """Where a run's CUDA-graph choices go: a line in its log each, and all of them in `record`."""
 
     def report(decision: Decision) -> None:
         way = "on" if decision.graphed else "off"
         cb.on_log(f"CUDA graphs {way} for batches of {decision.layout}: {decision.reason}")
-        made.append(decision.as_metrics())
-        (output_dir / "performance.json").write_text(json.dumps({"cuda_graphs": made}, indent=1) + "\n")
+        record.set("cuda_graphs", [*record.made["cuda_graphs"], decision.as_metrics()])
 
     return report
+
+
+def on_cuda_device(model: nn.Module) -> bool:
+    return any(p.is_cuda for p in model.parameters())
+
+
+def checkpointing_for(config: TrainConfig, model: nn.Module, world: World) -> tuple[str, str]:
+    """(mode, why): the config's mode, or `auto`'s choice for this run (`kestrel.recompute.policy`),
+    from its device, GPU count, and what offloading would pin against this machine's RAM."""
+    if config.gradient_checkpointing != "auto":
+        return config.gradient_checkpointing, "set in the run's config"
+    on_cuda = on_cuda_device(model)
+    need = None
+    if on_cuda and world.size == 1:
+        method, rows = training_rows(config.method, config.preference.finetune, config.batch_size)
+        try:
+            shape = shape_from_config(model.config.to_dict())
+        except (KeyError, TypeError, ValueError):  # a config the estimate cannot read: need unknown
+            shape = None
+        if shape is not None:
+            need = estimate_training_memory(
+                shape, method, config.lora.r, config.lora.targets, rows, config.max_seq_length, "offload",
+                config.grpo.num_generations, config.grpo.max_completion_length, config.grpo.max_prompt_length,
+                1, config.performance.offload_gate).offload_host_ram
+    return choose_checkpointing(on_cuda, world.size, need, detect_host_memory())
 
 
 def prepare_model(
@@ -101,6 +139,11 @@ def prepare_model(
     CUDA graphs: a graph cannot hold FSDP's gathers)."""
     world = world or World()
     cuda_graphs = config.performance.cuda_graphs
+    record = PerformanceRecord(output_dir)
+    mode, why = checkpointing_for(config, model, world)
+    if config.gradient_checkpointing == "auto":
+        cb.on_log(f"gradient checkpointing {mode} (auto): {why}")
+    record.set("gradient_checkpointing", {"requested": config.gradient_checkpointing, "mode": mode, "reason": why})
     if config.trains_all_weights:
         for p in model.parameters():
             p.requires_grad_(True)
@@ -110,8 +153,8 @@ def prepare_model(
             p.requires_grad_(False)
         model = attach_lora(model, config.lora)
     recompute = set_gradient_checkpointing(
-        model, config.gradient_checkpointing, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
-        graph_reporter(output_dir, cb), config.performance.offload_gate)
+        model, mode, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
+        graph_reporter(record, cb), config.performance.offload_gate)
     if world.distributed:
         if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)

@@ -227,17 +227,41 @@ def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch:
     monkeypatch.setattr(train, "_host_ram", lambda: 16 * 2**30)
     extra, values = form(batch_size=128, max_seq_length=8192, gradient_checkpointing="offload")
     text = train.preview(extra, *values)["vram"]
-    assert "\n\n✅ Offloaded layer inputs: **2.0 GiB** of host RAM (this machine has 16.0 GiB): **fits**." in text
+    assert ("\n\n✅ Offloaded activations (layer inputs, MLP gate products): **2.0 GiB** of host RAM "
+            "(this machine has 16.0 GiB): **fits**.") in text
     assert "Lower the max sequence length" not in text
     monkeypatch.setattr(train, "_host_ram", lambda: 2**30)
     text = train.preview(extra, *values)["vram"]
-    assert ("⛔ Offloaded layer inputs: **2.0 GiB** of host RAM (this machine has 1.0 GiB): **will not fit**. "
+    assert ("⛔ Offloaded activations (layer inputs, MLP gate products): **2.0 GiB** of host RAM "
+            "(this machine has 1.0 GiB): **will not fit**. "
             "Lower the max sequence length or the batch size, or use gradient checkpointing “standard”.") in text
     monkeypatch.setattr(train, "_host_ram", lambda: None)
     assert "**2.0 GiB** of host RAM (this machine's RAM is unknown)" in train.preview(extra, *values)["vram"]
     for mode in ("standard", "off"):
         extra, values = form(batch_size=128, max_seq_length=8192, gradient_checkpointing=mode)
-        assert "Offloaded layer inputs" not in train.preview(extra, *values)["vram"]
+        assert "Offloaded activations" not in train.preview(extra, *values)["vram"]
+
+
+def test_auto_checkpointing_says_what_a_run_here_gets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` (the default) on one GPU with room in RAM: offload, its host RAM shown; with too little
+    RAM, or on several GPUs, or on the CPU: standard, with the reason; the estimate follows the choice."""
+    import re
+
+    monkeypatch.setattr(train, "_gpu", lambda: ("NVIDIA Test 80GB", 80 * 2**30))
+    monkeypatch.setattr(train, "_host_ram", lambda: 16 * 2**30)
+    extra, values = form(batch_size=128, max_seq_length=8192, gradient_checkpointing="auto")
+    peak = lambda text: float(re.search(r"about \*\*([\d.]+) GiB", text).group(1))  # noqa: E731
+    offload = train.preview(extra, *values)["vram"]
+    assert "Gradient checkpointing **auto** → **offload** here: one GPU" in offload
+    assert "Offloaded activations (layer inputs, MLP gate products): **2.0 GiB**" in offload
+    extra_off, values_off = form(batch_size=128, max_seq_length=8192, gradient_checkpointing="offload")
+    assert peak(offload) == peak(train.preview(extra_off, *values_off)["vram"])
+    monkeypatch.setattr(train, "_host_ram", lambda: 2**30)
+    standard = train.preview(extra, *values)["vram"]
+    assert "**auto** → **standard** here: one GPU, but offloading would pin 2.0 GiB" in standard
+    assert "Offloaded activations" not in standard and peak(standard) > peak(offload)
+    monkeypatch.setattr(train, "_gpu", lambda: None)
+    assert "**auto** → **standard** here: no CUDA device" in train.preview(extra, *values)["vram"]
 
 
 def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(kestrel_home: Path) -> None:

@@ -30,7 +30,7 @@ def _shipped(name: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": _shipped("demo_sft.yaml"),
     "qlora_8b": {"method": "qlora", "max_seq_length": 2048, "batch_size": 2, "grad_accum": 4,
-                 "learning_rate": 2e-4, "lora": {"r": 16, "alpha": 32}, "gradient_checkpointing": "standard",
+                 "learning_rate": 2e-4, "lora": {"r": 16, "alpha": 32}, "gradient_checkpointing": "auto",
                  "max_steps": None, "epochs": 1},
     "lora_quality": {"method": "lora", "lora": {"r": 32, "alpha": 64}, "learning_rate": 1e-4, "warmup_steps": 10},
     "long_context": {"max_seq_length": 16384, "batch_size": 1, "grad_accum": 8,

@@ -29,9 +29,10 @@ from kestrel.constants import merge, slug
 from kestrel.config import TrainConfig, config_from_dict
 from kestrel.errors import ConfigError, DatasetError, KestrelError
 from kestrel.model.registry import ALL_LEVELS, family_for, is_image_text
+from kestrel.recompute.policy import choose_checkpointing
 from kestrel.training.estimate import (
-    GIB, MemoryEstimate, common_gpu, detect_gpu, detect_host_memory, estimate_training_memory, host_verdict,
-    shape_from_config, training_rows, verdict,
+    GIB, MemoryEstimate, ModelShape, common_gpu, detect_gpu, detect_host_memory, estimate_training_memory,
+    host_verdict, shape_from_config, training_rows, verdict,
 )
 from kestrel.paths import resolve_dataset_path, runs_dir
 from kestrel.safe_yaml import parse_config_text, read_config_file
@@ -237,7 +238,7 @@ def _host_ram() -> int | None:
 
 
 def _host_text(est: MemoryEstimate, method: str) -> str:
-    """The offloaded layer inputs against this machine's RAM, as a markdown paragraph to append
+    """The offloaded activations against this machine's RAM, as a markdown paragraph to append
     ("" when nothing is offloaded); what to lower when they may not fit."""
     if est.offload_host_ram == 0:
         return ""
@@ -267,10 +268,33 @@ def fast_path_text(config: dict[str, Any]) -> str:
     return S.PATH_PARTIAL.format(family=title, levels=levels, decode=decode) + image_text
 
 
+def _estimate(shape: ModelShape, data: dict[str, Any], devices: int, checkpointing: str) -> MemoryEstimate:
+    """`estimate_training_memory` of the form's settings, with `checkpointing` resolved."""
+    lora, grpo = data.get("lora", {}), data.get("grpo", {})
+    method, rows = training_rows(data["method"], data.get("preference", {}).get("finetune", "lora"),
+                                 int(data["batch_size"]))
+    return estimate_training_memory(
+        shape, method, int(lora.get("r", 16)), lora.get("targets"), rows, int(data["max_seq_length"]), checkpointing,
+        int(grpo.get("num_generations", 8)), int(grpo.get("max_completion_length", 256)),
+        int(grpo.get("max_prompt_length", 512)), devices)
+
+
+def _checkpointing(shape: ModelShape, data: dict[str, Any], devices: int, on_cuda: bool) -> tuple[str, str]:
+    """The form's gradient checkpointing and "", or for `auto` the mode a run here gets
+    (`kestrel.recompute.policy`) and a paragraph saying which and why."""
+    mode = data["gradient_checkpointing"]
+    if mode != "auto":
+        return mode, ""
+    need = _estimate(shape, data, 1, "offload").offload_host_ram
+    mode, why = choose_checkpointing(on_cuda, devices, need, _host_ram())
+    return mode, "\n\n" + S.VRAM_AUTO.format(mode=mode, why=why)
+
+
 def vram_text(data: dict[str, Any], picked_gpu: str | None = None) -> str:
     """The memory estimate for this config against the detected GPU, or on a machine without one
-    against `picked_gpu` (a name of `COMMON_GPUS_MIB`), as one markdown line (and a second for the
-    host RAM of offloaded layer inputs), then how much of the model the fast path covers."""
+    against `picked_gpu` (a name of `COMMON_GPUS_MIB`), as one markdown line (then the host RAM
+    of offloaded activations, and what `auto` checkpointing chose), then how much of the model the
+    fast path covers."""
     config = model_config(str(data.get("model", "")))
     if config is None:
         return S.VRAM_UNKNOWN.format(reason="the model's config.json cannot be read (not downloaded yet, or not valid JSON)")
@@ -282,16 +306,12 @@ def vram_text(data: dict[str, Any], picked_gpu: str | None = None) -> str:
     from kestrel import jobs
     from kestrel.jobs.store import gpus_wanted
 
-    lora, grpo = data.get("lora", {}), data.get("grpo", {})
-    method, rows = training_rows(data["method"], data.get("preference", {}).get("finetune", "lora"),
-                                 int(data["batch_size"]))
     devices = gpus_wanted(data, jobs.available_devices())  # auto: every GPU jobs may use (one CPU process)
-    est = estimate_training_memory(
-        shape, method, int(lora.get("r", 16)), lora.get("targets"), rows,
-        int(data["max_seq_length"]), data["gradient_checkpointing"], int(grpo.get("num_generations", 8)),
-        int(grpo.get("max_completion_length", 256)), int(grpo.get("max_prompt_length", 512)), devices)
     gpu = _gpu()
     picked = common_gpu(picked_gpu) if gpu is None else None
+    mode, auto = _checkpointing(shape, data, devices, gpu is not None or picked is not None)
+    est = _estimate(shape, data, devices, mode)
+    path = auto + path
     if gpu is None and picked is None:  # on the CPU every rank is a process of this size
         return S.VRAM_CPU.format(total=devices * est.total_bytes / GIB) + _host_text(est, data["method"]) + path
     name, capacity = gpu or picked  # type: ignore[misc]
