@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024, help="tokens of each chosen / rejected sequence")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
-    ap.add_argument("--checkpointing", default=TrainConfig().gradient_checkpointing, choices=["standard", "offload"],
+    ap.add_argument("--checkpointing", default=TrainConfig().gradient_checkpointing, choices=["auto", "standard", "offload"],
                     help="Kestrel's gradient_checkpointing (default: the product's default); TRL and Unsloth keep theirs")
     ap.add_argument("--profile", default="", help="kestrel only: profile 2 more steps into this folder (profile.txt)")
     ap.add_argument("--memory-history", default="", help="kestrel only: record the allocator over the whole run and "

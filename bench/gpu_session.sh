@@ -12,8 +12,8 @@
 #   moe       Qwen3-MoE and gpt-oss 16-bit LoRA against HF+PEFT (issue 26's MoE target)
 #   train     the 8B QLoRA bench, offloaded checkpointing, Kestrel and Unsloth (issue 25's figure)
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
-#   dpo       DPO QLoRA at the 8B shape (issue 27's target): Kestrel (standard checkpointing) and TRL, then
-#             Kestrel with offloaded checkpointing, each in its own process, 14 steps; then one untimed
+#   dpo       DPO QLoRA at the 8B shape (issue 27's target): Kestrel (the default, auto checkpointing: offload
+#             on one GPU) and TRL, then Kestrel with standard checkpointing, each in its own process, 14 steps; then one untimed
 #             Kestrel run that records the allocator to say which step set the run's memory peak, and where
 #   nf4       NF4 decode (issue 24): the GEMV tile sweep (writes the plans it picked), then 8B decode at
 #             batch 1 and 8 against its bandwidth bound and the dequantized 16-bit path's tokens
@@ -76,8 +76,8 @@ for want in "$@"; do
                       --steps 8 --warmup 12 --out "$OUT/train_off.json" ;;
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
         dpo)      phase dpo 480 bash -c "python bench/dpo.py --impls kestrel,trl --steps 14 --warmup 3 --out $OUT/dpo.json \
-                      && python bench/dpo.py --impls kestrel --checkpointing offload --steps 14 --warmup 3 \
-                             --out $OUT/dpo-offload.json \
+                      && python bench/dpo.py --impls kestrel --checkpointing standard --steps 14 --warmup 3 \
+                             --out $OUT/dpo-standard.json \
                       && python bench/dpo.py --impl kestrel --steps 8 --memory-history $OUT/dpo-peak.txt \
                              --out $OUT/dpo-history.json" ;;
         nf4)      phase nf4 540 bash -c "python bench/nf4_gemv_sweep.py --out $OUT/nf4_sweep.json && python \
