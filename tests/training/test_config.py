@@ -33,7 +33,7 @@ def test_yaml_round_trip_and_overrides(tmp_path) -> None:
         ({"preference": {"simpo_gamma": -0.5}}, "preference.simpo_gamma must be 0..100, got -0.5"),
         ({"preference": {"lambda": 0.1}}, "unknown config key preference.lambda; valid keys under preference: beta"),
         ({"preference": {"precompute_ref_logps": "yes"}}, "preference.precompute_ref_logps must be true or false"),
-        ({"gradient_checkpointing": "yes"}, "gradient_checkpointing must be one of off, standard, offload"),
+        ({"gradient_checkpointing": "yes"}, "gradient_checkpointing must be one of auto, off, standard, offload"),
         ({"batch_size": 0}, "batch_size must be 1..4096"),
         ({"learning_rate": 3}, "learning_rate must be in (0, 1)"),
         ({"lora": {"dropout": 1.5}}, "lora.dropout must be in [0, 1)"),

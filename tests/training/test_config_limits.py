@@ -170,7 +170,7 @@ def test_output_dir_that_is_a_file_or_a_device(tmp_path: Path) -> None:
     ({"name": "n" * 241}, ("name is 241 characters long; at most 100",)),
     ({"name": "../escape"}, ("name must not contain /",)),
     ({"name": "line\nbreak"}, ("control characters",)),
-    ({"gradient_checkpointing": "yes"}, ("gradient_checkpointing must be one of off, standard, offload",)),
+    ({"gradient_checkpointing": "yes"}, ("gradient_checkpointing must be one of auto, off, standard, offload",)),
 ])
 def test_absurd_values_are_refused_naming_the_field(data: dict, needles: tuple[str, ...]) -> None:
     _refused(data, *needles)
