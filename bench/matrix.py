@@ -30,7 +30,9 @@ cores and memory bandwidth, which a host-bound step feels. Kestrel's records hol
 the timed steps hold its probes, and the table says so) and every record `warmup_s`.
 
 Systems: `kestrel` (CUDA graphs per --cuda-graphs, default auto: the run's chooser decides),
-`kestrel-on` / `kestrel-off` (forced), each with offloaded checkpointing and the product's batches
+`kestrel-on` / `kestrel-off` (forced), each with the product's checkpointing (`auto`: offloaded on one
+GPU where the RAM allows; the record's `checkpointing` says which), `kestrel-std` (standard
+checkpointing, graphs auto: the check of auto's choice), and the product's batches
 (`BatchPlan(flat=runs_varlen(model))`); `unsloth` (use_gradient_checkpointing="unsloth") and `hf`
 (HF + PEFT (+ bitsandbytes), non-reentrant checkpointing) on padded rows with an attention mask
 (`padded`), rows packed with position_ids restarting per sample and no mask (`packed`), a plain
@@ -71,11 +73,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.matrix_models import build_model_dir, model_dir  # noqa: E402
 from bench.matrix_runner import load_records, pending, run_matrix  # noqa: E402
-from bench.matrix_table import FORCED_GRAPHS, METHODS, render_table  # noqa: E402
+from bench.matrix_table import FORCED_CHECKPOINTING, FORCED_GRAPHS, METHODS, render_table  # noqa: E402
 from bench.model_shapes import MODELS  # noqa: E402
 
 PAD_ID = 0  # padding id; sample tokens are drawn from 1..vocab-1 so padding is recognisable
-SYSTEMS = ("kestrel", "kestrel-on", "kestrel-off", "unsloth", "hf")
+SYSTEMS = ("kestrel", "kestrel-on", "kestrel-off", "kestrel-std", "unsloth", "hf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +164,17 @@ def useful_flops(b: Any, cfg: dict[str, Any]) -> float:
 
 # --- One (cell, system), in its own process ---------------------------------------------------
 
-def kestrel_model(folder: Path, method: str, seq: int, cuda_graphs: str) -> tuple[Any, bool, Any]:
+def kestrel_model(folder: Path, method: str, layout: Layout, cuda_graphs: str,
+                  checkpointing: str = "auto") -> tuple[Any, bool, Any]:
     """Kestrel as the product sets it up (`kestrel.training.sft`): loaded and patched, `runs_varlen` read
-    for the batch plan, LoRA attached, offloaded checkpointing with the run's CUDA-graph chooser."""
+    for the batch plan, LoRA attached, checkpointing as a run of these settings gets it (`auto`: the
+    product's choice, `kestrel.training.recipe.checkpointing_for`) with the run's CUDA-graph chooser."""
     from bench.train import TARGETS
     from kestrel.recompute.checkpoint import set_gradient_checkpointing
-    from kestrel.config import LoraSettings
+    from kestrel.config import LoraSettings, PerformanceSettings, TrainConfig
     from kestrel.model.loader import load
+    from kestrel.training.distributed import World
+    from kestrel.training.recipe import checkpointing_for
     from kestrel.model.lora import attach_lora
     from kestrel.model.patching import runs_varlen
 
@@ -178,23 +184,27 @@ def kestrel_model(folder: Path, method: str, seq: int, cuda_graphs: str) -> tupl
     # device map does) and creates there the weights a MoE folder leaves out (bench.matrix_models):
     # initialising 20-30B expert weights on the CPU takes minutes. Patching only rebinds forwards.
     with torch.device("cuda"):
-        model, _ = load(str(folder), seq, load_in_4bit=method == "qlora", dtype="bf16")
+        model, _ = load(str(folder), layout.max_len, load_in_4bit=method == "qlora", dtype="bf16")
     flat = runs_varlen(model)
+    run = TrainConfig(method=method, batch_size=layout.batch, max_seq_length=layout.max_len,
+                      gradient_checkpointing=checkpointing, performance=PerformanceSettings(cuda_graphs=cuda_graphs))
+    mode, _ = checkpointing_for(run, model, World())
     for p in model.parameters():
         p.requires_grad_(False)
     model = attach_lora(model, LoraSettings(r=16, alpha=16, dropout=0.0, targets=list(TARGETS)))
-    recompute = set_gradient_checkpointing(model, "offload", cuda_graphs)
+    recompute = set_gradient_checkpointing(model, mode, cuda_graphs)
     return model, flat, recompute
 
 
-def system_model(system: str, folder: Path, method: str, seq: int, cuda_graphs: str) -> tuple[Any, bool, Any]:
+def system_model(system: str, folder: Path, method: str, layout: Layout, cuda_graphs: str) -> tuple[Any, bool, Any]:
     """(model, flat, recompute) for `system`; baselines through bench/train.py's `build`."""
     if system.startswith("kestrel"):
-        return kestrel_model(folder, method, seq, FORCED_GRAPHS.get(system, cuda_graphs))
+        return kestrel_model(folder, method, layout, FORCED_GRAPHS.get(system, cuda_graphs),
+                             FORCED_CHECKPOINTING.get(system, "auto"))
     from bench.train import build
 
     checkpointing = "offload" if system == "unsloth" else "standard"  # unsloth: "unsloth"; hf: non-reentrant
-    args = argparse.Namespace(method=method, seq=seq, checkpointing=checkpointing)
+    args = argparse.Namespace(method=method, seq=layout.max_len, checkpointing=checkpointing)
     return build(system, folder, args), False, None
 
 
@@ -296,7 +306,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.cuda.reset_peak_memory_stats()
-    model, flat, recompute = system_model(system, model_dir(name), method, LAYOUTS[layout].max_len, args.cuda_graphs)
+    model, flat, recompute = system_model(system, model_dir(name), method, LAYOUTS[layout], args.cuda_graphs)
     batches = plan_batches(layout, MODELS[name]["vocab_size"], flat, args.batches, args.seed)
     flops = [useful_flops(b, MODELS[name]) for b in batches]
     gpu = [b.to(torch.device("cuda")) for b in batches]
@@ -311,7 +321,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             "real_tokens": tokens, "padding_share": 1 - tokens / slots, "flat": flat,
             "useful_tflops": tflops, "mfu_vs_spec": tflops / SPEC_PEAK_TFLOPS, **res,
             "device": torch.cuda.get_device_name(), "warmup": args.warmup, "steps": args.steps,
-            **({"settle": args.settle} if kestrel else {}),
+            **({"settle": args.settle, "checkpointing": "offload" if recompute.offload else "standard"} if kestrel else {}),
             "batches": args.batches, "seed": args.seed, "versions": _versions(), **expert_storage(model),
             **graph_report(recompute, system, args.cuda_graphs)}
 

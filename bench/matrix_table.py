@@ -8,6 +8,7 @@ from bench.model_shapes import MODELS, MOE_MODELS
 
 METHODS = ("qlora", "lora")
 FORCED_GRAPHS = {"kestrel-on": "on", "kestrel-off": "off"}  # Kestrel with its CUDA graphs forced
+FORCED_CHECKPOINTING = {"kestrel-std": "standard"}  # Kestrel with standard checkpointing, against auto's choice
 
 
 def record_key(r: dict[str, Any]) -> tuple[str, str, str, str]:
@@ -52,6 +53,12 @@ def _auto_vs_forced(by: dict[str, dict[str, Any]]) -> str:
         return ""
     best, name = max(forced)
     return f"{auto['tokens_per_s'] / best:.2f}x (vs {FORCED_GRAPHS[name]})"
+
+
+def _auto_vs_standard(by: dict[str, dict[str, Any]]) -> str:
+    """Kestrel (auto checkpointing) over Kestrel with standard checkpointing, and what auto chose."""
+    auto, std = by.get("kestrel"), by.get("kestrel-std")
+    return f"{_ratio(auto, std)} ({auto.get('checkpointing', 'offload')})" if _ratio(auto, std) else ""
 
 
 def _graphs(r: dict[str, Any] | None) -> str:
@@ -104,14 +111,14 @@ def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
     for r in records:
         cells.setdefault(record_key(r)[:3], {})[r.get("system", "")] = r
     lines = ["| model | method | layout | kestrel tok/s | unsloth tok/s | hf tok/s | kestrel / unsloth "
-             "| auto / best forced | kestrel GiB alloc / reserved | unsloth GiB | hf GiB | auto's CUDA graphs "
-             "| device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| auto / best forced | auto / standard ckpt | kestrel GiB alloc / reserved | unsloth GiB | hf GiB "
+             "| auto's CUDA graphs | device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     order = sorted(cells, key=lambda c: _order(c, layouts))
     for cell in order:
         by = cells[cell]
         k, u, h = by.get("kestrel"), by.get("unsloth"), by.get("hf")
         device = next((r["device"] for r in by.values() if r.get("device")), "")
         lines.append(f"| {' | '.join(cell)} | {_tps(k)} | {_tps(u)} | {_tps(h)} | {_ratio(k, u)} "
-                     f"| {_auto_vs_forced(by)} | {_mem(k)} | {_mem(u)} | {_mem(h)} | {_graphs(k)} | {device} |")
+                     f"| {_auto_vs_forced(by)} | {_auto_vs_standard(by)} | {_mem(k)} | {_mem(u)} | {_mem(h)} | {_graphs(k)} | {device} |")
     notes = _expert_notes(cells, order) + _run_notes(cells, order)
     return "\n".join(lines + (["", *notes] if notes else []))

@@ -99,3 +99,12 @@ def test_results_mirror_into_another_folder_and_are_not_copied_onto_themselves(t
     assert (mirror / "m.jsonl").read_text() == out.read_text() and len(out.read_text().splitlines()) == 2
     append_record(out, {"a": 3}, str(out.parent))  # --mirror naming the results' own folder
     assert len(out.read_text().splitlines()) == 3
+
+
+def test_table_sets_kestrels_default_checkpointing_against_standard() -> None:
+    base = dict(model="qwen3-4b", method="qlora", layout="packed", peak_alloc_gib=1.0, peak_reserved_gib=1.0)
+    table = render_table([dict(base, system="kestrel", tokens_per_s=12.0, checkpointing="offload"),
+                          dict(base, system="kestrel-std", tokens_per_s=10.0)], ["packed"])
+    assert "| auto / standard ckpt |" in table and "| 1.20x (offload) |" in table
+    alone = render_table([dict(base, system="kestrel", tokens_per_s=12.0, checkpointing="offload")], ["packed"])
+    assert "(offload)" not in alone
