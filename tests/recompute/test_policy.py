@@ -13,8 +13,8 @@ from kestrel.config import TrainConfig, config_from_dict
 from kestrel.recompute.policy import choose_checkpointing
 from kestrel.training import recipe
 from kestrel.training.distributed import World
-from kestrel.training.metrics import Callback
 from kestrel.training.run import run
+from tests.support.logs import Logs
 
 GIB = 2**30
 
@@ -36,16 +36,8 @@ def test_the_rule(on_cuda: bool, devices: int, need: int | None, ram: int | None
     assert got == mode and why in reason, reason
 
 
-class _Log(Callback):
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def on_log(self, message: str) -> None:
-        self.lines.append(message)
-
-
 def test_a_cpu_run_logs_and_records_the_choice(tiny_model_dir, tmp_path: Path) -> None:
-    log = _Log()
+    log = Logs()
     cfg = config_from_dict(dict(model=str(tiny_model_dir("llama")), dataset="arithmetic_chat", output_dir=str(tmp_path / "r"),
                                 max_steps=1, max_seq_length=64, save_steps=0, dtype="fp32", method="lora"))
     assert run(cfg, [log]).status == "completed"

@@ -23,9 +23,9 @@ from safetensors import SafetensorError
 
 from kestrel.config import config_from_dict
 from kestrel.training.checkpoints import CheckpointWriteError, save_checkpoint, save_weights
-from kestrel.training.metrics import Callback
 from kestrel.training.run import run
 from tests.support.tiny import tiny_model
+from tests.support.logs import Logs
 
 ROOT = Path(__file__).resolve().parents[2]
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -112,14 +112,6 @@ def test_an_interrupt_mid_save_still_removes_the_partial_folder(tmp_path: Path, 
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 2, model, optimizer, scheduler, {})
     assert list((tmp_path / "checkpoints").iterdir()) == []
-
-
-class Logs(Callback):
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def on_log(self, message: str) -> None:
-        self.lines.append(message)
 
 
 def test_run_fails_cleanly_on_a_full_disk_then_cleans_stale_folders_and_resumes(

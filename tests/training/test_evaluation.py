@@ -24,6 +24,7 @@ from kestrel.training.metrics import Callback
 from tests.training.test_train import StopAt
 from kestrel.training.run import run
 from kestrel.training.sft_eval import held_out, sft_evaluator, sft_measure
+from tests.support.logs import Logs
 
 
 def _cfg(model: str, out: Path, **kw) -> dict:
@@ -164,14 +165,6 @@ def test_early_stopping_counts_evaluations_without_a_min_delta_improvement() -> 
     assert replay([(10, 3.0), (20, 2.0)], 0.0).stale == 0
 
 
-class Logs(Callback):
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def on_log(self, message: str) -> None:
-        self.lines.append(message)
-
-
 def test_best_weights_are_kept_and_early_stopping_ends_the_run(tiny_model_dir, tmp_path: Path) -> None:
     model, _ = load(str(tiny_model_dir("llama")), 64, dtype="fp32")
     scripted = iter([3.0, 2.0, 2.5, 2.6, 1.0])
@@ -264,7 +257,6 @@ def test_resume_restores_early_stopping_from_the_evaluations_before_the_checkpoi
     got, want = evals(tmp_path / "resumed"), evals(tmp_path / "straight")
     assert [s for s, _ in got] == [s for s, _ in want] == [2, 4, 6, 8]
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-4)
-
 
 
 def test_grpo_evaluates_held_out_prompts_by_reward(tiny_model_dir, tmp_path: Path, one_thread) -> None:

@@ -23,15 +23,7 @@ from kestrel.training.preference.reference import adapter_layers, as_reference, 
 from kestrel.training.preference.score import RowSet
 from kestrel.training.run import run
 from tests.training.test_preference_train import _config, _metrics, _subset
-
-
-
-class Logs(Callback):
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def on_log(self, message: str) -> None:
-        self.lines.append(message)
+from tests.support.logs import Logs
 
 
 def test_config_accepts_an_evaluation_set_for_every_preference_method(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from kestrel.model.loader import load
 from kestrel.training.metrics import Callback
 from kestrel.model.registry import SUPPORTED
 from kestrel.training.run import run
+from tests.support.logs import Logs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -197,14 +198,6 @@ def test_moe_run_reports_the_router_aux_loss(family: str, tiny_model_dir, tmp_pa
     assert len(rows) == 3 and all(row["aux_loss"] > 0 for row in rows)
 
 
-class _Logs(Callback):
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def on_log(self, message: str) -> None:
-        self.lines.append(message)
-
-
 def test_packing_is_off_for_linear_attention_and_said_so(tiny_model_dir, tmp_path: Path) -> None:
     """A recurrent layer would carry one packed sample's state into the next: Qwen3.5 trains on
     one sample a row, and the run's log says why; attention-only families keep packing."""
@@ -220,7 +213,7 @@ def test_packing_is_off_for_linear_attention_and_said_so(tiny_model_dir, tmp_pat
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(BatchPlan, "__init__", spy)
         for family in ("qwen3_5_text", "qwen3"):
-            logs = _Logs()
+            logs = Logs()
             out = run(config_from_dict(_cfg(str(tiny_model_dir(family)), tmp_path / family, max_steps=2, packing=True)),
                       [logs])
             assert out.status == "completed"
