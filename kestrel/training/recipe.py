@@ -83,15 +83,17 @@ def lr_lambda(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
 class PerformanceRecord:
     """The speed choices a run made, in `output_dir/performance.json` (rewritten whole at each):
     `gradient_checkpointing` {requested, mode, reason}, and `cuda_graphs`, one entry a decided
-    batch layout (with the timings each was made from)."""
+    batch layout (with the timings each was made from). On several devices rank 0 writes it."""
 
-    def __init__(self, output_dir: Path) -> None:
+    def __init__(self, output_dir: Path, writes: bool = True) -> None:
         self.path = output_dir / "performance.json"
         self.made: dict[str, Any] = {"cuda_graphs": []}
+        self.writes = writes
 
     def set(self, key: str, value: Any) -> None:
         self.made[key] = value
-        self.path.write_text(json.dumps(self.made, indent=1) + "\n")
+        if self.writes:
+            self.path.write_text(json.dumps(self.made, indent=1) + "\n")
 
 
 def graph_reporter(record: PerformanceRecord, cb: Callback) -> Callable[[Decision], None]:
@@ -139,7 +141,7 @@ def prepare_model(
     CUDA graphs: a graph cannot hold FSDP's gathers)."""
     world = world or World()
     cuda_graphs = config.performance.cuda_graphs
-    record = PerformanceRecord(output_dir)
+    record = PerformanceRecord(output_dir, writes=world.is_main)
     mode, why = checkpointing_for(config, model, world)
     if config.gradient_checkpointing == "auto":
         cb.on_log(f"gradient checkpointing {mode} (auto): {why}")
