@@ -45,7 +45,9 @@ def test_garbage_made_in_the_block_is_collected_and_a_callers_freeze_is_left_alo
         outer = gc.get_freeze_count()
         with steps_heap() as frozen:
             assert frozen == 0
-        assert gc.get_freeze_count() == outer  # not unfrozen by the inner block
+        # not unfrozen by the inner block (that empties the permanent generation); a frozen object
+        # may still die meanwhile, which takes it out of the count
+        assert outer - 100 <= gc.get_freeze_count() <= outer
     finally:
         gc.unfreeze()
 
