@@ -67,7 +67,7 @@ matrix() {  # the whole matrix, resumed from bench/results/$MATRIX_FILE; a pair 
 
 for want in "$@"; do
     case $want in
-        tests)    phase tests 300 python -m pytest -q -m gpu -p no:cacheprovider "${GPU_TESTS[@]}" ;;
+        tests)    phase tests 420 python -m pytest -q -m gpu -p no:cacheprovider "${GPU_TESTS[@]}" ;;
         families) phase families 330 python bench/matrix.py --models qwen3.5-9b,gemma4-e2b --methods qlora \
                       --layouts packed --systems kestrel,unsloth --budget-s 270 --out "$OUT/families.jsonl" ;;
         moe)      phase moe 330 python bench/matrix.py --models qwen3-30b-a3b,gpt-oss-20b --methods lora \
