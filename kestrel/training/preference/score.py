@@ -5,8 +5,8 @@ Training (`trainer.py`, with gradients) and evaluation (`evaluation.py`, in no_g
 
     stats = StepStats(torch.zeros(()))
     loss = micro_loss(s, rows, idx, stats)         # () mean over the micro-batch's rows
-    preference_metrics(stats, paired=True, world=world)  # TRL's names, over every rank's rows
-    staged = stage_metrics(stats, True, world, shared={"grad_norm": g})  # the same, read later: staged.read()
+    staged = stage_metrics(stats, True, world, shared={"grad_norm": g})  # on its way to the host
+    staged.read()  # TRL's names: each a mean over the step's rows of every rank (a metric with no row left out)
 """
 
 from __future__ import annotations
@@ -125,14 +125,6 @@ def _joined(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(parts).double() if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
 
-def preference_metrics(stats: StepStats, paired: bool, world: World | None = None) -> dict[str, float]:
-    """TRL's metric names (see trainer.py's docstring): each a mean over the step's rows (pairs;
-    KTO: its desirable or undesirable rows; the extras: micro-batches) of every rank, from one
-    all-reduce of (sum, count) per metric and the loss (one host read). A metric with no row is
-    left out."""
-    return stage_metrics(stats, paired, world).read()
-
-
 @dataclass
 class StagedMetrics:
     """A step's metric sums, reduced over the ranks and on their way to host memory behind an
@@ -164,7 +156,9 @@ class StagedMetrics:
 def stage_metrics(stats: StepStats, paired: bool, world: World | None = None,
                   summed: dict[str, torch.Tensor] | None = None, shared: dict[str, torch.Tensor] | None = None,
                   ) -> StagedMetrics:
-    """`preference_metrics`' sums, and scalars `summed` over the ranks or `shared` by every rank (the
+    """The step's metrics under TRL's names (see trainer.py's docstring), each a mean over the step's
+    rows (pairs; KTO: its desirable or undesirable rows; the extras: micro-batches) of every rank
+    from its (sum, count), with the loss, and scalars `summed` over the ranks or `shared` by every rank (the
     gradient norm), reduced in one all-reduce and copied to host memory without waiting (see
     `StagedMetrics`)."""
     world = world or World()
