@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import nf4
+from kestrel.kernels.nf4 import block_scales
 from kestrel.kernels._utils import cdiv, interpreted, next_pow2, sm_count
 from kestrel.kernels.decode.nf4_gemv import PAIR, _codes, _rounded, code_pairs
 from kestrel.kernels.dispatch import use_triton
@@ -90,9 +91,9 @@ def _nf4_pairs(P, CODE, ABSMAX, CODE2, ABSMAX2, OFFSET, PAIRS, first_byte, rows,
     if ALIGNED:
         blk = (base[:, None] + starts[None, :]) // (BS // 2)  # (R, NG)
         group_ok = row_ok[:, None] & (starts < ROW_BYTES)[None, :]
-        scale = nf4.block_scales(ABSMAX, CODE2, ABSMAX2, OFFSET, blk, group_ok, BS2, NESTED, not INTERPRETED)[:, :, None]
+        scale = block_scales(ABSMAX, CODE2, ABSMAX2, OFFSET, blk, group_ok, BS2, NESTED, not INTERPRETED)[:, :, None]
     else:
-        scale = nf4.block_scales(ABSMAX, CODE2, ABSMAX2, OFFSET, byte // (BS // 2), ok, BS2, NESTED, not INTERPRETED)
+        scale = block_scales(ABSMAX, CODE2, ABSMAX2, OFFSET, byte // (BS // 2), ok, BS2, NESTED, not INTERPRETED)
     hi, lo = _codes(packed, CODE, PAIRS, _PAIR_LOOKUP)  # one 8-byte gather a byte (`nf4_gemv._codes`)
     hi = _rounded(hi * scale, DTYPE, INTERPRETED).to(tl.float32)
     lo = _rounded(lo * scale, DTYPE, INTERPRETED).to(tl.float32)

@@ -63,7 +63,7 @@ import triton.language as tl
 
 from kestrel.kernels import nf4
 from kestrel.kernels._utils import cdiv, interpreted, sm_count
-from kestrel.kernels.decode import nf4_lookup
+from kestrel.kernels.decode.nf4_lookup import block_values
 from kestrel.kernels.decode.nf4_tiles import (
     MAX_ROWS, NIBBLE, PAIR, PRMT, Plan, Tiles, choose_tiles, device_name,
     measured_plan,
@@ -155,7 +155,7 @@ def _weight_pairs(packed, scale, CODE, PAIRS, HB: tl.constexpr, LOOKUP: tl.const
     of block b (byte j's high nibble), lo = element 2j + 1. FP32: PRMT may return the DTYPE values
     as fp32 (the one-row path's operands)."""
     if LOOKUP == 2:
-        hi, lo = nf4_lookup.block_values(packed, scale, DTYPE, HB, FP32)
+        hi, lo = block_values(packed, scale, DTYPE, HB, FP32)
     else:
         hi, lo = _codes(packed, CODE, PAIRS, LOOKUP)
         scale = scale[:, :, None]

@@ -129,7 +129,9 @@ def ptx(program: Program, dtype: torch.dtype | None = None) -> tuple[str, str]:
             lines.append(f"{ins.op}.b32 {d}, {', '.join(arg(x) for x in ins.src)};")
     out = "=h" if program.out_bits == 16 else "=r"
     constraints = ",".join([out] * len(program.outputs) + ["r"] * len(program.inputs))
-    return "{\n" + "\n".join(lines) + "\n}", constraints
+    # One line: torch.compile's inductor writes this constexpr into a module it generates, and some
+    # versions quote it without escaping newlines (PTX ends each statement at ';' anyway).
+    return "{ " + " ".join(lines) + " }", constraints
 
 
 _TABLE_BF16 = ptx(table_program(torch.bfloat16), torch.bfloat16)
