@@ -224,6 +224,24 @@ def test_measured_plan_decides_one_row_and_tiles() -> None:
         nf4_gemv(x1, bad)
 
 
+@pytest.mark.parametrize("measured", [True, False], ids=["measured", "cost-model"])
+def test_tile_choice_traces_with_a_symbolic_row_count(measured: bool) -> None:
+    """A compiled decode step sees the batch as a symbolic size once it has run two sizes; the tile
+    choice must trace (a bool compared with a SymBool failed on the H200) and pick what it picks eagerly."""
+    weight, _ = _weight((24,), 128, torch.bfloat16)
+    if measured:
+        weight = dataclasses.replace(weight, plan=Plan(((1, SPLIT1), (16, SPLIT)), kernel_one_row=True), min_rows=1)
+
+    def block_n(x: torch.Tensor) -> torch.Tensor:
+        return x + weight.tiles_for(x.shape[0]).block_n
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block_n, backend="eager", fullgraph=True, dynamic=True)
+    for m in (1, 3, 9, 16):
+        x = torch.zeros(m)
+        assert torch.equal(compiled(x), block_n(x))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("nested", [True, False])

@@ -54,8 +54,9 @@ class Plan:
 
     def for_rows(self, m: int) -> Tiles | None:
         """The tiles measured at the fewest rows >= m, one row's only for one row (either path)."""
+        one_row = m == 1  # under torch.compile m may be symbolic: compare it, never bool == SymBool
         for rows, t in self.tiles:
-            if rows >= m and (rows == 1) == (m == 1):
+            if rows >= m and (one_row if rows == 1 else not one_row):
                 return t
         return None
 
