@@ -332,7 +332,10 @@ class LayerCheckpoint(torch.autograd.Function):
                 return None, None, hidden.grad, *link_grads
             torch.autograd.backward(owner.recompute(run, hidden), grad_out)
         finally:
-            owner.gate = ctx.gate = None
+            # The context is done: drop the call. A linked call holds the shared mapping, which
+            # holds this checkpoint's outputs, whose grad_fn holds this context: a cycle that
+            # only the (frozen, in training) garbage collector would free, every step.
+            owner.gate = ctx.gate = ctx.run = ctx.owner = None
         return None, None, hidden.grad
 
 

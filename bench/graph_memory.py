@@ -1,0 +1,80 @@
+"""Where a run's CUDA-graph memory goes as it meets new batch layouts (a diagnosis for issue 24/26:
+Gemma-4-E2B QLoRA held 35.8 GiB allocated with 11 layouts graphed against 11.0 eager).
+
+    python bench/graph_memory.py --model gemma4-e2b --method qlora --layout packed --steps 40 --out mem.txt
+
+Builds Kestrel's matrix cell (`bench.matrix.kestrel_model`, graphs --graphs), steps the matrix's
+batches in turn, reports the blocks alive at the first step's allocated peak, and prints after each step the batch's tokens, whether its layout was new, and
+memory allocated / reserved. Then, from the allocator's snapshot, the live blocks by the site that
+allocated them (the innermost frame of ours), largest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.matrix import LAYOUTS, kestrel_model, plan_batches  # noqa: E402
+from bench.matrix_models import build_model_dir  # noqa: E402
+from bench.memory_peak import _site, peak_report  # noqa: E402
+from bench.model_shapes import MODELS  # noqa: E402
+
+
+def live_by_site(top: int = 30) -> list[str]:
+    """Allocated blocks now alive, summed by allocating site (needs the history recorded)."""
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                site = _site(block.get("frames", []))
+                sites[site][0] += block["size"]
+                sites[site][1] += 1
+    return [f"{size / 2**20:10.1f} MiB {count:6d} blocks  {site}"
+            for site, (size, count) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma4-e2b")
+    ap.add_argument("--method", default="qlora")
+    ap.add_argument("--layout", default="packed")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--graphs", default="on", choices=["on", "off", "auto"])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    model, flat, recompute = kestrel_model(build_model_dir(args.model), args.method, LAYOUTS[args.layout], args.graphs)
+    batches = [b.to(torch.device("cuda")) for b in plan_batches(args.layout, MODELS[args.model]["vocab_size"], flat, 16, 0)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    model.train()  # checkpointing, and so its graphs, act in training only
+    lines, shapes = [], set()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)  # the first step's events: its peak
+    for i in range(args.steps):
+        if i == 1:
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            lines.append("the first step's allocated peak (blocks allocated in it):\n" + peak_report(trace))
+            torch.cuda.memory._record_memory_history(max_entries=1)  # frames for live blocks, no event log
+        b = batches[i % len(batches)]
+        shape = tuple(b.input_ids.shape)
+        model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+              labels=b.labels, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        lines.append(f"step {i:3d} batch {shape} {'new' if shape not in shapes else 'seen'}: allocated "
+                     f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved {torch.cuda.memory_reserved() / 2**30:.2f}, "
+                     f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f}; graphs {recompute.graphs.stats()}")
+        shapes.add(shape)
+        print(lines[-1], flush=True)
+    lines += ["live blocks by site at the end:"] + live_by_site()
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-31:]))
+
+
+if __name__ == "__main__":
+    main()
