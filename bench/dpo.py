@@ -177,6 +177,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tokens = 2 * args.batch * args.seq  # chosen and rejected sequences of every pair
     res.update({"impl": args.impl, "pairs": args.batch, "seq": args.seq, "steps": args.steps,
                 "tokens_per_s": tokens / res["s_per_step"],
+                # What a long run pays on average past the warm-up, probe and capture steps included
+                "mean_tokens_per_s": tokens / statistics.fmean(res["step_times"][args.warmup:] or res["step_times"]),
                 "peak_gib": gib(torch.cuda.max_memory_allocated()) if cuda else 0.0,
                 "reserved_gib": gib(torch.cuda.max_memory_reserved()) if cuda else 0.0,
                 "device": torch.cuda.get_device_name() if cuda else "cpu"})
@@ -184,15 +186,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = ["| impl | tokens/s | s/step | peak GiB | speed vs TRL | peak vs TRL |", "|---|---|---|---|---|---|"]
+    lines = ["| impl | tokens/s | s/step | mean tokens/s | peak GiB | speed vs TRL (median; mean) | peak vs TRL |",
+             "|---|---|---|---|---|---|---|"]
     trl = next((r for r in results if r.get("impl") == "trl" and "error" not in r), None)
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['impl']} | error: {r['error'].splitlines()[-1][:80]} | | | | |")
+            lines.append(f"| {r['impl']} | error: {r['error'].splitlines()[-1][:80]} | | | | | |")
             continue
-        speed = f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x" if trl else ""
+        speed = (f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x; {r['mean_tokens_per_s'] / trl['mean_tokens_per_s']:.2f}x"
+                 if trl else "")
         mem = f"{r['peak_gib'] / trl['peak_gib']:.2f}x" if trl and trl["peak_gib"] else ""
-        lines.append(f"| {r['impl']} | {r['tokens_per_s']:.0f} | {r['s_per_step']:.3f} | {r['peak_gib']:.2f} "
+        lines.append(f"| {r['impl']} | {r['tokens_per_s']:.0f} | {r['s_per_step']:.3f} | {r['mean_tokens_per_s']:.0f} | {r['peak_gib']:.2f} "
                      f"| {speed} | {mem} |")
     return "\n".join(lines)
 

@@ -7,14 +7,16 @@
 #   LIMIT_train=250 LIMIT_decode=280 bash bench/gpu_session.sh train decode   # per-phase limits
 #
 # Phases:
-#   tests     pytest -m gpu over the rooms that have CUDA tests (gradio is absent there)
+#   tests     pytest -m gpu over the data, decode, kernel and model rooms' CUDA tests (gradio is absent there)
+#   traintests  pytest -m gpu over recompute and training's CUDA tests
 #   families  Qwen3.5 and Gemma 4 QLoRA against Unsloth, packed batches (issue 26's dense target)
 #   moe       Qwen3-MoE and gpt-oss 16-bit LoRA against HF+PEFT (issue 26's MoE target)
 #   train     the 8B QLoRA bench, offloaded checkpointing, Kestrel and Unsloth (issue 25's figure)
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
 #   dpo       DPO QLoRA at the 8B shape (issue 27's target): Kestrel (the default, auto checkpointing: offload
-#             on one GPU) and TRL, then Kestrel with standard checkpointing, each in its own process, 14 steps; then one untimed
-#             Kestrel run that records the allocator to say which step set the run's memory peak, and where
+#             on one GPU), TRL and Unsloth, each in its own process, 60 steps (median, settled and mean rates)
+#   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the
+#             allocator to say which step set the run's memory peak, and where
 #   nf4       NF4 decode (issue 24): the GEMV tile sweep (writes the plans it picked), then 8B decode at
 #             batch 1 and 8 against its bandwidth bound and the dequantized 16-bit path's tokens
 #   qwen35    where a Qwen3.5-9B QLoRA step's time goes (bench/profile_train.py): its gated-delta-rule layers
@@ -39,9 +41,10 @@ export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # flash-linear-attention (Qwen3.5's gated-delta-rule kernels, requirements.txt), when carried as .gpu-fla
 [ -d .gpu-fla ] && export PYTHONPATH="$PWD/.gpu-fla:$PYTHONPATH"
 
-GPU_TESTS=(tests/data/test_flat_batches.py tests/decode tests/kernels tests/model tests/recompute
-           tests/training/test_small_updates.py tests/training/test_train_gpu.py
-           tests/training/test_preference_ahead.py)
+# Two phases, each within one call: 215 tests took more than 420 s on an H200 (session 22).
+GPU_TESTS=(tests/data/test_flat_batches.py tests/decode tests/kernels tests/model)
+GPU_TRAIN_TESTS=(tests/recompute tests/training/test_small_updates.py tests/training/test_train_gpu.py
+                 tests/training/test_preference_ahead.py)
 
 phase() {  # phase NAME SECONDS COMMAND...: run it with a wall-clock limit, log to $OUT/NAME.log
     local name=$1 limit=$2
@@ -67,7 +70,8 @@ matrix() {  # the whole matrix, resumed from bench/results/$MATRIX_FILE; a pair 
 
 for want in "$@"; do
     case $want in
-        tests)    phase tests 420 python -m pytest -q -m gpu -p no:cacheprovider "${GPU_TESTS[@]}" ;;
+        tests)    phase tests 420 python -m pytest -q -m gpu -p no:cacheprovider -rf "${GPU_TESTS[@]}" ;;
+        traintests) phase traintests 420 python -m pytest -q -m gpu -p no:cacheprovider -rf "${GPU_TRAIN_TESTS[@]}" ;;
         families) phase families 330 python bench/matrix.py --models qwen3.5-9b,gemma4-e2b --methods qlora \
                       --layouts packed --systems kestrel,unsloth --budget-s 270 --out "$OUT/families.jsonl" ;;
         moe)      phase moe 330 python bench/matrix.py --models qwen3-30b-a3b,gpt-oss-20b --methods lora \
@@ -75,17 +79,16 @@ for want in "$@"; do
         train)    phase train 300 python bench/train.py --all --impls unsloth,kestrel --checkpointing offload \
                       --steps 8 --warmup 12 --out "$OUT/train_off.json" ;;
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
-        dpo)      phase dpo 480 bash -c "python bench/dpo.py --impls kestrel,trl --steps 14 --warmup 3 --out $OUT/dpo.json \
-                      && python bench/dpo.py --impls kestrel --checkpointing standard --steps 14 --warmup 3 \
-                             --out $OUT/dpo-standard.json \
-                      && python bench/dpo.py --impl kestrel --steps 8 --memory-history $OUT/dpo-peak.txt \
-                             --out $OUT/dpo-history.json" ;;
+        dpo)      phase dpo 540 python bench/dpo.py --impls kestrel,trl,unsloth --steps 60 --warmup 3 --out "$OUT/dpo.json" ;;
+        dpostd)   phase dpostd 300 bash -c "python bench/dpo.py --impls kestrel --checkpointing standard --steps 60 --warmup 3 \
+                      --out $OUT/dpo-standard.json && python bench/dpo.py --impl kestrel --steps 8 \
+                      --memory-history $OUT/dpo-peak.txt --out $OUT/dpo-history.json" ;;
         nf4)      phase nf4 540 bash -c "python bench/nf4_gemv_sweep.py --out $OUT/nf4_sweep.json && python \
                       bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 --out $OUT/nf4_decode.json" ;;
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, families, moe, train, decode, dpo, nf4, qwen35, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpostd, nf4, qwen35, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
-grep -hE "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
+grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2

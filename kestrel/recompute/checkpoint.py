@@ -333,8 +333,8 @@ class LayerCheckpoint(torch.autograd.Function):
             torch.autograd.backward(owner.recompute(run, hidden), grad_out)
         finally:
             # The context is done: drop the call. A linked call holds the shared mapping, which
-            # holds this checkpoint's outputs, whose grad_fn holds this context: a cycle that
-            # only the (frozen, in training) garbage collector would free, every step.
+            # holds this checkpoint's outputs, whose grad_fn holds this context: a cycle through
+            # autograd's C++ graph, which Python's collector cannot see, so it was never freed.
             owner.gate = ctx.gate = ctx.run = ctx.owner = None
         return None, None, hidden.grad
 

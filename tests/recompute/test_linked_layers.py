@@ -80,11 +80,12 @@ def test_shared_kv_reaches_the_writing_layer() -> None:
 
 @pytest.mark.parametrize("mode", ["standard", "offload"])
 def test_a_step_leaves_nothing_behind_without_the_garbage_collector(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once a step's backward has run and its loss is dropped, none of its checkpoint contexts,
-    linked calls or shared K/V mappings survive on reference counts alone. Training runs with
-    the collector frozen (`kestrel.training.heap`), so a reference cycle there is a leak per step:
-    Gemma 4 lost ~0.17 GiB a step on the H200 when a checkpoint's context held its linked call,
-    whose mapping held the outputs whose grad_fn is that context."""
+    """Once a step's backward has run and its loss is dropped, none of its linked calls (and so
+    none of the shared K/V mappings and layer outputs they hold) survive. Gemma 4 lost ~0.17 GiB a
+    step on the H200 when a checkpoint's context held its linked call, whose mapping held the
+    outputs whose grad_fn is that context: a cycle through autograd's C++ graph, which Python's
+    collector cannot free either (checked: `gc.collect()` left them alive). Reference counts alone
+    must free them, so the collector is off here."""
     import gc
     import weakref
 
@@ -111,3 +112,39 @@ def test_a_step_leaves_nothing_behind_without_the_garbage_collector(mode: str, m
     finally:
         gc.enable()
     assert calls and not alive, f"{len(alive)} of {len(calls)} linked calls outlive their step"
+
+
+@pytest.mark.parametrize("mode", ["standard", "offload"])
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_no_layer_output_outlives_its_step(family: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every family: once a step's backward has run and its loss is dropped, no checkpointed
+    layer's output is alive on reference counts alone (a cycle through autograd's graph keeps a
+    step's activations for good: the Gemma 4 leak above)."""
+    import gc
+    import weakref
+
+    from kestrel.recompute import checkpoint
+
+    outputs: list[weakref.ref] = []
+    apply = checkpoint.LayerCheckpoint.apply
+
+    def tracked(*args):
+        out = apply(*args)
+        outputs.extend(weakref.ref(t) for t in (out if isinstance(out, tuple) else (out,)))
+        return out
+
+    monkeypatch.setattr(checkpoint.LayerCheckpoint, "apply", tracked)
+    model = tiny_model(family, VOCAB, seed=3)
+    set_gradient_checkpointing(model, mode)
+    model.train()
+    gc.disable()
+    try:
+        for _ in range(2):
+            loss = model(**_batch(), use_cache=False).loss
+            loss.backward()
+            del loss
+        alive = sum(r() is not None for r in outputs)
+    finally:
+        gc.enable()
+    assert outputs and alive == 0, f"{alive} of {len(outputs)} layer outputs outlive their step"
+
