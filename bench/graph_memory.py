@@ -1,12 +1,14 @@
-"""Where a run's CUDA-graph memory goes as it meets new batch layouts (a diagnosis for issue 24/26:
-Gemma-4-E2B QLoRA held 35.8 GiB allocated with 11 layouts graphed against 11.0 eager).
+"""Where a run's memory goes, step by step, as it meets new batch layouts (a diagnosis for issues
+24/26: it found the Gemma 4 leak, a reference cycle through the linked checkpoints' contexts).
 
-    python bench/graph_memory.py --model gemma4-e2b --method qlora --layout packed --steps 40 --out mem.txt
+    python bench/graph_memory.py --model gemma4-e2b --graphs auto --steps 40 --trace-step 7 --out mem.txt
 
-Builds Kestrel's matrix cell (`bench.matrix.kestrel_model`, graphs --graphs), steps the matrix's
-batches in turn, reports the blocks alive at the first step's allocated peak, and prints after each step the batch's tokens, whether its layout was new, and
-memory allocated / reserved. Then, from the allocator's snapshot, the live blocks by the site that
-allocated them (the innermost frame of ours), largest first.
+Builds Kestrel's matrix cell (`bench.matrix.kestrel_model`, CUDA graphs per --graphs) and steps
+through the matrix's batches in turn. After each step it prints the batch's shape, whether that
+layout was new, memory allocated and reserved, the step's own allocated peak (a capture step's
+shows) and the layer graphs' counts. For --trace-step it records the allocator's events and
+reports the blocks alive at that step's peak by the site that allocated them; at the end, the
+live blocks by site (the innermost frame of ours), largest first.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--layout", default="packed")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--graphs", default="on", choices=["on", "off", "auto"])
+    ap.add_argument("--trace-step", type=int, default=0, help="the step whose allocated peak is traced by site")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model, flat, recompute = kestrel_model(build_model_dir(args.model), args.method, LAYOUTS[args.layout], args.graphs)
@@ -53,12 +56,11 @@ def main() -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     model.train()  # checkpointing, and so its graphs, act in training only
     lines, shapes = [], set()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000)  # the first step's events: its peak
+    torch.cuda.memory._record_memory_history(max_entries=1)  # frames for live blocks, no event log
     for i in range(args.steps):
-        if i == 1:
-            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-            lines.append("the first step's allocated peak (blocks allocated in it):\n" + peak_report(trace))
-            torch.cuda.memory._record_memory_history(max_entries=1)  # frames for live blocks, no event log
+        if i == args.trace_step:  # this step's events: the blocks alive at its peak
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        torch.cuda.reset_peak_memory_stats()
         b = batches[i % len(batches)]
         shape = tuple(b.input_ids.shape)
         model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
@@ -66,9 +68,13 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        if i == args.trace_step:
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            lines.append(f"step {i}'s allocated peak (blocks allocated in it):\n" + peak_report(trace))
+            torch.cuda.memory._record_memory_history(max_entries=1)
         lines.append(f"step {i:3d} batch {shape} {'new' if shape not in shapes else 'seen'}: allocated "
                      f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved {torch.cuda.memory_reserved() / 2**30:.2f}, "
-                     f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f}; graphs {recompute.graphs.stats()}")
+                     f"step's peak {torch.cuda.max_memory_allocated() / 2**30:.2f}; graphs {recompute.graphs.stats()}")
         shapes.add(shape)
         print(lines[-1], flush=True)
     lines += ["live blocks by site at the end:"] + live_by_site()
