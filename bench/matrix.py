@@ -27,7 +27,9 @@ Each record holds `gpu` (the CUDA_VISIBLE_DEVICES entry it ran on) and `concurre
 processes the host ran at once meanwhile, itself included): pairs on other GPUs share the host's
 cores and memory bandwidth, which a host-bound step feels. Kestrel's records hold `settle_steps`,
 `settled` (whether the chooser had decided every layout of the batches when timing began: if not,
-the timed steps hold its probes, and the table says so) and every record `warmup_s`.
+the timed steps hold its probes, and the table says so) and every record `warmup_s` and
+`held_growth_mib_per_step` (the memory held between steps, its growth over the timed steps: a leak
+shows there, and the table names it).
 
 Systems: `kestrel` (CUDA graphs per --cuda-graphs, default auto: the run's chooser decides),
 `kestrel-on` / `kestrel-off` (forced), each with the product's checkpointing (`auto`: offloaded on one
@@ -258,6 +260,7 @@ def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser
     first = warmup + settled
     chooser_state = {"settled": chooser_settled(chooser, first, len(batches))} if chooser is not None else {}
     warm = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())
+    held = torch.cuda.memory_allocated()  # between steps: a step that keeps its tensors makes it grow
     torch.cuda.reset_peak_memory_stats()  # the timed steps' own peaks, next to the whole run's
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     start = time.perf_counter()
@@ -268,7 +271,8 @@ def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     steady = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())
-    return {"elapsed_s": elapsed, "step_s": [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])],
+    growth = (torch.cuda.memory_allocated() - held) / 2**20 / max(steps, 1)
+    return {"held_growth_mib_per_step": growth, "elapsed_s": elapsed, "step_s": [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])],
             "peak_alloc_gib": max(warm[0], steady[0]), "peak_reserved_gib": max(warm[1], steady[1]),
             "steady_alloc_gib": steady[0], "steady_reserved_gib": steady[1], "losses": [float(x) for x in losses],
             "warmup_s": warm_s, "settle_steps": settled, **chooser_state}

@@ -9,6 +9,9 @@ from bench.model_shapes import MODELS, MOE_MODELS
 METHODS = ("qlora", "lora")
 FORCED_GRAPHS = {"kestrel-on": "on", "kestrel-off": "off"}  # Kestrel with its CUDA graphs forced
 FORCED_CHECKPOINTING = {"kestrel-std": "standard"}  # Kestrel with standard checkpointing, against auto's choice
+# Growth of the memory held between steps that the table calls a leak: far above what a new layout's
+# cached tables add, far below a step's activations (Gemma 4's leak, session 22: ~170 MiB a step)
+LEAK_MIB_PER_STEP = 1.0
 
 
 def record_key(r: dict[str, Any]) -> tuple[str, str, str, str]:
@@ -87,8 +90,9 @@ def _expert_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], 
 
 
 def _run_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], order: list[tuple[str, str, str]]) -> list[str]:
-    """Notes under the table: Kestrel runs timed before their CUDA-graph chooser had settled, and
-    records measured beside others on the same host (`bench.matrix_runner`)."""
+    """Notes under the table: Kestrel runs timed before their CUDA-graph chooser had settled, runs
+    whose memory held between steps grew (a leak), and records measured beside others on the same
+    host (`bench.matrix_runner`)."""
     lines = []
     for cell in order:
         for system, r in cells[cell].items():
@@ -97,6 +101,10 @@ def _run_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], ord
                 lines.append(f"- {' '.join(cell)} {system}: timed before the CUDA-graph chooser had settled "
                              f"({decided} of {seen} layouts decided after {r.get('settle_steps', 0)} settle steps): "
                              "its timed steps hold the chooser's probes, some layouts eager")
+            growth = r.get("held_growth_mib_per_step", 0.0) if _ok(r) else 0.0
+            if growth > LEAK_MIB_PER_STEP:
+                lines.append(f"- {' '.join(cell)} {system}: the memory held between steps grew {growth:.0f} MiB a "
+                             "step over the timed steps: a leak (steps keep tensors), so a long run needs more")
     shared = [r for by in cells.values() for r in by.values() if r.get("concurrent", 1) > 1]
     if shared:
         lines.append(f"- {len(shared)} records ran beside other processes on the same host (up to "

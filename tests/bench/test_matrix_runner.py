@@ -220,3 +220,16 @@ def test_table_notes_a_kestrel_cell_timed_before_its_chooser_settled() -> None:
                           dict(base, system="hf")], ["padded"])
     assert "- gemma4-e2b qlora padded kestrel: timed before the CUDA-graph chooser had settled (4 of 11 layouts" in table
     assert "settled" not in render_table([dict(base, system="kestrel", settled=True)], ["padded"])
+
+
+def test_table_notes_a_run_whose_held_memory_grew() -> None:
+    """A leak (memory held between steps growing over the timed steps) is named under the table;
+    a steady run is not (the Gemma 4 leak of session 22 grew ~170 MiB a step)."""
+    base = dict(model="gemma4-e2b", method="qlora", layout="packed", tokens_per_s=1.0, peak_alloc_gib=1.0,
+                peak_reserved_gib=1.0, cuda_graphs="auto", settled=True)
+    leaking = render_table([dict(base, system="kestrel", held_growth_mib_per_step=170.4)], ["packed"])
+    assert "- gemma4-e2b qlora packed kestrel: the memory held between steps grew 170 MiB a step" in leaking
+    for growth in (0.0, 0.5):
+        assert "grew" not in render_table([dict(base, system="kestrel", held_growth_mib_per_step=growth)], ["packed"])
+    assert "grew" not in render_table([dict(base, system="unsloth")], ["packed"])
+
