@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import platform
 import sys
 import time
@@ -140,6 +141,9 @@ def run(args: argparse.Namespace) -> Report:
         if args.dense in ("both", "separate"):
             bench.variant(model, "bf16_dequantized_separate", fuse=False)
     report.data["tokens_match"] = compare(bench.tokens)
+    if not args.skip_dense:  # where the paths part: a tie at bf16's resolution, or not
+        for entry in report.data["tokens_match"].values():
+            entry.update(where_they_part(model, dict(bench.batches), bench.tokens, entry))
     print(json.dumps(report.data["tokens_match"], indent=1))
     return report
 
@@ -199,8 +203,32 @@ def compare(tokens: dict[str, dict[int, list[list[int]]]]) -> dict:
                     continue
                 first = next(((r, s) for r, (a, b) in enumerate(zip(mine, rows))
                               for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                out[f"{ours}_vs_{ref}_b{batch}"] = {"identical": mine == rows, "first_difference": first}
+                out[f"{ours}_vs_{ref}_b{batch}"] = {"identical": mine == rows, "first_difference": first,
+                                                    "pair": (ours, ref, batch)}
     return out
+
+
+def where_they_part(reference: torch.nn.Module, prompts_by_batch: dict[int, torch.Tensor],
+                    tokens: dict[str, dict[int, list[list[int]]]], entry: dict) -> dict:
+    """At an entry's first difference (row r, step s): the reference model's (the dequantized bf16
+    one, run by HF) logits after the prompt and the reference's first s tokens; how far below its
+    best our token is, in units of the bf16 spacing (ulp) at the best logit. The logits are bf16:
+    within about one ulp the two tokens cannot be told apart, so the paths part at a tie."""
+    first, name = entry.get("first_difference"), entry.get("pair")
+    if first is None or name is None:
+        return {}
+    ours, ref, batch = name
+    row, step = first
+    prefix = prompts_by_batch[batch][row].tolist() + tokens[ref][batch][row][:step]
+    device = next(reference.parameters()).device
+    with torch.no_grad():
+        logits = reference(torch.tensor([prefix], device=device)).logits[0, -1].float()
+    best = float(logits.max())
+    mine = tokens[ours][batch][row][step]
+    ulp = 2.0 ** (math.floor(math.log2(abs(best))) - 7) if best else 2.0**-133  # bf16: 8 significant bits
+    short = best - float(logits[mine])
+    return {"best_logit": best, "ours_below_best": short, "ours_below_best_ulps": short / ulp,
+            "ours_rank": int((logits > logits[mine]).sum())}
 
 
 def main() -> None:
