@@ -196,7 +196,8 @@ def _table(results: list[dict[str, Any]]) -> str:
         speed = (f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x; {r['mean_tokens_per_s'] / trl['mean_tokens_per_s']:.2f}x"
                  if trl else "")
         mem = f"{r['peak_gib'] / trl['peak_gib']:.2f}x" if trl and trl["peak_gib"] else ""
-        lines.append(f"| {r['impl']} | {r['tokens_per_s']:.0f} | {r['s_per_step']:.3f} | {r['mean_tokens_per_s']:.0f} | {r['peak_gib']:.2f} "
+        lines.append(f"| {r['impl']} | {r['tokens_per_s']:.0f} | {r['s_per_step']:.3f} | {r['mean_tokens_per_s']:.0f} "
+                     f"| {r['peak_gib']:.2f} "
                      f"| {speed} | {mem} |")
     return "\n".join(lines)
 

@@ -272,7 +272,8 @@ def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser
     elapsed = time.perf_counter() - start
     steady = gib(torch.cuda.max_memory_allocated()), gib(torch.cuda.max_memory_reserved())
     growth = (torch.cuda.memory_allocated() - held) / 2**20 / max(steps, 1)
-    return {"held_growth_mib_per_step": growth, "elapsed_s": elapsed, "step_s": [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])],
+    return {"held_growth_mib_per_step": growth, "elapsed_s": elapsed,
+            "step_s": [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])],
             "peak_alloc_gib": max(warm[0], steady[0]), "peak_reserved_gib": max(warm[1], steady[1]),
             "steady_alloc_gib": steady[0], "steady_reserved_gib": steady[1], "losses": [float(x) for x in losses],
             "warmup_s": warm_s, "settle_steps": settled, **chooser_state}

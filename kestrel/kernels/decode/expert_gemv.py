@@ -54,7 +54,8 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import nf4
-from kestrel.kernels.nf4 import block_scales  # by bare name: torch.compile rebuilds a kernel's helpers only so (test_compile_closure)
+# Triton helpers by bare name: torch.compile rebuilds a kernel's helpers only so (test_compile_closure)
+from kestrel.kernels.nf4 import block_scales
 from kestrel.kernels._utils import cdiv, interpreted, next_pow2, sm_count
 from kestrel.kernels.decode.nf4_gemv import PAIR, _codes, _rounded, code_pairs
 from kestrel.kernels.dispatch import use_triton

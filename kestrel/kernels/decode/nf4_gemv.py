@@ -63,7 +63,8 @@ import triton.language as tl
 
 from kestrel.kernels import nf4
 from kestrel.kernels._utils import cdiv, interpreted, sm_count
-from kestrel.kernels.decode.nf4_lookup import block_values  # by bare name: torch.compile rebuilds a kernel's helpers only so (test_compile_closure)
+# Triton helpers by bare name: torch.compile rebuilds a kernel's helpers only so (test_compile_closure)
+from kestrel.kernels.decode.nf4_lookup import block_values
 from kestrel.kernels.decode.nf4_tiles import (
     MAX_ROWS, NIBBLE, PAIR, PRMT, Plan, Tiles, choose_tiles, device_name,
     measured_plan,
