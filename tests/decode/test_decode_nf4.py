@@ -185,16 +185,26 @@ def test_replaced_weight_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gen.generate(prompt, 8).tokens != before
 
 
+def parting(reference: nn.Module, prompt: list[int], ours: list[int], theirs: list[int]
+            ) -> tuple[int, torch.Tensor] | None:
+    """Where two greedy paths part: (step, the prompt and the shared tokens before it as (1, T) ids
+    on `reference`'s device), or None where they are equal (and of one length)."""
+    diverged = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if diverged is None:
+        assert len(ours) == len(theirs)
+        return None
+    return diverged, torch.tensor([prompt + theirs[:diverged]], device=next(reference.parameters()).device)
+
+
 def _assert_same_until_near_tie(reference: nn.Module, prompt: list[int], ours: list[int], theirs: list[int],
                                 rel_gap: float = 1e-2) -> None:
     """Greedy tokens equal, or equal up to a step where the reference's top two logits sit within
     `rel_gap` of each other (bf16 sums in another order may flip such a tie); past it the paths differ
     by design. Our token must be one of the reference's top two there."""
-    diverged = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if diverged is None:
-        assert len(ours) == len(theirs)
+    parted = parting(reference, prompt, ours, theirs)
+    if parted is None:
         return
-    ids = torch.tensor([prompt + theirs[:diverged]], device=next(reference.parameters()).device)
+    diverged, ids = parted
     with torch.no_grad():
         top = reference(ids).logits[0, -1].float().topk(2)
     gap = float((top.values[0] - top.values[1]) / top.values[0].abs())

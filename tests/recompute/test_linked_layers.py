@@ -5,6 +5,8 @@ K/V: `kestrel.recompute.linked`)."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -78,6 +80,21 @@ def test_shared_kv_reaches_the_writing_layer() -> None:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"layer {i} {proj}")
 
 
+def _two_steps_on_reference_counts(model: torch.nn.Module) -> None:
+    """Two training steps, each loss dropped after its backward, with the cyclic collector off: what
+    is still alive afterwards is kept by references (Python's collector cannot free cycles through
+    autograd's C++ graph anyway)."""
+    model.train()
+    gc.disable()
+    try:
+        for _ in range(2):
+            loss = model(**_batch(), use_cache=False).loss
+            loss.backward()
+            del loss
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("mode", ["standard", "offload"])
 def test_a_step_leaves_nothing_behind_without_the_garbage_collector(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a step's backward has run and its loss is dropped, none of its linked calls (and so
@@ -85,10 +102,7 @@ def test_a_step_leaves_nothing_behind_without_the_garbage_collector(mode: str, m
     step on the H200 when a checkpoint's context held its linked call, whose mapping held the
     outputs whose grad_fn is that context: a cycle through autograd's C++ graph, which Python's
     collector cannot free either (checked: `gc.collect()` left them alive). Reference counts alone
-    must free them, so the collector is off here."""
-    import gc
-    import weakref
-
+    must free them."""
     from kestrel.recompute import linked
 
     calls: list[weakref.ref] = []
@@ -101,16 +115,8 @@ def test_a_step_leaves_nothing_behind_without_the_garbage_collector(mode: str, m
     monkeypatch.setattr(linked.LinkedCall, "__init__", tracked)
     model = tiny_model("gemma4_text", VOCAB, seed=3)  # the family with ties (per-layer input, shared K/V)
     set_gradient_checkpointing(model, mode)
-    model.train()
-    gc.disable()
-    try:
-        for _ in range(2):
-            loss = model(**_batch(), use_cache=False).loss
-            loss.backward()
-            del loss
-        alive = [c for c in calls if c() is not None]
-    finally:
-        gc.enable()
+    _two_steps_on_reference_counts(model)
+    alive = [c for c in calls if c() is not None]
     assert calls and not alive, f"{len(alive)} of {len(calls)} linked calls outlive their step"
 
 
@@ -120,9 +126,6 @@ def test_no_layer_output_outlives_its_step(family: str, mode: str, monkeypatch: 
     """Every family: once a step's backward has run and its loss is dropped, no checkpointed
     layer's output is alive on reference counts alone (a cycle through autograd's graph keeps a
     step's activations for good: the Gemma 4 leak above)."""
-    import gc
-    import weakref
-
     from kestrel.recompute import checkpoint
 
     outputs: list[weakref.ref] = []
@@ -136,15 +139,7 @@ def test_no_layer_output_outlives_its_step(family: str, mode: str, monkeypatch: 
     monkeypatch.setattr(checkpoint.LayerCheckpoint, "apply", tracked)
     model = tiny_model(family, VOCAB, seed=3)
     set_gradient_checkpointing(model, mode)
-    model.train()
-    gc.disable()
-    try:
-        for _ in range(2):
-            loss = model(**_batch(), use_cache=False).loss
-            loss.backward()
-            del loss
-        alive = sum(r() is not None for r in outputs)
-    finally:
-        gc.enable()
+    _two_steps_on_reference_counts(model)
+    alive = sum(r() is not None for r in outputs)
     assert outputs and alive == 0, f"{alive} of {len(outputs)} layer outputs outlive their step"
 
