@@ -14,6 +14,7 @@ from kestrel import jobs
 from kestrel.config import load_config
 from kestrel.studio.form import FORM_KEYS
 from kestrel.studio.handlers import presets, train
+from kestrel.training.estimate import shape_from_config
 from tests.studio.helpers import error_text, form
 
 
@@ -240,6 +241,19 @@ def test_vram_estimate_shows_the_host_ram_of_offloaded_layer_inputs(monkeypatch:
     for mode in ("standard", "off"):
         extra, values = form(batch_size=128, max_seq_length=8192, gradient_checkpointing=mode)
         assert "Offloaded activations" not in train.preview(extra, *values)["vram"]
+
+
+def test_estimate_takes_the_runs_offload_gate() -> None:
+    """The studio's offload host RAM (and so `auto`'s choice) counts the gate products a run pages out:
+    `performance.offload_gate` from the YAML, as the run reads it (short rows: the MLP keeps E)."""
+    extra, values = form(batch_size=2, max_seq_length=256, gradient_checkpointing="offload")
+    data = train.form_to_config(dict(zip(FORM_KEYS, values)), extra)
+    shape = shape_from_config(train.model_config(data["model"]))
+    every = train._estimate(shape, data, 1, "offload").offload_host_ram
+    data["performance"] = {"offload_gate": 0.0}
+    inputs_only = train._estimate(shape, data, 1, "offload").offload_host_ram
+    assert inputs_only == shape.layers * 2 * 256 * shape.hidden * 2
+    assert every == inputs_only + shape.layers * 2 * 256 * shape.intermediate * 2
 
 
 def test_auto_checkpointing_says_what_a_run_here_gets(monkeypatch: pytest.MonkeyPatch) -> None:

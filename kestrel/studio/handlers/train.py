@@ -269,14 +269,15 @@ def fast_path_text(config: dict[str, Any]) -> str:
 
 
 def _estimate(shape: ModelShape, data: dict[str, Any], devices: int, checkpointing: str) -> MemoryEstimate:
-    """`estimate_training_memory` of the form's settings, with `checkpointing` resolved."""
+    """`estimate_training_memory` of the form's settings (and the YAML's `performance.offload_gate`,
+    as a run reads it), with `checkpointing` resolved."""
     lora, grpo = data.get("lora", {}), data.get("grpo", {})
     method, rows = training_rows(data["method"], data.get("preference", {}).get("finetune", "lora"),
                                  int(data["batch_size"]))
     return estimate_training_memory(
         shape, method, int(lora.get("r", 16)), lora.get("targets"), rows, int(data["max_seq_length"]), checkpointing,
         int(grpo.get("num_generations", 8)), int(grpo.get("max_completion_length", 256)),
-        int(grpo.get("max_prompt_length", 512)), devices)
+        int(grpo.get("max_prompt_length", 512)), devices, float(data.get("performance", {}).get("offload_gate", 1.0)))
 
 
 def _checkpointing(shape: ModelShape, data: dict[str, Any], devices: int, on_cuda: bool) -> tuple[str, str]:
