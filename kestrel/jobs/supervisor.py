@@ -5,8 +5,8 @@ once, before it has started any thread or touched the database: the child is the
 runs the job; the parent is its supervisor. The supervisor records the worker's pid, waits for
 it to exit, and if the worker died without writing its job's result (SIGKILL, the kernel's
 out-of-memory killer, a crash inside native code such as an abort in llama.cpp), marks the job
-`interrupted` at once, naming the signal or exit code; then, the device being free, it kills
-whatever the dead worker had started, starts what is queued, and exits.
+`interrupted` at once, naming the signal or exit code, and kills whatever the dead worker had
+started. Then, however the worker ended, the device being free, it starts what is queued and exits.
 
 Why a parent per worker. A lost worker must be noticed within seconds with nobody watching: no
 studio open, no command running. Before, only `reconcile()` noticed, and only when someone
@@ -105,11 +105,12 @@ def supervise(job_id: int, worker_pid: int) -> int:
 
 
 def _settle(job_id: int, pid: int, code: int) -> None:
-    """After the worker's exit: settle its job if it could not, then start what is queued."""
+    """After the worker's exit: settle its job if it could not, then start what is queued. The
+    next job starts here, not in the worker: only once the worker has exited is its device
+    memory free, and the worker may run reniced (a CPU job), which its children would inherit."""
     status = runner.settle_exited(job_id, pid, code)
-    if status is None:
-        return  # the worker wrote its result (and started the next job) itself
-    _kill_leftovers(pid)
-    print(f"[jobs] job {job_id} {status}: the worker (pid {pid}) {runner.exit_description(code)} "
-          "without reporting a result", flush=True)
-    runner.schedule()  # the worker could not start the next job: do it here
+    if status is not None:
+        _kill_leftovers(pid)
+        print(f"[jobs] job {job_id} {status}: the worker (pid {pid}) {runner.exit_description(code)} "
+              "without reporting a result", flush=True)
+    runner.schedule()

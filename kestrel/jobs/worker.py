@@ -37,7 +37,7 @@ from kestrel.config import config_from_dict
 from kestrel.errors import KestrelError
 from kestrel.jobs import export_job, queries, runner, supervisor
 from kestrel.jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, INTERRUPTED, RUNNING, Job
-from kestrel.jobs.runner import HEARTBEAT_S, NO_RESULT_EXIT, schedule
+from kestrel.jobs.runner import HEARTBEAT_S, NO_RESULT_EXIT
 from kestrel.jobs.store import StoreWriteError, device_group, session
 from kestrel.training.best import BEST_DIR, read_best
 
@@ -330,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kestrel.jobs.worker JOB_ID", file=sys.stderr)
         return 2
     job_id = int(args[0])
-    lower_priority(env.raw("KESTREL_JOB_DEVICE") or None)
     try:
         worker_pid = supervisor.fork_worker()  # before any thread starts (see kestrel.jobs.supervisor)
     except OSError as exc:
@@ -338,12 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if worker_pid != 0:
         return supervisor.supervise(job_id, worker_pid)
-    code = run_job(job_id)
-    try:
-        schedule()  # the device is free: start whatever waits for it
-    except Exception as exc:  # noqa: BLE001 - the job itself is settled already
-        print(f"[jobs] could not start the next job: {exc}", flush=True)
-    return code
+    # Only the worker is reniced: the supervisor starts the next job once this one has exited, and
+    # a process can raise its children's niceness but never lower it again, so a reniced launcher
+    # would pass a CPU job's low priority on to the GPU job after it.
+    lower_priority(env.raw("KESTREL_JOB_DEVICE") or None)
+    return run_job(job_id)
 
 
 if __name__ == "__main__":

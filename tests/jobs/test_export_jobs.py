@@ -174,6 +174,28 @@ def test_cpu_jobs_run_at_lower_priority(monkeypatch: pytest.MonkeyPatch) -> None
     assert seen == {"cpu": {min(19, ours + 10)}, "cuda:0": {ours}}
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_job_queued_behind_a_cpu_job_starts_at_normal_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job that starts when a CPU job ends is started by that job's supervisor, which runs at
+    the submitter's priority: a reniced launcher would hand its low priority on for good."""
+    monkeypatch.setenv("KESTREL_DEVICES", "cpu,cuda:0")
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    first = jobs.submit(config(max_steps=100, save_steps=0), device="cpu")
+    wait_step(first, 1)
+    second = jobs.submit(config(max_steps=100, save_steps=0), device="cuda:0", start=False)
+    jobs.cancel(first)
+    # No schedule() from here: only the first job's processes can start the second.
+    worker = wait_for(lambda: (j := job(second)).status == RUNNING and j.step >= 2 and j, 60.0,
+                      "the queued job to be started when the first ended", poll_s=0.05)
+    try:
+        assert job(first).status == CANCELLED
+        assert _niceness(worker.pid) == {ours}
+    finally:
+        jobs.cancel(second)
+        wait_status(second)
+
+
 def test_a_running_export_stops_on_cancel_leaving_no_partial_file(lora_dir: Path) -> None:
     job_id = jobs.submit(export_config(str(lora_dir)))
     # Freeze the worker mid-export so the cancel lands before it can finish, however fast it is.
