@@ -17,8 +17,10 @@
 #             on one GPU), TRL and Unsloth, each in its own process, 60 steps (median, settled and mean rates)
 #   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the
 #             allocator to say which step set the run's memory peak, and where
-#   nf4       NF4 decode (issue 24): the GEMV tile sweep (writes the plans it picked), then 8B decode at
-#             batch 1 and 8 against its bandwidth bound and the dequantized 16-bit path's tokens
+#   nf4       NF4 decode (issue 24): the GEMV tile sweep, then its second phase (block parts and
+#             pipelined stages around the fastest tiles); writes the plans it picked
+#   nf4decode 8B NF4 decode at batch 1 and 8 against its bandwidth bound and the dequantized 16-bit
+#             path's tokens, with the plans in the checkout (commit the sweep's table first)
 #   qwen35    where a Qwen3.5-9B QLoRA step's time goes (bench/profile_train.py): its gated-delta-rule layers
 #             train on HF's PyTorch functions wherever flash-linear-attention cannot run its backward
 #   moedecode a MoE layer's decode step at the Qwen3-30B-A3B and gpt-oss-20b shapes: gathered weights
@@ -83,12 +85,15 @@ for want in "$@"; do
         dpostd)   phase dpostd 300 bash -c "python bench/dpo.py --impls kestrel --checkpointing standard --steps 60 --warmup 3 \
                       --out $OUT/dpo-standard.json && python bench/dpo.py --impl kestrel --steps 8 \
                       --memory-history $OUT/dpo-peak.txt --out $OUT/dpo-history.json" ;;
-        nf4)      phase nf4 540 bash -c "python bench/nf4_gemv_sweep.py --out $OUT/nf4_sweep.json && python \
-                      bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 --out $OUT/nf4_decode.json" ;;
+        # The sweep writes its plans into kestrel/kernels/decode/nf4_gemv_tiles.json there and beside
+        # $OUT: copy that file into the checkout and commit it before `nf4decode` (a later call starts fresh).
+        nf4)      phase nf4 560 python bench/nf4_gemv_sweep.py --out "$OUT/nf4_sweep.json" ;;
+        nf4decode) phase nf4decode 540 python bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 \
+                      --out "$OUT/nf4_decode.json" ;;
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpostd, nf4, qwen35, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpostd, nf4, nf4decode, qwen35, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2

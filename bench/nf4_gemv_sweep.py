@@ -54,6 +54,8 @@ ROWS = (1, 2, 8, 16)
 LOOKUPS = {NIBBLE: "nibble", PAIR: "pair", PRMT: "prmt"}
 ROTATE_BYTES = 256 << 20  # weight copies per graph: past the 50 MB L2 several times over
 SESSION_15 = ROOT / "bench" / "results" / "nf4-gemv-tiles-2026-11-25-h100.json"
+REFINE_TOP = 6  # the fastest PRMT tiles per shape and row count that the second phase varies
+PARTS, STAGES = (1, 2), (1, 2, 3)  # the second phase's variants: block parts, pipelined stages
 
 
 def candidates(one_row: bool, n: int, k: int, sms: int) -> list[Tiles]:
@@ -93,6 +95,16 @@ def shape_tasks(name: str, sms: int) -> list[tuple[int, Tiles]]:
 def session_15_tiles(model: Tiles) -> Tiles:
     """The first kernel's decoding at the model's tiles: nibble lookups, no split-K at one row."""
     return model._replace(lookup=NIBBLE, split=1) if model.block_m == 1 else model._replace(lookup=NIBBLE)
+
+
+def refinements(timed: dict[Tiles, float], top: int = REFINE_TOP) -> list[Tiles]:
+    """The second phase's candidates at one row count: the `top` fastest PRMT tiles of the first
+    (`timed`: microseconds of each checked candidate), each with its blocks loaded in one or two
+    parts and its loads pipelined over 1-3 stages, less those already timed. Varying the two knobs
+    around the best tiles, not over the whole grid, keeps the sweep within one device call."""
+    best = sorted((t for t in timed if t.lookup == PRMT), key=lambda t: timed[t])[:top]
+    variants = (t._replace(parts=p, stages=st) for t in best for p in PARTS for st in STAGES)
+    return [t for t in dict.fromkeys(variants) if t not in timed]
 
 
 def make_weight(sizes: tuple[int, ...], k: int, seed: int = 0) -> tuple[NF4Weight, list]:
@@ -202,9 +214,10 @@ class Checker:
         return ""
 
 
-def sweep_shape(name: str, sms: int, bandwidth: float, old: dict,
-                errors: dict[tuple[str, Tiles], str]) -> tuple[list[dict], nf4_tiles.Plan]:
-    """Check and time every task of one shape at each row count (`errors`: the compile workers')."""
+def sweep_shape(name: str, sms: int, bandwidth: float, old: dict, errors: dict[tuple[str, Tiles], str],
+                workers: int) -> tuple[list[dict], nf4_tiles.Plan]:
+    """Check and time every task of one shape at each row count (`errors`: the compile workers'),
+    then the refinements of the fastest (`refinements`, compiled in `workers` processes first)."""
     import bitsandbytes as bnb
 
     sizes, k = SHAPES[name]
@@ -213,38 +226,49 @@ def sweep_shape(name: str, sms: int, bandwidth: float, old: dict,
     built = [(first, members)] + [make_weight(sizes, k, seed=i + 1) for i in range(copies - 1)]
     weights = [w for w, _ in built]
     w16 = torch.cat([bnb.functional.dequantize_4bit(p, s) for p, s, _ in members])
+    checks = {m: Checker(first, w16, m) for m in ROWS}
+    rows = {m: {"shape": name, "n": first.n, "k": k, "m": m, "weight_MB": first.nbytes / 1e6, "tiles": {}} for m in ROWS}
+    timed: dict[int, dict[Tiles, float]] = {m: {} for m in ROWS}
     tasks = shape_tasks(name, sms)
-    rows, chosen = [], []
     for m in ROWS:
-        check = Checker(first, w16, m)
-        x = check.x
-        row: dict = {"shape": name, "n": first.n, "k": k, "m": m, "weight_MB": first.nbytes / 1e6, "tiles": {}}
-        timed: dict[Tiles, float] = {}
-        for at, t in tasks:
-            if at not in (m, 0) or (t.block_m == 1 and m > 1):
-                continue
-            entry = {"lookup": LOOKUPS[t.lookup], "problem": check.problem(t, errors.get((name, t), ""))}
-            if not entry["problem"]:
-                try:
-                    us = graph_time_us([lambda w=w, t=t: nf4_gemv(x, w, t) for w in weights])
-                except Exception as exc:  # noqa: BLE001 - recorded, never chosen
-                    entry["problem"] = f"timing failed: {type(exc).__name__}: {exc}"[:300]
-                else:
-                    timed[t] = entry["us"] = us
-                    entry["GBps"] = first.nbytes / us / 1e3
-                    entry["of_copy"] = entry["GBps"] * 1e9 / bandwidth
-            row["tiles"][str(tuple(t))] = entry
+        grid = [t for at, t in tasks if at in (m, 0) and not (t.block_m == 1 and m > 1)]
+        _time_tasks(name, grid, checks[m], weights, errors, rows[m], timed[m], bandwidth)
+    refined = list(dict.fromkeys(t for m in ROWS for t in refinements(timed[m])))
+    errors.update(compile_tasks([(name, t) for t in refined], workers))
+    for m in ROWS:
+        more = [t for t in refined if (m == 1 or t.block_m > 1) and t not in timed[m]]
+        _time_tasks(name, more, checks[m], weights, errors, rows[m], timed[m], bandwidth)
+    chosen = []
+    for m in ROWS:
+        x = checks[m].x
         # What Linear4bit.forward calls, per member: the 4-bit GEMV at one row, else dequantize + GEMM
         # (over the same copies: no weight read from L2).
-        row["bnb_us"] = graph_time_us([lambda mb=mb: [bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s, _ in mb]
-                                       for _, mb in built])
-        best = min(timed, key=timed.get) if timed else None
-        summarize(row, best, nf4_tiles.choose_tiles(m, first.n, k, 64, sms), old.get((name, m)))
+        rows[m]["bnb_us"] = graph_time_us([lambda mb=mb: [bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s, _ in mb]
+                                           for _, mb in built])
+        best = min(timed[m], key=timed[m].get) if timed[m] else None
+        summarize(rows[m], best, nf4_tiles.choose_tiles(m, first.n, k, 64, sms), old.get((name, m)))
         chosen.append((m, best))
-        rows.append(row)
     plan = nf4_tiles.Plan(tuple((m, t) for m, t in chosen if t is not None),
-                          kernel_one_row=bool(rows[0].get("best_us", float("inf")) < rows[0]["bnb_us"]))
-    return rows, plan
+                          kernel_one_row=bool(rows[1].get("best_us", float("inf")) < rows[1]["bnb_us"]))
+    return [rows[m] for m in ROWS], plan
+
+
+def _time_tasks(name: str, tiles: list[Tiles], check: Checker, weights: list[NF4Weight],
+                errors: dict[tuple[str, Tiles], str], row: dict, timed: dict[Tiles, float], bandwidth: float) -> None:
+    """Check each of `tiles` at `check`'s row count and time those that pass, into `row` and `timed`."""
+    first, x = weights[0], check.x
+    for t in tiles:
+        entry = {"lookup": LOOKUPS[t.lookup], "problem": check.problem(t, errors.get((name, t), ""))}
+        if not entry["problem"]:
+            try:
+                us = graph_time_us([lambda w=w, t=t: nf4_gemv(x, w, t) for w in weights])
+            except Exception as exc:  # noqa: BLE001 - recorded, never chosen
+                entry["problem"] = f"timing failed: {type(exc).__name__}: {exc}"[:300]
+            else:
+                timed[t] = entry["us"] = us
+                entry["GBps"] = first.nbytes / us / 1e3
+                entry["of_copy"] = entry["GBps"] * 1e9 / bandwidth
+        row["tiles"][str(tuple(t))] = entry
 
 
 def summarize(row: dict, best: Tiles | None, model: Tiles, old: dict | None) -> None:
@@ -291,15 +315,22 @@ def session_15(device: str) -> dict:
 
 
 def compile_all(names: list[str], sms: int, workers: int) -> dict[tuple[str, Tiles], str]:
-    """Compile every task in `workers` processes; {(shape, tiles): error} of those that failed there.
+    """Compile every grid task of `names` (`compile_tasks`)."""
+    return compile_tasks([(name, t) for name in names for t in dict.fromkeys(t for _, t in shape_tasks(name, sms))],
+                         workers)
+
+
+def compile_tasks(tasks: list[tuple[str, Tiles]], workers: int) -> dict[tuple[str, Tiles], str]:
+    """Compile `tasks` in `workers` processes; {(shape, tiles): error} of those that failed there.
     A worker that dies takes its PRMT tasks (the inline PTX: the likeliest cause) with it as failed;
     its other tasks are compiled by the sweep itself."""
-    tasks = [(name, t) for name in names for t in dict.fromkeys(t for _, t in shape_tasks(name, sms))]
+    if not tasks:
+        return {}
     start = time.perf_counter()
-    chunks = [tasks[i::workers] for i in range(workers)]
+    chunks = [c for c in (tasks[i::workers] for i in range(workers)) if c]
     ctx = __import__("multiprocessing").get_context("spawn")
     results = []
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(len(chunks), mp_context=ctx) as pool:
         for chunk, future in [(chunk, pool.submit(_compile, chunk)) for chunk in chunks]:
             try:
                 results.append(future.result())
@@ -330,7 +361,7 @@ def main() -> None:
     rows, plans = [], {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:  # each shape's plan and the report so far are written as soon as it is done
-        shape_rows, plan = sweep_shape(name, sms, bandwidth, old, errors)
+        shape_rows, plan = sweep_shape(name, sms, bandwidth, old, errors, args.workers)
         rows += shape_rows
         plans[name] = plan
         if not args.no_store:

@@ -99,3 +99,14 @@ def test_the_grid_times_prmt_beside_pair_and_the_model_tiles_with_every_lookup()
     assert {t._replace(lookup=PAIR) for t in grid if t.lookup == PRMT} == {t for t in grid if t.lookup == PAIR}
     for m in sweep.ROWS:
         assert {t.lookup for at, t in tasks if at == m} == {NIBBLE, PAIR, PRMT}
+
+
+def test_the_second_phase_varies_parts_and_stages_of_the_fastest_prmt_tiles_only() -> None:
+    fast = [Tiles(1, 8, 512, 1, 2, lookup=PRMT, prefetch=p) for p in (True, False)]
+    slow = Tiles(1, 16, 256, 1, 2, lookup=PRMT)
+    timed = {fast[0]: 10.0, fast[1]: 11.0, slow: 30.0, Tiles(1, 8, 512, 1, 2, lookup=PAIR): 5.0}
+    got = sweep.refinements(timed, top=2)
+    assert len(got) == len(set(got)) == 2 * len(sweep.PARTS) * len(sweep.STAGES) - 2  # the two timed ones left out
+    assert {t._replace(parts=1, stages=1) for t in got} == set(fast)  # neither PAIR nor the third-fastest
+    assert {(t.parts, t.stages) for t in got if t.prefetch} == {(p, s) for p in sweep.PARTS for s in sweep.STAGES} - {(1, 1)}
+    assert sweep.refinements({}) == []

@@ -30,12 +30,15 @@ bnb_functional = pytest.importorskip("bitsandbytes.functional")
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # Tiles that reach every path on small shapes: one-row FMAs, tensor cores, split-K (3 splits of
 # a K of 5 blocks: the last split partly past K) at 2-16 rows and at one, a row tile past N; all
-# with the byte-pair lookup, FMA and DOT also with the nibble lookup.
+# with the byte-pair lookup, FMA and DOT also with the nibble lookup; each path also with blocks
+# loaded in two parts (with prefetch, and with pipelined stages: these compile to cp.async on the GPU).
 FMA, DOT, SPLIT, SPLIT1 = Tiles(1, 8, 128, 1), Tiles(16, 32, 128, 1), Tiles(16, 16, 64, 3), Tiles(1, 4, 64, 3)
+PARTS = [FMA._replace(parts=2), DOT._replace(parts=2, stages=3), SPLIT._replace(parts=2, prefetch=True),
+         SPLIT1._replace(parts=2, stages=2)]
 PATHS = [FMA, DOT, SPLIT, SPLIT1, FMA._replace(lookup=NIBBLE), DOT._replace(lookup=NIBBLE),
-         FMA._replace(prefetch=True), SPLIT._replace(prefetch=True), SPLIT1._replace(prefetch=True)]
+         FMA._replace(prefetch=True), SPLIT._replace(prefetch=True), SPLIT1._replace(prefetch=True), *PARTS]
 PATH_IDS = ["fma", "dot", "split", "split1", "fma-nibble", "dot-nibble", "fma-prefetch", "split-prefetch",
-            "split1-prefetch"]
+            "split1-prefetch", "fma-parts", "dot-parts-stages", "split-parts-prefetch", "split1-parts-stages"]
 
 
 @pytest.fixture(autouse=True)
@@ -94,14 +97,17 @@ def test_product_matches_dequantized_matmul(m: int, shape: tuple[int, int], dtyp
     x = _x(m, k, dtype, seed=m)
     ref = (x.double() @ dequantized(weight).double().T).to(dtype)
     prefetch = [t._replace(prefetch=True) for t in ((FMA, SPLIT1) if m == 1 else (DOT, SPLIT))]
-    for tiles in (None, FMA, FMA._replace(lookup=NIBBLE), SPLIT1, DOT, *prefetch) if m == 1 else (None, DOT, SPLIT, *prefetch):
+    parts = [t for t in PARTS if m == 1 or t.block_m > 1]
+    one_row = (None, FMA, FMA._replace(lookup=NIBBLE), SPLIT1, DOT, *prefetch, *parts)
+    for tiles in one_row if m == 1 else (None, DOT, SPLIT, *prefetch, *parts):
         y = nf4_gemv(x, weight, tiles)
         assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
         assert_close(y, ref)
     assert torch.equal(nf4_gemv_reference(x, weight), (x.float() @ dequantized(weight).float().T).to(dtype))
 
 
-@pytest.mark.parametrize("tiles", [FMA, DOT, SPLIT, SPLIT1], ids=["fma", "dot", "split", "split1"])
+@pytest.mark.parametrize("tiles", [FMA, DOT, SPLIT, SPLIT1, *PARTS],
+                         ids=["fma", "dot", "split", "split1", "fma-parts", "dot-parts", "split-parts", "split1-parts"])
 def test_stacked_members_equal_separate_products(tiles: Tiles) -> None:
     """q/k/v as one launch: each member's rows equal that member's own product bit for bit (a
     row's sums do not depend on the other rows of its tile), for row tiles across member ends."""
@@ -139,6 +145,9 @@ def test_tiles_that_do_not_fit_are_refused() -> None:
         nf4_gemv(_x(2, 128, torch.bfloat16), weight, FMA)
     with pytest.raises(ValueError, match="in blocks of 64"):
         nf4_gemv(_x(1, 128, torch.bfloat16), weight, Tiles(1, 4, 32, 1))
+    for bad in (FMA._replace(parts=4), FMA._replace(stages=0)):
+        with pytest.raises(ValueError, match="do not fit"):
+            nf4_gemv(_x(1, 128, torch.bfloat16), weight, bad)
 
 
 def test_leading_dims_and_row_slices() -> None:

@@ -160,12 +160,18 @@ def test_interpreted_kernel_falls_back_to_the_gathers(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no Triton NVIDIA backend")
-@pytest.mark.parametrize("dtype,block_m,prefetch", [("bf16", 16, False), ("fp16", 16, True), ("fp16", 1, True), ("bf16", 1, False)])
-def test_prmt_kernel_compiles_for_sm90(dtype: str, block_m: int, prefetch: bool) -> None:
+@pytest.mark.parametrize("dtype,block_m,prefetch,parts,stages", [
+    ("bf16", 16, False, 1, 1), ("fp16", 16, True, 1, 1), ("fp16", 1, True, 1, 1), ("bf16", 1, False, 1, 1),
+    ("bf16", 1, True, 2, 1), ("bf16", 1, False, 2, 3), ("fp16", 16, False, 2, 3)])
+def test_prmt_kernel_compiles_for_sm90(dtype: str, block_m: int, prefetch: bool, parts: int, stages: int) -> None:
     """The whole kernel with the PRMT lookup through Triton and ptxas for an H100/H200 (no GPU needed;
-    its own process, uninterpreted): the lookup's 16 prmt and the table's 8 are in the PTX."""
+    its own process, uninterpreted): the lookup's 16 prmt and the table's 8 are in the PTX, and with
+    STAGES > 1 the packed bytes are copied ahead asynchronously (cp.async), on either path."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.support.sm90_compile", dtype, str(block_m), str(int(prefetch)),
-                           str(PRMT)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                           str(PRMT), str(parts), str(stages)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) >= 16 + 8
+    prmt, copies = (int(v) for v in done.stdout.split()[-2:])
+    assert prmt >= 16 + 8
+    assert (copies > 0) == (stages > 1)

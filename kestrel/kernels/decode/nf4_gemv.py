@@ -43,7 +43,11 @@ bf16 roundings of 2^-8), the product by up to 2^-7 sum_k |x_k w_k|: twice the ou
 rounding where nothing cancels, far more where the sum cancels. Where PRMT cannot run (the
 interpreter, a code other than bitsandbytes' NF4 table, packed buffers not 4-byte aligned: see
 `NF4Weight.register_table`) tiles asking for it run NIBBLE, the same values. PREFETCH loads the
-next tile's bytes before decoding the current one, so their latency overlaps the decoding.
+next tile's bytes before decoding the current one, so their latency overlaps the decoding; STAGES
+above 1 has Triton's pipeliner copy the next STAGES - 1 tiles into shared memory asynchronously
+instead (no registers held for them). PARTS = 2 loads each block's bytes as two tensors of one
+shape: a thread then holds whole blocks and builds each PRMT table once, not once per half (the
+compiler splits one 32-byte load of a block across two threads).
 
 Tiles (and the lookup) come from a measured plan where `bench/nf4_gemv_sweep.py` ran on the
 device, else a cost model (`nf4_tiles.py`); the plan also says whether this kernel beats
@@ -130,15 +134,15 @@ def _codes(packed, CODE, PAIRS, LOOKUP: tl.constexpr):
 
 @triton.jit
 def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, MASKED: tl.constexpr,
-          LOOKUP: tl.constexpr):
-    """The packed bytes (BLOCK_N, NB, HB) uint8 (PRMT: int32 words (BLOCK_N, NB, HB / 4)) and fp32
-    absmax (BLOCK_N, NB) of quant blocks blk0 .. blk0 + NB - 1 of each row; blocks at or past N_BLK
-    read as zeros (checked only when MASKED)."""
+          LOOKUP: tl.constexpr, PART: tl.constexpr = 0, PARTS: tl.constexpr = 1):
+    """Part PART of PARTS of the packed bytes of quant blocks blk0 .. blk0 + NB - 1 of each row,
+    (BLOCK_N, NB, HB / PARTS) uint8 (PRMT: int32 words (BLOCK_N, NB, HB / 4 / PARTS)), and their fp32
+    absmax (BLOCK_N, NB); blocks at or past N_BLK read as zeros (checked only when MASKED)."""
     blk = blk0 + tl.arange(0, NB)  # (NB,)
-    PER: tl.constexpr = HB // 4 if LOOKUP == 2 else HB  # words or bytes a block
+    PER: tl.constexpr = (HB // 4 if LOOKUP == 2 else HB) // PARTS  # words or bytes of a block's part
     if LOOKUP == 2:  # rows start at multiples of K / 2 bytes, the buffers at multiples of 4 (`nf4_weight`)
         w_rows = w_rows.to(tl.pointer_type(tl.int32))
-    byte = blk[:, None] * PER + tl.arange(0, PER)[None, :]  # (NB, PER) offsets within a row
+    byte = blk[:, None] * (PER * PARTS) + PART * PER + tl.arange(0, PER)[None, :]  # (NB, PER) offsets in a row
     if MASKED:
         ok = (blk < N_BLK)[None, :]
         packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=ok[:, :, None], other=0)
@@ -165,67 +169,106 @@ def _weight_pairs(packed, scale, CODE, PAIRS, HB: tl.constexpr, LOOKUP: tl.const
 
 
 @triton.jit
+def _fma_part(acc, packed, scale, X, blk0, CODE, PAIRS, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
+              PART: tl.constexpr, PARTS: tl.constexpr, EVEN: tl.constexpr, LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+    """acc (BLOCK_N, NB, HB / PARTS) fp32 plus part PART of a tile (`_tile`) times its columns of x."""
+    HP: tl.constexpr = HB // PARTS  # bytes of a block's part
+    hi, lo = _weight_pairs(packed, scale, CODE, PAIRS, HP, LOOKUP, DTYPE, INTERPRETED, True)
+    blk = blk0 + tl.arange(0, NB)
+    pair = tl.arange(0, HP)[:, None] * 2 + tl.arange(0, 2)[None, :]  # (HP, 2): columns 2j, 2j + 1 of the part
+    cols = blk[:, None, None] * (2 * HB) + PART * 2 * HP + pair[None, :, :]  # (NB, HP, 2)
+    if EVEN:
+        x = tl.load(X + cols)
+    else:
+        x = tl.load(X + cols, mask=(blk < N_BLK)[:, None, None], other=0.0)
+    x_even, x_odd = tl.split(x.to(tl.float32))  # (NB, HP) each
+    acc += hi.to(tl.float32) * x_even[None, :, :]  # two fused multiply-adds a byte
+    acc += lo.to(tl.float32) * x_odd[None, :, :]
+    return acc
+
+
+@triton.jit
 def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, N_BLK: tl.constexpr,
               NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr, EVEN: tl.constexpr, LOOKUP: tl.constexpr,
-              PREFETCH: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+              PREFETCH: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr, PARTS: tl.constexpr,
+              STAGES: tl.constexpr):
     """(BLOCK_N, 1) fp32: one row of x times BLOCK_N weight rows over STEPS tiles of NB blocks.
-    PREFETCH: the next tile's bytes are loaded before this one is decoded (registers carry them)."""
-    pair = tl.arange(0, HB)[:, None] * 2 + tl.arange(0, 2)[None, :]  # (HB, 2): columns 2j, 2j + 1
-    acc = tl.zeros((BLOCK_N, NB, HB), tl.float32)
+    PREFETCH, STAGES, PARTS: the module docstring. Both parts' tensors have one shape and one
+    pointer pattern, so the compiler gives them one layout: a thread holds both halves of a block."""
+    acc = tl.zeros((BLOCK_N, NB, HB // PARTS), tl.float32)
     if PREFETCH:
-        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP)
-    for i in range(STEPS):
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)
+        packed1, _ = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
+    for i in tl.range(STEPS, num_stages=STAGES):
         blk0 = blk_first + i * NB
         if PREFETCH:
-            cur_packed, cur_scale = packed, scale
-            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP)  # the last one unused
+            cur, cur1, cur_scale = packed, packed1, scale
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)  # the last unused
+            packed1, _ = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
         else:
-            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP)
-        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED, True)
-        blk = blk0 + tl.arange(0, NB)
-        cols = blk[:, None, None] * (2 * HB) + pair[None, :, :]  # (NB, HB, 2)
-        if EVEN:
-            x = tl.load(X + cols)
-        else:
-            x = tl.load(X + cols, mask=(blk < N_BLK)[:, None, None], other=0.0)
-        x_even, x_odd = tl.split(x.to(tl.float32))  # (NB, HB) each
-        acc += hi.to(tl.float32) * x_even[None, :, :]  # two fused multiply-adds a byte
-        acc += lo.to(tl.float32) * x_odd[None, :, :]
+            cur, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, 0, PARTS)
+            cur1, _ = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, PARTS - 1, PARTS)
+        acc = _fma_part(acc, cur, cur_scale, X, blk0, CODE, PAIRS, N_BLK, NB, HB, 0, PARTS, EVEN, LOOKUP, DTYPE,
+                        INTERPRETED)
+        if PARTS == 2:
+            acc = _fma_part(acc, cur1, cur_scale, X, blk0, CODE, PAIRS, N_BLK, NB, HB, 1, PARTS, EVEN, LOOKUP, DTYPE,
+                            INTERPRETED)
     return tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]
+
+
+@triton.jit
+def _dot_part(acc, packed, scale, x_rows, m, M, blk0, CODE, PAIRS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr,
+              LOOKUP: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc (BLOCK_N, BLOCK_M) fp32 plus part PART of a tile (`_tile`) times its columns of x, on
+    tensor cores: the part's even and odd columns as two products of K = NB x HB / PARTS."""
+    HP: tl.constexpr = HB // PARTS
+    KP: tl.constexpr = NB * HP  # the columns of each product
+    hi, lo = _weight_pairs(packed, scale, CODE, PAIRS, HP, LOOKUP, DTYPE, INTERPRETED, False)
+    blk = blk0 + tl.arange(0, NB)
+    cols = blk[:, None] * (2 * HB) + PART * 2 * HP + tl.arange(0, 2 * HP)[None, :]  # (NB, 2 HP)
+    ok = (m < M)[:, None, None] & (blk < N_BLK)[None, :, None]
+    x = tl.load(x_rows[:, None, None] + cols[None, :, :], mask=ok, other=0.0)  # (BLOCK_M, NB, 2 HP)
+    x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, KP, 2)))
+    hi = tl.reshape(hi, (BLOCK_N, KP))
+    lo = tl.reshape(lo, (BLOCK_N, KP))
+    if INTERPRETED:  # fp32 operands holding 16-bit values: exact products, as on the GPU
+        acc = tl.dot(hi, tl.trans(x_even.to(tl.float32)), acc, input_precision="ieee")
+        acc = tl.dot(lo, tl.trans(x_odd.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(hi, tl.trans(x_even), acc)
+        acc = tl.dot(lo, tl.trans(x_odd), acc)
+    return acc
 
 
 @triton.jit
 def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr,
               EVEN: tl.constexpr, LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, DTYPE: tl.constexpr,
-              INTERPRETED: tl.constexpr):
-    """(BLOCK_N, BLOCK_M) fp32: the weight rows times up to BLOCK_M rows of x, on tensor cores."""
-    BLOCK_K: tl.constexpr = NB * 2 * HB
+              INTERPRETED: tl.constexpr, PARTS: tl.constexpr, STAGES: tl.constexpr):
+    """(BLOCK_N, BLOCK_M) fp32: the weight rows times up to BLOCK_M rows of x, on tensor cores
+    (PREFETCH, PARTS: as `_fma_rows`)."""
     m = tl.arange(0, BLOCK_M)
-    x_rows = X + m.to(tl.int64)[:, None] * stride_x
+    x_rows = X + m.to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     if PREFETCH:
-        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP)
-    for i in range(STEPS):
+        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)
+        packed1, _ = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
+    for i in tl.range(STEPS, num_stages=STAGES):
         blk0 = blk_first + i * NB
         if PREFETCH:
-            cur_packed, cur_scale = packed, scale
-            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP)  # the last one unused
+            cur, cur1, cur_scale = packed, packed1, scale
+            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)  # the last unused
+            packed1, _ = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
         else:
-            cur_packed, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP)
-        hi, lo = _weight_pairs(cur_packed, cur_scale, CODE, PAIRS, HB, LOOKUP, DTYPE, INTERPRETED, False)
-        cols = blk0 * (2 * HB) + tl.arange(0, BLOCK_K)
-        ok = (m < M)[:, None] & (cols < N_BLK * 2 * HB)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0)  # (BLOCK_M, BLOCK_K)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-        hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
-        lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2))
-        if INTERPRETED:  # fp32 operands holding 16-bit values: exact products, as on the GPU
-            acc = tl.dot(hi, tl.trans(x_even.to(tl.float32)), acc, input_precision="ieee")
-            acc = tl.dot(lo, tl.trans(x_odd.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(hi, tl.trans(x_even), acc)
-            acc = tl.dot(lo, tl.trans(x_odd), acc)
+            cur, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, 0, PARTS)
+            cur1, _ = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, PARTS - 1, PARTS)
+        acc = _dot_part(acc, cur, cur_scale, x_rows, m, M, blk0, CODE, PAIRS, BLOCK_M, BLOCK_N, N_BLK, NB, HB, 0,
+                        PARTS, LOOKUP, DTYPE, INTERPRETED)
+        if PARTS == 2:
+            acc = _dot_part(acc, cur1, cur_scale, x_rows, m, M, blk0, CODE, PAIRS, BLOCK_M, BLOCK_N, N_BLK, NB, HB, 1,
+                            PARTS, LOOKUP, DTYPE, INTERPRETED)
     return acc
 
 
@@ -249,7 +292,8 @@ def _nf4_gemv_kernel(
     M, N, end0, end1, stride_x, stride_y,
     K: tl.constexpr, BS: tl.constexpr, MEMBERS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, INTERPRETED: tl.constexpr,
+    LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, INTERPRETED: tl.constexpr, PARTS: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # quant blocks a step
     HB: tl.constexpr = BS // 2  # bytes a quant block
@@ -271,10 +315,10 @@ def _nf4_gemv_kernel(
     blk_first = split * STEPS * NB
     if BLOCK_M == 1:
         y = _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N, N_BLK, NB, HB, STEPS, EVEN, LOOKUP,
-                      PREFETCH, DTYPE, INTERPRETED)
+                      PREFETCH, DTYPE, INTERPRETED, PARTS, STAGES)
     else:
         y = _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M, BLOCK_N, N_BLK, NB, HB, STEPS,
-                      EVEN, LOOKUP, PREFETCH, DTYPE, INTERPRETED)
+                      EVEN, LOOKUP, PREFETCH, DTYPE, INTERPRETED, PARTS, STAGES)
     if SPLIT == 1:
         _store(y, Y, bias, rows, row_ok, M, stride_y, BLOCK_M, HAS_BIAS)
     else:
@@ -458,7 +502,8 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
         return nf4_gemv_reference(x, weight)
     t = tiles or weight.tiles_for(m)
     lookup = NIBBLE if t.lookup == PRMT and (interpreted() or not weight.register_table) else t.lookup
-    if (t.block_m == 1 and m > 1) or t.block_m not in (1, MAX_ROWS) or t.block_k % weight.blocksize:
+    if (t.block_m == 1 and m > 1) or t.block_m not in (1, MAX_ROWS) or t.block_k % weight.blocksize \
+            or t.parts not in (1, 2) or t.stages < 1:
         raise ValueError(f"tiles {t} do not fit {m} rows of K = {k} in blocks of {weight.blocksize}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_n = cdiv(n, t.block_n)
@@ -472,7 +517,7 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
         rows, y, part, weight.tickets, *w, *s, *b, weight.code, weight.pairs, m, n, ends[0], ends[1], rows.stride(0),
         y.stride(0), K=k, BS=weight.blocksize, MEMBERS=members, HAS_BIAS=weight.bias is not None, BLOCK_M=t.block_m,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=lookup, PREFETCH=t.prefetch,
-        INTERPRETED=interpreted(), num_warps=t.warps, num_stages=t.stages,
+        INTERPRETED=interpreted(), PARTS=t.parts, STAGES=t.stages, num_warps=t.warps, num_stages=t.stages,
     )
     return y.view(*x.shape[:-1], n)
 

@@ -42,6 +42,7 @@ class Tiles(NamedTuple):
     stages: int = 1
     lookup: int = PAIR
     prefetch: bool = False  # load the next tile's bytes before decoding this one
+    parts: int = 1  # each block's bytes loaded as this many tensors (1 or 2; `nf4_gemv._fma_rows`)
 
 
 @dataclass(frozen=True)
