@@ -55,7 +55,7 @@ LOOKUPS = {NIBBLE: "nibble", PAIR: "pair", PRMT: "prmt"}
 ROTATE_BYTES = 256 << 20  # weight copies per graph: past the 50 MB L2 several times over
 SESSION_15 = ROOT / "bench" / "results" / "nf4-gemv-tiles-2026-11-25-h100.json"
 REFINE_TOP = 6  # the fastest PRMT tiles per shape and row count that the second phase varies
-PARTS, STAGES = (1, 2), (1, 2, 3)  # the second phase's variants: block parts, pipelined stages
+PARTS, STAGES = (1, 2), (1, 2, 3)  # the second phase's variants: block parts, pipelined stages (`variants`)
 
 
 def candidates(one_row: bool, n: int, k: int, sms: int) -> list[Tiles]:
@@ -98,13 +98,23 @@ def session_15_tiles(model: Tiles) -> Tiles:
 
 
 def refinements(timed: dict[Tiles, float], top: int = REFINE_TOP) -> list[Tiles]:
-    """The second phase's candidates at one row count: the `top` fastest PRMT tiles of the first
-    (`timed`: microseconds of each checked candidate), each with its blocks loaded in one or two
-    parts and its loads pipelined over 1-3 stages, less those already timed. Varying the two knobs
-    around the best tiles, not over the whole grid, keeps the sweep within one device call."""
+    """The second phase's candidates at one row count: the `variants` of the `top` fastest PRMT
+    tiles of the first (`timed`: microseconds of each checked candidate), less those already timed.
+    Varying these knobs around the best tiles, not over the whole grid, keeps the sweep within one
+    device call."""
     best = sorted((t for t in timed if t.lookup == PRMT), key=lambda t: timed[t])[:top]
-    variants = (t._replace(parts=p, stages=st) for t in best for p in PARTS for st in STAGES)
-    return [t for t in dict.fromkeys(variants) if t not in timed]
+    return [t for t in dict.fromkeys(v for b in best for v in variants(b)) if t not in timed]
+
+
+def variants(t: Tiles) -> list[Tiles]:
+    """`t` with its blocks loaded in one and two parts and its loads pipelined over 1-3 stages; at
+    one row also with its rows in two groups (no register prefetch then), at its row tile and at
+    twice it (a group then keeps the rows a thread held)."""
+    out = [t._replace(parts=p, stages=s) for p in PARTS for s in STAGES]
+    if t.block_m == 1:
+        out += [t._replace(block_n=n, parts=p, stages=s, groups=2, prefetch=False)
+                for n in (t.block_n, 2 * t.block_n) for p in PARTS for s in STAGES]
+    return list(dict.fromkeys(out))
 
 
 def make_weight(sizes: tuple[int, ...], k: int, seed: int = 0) -> tuple[NF4Weight, list]:

@@ -32,10 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.nf4_gemv_sweep import SHAPES, variants  # noqa: E402
 from kestrel.kernels.decode.nf4_tiles import PRMT, Tiles, measured_plan  # noqa: E402
 
-SHAPES = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gate_up": ((14336, 14336), 4096),
-          "down": ((4096,), 14336)}  # as bench/nf4_gemv_sweep.py
 PLAN_DEVICE = "NVIDIA H200"  # whose measured plans are read by default (the same sm_90 code as an H100's)
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
 
@@ -55,13 +54,13 @@ def compile_sm90(sizes: tuple[int, ...], k: int, t: Tiles, dtype: str = "bf16") 
     ints = ("M", "N", "end0", "end1", "stride_x", "stride_y")
     consts = dict(K=k, BS=64, MEMBERS=len(sizes), HAS_BIAS=False, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                   BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=t.lookup, PREFETCH=t.prefetch, INTERPRETED=False,
-                  PARTS=t.parts, STAGES=t.stages)
+                  PARTS=t.parts, STAGES=t.stages, GROUPS=t.groups)
     signature = {k_: f"*{v}" for k_, v in ptrs.items()} | dict.fromkeys(ints, "i32") | dict.fromkeys(consts, "constexpr")
     names = kernel.arg_names
     aligned = [*ptrs, "N", "end0", "end1", "stride_x", "stride_y"]  # as a launch at the 8B shapes specializes them
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(kernel, signature, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": t.stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": min(t.stages, 4)})
 
 
 def _tool(name: str) -> str:
@@ -113,17 +112,12 @@ def analyse(sizes: tuple[int, ...], k: int, t: Tiles, workdir: Path) -> dict[str
             "mix": dict(mix.most_common(12))}
 
 
-def variants(t: Tiles) -> list[Tiles]:
-    """`t` with its blocks in one and two parts and its loads pipelined over 1-3 stages."""
-    return list(dict.fromkeys(t._replace(parts=p, stages=s) for p in (1, 2) for s in (1, 2, 3)))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default=",".join(SHAPES))
     p.add_argument("--rows", default="1,8", help="row counts whose planned tiles to read (1, 2, 8, 16)")
     p.add_argument("--device", default=PLAN_DEVICE, help="whose measured plans to read")
-    p.add_argument("--variants", action="store_true", help="also each tile's parts and stages variants")
+    p.add_argument("--variants", action="store_true", help="also each tile's variants (the sweep's second phase)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     import tempfile

@@ -101,12 +101,21 @@ def test_the_grid_times_prmt_beside_pair_and_the_model_tiles_with_every_lookup()
         assert {t.lookup for at, t in tasks if at == m} == {NIBBLE, PAIR, PRMT}
 
 
-def test_the_second_phase_varies_parts_and_stages_of_the_fastest_prmt_tiles_only() -> None:
-    fast = [Tiles(1, 8, 512, 1, 2, lookup=PRMT, prefetch=p) for p in (True, False)]
-    slow = Tiles(1, 16, 256, 1, 2, lookup=PRMT)
-    timed = {fast[0]: 10.0, fast[1]: 11.0, slow: 30.0, Tiles(1, 8, 512, 1, 2, lookup=PAIR): 5.0}
+def test_the_second_phase_varies_the_fastest_prmt_tiles_only() -> None:
+    fast = [Tiles(16, 64, 128, 8, 4, lookup=PRMT, prefetch=p) for p in (True, False)]
+    slow = Tiles(16, 32, 128, 8, 4, lookup=PRMT)
+    timed = {fast[0]: 10.0, fast[1]: 11.0, slow: 30.0, Tiles(16, 64, 128, 8, 4, lookup=PAIR): 5.0}
     got = sweep.refinements(timed, top=2)
     assert len(got) == len(set(got)) == 2 * len(sweep.PARTS) * len(sweep.STAGES) - 2  # the two timed ones left out
     assert {t._replace(parts=1, stages=1) for t in got} == set(fast)  # neither PAIR nor the third-fastest
     assert {(t.parts, t.stages) for t in got if t.prefetch} == {(p, s) for p in sweep.PARTS for s in sweep.STAGES} - {(1, 1)}
     assert sweep.refinements({}) == []
+
+
+def test_one_row_variants_add_two_row_groups_without_prefetch_at_one_and_two_row_tiles() -> None:
+    t = Tiles(1, 8, 512, 1, 2, lookup=PRMT, prefetch=True)
+    got = sweep.variants(t)
+    assert len(got) == len(set(got)) == 3 * len(sweep.PARTS) * len(sweep.STAGES) and t in got
+    grouped = [v for v in got if v.groups == 2]
+    assert {v.block_n for v in grouped} == {8, 16} and not any(v.prefetch for v in grouped)
+    assert all(v.groups == 1 for v in sweep.variants(t._replace(block_m=16)))

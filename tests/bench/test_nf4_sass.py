@@ -34,12 +34,6 @@ def test_hot_loop_is_the_largest_backward_branch_with_predicated_instructions_co
     assert nf4_sass.hot_loop("        /*0000*/                   EXIT ;\n") == {}
 
 
-def test_variants_cover_parts_and_stages_once() -> None:
-    t = nf4_sass.Tiles(1, 8, 512, 1, 2, lookup=nf4_sass.PRMT)
-    got = nf4_sass.variants(t)
-    assert len(got) == len(set(got)) == 6 and t in got
-
-
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no Triton NVIDIA backend")
 def test_two_parts_build_each_block_table_once_per_thread() -> None:
     """The one-row PRMT tiles at K = 1024: a block's table is 16 fp32 multiplies (`nf4_lookup.table_program`);

@@ -34,11 +34,12 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 # loaded in two parts (with prefetch, and with pipelined stages: these compile to cp.async on the GPU).
 FMA, DOT, SPLIT, SPLIT1 = Tiles(1, 8, 128, 1), Tiles(16, 32, 128, 1), Tiles(16, 16, 64, 3), Tiles(1, 4, 64, 3)
 PARTS = [FMA._replace(parts=2), DOT._replace(parts=2, stages=3), SPLIT._replace(parts=2, prefetch=True),
-         SPLIT1._replace(parts=2, stages=2)]
+         SPLIT1._replace(parts=2, stages=2), FMA._replace(groups=2), SPLIT1._replace(parts=2, groups=2)]
 PATHS = [FMA, DOT, SPLIT, SPLIT1, FMA._replace(lookup=NIBBLE), DOT._replace(lookup=NIBBLE),
          FMA._replace(prefetch=True), SPLIT._replace(prefetch=True), SPLIT1._replace(prefetch=True), *PARTS]
 PATH_IDS = ["fma", "dot", "split", "split1", "fma-nibble", "dot-nibble", "fma-prefetch", "split-prefetch",
-            "split1-prefetch", "fma-parts", "dot-parts-stages", "split-parts-prefetch", "split1-parts-stages"]
+            "split1-prefetch", "fma-parts", "dot-parts-stages", "split-parts-prefetch", "split1-parts-stages",
+            "fma-groups", "split1-parts-groups"]
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +108,8 @@ def test_product_matches_dequantized_matmul(m: int, shape: tuple[int, int], dtyp
 
 
 @pytest.mark.parametrize("tiles", [FMA, DOT, SPLIT, SPLIT1, *PARTS],
-                         ids=["fma", "dot", "split", "split1", "fma-parts", "dot-parts", "split-parts", "split1-parts"])
+                         ids=["fma", "dot", "split", "split1", "fma-parts", "dot-parts", "split-parts", "split1-parts",
+                              "fma-groups", "split1-parts-groups"])
 def test_stacked_members_equal_separate_products(tiles: Tiles) -> None:
     """q/k/v as one launch: each member's rows equal that member's own product bit for bit (a
     row's sums do not depend on the other rows of its tile), for row tiles across member ends."""
@@ -145,7 +147,9 @@ def test_tiles_that_do_not_fit_are_refused() -> None:
         nf4_gemv(_x(2, 128, torch.bfloat16), weight, FMA)
     with pytest.raises(ValueError, match="in blocks of 64"):
         nf4_gemv(_x(1, 128, torch.bfloat16), weight, Tiles(1, 4, 32, 1))
-    for bad in (FMA._replace(parts=4), FMA._replace(stages=0)):
+    bad_tiles = (FMA._replace(parts=4), FMA._replace(stages=0), FMA._replace(groups=3),
+                 FMA._replace(groups=2, prefetch=True), DOT._replace(groups=2))
+    for bad in bad_tiles:
         with pytest.raises(ValueError, match="do not fit"):
             nf4_gemv(_x(1, 128, torch.bfloat16), weight, bad)
 

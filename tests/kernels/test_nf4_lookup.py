@@ -160,16 +160,17 @@ def test_interpreted_kernel_falls_back_to_the_gathers(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no Triton NVIDIA backend")
-@pytest.mark.parametrize("dtype,block_m,prefetch,parts,stages", [
-    ("bf16", 16, False, 1, 1), ("fp16", 16, True, 1, 1), ("fp16", 1, True, 1, 1), ("bf16", 1, False, 1, 1),
-    ("bf16", 1, True, 2, 1), ("bf16", 1, False, 2, 3), ("fp16", 16, False, 2, 3)])
-def test_prmt_kernel_compiles_for_sm90(dtype: str, block_m: int, prefetch: bool, parts: int, stages: int) -> None:
+@pytest.mark.parametrize("dtype,block_m,prefetch,parts,stages,groups", [
+    ("bf16", 16, False, 1, 1, 1), ("fp16", 16, True, 1, 1, 1), ("fp16", 1, True, 1, 1, 1), ("bf16", 1, False, 1, 1, 1),
+    ("bf16", 1, True, 2, 1, 1), ("bf16", 1, False, 2, 3, 1), ("fp16", 16, False, 2, 3, 1), ("bf16", 1, False, 2, 2, 2)])
+def test_prmt_kernel_compiles_for_sm90(dtype: str, block_m: int, prefetch: bool, parts: int, stages: int,
+                                       groups: int) -> None:
     """The whole kernel with the PRMT lookup through Triton and ptxas for an H100/H200 (no GPU needed;
     its own process, uninterpreted): the lookup's 16 prmt and the table's 8 are in the PTX, and with
     STAGES > 1 the packed bytes are copied ahead asynchronously (cp.async), on either path."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.support.sm90_compile", dtype, str(block_m), str(int(prefetch)),
-                           str(PRMT), str(parts), str(stages)], capture_output=True, text=True, env=env, cwd=ROOT,
+                           str(PRMT), str(parts), str(stages), str(groups)], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     prmt, copies = (int(v) for v in done.stdout.split()[-2:])

@@ -2,7 +2,7 @@
 of its own: under TRITON_INTERPRET=1 the kernels are interpreted functions, which do not compile (and the
 interpreter accepts what the compiler refuses, e.g. a plain global read inside a kernel).
 
-    python -m tests.support.sm90_compile DTYPE BLOCK_M PREFETCH LOOKUP [PARTS STAGES]
+    python -m tests.support.sm90_compile DTYPE BLOCK_M PREFETCH LOOKUP [PARTS STAGES GROUPS]
         # nf4_gemv: prints the PTX's prmt count and its cp.async count
     python -m tests.support.sm90_compile expert                          # expert_gemv: its variants' add.rn counts
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 
 
-def compile_kernel(dtype: str, block_m: int, prefetch: bool, lookup: int, parts: int = 1, stages: int = 1) -> str:
+def compile_kernel(dtype: str, block_m: int, prefetch: bool, lookup: int, parts: int = 1, stages: int = 1,
+                   groups: int = 1) -> str:
     """The PTX of `_nf4_gemv_kernel` for two members (K = 320: a masked last step) with bias and split-K 2,
     compiled through ptxas for sm_90 (raises where Triton or ptxas refuse it)."""
     import triton
@@ -26,7 +27,8 @@ def compile_kernel(dtype: str, block_m: int, prefetch: bool, lookup: int, parts:
             "PAIRS": "i64"}
     sig = {k: f"*{v}" for k, v in ptrs.items()} | dict.fromkeys(("M", "N", "end0", "end1", "stride_x", "stride_y"), "i32")
     consts = dict(K=320, BS=64, MEMBERS=2, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=16 if block_m > 1 else 4,
-                  BLOCK_K=128, SPLIT=2, LOOKUP=lookup, PREFETCH=prefetch, INTERPRETED=False, PARTS=parts, STAGES=stages)
+                  BLOCK_K=128, SPLIT=2, LOOKUP=lookup, PREFETCH=prefetch, INTERPRETED=False, PARTS=parts, STAGES=stages,
+                  GROUPS=groups)
     src = ASTSource(fn=nf4_gemv._nf4_gemv_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
     assert compiled.asm["cubin"], "no cubin"
@@ -67,5 +69,5 @@ if __name__ == "__main__":
         print(*(compile_expert_kernel(*v).count("add.rn.f32") for v in variants))
     else:
         dtype, block_m, prefetch, lookup = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-        ptx = compile_kernel(dtype, block_m, prefetch, lookup, *(int(a) for a in sys.argv[5:7]))
+        ptx = compile_kernel(dtype, block_m, prefetch, lookup, *(int(a) for a in sys.argv[5:8]))
         print(ptx.count("prmt.b32"), ptx.count("cp.async.cg") + ptx.count("cp.async.ca"))

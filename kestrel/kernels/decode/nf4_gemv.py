@@ -47,7 +47,9 @@ next tile's bytes before decoding the current one, so their latency overlaps the
 above 1 has Triton's pipeliner copy the next STAGES - 1 tiles into shared memory asynchronously
 instead (no registers held for them). PARTS = 2 loads each block's bytes as two tensors of one
 shape: a thread then holds whole blocks and builds each PRMT table once, not once per half (the
-compiler splits one 32-byte load of a block across two threads).
+compiler splits one 32-byte load of a block across two threads). GROUPS = 2 (one row of x) loads
+the tile's even and odd rows as two such tensors: a thread then holds a row of each at the same
+columns, and loads and widens the x of those columns once for both.
 
 Tiles (and the lookup) come from a measured plan where `bench/nf4_gemv_sweep.py` ran on the
 device, else a cost model (`nf4_tiles.py`); the plan also says whether this kernel beats
@@ -57,28 +59,23 @@ bitsandbytes' one-row GEMV (which multiplies in bf16, not bit-exact with its own
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kestrel.kernels import nf4
-from kestrel.kernels._utils import cdiv, interpreted, sm_count
+from kestrel.kernels._utils import cdiv, interpreted
 # Triton helpers by bare name: torch.compile rebuilds a kernel's helpers only so (test_compile_closure)
 from kestrel.kernels.decode.nf4_lookup import block_values
-from kestrel.kernels.decode.nf4_tiles import (
-    MAX_ROWS, NIBBLE, PAIR, PRMT, Plan, Tiles, choose_tiles, device_name,
-    measured_plan,
+from kestrel.kernels.decode.nf4_tiles import MAX_ROWS, NIBBLE, PAIR, PRMT, Tiles
+from kestrel.kernels.decode.nf4_weight import (
+    MAX_MEMBERS, MIN_ROWS, NF4Weight, code_pairs, decoded_absmax, dequantized, nf4_weight, unsupported,
 )
 from kestrel.kernels.dispatch import use_triton
 
-__all__ = ["MAX_ROWS", "NIBBLE", "PAIR", "PRMT", "Tiles", "NF4Weight", "applies", "nf4_gemv", "nf4_weight"]
+__all__ = ["MAX_MEMBERS", "MAX_ROWS", "MIN_ROWS", "NIBBLE", "PAIR", "PRMT", "Tiles", "NF4Weight", "applies",
+           "code_pairs", "decoded_absmax", "dequantized", "nf4_gemv", "nf4_gemv_reference", "nf4_weight", "unsupported"]
 
-MIN_ROWS = 2  # rows from which the decode path takes this kernel unless a measured plan says one row too
-MAX_MEMBERS = 3
 
 
 # --- kernel ------------------------------------------------------------------------------------
@@ -189,32 +186,53 @@ def _fma_part(acc, packed, scale, X, blk0, CODE, PAIRS, N_BLK: tl.constexpr, NB:
 
 
 @triton.jit
-def _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, N_BLK: tl.constexpr,
+def _fma_step(acc, w_rows, s_rows, X, blk0, CODE, PAIRS, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
+              PARTS: tl.constexpr, EVEN: tl.constexpr, LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+    """acc plus one tile step of the rows at w_rows / s_rows, its parts loaded and used in turn."""
+    for part in tl.static_range(PARTS):
+        packed, scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, part, PARTS)
+        acc = _fma_part(acc, packed, scale, X, blk0, CODE, PAIRS, N_BLK, NB, HB, part, PARTS, EVEN, LOOKUP, DTYPE,
+                        INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _fma_rows(X, w_rows, s_rows, w_odd, s_odd, CODE, PAIRS, blk_first, BLOCK_N: tl.constexpr, N_BLK: tl.constexpr,
               NB: tl.constexpr, HB: tl.constexpr, STEPS: tl.constexpr, EVEN: tl.constexpr, LOOKUP: tl.constexpr,
               PREFETCH: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr, PARTS: tl.constexpr,
-              STAGES: tl.constexpr):
+              STAGES: tl.constexpr, GROUPS: tl.constexpr):
     """(BLOCK_N, 1) fp32: one row of x times BLOCK_N weight rows over STEPS tiles of NB blocks.
-    PREFETCH, STAGES, PARTS: the module docstring. Both parts' tensors have one shape and one
-    pointer pattern, so the compiler gives them one layout: a thread holds both halves of a block."""
-    acc = tl.zeros((BLOCK_N, NB, HB // PARTS), tl.float32)
-    if PREFETCH:
+    PREFETCH, STAGES, PARTS, GROUPS: the module docstring. GROUPS = 2: w_rows / s_rows point at the
+    tile's even rows, w_odd / s_odd at its odd ones (else unused); like two parts, the two groups'
+    tensors get one layout, so x is loaded and widened once for a thread's two rows."""
+    acc = tl.zeros((BLOCK_N // GROUPS, NB, HB // PARTS), tl.float32)
+    odd = tl.zeros((BLOCK_N // GROUPS, NB, HB // PARTS), tl.float32)  # the odd rows' (GROUPS = 2)
+    if PREFETCH:  # (one group: `nf4_gemv` refuses two with it)
         packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)
         packed1, _ = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
-    for i in tl.range(STEPS, num_stages=STAGES):
-        blk0 = blk_first + i * NB
-        if PREFETCH:
+        for i in tl.range(STEPS, num_stages=STAGES):
+            blk0 = blk_first + i * NB
             cur, cur1, cur_scale = packed, packed1, scale
             packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)  # the last unused
             packed1, _ = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
-        else:
-            cur, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, 0, PARTS)
-            cur1, _ = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, PARTS - 1, PARTS)
-        acc = _fma_part(acc, cur, cur_scale, X, blk0, CODE, PAIRS, N_BLK, NB, HB, 0, PARTS, EVEN, LOOKUP, DTYPE,
-                        INTERPRETED)
-        if PARTS == 2:
-            acc = _fma_part(acc, cur1, cur_scale, X, blk0, CODE, PAIRS, N_BLK, NB, HB, 1, PARTS, EVEN, LOOKUP, DTYPE,
+            acc = _fma_part(acc, cur, cur_scale, X, blk0, CODE, PAIRS, N_BLK, NB, HB, 0, PARTS, EVEN, LOOKUP, DTYPE,
                             INTERPRETED)
-    return tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]
+            if PARTS == 2:
+                acc = _fma_part(acc, cur1, cur_scale, X, blk0, CODE, PAIRS, N_BLK, NB, HB, 1, PARTS, EVEN, LOOKUP,
+                                DTYPE, INTERPRETED)
+    else:
+        for i in tl.range(STEPS, num_stages=STAGES):
+            blk0 = blk_first + i * NB
+            acc = _fma_step(acc, w_rows, s_rows, X, blk0, CODE, PAIRS, N_BLK, NB, HB, PARTS, EVEN, LOOKUP, DTYPE,
+                            INTERPRETED)
+            if GROUPS == 2:
+                odd = _fma_step(odd, w_odd, s_odd, X, blk0, CODE, PAIRS, N_BLK, NB, HB, PARTS, EVEN, LOOKUP, DTYPE,
+                                INTERPRETED)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if GROUPS == 2:  # (BLOCK_N / 2, 2) [r, g] -> row 2r + g
+        y = tl.reshape(tl.join(y, tl.sum(tl.sum(odd, axis=2), axis=1)), (BLOCK_N,))
+    return y[:, None]
 
 
 @triton.jit
@@ -293,7 +311,7 @@ def _nf4_gemv_kernel(
     K: tl.constexpr, BS: tl.constexpr, MEMBERS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, INTERPRETED: tl.constexpr, PARTS: tl.constexpr = 1,
-    STAGES: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, GROUPS: tl.constexpr = 1,
 ):
     NB: tl.constexpr = BLOCK_K // BS  # quant blocks a step
     HB: tl.constexpr = BS // 2  # bytes a quant block
@@ -313,9 +331,17 @@ def _nf4_gemv_kernel(
     else:
         bias = tl.zeros((BLOCK_N,), tl.float32)
     blk_first = split * STEPS * NB
-    if BLOCK_M == 1:
-        y = _fma_rows(X, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N, N_BLK, NB, HB, STEPS, EVEN, LOOKUP,
-                      PREFETCH, DTYPE, INTERPRETED, PARTS, STAGES)
+    if BLOCK_M == 1 and GROUPS == 2:
+        even = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)
+        r0, r1 = tl.minimum(even, N - 1), tl.minimum(even + 1, N - 1)
+        y = _fma_rows(X, _member_ptrs(r0, end0, end1, W0, W1, W2, K // 2, MEMBERS),
+                      _member_ptrs(r0, end0, end1, S0, S1, S2, N_BLK, MEMBERS),
+                      _member_ptrs(r1, end0, end1, W0, W1, W2, K // 2, MEMBERS),
+                      _member_ptrs(r1, end0, end1, S0, S1, S2, N_BLK, MEMBERS), CODE, PAIRS, blk_first, BLOCK_N,
+                      N_BLK, NB, HB, STEPS, EVEN, LOOKUP, PREFETCH, DTYPE, INTERPRETED, PARTS, STAGES, GROUPS)
+    elif BLOCK_M == 1:
+        y = _fma_rows(X, w_rows, s_rows, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_N, N_BLK, NB, HB, STEPS, EVEN,
+                      LOOKUP, PREFETCH, DTYPE, INTERPRETED, PARTS, STAGES, 1)
     else:
         y = _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M, BLOCK_N, N_BLK, NB, HB, STEPS,
                       EVEN, LOOKUP, PREFETCH, DTYPE, INTERPRETED, PARTS, STAGES)
@@ -344,131 +370,6 @@ def _split_k_finish(y, Y, PART, TICKETS, bias, rows, row_ok, M, stride_y, pid_n,
             total += tl.load(part + s * TILE + idx, mask=used, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(TICKETS + pid_n, 0, sem="relaxed", scope="gpu")
         _store(total, Y, bias, rows, row_ok, M, stride_y, BLOCK_M, HAS_BIAS)
-
-
-# --- the weight ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NF4Weight:
-    """Up to three NF4 matrices of the same K stacked along the output dimension, as the kernel
-    reads them (member i owns output rows [ends[i - 1], ends[i])). Built by `nf4_weight`.
-
-    packed: per member, uint8 (out_i * K / 2,): the Params4bit's own storage (an alias, no copy)
-    absmax: per member, fp32 (out_i * K / blocksize,): decoded once (the module docstring)
-    bias: per member, (out_i,) in the compute dtype (zeros for a member without one), or None
-    code: fp32 (16,) the NF4 levels
-    pairs: int64 (256,) per byte value b, code[b >> 4]'s fp32 bits | code[b & 15]'s << 32
-    tickets: int32 (N,) zeros: split-K counters (one per row tile), left zero by every launch
-    plan: the tiles measured for this (device, N, K) (`nf4_tiles.measured_plan`), or None
-    min_rows: the fewest rows the decode path runs here (1 where the plan measured this kernel
-    faster than bitsandbytes' one-row GEMV, else MIN_ROWS)
-    register_table: the PRMT lookup can read it (bitsandbytes' NF4 code, packed buffers 4-byte
-    aligned); elsewhere tiles asking for PRMT run the NIBBLE lookup (the same values)
-    """
-
-    packed: tuple[torch.Tensor, ...]
-    absmax: tuple[torch.Tensor, ...]
-    bias: tuple[torch.Tensor, ...] | None
-    code: torch.Tensor
-    pairs: torch.Tensor
-    tickets: torch.Tensor
-    sizes: tuple[int, ...]
-    k: int
-    blocksize: int
-    dtype: torch.dtype  # the compute dtype the values are rounded to (x's)
-    sms: int
-    plan: Plan | None = None
-    min_rows: int = MIN_ROWS
-    register_table: bool = False
-
-    @property
-    def n(self) -> int:
-        return sum(self.sizes)
-
-    def tiles_for(self, m: int) -> Tiles:
-        """The tiles for m rows: measured (`plan`) where the sweep ran, else the cost model's."""
-        t = self.plan.for_rows(m) if self.plan is not None else None
-        return t or choose_tiles(m, self.n, self.k, self.blocksize, self.sms)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a product reads from the weight: packed nibbles, fp32 absmax, bias."""
-        tensors = [*self.packed, *self.absmax, *(self.bias or ())]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def unsupported(packed: torch.Tensor, quant_state: Any, k: int | None = None) -> str:
-    """Why an NF4 weight cannot be read by this kernel ("" when it can)."""
-    if getattr(quant_state, "quant_type", None) != "nf4" or packed.dtype != torch.uint8:
-        return "not an NF4 weight"
-    if getattr(quant_state, "packing_format_for_cpu", False):
-        return "repacked for bitsandbytes' CPU kernel"
-    shape = tuple(int(d) for d in quant_state.shape)
-    bs = int(quant_state.blocksize)
-    if len(shape) != 2 or packed.numel() * 2 != shape[0] * shape[1]:
-        return f"packed bytes do not match shape {shape}"
-    if bs < 16 or bs & (bs - 1) or shape[1] % bs:
-        return f"in_features {shape[1]} is not a multiple of the power-of-two blocksize {bs}"
-    if k is not None and shape[1] != k:
-        return "members differ in in_features"
-    if not packed.is_contiguous():
-        return "packed weight is not contiguous"
-    return ""
-
-
-def nf4_weight(members: Sequence[tuple[torch.Tensor, Any, torch.Tensor | None]],
-               dtype: torch.dtype) -> NF4Weight:
-    """members: (packed uint8, quant_state, bias or None) each, same K and blocksize, at most
-    three -> the `NF4Weight` of them stacked, values rounded to `dtype` (fp16 or bf16).
-    Raises ValueError when they cannot be read together (`unsupported`)."""
-    if not 1 <= len(members) <= MAX_MEMBERS or dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"{len(members)} members in {dtype}: need 1-{MAX_MEMBERS} in fp16 or bf16")
-    k = int(members[0][1].shape[1])
-    bs = int(members[0][1].blocksize)
-    device = members[0][0].device
-    code = nf4._code(members[0][1], device)
-    for packed, state, _ in members:
-        reason = unsupported(packed, state, k)
-        if not reason and int(state.blocksize) != bs:
-            reason = "members differ in blocksize"
-        if not reason and not torch.equal(nf4._code(state, device), code):
-            reason = "members differ in their NF4 code"
-        if reason:
-            raise ValueError(reason)
-    sizes = tuple(int(state.shape[0]) for _, state, _ in members)
-    plan = measured_plan(device_name(device), sum(sizes), k)
-    register_table = (torch.equal(code.cpu(), torch.tensor(nf4.NF4_CODE))
-                      and all(p.data_ptr() % 4 == 0 for p, _, _ in members))
-    has_bias = any(b is not None for _, _, b in members)
-    bias = tuple(torch.zeros(n, dtype=dtype, device=device) if b is None else b.detach()
-                 for n, (_, _, b) in zip(sizes, members)) if has_bias else None
-    return NF4Weight(
-        packed=tuple(torch.Tensor.as_subclass(p, torch.Tensor).reshape(-1) for p, _, _ in members),
-        absmax=tuple(decoded_absmax(s, device) for _, s, _ in members), bias=bias, code=code,
-        pairs=code_pairs(code), tickets=torch.zeros(sum(sizes), dtype=torch.int32, device=device),
-        sizes=sizes, k=k, blocksize=bs, dtype=dtype, sms=sm_count(device), plan=plan,
-        min_rows=1 if plan is not None and plan.kernel_one_row else MIN_ROWS, register_table=register_table,
-    )
-
-
-def code_pairs(code: torch.Tensor) -> torch.Tensor:
-    """int64 (256,): entry b holds code[b >> 4]'s fp32 bits in its low 32 bits and code[b & 15]'s in
-    its high 32 (byte b's elements 2j and 2j + 1, in memory order)."""
-    b = torch.arange(256, device=code.device)
-    bits = code.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # (16,) unsigned
-    return bits[b >> 4] | (bits[b & 15] << 32)
-
-
-def decoded_absmax(quant_state: Any, device: torch.device) -> torch.Tensor:
-    """fp32 (n_blocks,) absmax of a weight, decoded from double quantization exactly as
-    bitsandbytes does (`nf4._absmax_reference`: mul and add rounded separately); a plain fp32
-    absmax is returned as is (no copy)."""
-    n = 1
-    for d in quant_state.shape:
-        n *= int(d)
-    n_blocks = cdiv(n, int(quant_state.blocksize))
-    return nf4._absmax_reference(quant_state, n_blocks, device).contiguous()
 
 
 # --- host ------------------------------------------------------------------------------------------
@@ -503,7 +404,8 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
     t = tiles or weight.tiles_for(m)
     lookup = NIBBLE if t.lookup == PRMT and (interpreted() or not weight.register_table) else t.lookup
     if (t.block_m == 1 and m > 1) or t.block_m not in (1, MAX_ROWS) or t.block_k % weight.blocksize \
-            or t.parts not in (1, 2) or t.stages < 1:
+            or t.parts not in (1, 2) or t.stages < 1 or t.groups not in (1, 2) \
+            or (t.groups == 2 and (t.block_m > 1 or t.prefetch or t.block_n < 2)):
         raise ValueError(f"tiles {t} do not fit {m} rows of K = {k} in blocks of {weight.blocksize}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_n = cdiv(n, t.block_n)
@@ -517,7 +419,8 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
         rows, y, part, weight.tickets, *w, *s, *b, weight.code, weight.pairs, m, n, ends[0], ends[1], rows.stride(0),
         y.stride(0), K=k, BS=weight.blocksize, MEMBERS=members, HAS_BIAS=weight.bias is not None, BLOCK_M=t.block_m,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=lookup, PREFETCH=t.prefetch,
-        INTERPRETED=interpreted(), PARTS=t.parts, STAGES=t.stages, num_warps=t.warps, num_stages=t.stages,
+        INTERPRETED=interpreted(), PARTS=t.parts, STAGES=t.stages, GROUPS=t.groups, num_warps=t.warps,
+        num_stages=t.stages,
     )
     return y.view(*x.shape[:-1], n)
 
@@ -525,16 +428,6 @@ def nf4_gemv(x: torch.Tensor, weight: NF4Weight, tiles: Tiles | None = None) -> 
 def _padded(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Exactly MAX_MEMBERS tensors: the unused pointer slots repeat the first (never read)."""
     return tensors + (tensors[0],) * (MAX_MEMBERS - len(tensors))
-
-
-def dequantized(weight: NF4Weight) -> torch.Tensor:
-    """(N, K) in `weight.dtype`: the stacked members dequantized (PyTorch; tests, the reference)."""
-    parts = []
-    for packed, absmax, n in zip(weight.packed, weight.absmax, weight.sizes):
-        nibbles = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(n, weight.k).long()
-        scale = absmax.view(n, weight.k // weight.blocksize).repeat_interleave(weight.blocksize, dim=1)
-        parts.append((weight.code[nibbles] * scale).to(weight.dtype))
-    return torch.cat(parts)
 
 
 def nf4_gemv_reference(x: torch.Tensor, weight: NF4Weight) -> torch.Tensor:

@@ -43,6 +43,7 @@ class Tiles(NamedTuple):
     lookup: int = PAIR
     prefetch: bool = False  # load the next tile's bytes before decoding this one
     parts: int = 1  # each block's bytes loaded as this many tensors (1 or 2; `nf4_gemv._fma_rows`)
+    groups: int = 1  # one row of x: the tile's rows loaded as this many tensors (1 or 2; no prefetch with 2)
 
 
 @dataclass(frozen=True)
