@@ -87,7 +87,9 @@ for want in "$@"; do
                       --memory-history $OUT/dpo-peak.txt --out $OUT/dpo-history.json" ;;
         # The sweep writes its plans into kestrel/kernels/decode/nf4_gemv_tiles.json there and beside
         # $OUT: copy that file into the checkout and commit it before `nf4decode` (a later call starts fresh).
-        nf4)      phase nf4 560 python bench/nf4_gemv_sweep.py --out "$OUT/nf4_sweep.json" ;;
+        # Each shape's plan is stored as soon as it is done; NF4_SHAPES=qkv,o (then gate_up,down) splits it over calls.
+        nf4)      phase nf4 560 python bench/nf4_gemv_sweep.py --shapes "${NF4_SHAPES:-qkv,o,gate_up,down}" \
+                      --out "$OUT/nf4_sweep.json" ;;
         nf4decode) phase nf4decode 540 python bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 \
                       --out "$OUT/nf4_decode.json" ;;
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;

@@ -266,7 +266,7 @@ def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M: t
               EVEN: tl.constexpr, LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, DTYPE: tl.constexpr,
               INTERPRETED: tl.constexpr, PARTS: tl.constexpr, STAGES: tl.constexpr):
     """(BLOCK_N, BLOCK_M) fp32: the weight rows times up to BLOCK_M rows of x, on tensor cores
-    (PREFETCH, PARTS: as `_fma_rows`)."""
+    (PREFETCH, STAGES, PARTS: the module docstring)."""
     m = tl.arange(0, BLOCK_M)
     x_rows = X + m.to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
