@@ -18,6 +18,7 @@ overrides for debugging; nothing else in the package reads the environment for t
 | KESTREL_KILL_GRACE_S | seconds after that before it is killed (default 10) |
 | KESTREL_ENGINE_ENTRY | module:function a worker runs instead of `kestrel.training.run:run` (tests) |
 | KESTREL_JOB_DEVICE | set by the job runner for a worker: the device its job was given |
+| KESTREL_HOST_GPUS | set by the job runner for a worker: its launcher's CUDA_VISIBLE_DEVICES ("all", "none") |
 
 Light on purpose: no torch import, so the command line and the studio start fast.
 """
@@ -29,7 +30,7 @@ import os
 VARIABLES = (
     "KESTREL_HOME", "KESTREL_CUDA_GRAPHS", "KESTREL_OFFLOAD_GATE", "KESTREL_KERNELS", "KESTREL_PDL",
     "KESTREL_DEVICES", "KESTREL_JOBS_PER_DEVICE", "KESTREL_EXPORT_SLOTS", "KESTREL_CANCEL_TIMEOUT_S",
-    "KESTREL_KILL_GRACE_S", "KESTREL_ENGINE_ENTRY", "KESTREL_JOB_DEVICE",
+    "KESTREL_KILL_GRACE_S", "KESTREL_ENGINE_ENTRY", "KESTREL_JOB_DEVICE", "KESTREL_HOST_GPUS",
 )
 
 
@@ -61,6 +62,18 @@ def choice(name: str, allowed: dict[str, str]) -> str | None:
     return allowed[value]
 
 
-def job_environment(device: str) -> dict[str, str]:
-    """What the job runner adds to a worker's environment."""
-    return {"KESTREL_JOB_DEVICE": device}
+def job_environment(device: str, host_gpus: str | None) -> dict[str, str]:
+    """What the job runner adds to a worker's environment: its device, and the GPUs its launcher saw
+    (`host_gpus`: a CUDA_VISIBLE_DEVICES value, None when unset)."""
+    return {"KESTREL_JOB_DEVICE": device,
+            "KESTREL_HOST_GPUS": "all" if host_gpus is None else (host_gpus.strip() or "none")}
+
+
+def host_gpus() -> str | None:
+    """The CUDA_VISIBLE_DEVICES of the process that launched the first job of this chain (None:
+    unset): in a worker (and its supervisor, which starts the next job) CUDA_VISIBLE_DEVICES names
+    only its own job's GPUs, so jobs it starts are placed by what its launcher saw."""
+    inherited = raw("KESTREL_HOST_GPUS")
+    if not inherited:
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if inherited == "all" else ("" if inherited == "none" else inherited)

@@ -72,7 +72,7 @@ def available_devices() -> list[str]:
     spec = kestrel_env.raw("KESTREL_DEVICES")
     if spec:
         return [d.strip() for d in spec.split(",") if d.strip()]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = kestrel_env.host_gpus()
     if visible is not None:
         count = len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
     else:
@@ -223,11 +223,12 @@ def _worker_env(device: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"  # the log file shows progress as it happens
     env["KESTREL_HOME"] = str(kestrel_home())
-    env.update(kestrel_env.job_environment(device))
+    host = kestrel_env.host_gpus()
+    env.update(kestrel_env.job_environment(device, host))
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device.startswith("cuda:"):  # one GPU, or a group of them ("cuda:0,cuda:1") for one run
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        visible = [v.strip() for v in (host or "").split(",") if v.strip()]
         indices = [int(d.split(":", 1)[1]) for d in device_group(device)]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if i < len(visible) else str(i) for i in indices)
     return env

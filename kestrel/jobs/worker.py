@@ -1,12 +1,12 @@
 """The process that runs one job: `python -m kestrel.jobs.worker JOB_ID` (started by `kestrel.jobs.runner`).
 
 It claims nothing itself: the scheduler has already marked the job running on a device and set
-CUDA_VISIBLE_DEVICES. On the CPU it first lowers its own priority (`lower_priority`), so the
-studio stays responsive on a small machine. Then it forks: the parent stays behind as the
-worker's supervisor (`kestrel.jobs.supervisor`: it settles the job at once if the worker dies),
-the child goes on. It records its pid, beats a heartbeat every HEARTBEAT_S on a thread, runs the
-job, writes the final status, records the artifacts, then starts the next queued job so the queue
-drains with no studio or terminal open.
+CUDA_VISIBLE_DEVICES. It first forks: the parent stays behind as the worker's supervisor
+(`kestrel.jobs.supervisor`: it settles the job at once if the worker dies, and once the worker has
+exited it starts the next queued job, so the queue drains with no studio or terminal open); the
+child goes on. On the CPU the child lowers its own priority (`lower_priority`), so the studio
+stays responsive on a small machine. It records its pid, beats a heartbeat every HEARTBEAT_S on a
+thread, runs the job, writes the final status and records the artifacts.
 
 A training job runs the engine with `DbCallback` (metrics in batches, stop requests polled at
 each step boundary). The engine is reached through one function named by ENGINE_ENTRY

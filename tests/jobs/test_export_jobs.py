@@ -196,6 +196,33 @@ def test_a_job_queued_behind_a_cpu_job_starts_at_normal_priority(monkeypatch: py
         wait_status(second)
 
 
+def _environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_job_started_when_a_gpu_job_ends_runs_on_the_gpu_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first job's supervisor sees only its own GPU in CUDA_VISIBLE_DEVICES; the job it starts
+    must still be placed among the launcher's GPUs, on the one the store records for it."""
+    monkeypatch.delenv("KESTREL_DEVICES")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # pretend GPUs (the fake engine ignores them): cuda:1 is 5
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    first = jobs.submit(config(max_steps=100, save_steps=0), device="cuda:1")
+    assert _environ(wait_step(first, 1).pid)["CUDA_VISIBLE_DEVICES"] == "5"
+    second = jobs.submit(config(max_steps=100, save_steps=0), start=False)  # the first free GPU
+    jobs.cancel(first)
+    # No schedule() from here: only the first job's processes can start the second.
+    worker = wait_for(lambda: (j := job(second)).status == RUNNING and j.step >= 1 and j, 60.0,
+                      "the queued job to be started when the first ended", poll_s=0.05)
+    try:
+        visible = _environ(worker.pid)["CUDA_VISIBLE_DEVICES"]
+        assert (worker.device, visible) in {("cuda:0", "3"), ("cuda:1", "5")}, (worker.device, visible)
+    finally:
+        jobs.cancel(second)
+        wait_status(second)
+
+
 def test_a_running_export_stops_on_cancel_leaving_no_partial_file(lora_dir: Path) -> None:
     job_id = jobs.submit(export_config(str(lora_dir)))
     # Freeze the worker mid-export so the cancel lands before it can finish, however fast it is.

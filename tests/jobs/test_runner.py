@@ -294,3 +294,26 @@ def test_a_gpu_group_is_made_visible_to_its_worker(monkeypatch: pytest.MonkeyPat
     assert env["CUDA_VISIBLE_DEVICES"] == "4,6" and env["KESTREL_JOB_DEVICE"] == "cuda:0,cuda:2"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert runner._worker_env("cuda:1")["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+@pytest.mark.parametrize("launcher", [None, "", "0,2"], ids=["unset", "empty", "two"])
+def test_a_worker_places_jobs_by_the_gpus_its_launcher_saw(monkeypatch: pytest.MonkeyPatch, launcher: str | None) -> None:
+    """In a worker's environment CUDA_VISIBLE_DEVICES names its own job's GPU only; the devices it may
+    start jobs on, and their physical GPUs, are its launcher's."""
+    from kestrel import env as kestrel_env
+
+    monkeypatch.delenv("KESTREL_DEVICES", raising=False)
+    monkeypatch.delenv("KESTREL_HOST_GPUS", raising=False)
+    if launcher is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", launcher)
+    ours = runner.available_devices()
+    worker = runner._worker_env("cuda:1" if launcher == "0,2" else "cpu")
+    for key in ("CUDA_VISIBLE_DEVICES", "KESTREL_HOST_GPUS"):
+        monkeypatch.setenv(key, worker[key])
+    assert kestrel_env.host_gpus() == launcher
+    assert runner.available_devices() == ours
+    if launcher == "0,2":
+        assert worker["CUDA_VISIBLE_DEVICES"] == "2" and ours == ["cuda:0", "cuda:1"]
+        assert runner._worker_env("cuda:0")["CUDA_VISIBLE_DEVICES"] == "0"  # from the worker: the launcher's GPU 0
