@@ -220,7 +220,8 @@ def record_worker_pid(job_id: int, pid: int) -> None:
 
 def _worker_env(device: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])  # once, however long the chain of launches
     env["PYTHONUNBUFFERED"] = "1"  # the log file shows progress as it happens
     env["KESTREL_HOME"] = str(kestrel_home())
     host = kestrel_env.host_gpus()

@@ -310,8 +310,9 @@ def test_a_worker_places_jobs_by_the_gpus_its_launcher_saw(monkeypatch: pytest.M
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", launcher)
     ours = runner.available_devices()
     worker = runner._worker_env("cuda:1" if launcher == "0,2" else "cpu")
-    for key in ("CUDA_VISIBLE_DEVICES", "KESTREL_HOST_GPUS"):
+    for key in ("CUDA_VISIBLE_DEVICES", "KESTREL_HOST_GPUS", "PYTHONPATH"):
         monkeypatch.setenv(key, worker[key])
+    assert runner._worker_env("cpu")["PYTHONPATH"] == worker["PYTHONPATH"]  # the repository once, not once a launch
     assert kestrel_env.host_gpus() == launcher
     assert runner.available_devices() == ours
     if launcher == "0,2":
