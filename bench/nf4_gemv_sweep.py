@@ -1,6 +1,6 @@
 """Check, time and choose the tiles of kernels/decode/nf4_gemv.py at the Llama-3.1-8B decode shapes.
 
-    python bench/nf4_gemv_sweep.py --out $OUT/nf4_gemv_sweep.json      # ~3-5 min on an H100
+    python bench/nf4_gemv_sweep.py --out $OUT/nf4_gemv_sweep.json      # ~3-5 min on an H100, before phase 4
 
 For q/k/v (three members, 6144 x 4096), o (4096 x 4096), gate/up (two members, 28672 x 4096) and
 down (4096 x 14336), at M = 1, 2, 8 and 16 rows:
@@ -17,7 +17,10 @@ down (4096 x 14336), at M = 1, 2, 8 and 16 rows:
      nibbles, fp32 absmax), `of_copy` divides that by the copy bandwidth (read + write of 1 GiB);
   3. bitsandbytes as Linear4bit.forward calls it (its 4-bit GEMV at one row, dequantize + GEMM
      above; one call per member) is timed the same way;
-  4. the fastest checked candidate per row count (its lookup included), and whether it beats
+  4. a second phase: the `variants` of each row count's REFINE_TOP fastest PRMT candidates (each
+     block loaded in two parts, loads pipelined over stages, at one row the rows in two groups;
+     `nf4_gemv.py`'s docstring says what each does) are compiled the same way, checked and timed;
+  5. the fastest checked candidate per row count (its lookup included), and whether it beats
      bitsandbytes at one row, is the shape's plan: written into the table the decode path reads
      (`kestrel/kernels/decode/nf4_gemv_tiles.json`, keyed by device name and (N, K)) and copied
      beside --out. bench/nf4_decode.py run afterwards on the same machine uses it.
