@@ -17,6 +17,8 @@
 #             on one GPU), TRL and Unsloth, each in its own process, 60 steps (median, settled and mean rates)
 #   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the
 #             allocator to say which step set the run's memory peak, and where
+#   gemma4peak what is alive at Gemma-4-E2B QLoRA's whole-run memory peak (set while the layer graphs are
+#             captured; 0.08 GiB over Unsloth's in session 22), by allocating site
 #   nf4       NF4 decode (issue 24): the GEMV tile sweep, then its second phase (block parts and
 #             pipelined stages around the fastest tiles); writes the plans it picked
 #   nf4decode 8B NF4 decode at batch 1 and 8 against its bandwidth bound and the dequantized 16-bit
@@ -90,12 +92,14 @@ for want in "$@"; do
         # Each shape's plan is stored as soon as it is done; NF4_SHAPES=qkv,o (then gate_up,down) splits it over calls.
         nf4)      phase nf4 560 python bench/nf4_gemv_sweep.py --shapes "${NF4_SHAPES:-qkv,o,gate_up,down}" \
                       --out "$OUT/nf4_sweep.json" ;;
+        gemma4peak) phase gemma4peak 540 python bench/graph_memory.py --model gemma4-e2b --graphs auto --steps 20 \
+                      --trace-step -1 --out "$OUT/gemma4-peak.txt" ;;
         nf4decode) phase nf4decode 540 python bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 \
                       --out "$OUT/nf4_decode.json" ;;
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpostd, nf4, nf4decode, qwen35, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpostd, gemma4peak, nf4, nf4decode, qwen35, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2

@@ -7,8 +7,9 @@ Builds Kestrel's matrix cell (`bench.matrix.kestrel_model`, CUDA graphs per --gr
 through the matrix's batches in turn. After each step it prints the batch's shape, whether that
 layout was new, memory allocated and reserved, the step's own allocated peak (a capture step's
 shows) and the layer graphs' counts. For --trace-step it records the allocator's events and
-reports the blocks alive at that step's peak by the site that allocated them; at the end, the
-live blocks by site (the innermost frame of ours), largest first.
+reports the blocks alive at that step's peak (-1: the whole run's, warm-up captures included) by
+the site that allocated them; at the end, the live blocks by site (the innermost frame of ours),
+largest first.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def main() -> None:
     ap.add_argument("--layout", default="packed")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--graphs", default="on", choices=["on", "off", "auto"])
-    ap.add_argument("--trace-step", type=int, default=0, help="the step whose allocated peak is traced by site")
+    ap.add_argument("--trace-step", type=int, default=0,
+                    help="the step whose allocated peak is traced by site; -1: the whole run's peak (every step recorded)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model, flat, recompute = kestrel_model(build_model_dir(args.model), args.method, LAYOUTS[args.layout], args.graphs)
@@ -56,7 +58,8 @@ def main() -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     model.train()  # checkpointing, and so its graphs, act in training only
     lines, shapes = [], set()
-    torch.cuda.memory._record_memory_history(max_entries=1)  # frames for live blocks, no event log
+    whole = args.trace_step < 0  # one event log over every step, warm-up and captures included
+    torch.cuda.memory._record_memory_history(max_entries=20_000_000 if whole else 1)  # frames for live blocks
     for i in range(args.steps):
         if i == args.trace_step:  # this step's events: the blocks alive at its peak
             torch.cuda.memory._record_memory_history(max_entries=2_000_000)
@@ -77,6 +80,9 @@ def main() -> None:
                      f"step's peak {torch.cuda.max_memory_allocated() / 2**30:.2f}; graphs {recompute.graphs.stats()}")
         shapes.add(shape)
         print(lines[-1], flush=True)
+    if whole:
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        lines.append("the whole run's allocated peak (blocks allocated since the first step):\n" + peak_report(trace))
     lines += ["live blocks by site at the end:"] + live_by_site()
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-31:]))

@@ -52,20 +52,27 @@ def _by_site(blocks: list[tuple[int, str]], top: int) -> list[str]:
 
 
 def peak_report(trace: list[dict], top: int = 25) -> str:
-    """Replays alloc / free_completed events; returns the live blocks at the highest point."""
-    live: dict[int, tuple[int, str]] = {}
+    """Replays alloc / free_completed events; returns the live blocks at the highest point. Two
+    passes (find the peak's event, then replay up to it), so a long trace costs linear time."""
+    sizes: dict[int, int] = {}
     now = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    for ev in trace:
+    peak_at = -1
+    for i, ev in enumerate(trace):
         if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
+            sizes[ev["addr"]] = ev["size"]
             now += ev["size"]
             if now > peak:
-                peak, at_peak = now, dict(live)
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
-            now -= live.pop(ev["addr"])[0]
-    lines = [f"allocated during the step at its peak: {peak / 2**30:.3f} GiB in {len(at_peak)} blocks"]
-    return "\n".join(lines + _by_site(list(at_peak.values()), top))
+                peak, peak_at = now, i
+        elif ev["action"] == "free_completed" and ev["addr"] in sizes:
+            now -= sizes.pop(ev["addr"])
+    live: dict[int, tuple[int, str]] = {}
+    for ev in trace[:peak_at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    lines = [f"allocated during the trace at its peak: {peak / 2**30:.3f} GiB in {len(live)} blocks"]
+    return "\n".join(lines + _by_site(list(live.values()), top))
 
 
 def reserved_report(trace: list[dict], start: int = 0, top: int = 25) -> str:
