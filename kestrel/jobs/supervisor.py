@@ -113,4 +113,7 @@ def _settle(job_id: int, pid: int, code: int) -> None:
         _kill_leftovers(pid)
         print(f"[jobs] job {job_id} {status}: the worker (pid {pid}) {runner.exit_description(code)} "
               "without reporting a result", flush=True)
-    runner.schedule()
+    try:
+        runner.schedule()
+    except Exception as exc:  # noqa: BLE001 - the job is settled; the next command or studio poll starts the queue
+        print(f"[jobs] could not start the next job: {exc}", flush=True)

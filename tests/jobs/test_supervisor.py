@@ -113,3 +113,26 @@ def test_sigterm_to_the_supervisor_pauses_the_job_after_a_checkpoint(monkeypatch
     done = jobs.get_job(job_id)
     assert (Path(done.output_dir) / "checkpoints" / f"step-{done.step:06d}").is_dir()
     assert supervisor.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize("reported", [True, False], ids=["worker-reported", "worker-lost"])
+def test_the_supervisor_starts_the_queue_however_the_worker_ended(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  reported: bool) -> None:
+    """The next job is started by the supervisor once the worker has exited (the worker itself may run
+    reniced); a failure to start it is reported as such and never raised."""
+    from kestrel.jobs import supervisor
+
+    started = []
+    monkeypatch.setattr(runner, "settle_exited", lambda job_id, pid, code: None if reported else INTERRUPTED)
+    monkeypatch.setattr(supervisor, "_kill_leftovers", lambda pgid: None)
+    monkeypatch.setattr(runner, "schedule", lambda: started.append(1) or [])
+    supervisor._settle(7, 12345, 0 if reported else -9)
+    assert started == [1]
+
+    def broken() -> list[int]:
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(runner, "schedule", broken)
+    supervisor._settle(7, 12345, 0)
+    assert "could not start the next job: database is locked" in capsys.readouterr().out
