@@ -39,8 +39,9 @@ PLAN_DEVICE = "NVIDIA H200"  # whose measured plans are read by default (the sam
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
 
 
-def compile_sm90(sizes: tuple[int, ...], k: int, t: Tiles, dtype: str = "bf16") -> Any:
-    """`_nf4_gemv_kernel` for a weight of members `sizes` x K with tiles `t`, compiled for sm_90."""
+def compile_sm90(sizes: tuple[int, ...], k: int, t: Tiles, dtype: str = "bf16", bias: bool = False) -> Any:
+    """`_nf4_gemv_kernel` for a weight of members `sizes` x K with tiles `t`, compiled for sm_90 and
+    specialized as a launch is: pointers 16-byte aligned, the integers that are multiples of 16 marked so."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -51,14 +52,16 @@ def compile_sm90(sizes: tuple[int, ...], k: int, t: Tiles, dtype: str = "bf16") 
     ptrs = {"X": dtype, "Y": dtype, "PART": "fp32", "TICKETS": "i32", **dict.fromkeys(("W0", "W1", "W2"), "u8"),
             **dict.fromkeys(("S0", "S1", "S2"), "fp32"), **dict.fromkeys(("B0", "B1", "B2"), dtype),
             "CODE": "fp32", "PAIRS": "i64"}
-    ints = ("M", "N", "end0", "end1", "stride_x", "stride_y")
-    consts = dict(K=k, BS=64, MEMBERS=len(sizes), HAS_BIAS=False, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+    n = sum(sizes)
+    ints = {"N": n, "end0": sizes[0], "end1": sum(sizes[:2]), "stride_x": k, "stride_y": n}  # M: never specialized
+    consts = dict(K=k, BS=64, MEMBERS=len(sizes), HAS_BIAS=bias, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                   BLOCK_K=t.block_k, SPLIT=t.split, LOOKUP=t.lookup, PREFETCH=t.prefetch, INTERPRETED=False,
                   PARTS=t.parts, STAGES=t.stages, GROUPS=t.groups)
-    signature = {k_: f"*{v}" for k_, v in ptrs.items()} | dict.fromkeys(ints, "i32") | dict.fromkeys(consts, "constexpr")
+    signature = ({k_: f"*{v}" for k_, v in ptrs.items()} | dict.fromkeys(("M", *ints), "i32")
+                 | dict.fromkeys(consts, "constexpr"))
     names = kernel.arg_names
-    aligned = [*ptrs, "N", "end0", "end1", "stride_x", "stride_y"]  # as a launch at the 8B shapes specializes them
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    aligned = [*ptrs, *(name for name, value in ints.items() if value % 16 == 0)]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = ASTSource(kernel, signature, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": t.stages})
 

@@ -14,23 +14,14 @@ import sys
 
 def compile_kernel(dtype: str, block_m: int, prefetch: bool, lookup: int, parts: int = 1, stages: int = 1,
                    groups: int = 1) -> str:
-    """The PTX of `_nf4_gemv_kernel` for two members (K = 320: a masked last step) with bias and split-K 2,
-    compiled through ptxas for sm_90 (raises where Triton or ptxas refuse it)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """The PTX of `_nf4_gemv_kernel` for two members (37 + 24 rows, K = 320: a masked last step) with bias
+    and split-K 2, compiled through ptxas for sm_90 (`bench.nf4_sass.compile_sm90`; raises where Triton or
+    ptxas refuse it)."""
+    from bench.nf4_sass import compile_sm90
+    from kestrel.kernels.decode.nf4_tiles import Tiles
 
-    from kestrel.kernels.decode import nf4_gemv
-
-    ptrs = {"X": dtype, "Y": dtype, "PART": "fp32", "TICKETS": "i32", "W0": "u8", "W1": "u8", "W2": "u8",
-            "S0": "fp32", "S1": "fp32", "S2": "fp32", "B0": dtype, "B1": dtype, "B2": dtype, "CODE": "fp32",
-            "PAIRS": "i64"}
-    sig = {k: f"*{v}" for k, v in ptrs.items()} | dict.fromkeys(("M", "N", "end0", "end1", "stride_x", "stride_y"), "i32")
-    consts = dict(K=320, BS=64, MEMBERS=2, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=16 if block_m > 1 else 4,
-                  BLOCK_K=128, SPLIT=2, LOOKUP=lookup, PREFETCH=prefetch, INTERPRETED=False, PARTS=parts, STAGES=stages,
-                  GROUPS=groups)
-    src = ASTSource(fn=nf4_gemv._nf4_gemv_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    tiles = Tiles(block_m, 16 if block_m > 1 else 4, 128, 2, 4, stages, lookup, prefetch, parts, groups)
+    compiled = compile_sm90((37, 24), 320, tiles, dtype, bias=True)
     assert compiled.asm["cubin"], "no cubin"
     return compiled.asm["ptx"]
 

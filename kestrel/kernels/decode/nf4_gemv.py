@@ -151,6 +151,16 @@ def _tile(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.co
 
 
 @triton.jit
+def _tile_parts(w_rows, s_rows, blk0, N_BLK: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
+                MASKED: tl.constexpr, LOOKUP: tl.constexpr, PARTS: tl.constexpr):
+    """(first part, last part, absmax) of a tile (`_tile`); with one part both are the whole tile
+    (one load: the compiler merges the two)."""
+    packed, scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, MASKED, LOOKUP, 0, PARTS)
+    last, _ = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, MASKED, LOOKUP, PARTS - 1, PARTS)
+    return packed, last, scale
+
+
+@triton.jit
 def _weight_pairs(packed, scale, CODE, PAIRS, HB: tl.constexpr, LOOKUP: tl.constexpr, DTYPE: tl.constexpr,
                   INTERPRETED: tl.constexpr, FP32: tl.constexpr):
     """A tile from `_tile` dequantized: (hi, lo), each (BLOCK_N, NB, HB), hi[.., b, j] = element 2j
@@ -209,13 +219,12 @@ def _fma_rows(X, w_rows, s_rows, w_odd, s_odd, CODE, PAIRS, blk_first, BLOCK_N: 
     acc = tl.zeros((BLOCK_N // GROUPS, NB, HB // PARTS), tl.float32)
     odd = tl.zeros((BLOCK_N // GROUPS, NB, HB // PARTS), tl.float32)  # the odd rows' (GROUPS = 2)
     if PREFETCH:  # (one group: `nf4_gemv` refuses two with it)
-        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)
-        packed1, _ = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
+        packed, packed1, scale = _tile_parts(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, PARTS)
         for i in tl.range(STEPS, num_stages=STAGES):
             blk0 = blk_first + i * NB
             cur, cur1, cur_scale = packed, packed1, scale
-            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)  # the last unused
-            packed1, _ = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
+            packed, packed1, scale = _tile_parts(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP,
+                                                 PARTS)  # the last one unused
             acc = _fma_part(acc, cur, cur_scale, X, blk0, CODE, PAIRS, N_BLK, NB, HB, 0, PARTS, EVEN, LOOKUP, DTYPE,
                             INTERPRETED)
             if PARTS == 2:
@@ -271,17 +280,15 @@ def _dot_rows(X, M, stride_x, w_rows, s_rows, CODE, PAIRS, blk_first, BLOCK_M: t
     x_rows = X + m.to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     if PREFETCH:
-        packed, scale = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)
-        packed1, _ = _tile(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
+        packed, packed1, scale = _tile_parts(w_rows, s_rows, blk_first, N_BLK, NB, HB, True, LOOKUP, PARTS)
     for i in tl.range(STEPS, num_stages=STAGES):
         blk0 = blk_first + i * NB
         if PREFETCH:
             cur, cur1, cur_scale = packed, packed1, scale
-            packed, scale = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, 0, PARTS)  # the last unused
-            packed1, _ = _tile(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP, PARTS - 1, PARTS)
+            packed, packed1, scale = _tile_parts(w_rows, s_rows, blk0 + NB, N_BLK, NB, HB, True, LOOKUP,
+                                                 PARTS)  # the last one unused
         else:
-            cur, cur_scale = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, 0, PARTS)
-            cur1, _ = _tile(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, PARTS - 1, PARTS)
+            cur, cur1, cur_scale = _tile_parts(w_rows, s_rows, blk0, N_BLK, NB, HB, not EVEN, LOOKUP, PARTS)
         acc = _dot_part(acc, cur, cur_scale, x_rows, m, M, blk0, CODE, PAIRS, BLOCK_M, BLOCK_N, N_BLK, NB, HB, 0,
                         PARTS, LOOKUP, DTYPE, INTERPRETED)
         if PARTS == 2:

@@ -26,7 +26,7 @@ from typing import Any
 import gradio as gr
 
 from kestrel.constants import merge, slug
-from kestrel.config import TrainConfig, config_from_dict
+from kestrel.config import PerformanceSettings, TrainConfig, config_from_dict
 from kestrel.errors import ConfigError, DatasetError, KestrelError
 from kestrel.model.registry import ALL_LEVELS, family_for, is_image_text
 from kestrel.recompute.policy import choose_checkpointing
@@ -277,7 +277,8 @@ def _estimate(shape: ModelShape, data: dict[str, Any], devices: int, checkpointi
     return estimate_training_memory(
         shape, method, int(lora.get("r", 16)), lora.get("targets"), rows, int(data["max_seq_length"]), checkpointing,
         int(grpo.get("num_generations", 8)), int(grpo.get("max_completion_length", 256)),
-        int(grpo.get("max_prompt_length", 512)), devices, float(data.get("performance", {}).get("offload_gate", 1.0)))
+        int(grpo.get("max_prompt_length", 512)), devices,
+        float(data.get("performance", {}).get("offload_gate", PerformanceSettings.offload_gate)))
 
 
 def _checkpointing(shape: ModelShape, data: dict[str, Any], devices: int, on_cuda: bool) -> tuple[str, str]:
