@@ -14,6 +14,7 @@ skipped, and no new work starts once --budget-s has passed, so the matrix runs i
     python bench/matrix.py --models all --methods qlora,lora --out m.jsonl --dry-run   # the plan
     options: --steps 10  --warmup 12 (Kestrel's; its CUDA-graph chooser times both ways first)
              --settle N (Kestrel's: up to N more steps until the chooser has decided every layout; 0: off)
+             every system then steps each batch at least once and times from the start of a cycle of them
              --warmup-baselines 3  --batches 16  --seed 0  --cuda-graphs auto|on|off (system kestrel)
              --gpus 1|N|all (a worker per GPU, each pair's process on one: CUDA_VISIBLE_DEVICES)
              --anchors DIR (Unsloth's packages, first on its PYTHONPATH)  --cell-timeout 420
@@ -211,20 +212,27 @@ def system_model(system: str, folder: Path, method: str, layout: Layout, cuda_gr
 
 
 def chooser_settled(chooser: Any, stepped: int, n_batches: int) -> bool:
-    """Whether Kestrel's CUDA-graph chooser (`GraphChooser`; None: no chooser) has nothing left to time
-    for the timed steps: forced on or off, or every batch stepped at least once (`stepped` steps so
-    far, cycling `n_batches`) and every layout it has seen decided."""
+    """Whether a system is warm for its timed steps after `stepped` steps cycling `n_batches`: every
+    batch stepped at least once (its first step compiles, autotunes or captures for its shapes, in
+    any system, forced graphs included) and, for Kestrel's CUDA-graph chooser (`GraphChooser`) in
+    auto, every layout it has seen decided. `chooser` None: a system without one."""
+    if stepped < n_batches:
+        return False
     if chooser is None or chooser.mode != "auto":
         return True
-    return stepped >= n_batches and len(chooser.decisions()) == len(chooser.layouts)
+    return len(chooser.decisions()) == len(chooser.layouts)
 
 
 def settle(step: Callable[[int], None], chooser: Any, start: int, most: int, n_batches: int) -> int:
     """After `start` warm-up steps, step on (`step(i)`, cycling the batches) until `chooser_settled`
-    or `most` more steps: how many ran. The chooser decides a layout only after timing it both ways
+    or `most` more steps, then on to the start of a cycle so that every system times the same
+    batches: how many ran. The chooser decides a layout only after timing it both ways
     (`GraphChooser`), so a run whose batches make many layouts needs more than the warm-up."""
     n = 0
     while n < most and not chooser_settled(chooser, start + n, n_batches):
+        step(start + n)
+        n += 1
+    while (start + n) % n_batches:
         step(start + n)
         n += 1
     return n
@@ -317,7 +325,8 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
     gpu = [b.to(torch.device("cuda")) for b in batches]
     kestrel = system.startswith("kestrel")
     chooser = getattr(recompute, "chooser", None) if kestrel else None
-    res = timed_steps(model, gpu, args.warmup, args.steps, chooser, args.settle if kestrel else 0)
+    # Every system steps each batch once before timing; Kestrel's chooser may take up to --settle.
+    res = timed_steps(model, gpu, args.warmup, args.steps, chooser, max(args.settle if kestrel else 0, len(batches)))
     timed = [(args.warmup + res["settle_steps"] + j) % len(batches) for j in range(args.steps)]
     tokens = sum(batches[i].tokens for i in timed)
     slots = sum(batches[i].input_ids.numel() for i in timed)

@@ -198,19 +198,26 @@ def test_settle_steps_until_every_layout_seen_is_decided_or_its_limit() -> None:
 
     capped = FakeChooser(k=3)
     step, ran = _stepper(capped, batches)
-    assert settle(step, capped, 0, 5, len(batches)) == 5 and ran == [0, 1, 2, 3, 4]
-    assert not chooser_settled(capped, 5, len(batches))
+    # capped at 5, then on to the next cycle's start: the timed steps begin at batch 0
+    assert settle(step, capped, 0, 5, len(batches)) == 8 and ran == list(range(8))
+    assert not chooser_settled(capped, 8, len(batches))
 
 
-def test_settle_runs_every_batch_once_and_nothing_when_graphs_are_forced() -> None:
+def test_every_system_steps_each_batch_once_and_times_from_a_cycle_start() -> None:
     batches = ["a", "b", "c", "d"]
     chooser = FakeChooser(k=1)  # decided on sight: settled once every batch has run
     step, ran = _stepper(chooser, batches)
     step(0)
     assert settle(step, chooser, 1, 100, len(batches)) == 3 and ran == [0, 1, 2, 3]
-    forced = FakeChooser(k=99, mode="on")
-    step, ran = _stepper(forced, batches)
-    assert settle(step, forced, 0, 100, len(batches)) == 0 and settle(step, None, 0, 100, 4) == 0 and not ran
+    # forced graphs and systems without a chooser still step every batch once before timing:
+    # a batch's first step captures, compiles or autotunes for its shapes
+    for other in (FakeChooser(k=99, mode="on"), None):
+        ran.clear()
+        step, ran = _stepper(other or FakeChooser(k=99, mode="off"), batches)
+        assert settle(step, other, 2, 100, len(batches)) == 2 and ran == [2, 3]
+        ran.clear()
+        assert settle(step, other, 5, 100, len(batches)) == 3 and ran == [5, 6, 7]  # to the next cycle's start
+    assert not chooser_settled(None, 3, 4) and chooser_settled(None, 4, 4)
 
 
 def test_table_notes_a_kestrel_cell_timed_before_its_chooser_settled() -> None:
