@@ -223,11 +223,14 @@ def chooser_settled(chooser: Any, stepped: int, n_batches: int) -> bool:
     return len(chooser.decisions()) == len(chooser.layouts)
 
 
-def settle(step: Callable[[int], None], chooser: Any, start: int, most: int, n_batches: int) -> int:
+def settle(step: Callable[[int], None], chooser: Any, start: int, most: int, n_batches: int,
+           probe: Callable[[], Any] | None = None) -> int:
     """After `start` warm-up steps, step on (`step(i)`, cycling the batches) until `chooser_settled`
     or `most` more steps, then on to the start of a cycle so that every system times the same
-    batches: how many ran. The chooser decides a layout only after timing it both ways
-    (`GraphChooser`), so a run whose batches make many layouts needs more than the warm-up."""
+    batches; with `probe` (what a system has built for its shapes: Kestrel's layer graphs), then
+    whole cycles until one leaves it unchanged, within `most`. How many steps ran. The chooser
+    decides a layout only after timing it both ways (`GraphChooser`), and graphs capture a
+    signature at its second or third sighting, so layouts that recur rarely need more than the warm-up."""
     n = 0
     while n < most and not chooser_settled(chooser, start + n, n_batches):
         step(start + n)
@@ -235,11 +238,18 @@ def settle(step: Callable[[int], None], chooser: Any, start: int, most: int, n_b
     while (start + n) % n_batches:
         step(start + n)
         n += 1
+    while probe is not None and n < most:
+        before = probe()
+        for _ in range(n_batches):
+            step(start + n)
+            n += 1
+        if probe() == before:
+            break
     return n
 
 
 def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser: Any = None,
-                settle_most: int = 0) -> dict[str, Any]:
+                settle_most: int = 0, probe: Callable[[], Any] | None = None) -> dict[str, Any]:
     """`warmup` steps, up to `settle_most` more while Kestrel's `chooser` settles (`settle`), then
     `steps` timed AdamW steps; step i on batches[i % len]; timings, memory, losses."""
     import torch
@@ -262,7 +272,7 @@ def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser
     began = time.perf_counter()
     for i in range(warmup):
         step(i)
-    settled = settle(step, chooser, warmup, settle_most, len(batches))
+    settled = settle(step, chooser, warmup, settle_most, len(batches), probe)
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - began
     first = warmup + settled
@@ -325,8 +335,10 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
     gpu = [b.to(torch.device("cuda")) for b in batches]
     kestrel = system.startswith("kestrel")
     chooser = getattr(recompute, "chooser", None) if kestrel else None
-    # Every system steps each batch once before timing; Kestrel's chooser may take up to --settle.
-    res = timed_steps(model, gpu, args.warmup, args.steps, chooser, max(args.settle if kestrel else 0, len(batches)))
+    # Every system steps each batch once before timing; Kestrel's chooser and graphs may take up to --settle.
+    graphs = getattr(recompute, "graphs", None) if kestrel else None
+    probe = (lambda: {k: v for k, v in graphs.stats().items() if k != "copies"}) if graphs is not None else None
+    res = timed_steps(model, gpu, args.warmup, args.steps, chooser, max(args.settle if kestrel else 0, len(batches)), probe)
     timed = [(args.warmup + res["settle_steps"] + j) % len(batches) for j in range(args.steps)]
     tokens = sum(batches[i].tokens for i in timed)
     slots = sum(batches[i].input_ids.numel() for i in timed)

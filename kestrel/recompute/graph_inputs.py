@@ -65,14 +65,21 @@ class StaticBuffers:
     """The static input buffers of one device, shared by every layer's graphs: one storage per
     slot and dtype, which each shape of that slot views from its start (a run's batch layouts
     share it; it grows to the largest). Each storage remembers which tensor's values it holds
-    (weakly, with its version and shape), so feeding it that tensor again copies nothing."""
+    (weakly, with its version and shape), so feeding it that tensor again copies nothing.
 
-    def __init__(self) -> None:
+    A storage that grows is replaced, and `on_replace(old)` is told: the graphs captured on the old
+    one still hold it, so unless they are dropped (`GraphRegistry` drops them; their signatures
+    capture again, on the new storage, at their next sighting) every size a run's layouts grew
+    through would stay allocated, the sum of them rather than the largest."""
+
+    def __init__(self, on_replace: Callable[[torch.Tensor], None] | None = None) -> None:
         self.storage: dict[tuple, torch.Tensor] = {}  # (slot, dtype, device) -> flat buffer
         self.views: dict[tuple, torch.Tensor] = {}  # (slot, shape, dtype, device) -> view of it
         # data_ptr -> (tensor, version, shape, stride): a slot's views of one storage differ in shape or layout
         self.holds: dict[int, tuple[weakref.ref, int, tuple[int, ...], tuple[int, ...]]] = {}
         self.copies = 0  # copies made (tests and profiling read it)
+        self.replaced = 0  # storages replaced by larger ones
+        self.on_replace = on_replace
 
     def get(self, slot: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (slot, tuple(shape), dtype, device)
@@ -85,11 +92,22 @@ class StaticBuffers:
         base_key = (slot, dtype, device)
         base = self.storage.get(base_key)
         if base is None or base.numel() < numel:
-            # Graphs captured on the old storage keep it alive while they live.
+            old = base
             base = self.storage[base_key] = torch.empty(numel, dtype=dtype, device=device)
             self.views = {k: v for k, v in self.views.items() if k[0] != slot or k[2] != dtype or k[3] != device}
+            if old is not None:
+                self._replace(old)
         view = self.views[key] = base[:numel].view(shape)
         return view
+
+    def _replace(self, old: torch.Tensor) -> None:
+        """Forget what `old`'s addresses held (freed, they may come back as another buffer that
+        holds nothing yet) and tell `on_replace`."""
+        start, end = old.data_ptr(), old.data_ptr() + old.numel() * old.element_size()
+        self.holds = {ptr: held for ptr, held in self.holds.items() if not start <= ptr < end}
+        self.replaced += 1
+        if self.on_replace is not None:
+            self.on_replace(old)
 
     def like(self, slot: Any, t: torch.Tensor) -> torch.Tensor:
         return self.get(slot, tuple(t.shape), t.dtype, t.device)

@@ -101,6 +101,12 @@ class _Graphs:
     links: LinkBuffers | None = None  # a linked call's ties (`kestrel.recompute.linked_graphs`)
     failed: bool = False
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every static buffer these graphs address."""
+        links = self.links
+        tied = [*links.links, *links.wrote, *links.dw, *links.dlinks] if links is not None else []
+        return [self.x, *self.leaves, *(t for t in (self.grad, self.gate) if t is not None), *self.flats, *tied]
+
 
 class _LayerState:
     def __init__(self) -> None:
@@ -123,11 +129,26 @@ class GraphRegistry:
         self.layers: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
         self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
         self.warned: set[str] = set()
+        self.dropped = 0  # graphs dropped with a replaced static storage (`drop_viewing`)
 
     def device(self, device: torch.device) -> _Device:
         if device not in self.devices:
-            self.devices[device] = _Device(StaticBuffers(), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+            drop = _weak_call(self.drop_viewing)  # weak: the registry's memory goes when it does
+            self.devices[device] = _Device(StaticBuffers(drop), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
         return self.devices[device]
+
+    def drop_viewing(self, old: torch.Tensor) -> None:
+        """Drop the graphs that address `old`, a static storage just replaced by a larger one, so
+        that it is freed: their signatures capture again, on the new storage, at their next
+        sighting (a call holding one for its backward keeps it until then). Without this, a run
+        whose layouts come in growing sizes would keep a storage for each size it grew through."""
+        ptr = old.untyped_storage().data_ptr()
+        for state in self.layers.values():
+            stale = [key for key, g in state.graphs.items()
+                     if any(t.untyped_storage().data_ptr() == ptr for t in g.buffers())]
+            for key in stale:
+                del state.graphs[key]
+            self.dropped += len(stale)
 
     def state(self, layer: nn.Module) -> _LayerState:
         if layer not in self.layers:
@@ -143,10 +164,11 @@ class GraphRegistry:
         """Drop every captured graph and static buffer."""
         self.layers = weakref.WeakKeyDictionary()
         self.devices.clear()
+        self.dropped = 0
 
     def stats(self) -> dict[str, int]:
         """Graphs captured, those keeping a gate product in a static buffer, linked calls' backward
-        graphs, and input copies made so far (tests, profiling)."""
+        graphs, input copies made so far, and graphs dropped with a replaced storage (tests, profiling)."""
         states = list(self.layers.values())
         graphs = [g for state in states for g in state.graphs.values()]
         return {
@@ -157,7 +179,20 @@ class GraphRegistry:
             "linked": sum(g.links is not None and g.backward is not None for g in graphs),
             "eager_backwards": sum(state.eager_backwards for state in states),
             "copies": sum(d.buffers.copies for d in self.devices.values()),
+            "dropped": self.dropped,
         }
+
+
+def _weak_call(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """`method` held by a weak reference to its object: a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(t: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(t)
+
+    return call
 
 
 def layer_state(layer: nn.Module, registry: GraphRegistry) -> tuple:

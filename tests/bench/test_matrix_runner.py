@@ -220,6 +220,28 @@ def test_every_system_steps_each_batch_once_and_times_from_a_cycle_start() -> No
     assert not chooser_settled(None, 3, 4) and chooser_settled(None, 4, 4)
 
 
+def test_a_probe_keeps_settling_whole_cycles_until_one_changes_nothing() -> None:
+    batches = ["a", "b", "a", "c"]
+    captured: set[str] = set()
+    sightings: dict[str, int] = {}
+
+    def step(i: int) -> None:  # graphs capture a batch's shape at its third sighting
+        key = batches[i % len(batches)]
+        sightings[key] = sightings.get(key, 0) + 1
+        if sightings[key] >= 3:
+            captured.add(key)
+
+    def probe() -> int:
+        return len(captured)
+
+    # forced graphs: one cycle (every batch seen), then whole cycles until one captures nothing:
+    # cycle 2 captures a, cycle 3 b and c, cycle 4 changes nothing
+    assert settle(step, FakeChooser(k=1, mode="on"), 0, 100, len(batches), probe) == 16
+    assert captured == {"a", "b", "c"}
+    captured.clear(), sightings.clear()
+    assert settle(step, None, 0, 6, len(batches), probe) == 8  # bounded by `most`, whole cycles
+
+
 def test_table_notes_a_kestrel_cell_timed_before_its_chooser_settled() -> None:
     base = dict(model="gemma4-e2b", method="qlora", layout="padded", tokens_per_s=1.0, peak_alloc_gib=1.0,
                 peak_reserved_gib=1.0, cuda_graphs="auto", graph_layouts_seen=11)

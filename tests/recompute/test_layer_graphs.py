@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,34 @@ def test_buffers_of_one_slot_share_storage_across_shapes_and_never_mistake_one_f
     assert bufs.like("grad", big).data_ptr() != b_huge.data_ptr()  # other slots: their own storage
 
 
+def test_graphs_on_a_replaced_storage_are_dropped_so_it_is_freed() -> None:
+    registry = layer_graphs.GraphRegistry()
+    bufs = StaticBuffers(layer_graphs._weak_call(registry.drop_viewing))
+    layers = [torch.nn.Linear(2, 2) for _ in range(2)]
+    small = torch.arange(6.0).view(2, 3)
+
+    def add(name: str, shape: tuple[int, ...], registry: layer_graphs.GraphRegistry = registry) -> None:
+        for layer in layers:
+            registry.state(layer).graphs[name] = layer_graphs._Graphs(
+                bufs.get("x", shape, torch.float32, small.device), [bufs.like(("arg", 0), small)])
+
+    add("small", (2, 3))
+    bufs.feed(registry.state(layers[0]).graphs["small"].x, small)
+    base = bufs.storage[("x", torch.float32, small.device)]
+    old, old_ptr = weakref.ref(base), base.data_ptr()
+    del base
+    add("smaller", (1, 3))  # views the same storage
+    assert registry.dropped == 0 and bufs.replaced == 0 and old_ptr in bufs.holds
+    add("big", (4, 3))  # grows "x": every graph on the old storage goes, and with them the storage
+    assert [list(registry.state(layer).graphs) for layer in layers] == [["big"], ["big"]]
+    assert registry.dropped == 4 and bufs.replaced == 1 and old() is None
+    assert old_ptr not in bufs.holds  # what the old addresses held is forgotten: they may come back as another buffer
+    del registry
+    gc.collect()
+    bufs.get("x", (9, 3), torch.float32, small.device)  # the registry gone: nothing to tell
+    assert bufs.replaced == 2
+
+
 # --- CUDA ----------------------------------------------------------------------------------------
 
 
@@ -177,18 +207,27 @@ def test_a_new_shape_runs_eagerly_then_gets_its_own_graphs(tiny_model_dir, monke
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
     run = set_gradient_checkpointing(model, "standard", "on")
     model.train()
-    for length in (32, 32, 40, 32, 40, 40):
-        ids = torch.randint(5, 200, (2, length), device="cuda")
-        model(input_ids=ids, labels=ids).loss.backward()
-    stats = run.graphs.stats()
-    assert stats["forward"] == stats["backward"] == 4 and stats["failed"] == 0  # 2 layers x 2 shapes
+    def steps(*lengths: int) -> dict[str, int]:
+        for length in lengths:
+            ids = torch.randint(5, 200, (2, length), device="cuda")
+            model(input_ids=ids, labels=ids).loss.backward()
+        return run.graphs.stats()
+
+    stats = steps(40, 40, 32, 40, 32, 32)  # the smaller shape views the larger one's buffers
+    assert stats["forward"] == stats["backward"] == 4 and stats["failed"] == stats["dropped"] == 0  # 2 layers x 2 shapes
     with model.disable_adapter():  # another adapter state: another signature, eager first
         ids = torch.randint(5, 200, (2, 32), device="cuda")
         model(input_ids=ids, labels=ids).loss.backward()
     assert run.graphs.stats()["forward"] == 4
+    # A larger shape replaces the static buffers: the graphs on the old ones go (freeing them),
+    # and a shape seen before captures again at its next sighting, on the new buffers.
+    stats = steps(48, 48)
+    assert stats["dropped"] == 4 and stats["forward"] == stats["backward"] == 2, stats
+    stats = steps(32)
+    assert stats["backward"] == 4 and stats["forward"] == 2 and stats["dropped"] == 4, stats
     set_gradient_checkpointing(model, "off")
     assert run.graphs.stats() == {"forward": 0, "backward": 0, "failed": 0, "gates": 0, "linked": 0,
-                                  "eager_backwards": 0, "copies": 0}
+                                  "eager_backwards": 0, "copies": 0, "dropped": 0}
 
 
 @pytest.mark.gpu
