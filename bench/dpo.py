@@ -16,6 +16,8 @@ tokens of a step's 2 x batch sequences (prompt + answer) over it; peak memory is
                                                                       # ones (bench/step_profile.py: DIR/profile.txt)
     python bench/dpo.py --impl kestrel --memory-history peak.txt --out one.json  # where the run's memory
                                                                       # peak was set (a slower, untimed run)
+    python bench/dpo.py --impls kestrel --eval-split 0.05 --out e.json  # + evaluation at the default interval:
+                                                                      # the run's wall time with and without it
     TRITON_INTERPRET=1 python bench/dpo.py --smoke --impls kestrel,trl --out /tmp/s.json   # tiny model on a CPU:
                                                                       # checks the script, times nothing
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -75,7 +78,9 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kestrel-dpo-"))
     data = work / "pairs.jsonl"
     profiled = PROFILED_STEPS if args.profile else 0
-    data.write_text("".join(json.dumps(r) + "\n" for r in texts(args.seq, args.batch * (args.steps + profiled + 1))))
+    pairs = args.batch * (args.steps + profiled + 1)
+    pairs = math.ceil(pairs / (1 - args.eval_split))  # the held-out pairs come on top of the trained ones
+    data.write_text("".join(json.dumps(r) + "\n" for r in texts(args.seq, pairs)))
     steps: list[dict[str, float]] = []
     decided: list[int] = []  # steps during which the CUDA-graph chooser decided a layout
     callbacks = [step_recorder(steps, decided)]
@@ -86,7 +91,7 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     cfg = config_from_dict(dict(
         model=str(folder), method="dpo", dataset=str(data), output_dir=str(work / "run"), max_seq_length=args.seq + 64,
         batch_size=args.batch, max_steps=args.steps + profiled, learning_rate=LR, save_steps=0, seed=0,
-        lr_scheduler="constant",
+        lr_scheduler="constant", eval_split=args.eval_split, eval_steps=args.eval_steps,
         gradient_checkpointing=args.checkpointing if not args.smoke else "off", dtype="fp32" if args.smoke else "bf16",
         lora={"r": 16, "alpha": 16, "dropout": 0.0, "targets": TARGETS},
         preference={"finetune": "lora" if args.smoke else "qlora", "beta": BETA, "loss_type": "sigmoid"},
@@ -96,18 +101,33 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     history = args.memory_history and torch.cuda.is_available()
     if history:  # every allocation from the model's load to the run's end, with its Python stack
         torch.cuda.memory._record_memory_history(max_entries=8_000_000, stacks="python")
+    began = time.perf_counter()
     result = run(cfg, callbacks)
+    run_wall_s = time.perf_counter() - began
     if history:
         write_history(Path(args.memory_history), steps)
     if result.status != "completed":
         raise RuntimeError(f"kestrel run {result.status}: {result.error}")
-    steps = steps[: args.steps]  # the profiled steps are slower: not timed
+    evals = [m for m in steps if "eval_runtime" in m]  # an evaluation reports its own record
+    steps = [m for m in steps if "elapsed_s" in m][: args.steps]  # the profiled steps are slower: not timed
     times = [steps[0]["elapsed_s"]] + [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)]
     settled = max([args.warmup, *(d + 1 for d in decided)])  # past the warm-up and every probe
     return {"step_times": times, "s_per_step": _medians(times, args.warmup),
             "checkpointing": cfg.gradient_checkpointing, "loss_first": steps[0]["loss"],
             "graph_decision_steps": decided, "gc_full_ms": [m.get("gc_full_ms", 0.0) for m in steps],
-            "settled_s_per_step": statistics.median(times[settled:]) if settled < len(times) else None}
+            "settled_s_per_step": statistics.median(times[settled:]) if settled < len(times) else None,
+            "run_wall_s": run_wall_s, **eval_cost(evals, run_wall_s, args.eval_split)}
+
+
+def eval_cost(evals: list[dict[str, float]], run_wall_s: float, split: float) -> dict[str, Any]:
+    """With an evaluation set: the evaluations' own time (`eval_runtime` of each evaluation's
+    record) and its share of the run's wall time (issue 27: evaluation adds at most 5%; the
+    run without evaluation, timed the same way, gives the other side of the comparison)."""
+    if not split:
+        return {}
+    eval_s = sum(m["eval_runtime"] for m in evals)
+    return {"eval_split": split, "evaluations": len(evals), "eval_s": eval_s,
+            "eval_share": eval_s / run_wall_s if run_wall_s else None}
 
 
 def write_history(path: Path, steps: list[dict[str, float]]) -> None:
@@ -215,11 +235,17 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="kestrel only: profile 2 more steps into this folder (profile.txt)")
     ap.add_argument("--memory-history", default="", help="kestrel only: record the allocator over the whole run and "
                     "write where its peak was set to this file (slows the run: its times are not comparable)")
+    ap.add_argument("--eval-split", type=float, default=0.0, help="kestrel only: hold this share of the pairs out and "
+                    "evaluate at the default interval (reports eval_s, run_s and eval_share)")
+    ap.add_argument("--eval-steps", type=int, default=None, help="with --eval-split: evaluate every N steps "
+                    "(default: the product's automatic interval)")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (a quick check of the script)")
     ap.add_argument("--anchors", default=str(Path(__file__).resolve().parent.parent / ".gpu-anchors"))
     ap.add_argument("--smoke", action="store_true", help="tiny model, fp32, no 4-bit: checks the script")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if not 0 <= args.eval_split < 0.5:
+        ap.error(f"--eval-split is a share of the pairs, from 0 to below 0.5, got {args.eval_split}")
     if args.profile and "--impl" in sys.argv and args.impl != "kestrel":
         ap.error("--profile profiles Kestrel's steps: give it with --impl kestrel (or --impls including kestrel)")
     if "--impl" in sys.argv:  # one implementation, in this process
@@ -234,6 +260,8 @@ def main() -> None:
     for impl in args.impls.split(","):
         own = ["--profile", args.profile] if args.profile and impl == "kestrel" else []
         own += ["--memory-history", args.memory_history] if args.memory_history and impl == "kestrel" else []
+        own += ["--eval-split", str(args.eval_split)] if args.eval_split and impl == "kestrel" else []
+        own += ["--eval-steps", str(args.eval_steps)] if args.eval_steps and impl == "kestrel" else []
         res = run_isolated(__file__, ["--impl", impl, *common, *own],
                            extra_path=args.anchors if impl == "unsloth" else None, timeout=900)
         res.setdefault("impl", impl)
