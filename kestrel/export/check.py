@@ -62,6 +62,8 @@ class GGUFCheck:
     greedy_identical: bool = False
     sample: str = ""  # llama.cpp's own top-1 continuation of the first prompt, decoded
     problems: list[str] = field(default_factory=list)
+    prompt_ties: int = 0  # prompt positions that differ where the reference's top two are within the tie tolerance
+    prompt_beyond_ties: int = 0  # prompt positions that differ by more than the tie tolerance
 
 
 @dataclass
@@ -217,7 +219,7 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
                                           len(refs[0].prompt_ids) - 1)
     except (ValueError, RuntimeError) as exc:
         return GGUFCheck(False, exact, 0.0, 0.0, problems=[f"llama.cpp could not load {path.name}: {exc}"])
-    gen_ok = gen_n = prompt_ok = prompt_n = ties = 0
+    gen_ok = gen_n = prompt_ok = prompt_n = ties = prompt_ties = prompt_beyond = 0
     problems: list[str] = []
     for i, (ref, ours) in enumerate(zip(refs, all_scores)):
         theirs = ref.logits
@@ -230,6 +232,9 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
         tol = tie_tol * float(theirs.std())
         n_prompt = len(ref.prompt_ids) - 1
         prompt_ok, prompt_n = prompt_ok + int(agree[:n_prompt].sum()), prompt_n + n_prompt
+        for pos in np.flatnonzero(~agree[:n_prompt]):
+            near = theirs[pos].max() - theirs[pos, top[pos]] <= tol
+            prompt_ties, prompt_beyond = prompt_ties + int(near), prompt_beyond + int(not near)
         gen = agree[n_prompt:]
         gen_ok, gen_n = gen_ok + int(gen.sum()), gen_n + len(gen)
         for pos in np.flatnonzero(~gen) + n_prompt:
@@ -242,7 +247,7 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
     identical = gen_n > 0 and gen_ok == gen_n
     passed = not problems and gen_n > 0
     return GGUFCheck(passed, exact, gen_ok / max(gen_n, 1), prompt_ok / max(prompt_n, 1), ties,
-                     identical, sample, problems[:5])
+                     identical, sample, problems[:5], prompt_ties, prompt_beyond)
 
 
 def check_template(path: Path, tokenizer: Any, messages: list[dict[str, str]]) -> dict[str, Any]:

@@ -147,8 +147,10 @@ def test_adapters_on_nf4_match_dequantized_logits(monkeypatch: pytest.MonkeyPatc
     mixed = selection_rows(ours.adapters, ["qv", None, "default"]).to(torch.bfloat16)
     for lora, rows in ((LoraCall(ours.adapters.index("default")), ids[:1]), (LoraCall(None, mixed), ids)):
         for a, b in zip(_teacher_forced(ours, rows, lora), _teacher_forced(dense, rows, lora), strict=True):
+            # 3% of the logits' range: the dense reference's bf16 CPU products round differently
+            # between instruction sets (2.6% seen on an AVX2 machine); the adapters move it > 0.1
             scale = float(b.abs().max())
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * scale)
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=3e-2 * scale)
         base = _teacher_forced(dense, rows, None)[-1]
         assert (base - _teacher_forced(ours, rows, lora)[-1]).abs().max() > 0.1  # the adapters do change it
 

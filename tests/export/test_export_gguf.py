@@ -36,7 +36,11 @@ EXPECTED_STOPS = {"llama": ["<|eot_id|>"], "qwen2": ["<|im_end|>"], "qwen3": ["<
 # Top-1 agreement on the prompt positions (not checked by the export: no tie allowance there). Gemma 4
 # attends unscaled (scale 1 on normed q, k): llama.cpp's f16 K/V cache moves its logits by up to
 # ~3% of their spread (~0.3% with an f32 cache), enough to flip a near-tie among the prompt's tokens.
-PROMPT_FLOOR = {"gemma4_text": 0.95}
+PROMPT_FLOOR = {"gemma4_text": 0.95}  # the rest: at least 0.95, every difference a near-tie
+# Mixtures of experts: a router near-tie at one position may pick another expert there in llama.cpp
+# (seen on gpt-oss on an AVX2 CPU: one prompt position off by 7.7, every other within 0.01), which
+# the final logits' tie test cannot see. At most one such position is allowed.
+ROUTED = {"qwen3_moe", "gpt_oss", "qwen3_5_moe_text"}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +77,10 @@ def test_f16_gguf_gives_hugging_face_greedy_tokens(family: str, family_dir, tmp_
     # (reference margin within the tie tolerance) that the random fixture may happen to contain.
     assert f16.passed and f16.exact_required and not f16.problems, f16
     assert f16.ties <= 1 and (f16.greedy_identical or f16.ties == 1), f16
-    assert f16.prompt_top1_agreement >= PROMPT_FLOOR.get(family, 1.0), f16
+    # The prompt positions likewise: any that differ are near-ties (16-bit rounding in llama.cpp's
+    # CPU kernels, which differ between instruction sets, may flip one), and few of them.
+    assert f16.prompt_beyond_ties <= (family in ROUTED), f16
+    assert f16.prompt_top1_agreement >= PROMPT_FLOOR.get(family, 0.95), f16
     assert result.checks["tokenizer"]["passed"] and result.checks["tokenizer"]["pre"] == EXPECTED_PRE[family]
     assert result.checks["chat_template"]["jinja_matches"]
     names = sorted(p.name for p in out.iterdir())
@@ -103,8 +110,9 @@ def test_quantized_gguf_loads_and_answers(family: str, quant: str, floor: float,
     assert check.top1_agreement >= floor, check
     print(f"{family} {quant}: top-1 agreement {check.top1_agreement:.3f} (prompt {check.prompt_top1_agreement:.3f})")
     assert check.sample  # llama.cpp produced tokens
-    if quant != "q8_0":  # made from a 16-bit file that was checked exactly, then deleted
-        assert result.checks["gguf_f16"].greedy_identical
+    if quant != "q8_0":  # made from a 16-bit file that was checked exactly (near-ties excepted), then deleted
+        f16 = result.checks["gguf_f16"]
+        assert f16.passed and f16.exact_required and not f16.problems and f16.ties <= 1, f16
     assert sorted(p.suffix for p in (tmp_path / "out").iterdir()) == ["", ".gguf", ".json"]
 
 
