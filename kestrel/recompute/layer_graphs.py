@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from kestrel.recompute.graph_grads import flat_slots, set_grads
 from kestrel.recompute.graph_inputs import graphable, NotGraphable, StaticBuffers, signature, substitute
 from kestrel.recompute.linked import LinkedCall
 from kestrel.recompute.linked_graphs import GraphLinks, LinkBuffers, WrittenLike, feed_dw, grad_lists, split_grads
@@ -393,7 +394,7 @@ class GraphedLayer:
                 return None, g.x.clone()
         g.backward.replay()
         bufs.hold(g.grad, g.grad)  # the layer below's incoming gradient: already in the buffer
-        _set_grads(g)
+        set_grads(g)
         if g.links is None:
             return (g.grad,), None
         return (g.grad, *(d.clone() if ok else None for d, ok in zip(g.links.dlinks, g.links.got))), None
@@ -403,7 +404,7 @@ class GraphedLayer:
         and the trainable parameters into the static buffers (`g.params` keeps the parameters
         that got one, `g.links.got` the linked inputs that did)."""
         params = [p for p in self.layer.parameters() if p.requires_grad]
-        slots = _flat_slots(g, bufs, params)
+        slots = flat_slots(g, bufs, params)
         lb = g.links
         wants = self.links.wants if lb is not None else []
         got: list[bool] = []
@@ -469,37 +470,6 @@ def _warm_stream(stream: torch.cuda.Stream) -> None:
         torch.mm(a, a).addmm_(a, a)
         torch.mm(a, a, out_dtype=torch.float32)
     current.wait_stream(stream)
-
-
-def _flat_slots(g: _Graphs, bufs: StaticBuffers, params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int, int]]:
-    """(parameter, flat buffer index, offset) for each parameter; sets g.flats, one static
-    gradient buffer per dtype (shared by the layers with the same parameter sizes)."""
-    totals: dict[torch.dtype, int] = {}
-    slots = []
-    for p in params:
-        start = totals.get(p.dtype, 0)
-        totals[p.dtype] = start + p.numel()
-        slots.append((p, p.dtype, start))
-    dtypes = list(totals)
-    device = params[0].device if params else g.x.device
-    g.flats = [bufs.get(("grads", dt), (totals[dt],), dt, device) for dt in dtypes]
-    return [(p, dtypes.index(dt), start) for p, dt, start in slots]
-
-
-def _set_grads(g: _Graphs) -> None:
-    """Give each parameter its gradient from the replayed graph: one clone per flat buffer, a
-    view of it as `.grad`, or added into the gradient being accumulated."""
-    fresh = [f.clone() for f in g.flats]
-    into, add = [], []
-    for p, i, start in g.params:
-        view = fresh[i][start : start + p.numel()].view(p.shape)
-        if p.grad is None:
-            p.grad = view
-        else:
-            into.append(p.grad)
-            add.append(view)
-    if into:
-        torch._foreach_add_(into, add)
 
 
 def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple, linked: LinkedCall | None = None) -> Any:
