@@ -321,7 +321,23 @@ def lower_priority(device: str | None) -> bool:
     except (AttributeError, OSError) as exc:  # no os.nice (Windows) or not permitted: run as is
         print(f"[jobs] could not lower the priority: {exc}", flush=True)
         return False
+    _lower_autogroup()
     return True
+
+
+def _lower_autogroup() -> None:
+    """With Linux's autogroup scheduling (on by default on desktops) CPU time is shared between
+    sessions first, and a thread's nice value only ranks it inside its own session: the worker
+    runs in a session of its own (start_new_session), so `os.nice` alone left it an equal share
+    beside the studio. The session's own nice value ranks it against the others. The supervisor
+    shares the session but only waits; the next job it launches starts a new session at 0."""
+    group = Path("/proc/self/autogroup")
+    if not group.exists():  # not Linux, or a kernel without autogroup
+        return
+    try:
+        group.write_text(str(CPU_NICE))
+    except OSError as exc:
+        print(f"[jobs] could not lower the session's priority: {exc}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

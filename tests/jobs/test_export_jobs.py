@@ -159,6 +159,13 @@ def _niceness(pid: int) -> set[int]:
             for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
+def _group_nice(pid: int) -> int | None:
+    """The nice value of `pid`'s autogroup (its session, as the scheduler ranks it against other
+    sessions), or None without autogroup scheduling."""
+    group = Path(f"/proc/{pid}/autogroup")
+    return int(group.read_text().split("nice")[1]) if group.exists() else None
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_cpu_jobs_run_at_lower_priority(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_DEVICES", "cpu,cuda:0")  # a pretend GPU: the fake engine ignores it
@@ -168,10 +175,12 @@ def test_cpu_jobs_run_at_lower_priority(monkeypatch: pytest.MonkeyPatch) -> None
     for device in ("cpu", "cuda:0"):
         job_id = jobs.submit(config(max_steps=100, save_steps=0), device=device)
         worker = wait_step(job_id, 2)  # heartbeat and checksum threads are running by now
-        seen[device] = _niceness(worker.pid)
+        seen[device] = _niceness(worker.pid), _group_nice(worker.pid)
         jobs.cancel(job_id)
         wait_status(job_id)
-    assert seen == {"cpu": {min(19, ours + 10)}, "cuda:0": {ours}}
+    # The session too: under autogroup scheduling a thread's nice value only ranks it in its session.
+    group = _group_nice(os.getpid())
+    assert seen == {"cpu": ({min(19, ours + 10)}, None if group is None else 10), "cuda:0": ({ours}, None if group is None else 0)}
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
@@ -191,6 +200,7 @@ def test_a_job_queued_behind_a_cpu_job_starts_at_normal_priority(monkeypatch: py
     try:
         assert job(first).status == CANCELLED
         assert _niceness(worker.pid) == {ours}
+        assert _group_nice(worker.pid) in (None, 0)
     finally:
         jobs.cancel(second)
         wait_status(second)
