@@ -80,7 +80,8 @@ def model_name(source: str, text: str) -> str:
 # Datasets tab (+ the Train form it feeds)
 
 
-def wire_datasets(d: C, t: C, settings: StudioSettings) -> None:
+def wire_datasets(d: C, t: C, tab: gr.Tab, settings: StudioSettings) -> None:
+    """The Datasets tab (`tab`) and the Train form fields it fills."""
     model_in = [t["model_source"], t["model"]]
     tokens = Outputs.of(d, "tokens", "token_summary", "truncation")
     shown = Outputs.of(d, "state", "status", "summary", "format", "preview", "report", "histogram", "row",
@@ -112,9 +113,10 @@ def wire_datasets(d: C, t: C, settings: StudioSettings) -> None:
                    lambda state, fmt, src, text, *cols: ds_h.apply_mapping(state, fmt, model_name(src, text), *cols),
                    [d["state"], d["format"], *model_in, *[d[f"col_{r}"] for r in roles()]], shown))
     _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", **LIGHT)
-    # The token view and the truncation warning follow the Train form's length and masking.
-    gr.on([t["max_seq_length"].change, t["train_on_responses_only"].change], tokens.wrap(preview_tokens), token_in,
-          tokens.components, trigger_mode="always_last", **LIGHT)
+    # The token view and the truncation warning follow the Train form's model, length and masking
+    # when the tab is opened, not on every edit of the Train form: a hidden view is not redrawn,
+    # and an edit there pays one round trip (its own preview), not two.
+    _on(tab.select, preview_tokens, token_in, tokens, **LIGHT)
     _on(d["format"].input, ds_h.show_roles, [d["format"]], Outputs.of(d, *[f"col_{r}" for r in roles()]), **LIGHT)
     picked = Outputs([("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
     _on(t["dataset"].input, train_h.pick_dataset, [t["dataset"], d["state"], t["extra"]], picked, **LIGHT) \

@@ -46,7 +46,7 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
                 ch = chat.build()
             with gr.Tab(S.TAB_EXPORT, id="export") as export_tab:
                 ex = export.build()
-        events.wire_datasets(d, t, settings)
+        events.wire_datasets(d, t, datasets_tab, settings)
         events.wire_train(t, r, tabs, settings)
         events.wire_runs(r)
         events.wire_chat(ch, pool)

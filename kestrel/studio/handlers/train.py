@@ -213,8 +213,8 @@ def _values(args: tuple[Any, ...]) -> dict[str, Any]:
 # YAML, download file, memory estimate
 
 
-def _yaml_file(cfg: TrainConfig) -> str:
-    text = cfg.to_yaml()
+def _yaml_file(cfg: TrainConfig, text: str) -> str:
+    """The download file of `cfg`, whose YAML is `text`: named by the run and a digest of it."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:10]
     stem = slug(cfg.name or "", "kestrel-run", limit=80)  # file names stop at 255 bytes
     path = files.configs_dir() / f"{stem}-{digest}.yaml"
@@ -330,7 +330,8 @@ def vram_text(data: dict[str, Any], picked_gpu: str | None = None) -> str:
 def _rendered(cfg: TrainConfig, data: dict[str, Any], status: str = "", gpu: str | None = None) -> dict[str, Any]:
     cut = "" if data["method"] == "grpo" else truncation_note(  # GRPO's limits are its prompt and completion lengths
         data["dataset"], data["dataset_format"], data["columns"], data["model"], data["max_seq_length"])
-    return {"yaml": cfg.to_yaml(), "download": _yaml_file(cfg), "vram": vram_text(data, gpu) + (cut and "\n\n" + cut),
+    text = cfg.to_yaml()
+    return {"yaml": text, "download": _yaml_file(cfg, text), "vram": vram_text(data, gpu) + (cut and "\n\n" + cut),
             "status": status}
 
 
