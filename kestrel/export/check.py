@@ -14,6 +14,12 @@ reference's top two logits are within TIE_TOL of the logits' standard deviation:
 rounding picks either, and the position is counted as a tie, not a failure. (f16 weights and
 activations move the demo model's logits by well under TIE_TOL.)
 
+A mixture of experts has a second kind of tie: where a router's k-th and (k+1)-th expert scores
+are within TIE_TOL of that router row's standard deviation, rounding may send the token to another
+expert, which moves that position's logits by far more than a logit tie would allow. The reference
+records, at every position, the smallest such router margin over the layers (`route_margin`);
+a position that differs there counts as a routing tie, not a failure.
+
 Every llama.cpp call runs in a child process (`kestrel.export.llama_child`): a crash there is a
 clear error naming the stage, not the end of this process.
 """
@@ -50,6 +56,7 @@ class ReferenceRun:
     tokens: list[int]  # greedy continuation, N_NEW tokens
     logits: np.ndarray  # (len(prompt_ids) + N_NEW - 1, vocab) fp32, at every evaluated position
     rounded: np.ndarray | None = None  # the same with the merged weights rounded to 16 bits (see reference_runs)
+    route_margin: np.ndarray | None = None  # (positions,) smallest top-k router margin over layers, x row std; MoE only
 
 
 @dataclass
@@ -63,7 +70,9 @@ class GGUFCheck:
     sample: str = ""  # llama.cpp's own top-1 continuation of the first prompt, decoded
     problems: list[str] = field(default_factory=list)
     prompt_ties: int = 0  # prompt positions that differ where the reference's top two are within the tie tolerance
-    prompt_beyond_ties: int = 0  # prompt positions that differ by more than the tie tolerance
+    prompt_beyond_ties: int = 0  # prompt positions that differ beyond both tie tolerances
+    route_ties: int = 0  # generated positions that differ beyond the logit tie where a router was near a tie
+    prompt_route_ties: int = 0  # prompt positions likewise
 
 
 @dataclass
@@ -138,20 +147,41 @@ def _cpu_linear_attention(model: Any) -> None:
 
 
 @torch.no_grad()
+def experts_per_token(model: Any) -> int | None:
+    """k of a mixture-of-experts model's top-k routing, None for a dense model."""
+    k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    return int(k) if k else None
+
+
+def route_margins(router_logits: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
+    """(tokens,) for each token, min over layers of (s_k - s_(k+1)) / std(s), s the layer's router
+    scores (tokens, experts) sorted descending: how close the token came to another expert set."""
+    margins = []
+    for scores in router_logits:
+        top = scores.float().topk(k + 1, dim=-1).values
+        margins.append((top[:, k - 1] - top[:, k]) / scores.float().std(dim=-1).clamp_min(1e-12))
+    return torch.stack(margins).amin(0)
+
+
+@torch.no_grad()
 def greedy(model: Any, ids: list[int], n_new: int = N_NEW) -> ReferenceRun:
-    """Greedy decoding without stopping at EOS; logits kept at every position."""
+    """Greedy decoding without stopping at EOS; logits (and for a mixture of experts, router
+    margins) kept at every position."""
     dev = next(model.parameters()).device
-    out = model(torch.tensor([ids], device=dev), use_cache=True)
-    past, rows, tokens = out.past_key_values, [out.logits[0].float().cpu()], []
+    k = experts_per_token(model)
+    routed = {"output_router_logits": True} if k else {}
+    rows: list[torch.Tensor] = []
+    margins: list[torch.Tensor] = []
+    out, tokens = None, []
     for step in range(n_new):
-        token = int(rows[-1][-1].argmax())
-        tokens.append(token)
-        if step == n_new - 1:
-            break
-        out = model(torch.tensor([[token]], device=dev), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        feed = torch.tensor([ids] if step == 0 else [[tokens[-1]]], device=dev)
+        out = model(feed, past_key_values=out and out.past_key_values, use_cache=True, **routed)
         rows.append(out.logits[0].float().cpu())
-    return ReferenceRun(ids, tokens, torch.cat(rows).numpy())
+        if k:
+            margins.append(route_margins(out.router_logits, k).cpu())
+        tokens.append(int(rows[-1][-1].argmax()))
+    return ReferenceRun(ids, tokens, torch.cat(rows).numpy(),
+                        route_margin=torch.cat(margins).numpy() if k else None)
 
 
 @torch.no_grad()
@@ -209,8 +239,9 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
     """Load `path` with llama.cpp and compare its top-1 tokens with the references'.
 
     `exact`: every generated position must agree (ties within `tie_tol` x the reference logits'
-    standard deviation excepted); otherwise the agreement is only reported and the file passes
-    when it loads and gives finite logits."""
+    standard deviation excepted, and routing ties within `tie_tol` of a router row's: see the
+    module docstring); otherwise the agreement is only reported and the file passes when it loads
+    and gives finite logits."""
     longest = max(len(r.prompt_ids) + N_NEW for r in refs)
     seqs = [r.prompt_ids + r.tokens[:-1] for r in refs]
     stage = f"loading {path.name} and evaluating the test prompts (the {path.name} check)"
@@ -219,7 +250,8 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
                                           len(refs[0].prompt_ids) - 1)
     except (ValueError, RuntimeError) as exc:
         return GGUFCheck(False, exact, 0.0, 0.0, problems=[f"llama.cpp could not load {path.name}: {exc}"])
-    gen_ok = gen_n = prompt_ok = prompt_n = ties = prompt_ties = prompt_beyond = 0
+    gen_ok = gen_n = prompt_ok = prompt_n = 0
+    counts = {"tie": [0, 0], "route": [0, 0], "beyond": [0, 0]}  # kind -> [prompt, generated] positions
     problems: list[str] = []
     for i, (ref, ours) in enumerate(zip(refs, all_scores)):
         theirs = ref.logits
@@ -229,25 +261,34 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
             continue
         top = ours.argmax(-1)
         agree = top == theirs.argmax(-1)
-        tol = tie_tol * float(theirs.std())
         n_prompt = len(ref.prompt_ids) - 1
         prompt_ok, prompt_n = prompt_ok + int(agree[:n_prompt].sum()), prompt_n + n_prompt
-        for pos in np.flatnonzero(~agree[:n_prompt]):
-            near = theirs[pos].max() - theirs[pos, top[pos]] <= tol
-            prompt_ties, prompt_beyond = prompt_ties + int(near), prompt_beyond + int(not near)
-        gen = agree[n_prompt:]
-        gen_ok, gen_n = gen_ok + int(gen.sum()), gen_n + len(gen)
-        for pos in np.flatnonzero(~gen) + n_prompt:
-            margin = theirs[pos].max() - theirs[pos, top[pos]]
-            if margin <= tol:
-                ties += 1
-            elif exact:
+        gen_ok, gen_n = gen_ok + int(agree[n_prompt:].sum()), gen_n + len(agree) - n_prompt
+        tol = tie_tol * float(theirs.std())
+        for pos in np.flatnonzero(~agree):
+            kind, margin = _difference(ref, top, int(pos), tol, tie_tol)
+            counts[kind][int(pos >= n_prompt)] += 1
+            if kind == "beyond" and exact and pos >= n_prompt:
                 problems.append(f"prompt {i}: token {pos - n_prompt} differs ({int(top[pos])} vs "
                                 f"{int(theirs[pos].argmax())}, reference margin {margin:.3f})")
     identical = gen_n > 0 and gen_ok == gen_n
     passed = not problems and gen_n > 0
-    return GGUFCheck(passed, exact, gen_ok / max(gen_n, 1), prompt_ok / max(prompt_n, 1), ties,
-                     identical, sample, problems[:5], prompt_ties, prompt_beyond)
+    return GGUFCheck(passed, exact, gen_ok / max(gen_n, 1), prompt_ok / max(prompt_n, 1), counts["tie"][1],
+                     identical, sample, problems[:5], counts["tie"][0], counts["beyond"][0], counts["route"][1],
+                     counts["route"][0])
+
+
+def _difference(ref: ReferenceRun, top: np.ndarray, pos: int, tol: float, route_tol: float) -> tuple[str, float]:
+    """Why llama.cpp's top-1 `top[pos]` differs from the reference's there: "tie" (the reference's
+    logits of the two tokens within `tol`), "route" (a router within `route_tol` x its row's std
+    of another expert set there), else "beyond"; and the logit margin."""
+    row = ref.logits[pos]
+    margin = float(row.max() - row[top[pos]])
+    if margin <= tol:
+        return "tie", margin
+    if ref.route_margin is not None and ref.route_margin[pos] <= route_tol:
+        return "route", margin
+    return "beyond", margin
 
 
 def check_template(path: Path, tokenizer: Any, messages: list[dict[str, str]]) -> dict[str, Any]:
