@@ -28,12 +28,31 @@ from kestrel.recompute.host_memory import _PinnedPool  # noqa: E402
 from kestrel.paths import ASSETS  # noqa: E402
 from tests.support.tiny import tiny_model  # noqa: E402
 from tests.support.real_vocab import RealVocab, VocabMissing, real_tokenizer  # noqa: E402
+from tests.support.solo import run_turns  # noqa: E402
+
+MAX_WORKERS = 4  # `-n auto` (pyproject): one worker per core, at most this many (each loads torch)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "slow: end-to-end runs of a minute or more")
     config.addinivalue_line("markers", "browser: drives a real Chromium")
+    config.addinivalue_line("markers", "solo: runs while no other test runs (its timings are asserted)")
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                      os.cpu_count() or 1))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under xdist, a `solo` test (with its fixtures' setup and teardown) runs alone: tests.support.solo."""
+    turns = run_turns()
+    if turns is None:
+        return (yield)
+    with turns.turn(item.get_closest_marker("solo") is not None):
+        return (yield)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -30,7 +30,7 @@ SHARED_HOME = True
 P95_LIMIT_MS = 300.0
 STEPS = 120  # the demo preset (full fine-tune, batch 32 x 64 tokens): long enough to reload and watch steps
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, NEEDS_CHROMIUM]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.solo, NEEDS_CHROMIUM]
 
 
 @pytest.fixture(scope="module")
