@@ -31,6 +31,10 @@ from tests.support.real_vocab import RealVocab, VocabMissing, real_tokenizer  # 
 from tests.support.solo import run_turns  # noqa: E402
 
 MAX_WORKERS = 4  # `-n auto` (pyproject): one worker per core, at most this many (each loads torch)
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:  # the workers share the cores: OpenMP threads beyond them would spin against each other
+    torch.set_num_threads(max(1, _CORES // _WORKERS))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -41,8 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-                      os.cpu_count() or 1))
+    return max(1, min(MAX_WORKERS, _CORES))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -228,7 +228,7 @@ def test_long_run_names_in_the_studio(tmp_path: Path) -> None:
     assert "name is 300 characters long" in train.preview(extra, *values)["status"]
     cfg = config_from_dict({"name": "r" * 100})
     cfg.name = "r" * 300  # even past the config's limit, the download's file name stays short
-    assert len(Path(train._yaml_file(cfg)).name) < 120
+    assert len(Path(train._yaml_file(cfg, cfg.to_yaml())).name) < 120
 
 
 # --- 30.5: a non-finite loss stops the run `failed` -----------------------------------------------
