@@ -216,7 +216,10 @@ def wire_chat(ch: C, pool: ModelPool) -> None:
     inputs = [ch[k] for k in ("message", "left", "right", "target", "checkpoint", "side", "system", "temperature",
                               "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")]
     respond = partial(chat_h.respond, pool)
-    events = [_on(trigger, respond, inputs, answer, show_progress="hidden")
+    # trigger_mode "multiple": with Gradio's default ("once") the page drops a trigger while it
+    # counts the event as pending, and a Stop that cancels an answer mid-start can leave it counted
+    # so for good: Send then did nothing until a reload. Answers still run one at a time (the queue).
+    events = [_on(trigger, respond, inputs, answer, show_progress="hidden", trigger_mode="multiple")
               for trigger in (ch["send"].click, ch["message"].submit)]
     panels = Outputs.of(ch, "left", "right")
     # Stop cancels the answer, then replaces an answer that had not begun (its loading note).
