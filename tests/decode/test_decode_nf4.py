@@ -75,6 +75,7 @@ def _pair(adapters: bool, device: str = "cpu"):
     return quantized, twin
 
 
+@pytest.mark.slow
 def test_nf4_tokens_equal_dequantized_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_KERNELS", "triton")
     quantized, twin = _pair(adapters=False)

@@ -21,7 +21,7 @@ from tests.studio.browser_kit import (
 
 SHARED_HOME = True
 
-pytestmark = [pytest.mark.browser, NEEDS_CHROMIUM]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, NEEDS_CHROMIUM]
 
 LAST_BOT = "(p => { const b = document.querySelectorAll(p + ' .bot'); return b.length ? b[b.length - 1].innerText : ''; })"
 
