@@ -60,7 +60,7 @@ def test_same_name_new_content_never_overwrites(tmp_path: Path) -> None:
     ("notes.json", b"hello there\n", "does not start like JSON"),
     ("model.bin", LINE, "unsupported file type"),
     # issue 30: the reader's own checks (old: "binary data", no word of gzip; a cut Parquet file passed)
-    ("data.jsonl", gzip.compress(LINE), "is gzip-compressed.*decompress it first"),
+    ("data.jsonl", gzip.compress(LINE, mtime=0), "is gzip-compressed.*decompress it first"),
     ("cut.parquet", b"PAR1" + b"\x15" * 40, "not a complete Parquet file"),
 ])
 def test_bad_uploads_are_refused(tmp_path: Path, kestrel_home: Path, name: str, data: bytes, words: str) -> None:
