@@ -146,7 +146,6 @@ def _cpu_linear_attention(model: Any) -> None:
             module.forward = types.MethodType(linear_attention_forward, module)
 
 
-@torch.no_grad()
 def experts_per_token(model: Any) -> int | None:
     """k of a mixture-of-experts model's top-k routing, None for a dense model."""
     k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
@@ -157,9 +156,9 @@ def route_margins(router_logits: tuple[torch.Tensor, ...], k: int) -> torch.Tens
     """(tokens,) for each token, min over layers of (s_k - s_(k+1)) / std(s), s the layer's router
     scores (tokens, experts) sorted descending: how close the token came to another expert set."""
     margins = []
-    for scores in router_logits:
-        top = scores.float().topk(k + 1, dim=-1).values
-        margins.append((top[:, k - 1] - top[:, k]) / scores.float().std(dim=-1).clamp_min(1e-12))
+    for scores in (s.float() for s in router_logits):
+        top = scores.topk(k + 1, dim=-1).values
+        margins.append((top[:, k - 1] - top[:, k]) / scores.std(dim=-1).clamp_min(1e-12))
     return torch.stack(margins).amin(0)
 
 
@@ -273,9 +272,10 @@ def check_gguf(path: Path, refs: list[ReferenceRun], exact: bool, tie_tol: float
                                 f"{int(theirs[pos].argmax())}, reference margin {margin:.3f})")
     identical = gen_n > 0 and gen_ok == gen_n
     passed = not problems and gen_n > 0
-    return GGUFCheck(passed, exact, gen_ok / max(gen_n, 1), prompt_ok / max(prompt_n, 1), counts["tie"][1],
-                     identical, sample, problems[:5], counts["tie"][0], counts["beyond"][0], counts["route"][1],
-                     counts["route"][0])
+    return GGUFCheck(passed, exact, gen_ok / max(gen_n, 1), prompt_ok / max(prompt_n, 1), ties=counts["tie"][1],
+                     greedy_identical=identical, sample=sample, problems=problems[:5], prompt_ties=counts["tie"][0],
+                     prompt_beyond_ties=counts["beyond"][0], route_ties=counts["route"][1],
+                     prompt_route_ties=counts["route"][0])
 
 
 def _difference(ref: ReferenceRun, top: np.ndarray, pos: int, tol: float, route_tol: float) -> tuple[str, float]:
