@@ -325,17 +325,28 @@ def lower_priority(device: str | None) -> bool:
     return True
 
 
+def autogroup_nice(pid: int | str = "self") -> int | None:
+    """The nice value of `pid`'s autogroup (its session, as the scheduler ranks it against other
+    sessions), or None when autogroup scheduling does not rank it: not Linux, a kernel without
+    autogroup, or a process in a cgroup of its own (containers), where the file reads empty."""
+    try:
+        text = Path(f"/proc/{pid}/autogroup").read_text()
+    except OSError:
+        return None
+    _, sep, nice = text.partition(" nice ")
+    return int(nice) if sep else None
+
+
 def _lower_autogroup() -> None:
     """With Linux's autogroup scheduling (on by default on desktops) CPU time is shared between
     sessions first, and a thread's nice value only ranks it inside its own session: the worker
     runs in a session of its own (start_new_session), so `os.nice` alone left it an equal share
     beside the studio. The session's own nice value ranks it against the others. The supervisor
     shares the session but only waits; the next job it launches starts a new session at 0."""
-    group = Path("/proc/self/autogroup")
-    if not group.exists():  # not Linux, or a kernel without autogroup
+    if autogroup_nice() is None:  # plain nice values already rank it
         return
     try:
-        group.write_text(str(CPU_NICE))
+        Path("/proc/self/autogroup").write_text(str(CPU_NICE))
     except OSError as exc:
         print(f"[jobs] could not lower the session's priority: {exc}", flush=True)
 

@@ -30,11 +30,25 @@ from kestrel.studio.models import ModelPool
 from kestrel.studio.settings import StudioSettings
 
 C = dict[str, gr.Component]
-# Cheap handlers (milliseconds of work) skip Gradio's queue: a queued event pays a join request
-# and a server-sent-events round trip, which doubled the answer time of a click while a job
-# trained on the same CPU. Heavy or streaming handlers (dataset reading, Start, chat, export)
-# stay queued, where concurrency limits apply.
-LIGHT: dict[str, Any] = {"queue": False, "show_progress": "hidden"}
+
+
+def hidden(anchor: gr.Component) -> dict[str, Any]:
+    """Keyword arguments of an event that shows no progress: its loading state is kept on
+    `anchor` (the page's header), never on its outputs. Gradio's page keeps the loading state of
+    every component any event has named as a progress target (by default, its outputs; once an
+    event completes, its inputs too), and on each status message of every event it re-applies all
+    of them, each after a walk of the whole layout and a deep copy of the component's value: with
+    the studio's 125 outputs that was most of an edit's time. Every event of the studio therefore
+    names its progress targets: this anchor, or one status line per tab where progress shows."""
+    return {"show_progress": "hidden", "show_progress_on": [anchor]}
+
+
+def light(anchor: gr.Component) -> dict[str, Any]:
+    """`hidden`, off Gradio's queue: for cheap handlers (milliseconds of work). A queued event pays
+    a join request and a server-sent-events round trip, which doubled the answer time of a click
+    while a job trained on the same CPU. Heavy or streaming handlers (dataset reading, Start, chat,
+    export) stay queued, where concurrency limits apply."""
+    return {"queue": False, **hidden(anchor)}
 
 
 class Outputs:
@@ -68,6 +82,9 @@ class Outputs:
 
 
 def _on(trigger: Any, fn: Callable[..., Any], inputs: list[gr.Component], outputs: Outputs, **kw: Any) -> Any:
+    """`trigger(fn)` on dict-returning `fn`; `kw` must name the progress targets (see `hidden`)."""
+    if "show_progress_on" not in kw:
+        raise TypeError("every studio event names its progress targets (show_progress_on): see events.hidden")
     kw.setdefault("show_progress", "minimal")
     return trigger(outputs.wrap(fn), inputs=inputs, outputs=outputs.components, **kw)
 
@@ -80,8 +97,9 @@ def model_name(source: str, text: str) -> str:
 # Datasets tab (+ the Train form it feeds)
 
 
-def wire_datasets(d: C, t: C, tab: gr.Tab, settings: StudioSettings) -> None:
-    """The Datasets tab (`tab`) and the Train form fields it fills."""
+def wire_datasets(d: C, t: C, tab: gr.Tab, settings: StudioSettings, anchor: gr.Component) -> None:
+    """The Datasets tab (`tab`) and the Train form fields it fills; `anchor`: see `hidden`."""
+    lt = light(anchor)
     model_in = [t["model_source"], t["model"]]
     tokens = Outputs.of(d, "tokens", "token_summary", "truncation")
     shown = Outputs.of(d, "state", "status", "summary", "format", "preview", "report", "histogram", "row",
@@ -96,31 +114,32 @@ def wire_datasets(d: C, t: C, tab: gr.Tab, settings: StudioSettings) -> None:
         return ds_h.token_preview(state, row, model_name(src, text), max_len, responses)
 
     def after_open(event: Any) -> None:
-        event.success(tokens.wrap(preview_tokens), token_in, tokens.components, show_progress="hidden") \
-             .then(to_form.wrap(train_h.use_dataset), [d["state"], t["extra"]], to_form.components) \
-             .then(*_preview_args(t, settings))
+        event.success(tokens.wrap(preview_tokens), token_in, tokens.components, **hidden(anchor)) \
+             .then(to_form.wrap(train_h.use_dataset), [d["state"], t["extra"]], to_form.components, **lt) \
+             .then(*_preview_args(t, settings), **lt)
 
+    reading = {"show_progress_on": [d["status"]]}  # reading a large file takes seconds: progress shows there
     # The upload box empties once the file is stored (it is listed under the datasets), ready for the next one.
     after_open(_on(d["upload"].upload,
                    lambda f, src, text: {**ds_h.upload_dataset(f, settings.max_upload_mb, model_name(src, text)),
                                          "upload": None},
-                   [d["upload"], *model_in], shown + Outputs([("upload", d["upload"])])))
+                   [d["upload"], *model_in], shown + Outputs([("upload", d["upload"])]), **reading))
     after_open(_on(d["use_sample"].click, lambda p, src, text: ds_h.open_dataset(p, "auto", None, model_name(src, text)),
-                   [d["sample"], *model_in], shown))
+                   [d["sample"], *model_in], shown, **reading))
     after_open(_on(d["open"].click, lambda p, src, text: ds_h.open_dataset(p, "auto", None, model_name(src, text)),
-                   [d["datasets"], *model_in], shown))
+                   [d["datasets"], *model_in], shown, **reading))
     after_open(_on(d["apply_mapping"].click,
                    lambda state, fmt, src, text, *cols: ds_h.apply_mapping(state, fmt, model_name(src, text), *cols),
-                   [d["state"], d["format"], *model_in, *[d[f"col_{r}"] for r in roles()]], shown))
-    _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", **LIGHT)
+                   [d["state"], d["format"], *model_in, *[d[f"col_{r}"] for r in roles()]], shown, **reading))
+    _on(d["row"].input, preview_tokens, token_in, tokens, trigger_mode="always_last", **lt)
     # The token view and the truncation warning follow the Train form's model, length and masking
     # when the tab is opened, not on every edit of the Train form: a hidden view is not redrawn,
     # and an edit there pays one round trip (its own preview), not two.
-    _on(tab.select, preview_tokens, token_in, tokens, **LIGHT)
-    _on(d["format"].input, ds_h.show_roles, [d["format"]], Outputs.of(d, *[f"col_{r}" for r in roles()]), **LIGHT)
+    _on(tab.select, preview_tokens, token_in, tokens, **lt)
+    _on(d["format"].input, ds_h.show_roles, [d["format"]], Outputs.of(d, *[f"col_{r}" for r in roles()]), **lt)
     picked = Outputs([("dataset_format", t["dataset_format"]), ("extra", t["extra"])])
-    _on(t["dataset"].input, train_h.pick_dataset, [t["dataset"], d["state"], t["extra"]], picked, **LIGHT) \
-        .then(*_preview_args(t, settings), **LIGHT)
+    _on(t["dataset"].input, train_h.pick_dataset, [t["dataset"], d["state"], t["extra"]], picked, **lt) \
+        .then(*_preview_args(t, settings), **lt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,27 +165,28 @@ def _preview_args(t: C, settings: StudioSettings, keep_status: bool = False) -> 
     return out.wrap(preview), [t["extra"], t["gpu"], *_form(t)], out.components
 
 
-def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
+def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings, anchor: gr.Component) -> None:
     """The Train tab; `settings.allow_custom_rewards` (the launch flag) reaches every handler that builds a config."""
+    lt = light(anchor)
     allow = {"allow_custom": settings.allow_custom_rewards}
-    t["model_source"].change(weights_h.model_box, t["model_source"], t["model"], **LIGHT)
+    t["model_source"].change(weights_h.model_box, t["model_source"], t["model"], **lt)
     fn, inputs, outputs = _preview_args(t, settings)
-    gr.on([t[k].input for k in (*FORM_KEYS, "gpu")], fn, inputs, outputs, trigger_mode="always_last", **LIGHT)
+    gr.on([t[k].input for k in (*FORM_KEYS, "gpu")], fn, inputs, outputs, trigger_mode="always_last", **lt)
     filled = _filled(t)
     # then the preview again: its memory estimate is for the GPU picked on a machine without one
     after_fill = _preview_args(t, settings, keep_status=True)
     _on(t["apply_preset"].click, partial(train_h.apply_preset, **allow), [t["preset"], t["extra"], *_form(t)], filled,
-        **LIGHT).then(*after_fill, **LIGHT)
-    _on(t["apply_yaml"].click, partial(train_h.apply_yaml, **allow), [t["yaml"]], filled, **LIGHT) \
-        .then(*after_fill, **LIGHT)
-    _on(t["load_yaml"].upload, partial(train_h.load_yaml_file, **allow), [t["load_yaml"]], filled) \
-        .then(*after_fill, **LIGHT)
+        **lt).then(*after_fill, **lt)
+    _on(t["apply_yaml"].click, partial(train_h.apply_yaml, **allow), [t["yaml"]], filled, **lt) \
+        .then(*after_fill, **lt)
+    _on(t["load_yaml"].upload, partial(train_h.load_yaml_file, **allow), [t["load_yaml"]], filled, **lt) \
+        .then(*after_fill, **lt)
     started = Outputs([("status", t["status"]), ("job", r["started"])])
     runs_out = _runs_outputs(r)
     _on(t["start"].click, partial(train_h.start_training, **allow), [t["extra"], *_form(t)], started,
-        concurrency_limit=1) \
-        .success(lambda: (gr.Tabs(selected="runs"), gr.Timer(active=True)), None, [tabs, r["timer"]], **LIGHT) \
-        .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"]], runs_out.components, **LIGHT)
+        concurrency_limit=1, show_progress_on=[t["status"]]) \
+        .success(lambda: (gr.Tabs(selected="runs"), gr.Timer(active=True)), None, [tabs, r["timer"]], **lt) \
+        .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"], r["noticed"]], runs_out.components, **lt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,42 +196,44 @@ def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings) -> None:
 def _runs_outputs(r: C) -> Outputs:
     charts = [k for k in r if k.startswith("chart_")]
     return Outputs.of(r, "table", "select", "progress", *charts, "grpo", *gen_h.OUTPUTS, *runs_h.ACTIONS, "notice",
-                      "log", "seen")
+                      "log", "seen", "noticed")
 
 
-def wire_runs(r: C) -> None:
+def wire_runs(r: C, anchor: gr.Component) -> None:
+    lt = light(anchor)
     out = _runs_outputs(r)
-    state_in = [r["select"], r["seen"]]
-    _on(r["timer"].tick, runs_h.refresh, state_in, out, trigger_mode="always_last", **LIGHT)
-    _on(r["refresh"].click, runs_h.select_job, state_in, out, **LIGHT)
-    _on(r["select"].input, runs_h.select_job, state_in, out, **LIGHT)
-    r["table"].select(runs_h.select_row, r["table"], r["select"], **LIGHT) \
-        .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
-    notice = Outputs.of(r, "notice", "seen")
+    state_in = [r["select"], r["seen"], r["noticed"]]
+    _on(r["timer"].tick, runs_h.refresh, state_in, out, trigger_mode="always_last", **lt)
+    _on(r["refresh"].click, runs_h.select_job, state_in, out, **lt)
+    _on(r["select"].input, runs_h.select_job, state_in, out, **lt)
+    r["table"].select(runs_h.select_row, r["table"], r["select"], **lt) \
+        .then(out.wrap(runs_h.select_job), state_in, out.components, **lt)
+    notice = Outputs.of(r, "notice", "noticed")
     for action in runs_h.ACTIONS:
-        _on(r[action].click, partial(runs_h.act_and_note, action), [r["select"], r["remove_files"], r["seen"]], notice,
-            **LIGHT) \
-            .then(out.wrap(runs_h.select_job), state_in, out.components, **LIGHT)
-    r["log"].change(None, None, None, js=FOLLOW_LOG_JS, **LIGHT)
+        _on(r[action].click, partial(runs_h.act_and_note, action), [r["select"], r["remove_files"]], notice,
+            **lt) \
+            .then(out.wrap(runs_h.select_job), state_in, out.components, **lt)
+    r["log"].change(None, None, None, js=FOLLOW_LOG_JS, **lt)
     compare = Outputs.of(r, "compare_loss", "compare_diff")
-    _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **LIGHT)
+    _on(r["compare"].click, runs_h.compare, [r["compare_select"]], compare, **lt)
     # Queued (a check loads a model and decodes for seconds); one at a time per studio.
-    r["check_generations"].click(lambda: gr.Accordion(open=True), None, r["generation_panel"], **LIGHT)
+    r["check_generations"].click(lambda: gr.Accordion(open=True), None, r["generation_panel"], **lt)
     _on(r["check_generations"].click, gen_h.check_generations, [r["select"]], Outputs.of(r, *gen_h.OUTPUTS),
-        concurrency_limit=1, show_progress="hidden")
+        concurrency_limit=1, **hidden(anchor))
 
 
 # ---------------------------------------------------------------------------------------------
 # Chat and Export tabs
 
 
-def wire_chat(ch: C, pool: ModelPool) -> None:
+def wire_chat(ch: C, pool: ModelPool, anchor: gr.Component) -> None:
+    lt = light(anchor)
     described = Outputs.of(ch, "checkpoint", "template", "left", "right", "note", "stats")
     pick = [ch["target"], ch["checkpoint"], ch["side"]]
     for trigger in (ch["target"].change, ch["side"].change, ch["checkpoint"].input):
-        _on(trigger, chat_h.describe_target, pick, described, **LIGHT)
+        _on(trigger, chat_h.describe_target, pick, described, **lt)
     targets = Outputs.of(ch, "target", "seen")
-    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"], ch["seen"]], targets, **LIGHT)
+    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"], ch["seen"]], targets, **lt)
     answer = Outputs.of(ch, "left", "right", "message", "stats")
     inputs = [ch[k] for k in ("message", "left", "right", "target", "checkpoint", "side", "system", "temperature",
                               "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")]
@@ -219,32 +241,32 @@ def wire_chat(ch: C, pool: ModelPool) -> None:
     # trigger_mode "multiple": with Gradio's default ("once") the page drops a trigger while it
     # counts the event as pending, and a Stop that cancels an answer mid-start can leave it counted
     # so for good: Send then did nothing until a reload. Answers still run one at a time (the queue).
-    events = [_on(trigger, respond, inputs, answer, show_progress="hidden", trigger_mode="multiple")
+    events = [_on(trigger, respond, inputs, answer, trigger_mode="multiple", **hidden(anchor))
               for trigger in (ch["send"].click, ch["message"].submit)]
     panels = Outputs.of(ch, "left", "right")
     # Stop cancels the answer, then replaces an answer that had not begun (its loading note).
     ch["stop"].click(None, None, None, cancels=events) \
-        .then(panels.wrap(chat_h.stopped), [ch["left"], ch["right"]], panels.components, **LIGHT)
-    ch["clear"].click(lambda: ([], [], ""), None, [ch["left"], ch["right"], ch["stats"]], cancels=events)
+        .then(panels.wrap(chat_h.stopped), [ch["left"], ch["right"]], panels.components, **lt)
+    ch["clear"].click(lambda: ([], [], ""), None, [ch["left"], ch["right"], ch["stats"]], cancels=events, **lt)
 
 
-def wire_export(ex: C) -> None:
+def wire_export(ex: C, anchor: gr.Component) -> None:
+    lt = light(anchor)
     _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
-        **LIGHT)
+        **lt)
     picked = Outputs.of(ex, "checkpoint", "quant")
     pick_in = [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]]
     for trigger in (ex["source"].change, ex["format"].change, ex["checkpoint"].input):
-        _on(trigger, ex_h.pick_source, pick_in, picked, **LIGHT)
+        _on(trigger, ex_h.pick_source, pick_in, picked, **lt)
     _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]],
-        Outputs.of(ex, "status", "file", "modelfile"), concurrency_limit=1)
+        Outputs.of(ex, "status", "file", "modelfile"), concurrency_limit=1, show_progress_on=[ex["status"]])
 
 
 # ---------------------------------------------------------------------------------------------
 # Page load: fill every tab from the store (a reload shows running jobs live again)
 
 
-def on_load(d: C, t: C, r: C, ch: C, ex: C,
-            settings: StudioSettings) -> tuple[Callable[..., Any], list[gr.Component], list[gr.Component]]:
+def wire_load(app: gr.Blocks, d: C, t: C, r: C, ch: C, ex: C, settings: StudioSettings, anchor: gr.Component) -> None:
     runs_out = _runs_outputs(r)
     outputs = (Outputs([("samples", d["sample"]), ("datasets", d["datasets"])])
                + _filled(t) + Outputs.of(t, "gpu") + runs_out + Outputs([("target", ch["target"]), ("ch_seen", ch["seen"]),
@@ -271,7 +293,7 @@ def on_load(d: C, t: C, r: C, ch: C, ex: C,
                       quant=picked["quant"])
         return result
 
-    return outputs.wrap(load), [r["seen"]], outputs.components
+    app.load(outputs.wrap(load), [r["seen"]], outputs.components, **hidden(anchor))
 
 
 def _timers_for(tab: str) -> tuple[gr.Timer, gr.Timer]:
@@ -279,20 +301,23 @@ def _timers_for(tab: str) -> tuple[gr.Timer, gr.Timer]:
     return gr.Timer(active=tab == "runs"), gr.Timer(active=tab == "export")
 
 
-def wire_tab_switches(tabs: dict[str, gr.Tab], t: C, r: C, ch: C, ex: C) -> None:
+def wire_tab_switches(tabs: dict[str, gr.Tab], t: C, r: C, ch: C, ex: C, anchor: gr.Component) -> None:
     """Opening a tab refreshes the lists that other tabs (or the command line) may have changed.
     The Runs tab and Export's list of recent exports poll only while their tab is shown: a browser
     on another tab costs the server nothing."""
+    lt = light(anchor)
     runs_out = _runs_outputs(r)
     timers = [r["timer"], ex["recent_timer"]]
     for name, tab in tabs.items():
         if name != "runs":
-            tab.select(partial(_timers_for, name), None, timers, **LIGHT)
-    tabs["runs"].select(partial(_timers_for, "runs"), None, timers, **LIGHT) \
-        .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"]], runs_out.components, **LIGHT)
-    _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **LIGHT)
+            tab.select(partial(_timers_for, name), None, timers, **lt)
+    tabs["runs"].select(partial(_timers_for, "runs"), None, timers, **lt) \
+        .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"], r["noticed"]], runs_out.components, **lt)
+    _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **lt)
     _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"], ch["seen"]], Outputs.of(ch, "target", "seen"),
-        **LIGHT)
-    tabs["train"].select(weights_h.model_box, t["model_source"], t["model"], **LIGHT)  # runs finished since
+        **lt)
+    tabs["train"].select(weights_h.model_box, t["model_source"], t["model"], **lt)  # runs finished since
     _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
-        **LIGHT)
+        **lt)
+    # The list of recent exports is re-read from the store (a restarted studio loses nothing).
+    gr.on([tabs["export"].select, ex["recent_timer"].tick], ex_h.recent_exports, None, ex["recent"], **lt)

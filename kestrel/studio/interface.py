@@ -34,7 +34,8 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
     pool = ModelPool(settings.loaded_models)
     # delete_cache: Gradio's copies of uploads and downloads older than a day go, checked hourly.
     with gr.Blocks(title=S.TITLE, analytics_enabled=False, delete_cache=(3600, 86400)) as app:
-        gr.Markdown(f"## {S.TITLE}\n{S.SUBTITLE}")
+        # The header also keeps the (hidden) loading state of every quiet event: see events.hidden.
+        header = gr.Markdown(f"## {S.TITLE}\n{S.SUBTITLE}")
         with gr.Tabs() as tabs:
             with gr.Tab(S.TAB_DATASETS, id="datasets") as datasets_tab:
                 d = datasets.build()
@@ -46,12 +47,12 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
                 ch = chat.build()
             with gr.Tab(S.TAB_EXPORT, id="export") as export_tab:
                 ex = export.build()
-        events.wire_datasets(d, t, datasets_tab, settings)
-        events.wire_train(t, r, tabs, settings)
-        events.wire_runs(r)
-        events.wire_chat(ch, pool)
-        events.wire_export(ex)
+        events.wire_datasets(d, t, datasets_tab, settings, header)
+        events.wire_train(t, r, tabs, settings, header)
+        events.wire_runs(r, header)
+        events.wire_chat(ch, pool, header)
+        events.wire_export(ex, header)
         events.wire_tab_switches({"datasets": datasets_tab, "train": train_tab, "runs": runs_tab,
-                                  "chat": chat_tab, "export": export_tab}, t, r, ch, ex)
-        app.load(*events.on_load(d, t, r, ch, ex, settings))
+                                  "chat": chat_tab, "export": export_tab}, t, r, ch, ex, header)
+        events.wire_load(app, d, t, r, ch, ex, settings, header)
     return app

@@ -24,6 +24,7 @@ from exportkit import completed_run, lora_run, sha256
 from jobkit import config, job, wait_for, wait_status, wait_step
 from kestrel.jobs import store
 from kestrel.jobs.models import CANCELLED, COMPLETED, EXPORT, FAILED, QUEUED, RUNNING, Job
+from kestrel.jobs.worker import autogroup_nice
 
 SLOW = 300.0  # each export worker imports torch and loads the demo model: seconds on a busy CPU
 
@@ -159,13 +160,6 @@ def _niceness(pid: int) -> set[int]:
             for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
-def _group_nice(pid: int) -> int | None:
-    """The nice value of `pid`'s autogroup (its session, as the scheduler ranks it against other
-    sessions), or None without autogroup scheduling."""
-    group = Path(f"/proc/{pid}/autogroup")
-    return int(group.read_text().split("nice")[1]) if group.exists() else None
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_cpu_jobs_run_at_lower_priority(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KESTREL_DEVICES", "cpu,cuda:0")  # a pretend GPU: the fake engine ignores it
@@ -175,11 +169,11 @@ def test_cpu_jobs_run_at_lower_priority(monkeypatch: pytest.MonkeyPatch) -> None
     for device in ("cpu", "cuda:0"):
         job_id = jobs.submit(config(max_steps=100, save_steps=0), device=device)
         worker = wait_step(job_id, 2)  # heartbeat and checksum threads are running by now
-        seen[device] = _niceness(worker.pid), _group_nice(worker.pid)
+        seen[device] = _niceness(worker.pid), autogroup_nice(worker.pid)
         jobs.cancel(job_id)
         wait_status(job_id)
     # The session too: under autogroup scheduling a thread's nice value only ranks it in its session.
-    group = _group_nice(os.getpid())
+    group = autogroup_nice(os.getpid())
     assert seen == {"cpu": ({min(19, ours + 10)}, None if group is None else 10), "cuda:0": ({ours}, None if group is None else 0)}
 
 
@@ -200,7 +194,7 @@ def test_a_job_queued_behind_a_cpu_job_starts_at_normal_priority(monkeypatch: py
     try:
         assert job(first).status == CANCELLED
         assert _niceness(worker.pid) == {ours}
-        assert _group_nice(worker.pid) in (None, 0)
+        assert autogroup_nice(worker.pid) in (None, 0)
     finally:
         jobs.cancel(second)
         wait_status(second)
@@ -280,3 +274,11 @@ def test_command_line_export_and_export_yaml(tmp_path: Path) -> None:
                                                        str(tmp_path / "run" / "checkpoints" / "step-000004"))
     refused = _cli("export", str(run_id), "--checkpoint", "5")
     assert refused.returncode == 2 and "no complete checkpoint of step 5" in refused.stderr and "kept: 4" in refused.stderr
+
+
+@pytest.mark.parametrize("text, nice", [("/autogroup-657 nice 0\n", 0), ("/autogroup-12 nice 10\n", 10),
+                                        ("", None)])  # empty: a process in a cgroup of its own (CI containers)
+def test_autogroup_nice_reads_the_session_nice_or_none(monkeypatch: pytest.MonkeyPatch, text: str,
+                                                       nice: int | None) -> None:
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: text)
+    assert autogroup_nice(1) == nice

@@ -56,3 +56,34 @@ def test_polling_timers_start_off_and_follow_their_tab() -> None:
     for tab, want in (("runs", (True, False)), ("export", (False, True)), ("train", (False, False))):
         runs_timer, export_timer = _timers_for(tab)
         assert (runs_timer.active, export_timer.active) == want
+
+
+def test_every_event_keeps_its_loading_state_on_a_few_small_components() -> None:
+    """Gradio's page re-applies the loading state of every progress target any event has named
+    (by default all its outputs) on each status message of every event, each after a walk of the
+    layout and a deep copy of the component's value: the studio's 125 outputs made that most of an
+    edit's time. Every event names its targets: the header, or a tab's status line."""
+    from kestrel.studio.interface import build_app
+
+    config = build_app().get_config_file()
+    components = {c["id"]: c for c in config["components"]}
+    backend = [d for d in config["dependencies"] if d["backend_fn"]]
+    assert backend and all(d["show_progress_on"] for d in backend), \
+        [d["targets"] for d in backend if not d["show_progress_on"]]
+    targets = {i for d in backend for i in d["show_progress_on"]}
+    assert {components[i]["type"] for i in targets} == {"markdown"}
+    header = config["layout"]["children"][0]["id"]  # first in the layout: found at once
+    assert header in targets and len(targets) <= 1 + 5  # the header, at most a status line per tab
+    quiet = [d for d in backend if d["show_progress"] == "hidden"]
+    assert quiet and all(d["show_progress_on"] == [header] for d in quiet)
+
+
+def test_an_event_without_progress_targets_is_refused() -> None:
+    import gradio as gr
+
+    from kestrel.studio.events import Outputs, _on
+
+    with gr.Blocks():
+        box, out = gr.Textbox(), gr.Markdown()
+        with pytest.raises(TypeError, match="show_progress_on"):
+            _on(box.input, lambda v: {"out": v}, [box], Outputs([("out", out)]))

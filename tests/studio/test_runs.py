@@ -193,24 +193,46 @@ def test_a_notice_stays_on_its_run_and_goes_when_it_has_finished(fake_engine: No
     jobs.wait(other, timeout=60)
     job_id = jobs.submit({**CONFIG, "max_steps": 60})
     wait_for(lambda: jobs.get_job(job_id).step >= 1, what="a step")
-    noted = runs.act_and_note("pause", job_id, False, {})
-    assert "stopping" in noted["notice"]
-    seen = runs.refresh(job_id, noted["seen"])["seen"]
+    noted = runs.act_and_note("pause", job_id, False)
+    assert "stopping" in noted["notice"] and noted["noticed"] == (job_id, "running")
+    noticed = noted["noticed"]
+    seen = runs.refresh(job_id, {}, noticed)["seen"]
     # Shown while its run is the one on screen and still stopping ...
-    assert not isinstance(runs.refresh(job_id, seen)["notice"], str)
+    kept = runs.refresh(job_id, seen, noticed)
+    assert not isinstance(kept["notice"], str) and not isinstance(kept["noticed"], tuple)  # both left as they are
     # ... gone when another run is picked,
-    assert runs.refresh(other, dict(seen))["notice"] == ""
+    assert runs.refresh(other, dict(seen), noticed)["notice"] == ""
     # and gone once the run has stopped.
     jobs.wait(job_id, timeout=60)
-    after = runs.refresh(job_id, seen)
-    assert after["notice"] == "" and "notice" not in after["seen"]
-    noted = runs.act_and_note("resume", job_id, False, after["seen"])
+    after = runs.refresh(job_id, seen, noticed)
+    assert after["notice"] == "" and after["noticed"] is None
+    noted = runs.act_and_note("resume", job_id, False)
     assert "queued again" in noted["notice"]
-    seen = noted["seen"]
+    noticed = noted["noticed"]
     wait_for(lambda: jobs.get_job(job_id).status == "running", what="the job running again")
-    assert not isinstance(runs.refresh(job_id, seen)["notice"], str)
+    assert not isinstance(runs.refresh(job_id, seen, noticed)["notice"], str)
     jobs.wait(job_id, timeout=60)
-    assert runs.refresh(job_id, seen)["notice"] == ""
+    assert runs.refresh(job_id, seen, noticed)["notice"] == ""
+
+
+def test_a_notice_goes_even_when_the_run_stopped_before_the_click_returned(fake_engine: None) -> None:
+    """The status is the one before the action: a pause whose run was already interrupted when
+    the notice was recorded (a fast engine, a slow machine) still leaves with its run."""
+    job_id = jobs.submit({**CONFIG, "max_steps": 2})
+    jobs.wait(job_id, timeout=60)
+    done = jobs.get_job(job_id).status
+    assert runs.refresh(job_id, {}, (job_id, "running"))["notice"] == ""
+    assert not isinstance(runs.refresh(job_id, {}, (job_id, done))["notice"], str)  # nothing happened since
+
+
+def test_a_poll_beside_the_click_leaves_the_notice_record_alone(fake_engine: None) -> None:
+    """A poll that started before the click read no record: it must not write one back (the
+    record is a state of its own, not part of the `seen` the poll returns)."""
+    job_id = jobs.submit({**CONFIG, "max_steps": 2})
+    jobs.wait(job_id, timeout=60)
+    out = runs.refresh(job_id, {}, None)
+    assert not isinstance(out["noticed"], tuple) and out["noticed"] is not None  # gr.skip(): untouched
+    assert "notice" not in out["seen"]
 
 
 def test_the_total_reward_is_not_hidden_under_an_identical_single_reward() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gradio as gr
 
 from kestrel.studio import strings as S
-from kestrel.studio.handlers import export as ex_h
 
 RECENT_EVERY_S = 2.0  # exports run for minutes: a list two seconds behind is live enough
 
@@ -29,10 +28,7 @@ def build() -> dict[str, gr.Component]:
     c["status"] = gr.Markdown(elem_id="ex-status")
     c["file"] = gr.File(label=S.EX_FILE, file_count="multiple", interactive=False, elem_id="ex-file")
     c["modelfile"] = gr.Code(label=S.EX_MODELFILE, language="dockerfile", interactive=False, elem_id="ex-modelfile")
-    # A value computed by a handler (on page load, then on each tick) is Gradio's declarative
-    # polling: the list needs no event wiring, and a reopened page or a restarted studio shows
-    # the exports still running and the finished ones' files.
-    # Ticks only while the Export tab is shown (kestrel.studio.events switches it with the tabs).
+    # Filled when the tab opens, then on each tick while it is shown (kestrel.studio.events).
     c["recent_timer"] = gr.Timer(RECENT_EVERY_S, active=False)
-    c["recent"] = gr.Markdown(value=ex_h.recent_exports, every=c["recent_timer"], elem_id="ex-recent")
+    c["recent"] = gr.Markdown(elem_id="ex-recent")
     return c

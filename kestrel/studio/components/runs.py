@@ -44,7 +44,7 @@ def _generation_panel(c: dict[str, gr.Component]) -> None:
 def build() -> dict[str, gr.Component]:
     # The timer runs only while this tab is shown (kestrel.studio.events switches it with the tabs).
     c: dict[str, gr.Component] = {"seen": gr.State({}), "timer": gr.Timer(POLL_S, active=False),
-                                  "started": gr.State(None)}
+                                  "started": gr.State(None), "noticed": gr.State(None)}
     c["table"] = gr.Dataframe(label=S.RU_TABLE, headers=S.RU_COLUMNS, interactive=False, max_height=260,
                               elem_id="ru-table")
     with gr.Row():

@@ -178,33 +178,33 @@ def action_buttons(job: jobs.Job | None) -> dict[str, Any]:
     return {action: gr.update(interactive=job is not None and job.status in VALID_IN[action]) for action in ACTIONS}
 
 
-def _notice(job: jobs.Job | None, job_list: list[jobs.Job], seen: dict[str, Any]) -> Any:
-    """The action notice, cleared once the job it is about has moved on to a finished status or
-    another job is shown ("" clears it; gr.skip() leaves it). A deleted job's notice stays."""
-    about = seen.get("notice")
-    if not about:
-        return gr.skip()
-    job_id, status = about
+def _notice(job: jobs.Job | None, job_list: list[jobs.Job], noticed: Any) -> tuple[Any, Any]:
+    """(notice, noticed): the action notice cleared ("", None) once the job it is about has moved
+    on from its status before the action to a finished one, or another job is shown; else both
+    left as they are (gr.skip()). A deleted job's notice stays."""
+    if not noticed:
+        return gr.skip(), gr.skip()
+    job_id, before = noticed
     target = _find(job_list, job_id)
     if target is None:
-        return gr.skip()
-    moved_on = target.status != status and target.status in FINISHED
+        return gr.skip(), gr.skip()
+    moved_on = target.status != before and target.status in FINISHED
     if moved_on or job is None or job.id != job_id:
-        seen.pop("notice")
-        return ""
-    return gr.skip()
+        return "", None
+    return gr.skip(), gr.skip()
 
 
 @user_errors
-def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> dict[str, Any]:
+def refresh(selected: Any, seen: dict[str, Any] | None, noticed: Any = None, force: bool = False) -> dict[str, Any]:
     """Poll the store. Outputs: table, select, progress, chart_<key> (one per chart; eval_loss
     beside loss), grpo (visibility of the GRPO charts), generation_summary / generation_table (the
     end-of-run generation check), the action buttons (pause, resume, cancel, delete), notice, log,
-    seen. Unchanged parts come back as gr.skip().
+    seen, noticed. Unchanged parts come back as gr.skip().
 
     `selected` is the chosen job id (None: the newest running job, else the newest job).
-    `seen` is this browser's record of what it drew: {"jobs": signature, "job", "step", "log"}, and
-    "notice": (job id, its status then) while an action's notice is shown.
+    `seen` is this browser's record of what it drew: {"jobs": signature, "job", "step", "log"}.
+    `noticed` is (job id, its status before the action) while an action's notice is shown: a state
+    of its own, as a poll running beside the action's click would write back the `seen` it read.
     """
     seen = dict(seen or {})
     job_list = jobs.list_jobs()
@@ -224,7 +224,7 @@ def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> 
         out.update(action_buttons(job))
         out["grpo"] = gr.update(visible=bool(job and job.kind in REWARD_KINDS))
         out.update(generation_view(job))
-    out["notice"] = _notice(job, job_list, seen)
+    out["notice"], out["noticed"] = _notice(job, job_list, noticed)
     log = jobs.log_tail(job.id, LOG_LINES) if job else ""
     if force or log != seen.get("log"):
         out["log"] = log
@@ -233,9 +233,9 @@ def refresh(selected: Any, seen: dict[str, Any] | None, force: bool = False) -> 
     return out
 
 
-def select_job(selected: Any, seen: dict[str, Any] | None) -> dict[str, Any]:
+def select_job(selected: Any, seen: dict[str, Any] | None, noticed: Any = None) -> dict[str, Any]:
     """A run picked by hand: redraw everything for it."""
-    return refresh(selected, seen, force=True)
+    return refresh(selected, seen, noticed, force=True)
 
 
 def select_row(table: pd.DataFrame, evt: gr.SelectData) -> Any:
@@ -264,17 +264,16 @@ def act(action: str, selected: Any, remove_files: bool = False) -> str:
     return S.RU_ACTION_DONE[action].format(job=job_id)
 
 
-def act_and_note(action: str, selected: Any, remove_files: bool, seen: dict[str, Any] | None) -> dict[str, Any]:
-    """`act`, remembering in `seen` which job the notice is about (refresh clears it when that
-    job has finished or another is shown). Outputs: notice, seen."""
-    text = act(action, selected, remove_files)
-    seen = dict(seen or {})
+def act_and_note(action: str, selected: Any, remove_files: bool) -> dict[str, Any]:
+    """`act`, remembering which job the notice is about and its status before the action (a pause
+    may have ended the run by the time `act` returns); refresh clears the notice when that job
+    has finished since or another is shown. Outputs: notice, noticed."""
     try:
-        status = jobs.get_job(int(selected)).status
-    except KestrelError:  # deleted
-        status = None
-    seen["notice"] = (int(selected), status)
-    return {"notice": text, "seen": seen}
+        before = jobs.get_job(int(selected)).status
+    except (KestrelError, TypeError, ValueError):  # none picked, or gone: `act` says so
+        before = None
+    text = act(action, selected, remove_files)
+    return {"notice": text, "noticed": (int(selected), before)}
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
