@@ -301,18 +301,22 @@ def _timers_for(tab: str) -> tuple[gr.Timer, gr.Timer]:
     return gr.Timer(active=tab == "runs"), gr.Timer(active=tab == "export")
 
 
-def wire_tab_switches(tabs: dict[str, gr.Tab], t: C, r: C, ch: C, ex: C, anchor: gr.Component) -> None:
+# The tab the page shows when a tab's select is sent (its `gr.Tab` id). Gradio also sends the first
+# tab's select as the page mounts, which can come after a click on another tab (a reload, then a
+# quick click): a handler that trusted its own tab switched the polling off under the Runs tab.
+SHOWN_TAB_JS = "() => document.querySelector('button[role=tab][aria-selected=true]')?.dataset.tabId ?? ''"
+
+
+def wire_tab_switches(tabs: dict[str, gr.Tab], shown: gr.Component, t: C, r: C, ch: C, ex: C,
+                      anchor: gr.Component) -> None:
     """Opening a tab refreshes the lists that other tabs (or the command line) may have changed.
-    The Runs tab and Export's list of recent exports poll only while their tab is shown: a browser
-    on another tab costs the server nothing."""
+    The Runs tab and Export's list of recent exports poll only while their tab is shown (`shown`,
+    a hidden box, carries its id from the page): a browser on another tab costs the server nothing."""
     lt = light(anchor)
     runs_out = _runs_outputs(r)
-    timers = [r["timer"], ex["recent_timer"]]
-    for name, tab in tabs.items():
-        if name != "runs":
-            tab.select(partial(_timers_for, name), None, timers, **lt)
-    tabs["runs"].select(partial(_timers_for, "runs"), None, timers, **lt) \
-        .then(runs_out.wrap(runs_h.select_job), [r["select"], r["seen"], r["noticed"]], runs_out.components, **lt)
+    gr.on([tab.select for tab in tabs.values()], _timers_for, [shown], [r["timer"], ex["recent_timer"]],
+          js=SHOWN_TAB_JS, trigger_mode="always_last", **lt)
+    _on(tabs["runs"].select, runs_h.select_job, [r["select"], r["seen"], r["noticed"]], runs_out, **lt)
     _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **lt)
     _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"], ch["seen"]], Outputs.of(ch, "target", "seen"),
         **lt)

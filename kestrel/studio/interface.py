@@ -36,6 +36,7 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
     with gr.Blocks(title=S.TITLE, analytics_enabled=False, delete_cache=(3600, 86400)) as app:
         # The header also keeps the (hidden) loading state of every quiet event: see events.hidden.
         header = gr.Markdown(f"## {S.TITLE}\n{S.SUBTITLE}")
+        shown_tab = gr.Textbox(visible=False)  # the tab on screen, read from the page (events.SHOWN_TAB_JS)
         with gr.Tabs() as tabs:
             with gr.Tab(S.TAB_DATASETS, id="datasets") as datasets_tab:
                 d = datasets.build()
@@ -53,6 +54,6 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
         events.wire_chat(ch, pool, header)
         events.wire_export(ex, header)
         events.wire_tab_switches({"datasets": datasets_tab, "train": train_tab, "runs": runs_tab,
-                                  "chat": chat_tab, "export": export_tab}, t, r, ch, ex, header)
+                                  "chat": chat_tab, "export": export_tab}, shown_tab, t, r, ch, ex, header)
         events.wire_load(app, d, t, r, ch, ex, settings, header)
     return app

@@ -87,3 +87,21 @@ def test_an_event_without_progress_targets_is_refused() -> None:
         box, out = gr.Textbox(), gr.Markdown()
         with pytest.raises(TypeError, match="show_progress_on"):
             _on(box.input, lambda v: {"out": v}, [box], Outputs([("out", out)]))
+
+
+def test_polling_follows_the_tab_the_page_shows_not_the_event_that_came_last() -> None:
+    """Gradio also sends the first tab's select as the page mounts, after a quick click on another
+    tab: the timers' handler takes the shown tab from the page (one event for all tabs), so that
+    late select cannot switch the Runs tab's polling off."""
+    from kestrel.studio.events import SHOWN_TAB_JS
+    from kestrel.studio.interface import build_app
+
+    config = build_app().get_config_file()
+    components = {c["id"]: c for c in config["components"]}
+    timers = {i for i, c in components.items() if c["type"] == "timer"}
+    switching = [d for d in config["dependencies"] if set(d["outputs"]) == timers]
+    assert len(switching) == 1, "one event switches the timers"
+    dep = switching[0]
+    assert dep["js"] == SHOWN_TAB_JS and [components[i]["type"] for i in dep["inputs"]] == ["textbox"]
+    assert sorted(components[t[0]]["props"]["id"] for t in dep["targets"]) == sorted(
+        c["props"]["id"] for c in components.values() if c["type"] == "tabitem")
