@@ -186,11 +186,16 @@ def wire_train(t: C, r: C, tabs: gr.Tabs, settings: StudioSettings, anchor: gr.C
     _on(t["start"].click, partial(train_h.start_training, **allow), [t["extra"], *_form(t)], started,
         concurrency_limit=1, show_progress_on=[t["status"]]) \
         .success(lambda: (gr.Tabs(selected="runs"), gr.Timer(active=True)), None, [tabs, r["timer"]], **lt) \
-        .then(runs_out.wrap(runs_h.select_job), [r["started"], r["seen"], r["noticed"]], runs_out.components, **lt)
+        .then(runs_out.wrap(runs_h.select_job), _runs_inputs(r, "started"), runs_out.components, **lt)
 
 
 # ---------------------------------------------------------------------------------------------
 # Runs tab
+
+
+def _runs_inputs(r: C, picked: str = "select") -> list[gr.Component]:
+    """select_job's inputs: the run in `r[picked]`, what this browser drew, the notice's record."""
+    return [r[picked], r["seen"], r["noticed"]]
 
 
 def _runs_outputs(r: C) -> Outputs:
@@ -202,7 +207,7 @@ def _runs_outputs(r: C) -> Outputs:
 def wire_runs(r: C, anchor: gr.Component) -> None:
     lt = light(anchor)
     out = _runs_outputs(r)
-    state_in = [r["select"], r["seen"], r["noticed"]]
+    state_in = _runs_inputs(r)
     _on(r["timer"].tick, runs_h.refresh, state_in, out, trigger_mode="always_last", **lt)
     _on(r["refresh"].click, runs_h.select_job, state_in, out, **lt)
     _on(r["select"].input, runs_h.select_job, state_in, out, **lt)
@@ -316,7 +321,7 @@ def wire_tab_switches(tabs: dict[str, gr.Tab], shown: gr.Component, t: C, r: C, 
     runs_out = _runs_outputs(r)
     gr.on([tab.select for tab in tabs.values()], _timers_for, [shown], [r["timer"], ex["recent_timer"]],
           js=SHOWN_TAB_JS, trigger_mode="always_last", **lt)
-    _on(tabs["runs"].select, runs_h.select_job, [r["select"], r["seen"], r["noticed"]], runs_out, **lt)
+    _on(tabs["runs"].select, runs_h.select_job, _runs_inputs(r), runs_out, **lt)
     _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **lt)
     _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"], ch["seen"]], Outputs.of(ch, "target", "seen"),
         **lt)
