@@ -327,8 +327,10 @@ def lower_priority(device: str | None) -> bool:
 
 def autogroup_nice(pid: int | str = "self") -> int | None:
     """The nice value of `pid`'s autogroup (its session, as the scheduler ranks it against other
-    sessions), or None when autogroup scheduling does not rank it: not Linux, a kernel without
-    autogroup, or a process in a cgroup of its own (containers), where the file reads empty."""
+    sessions), or None when it has none of its own: not Linux, a kernel without autogroup, or a
+    process still in the default group (its session not started by setsid since boot, as in many
+    containers), where the file reads empty and the group's nice cannot be set. A new session
+    gets a group of its own; inside a cgroup of its own the scheduler ignores it, harmlessly."""
     try:
         text = Path(f"/proc/{pid}/autogroup").read_text()
     except OSError:
@@ -343,7 +345,7 @@ def _lower_autogroup() -> None:
     runs in a session of its own (start_new_session), so `os.nice` alone left it an equal share
     beside the studio. The session's own nice value ranks it against the others. The supervisor
     shares the session but only waits; the next job it launches starts a new session at 0."""
-    if autogroup_nice() is None:  # plain nice values already rank it
+    if autogroup_nice() is None:  # no group of its own: plain nice values already rank it
         return
     try:
         Path("/proc/self/autogroup").write_text(str(CPU_NICE))
