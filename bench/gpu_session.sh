@@ -9,7 +9,8 @@
 # Phases:
 #   tests     pytest -m gpu over the data, decode, kernel and model rooms' CUDA tests (gradio is absent there)
 #   traintests  pytest -m gpu over recompute and training's CUDA tests
-#   families  Qwen3.5 and Gemma 4 QLoRA against Unsloth, packed batches (issue 26's dense target)
+#   families  Qwen3.5 and Gemma 4 QLoRA against Unsloth, packed batches (issue 26's dense target);
+#             FAMILIES=gemma4-e2b runs one of them
 #   moe       Qwen3-MoE and gpt-oss 16-bit LoRA against HF+PEFT (issue 26's MoE target)
 #   train     the 8B QLoRA bench, offloaded checkpointing, Kestrel and Unsloth (issue 25's figure)
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
@@ -78,8 +79,9 @@ for want in "$@"; do
     case $want in
         tests)    phase tests 420 python -m pytest -q -m gpu -p no:cacheprovider -rf "${GPU_TESTS[@]}" ;;
         traintests) phase traintests 420 python -m pytest -q -m gpu -p no:cacheprovider -rf "${GPU_TRAIN_TESTS[@]}" ;;
-        families) phase families 330 python bench/matrix.py --models qwen3.5-9b,gemma4-e2b --methods qlora \
-                      --layouts packed --systems kestrel,unsloth --budget-s 270 --out "$OUT/families.jsonl" ;;
+        families) phase families "${LIMIT_families:-330}" python bench/matrix.py --models "${FAMILIES:-qwen3.5-9b,gemma4-e2b}" \
+                      --methods qlora --layouts packed --systems kestrel,unsloth --budget-s $((${LIMIT_families:-330} - 60)) \
+                      --out "$OUT/families.jsonl" ;;
         moe)      phase moe 330 python bench/matrix.py --models qwen3-30b-a3b,gpt-oss-20b --methods lora \
                       --layouts packed --systems kestrel,hf --budget-s 270 --out "$OUT/moe.jsonl" ;;
         train)    phase train 300 python bench/train.py --all --impls unsloth,kestrel --checkpointing offload \
