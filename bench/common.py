@@ -108,13 +108,16 @@ def hf_qlora_model(folder: Path, smoke: bool, checkpointing: bool = False) -> An
                                             bias="none", task_type="CAUSAL_LM"))
 
 
-def step_recorder(steps: list[dict[str, float]], graph_steps: list[int] | None = None) -> Any:
+def step_recorder(steps: list[dict[str, float]], graph_steps: list[int] | None = None,
+                  timeline: list[dict[str, Any]] | None = None) -> Any:
     """A Kestrel training callback that appends each step's metrics to `steps`, and to
     `graph_steps` the index of each step during which the CUDA-graph chooser decided a layout
     (its probes, eager then graphed, make those steps and the ones before them slower). Each
     step's record also holds `gc_full_ms`: the milliseconds of CPython's full (generation 2)
     garbage collections since the step before, a host stall that can make a step slow, and on
-    CUDA `max_alloc_gib`, the process's allocated peak up to that step's end."""
+    CUDA `max_alloc_gib`, the process's allocated peak up to that step's end. `timeline` gets
+    every other event (start, each log line, best weights, end) with its time since the recorder
+    was made and the peak so far: where a run's time and memory go outside its steps."""
     from kestrel.training.metrics import Callback
 
     class Record(Callback):
@@ -131,18 +134,34 @@ def step_recorder(steps: list[dict[str, float]], graph_steps: list[int] | None =
                 self.full_ms += (time.perf_counter() - self.began) * 1e3
 
         def on_step(self, metrics: dict[str, float]) -> None:
-            # the process's allocated peak so far: the step where it grows is the step that set it
-            peak = {"max_alloc_gib": round(gib(torch.cuda.max_memory_allocated()), 3)} if torch.cuda.is_available() else {}
-            steps.append({**metrics, "gc_full_ms": round(self.full_ms, 2), **peak})
+            steps.append({**metrics, "gc_full_ms": round(self.full_ms, 2), **_peak()})
             self.full_ms = 0.0
+            self.note("eval" if "eval_runtime" in metrics else "step", str(metrics.get("step", len(steps))))
+
+        def note(self, kind: str, text: str) -> None:
+            if timeline is not None:
+                timeline.append({"t": round(time.perf_counter() - made, 3), "kind": kind, "text": text[:300], **_peak()})
+
+        def on_start(self, info: Any) -> None:
+            self.note("start", "")
+
+        def on_best(self, step: int, path: str) -> None:
+            self.note("best", str(step))
 
         def on_log(self, message: str) -> None:
             if graph_steps is not None and message.startswith("CUDA graphs "):
                 graph_steps.append(len(steps))
+            self.note("log", message)
 
         def on_end(self, status: str, error: str | None = None) -> None:
+            self.note("end", status)
             if self.clock in gc.callbacks:
                 gc.callbacks.remove(self.clock)
+
+    def _peak() -> dict[str, float]:  # the process's allocated peak so far: where it grows, it was set
+        return {"max_alloc_gib": round(gib(torch.cuda.max_memory_allocated()), 3)} if torch.cuda.is_available() else {}
+
+    made = time.perf_counter()
 
     return Record()
 

@@ -83,7 +83,8 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     data.write_text("".join(json.dumps(r) + "\n" for r in texts(args.seq, pairs)))
     steps: list[dict[str, float]] = []
     decided: list[int] = []  # steps during which the CUDA-graph chooser decided a layout
-    callbacks = [step_recorder(steps, decided)]
+    timeline: list[dict[str, Any]] = []  # log lines, evaluations and best saves, timed (where the wall time goes)
+    callbacks = [step_recorder(steps, decided, timeline)]
     if profiled:
         from bench.step_profile import StepProfiler
 
@@ -116,7 +117,7 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "checkpointing": cfg.gradient_checkpointing, "loss_first": steps[0]["loss"],
             "graph_decision_steps": decided, "gc_full_ms": [m.get("gc_full_ms", 0.0) for m in steps],
             "settled_s_per_step": statistics.median(times[settled:]) if settled < len(times) else None,
-            "run_wall_s": run_wall_s, **eval_cost(evals, run_wall_s, args.eval_split)}
+            "run_wall_s": run_wall_s, **eval_cost(evals, run_wall_s, args.eval_split), "timeline": timeline}
 
 
 def eval_cost(evals: list[dict[str, float]], run_wall_s: float, split: float) -> dict[str, Any]:

@@ -47,11 +47,11 @@ class CheckpointWriteError(KestrelError):
     which checkpoint is intact and how much disk space to free."""
 
 
-def _is_peft(model: nn.Module) -> bool:
+def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def _sharded(model: nn.Module) -> bool:
+def sharded(model: nn.Module) -> bool:
     """Whether FSDP2 shards the model's parameters (a full fine-tune on several devices)."""
     from torch.distributed.tensor import DTensor
 
@@ -61,7 +61,7 @@ def _sharded(model: nn.Module) -> bool:
 def _full_states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict | None, dict | None]:
     """The whole model's (and optimizer's) state gathered from FSDP2's shards onto the CPU; every
     rank must call it (it is a collective). (None, None) for a model that is not sharded."""
-    if not _sharded(model):
+    if not sharded(model):
         return None, None
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -81,13 +81,16 @@ def _weights_writers(model: nn.Module, target: Path, tokenizer: Any = None, weig
     return writers
 
 
-def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None, world: Any = None) -> Path:
+def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None, world: Any = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> Path:
     """The adapter (PEFT folder) or the full model, plus the tokenizer, into `folder`/adapter or
     `folder`/model, written to a `.tmp` folder and renamed. Raises CheckpointWriteError. On
     several devices (`world`, a `kestrel.training.distributed.World`) every rank calls it and
-    rank 0 writes."""
-    target = folder / ("adapter" if _is_peft(model) else "model")
-    weights, _ = _full_states(model, None)
+    rank 0 writes. `weights`: the state to write instead of the model's own (a copy taken
+    earlier, `kestrel.training.best_writes.adapter_snapshot`)."""
+    target = folder / ("adapter" if is_peft(model) else "model")
+    if weights is None:
+        weights, _ = _full_states(model, None)
     if world is None or world.is_main:
         tmp = target.with_name(target.name + TMP_SUFFIX)
         failure = _failure(f"the final weights ({target.name}/)", folder, lambda: _weights_bytes(model))
@@ -110,7 +113,7 @@ def save_checkpoint(
         world.barrier()
         return final
     root, tmp = final.parent, final.with_name(final.name + TMP_SUFFIX)
-    inner = tmp / ("adapter" if _is_peft(model) else "model")
+    inner = tmp / ("adapter" if is_peft(model) else "model")
     optim_state = optim_state if optim_state is not None else optimizer.state_dict()
     writers = [
         *_weights_writers(model, inner, weights=weights),
@@ -227,7 +230,7 @@ def _folder_bytes(folder: Path) -> int:
 
 def _weights_bytes(model: nn.Module) -> int:
     """What save_pretrained writes: the trainable tensors of an adapter, every weight otherwise."""
-    params = [p for p in model.parameters() if p.requires_grad or not _is_peft(model)]
+    params = [p for p in model.parameters() if p.requires_grad or not is_peft(model)]
     return sum(p.numel() * p.element_size() for p in params)
 
 
@@ -280,12 +283,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     from safetensors.torch import load_file
 
     device = next(p for p in model.parameters()).device
-    if _is_peft(model):
+    if is_peft(model):
         from peft import set_peft_model_state_dict
 
         weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(device))
         set_peft_model_state_dict(model, weights)
-    elif _sharded(model):
+    elif sharded(model):
         return _load_sharded(path, model, optimizer, scheduler)
     else:
         loaded = type(model).from_pretrained(path / "model", dtype=next(model.parameters()).dtype, use_safetensors=True)

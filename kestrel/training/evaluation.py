@@ -35,8 +35,8 @@ from torch import nn
 
 from kestrel.config_evaluation import EarlyStoppingSettings
 from kestrel.data.split import split_rows
-from kestrel.training.best import BEST_DIR, BEST_MARKER, write_marker
-from kestrel.training.checkpoints import save_weights
+from kestrel.training.best import BEST_DIR
+from kestrel.training.best_writes import BestWrites
 from kestrel.training.distributed import World, reshard_after_scoring
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class Evaluator:
         self.sign = -1.0 if greater_is_better else 1.0  # the state compares sign * value, lower is better
         self.state = replay([(step, self.sign * v) for step, v in history or []], early_stopping.min_delta)
         self.tokens_evaluated = 0  # over this process's evaluations (the cost test counts them)
-        self.saved_at: int | None = None  # the step whose weights save_best wrote last
+        self.best_writes = BestWrites(self.output_dir)  # the recipe reports and waits for its writes
 
     def due(self, done: int, total_steps: int) -> bool:
         return done % self.plan.every == 0 or done == total_steps
@@ -228,14 +228,6 @@ class Evaluator:
         return False
 
     def save_best(self, step: int, value: float, model: nn.Module, tokenizer: Any, world: World | None = None) -> None:
-        """The weights into best/ and then the marker (removed first: no marker over half-replaced
-        weights). On several devices every rank calls it (FSDP2 gathers the shards); rank 0 writes."""
-        main = world is None or world.is_main
-        folder = self.output_dir / BEST_DIR
-        if main:
-            (folder / BEST_MARKER).unlink(missing_ok=True)
-            folder.mkdir(parents=True, exist_ok=True)
-        save_weights(model, folder, tokenizer, world)
-        if main:
-            write_marker(self.output_dir, step, f"eval_{self.metric}", value)
-        self.saved_at = step
+        """The weights into best/ and then the marker (`BestWrites`: an adapter in the
+        background, once copied to host memory). On several devices every rank calls it."""
+        self.best_writes.save(step, f"eval_{self.metric}", value, model, tokenizer, world)

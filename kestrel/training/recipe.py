@@ -294,10 +294,18 @@ def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
         return False
     metrics = ev.evaluate(s.model, s.world)
     cb.on_step({"step": done, **metrics})
+    report_best(s, cb, wait=False)  # the write before this one, done by now: reported before it is replaced
     stop = ev.record(done, metrics, s.model, s.tokenizer, cb.on_log, s.world)
-    if ev.saved_at == done and s.world.is_main:
-        cb.on_best(done, str(s.output_dir / BEST_DIR))
+    report_best(s, cb, wait=False)  # written at once (a full model), else reported once its write is done
     return stop and done < s.total_steps
+
+
+def report_best(s: RunState, cb: Callback, wait: bool) -> None:
+    """`on_best` for best weights whose write has completed (`BestWrites.written`); with `wait`
+    (the end of the run), after the write in flight is done. Raises a failed write's error."""
+    step = s.evaluator.best_writes.written(wait) if s.evaluator is not None else None
+    if step is not None and s.world.is_main:
+        cb.on_best(step, str(s.output_dir / BEST_DIR))
 
 
 def generation_check(s: RunState, cb: Callback, step: int) -> None:
@@ -332,6 +340,7 @@ def run_recipe(
     cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
     with steps_heap():  # no full garbage collection walks the libraries and the model between steps
         status = loop_fn(s, cb) if s.start_step < s.total_steps else "completed"
+    report_best(s, cb, wait=True)  # the last best weights are on disk before the run ends
     last = s.scheduler.last_epoch  # steps done: below total_steps when stopped (or stopped early)
     if status == "completed":
         path = save_weights(s.model, output_dir, s.tokenizer, s.world)

@@ -60,6 +60,29 @@ def _options(pg: object, selector: str) -> list[str]:
     return labels
 
 
+PAGE_STATE = """() => ({
+  left: document.querySelector('#ch-left')?.innerText.slice(-300),
+  right: document.querySelector('#ch-right')?.innerText.slice(-300),
+  message: document.querySelector('#ch-message textarea')?.value,
+  send_disabled: document.querySelector('#ch-send')?.disabled,
+  stats: document.querySelector('#ch-stats')?.innerText,
+  toasts: [...document.querySelectorAll('.toast-body, [data-testid=toast-body]')].map(t => t.innerText),
+})"""
+
+
+def _wait_or_tell(pg: object, script: str, what: str, timeout: float = 60_000) -> None:
+    """wait_for_function, failing with what the page showed instead (and a screenshot)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        pg.wait_for_function(script, polling=20, timeout=timeout)  # type: ignore[attr-defined]
+    except PlaywrightTimeout:
+        _shot(pg, "FAILED")
+        log = (ARTIFACTS / "chat-export-app.log").read_text(errors="replace")[-1500:]
+        pytest.fail(f"{what}: not within {timeout / 1000:.0f} s; the page showed {pg.evaluate(PAGE_STATE)}; "  # type: ignore[attr-defined]
+                    f"the server log ends: {log}")
+
+
 def _send(pg: object, text: str) -> None:
     pg.locator("#ch-message textarea").fill(text)  # type: ignore[attr-defined]
     pg.locator("#ch-send").click()  # type: ignore[attr-defined]
@@ -100,7 +123,7 @@ def test_chat_and_export_follow_the_newest_run(page: object, server: str, module
     pg.get_by_text("Sampling", exact=True).click()  # type: ignore[attr-defined]
     _max_new(pg, 2048)
     _send(pg, "Count to a thousand.")
-    pg.wait_for_function(f"() => {LAST_BOT}('#ch-right').startsWith('Loading')", polling=20)  # type: ignore[attr-defined]
+    _wait_or_tell(pg, f"() => {LAST_BOT}('#ch-right').startsWith('Loading')", "the right panel's Loading…")
     pg.locator("#ch-stop").click()  # type: ignore[attr-defined]
     pg.wait_for_function("!document.querySelector('#ch-send').disabled", timeout=60_000)  # type: ignore[attr-defined]
     pg.wait_for_timeout(3000)  # type: ignore[attr-defined]

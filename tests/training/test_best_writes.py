@@ -1,0 +1,100 @@
+"""The best weights of an adapter run are written in the background from a host copy: the files
+hold the weights of the evaluation that chose them (not those of later steps), are the files
+PEFT's own save writes, the marker comes after them, a failed write is raised in the training
+thread, and a run reports its last best weights before it ends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kestrel.config import config_from_dict
+from kestrel.model.loader import load
+from kestrel.training import best_writes
+from kestrel.training.best import read_best
+from kestrel.training.best_writes import BestWrites, adapter_snapshot
+from kestrel.training.checkpoints import CheckpointWriteError
+from kestrel.training.metrics import Callback
+from kestrel.training.run import run
+
+
+def _peft_model(folder: Path):
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = load(str(folder), 64, dtype="fp32")
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _fill_lora(model, value: float) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(value)
+
+
+def test_adapter_is_written_from_its_copy_while_training_goes_on(tiny_model_dir, tmp_path: Path) -> None:
+    model = _peft_model(tiny_model_dir("llama"))
+    _fill_lora(model, 0.25)
+    model.save_pretrained(tmp_path / "peft")  # PEFT's own save of the same weights: the reference
+    writes = BestWrites(tmp_path / "run")
+    writes.save(10, "eval_loss", 1.5, model, None)
+    _fill_lora(model, 9.0)  # the next steps change the weights before the write is done
+    assert writes.written(wait=True) == 10 and writes.written(wait=True) is None  # reported once
+    want = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    got = load_file(str(tmp_path / "run" / "best" / "adapter" / "adapter_model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert any("lora_B" in k and torch.all(v == 0.25) for k, v in got.items())
+    assert json.loads((tmp_path / "run" / "best" / "best.json").read_text()) == {
+        "step": 10, "metric": "eval_loss", "value": 1.5}
+
+
+def test_the_copy_holds_only_what_the_adapter_file_holds(tiny_model_dir) -> None:
+    model = _peft_model(tiny_model_dir("llama"))
+    snap = adapter_snapshot(model)
+    assert snap and all(v.device.type == "cpu" for v in snap.values())
+    assert all("lora_A" in k or "lora_B" in k for k in snap), sorted(snap)[:4]
+    assert adapter_snapshot(load(str(tiny_model_dir("llama")), 64, dtype="fp32")[0]) is None  # a full model
+
+
+def test_a_failed_background_write_is_raised_and_leaves_no_marker(tiny_model_dir, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _peft_model(tiny_model_dir("llama"))
+    writes = BestWrites(tmp_path)
+    writes.save(10, "eval_loss", 1.0, model, None)
+    writes.wait()
+
+    def full_disk(*a, **k):
+        raise CheckpointWriteError("could not write the best weights: the disk is full")
+
+    monkeypatch.setattr(best_writes, "save_weights", full_disk)
+    writes.save(20, "eval_loss", 0.5, model, None)
+    with pytest.raises(CheckpointWriteError, match="disk is full"):
+        writes.save(30, "eval_loss", 0.4, model, None)  # the next save raises the write before it
+    assert read_best(tmp_path) is None  # the marker went before the failed write: no half-described weights
+
+
+class Bests(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out, self.steps, self.found = out, [], []
+
+    def on_best(self, step: int, path: str) -> None:
+        self.steps.append(step)
+        self.found.append(read_best(self.out))
+
+
+def test_a_run_reports_its_best_weights_once_written(tiny_model_dir, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cfg = dict(model=str(tiny_model_dir("llama")), dataset="arithmetic_chat", output_dir=str(out), max_seq_length=64,
+               batch_size=2, max_steps=9, learning_rate=1e-3, save_steps=0, seed=0, gradient_checkpointing="off",
+               eval_split=0.1, eval_steps=3)
+    bests = Bests(out)
+    result = run(config_from_dict(cfg), [bests])
+    assert result.status == "completed"
+    marker = json.loads((out / "best" / "best.json").read_text())
+    assert bests.steps and bests.steps[-1] == marker["step"]  # the last best is reported before the run ends
+    assert len(set(bests.steps)) == len(bests.steps) and all(s in (3, 6, 9) for s in bests.steps)
+    assert bests.found[-1] is not None and bests.found[-1]["step"] == marker["step"]
