@@ -1,7 +1,8 @@
 """The best weights of an adapter run are written in the background from a host copy: the files
 hold the weights of the evaluation that chose them (not those of later steps), are the files
 PEFT's own save writes, the marker comes after them, a failed write is raised in the training
-thread, and a run reports its last best weights before it ends."""
+thread, and a run reports its last best weights before it ends. Before the end-of-run generation
+check decodes, the training state it no longer needs is freed."""
 
 from __future__ import annotations
 
@@ -98,3 +99,33 @@ def test_a_run_reports_its_best_weights_once_written(tiny_model_dir, tmp_path: P
     assert bests.steps and bests.steps[-1] == marker["step"]  # the last best is reported before the run ends
     assert len(set(bests.steps)) == len(bests.steps) and all(s in (3, 6, 9) for s in bests.steps)
     assert bests.found[-1] is not None and bests.found[-1]["step"] == marker["step"]
+
+
+def test_the_training_state_is_freed_before_the_generation_check_decodes(tiny_model_dir, monkeypatch) -> None:
+    """The optimizer's state, the gradients and the training's CUDA graphs go before the check's
+    decode allocates its cache: they would add to the run's peak for nothing."""
+    from types import SimpleNamespace
+
+    from kestrel.training import recipe
+    from kestrel.training.generation_check import GenerationCheck
+
+    model = _peft_model(tiny_model_dir("llama"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    released: list[bool] = []
+    seen: dict[str, object] = {}
+
+    def check_run(self, m, tokenizer, output_dir, step):  # what the decode would find
+        seen.update(state=len(optimizer.state), grads=sum(p.grad is not None for p in params), released=list(released))
+        return {"exact_match": 0.0, "rouge_l": 0.0}
+
+    monkeypatch.setattr(GenerationCheck, "run", check_run)
+    check = GenerationCheck([object()], 8)
+    s = SimpleNamespace(model=model, tokenizer=None, output_dir=Path("."), optimizer=optimizer,
+                        recompute=SimpleNamespace(release=lambda: released.append(True)),
+                        evaluator=SimpleNamespace(generation=check), world=SimpleNamespace(is_main=True, size=1))
+    assert len(optimizer.state) == len(params)
+    recipe.generation_check(s, Callback(), 4)
+    assert seen == {"state": 0, "grads": 0, "released": [True]}
