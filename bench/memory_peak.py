@@ -51,9 +51,10 @@ def _by_site(blocks: list[tuple[int, str]], top: int) -> list[str]:
             for site, (size, count) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
-def peak_report(trace: list[dict], top: int = 25) -> str:
-    """Replays alloc / free_completed events; returns the live blocks at the highest point. Two
-    passes (find the peak's event, then replay up to it), so a long trace costs linear time."""
+def _live_at_peak(trace: list[dict]) -> tuple[int, dict[int, tuple[int, list[dict]]]]:
+    """Replays alloc / free_completed events: (the allocated peak in bytes, the blocks alive
+    then: addr -> (size, frames)). Two passes (find the peak's event, then replay up to it),
+    so a long trace costs linear time."""
     sizes: dict[int, int] = {}
     now = peak = 0
     peak_at = -1
@@ -65,14 +66,34 @@ def peak_report(trace: list[dict], top: int = 25) -> str:
                 peak, peak_at = now, i
         elif ev["action"] == "free_completed" and ev["addr"] in sizes:
             now -= sizes.pop(ev["addr"])
-    live: dict[int, tuple[int, str]] = {}
+    live: dict[int, tuple[int, list[dict]]] = {}
     for ev in trace[:peak_at + 1]:
         if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
+            live[ev["addr"]] = (ev["size"], ev.get("frames", []))
         elif ev["action"] == "free_completed":
             live.pop(ev["addr"], None)
+    return peak, live
+
+
+def peak_report(trace: list[dict], top: int = 25) -> str:
+    """The live blocks at the trace's allocated peak, by allocating site."""
+    peak, live = _live_at_peak(trace)
     lines = [f"allocated during the trace at its peak: {peak / 2**30:.3f} GiB in {len(live)} blocks"]
-    return "\n".join(lines + _by_site(list(live.values()), top))
+    return "\n".join(lines + _by_site([(size, _site(frames)) for size, frames in live.values()], top))
+
+
+def peak_stacks(trace: list[dict], min_bytes: int, depth: int = 14) -> str:
+    """The blocks of at least `min_bytes` alive at the trace's allocated peak, each with the
+    innermost `depth` Python frames of its allocation (where a site alone is not enough: code
+    compiled or called through a library's wrapper)."""
+    _, live = _live_at_peak(trace)
+    big = sorted(live.values(), key=lambda b: -b[0])
+    lines = []
+    for size, frames in (b for b in big if b[0] >= min_bytes):
+        py = [f for f in frames if f["filename"].endswith(".py")][:depth]
+        lines.append(f"{size / 2**20:.1f} MiB:")
+        lines += [f"    {'/'.join(f['filename'].split('/')[-3:])}:{f['line']} {f['name']}" for f in py]
+    return "\n".join(lines)
 
 
 def reserved_report(trace: list[dict], start: int = 0, top: int = 25) -> str:
