@@ -30,7 +30,7 @@ def _model(layers: int):
 
     from kestrel.model.loader import load
 
-    model, tok = load(str(llama8b_dir(layers=layers)), 2048, load_in_4bit=True, dtype="bf16")
+    model, tok = load(str(llama8b_dir(layers=layers or None)), 2048, load_in_4bit=True, dtype="bf16")
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=TARGETS)), tok
 
 
@@ -45,7 +45,7 @@ def _check(args: argparse.Namespace, vocab: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers; 0: all 32")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=256, help="tokens each answer may run to (the check's max_new_tokens)")
