@@ -2,9 +2,10 @@
 
 An evaluation that beats the best so far keeps its weights. For an adapter (a PEFT model on one
 device) the adapter's tensors are copied to host memory, a copy of a few hundred MB at most and
-the only part training waits for, and a background thread writes the folder and then the
-marker, while the next steps run. A full model (its host copy would be the size of the model) and
-a model sharded over several devices (its gather is a collective) are written at once, as before.
+the only part training waits for (the tensors are found once a run: `adapter_entries`), and a
+background thread writes the folder and then the marker, while the next steps run. A full model
+(its host copy would be the size of the model) and a model sharded over several devices (its
+gather is a collective) are written at once, as before.
 
 One write at a time: the next save first waits for the one before (which had an evaluation
 interval to finish) and raises its error, if it failed, as the `CheckpointWriteError` a save at
@@ -30,11 +31,13 @@ from kestrel.training.checkpoints import is_peft, save_weights, sharded
 from kestrel.training.distributed import World
 
 
-def adapter_snapshot(model: nn.Module) -> dict[str, torch.Tensor] | None:
+def adapter_entries(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The entries of `model.state_dict()` its adapter files hold (what PEFT's save keeps for
-    each of its adapters), copied to the CPU; None for a model that is not a PEFT model on one
-    device. Entries are matched by storage, so whatever PEFT keeps (LoRA's A and B, DoRA's
-    magnitudes, saved embeddings) is in the copy, under the names PEFT's save looks for."""
+    each of its adapters), as the live parameters; None for a model that is not a PEFT model on
+    one device. Matched by storage, so whatever PEFT keeps (LoRA's A and B, DoRA's magnitudes,
+    saved embeddings) is found, under the names PEFT's save looks for. A walk of the whole state
+    (a quantized base packs its quantization state there, with a device read per layer): a run
+    does it once."""
     if not is_peft(model) or sharded(model):
         return None
     from peft.utils import get_peft_model_state_dict
@@ -43,8 +46,13 @@ def adapter_snapshot(model: nn.Module) -> dict[str, torch.Tensor] | None:
     for name in model.peft_config:
         kept |= {t.data_ptr() for t in get_peft_model_state_dict(model, adapter_name=name).values()
                  if isinstance(t, torch.Tensor)}
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+    return {k: v for k, v in model.state_dict(keep_vars=True).items()
             if isinstance(v, torch.Tensor) and v.data_ptr() in kept}
+
+
+def host_copy(entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`entries`' values as they are now, copied to the CPU."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in entries.items()}
 
 
 class BestWrites:
@@ -57,6 +65,7 @@ class BestWrites:
         self._error: BaseException | None = None
         self._done: int | None = None  # the step of a completed write not yet reported
         self._lock = threading.Lock()  # _done: set by the writing thread, taken by `written`
+        self._entries: tuple[int, dict[str, torch.Tensor] | None] | None = None  # (id(model), its adapter_entries)
 
     def save(self, step: int, metric: str, value: float, model: nn.Module, tokenizer: Any,
              world: World | None = None) -> None:
@@ -68,7 +77,8 @@ class BestWrites:
         if main:
             (self.folder / BEST_MARKER).unlink(missing_ok=True)
             self.folder.mkdir(parents=True, exist_ok=True)
-        snapshot = adapter_snapshot(model) if world is None or world.size == 1 else None
+        entries = self._adapter_entries(model) if world is None or world.size == 1 else None
+        snapshot = host_copy(entries) if entries is not None else None
         if snapshot is None:
             save_weights(model, self.folder, tokenizer, world)
             if main:
@@ -83,6 +93,11 @@ class BestWrites:
 
         self._thread = threading.Thread(target=self._run, args=(write, step), name="kestrel-best-weights")
         self._thread.start()
+
+    def _adapter_entries(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        if self._entries is None or self._entries[0] != id(model):
+            self._entries = (id(model), adapter_entries(model))
+        return self._entries[1]
 
     def _run(self, write: Any, step: int) -> None:
         try:

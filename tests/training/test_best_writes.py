@@ -17,7 +17,7 @@ from kestrel.config import config_from_dict
 from kestrel.model.loader import load
 from kestrel.training import best_writes
 from kestrel.training.best import read_best
-from kestrel.training.best_writes import BestWrites, adapter_snapshot
+from kestrel.training.best_writes import BestWrites, adapter_entries, host_copy
 from kestrel.training.checkpoints import CheckpointWriteError
 from kestrel.training.metrics import Callback
 from kestrel.training.run import run
@@ -55,10 +55,26 @@ def test_adapter_is_written_from_its_copy_while_training_goes_on(tiny_model_dir,
 
 def test_the_copy_holds_only_what_the_adapter_file_holds(tiny_model_dir) -> None:
     model = _peft_model(tiny_model_dir("llama"))
-    snap = adapter_snapshot(model)
-    assert snap and all(v.device.type == "cpu" for v in snap.values())
-    assert all("lora_A" in k or "lora_B" in k for k in snap), sorted(snap)[:4]
-    assert adapter_snapshot(load(str(tiny_model_dir("llama")), 64, dtype="fp32")[0]) is None  # a full model
+    entries = adapter_entries(model)
+    assert entries and all("lora_A" in k or "lora_B" in k for k in entries), sorted(entries or {})[:4]
+    assert all(isinstance(v, torch.nn.Parameter) for v in entries.values())  # live: later saves read them anew
+    _fill_lora(model, 3.0)
+    snap = host_copy(entries)
+    assert all(v.device.type == "cpu" for v in snap.values())
+    assert any("lora_B" in k and torch.all(v == 3.0) for k, v in snap.items())
+    assert adapter_entries(load(str(tiny_model_dir("llama")), 64, dtype="fp32")[0]) is None  # a full model
+
+
+def test_later_saves_copy_the_weights_of_their_own_evaluation(tiny_model_dir, tmp_path: Path) -> None:
+    model = _peft_model(tiny_model_dir("llama"))
+    writes = BestWrites(tmp_path)
+    for step, value in ((10, 1.0), (20, 2.0)):
+        _fill_lora(model, value)
+        writes.save(step, "eval_loss", 1.0 / step, model, None)
+    _fill_lora(model, 7.0)
+    assert writes.written(wait=True) == 20
+    got = load_file(str(tmp_path / "best" / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.all(v == 2.0) for k, v in got.items() if "lora_B" in k)
 
 
 def test_a_failed_background_write_is_raised_and_leaves_no_marker(tiny_model_dir, tmp_path: Path,
