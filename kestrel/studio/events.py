@@ -235,8 +235,11 @@ def wire_chat(ch: C, pool: ModelPool, anchor: gr.Component) -> None:
     lt = light(anchor)
     described = Outputs.of(ch, "checkpoint", "template", "left", "right", "note", "stats")
     pick = [ch["target"], ch["checkpoint"], ch["side"]]
-    for trigger in (ch["target"].change, ch["side"].change, ch["checkpoint"].input):
-        _on(trigger, chat_h.describe_target, pick, described, **lt)
+    # One event for the three triggers, the latest one last: as three events, one sent before a
+    # click on "side by side" could finish after it (reading the tokenizer takes a while on a busy
+    # machine) and hide the right panel under a ticked box.
+    triggers = [ch["target"].change, ch["side"].change, ch["checkpoint"].input]
+    _on(partial(gr.on, triggers), chat_h.describe_target, pick, described, trigger_mode="always_last", **lt)
     targets = Outputs.of(ch, "target", "seen")
     _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"], ch["seen"]], targets, **lt)
     answer = Outputs.of(ch, "left", "right", "message", "stats")

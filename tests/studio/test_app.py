@@ -105,3 +105,20 @@ def test_polling_follows_the_tab_the_page_shows_not_the_event_that_came_last() -
     assert dep["js"] == SHOWN_TAB_JS and [components[i]["type"] for i in dep["inputs"]] == ["textbox"]
     assert sorted(components[t[0]]["props"]["id"] for t in dep["targets"]) == sorted(
         c["props"]["id"] for c in components.values() if c["type"] == "tabitem")
+
+
+def test_the_chat_panels_follow_the_latest_of_model_weights_and_side_by_side() -> None:
+    """The panels' labels and visibility come from one event over the three fields, the latest
+    trigger last: separate events could finish out of order and hide the right panel while
+    "side by side" stayed ticked (seen under load in the browser test)."""
+    from kestrel.studio.interface import build_app
+
+    config = build_app().get_config_file()
+    components = {c["id"]: c for c in config["components"]}
+    ids = {c["props"].get("elem_id"): i for i, c in components.items()}
+    describing = [d for d in config["dependencies"] if {ids["ch-right"], ids["ch-checkpoint"]} <= set(d["outputs"])]
+    assert len(describing) == 1, "one event describes the chosen model"
+    dep = describing[0]
+    assert dep["trigger_mode"] == "always_last"
+    assert sorted((components[i]["props"].get("elem_id"), t) for i, t in dep["targets"]) == [
+        ("ch-checkpoint", "input"), ("ch-side", "change"), ("ch-target", "change")]
