@@ -89,6 +89,15 @@ def _on(trigger: Any, fn: Callable[..., Any], inputs: list[gr.Component], output
     return trigger(outputs.wrap(fn), inputs=inputs, outputs=outputs.components, **kw)
 
 
+def _on_latest(triggers: list[Any], fn: Callable[..., Any], inputs: list[gr.Component], outputs: Outputs,
+               **kw: Any) -> Any:
+    """One event for several fields' triggers, run one at a time with the latest trigger last. As
+    separate events (each reading its inputs when sent) they could finish out of order, and the
+    stale answer stayed: a describe of the Chat target, sent before "side by side" was ticked,
+    finished after the one that showed the right panel and hid it (under load in the browser test)."""
+    return _on(partial(gr.on, triggers), fn, inputs, outputs, trigger_mode="always_last", **kw)
+
+
 def model_name(source: str, text: str) -> str:
     return form_to_config({"model_source": source, "model": text})["model"]
 
@@ -235,11 +244,8 @@ def wire_chat(ch: C, pool: ModelPool, anchor: gr.Component) -> None:
     lt = light(anchor)
     described = Outputs.of(ch, "checkpoint", "template", "left", "right", "note", "stats")
     pick = [ch["target"], ch["checkpoint"], ch["side"]]
-    # One event for the three triggers, the latest one last: as three events, one sent before a
-    # click on "side by side" could finish after it (reading the tokenizer takes a while on a busy
-    # machine) and hide the right panel under a ticked box.
-    triggers = [ch["target"].change, ch["side"].change, ch["checkpoint"].input]
-    _on(partial(gr.on, triggers), chat_h.describe_target, pick, described, trigger_mode="always_last", **lt)
+    _on_latest([ch["target"].change, ch["side"].change, ch["checkpoint"].input], chat_h.describe_target, pick,
+               described, **lt)
     targets = Outputs.of(ch, "target", "seen")
     _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"], ch["seen"]], targets, **lt)
     answer = Outputs.of(ch, "left", "right", "message", "stats")
@@ -264,8 +270,8 @@ def wire_export(ex: C, anchor: gr.Component) -> None:
         **lt)
     picked = Outputs.of(ex, "checkpoint", "quant")
     pick_in = [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]]
-    for trigger in (ex["source"].change, ex["format"].change, ex["checkpoint"].input):
-        _on(trigger, ex_h.pick_source, pick_in, picked, **lt)
+    _on_latest([ex["source"].change, ex["format"].change, ex["checkpoint"].input], ex_h.pick_source, pick_in, picked,
+               **lt)
     _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]],
         Outputs.of(ex, "status", "file", "modelfile"), concurrency_limit=1, show_progress_on=[ex["status"]])
 

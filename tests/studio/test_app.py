@@ -107,18 +107,22 @@ def test_polling_follows_the_tab_the_page_shows_not_the_event_that_came_last() -
         c["props"]["id"] for c in components.values() if c["type"] == "tabitem")
 
 
-def test_the_chat_panels_follow_the_latest_of_model_weights_and_side_by_side() -> None:
-    """The panels' labels and visibility come from one event over the three fields, the latest
-    trigger last: separate events could finish out of order and hide the right panel while
-    "side by side" stayed ticked (seen under load in the browser test)."""
+@pytest.mark.parametrize("describes, fields", [
+    ({"ch-right", "ch-checkpoint"}, [("ch-checkpoint", "input"), ("ch-side", "change"), ("ch-target", "change")]),
+    ({"ex-quant", "ex-checkpoint"}, [("ex-checkpoint", "input"), ("ex-format", "change"), ("ex-source", "change")]),
+])
+def test_a_choice_described_from_several_fields_follows_the_latest(describes: set[str], fields: list) -> None:
+    """The Chat panels (labels, visibility) and the Export choices come from one event over the
+    fields they depend on, the latest trigger last: separate events could finish out of order and
+    leave a stale answer (the right panel hidden while "side by side" stayed ticked, seen under
+    load in the browser test)."""
     from kestrel.studio.interface import build_app
 
     config = build_app().get_config_file()
     components = {c["id"]: c for c in config["components"]}
     ids = {c["props"].get("elem_id"): i for i, c in components.items()}
-    describing = [d for d in config["dependencies"] if {ids["ch-right"], ids["ch-checkpoint"]} <= set(d["outputs"])]
-    assert len(describing) == 1, "one event describes the chosen model"
+    describing = [d for d in config["dependencies"] if {ids[e] for e in describes} <= set(d["outputs"])]
+    assert len(describing) == 1, f"one event writes {sorted(describes)}"
     dep = describing[0]
     assert dep["trigger_mode"] == "always_last"
-    assert sorted((components[i]["props"].get("elem_id"), t) for i, t in dep["targets"]) == [
-        ("ch-checkpoint", "input"), ("ch-side", "change"), ("ch-target", "change")]
+    assert sorted((components[i]["props"].get("elem_id"), t) for i, t in dep["targets"]) == fields
