@@ -87,7 +87,7 @@ def save_weights(model: nn.Module, folder: Path, tokenizer: Any = None, world: A
     `folder`/model, written to a `.tmp` folder and renamed. Raises CheckpointWriteError. On
     several devices (`world`, a `kestrel.training.distributed.World`) every rank calls it and
     rank 0 writes. `weights`: the state to write instead of the model's own (a copy taken
-    earlier, `kestrel.training.best_writes.adapter_snapshot`)."""
+    earlier: `kestrel.training.best_writes.host_copy`)."""
     target = folder / ("adapter" if is_peft(model) else "model")
     if weights is None:
         weights, _ = _full_states(model, None)
