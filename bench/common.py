@@ -116,8 +116,8 @@ def step_recorder(steps: list[dict[str, float]], graph_steps: list[int] | None =
     step's record also holds `gc_full_ms`: the milliseconds of CPython's full (generation 2)
     garbage collections since the step before, a host stall that can make a step slow, and on
     CUDA `max_alloc_gib`, the process's allocated peak up to that step's end. `timeline` gets
-    every other event (start, each log line, best weights, end) with its time since the recorder
-    was made and the peak so far: where a run's time and memory go outside its steps."""
+    every event (start, each step or evaluation, log line and best weights, end) with its time
+    since the recorder was made and the peak so far: where a run's time and memory go."""
     from kestrel.training.metrics import Callback
 
     class Record(Callback):

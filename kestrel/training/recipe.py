@@ -294,9 +294,10 @@ def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
         return False
     metrics = ev.evaluate(s.model, s.world)
     cb.on_step({"step": done, **metrics})
-    report_best(s, cb, wait=False)  # the write before this one, done by now: reported before it is replaced
     stop = ev.record(done, metrics, s.model, s.tokenizer, cb.on_log, s.world)
-    report_best(s, cb, wait=False)  # written at once (a full model), else reported once its write is done
+    # A full model's best is written by now; an adapter's write is reported once done (a new save
+    # waits for the one before, so that one is reported here), the last one at the run's end.
+    report_best(s, cb, wait=False)
     return stop and done < s.total_steps
 
 
