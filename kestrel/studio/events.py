@@ -98,6 +98,22 @@ def _on_latest(triggers: list[Any], fn: Callable[..., Any], inputs: list[gr.Comp
     return _on(partial(gr.on, triggers), fn, inputs, outputs, trigger_mode="always_last", **kw)
 
 
+# What a Chat choice (model or run, weights, side by side) and an Export choice (source, weights,
+# format) describe. The events that set a choice's list describe it in the same answer, and the
+# events that describe on their own follow the user's input only, never a change made by an answer
+# (see kestrel.studio.handlers.chat.show_targets).
+DESCRIBED = ("checkpoint", "template", "left", "right", "note", "stats")
+PICKED = ("checkpoint", "quant")
+
+
+def show_targets_inputs(ch: C) -> list[gr.Component]:
+    return [ch["target"], ch["seen"], ch["checkpoint"], ch["side"]]
+
+
+def show_sources_inputs(ex: C) -> list[gr.Component]:
+    return [ex["source"], ex["seen"], ex["checkpoint"], ex["format"], ex["quant"]]
+
+
 def model_name(source: str, text: str) -> str:
     return form_to_config({"model_source": source, "model": text})["model"]
 
@@ -242,12 +258,12 @@ def wire_runs(r: C, anchor: gr.Component) -> None:
 
 def wire_chat(ch: C, pool: ModelPool, anchor: gr.Component) -> None:
     lt = light(anchor)
-    described = Outputs.of(ch, "checkpoint", "template", "left", "right", "note", "stats")
+    described = Outputs.of(ch, *DESCRIBED)
     pick = [ch["target"], ch["checkpoint"], ch["side"]]
-    _on_latest([ch["target"].change, ch["side"].change, ch["checkpoint"].input], chat_h.describe_target, pick,
+    _on_latest([ch["target"].input, ch["side"].input, ch["checkpoint"].input], chat_h.describe_target, pick,
                described, **lt)
-    targets = Outputs.of(ch, "target", "seen")
-    _on(ch["refresh"].click, chat_h.refresh_targets, [ch["target"], ch["seen"]], targets, **lt)
+    _on(ch["refresh"].click, chat_h.show_targets, show_targets_inputs(ch), Outputs.of(ch, "target", "seen") + described,
+        **lt)
     answer = Outputs.of(ch, "left", "right", "message", "stats")
     inputs = [ch[k] for k in ("message", "left", "right", "target", "checkpoint", "side", "system", "temperature",
                               "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")]
@@ -266,12 +282,11 @@ def wire_chat(ch: C, pool: ModelPool, anchor: gr.Component) -> None:
 
 def wire_export(ex: C, anchor: gr.Component) -> None:
     lt = light(anchor)
-    _on(ex["refresh"].click, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
+    _on(ex["refresh"].click, ex_h.show_sources, show_sources_inputs(ex), Outputs.of(ex, "source", "seen", *PICKED),
         **lt)
-    picked = Outputs.of(ex, "checkpoint", "quant")
     pick_in = [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]]
-    _on_latest([ex["source"].change, ex["format"].change, ex["checkpoint"].input], ex_h.pick_source, pick_in, picked,
-               **lt)
+    _on_latest([ex["source"].input, ex["format"].input, ex["checkpoint"].input], ex_h.pick_source, pick_in,
+               Outputs.of(ex, *PICKED), **lt)
     _on(ex["start"].click, ex_h.run_export, [ex["source"], ex["checkpoint"], ex["format"], ex["quant"]],
         Outputs.of(ex, "status", "file", "modelfile"), concurrency_limit=1, show_progress_on=[ex["status"]])
 
@@ -283,9 +298,9 @@ def wire_export(ex: C, anchor: gr.Component) -> None:
 def wire_load(app: gr.Blocks, d: C, t: C, r: C, ch: C, ex: C, settings: StudioSettings, anchor: gr.Component) -> None:
     runs_out = _runs_outputs(r)
     outputs = (Outputs([("samples", d["sample"]), ("datasets", d["datasets"])])
-               + _filled(t) + Outputs.of(t, "gpu") + runs_out + Outputs([("target", ch["target"]), ("ch_seen", ch["seen"]),
-                                                  ("source", ex["source"]), ("ex_seen", ex["seen"]),
-                                                  ("ex_checkpoint", ex["checkpoint"]), ("quant", ex["quant"])]))
+               + _filled(t) + Outputs.of(t, "gpu") + runs_out
+               + Outputs([(f"ch_{k}", ch[k]) for k in ("target", "seen", *DESCRIBED)])
+               + Outputs([(f"ex_{k}", ex[k]) for k in ("source", "seen", *PICKED)]))
 
     def load(seen: Any) -> dict[str, Any]:
         samples = ds_h.sample_choices()
@@ -298,13 +313,9 @@ def wire_load(app: gr.Blocks, d: C, t: C, r: C, ch: C, ex: C, settings: StudioSe
         result["dataset"] = gr.update(choices=ds_h.dataset_choices(), value=result["dataset"])
         result.update(runs_h.refresh(None, {}, force=True))
         # Each tab's list remembers the newest run it has shown (its own `seen`, not the Runs tab's).
-        targets = chat_h.refresh_targets(None, None)
-        result.update(target=targets["target"], ch_seen=targets["seen"])
-        sources = ex_h.refresh_sources(None, None)
-        source = sources["source"]["value"]
-        picked = ex_h.pick_source(source, None, "gguf", None)
-        result.update(source=sources["source"], ex_seen=sources["seen"], ex_checkpoint=picked["checkpoint"],
-                      quant=picked["quant"])
+        result.update({f"ch_{k}": v for k, v in chat_h.show_targets(None, None, None, ch["side"].value).items()})
+        shown = ex_h.show_sources(None, None, None, ex["format"].value, None)
+        result.update({f"ex_{k}": v for k, v in shown.items()})
         return result
 
     app.load(outputs.wrap(load), [r["seen"]], outputs.components, **hidden(anchor))
@@ -332,10 +343,10 @@ def wire_tab_switches(tabs: dict[str, gr.Tab], shown: gr.Component, t: C, r: C, 
           js=SHOWN_TAB_JS, trigger_mode="always_last", **lt)
     _on(tabs["runs"].select, runs_h.select_job, _runs_inputs(r), runs_out, **lt)
     _on(tabs["runs"].select, lambda: runs_h.compare_choices(), [], Outputs.of(r, "compare_select"), **lt)
-    _on(tabs["chat"].select, chat_h.refresh_targets, [ch["target"], ch["seen"]], Outputs.of(ch, "target", "seen"),
+    _on(tabs["chat"].select, chat_h.show_targets, show_targets_inputs(ch), Outputs.of(ch, "target", "seen", *DESCRIBED),
         **lt)
     tabs["train"].select(weights_h.model_box, t["model_source"], t["model"], **lt)  # runs finished since
-    _on(tabs["export"].select, ex_h.refresh_sources, [ex["source"], ex["seen"]], Outputs.of(ex, "source", "seen"),
+    _on(tabs["export"].select, ex_h.show_sources, show_sources_inputs(ex), Outputs.of(ex, "source", "seen", *PICKED),
         **lt)
     # The list of recent exports is re-read from the store (a restarted studio loses nothing).
     gr.on([tabs["export"].select, ex["recent_timer"].tick], ex_h.recent_exports, None, ex["recent"], **lt)

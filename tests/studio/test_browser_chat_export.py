@@ -47,8 +47,7 @@ def _value(pg: object, selector: str) -> str:
 
 
 def _wait_value(pg: object, selector: str, prefix: str) -> None:
-    pg.wait_for_function(f"([s, p]) => {VALUE}(s).startsWith(p)", arg=[f"{selector} input", prefix],  # type: ignore[attr-defined]
-                         timeout=60_000)
+    _wait_or_tell(pg, f"() => {VALUE}({selector + ' input'!r}).startsWith({prefix!r})", f"{selector} = {prefix!r}")
 
 
 def _options(pg: object, selector: str) -> list[str]:
@@ -61,6 +60,12 @@ def _options(pg: object, selector: str) -> list[str]:
 
 
 PAGE_STATE = """() => ({
+  tab: document.querySelector('button[role=tab][aria-selected=true]')?.innerText,
+  chat_target: document.querySelector('#ch-target input')?.value,
+  chat_checkpoint: document.querySelector('#ch-checkpoint input')?.value,
+  export_source: document.querySelector('#ex-source input')?.value,
+  export_checkpoint: document.querySelector('#ex-checkpoint input')?.value ?? 'not on the page',
+  export_quant: document.querySelector('#ex-quant input')?.value,
   left: document.querySelector('#ch-left')?.innerText.slice(-300),
   right: document.querySelector('#ch-right')?.innerText.slice(-300),
   message: document.querySelector('#ch-message textarea')?.value,

@@ -101,6 +101,26 @@ def test_runs_with_a_checkpoint_are_listed_and_the_newest_is_followed(runs: dict
         assert refresh("base:demo", runs["full"])[key]["value"] == "base:demo"
 
 
+def test_opening_a_tab_describes_the_choice_it_shows(runs: dict[str, int]) -> None:
+    """Tab open and Refresh answer with the list and what its choice shows, in one answer."""
+    newest, lora = f"run:{runs['full']}", f"run:{runs['lora']}"
+    shown = chat.show_targets("base:demo", runs["lora"], None, True)  # a newer run appeared
+    assert shown["target"]["value"] == newest and shown["checkpoint"]["visible"] is True
+    assert shown["right"]["visible"] is True and shown["right"]["label"].startswith(f"Run #{runs['full']}")
+    # The same choice: the conversation stays (no panels in the answer), the weights' list is re-read.
+    kept = chat.show_targets(lora, runs["full"], "1", False)
+    assert kept["target"]["value"] == lora and not {"left", "right", "note"} & set(kept)
+    assert kept["checkpoint"]["value"] == "1" and len(kept["checkpoint"]["choices"]) == 2
+    base = chat.show_targets(None, runs["full"], None, False)  # a fresh page that has seen every run
+    assert base["target"]["value"] == newest and base["note"]["visible"] is True  # the demo's runs carry the note
+    picked = export.show_sources("base:demo", runs["lora"], None, "gguf", None)
+    assert picked["source"]["value"] == newest and picked["checkpoint"]["visible"] is True
+    assert picked["quant"]["value"] == "q4_k_m" and "about" in picked["quant"]["choices"][0][0]
+    demo = export.show_sources("base:demo", runs["full"], "final", "adapter", None)
+    assert demo["source"]["value"] == "base:demo" and demo["checkpoint"]["visible"] is False
+    assert demo["quant"]["visible"] is False
+
+
 def test_a_run_is_chatted_with_at_a_checkpoint(runs: dict[str, int], pool: ModelPool) -> None:
     target = f"run:{runs['lora']}"
     shown = chat.describe_target(target, None, False)

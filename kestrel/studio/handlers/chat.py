@@ -25,7 +25,7 @@ from kestrel import jobs
 from kestrel.errors import KestrelError
 from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import DEMO, tokenizer_for, user_errors
-from kestrel.studio.handlers.weights import checkpoint_choices, follow_newest, usable_runs, weights_of
+from kestrel.studio.handlers.weights import follow_newest, run_of, usable_runs, weights_choice, weights_of
 from kestrel.studio.models import LoadedModel, ModelPool, RowSpeed, stream_rows
 
 
@@ -203,13 +203,7 @@ def stopped(left: list | None, right: list | None) -> dict[str, Any]:
 def describe_target(target: str, checkpoint: str | None, side_by_side: bool) -> dict[str, Any]:
     """Outputs: checkpoint (the run's weights to choose from), template (the chat template text),
     left / right (panel labels and visibility, emptied), note (the demo model's warning)."""
-    kind, _, value = (target or "").partition(":")
-    ckpt: Any = gr.update(visible=False, choices=[], value=None)
-    if kind == "run" and value.isdigit():
-        choices = checkpoint_choices(jobs.get_job(int(value)))
-        values = [v for _, v in choices]
-        checkpoint = checkpoint if checkpoint in values else (values[0] if values else None)
-        ckpt = gr.update(visible=True, choices=choices, value=checkpoint)
+    ckpt, checkpoint = weights_choice(run_of(target), checkpoint)
     tgt = resolve_target(target, checkpoint)
     tokenizer = tokenizer_for(tgt.model)
     template = getattr(tokenizer, "chat_template", "") or ""
@@ -232,3 +226,16 @@ def refresh_targets(current: str | None, seen: int | None) -> dict[str, Any]:
     choices = target_choices(runs)
     value = follow_newest([v for _, v in choices], current, seen, runs)
     return {"target": gr.update(choices=choices, value=value), "seen": runs[0].id if runs else seen}
+
+
+def show_targets(current: str | None, seen: int | None, checkpoint: str | None, side_by_side: bool) -> dict[str, Any]:
+    """`refresh_targets`, with `describe_target`'s outputs when the choice changed (else the
+    weights' list, which gains checkpoints saved since). Whatever sets the list describes its
+    choice in the same answer: a describe chained on the list's change event is one more round trip
+    that other events of the page can overtake, and under load a stale answer stayed (the browser
+    test saw Export's weights list never appear, and Chat's right panel hidden)."""
+    out = refresh_targets(current, seen)
+    value = out["target"]["value"]
+    if value != current:
+        return {**out, **describe_target(value, checkpoint, side_by_side)}
+    return {**out, "checkpoint": weights_choice(run_of(value), checkpoint)[0]}  # checkpoints saved since

@@ -37,7 +37,7 @@ from kestrel.studio import strings as S
 from kestrel.studio.handlers.common import DEMO, log, user_errors
 from kestrel.training.checkpoints import human_size
 from kestrel.studio.handlers.weights import (
-    BEST, FINAL, best_of, checkpoint_choices, follow_newest, usable_runs, weights_of,
+    BEST, FINAL, best_of, follow_newest, run_of, usable_runs, weights_choice, weights_of,
 )
 
 EXPORT = "export"  # kestrel.jobs.models.EXPORT: the job kind
@@ -62,14 +62,17 @@ def refresh_sources(current: str | None, seen: int | None) -> dict[str, Any]:
     return {"source": gr.update(choices=choices, value=value), "seen": runs[0].id if runs else seen}
 
 
-def _run_of(source: str | None) -> jobs.Job | None:
-    kind, _, rest = (source or "").partition(":")
-    return jobs.get_job(int(rest)) if kind == "run" and rest.isdigit() else None
+def show_sources(current: str | None, seen: int | None, checkpoint: str | None, fmt: str,
+                 quant: str | None) -> dict[str, Any]:
+    """`refresh_sources` and `pick_source` of its choice in one answer (the weights' list also
+    gains checkpoints saved since): see `kestrel.studio.handlers.chat.show_targets` for why."""
+    out = refresh_sources(current, seen)
+    return {**out, **pick_source(out["source"]["value"], checkpoint, fmt, quant)}
 
 
 def _folder(source: str | None, checkpoint: str | None) -> str:
     """What `kestrel.export` reads for the tab's choice: the demo, or the folder of the weights."""
-    job = _run_of(source)
+    job = run_of(source)
     return DEMO if job is None else str(weights_of(job, checkpoint).folder)
 
 
@@ -123,13 +126,7 @@ def quant_choices(fmt: str, basis: tuple[int, bool] | None = None, current: str 
 def pick_source(source: str | None, checkpoint: str | None, fmt: str, quant: str | None) -> dict[str, Any]:
     """Outputs: checkpoint (the run's weights: final or a checkpoint; hidden for the demo), quant
     (the list for the format, sized for the chosen weights)."""
-    job = _run_of(source)
-    ckpt: Any = gr.update(visible=False, choices=[], value=None)
-    if job is not None:
-        choices = checkpoint_choices(job)
-        values = [v for _, v in choices]
-        checkpoint = checkpoint if checkpoint in values else (values[0] if values else None)
-        ckpt = gr.update(visible=True, choices=choices, value=checkpoint)
+    ckpt, checkpoint = weights_choice(run_of(source), checkpoint)
     basis = size_basis(source, checkpoint) if fmt == "gguf" else None
     return {"checkpoint": ckpt, **quant_choices(fmt, basis, quant)}
 

@@ -92,6 +92,24 @@ def checkpoint_choices(job: jobs.Job) -> list[tuple[str, str]]:
     return top + final + [(S.WEIGHTS_STEP.format(step=step), str(step)) for step in checkpoints(job)]
 
 
+def run_of(choice: str | None) -> jobs.Job | None:
+    """The run a Chat or Export choice names (`run:<id>`); None for a base model (`base:<name>`)."""
+    kind, _, rest = (choice or "").partition(":")
+    return jobs.get_job(int(rest)) if kind == "run" and rest.isdigit() else None
+
+
+def weights_choice(job: jobs.Job | None, current: str | None) -> tuple[dict[str, Any], str | None]:
+    """(the weights dropdown of a Chat or Export choice, the weights it names): the run's
+    `checkpoint_choices`, keeping `current` while listed, else the first; hidden for a base model
+    (`job` None)."""
+    if job is None:
+        return gr.update(visible=False, choices=[], value=None), None
+    choices = checkpoint_choices(job)
+    values = [v for _, v in choices]
+    chosen = current if current in values else (values[0] if values else None)
+    return gr.update(visible=True, choices=choices, value=chosen), chosen
+
+
 def weights_of(job: jobs.Job, choice: str | None) -> RunWeights:
     """The weights `choice` names (None: the best ones, else the final ones, else the newest
     checkpoint: the first of `checkpoint_choices`)."""
