@@ -216,7 +216,7 @@ class TrainConfig:
     # evaluation (kestrel.config_evaluation): a held-out file or a seeded fraction of `dataset`
     eval_dataset: str | None = None
     eval_split: float = 0.0  # 0 = no split
-    eval_steps: int | None = None  # null: evaluation costs at most 5% of the training tokens
+    eval_steps: int | None = None  # null: evaluation costs at most 5% of the training time (measured)
     early_stopping: EarlyStoppingSettings = field(default_factory=EarlyStoppingSettings)
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # tensorboard | wandb | mlflow
 

@@ -4,7 +4,7 @@ stopping and where metrics are reported. `TrainConfig` holds the fields (TRL's n
 
     eval_dataset: data/val.jsonl     # a file of held-out rows (same formats as `dataset`), or
     eval_split: 0.05                 # a seeded fraction of `dataset`'s rows, never trained on
-    eval_steps: null                 # null: chosen so evaluation costs <= 5% of training tokens
+    eval_steps: null                 # null: chosen so evaluation costs <= 5% of the training time
     early_stopping: {patience: 3, min_delta: 0.0}   # patience 0 = off
     report_to: [tensorboard, wandb]  # tensorboard event files are always written
 """

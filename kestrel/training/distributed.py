@@ -123,6 +123,15 @@ class World:
         dist.broadcast(code, src=0)
         return {v: k for k, v in STOP_CODES.items()}[int(code.item())]
 
+    def from_main(self, values: list[float]) -> list[float]:
+        """Rank 0's `values` on every rank (one broadcast), so decisions taken from measured
+        numbers (the evaluation schedule) agree; `values` itself on one device."""
+        if not self.distributed:
+            return values
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.broadcast(mine, src=0)
+        return mine.tolist()
+
     def per_device(self, values: dict[str, float]) -> dict[str, float]:
         """`values` of every rank, named `<name>/gpu<rank>` (memory per device); {} on one device."""
         if not self.distributed:

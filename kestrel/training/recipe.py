@@ -262,6 +262,8 @@ def report_step(s: RunState, cb: Callback, step: int, metrics: dict[str, float],
     `end_of_step`; returns the final status when the run ends here."""
     done, elapsed = step + 1, now - started
     memory = memory_metrics(s.device)
+    if s.evaluator is not None:
+        s.evaluator.schedule.stepped(now - t0)
     return end_of_step(s, cb, done, {
         "step": done, "total_steps": s.total_steps, **metrics, "tokens_per_s": tokens / max(now - t0, 1e-9),
         **memory, **s.world.per_device(memory), "elapsed_s": elapsed,
@@ -292,12 +294,16 @@ def evaluate_if_due(s: RunState, cb: Callback, done: int) -> bool:
     ev = s.evaluator
     if ev is None or not ev.due(done, s.total_steps):
         return False
+    t0 = time.perf_counter()
     metrics = ev.evaluate(s.model, s.world)
     cb.on_step({"step": done, **metrics})
     stop = ev.record(done, metrics, s.model, s.tokenizer, cb.on_log, s.world)
     # A full model's best is written by now; an adapter's write is reported once done (a new save
     # waits for the one before, so that one is reported here), the last one at the run's end.
     report_best(s, cb, wait=False)
+    replanned = ev.schedule.evaluated(done, s.total_steps, time.perf_counter() - t0, s.world)
+    if replanned and s.world.is_main:
+        cb.on_log(replanned)
     return stop and done < s.total_steps
 
 

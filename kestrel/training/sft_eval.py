@@ -81,7 +81,7 @@ def sft_evaluator(config: TrainConfig, tokenizer: Any, convs: list[Conversation]
     history = read_series(output_dir / METRICS_FILE, "eval_loss", start_step)
     check = GenerationCheck.from_conversations(convs, tokenizer, config.max_seq_length)
     cb.on_log(f"evaluation: {len(samples)} of {len(data.samples)} held-out rows ({ev_plan.eval_tokens:,} tokens) "
-              f"every {ev_plan.every} steps and at the end, {ev_plan.share(total_steps):.1%} of the training tokens"
+              f"{ev_plan.when()}, {ev_plan.share(total_steps):.1%} of the training tokens"
               + ("" if len(samples) == len(data.samples) or not ev_plan.auto else
                  "; set eval_steps to evaluate every held-out row"))
     return Evaluator(batches, sft_measure, ev_plan, output_dir, config.early_stopping, history=history,

@@ -80,7 +80,7 @@ def grpo_evaluator(config: TrainConfig, s: Any, held: list[PromptRow], cb: Callb
     plan = plan_interval(s.total_steps, per_step, sum(row_tokens(r) for r in rows), config.eval_steps)
     cases = [GenerationCase(r.ids, r.text, r.answer, r.line) for r in held if r.answer]
     check = GenerationCheck(cases[:GENERATION_PROMPTS], g.max_completion_length, s.generator)
-    cb.on_log(f"evaluation: {len(rows)} of {len(held)} held-out prompts every {plan.every} steps and at the end, "
+    cb.on_log(f"evaluation: {len(rows)} of {len(held)} held-out prompts {plan.when()}, "
               f"at most {plan.share(s.total_steps):.1%} of the training tokens")
     return Evaluator(batches, grpo_measure(s.generator, s.tokenizer, s.rewards, g.max_completion_length), plan,
                      s.output_dir, config.early_stopping, metric="reward", greater_is_better=True,

@@ -123,8 +123,8 @@ def preference_evaluator(s: Any, data: RowSet, held: list[PreferenceSample], hel
     plan = plan_interval(s.total_steps, steps_tokens(config, s.samples, s.world.size), sum(row_tokens(x) for x in data.samples),
                          config.eval_steps)
     check = GenerationCheck.sized(generation_cases(held_rows, held), s.tokenizer)
-    cb.on_log(f"evaluation: {n} of {len(held)} held-out rows ({plan.eval_tokens:,} tokens) every "
-              f"{plan.every} steps and at the end, {plan.share(s.total_steps):.1%} of the training tokens"
+    cb.on_log(f"evaluation: {n} of {len(held)} held-out rows ({plan.eval_tokens:,} tokens) "
+              f"{plan.when()}, {plan.share(s.total_steps):.1%} of the training tokens"
               + ("" if n == len(held) or not plan.auto else "; set eval_steps to evaluate every held-out row"))
     return Evaluator(batches, preference_measure(s, data, s.paired), plan, s.output_dir, config.early_stopping,
                      history=read_series(s.output_dir / METRICS_FILE, "eval_loss", s.start_step),
