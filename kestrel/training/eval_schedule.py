@@ -9,11 +9,12 @@ run itself measured:
   or met a new shape do not set it).
 
 The rest of the run gets as many evaluations as fit in EVAL_BUDGET of the run's training seconds
-(total_steps * step_s), less the evaluation seconds already spent, the final evaluation included,
+(steps * step_s, over the steps this process runs: a resumed run's own), less the evaluation
+seconds already spent, the final evaluation included,
 each costing the latest `stall_s`; never more than the token plan gives. So with k evaluations
 left that fit, the next ones come ceil(steps left / k) steps apart:
 
-    fits     = floor((EVAL_BUDGET * total_steps * step_s - spent_s) / stall_s)
+    fits     = floor((EVAL_BUDGET * steps * step_s - spent_s) / stall_s)
     interval = max(token plan's interval, ceil((total_steps - done) / fits))     (fits >= 2)
     interval = total_steps - done  (only the final evaluation)                 (fits <= 1)
 
@@ -48,6 +49,7 @@ class EvalSchedule:
     next_at: int | None = None  # the next periodic evaluation's step (None: not started)
     step_s: list[float] = field(default_factory=list)  # seconds of each training step this process ran
     spent_s: float = 0.0  # seconds evaluations held the loop (this process)
+    first: int = 1  # the first step this process ran (a resumed run's budget covers its own steps)
     told: bool = False  # the log has told of a departure from the token plan
 
     def stepped(self, seconds: float) -> None:
@@ -60,6 +62,7 @@ class EvalSchedule:
         of `every` after its first step."""
         if self.next_at is None:
             self.next_at = ((done - 1) // self.every + 1) * self.every
+            self.first = done
         if done >= self.next_at:
             self.next_at = (done // self.every + 1) * self.every
             return True
@@ -73,7 +76,8 @@ class EvalSchedule:
         step_s, stall_s = (world or World()).from_main([statistics.median(self.step_s), stall_s])
         self.spent_s += stall_s
         left = total_steps - done
-        fits = math.floor((self.budget * total_steps * step_s - self.spent_s) / max(stall_s, 1e-9))
+        budget_s = self.budget * (total_steps - self.first + 1) * step_s  # this process's steps
+        fits = math.floor((budget_s - self.spent_s) / max(stall_s, 1e-9))
         interval = left if fits <= 1 else max(self.every, math.ceil(left / fits))
         self.next_at = done + interval
         final = fits <= 1

@@ -77,6 +77,13 @@ def test_a_resumed_run_starts_at_the_next_multiple() -> None:
     assert evals == [40, 50, 60]
 
 
+def test_a_resumed_run_budgets_its_own_steps() -> None:
+    """Resumed at step 500 of 600, the run's 100 steps of 1 s allow 5 s of evaluation, not 30 s."""
+    schedule = EvalSchedule(every=10, auto=True, budget=EVAL_BUDGET)
+    evals, _ = _simulate(schedule, 600, [1.0] * 600, [1.0], start=500)
+    assert evals == [510, 533, 556, 578, 600]  # 5 evaluations of 1 s: the 5 s fit exactly
+
+
 def test_only_the_final_evaluation_when_one_more_does_not_fit_and_patience_is_told() -> None:
     schedule = EvalSchedule(every=5, auto=True, budget=EVAL_BUDGET, patience=3)
     evals, logs = _simulate(schedule, 40, [1.0] * 40, [1.5])  # 2 s of budget, 1.5 s spent at step 5
