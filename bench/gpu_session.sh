@@ -16,8 +16,9 @@
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
 #   dpo       DPO QLoRA at the 8B shape (issue 27's target): Kestrel (the default, auto checkpointing: offload
 #             on one GPU), TRL and Unsloth, each in its own process, 60 steps (median, settled and mean rates)
-#   dpoeval   Kestrel's DPO, 60 steps, without and then with evaluation (5% of the pairs held out, the
-#             default interval): what evaluation adds to the run's wall time (issue 27: at most 5%)
+#   dpoeval   Kestrel's DPO, DPOEVAL_STEPS (200) steps, without and then with evaluation (5% of the pairs
+#             held out, the default interval): what evaluation adds to the run's wall time (issue 27: at
+#             most 5%; the first evaluation comes before any is measured, so a short run overshoots)
 #   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the
 #             allocator to say which step set the run's memory peak, and where
 #   gemma4peak what is alive at Gemma-4-E2B QLoRA's whole-run memory peak (set while the layer graphs are
@@ -88,8 +89,9 @@ for want in "$@"; do
                       --steps 8 --warmup 12 --out "$OUT/train_off.json" ;;
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
         dpo)      phase dpo 540 python bench/dpo.py --impls kestrel,trl,unsloth --steps 60 --warmup 3 --out "$OUT/dpo.json" ;;
-        dpoeval)  phase dpoeval 540 bash -c "python bench/dpo.py --impls kestrel --steps 60 --warmup 3 --out $OUT/dpo-noeval.json \
-                      && python bench/dpo.py --impls kestrel --steps 60 --warmup 3 --eval-split 0.05 --out $OUT/dpo-eval.json" ;;
+        dpoeval)  phase dpoeval 540 bash -c "python bench/dpo.py --impls kestrel --steps ${DPOEVAL_STEPS:-200} --warmup 3 \
+                      --out $OUT/dpo-noeval.json && python bench/dpo.py --impls kestrel --steps ${DPOEVAL_STEPS:-200} \
+                      --warmup 3 --eval-split 0.05 --out $OUT/dpo-eval.json" ;;
         dpostd)   phase dpostd 300 bash -c "python bench/dpo.py --impls kestrel --checkpointing standard --steps 60 --warmup 3 \
                       --out $OUT/dpo-standard.json && python bench/dpo.py --impl kestrel --steps 8 \
                       --memory-history $OUT/dpo-peak.txt --out $OUT/dpo-history.json" ;;
