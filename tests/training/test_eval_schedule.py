@@ -138,3 +138,35 @@ def test_the_training_loop_reports_step_and_evaluation_seconds(tiny_model_dir, t
     assert [(d, n) for d, _, n in seen] == [(first, first), (30, 30)] and all(s > 0 for _, s, _ in seen)
     assert any("only the final evaluation is left" in line for line in logs.lines), logs.lines
     assert any("further apart if they take over 5% of the training time" in line for line in logs.lines)
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: what `World.from_main` gives it for its own numbers."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from kestrel.training.distributed import World, join
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = World(rank, 2, "cpu")
+    join(world)
+    try:
+        got = world.from_main([0.39 if rank == 0 else 0.1, 0.46 if rank == 0 else 0.01])
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(got, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_from_main_gives_every_rank_rank_0s_numbers(tmp_path) -> None:
+    import json
+
+    import torch.multiprocessing as mp
+
+    from kestrel.training.launch import free_port
+
+    mp.spawn(_rank, args=(free_port(), str(tmp_path / "got")), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"got.{rank}").read_text()) == pytest.approx([0.39, 0.46])
