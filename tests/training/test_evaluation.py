@@ -244,6 +244,48 @@ def test_generation_check_answers_held_out_prompts_and_scores_them(tiny_model_di
     assert rows[-1] == {"step": 4, "eval_exact_match": check["exact_match"], "eval_rouge_l": check["rouge_l"]}
 
 
+class _FakeGenerator:
+    """Stands in for the decode path: records how it was made and what it was asked."""
+
+    made: list[dict] = []
+
+    def __init__(self, model, tokenizer, **kw) -> None:
+        _FakeGenerator.made.append(kw)
+        self.stop_ids, self.closed, self.released = [0], False, False
+
+    def generate(self, prompts, max_new_tokens, adapter=None):
+        from types import SimpleNamespace
+        return SimpleNamespace(tokens=[[5, 6, 0] for _ in prompts])
+
+    def close(self) -> None:
+        self.closed = True
+
+    def release(self) -> None:
+        self.released = True
+
+
+def test_the_check_decodes_its_one_batch_uncompiled_and_reuses_a_runs_generator(monkeypatch, tmp_path: Path) -> None:
+    """Its own generator is made with compile=False (one batch never repays compiling the step) and
+    closed afterwards; a run's generator (GRPO's, compiled for its rollouts) is used as is and only
+    released."""
+    from types import SimpleNamespace
+
+    from kestrel.decode import generate
+    from kestrel.training.generation_check import GenerationCase, GenerationCheck
+
+    monkeypatch.setattr(generate, "Generator", _FakeGenerator)
+    monkeypatch.setattr(_FakeGenerator, "made", [])
+    tokenizer = SimpleNamespace(batch_decode=lambda rows, **kw: [" ".join(map(str, r)) for r in rows])
+    model = torch.nn.Linear(1, 1)
+    cases = [GenerationCase([1, 2, 3], "q", "5 6", 1), GenerationCase([1, 2], "p", "7", 2)]
+    GenerationCheck(cases, 8).run(model, tokenizer, tmp_path, step=3)
+    assert _FakeGenerator.made == [{"max_seq_len": 3 + 8, "compile": False}]
+    own = _FakeGenerator(model, tokenizer)
+    GenerationCheck(cases, 8, own).run(model, tokenizer, tmp_path, step=4)
+    assert len(_FakeGenerator.made) == 2 and own.released and not own.closed  # no generator made for it
+    assert json.loads((tmp_path / "generation_check.json").read_text())["step"] == 4
+
+
 def test_resume_restores_early_stopping_from_the_evaluations_before_the_checkpoint(tiny_model_dir, tmp_path: Path) -> None:
     cfg = _cfg(str(tiny_model_dir("llama")), tmp_path / "straight", max_steps=40, eval_split=0.1, eval_steps=2,
                early_stopping={"patience": 3, "min_delta": 100.0})
