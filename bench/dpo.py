@@ -70,6 +70,39 @@ def _medians(times: list[float], warmup: int) -> float:
 
 # --- Kestrel ---------------------------------------------------------------------------------
 
+# Where the end-of-run generation check's seconds go: each of these is timed into the timeline.
+CHECK_PARTS = (("kestrel.training.recipe", None, "free_training_memory"),
+               ("kestrel.decode.generate", "Generator", "__init__"),
+               ("kestrel.decode.model", "DecodeModel", "prefill"),
+               ("kestrel.decode.generate", "Generator", "_capture"),
+               ("kestrel.training.generation_check", "GenerationCheck", "run"))
+
+
+def time_check_parts(timeline: list[dict[str, Any]]) -> None:
+    """Wrap CHECK_PARTS (this process only; the bench's own instrument) so each call adds a
+    {"kind": "timed", "text": name, "s": seconds} entry (CUDA synchronised at both ends)."""
+    import functools
+    import importlib
+
+    began = time.perf_counter()
+    for module, cls, name in CHECK_PARTS:
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        inner = getattr(owner, name)
+
+        def timed(*a: Any, _inner: Any = inner, _label: str = f"{cls or module}.{name}", **kw: Any) -> Any:
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                sync()
+                now = time.perf_counter()
+                timeline.append({"t": round(now - began, 3), "kind": "timed", "text": _label, "s": round(now - t0, 3)})
+
+        setattr(owner, name, functools.wraps(inner)(timed))
+
 
 def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     from kestrel.config import config_from_dict
@@ -85,6 +118,8 @@ def run_kestrel(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     decided: list[int] = []  # steps during which the CUDA-graph chooser decided a layout
     timeline: list[dict[str, Any]] = []  # log lines, evaluations and best saves, timed (where the wall time goes)
     callbacks = [step_recorder(steps, decided, timeline)]
+    if args.eval_split:
+        time_check_parts(timeline)
     if profiled:
         from bench.step_profile import StepProfiler
 
