@@ -81,10 +81,11 @@ class GenerationCheck:
         was_training = model.training
         model.eval()
         longest = max(len(c.ids) for c in self.cases)
-        # One batch of at most MAX_NEW_TOKENS steps never repays compiling the step: with the step
-        # captured as a CUDA graph either way, compiling saves only the fused elementwise work (well
-        # under a millisecond a step), while tracing and code generation cost seconds. GRPO passes its
-        # own generator, compiled once for thousands of rollout steps.
+        # One batch of at most MAX_NEW_TOKENS steps never repays compiling the step: the step is
+        # captured as a CUDA graph either way, so compiling can at best shorten the decode itself
+        # (a few seconds in all on an 8B model), while it costs more than that in tracing and code
+        # generation (bench/RESULTS.md, DPO evaluation). GRPO passes its own generator, compiled once
+        # for thousands of rollout steps.
         generator = self.generator or Generator(model, tokenizer, max_seq_len=longest + self.max_new_tokens,
                                                 compile=False)
         try:

@@ -334,6 +334,15 @@ def generation_check(s: RunState, cb: Callback, step: int) -> None:
     except UnsupportedModelError as exc:
         cb.on_log(f"generation check skipped: the fast decode path does not run this model ({exc})")
         return
+    except torch.OutOfMemoryError:
+        # The weights are saved and the run is complete: the check alone is lost, not the run.
+        free_training_memory(s)
+        cb.on_log(f"generation check skipped: the GPU ran out of memory decoding {len(check.cases)} held-out "
+                  "prompts after training (the decode path's cache and buffers come on top of the model). "
+                  f"The trained weights are saved; check them once the GPU is free: the Runs tab's "
+                  f"'Check generations', or `python -m kestrel.training.check_run {s.output_dir} --weights "
+                  f"{s.output_dir} --step {step}`")
+        return
     cb.on_step({"step": step, "eval_exact_match": summary["exact_match"], "eval_rouge_l": summary["rouge_l"]})
     cb.on_log(f"generation check on {len(check.cases)} held-out prompts: exact match {summary['exact_match']:.0%}, "
               f"ROUGE-L {summary['rouge_l']:.3f} (in {s.output_dir / GENERATION_FILE})")

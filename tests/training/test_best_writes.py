@@ -145,3 +145,32 @@ def test_the_training_state_is_freed_before_the_generation_check_decodes(tiny_mo
     assert len(optimizer.state) == len(params)
     recipe.generation_check(s, Callback(), 4)
     assert seen == {"state": 0, "grads": 0, "released": [True]}
+
+
+def test_a_check_out_of_gpu_memory_is_logged_and_the_completed_run_stands(tiny_model_dir, monkeypatch) -> None:
+    """The check comes after the weights are saved: running out of memory there skips it with a
+    message that says how to run it later, and frees what it took; it does not fail the run."""
+    from types import SimpleNamespace
+
+    from kestrel.training import recipe
+    from kestrel.training.generation_check import GenerationCheck
+
+    model = _peft_model(tiny_model_dir("llama"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    released: list[bool] = []
+
+    def check_run(self, m, tokenizer, output_dir, step):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 832.00 MiB")
+
+    monkeypatch.setattr(GenerationCheck, "run", check_run)
+    s = SimpleNamespace(model=model, tokenizer=None, output_dir=Path("/runs/r7"), optimizer=optimizer,
+                        recompute=SimpleNamespace(release=lambda: released.append(True)),
+                        evaluator=SimpleNamespace(generation=GenerationCheck([object()] * 3, 8)),
+                        world=SimpleNamespace(is_main=True, size=1))
+    logs: list[str] = []
+    steps: list[dict] = []
+    cb = SimpleNamespace(on_log=logs.append, on_step=steps.append)
+    recipe.generation_check(s, cb, 40)  # no exception
+    assert steps == [] and len(released) == 2  # nothing scored; freed before and again after
+    assert len(logs) == 1 and "out of memory" in logs[0] and "3 held-out prompts" in logs[0]
+    assert "python -m kestrel.training.check_run /runs/r7 --weights /runs/r7 --step 40" in logs[0]
