@@ -335,8 +335,9 @@ def generation_check(s: RunState, cb: Callback, step: int) -> None:
         cb.on_log(f"generation check skipped: the fast decode path does not run this model ({exc})")
         return
     except torch.OutOfMemoryError:
-        # The weights are saved and the run is complete: the check alone is lost, not the run.
-        free_training_memory(s)
+        summary = None
+    if summary is None:  # out of memory. The weights are saved and the run is complete: only the check is lost.
+        free_training_memory(s)  # here, not in the except block, whose traceback still holds the check's tensors
         cb.on_log(f"generation check skipped: the GPU ran out of memory decoding {len(check.cases)} held-out "
                   "prompts after training (the decode path's cache and buffers come on top of the model). "
                   f"The trained weights are saved; check them once the GPU is free: the Runs tab's "
