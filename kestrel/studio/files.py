@@ -146,16 +146,16 @@ def _resolve_from(text: str, field: str, base: Path) -> Path:
         raise ConfigError(S.ERR_PATH_UNUSABLE.format(field=field, path=text, error=exc)) from None
 
 
-def studio_dataset(text: str) -> Path:
-    """A dataset named in the studio: a shipped sample's name, or a file inside KESTREL_HOME (a
-    relative path is taken from `datasets/`). DatasetError naming the field for anything else,
-    before the file is touched."""
+def studio_dataset(text: str, field: str = "dataset") -> Path:
+    """A dataset named in the studio (`field`: dataset or eval_dataset): a shipped sample's name, or
+    a file inside KESTREL_HOME (a relative path is taken from `datasets/`). DatasetError naming the
+    field for anything else, before the file is touched."""
     sample = sample_dataset(text)
     if sample is not None:
         return sample
-    path = _resolve_from(text, "dataset", datasets_dir())
+    path = _resolve_from(text, field, datasets_dir())
     if not (is_inside(path, kestrel_home().resolve()) or is_inside(path, SAMPLE_DATASETS.resolve())):
-        raise DatasetError(S.ERR_DATASET_OUTSIDE.format(path=text, home=kestrel_home()))
+        raise DatasetError(S.ERR_DATASET_OUTSIDE.format(field=field, path=text, home=kestrel_home()))
     return path
 
 

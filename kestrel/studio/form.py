@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.config import ALL_LINEAR, CHECKPOINTING, DTYPES, LOSS_TYPES, SCHEDULERS
+from kestrel.config_evaluation import REPORTERS
 from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE
 
 
@@ -17,7 +18,7 @@ from kestrel.constants import DPO_LOSS_TYPES, PREFERENCE_FINETUNE
 class Field:
     key: str  # dotted TrainConfig key
     kind: str  # int | float | opt_int | opt_float | bool | choice | text | opt_text | multi | rewards | devices
-    section: str  # main | advanced | grpo | preference
+    section: str  # main | advanced | evaluation | grpo | preference
     choices: tuple[str, ...] = ()
     step: float | None = None  # the Number widget's step
 
@@ -52,6 +53,12 @@ FIELDS: tuple[Field, ...] = (
     Field("system_prompt", "opt_text", "advanced"),
     Field("fast_kernels", "bool", "advanced"),
     Field("output_dir", "opt_text", "advanced"),
+    Field("eval_split", "float", "evaluation", step=0.01),
+    Field("eval_dataset", "opt_text", "evaluation"),
+    Field("eval_steps", "opt_int", "evaluation", step=1),
+    Field("early_stopping.patience", "int", "evaluation", step=1),
+    Field("early_stopping.min_delta", "float", "evaluation", step=0.001),
+    Field("report_to", "multi", "evaluation", REPORTERS),
     Field("grpo.num_generations", "int", "grpo", step=1),
     Field("grpo.max_completion_length", "int", "grpo", step=16),
     Field("grpo.max_prompt_length", "int", "grpo", step=16),
@@ -82,7 +89,7 @@ FIELD_BY_KEY = {f.key: f for f in FIELDS}
 # Config keys whoever started the studio decides (`kestrel.studio.settings`): a form or YAML value is ignored.
 OWNER_KEYS = ("grpo.allow_custom_rewards",)
 # The sections whose settings the form names by dotted keys (`lora.r`); `columns` stays one value.
-DOTTED_SECTIONS = ("lora", "grpo", "preference")
+DOTTED_SECTIONS = ("lora", "grpo", "preference", "early_stopping")
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -66,6 +66,11 @@ TR_DATASET = "Dataset"
 TR_START = "Start training"
 TR_ADVANCED = "Advanced"
 TR_GRPO = "GRPO settings"
+TR_EVALUATION = "Evaluation (eval loss, early stopping, best weights)"
+TR_EVALUATION_INFO = ("With held-out rows (a share of the dataset, or a file) the run reports `eval_loss` (GRPO: "
+                      "`eval_reward`) beside the training loss in the Runs tab, keeps its best weights (Export and Chat "
+                      "offer them first) and, at the end, answers a few held-out prompts for the Runs tab's "
+                      "generation check.")
 TR_PREFERENCE = "Preference settings (DPO, ORPO, SimPO, KTO)"
 TR_PREFERENCE_INFO = (
     "**Data.** DPO, ORPO and SimPO take `prompt`, `chosen`, `rejected` (text or message lists; whole "
@@ -143,6 +148,12 @@ FIELD_LABELS = {
     "preference.simpo_gamma": "SimPO margin gamma", "preference.cpo_alpha": "SimPO NLL weight (cpo_alpha)",
     "preference.desirable_weight": "KTO desirable weight", "preference.undesirable_weight": "KTO undesirable weight",
     "preference.precompute_ref_logps": "Precompute reference log-probs",
+    "eval_split": "Hold out for evaluation (share of the dataset's rows; 0: none)",
+    "eval_dataset": "Or an evaluation file (a path; leave the share at 0)",
+    "eval_steps": "Evaluate every N steps (empty: automatic, at most 5% of the training time)",
+    "early_stopping.patience": "Early stopping: patience (evaluations; 0: off)",
+    "early_stopping.min_delta": "Early stopping: minimum improvement",
+    "report_to": "Also report to (TensorBoard files are always written)",
 }
 
 # --- runs tab --------------------------------------------------------------------------------
@@ -260,7 +271,9 @@ ERR_HUB_OFFLINE = ("Model {model!r} is not a local folder and is not in the Hugg
                    "offline (HF_HUB_OFFLINE is set). Pick a local folder or the built-in demo model.")
 ERR_MODEL_EMPTY = "Enter a model folder or a hub id, or pick the built-in demo model."
 ERR_DATASET_MISSING = "Dataset {path} does not exist any more; upload it again or pick a sample."
-ERR_DATASET_OUTSIDE = ("dataset {path!r} is outside the studio's folder: the studio reads only files inside {home} "
+ERR_EVAL_MISSING = ("eval_dataset {path} does not exist: upload the file on the Datasets tab and name it here, or "
+                    "hold rows of the dataset out instead (the share above).")
+ERR_DATASET_OUTSIDE = ("{field} {path!r} is outside the studio's folder: the studio reads only files inside {home} "
                        "(KESTREL_HOME) and the shipped samples. Upload the file on the Datasets tab, or copy it into "
                        "{home}/datasets.")
 ERR_OUTPUT_OUTSIDE = ("output_dir {path!r} is outside {runs}: runs started in the studio are written there. Give a "

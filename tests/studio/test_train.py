@@ -325,6 +325,12 @@ def test_the_fast_path_line_names_qwen3_5_moe() -> None:
     ({"dataset": "/no/such/data.jsonl"}, "is outside the studio's folder"),
     ({"method": "qlora"}, "QLoRA needs an NVIDIA GPU"),
     ({"max_seq_length": 8}, "max_seq_length must be 16"),
+    ({"eval_dataset": "/etc/hostname"}, "eval_dataset '/etc/hostname' is outside the studio's folder"),
+    ({"eval_dataset": "held.jsonl"}, "eval_dataset held.jsonl does not exist: upload the file"),
+    ({"eval_split": 0.1, "eval_dataset": "arithmetic_chat"}, "eval_dataset and eval_split both name"),
+    ({"eval_split": 0.9}, "eval_split must be a fraction from 0 to 0.5"),
+    ({"early_stopping__patience": 2}, "early_stopping needs an evaluation set"),
+    ({"eval_steps": 0, "eval_split": 0.1}, "eval_steps must be at least 1"),
 ])
 def test_start_refuses_bad_input(changes: dict, words: str) -> None:
     extra, values = form(**changes)
@@ -332,6 +338,34 @@ def test_start_refuses_bad_input(changes: dict, words: str) -> None:
         train.start_training(extra, *values)
     assert words in error_text(excinfo)
     assert jobs.list_jobs() == []
+
+
+def test_evaluation_is_set_in_the_form_and_round_trips() -> None:
+    """The Evaluation section: a held-out share, the interval, early stopping and the reporters become
+    the config's fields (TRL's names), and the YAML fills the same widgets back."""
+    extra, values = form(eval_split=0.1, eval_steps=20, early_stopping__patience=3,
+                         early_stopping__min_delta=0.01, report_to=["tensorboard"])
+    out = train.preview(extra, *values)
+    assert out["status"] == "", out["status"]
+    data = yaml.safe_load(out["yaml"])
+    assert (data["eval_split"], data["eval_steps"], data["report_to"]) == (0.1, 20, ["tensorboard"])
+    assert data["early_stopping"] == {"patience": 3, "min_delta": 0.01} and data.get("eval_dataset") is None
+    back = train.apply_yaml(out["yaml"])
+    assert [back[k] for k in FORM_KEYS] == values and "early_stopping" not in back["extra"]
+    emptied = train.apply_yaml("eval_split: 0.05\neval_steps: null\n")
+    assert emptied["eval_split"] == 0.05 and emptied["eval_steps"] in (None, "")  # empty: the automatic interval
+
+
+def test_start_submits_the_evaluation_file_as_the_checked_path(fake_engine: None, kestrel_home: Path) -> None:
+    """An evaluation file named as the dataset is (a name from datasets/, or a sample) reaches the
+    worker as the absolute path that was checked."""
+    (kestrel_home / "datasets").mkdir(parents=True, exist_ok=True)
+    held = kestrel_home / "datasets" / "held.jsonl"
+    held.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n')
+    extra, values = form(eval_dataset="held.jsonl", max_steps=3)
+    out = train.start_training(extra, *values)
+    assert out["job"] == 1
+    assert jobs.get_job(1).config["eval_dataset"] == str(held.resolve())
 
 
 def test_local_folder_without_config(kestrel_home: Path) -> None:

@@ -1,5 +1,5 @@
-"""Train tab layout: preset, model, method, dataset, the main hyperparameters, advanced and
-GRPO sections (built from `kestrel.studio.form.FIELDS`), memory estimate, Start, and the run's YAML."""
+"""Train tab layout: preset, model, method, dataset, the main hyperparameters, advanced,
+evaluation and GRPO sections (built from `kestrel.studio.form.FIELDS`), memory estimate, Start, and the run's YAML."""
 
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ def build(allow_custom_rewards: bool = False) -> dict[str, gr.Component]:
     c["gpu"] = gr.Dropdown(label=S.TR_GPU, choices=list(COMMON_GPUS_MIB), value=None, visible=False, elem_id="tr-gpu")
     with gr.Accordion(S.TR_ADVANCED, open=False):
         _fields(c, "advanced")
+    with gr.Accordion(S.TR_EVALUATION, open=False, elem_id="tr-evaluation"):
+        _fields(c, "evaluation", per_row=3)
+        gr.Markdown(S.TR_EVALUATION_INFO)
     with gr.Accordion(S.TR_GRPO, open=False):
         _fields(c, "grpo")
         gr.Markdown(S.TR_REWARDS_INFO)

@@ -191,6 +191,8 @@ def studio_config(data: dict[str, Any], allow_custom: bool) -> TrainConfig:
         grpo["allow_custom_rewards"] = allow_custom
     cfg = config_from_dict(data)
     files.studio_dataset(cfg.dataset)
+    if cfg.eval_dataset:
+        files.studio_dataset(cfg.eval_dataset, "eval_dataset")
     if cfg.output_dir:
         files.studio_output_dir(cfg.output_dir)
     if cfg.model != DEMO and is_local(cfg.model):
@@ -452,7 +454,7 @@ def _duplicate_of(data: dict[str, Any]) -> Any:
 def start_training(extra: dict[str, Any] | None, *args: Any, allow_custom: bool = False) -> dict[str, Any]:
     """Validate the form and submit it to the job store. Outputs: status, job (the new id).
 
-    The dataset and output folder are submitted as the absolute paths that were checked, so the
+    The datasets and output folder are submitted as the absolute paths that were checked, so the
     worker (which runs in another folder) reads and writes exactly there."""
     from kestrel import jobs
 
@@ -466,6 +468,11 @@ def start_training(extra: dict[str, Any] | None, *args: Any, allow_custom: bool 
     if not dataset.is_file():
         raise DatasetError(S.ERR_DATASET_MISSING.format(path=cfg.dataset))
     cfg.dataset = str(dataset)
+    if cfg.eval_dataset:
+        held = files.studio_dataset(cfg.eval_dataset, "eval_dataset")
+        if not held.is_file():
+            raise DatasetError(S.ERR_EVAL_MISSING.format(path=cfg.eval_dataset))
+        cfg.eval_dataset = str(held)
     if cfg.output_dir:
         cfg.output_dir = str(files.studio_output_dir(cfg.output_dir))
     if cfg.load_in_4bit and not any(d.startswith("cuda") for d in jobs.available_devices()):
