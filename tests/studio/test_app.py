@@ -135,3 +135,26 @@ def test_a_choice_is_described_by_whatever_sets_it(choice: str, describes: set[s
     dep = describing[0]
     assert dep["trigger_mode"] == "always_last"
     assert sorted((components[i]["props"].get("elem_id"), t) for i, t in dep["targets"]) == fields
+
+
+def test_the_evaluation_section_holds_its_settings_and_start_reads_them() -> None:
+    """The Train tab's Evaluation accordion has a widget for each evaluation setting, and Start and
+    the live preview take them as inputs (a setting shown but not read would be silently lost)."""
+    from kestrel.studio.form import FIELDS
+    from kestrel.studio.interface import build_app
+
+    config = build_app().get_config_file()
+    components = {c["id"]: c for c in config["components"]}
+    ids = {c["props"].get("elem_id"): i for i, c in components.items()}
+    wanted = {ids["tr-" + f.key.replace(".", "-").replace("_", "-")] for f in FIELDS if f.section == "evaluation"}
+    assert len(wanted) == 6
+
+    def inside(node: dict, found: bool) -> set[int]:
+        here = found or node["id"] == ids["tr-evaluation"]
+        return ({node["id"]} if here else set()) | {i for child in node.get("children", []) for i in inside(child, here)}
+
+    assert wanted <= inside(config["layout"], False)
+    start = [d for d in config["dependencies"] if (ids["tr-start"], "click") in [tuple(t) for t in d["targets"]]]
+    assert start and all(wanted <= set(d["inputs"]) for d in start)
+    previews = [d for d in config["dependencies"] if ids["tr-yaml"] in d["outputs"] and wanted & set(d["inputs"])]
+    assert previews and all(wanted <= set(d["inputs"]) for d in previews)
