@@ -149,7 +149,7 @@ FIELD_LABELS = {
     "preference.desirable_weight": "KTO desirable weight", "preference.undesirable_weight": "KTO undesirable weight",
     "preference.precompute_ref_logps": "Precompute reference log-probs",
     "eval_split": "Hold out for evaluation (share of the dataset's rows; 0: none)",
-    "eval_dataset": "Or an evaluation file (a path; leave the share at 0)",
+    "eval_dataset": "Or an evaluation file (its name on the Datasets tab, or a path; leave the share at 0)",
     "eval_steps": "Evaluate every N steps (empty: automatic, at most 5% of the training time)",
     "early_stopping.patience": "Early stopping: patience (evaluations; 0: off)",
     "early_stopping.min_delta": "Early stopping: minimum improvement",
