@@ -24,6 +24,9 @@
 #   gencheck  the end-of-run generation check alone on the 8B QLoRA shape (8 prompts of 512 tokens, 256 new):
 #             as the product runs it (uncompiled; twice, then once profiled: kernel time by kind per
 #             decode step), then with a compiled generator in a process of its own (what it replaced)
+#   reserved  what holds a padded cell's reserved memory (Llama-3.2-1B LoRA padded, auto graphs, 80 steps):
+#             reserved by pool (default, each CUDA-graph pool) after the step that set the run's reserved
+#             peak, and each step's allocated and reserved peaks (bench/graph_memory.py)
 #   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the
 #             allocator to say which step set the run's memory peak, and where
 #   gemma4peak what is alive at Gemma-4-E2B QLoRA's whole-run memory peak (set while the layer graphs are
@@ -100,6 +103,8 @@ for want in "$@"; do
         gencheck) phase gencheck 500 bash -c "python bench/decode_memory.py --layers 0 --prompts 8 --prompt-len 512 \
                       --new 256 --profile $OUT/gencheck-prof.txt --out $OUT/gencheck.txt && python bench/decode_memory.py \
                       --layers 0 --prompts 8 --prompt-len 512 --new 256 --compile --out $OUT/gencheck-compiled.txt" ;;
+        reserved) phase reserved 400 python bench/graph_memory.py --model llama-3.2-1b --method lora --layout padded \
+                      --graphs auto --steps 80 --out "$OUT/reserved.txt" ;;
         dpostd)   phase dpostd 300 bash -c "python bench/dpo.py --impls kestrel --checkpointing standard --steps 60 --warmup 3 \
                       --out $OUT/dpo-standard.json && python bench/dpo.py --impl kestrel --steps 8 \
                       --memory-history $OUT/dpo-peak.txt --out $OUT/dpo-history.json" ;;
@@ -115,7 +120,7 @@ for want in "$@"; do
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpoeval, gencheck, dpostd, gemma4peak, nf4, nf4decode, qwen35, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, nf4, nf4decode, qwen35, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure

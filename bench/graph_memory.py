@@ -6,10 +6,11 @@
 Builds Kestrel's matrix cell (`bench.matrix.kestrel_model`, CUDA graphs per --graphs) and steps
 through the matrix's batches in turn. After each step it prints the batch's shape, whether that
 layout was new, memory allocated and reserved, the step's own allocated peak (a capture step's
-shows) and the layer graphs' counts. For --trace-step it records the allocator's events and
+shows) and reserved peak, and the layer graphs' counts. For --trace-step it records the allocator's events and
 reports the blocks alive at that step's peak (-1: the whole run's, warm-up captures included) by
 the site that allocated them; at the end, the live blocks by site (the innermost frame of ours),
-largest first.
+largest first; and the reserved memory by pool (the default pool, each CUDA-graph pool) after the
+step that set the run's reserved peak: what `nvidia-smi` shows beyond what is allocated.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ def live_by_site(top: int = 30) -> list[str]:
             for site, (size, count) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
+def reserved_by_pool(segments: list[dict]) -> list[str]:
+    """Reserved bytes by memory pool over the allocator's segments (`torch.cuda.memory_snapshot()`):
+    the default pool (0, 0), and each private pool (CUDA graphs), each split into allocated and
+    cached (free in a reserved segment). Largest first."""
+    pools: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # reserved, allocated, segments
+    for seg in segments:
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        pools[pool][0] += seg["total_size"]
+        pools[pool][1] += seg.get("allocated_size", 0)
+        pools[pool][2] += 1
+    lines = []
+    for pool, (reserved, allocated, count) in sorted(pools.items(), key=lambda kv: -kv[1][0]):
+        name = "default pool" if pool == (0, 0) else f"private pool {pool}"
+        lines.append(f"{reserved / 2**30:8.3f} GiB reserved, {allocated / 2**30:.3f} allocated, "
+                     f"{(reserved - allocated) / 2**30:.3f} cached, {count:5d} segments  {name}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma4-e2b")
@@ -58,6 +77,7 @@ def main() -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     model.train()  # checkpointing, and so its graphs, act in training only
     lines, shapes = [], set()
+    top_reserved, top_step, pools = 0, -1, []  # the run's reserved peak, its step, the pools after it
     whole = args.trace_step < 0  # one event log over every step, warm-up and captures included
     torch.cuda.memory._record_memory_history(max_entries=20_000_000 if whole else 1)  # frames for live blocks
     for i in range(args.steps):
@@ -75,14 +95,20 @@ def main() -> None:
             trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
             lines.append(f"step {i}'s allocated peak (blocks allocated in it):\n" + peak_report(trace))
             torch.cuda.memory._record_memory_history(max_entries=1)
+        if torch.cuda.max_memory_reserved() > top_reserved:  # a new reserved peak: what holds it, by pool
+            top_reserved, top_step = torch.cuda.max_memory_reserved(), i
+            pools = reserved_by_pool(torch.cuda.memory_snapshot())
         lines.append(f"step {i:3d} batch {shape} {'new' if shape not in shapes else 'seen'}: allocated "
                      f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved {torch.cuda.memory_reserved() / 2**30:.2f}, "
-                     f"step's peak {torch.cuda.max_memory_allocated() / 2**30:.2f}; graphs {recompute.graphs.stats()}")
+                     f"step's peak {torch.cuda.max_memory_allocated() / 2**30:.2f} (reserved "
+                     f"{torch.cuda.max_memory_reserved() / 2**30:.2f}); graphs {recompute.graphs.stats()}")
         shapes.add(shape)
         print(lines[-1], flush=True)
     if whole:
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
         lines.append("the whole run's allocated peak (blocks allocated since the first step):\n" + peak_report(trace))
+    lines += [f"reserved by pool after step {top_step}, which set the run's reserved peak "
+              f"({top_reserved / 2**30:.2f} GiB):"] + pools
     lines += ["live blocks by site at the end:"] + live_by_site()
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-31:]))
