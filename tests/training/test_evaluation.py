@@ -248,9 +248,11 @@ class _FakeGenerator:
     """Stands in for the decode path: records how it was made and what it was asked."""
 
     made: list[dict] = []
+    instances: list["_FakeGenerator"] = []
 
     def __init__(self, model, tokenizer, **kw) -> None:
         _FakeGenerator.made.append(kw)
+        _FakeGenerator.instances.append(self)
         self.stop_ids, self.closed, self.released = [0], False, False
 
     def generate(self, prompts, max_new_tokens, adapter=None):
@@ -275,11 +277,13 @@ def test_the_check_decodes_its_one_batch_uncompiled_and_reuses_a_runs_generator(
 
     monkeypatch.setattr(generate, "Generator", _FakeGenerator)
     monkeypatch.setattr(_FakeGenerator, "made", [])
+    monkeypatch.setattr(_FakeGenerator, "instances", [])
     tokenizer = SimpleNamespace(batch_decode=lambda rows, **kw: [" ".join(map(str, r)) for r in rows])
     model = torch.nn.Linear(1, 1)
     cases = [GenerationCase([1, 2, 3], "q", "5 6", 1), GenerationCase([1, 2], "p", "7", 2)]
     GenerationCheck(cases, 8).run(model, tokenizer, tmp_path, step=3)
     assert _FakeGenerator.made == [{"max_seq_len": 3 + 8, "compile": False}]
+    assert _FakeGenerator.instances[0].closed  # its own: the model's projections get their storage back
     own = _FakeGenerator(model, tokenizer)
     GenerationCheck(cases, 8, own).run(model, tokenizer, tmp_path, step=4)
     assert len(_FakeGenerator.made) == 2 and own.released and not own.closed  # no generator made for it
