@@ -40,10 +40,9 @@ def _model(layers: int):
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=TARGETS)), tok
 
 
-def _check(args: argparse.Namespace, model, tok):
+def _check(args: argparse.Namespace, vocab: int):
     from kestrel.training.generation_check import GenerationCase, GenerationCheck
 
-    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     cases = [GenerationCase(torch.randint(100, vocab - 100, (args.prompt_len,), generator=g).tolist(), "", "", i)
              for i in range(args.prompts)]
@@ -79,7 +78,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model, tok = _model(args.layers)
-    check = _check(args, model, tok)
+    check = _check(args, model.config.vocab_size)
     out_dir = Path(args.out).parent
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()

@@ -16,7 +16,7 @@
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
 #   dpo       DPO QLoRA at the 8B shape (issue 27's target): Kestrel (the default, auto checkpointing: offload
 #             on one GPU), TRL and Unsloth, each in its own process, 60 steps (median, settled and mean rates)
-#   dpoeval   Kestrel's DPO, DPOEVAL_STEPS (200) steps, four runs in turn: without evaluation, with it (5% of
+#   dpoeval   Kestrel's DPO, DPOEVAL_STEPS (160) steps, four runs in turn: without evaluation, with it (5% of
 #             the pairs held out, the default interval), then both again. Each process's first training
 #             step and first decode compile Triton kernels into the machine's cache, so the first pair
 #             meets cold kernels (a fresh machine's first run), the second pair warm ones (every later
@@ -98,7 +98,7 @@ for want in "$@"; do
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
         dpo)      phase dpo 540 python bench/dpo.py --impls kestrel,trl,unsloth --steps 60 --warmup 3 --out "$OUT/dpo.json" ;;
         dpoeval)  phase dpoeval 560 bash -c "for run in 1 2; do for e in 0 0.05; do python bench/dpo.py --impls kestrel \
-                      --steps ${DPOEVAL_STEPS:-200} --warmup 3 --eval-split \$e --out $OUT/dpo-eval\$e-run\$run.json \
+                      --steps ${DPOEVAL_STEPS:-160} --warmup 3 --eval-split \$e --out $OUT/dpo-eval\$e-run\$run.json \
                       || exit 1; done; done" ;;
         gencheck) phase gencheck 500 bash -c "python bench/decode_memory.py --layers 0 --prompts 8 --prompt-len 512 \
                       --new 256 --profile $OUT/gencheck-prof.txt --out $OUT/gencheck.txt && python bench/decode_memory.py \

@@ -117,11 +117,19 @@ def test_a_run_reports_its_best_weights_once_written(tiny_model_dir, tmp_path: P
     assert bests.found[-1] is not None and bests.found[-1]["step"] == marker["step"]
 
 
+def _finished_run(model, optimizer, released: list[bool], check, output_dir: Path = Path(".")):
+    """The RunState fields `recipe.generation_check` reads, for a run whose training is done;
+    `released` records each release of the (stand-in) recompute's graphs."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=model, tokenizer=None, output_dir=output_dir, optimizer=optimizer,
+                           recompute=SimpleNamespace(release=lambda: released.append(True)),
+                           evaluator=SimpleNamespace(generation=check), world=SimpleNamespace(is_main=True, size=1))
+
+
 def test_the_training_state_is_freed_before_the_generation_check_decodes(tiny_model_dir, monkeypatch) -> None:
     """The optimizer's state, the gradients and the training's CUDA graphs go before the check's
     decode allocates its cache: they would add to the run's peak for nothing."""
-    from types import SimpleNamespace
-
     from kestrel.training import recipe
     from kestrel.training.generation_check import GenerationCheck
 
@@ -138,10 +146,7 @@ def test_the_training_state_is_freed_before_the_generation_check_decodes(tiny_mo
         return {"exact_match": 0.0, "rouge_l": 0.0}
 
     monkeypatch.setattr(GenerationCheck, "run", check_run)
-    check = GenerationCheck([object()], 8)
-    s = SimpleNamespace(model=model, tokenizer=None, output_dir=Path("."), optimizer=optimizer,
-                        recompute=SimpleNamespace(release=lambda: released.append(True)),
-                        evaluator=SimpleNamespace(generation=check), world=SimpleNamespace(is_main=True, size=1))
+    s = _finished_run(model, optimizer, released, GenerationCheck([object()], 8))
     assert len(optimizer.state) == len(params)
     recipe.generation_check(s, Callback(), 4)
     assert seen == {"state": 0, "grads": 0, "released": [True]}
@@ -163,10 +168,7 @@ def test_a_check_out_of_gpu_memory_is_logged_and_the_completed_run_stands(tiny_m
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 832.00 MiB")
 
     monkeypatch.setattr(GenerationCheck, "run", check_run)
-    s = SimpleNamespace(model=model, tokenizer=None, output_dir=Path("/runs/r7"), optimizer=optimizer,
-                        recompute=SimpleNamespace(release=lambda: released.append(True)),
-                        evaluator=SimpleNamespace(generation=GenerationCheck([object()] * 3, 8)),
-                        world=SimpleNamespace(is_main=True, size=1))
+    s = _finished_run(model, optimizer, released, GenerationCheck([object()] * 3, 8), Path("/runs/r7"))
     logs: list[str] = []
     steps: list[dict] = []
     cb = SimpleNamespace(on_log=logs.append, on_step=steps.append)
