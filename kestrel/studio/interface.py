@@ -55,5 +55,5 @@ def build_app(settings: StudioSettings | None = None) -> gr.Blocks:
         events.wire_export(ex, header)
         events.wire_tab_switches({"datasets": datasets_tab, "train": train_tab, "runs": runs_tab,
                                   "chat": chat_tab, "export": export_tab}, shown_tab, t, r, ch, ex, header)
-        events.wire_load(app, d, t, r, ch, ex, settings, header)
+        events.wire_load(app, d, t, r, settings, header)
     return app

@@ -115,8 +115,9 @@ def test_polling_follows_the_tab_the_page_shows_not_the_event_that_came_last() -
 ])
 def test_a_choice_is_described_by_whatever_sets_it(choice: str, describes: set[str], fields: list) -> None:
     """The Chat panels and weights, and Export's weights and sizes, describe the choice above them.
-    Every event that sets the choice's list (page load, tab open, Refresh) describes it in the same
-    answer; the one event that describes on its own follows the user's input on the fields it
+    Every event that sets the choice's list (tab open, Refresh) describes it in the same answer;
+    the page load does not set it (its slow answer came after the tab's, in CI, and put back a list
+    read before a run finished); the one event that describes on its own follows the user's input on the fields it
     depends on, never a change an answer made, one at a time with the latest trigger last. A
     describe chained on a change event was overtaken under load: a stale answer stayed (Export's
     weights list never appeared; Chat's right panel hidden under a ticked box)."""
@@ -127,7 +128,8 @@ def test_a_choice_is_described_by_whatever_sets_it(choice: str, describes: set[s
     ids = {c["props"].get("elem_id"): i for i, c in components.items()}
     wanted = {ids[e] for e in describes}
     setting = [d for d in config["dependencies"] if ids[choice] in d["outputs"]]
-    assert {t for d in setting for _, t in d["targets"]} >= {"load", "select", "click"}
+    triggers = {t for d in setting for _, t in d["targets"]}
+    assert triggers >= {"select", "click"} and "load" not in triggers, triggers
     for dep in setting:
         assert wanted <= set(dep["outputs"]), f"an event setting {choice} ({dep['targets']}) leaves out some of {describes}"
     describing = [d for d in config["dependencies"] if wanted <= set(d["outputs"]) and ids[choice] not in d["outputs"]]
