@@ -15,9 +15,11 @@ token) for CUDA tensors, HF's reference functions otherwise. The math is HF's
 
 Gradients flow through whichever kernel ran (flash-linear-attention's own backward on CUDA).
 Where that backward refuses the device (flash-linear-attention 0.6 raises on Hopper GPUs under
-Triton 3.4 to 3.7.0, whose code for it is wrong), a one-time probe per device finds out, it is
-logged, and passes that need gradients take HF's reference functions instead; passes without
-gradients (decode, prefill, a checkpoint's first pass) keep the kernels.
+Triton 3.4 to 3.7.0, which miscompile one of its backward stages), a one-time probe per device
+finds out and passes that need gradients take `kestrel.kernels.gated_delta`: its kernels with
+that one stage in PyTorch, once a probe at the layer's head shape shows it gives HF's reference's
+output and gradients there; else HF's reference functions. Passes without gradients (decode,
+prefill, a checkpoint's first pass) keep the kernels. Each choice is logged once.
 """
 
 from __future__ import annotations
@@ -60,9 +62,57 @@ def fla_backward_works(device: torch.device, chunk: Callable[..., Any]) -> bool:
         out, _ = chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
         out.float().sum().backward()
     except RuntimeError as err:
-        log.warning("flash-linear-attention cannot train on %s (%s); linear-attention layers train on "
-                    "PyTorch's reference functions there, which is slower", device, str(err).splitlines()[0])
+        log.warning("flash-linear-attention cannot train on %s (%s)", device, str(err).splitlines()[0])
         return False
+    return True
+
+
+PROBE_TOLERANCE = 0.05  # relative error of output and gradients: bf16 kernels land near 1%; the
+# miscompiled stage's were near 50% (fla issue 984's dk ratio 0.54), so the gap is wide
+
+
+@functools.cache
+def stand_in_trains(device: torch.device, heads: int, dk: int, dv: int, dtype: torch.dtype,
+                    reference: Callable[..., Any]) -> bool:
+    """Whether `kestrel.kernels.gated_delta` gives `reference`'s (HF's PyTorch function, fp32)
+    output and gradients on `device` for a layer of `heads` heads of key width dk and value width
+    dv in `dtype`: a probe of two and a half chunks. flash-linear-attention tunes its launches
+    per head shape, not per length, so the probe runs the settings training will run."""
+    from kestrel.kernels import gated_delta
+
+    if not gated_delta.available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    t = 5 * gated_delta.CHUNK // 2
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q, k, v, grad = rnd(1, t, heads, dk), rnd(1, t, heads, dk), rnd(1, t, heads, dv), rnd(1, t, heads, dv)
+    g, beta = -F.softplus(rnd(1, t, heads)), rnd(1, t, heads).sigmoid()
+
+    def run(fn: Callable[..., Any], wanted: torch.dtype) -> list[torch.Tensor]:
+        xs = [x.to(wanted).requires_grad_() for x in (q, k, v)] + [g.clone().requires_grad_(), beta.to(wanted).requires_grad_()]
+        out, _ = fn(xs[0], xs[1], xs[2], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True)
+        out.backward(grad.to(out.dtype))
+        return [out.detach().float()] + [x.grad.float() for x in xs]
+
+    try:
+        got, want = run(gated_delta.chunk_gated_delta_rule, dtype), run(reference, torch.float32)
+    except (RuntimeError, TypeError) as err:  # a flash-linear-attention whose stages moved or refuse
+        log.warning("linear-attention layers train on PyTorch's reference functions on %s, which is slower: "
+                    "Kestrel's stand-in for flash-linear-attention's backward failed (%s)", device, err)
+        return False
+    errors = [float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(got, want)]
+    names = ("output", "dq", "dk", "dv", "dg", "dbeta")
+    if max(errors) > PROBE_TOLERANCE:
+        log.warning("linear-attention layers train on PyTorch's reference functions on %s, which is slower: "
+                    "Kestrel's stand-in for flash-linear-attention's backward is off there (relative errors %s)",
+                    device, ", ".join(f"{n} {e:.3f}" for n, e in zip(names, errors)))
+        return False
+    log.info("linear-attention layers (%d heads, %d/%d wide) train on flash-linear-attention's kernels on %s, "
+             "with the backward stage it refuses there in PyTorch (largest relative error %.3f)",
+             heads, dk, dv, device, max(errors))
     return True
 
 
@@ -89,12 +139,29 @@ def delta_rule(
     -> output (B, T, H, dv), final state (or None unless `keep_state`). `step`: one token
     after a prefill (the recurrent form), else the chunked form."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-    fla = fla_for(q.is_cuda, q.device, needs_grad)
     kwargs = dict(g=g, beta=beta, initial_state=state, output_final_state=keep_state, use_qk_l2norm_in_kernel=True)
-    if fla is not None:
-        return fla[1 if step else 0](q, k, v, **kwargs)
-    name = "torch_recurrent_gated_delta_rule" if step else "torch_chunk_gated_delta_rule"
-    return _reference(module, name)(q, k, v, **kwargs)
+    if step:
+        fla = fla_for(q.is_cuda, q.device, needs_grad)
+        fn = fla[1] if fla is not None else _reference(module, "torch_recurrent_gated_delta_rule")
+    else:
+        shape = (q.shape[2], q.shape[3], v.shape[3])
+        fn = chunked_for(q.is_cuda, q.device, needs_grad, shape, q.dtype, _reference(module, "torch_chunk_gated_delta_rule"))
+    return fn(q, k, v, **kwargs)
+
+
+def chunked_for(on_cuda: bool, device: torch.device, needs_grad: bool, shape: tuple[int, int, int],
+                dtype: torch.dtype, reference: Callable[..., Any]) -> Callable[..., Any]:
+    """The chunked function a pass runs: flash-linear-attention's where it may; where its backward
+    is refused, Kestrel's stand-in if it trains right at this head shape (heads, dk, dv) and
+    dtype; else HF's `reference`."""
+    ops = fla_for(on_cuda, device, needs_grad)
+    if ops is not None:
+        return ops[0]
+    if fla_for(on_cuda, device, needs_grad=False) is not None and stand_in_trains(device, *shape, dtype, reference):
+        from kestrel.kernels.gated_delta import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule
+    return reference
 
 
 def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool) -> torch.Tensor:

@@ -84,6 +84,64 @@ def test_fla_trains_only_where_its_backward_runs(chunk, trains: bool, monkeypatc
     la.fla_backward_works.cache_clear()
 
 
+def _scaled(factor: float):  # a stand-in whose output is off by `factor`
+    def chunk(q, k, v, **kwargs):  # type: ignore[no-untyped-def]
+        out, state = qwen3_5.torch_chunk_gated_delta_rule(q, k, v, **kwargs)
+        return out * factor, state
+
+    return chunk
+
+
+def _raising(q, k, v, **kwargs):  # type: ignore[no-untyped-def]
+    raise RuntimeError("an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize(("stand_in", "trains", "says"), [
+    (_scaled(1.0), True, "train on flash-linear-attention's kernels"),
+    (_scaled(1.2), False, "is off there (relative errors output 0.200"),
+    (_raising, False, "failed (an illegal memory access"),
+])
+def test_the_stand_in_trains_only_where_its_probe_matches_the_reference(
+        stand_in, trains: bool, says: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The probe compares the stand-in's output and five gradients with HF's reference (fp32) at
+    the layer's head shape, once per (device, shape, dtype)."""
+    from kestrel.kernels import gated_delta
+    from kestrel.model import linear_attention as la
+
+    la.stand_in_trains.cache_clear()
+    monkeypatch.setattr(gated_delta, "available", lambda: True)
+    monkeypatch.setattr(gated_delta, "chunk_gated_delta_rule", stand_in)
+    args = (torch.device("cpu"), 2, 8, 16, torch.float32, qwen3_5.torch_chunk_gated_delta_rule)
+    with caplog.at_level("INFO", logger="kestrel"):
+        assert la.stand_in_trains(*args) is trains
+        assert la.stand_in_trains(*args) is trains
+    said = [r.getMessage() for r in caplog.records if "linear-attention layers" in r.getMessage()]
+    assert len(said) == 1 and says in said[0], said
+    la.stand_in_trains.cache_clear()
+
+
+@pytest.mark.parametrize(("fla_trains", "stand_in_ok", "want"), [
+    (True, True, "fla"), (False, True, "stand-in"), (False, False, "reference"),
+])
+def test_a_pass_needing_gradients_takes_the_stand_in_only_where_fla_refuses_and_the_probe_passes(
+        fla_trains: bool, stand_in_ok: bool, want: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel.kernels import gated_delta
+    from kestrel.model import linear_attention as la
+
+    ops = (_working_chunk if fla_trains else _refusing_chunk, _working_chunk)
+    monkeypatch.setattr(la, "_fla_ops", lambda: ops)
+    monkeypatch.setattr(la, "fla_backward_works", lambda device, chunk: fla_trains)
+    probed: list[tuple] = []
+    monkeypatch.setattr(la, "stand_in_trains", lambda *args: probed.append(args) or stand_in_ok)
+    reference = qwen3_5.torch_chunk_gated_delta_rule
+    cpu = torch.device("cpu")
+    chosen = la.chunked_for(True, cpu, True, (4, 16, 32), torch.bfloat16, reference)
+    assert chosen is {"fla": ops[0], "stand-in": gated_delta.chunk_gated_delta_rule, "reference": reference}[want]
+    assert probed == ([] if fla_trains else [(cpu, 4, 16, 32, torch.bfloat16, reference)])
+    assert la.chunked_for(True, cpu, False, (4, 16, 32), torch.bfloat16, reference) is ops[0]  # no gradients
+    assert la.chunked_for(False, cpu, True, (4, 16, 32), torch.bfloat16, reference) is reference  # CUDA-only
+
+
 @pytest.mark.gpu
 def test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA with flash-linear-attention installed: the patched model's loss and gradients equal

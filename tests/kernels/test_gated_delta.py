@@ -1,0 +1,114 @@
+"""`kestrel.kernels.gated_delta.chunk_dqkwg`: each chunk's gradients of q, k, w and the gate equal
+autograd's through the chunk's own equations (written out here chunk by chunk, in float64), also
+where the last chunk is partial and where keys and values differ in width."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kestrel.kernels.gated_delta import CHUNK, chunk_dqkwg
+
+
+def _chunk_objective(q, k, w, g, v_new, u, h, do, dh, dv, scale):  # type: ignore[no-untyped-def]
+    """<do, o> + <dh_c, h_c+1> + <dv, u - w h_c> summed over chunks, from the module docstring's
+    equations: o = s (q 2^g2) h_c + s [(q k^T) 2^(g2_i - g2_j) (i >= j)] v_new, h_c+1 = 2^g2_L h_c
+    + (k 2^(g2_L - g2))^T v_new, with g2 = g / ln 2 (g the natural-log cumulative gate)."""
+    g2 = g / math.log(2)
+    t, total = q.shape[1], q.new_zeros(())
+    for c in range(math.ceil(t / CHUNK)):
+        sl = slice(c * CHUNK, min((c + 1) * CHUNK, t))
+        qc, kc, wc, gc, vc, uc = q[:, sl], k[:, sl], w[:, sl], g2[:, sl], v_new[:, sl], u[:, sl]
+        hc = h[:, c]  # (B, H, K, V)
+        o = torch.einsum("bthk,bhkv->bthv", qc * torch.exp2(gc)[..., None], hc) * scale
+        n = qc.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        gate = torch.exp2((gc[:, :, None] - gc[:, None, :]).permute(0, 3, 1, 2).masked_fill(~causal, -math.inf))
+        scores = torch.einsum("bihk,bjhk->bhij", qc, kc) * gate
+        o = o + torch.einsum("bhij,bjhv->bihv", scores, vc) * scale
+        g_last = gc[:, -1]  # (B, H)
+        nxt = torch.exp2(g_last)[..., None, None] * hc + torch.einsum(
+            "bthk,bthv->bhkv", kc * torch.exp2(g_last[:, None] - gc)[..., None], vc)
+        corrected = uc - torch.einsum("bthk,bhkv->bthv", wc, hc)
+        total = total + (do[:, sl] * o).sum() + (dh[:, c] * nxt).sum() + (dv[:, sl] * corrected).sum()
+    return total
+
+
+@pytest.mark.parametrize(("t", "heads", "dk", "dv"), [(150, 3, 16, 24), (128, 2, 32, 16), (40, 1, 8, 8)])
+def test_chunk_gradients_equal_autograd_through_the_chunk_equations(t: int, heads: int, dk: int, dv: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    batch, n = 2, math.ceil(t / CHUNK)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, w = (rnd(batch, t, heads, dk).requires_grad_() for _ in range(3))
+    steps = -torch.nn.functional.softplus(rnd(batch, t, heads)) * 0.3
+    # the within-chunk cumulative natural-log gate, as flash-linear-attention's first stage leaves it
+    g = torch.cat([steps[:, i:i + CHUNK].cumsum(1) for i in range(0, t, CHUNK)], 1).requires_grad_()
+    v_new, u, do, grad_v = (rnd(batch, t, heads, dv) for _ in range(4))
+    h, dh = rnd(batch, n, heads, dk, dv), rnd(batch, n, heads, dk, dv)
+    scale = dk ** -0.5
+    _chunk_objective(q, k, w, g, v_new, u, h, do, dh, grad_v, scale).backward()
+
+    dq, dk_, dw, dg = chunk_dqkwg(q.detach(), k.detach(), v_new, w.detach(), g.detach() / math.log(2),
+                                  h, grad_v, do, dh, scale)
+    for name, got, want in (("dq", dq, q.grad), ("dk", dk_, k.grad), ("dw", dw, w.grad), ("dg", dg, g.grad)):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_chunk_gradients_keep_the_input_dtype() -> None:
+    q = torch.randn(1, 70, 2, 8, dtype=torch.bfloat16)
+    v = torch.randn(1, 70, 2, 4, dtype=torch.bfloat16)
+    h = torch.randn(1, 2, 2, 8, 4, dtype=torch.bfloat16)
+    g = torch.zeros(1, 70, 2)
+    dq, dk, dw, dg = chunk_dqkwg(q, q, v, q, g, h, v, v, h, 0.5)
+    assert (dq.dtype, dk.dtype, dw.dtype, dg.dtype) == (torch.bfloat16,) * 3 + (torch.float32,)
+    assert torch.isfinite(dg).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "t", "heads", "dk", "dv", "with_state"), [
+    (1, 200, 4, 64, 64, False), (2, 128, 2, 128, 128, False), (1, 70, 3, 32, 64, True),
+])
+def test_the_stand_in_equals_hfs_reference_on_cuda(batch: int, t: int, heads: int, dk: int, dv: int,
+                                                    with_state: bool, dtype: torch.dtype) -> None:
+    """flash-linear-attention's stages with `chunk_dqkwg` in place of its refused one give HF's
+    PyTorch function's output, final state and gradients (that function in fp32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
+
+    from kestrel.kernels import gated_delta
+
+    if not gated_delta.available():
+        pytest.skip("flash-linear-attention is not installed")
+    gen = torch.Generator().manual_seed(t)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).cuda()
+
+    q, k, v = rnd(batch, t, heads, dk), rnd(batch, t, heads, dk), rnd(batch, t, heads, dv)
+    g, beta = -torch.nn.functional.softplus(rnd(batch, t, heads)), rnd(batch, t, heads).sigmoid()
+    state = rnd(batch, heads, dk, dv) * 0.1 if with_state else None
+    grad_out, grad_state = rnd(batch, t, heads, dv), rnd(batch, heads, dk, dv)
+
+    def run(fn, wanted: torch.dtype) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+        xs = [x.to(wanted).requires_grad_() for x in (q, k, v)] + [g.clone().requires_grad_(), beta.to(wanted).requires_grad_()]
+        h0 = state.clone().requires_grad_() if state is not None else None
+        out, final = fn(xs[0], xs[1], xs[2], g=xs[3], beta=xs[4], initial_state=h0,
+                        output_final_state=with_state, use_qk_l2norm_in_kernel=True)
+        loss = (out.float() * grad_out).sum() + ((final.float() * grad_state).sum() if with_state else 0)
+        loss.backward()
+        got = [out.detach().float()] + [x.grad.float() for x in xs]
+        return got + ([final.detach().float(), h0.grad.float()] if with_state else [])
+
+    got, want = run(gated_delta.chunk_gated_delta_rule, dtype), run(reference, torch.float32)
+    limit = 5e-3 if dtype == torch.float32 else 3e-2
+    names = ["output", "dq", "dk", "dv", "dg", "dbeta", "final state", "d initial state"]
+    for name, a, b in zip(names, got, want):
+        assert float((a - b).norm() / b.norm()) < limit, name
