@@ -35,8 +35,12 @@
 #             pipelined stages around the fastest tiles); writes the plans it picked
 #   nf4decode 8B NF4 decode at batch 1 and 8 against its bandwidth bound and the dequantized 16-bit
 #             path's tokens, with the plans in the checkout (commit the sweep's table first)
-#   qwen35    where a Qwen3.5-9B QLoRA step's time goes (bench/profile_train.py): its gated-delta-rule layers
-#             train on HF's PyTorch functions wherever flash-linear-attention cannot run its backward
+#   qwen35    where a Qwen3.5-9B QLoRA step's time goes (bench/profile_train.py): where flash-linear-attention
+#             refuses its backward (Hopper under Triton 3.4-3.7.0), its gated-delta-rule layers train on
+#             Kestrel's stand-in (kestrel/kernels/gated_delta.py) once its probe passes
+#   gated     one gated-delta-rule op at Qwen3.5-9B's shape (1 x 4,096), forward and backward: Kestrel's stand-in,
+#             flash-linear-attention's own (where its backward runs) and HF's PyTorch function, each checked
+#             against HF's in fp32, then timed (bench/gated_delta.py)
 #   moedecode a MoE layer's decode step at the Qwen3-30B-A3B and gpt-oss-20b shapes: gathered weights
 #             against the expert GEMV kernel, 16-bit and NF4 (bench/moe_decode.py)
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
@@ -117,10 +121,11 @@ for want in "$@"; do
                       --trace-step -1 --out "$OUT/gemma4-peak.txt" ;;
         nf4decode) phase nf4decode 540 python bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 \
                       --out "$OUT/nf4_decode.json" ;;
+        gated)    phase gated 200 python bench/gated_delta.py --shape qwen3.5-9b --seq 4096 --out "$OUT/gated_delta.json" ;;
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, nf4, nf4decode, qwen35, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, nf4, nf4decode, gated, qwen35, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure

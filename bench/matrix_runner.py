@@ -11,6 +11,8 @@ one GPU or on several GPUs of one host at once, under a chunk's time budget; one
   then it is built once this model is done and the folders before it are removed.
 - Each record says on which GPU it ran (`gpu`, a CUDA_VISIBLE_DEVICES entry) and the most processes
   the host ran at once while it ran, itself and a folder being built included (`concurrent`).
+- Baselines run without flash-linear-attention where its backward refuses the GPU (`baseline_env`),
+  the only way they train Qwen3.5 there; their records say so.
 - The chunk's clock: nothing starts once --budget-s has passed; a process still running at --hard-s
   is stopped, and its pair left unrecorded for the next chunk, as are the pairs not started.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import shutil
@@ -128,6 +131,36 @@ def isolated(args: list[str], timeout: float, extra_path: str | None = None,
     return res
 
 
+FLA_SITE = ".gpu-fla"  # flash-linear-attention's folder on PYTHONPATH (bench/gpu_session.sh carries it)
+
+
+@functools.cache
+def fla_refused_here() -> bool:
+    """Whether flash-linear-attention 0.6 refuses its gated backward on this host: a Hopper GPU
+    (compute capability 9.0) under Triton 3.4 to 3.7.0, its own guard (fla issue 640). Read from
+    nvidia-smi and the package metadata: this process never touches CUDA."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        caps = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=60, check=True).stdout.split()
+        triton = tuple(int(p) for p in version("triton").split("+")[0].split(".")[:3])
+    except (OSError, subprocess.SubprocessError, PackageNotFoundError, ValueError):
+        return False
+    return "9.0" in caps and (3, 4, 0) <= triton < (3, 7, 1)
+
+
+def baseline_env(system: str) -> dict[str, str]:
+    """A baseline's PYTHONPATH without flash-linear-attention where its backward refuses the GPU:
+    HF binds the package's kernels at import, so with it installed a baseline's Qwen3.5 cannot
+    train there at all; without it the baseline runs HF's PyTorch functions, its only way to train
+    there. Kestrel keeps the kernels (kestrel.model.linear_attention)."""
+    path = os.environ.get("PYTHONPATH", "")
+    if system.startswith("kestrel") or FLA_SITE not in path or not fla_refused_here():
+        return {}
+    return {"PYTHONPATH": ":".join(p for p in path.split(":") if not p.rstrip("/").endswith(FLA_SITE))}
+
+
 def gpu_env(gpu: str | None) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
 
@@ -170,7 +203,7 @@ def run_one(key: Key, args: argparse.Namespace, clock: Clock, launch: Launch = i
              "--batches", str(args.batches), "--seed", str(args.seed), "--cuda-graphs", args.cuda_graphs]
     if kestrel and args.settle:
         child += ["--settle", str(args.settle)]
-    env = {"KESTREL_CUDA_GRAPHS": ""} if kestrel else {}  # the mode asked for, not an inherited override
+    env = {"KESTREL_CUDA_GRAPHS": ""} if kestrel else baseline_env(system)  # the mode asked for, not an inherited override
     if system == "unsloth":  # a MoE folder leaves its experts out on purpose (bench.matrix_models)
         env["UNSLOTH_WARN_UNINITIALIZED"] = "0"
     res = launch(child, limit, extra_path=args.anchors if system == "unsloth" else None, env={**env, **gpu_env(gpu)})
@@ -178,6 +211,8 @@ def run_one(key: Key, args: argparse.Namespace, clock: Clock, launch: Launch = i
         if cut:
             return None
         res = {"error": f"timeout after {limit:.0f} s", "wall_s": res["wall_s"]}
+    if "PYTHONPATH" in env:
+        res["flash_linear_attention"] = "left out: its backward refuses this GPU"
     return keyed(key, res)
 
 

@@ -262,3 +262,37 @@ def test_table_notes_a_run_whose_held_memory_grew() -> None:
         assert "grew" not in render_table([dict(base, system="kestrel", held_growth_mib_per_step=growth)], ["packed"])
     assert "grew" not in render_table([dict(base, system="unsloth")], ["packed"])
 
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_baselines_leave_flash_linear_attention_out_only_where_its_backward_is_refused(
+        refused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.matrix_runner as runner
+
+    monkeypatch.setattr(runner, "fla_refused_here", lambda: refused)
+    monkeypatch.setenv("PYTHONPATH", "/c/.gpu-fla:/c/.gpu-site:/c")
+    for system in ("unsloth", "hf"):
+        assert runner.baseline_env(system) == ({"PYTHONPATH": "/c/.gpu-site:/c"} if refused else {})
+    assert runner.baseline_env("kestrel") == {}  # Kestrel keeps the kernels either way
+    monkeypatch.setenv("PYTHONPATH", "/c/.gpu-site")
+    assert runner.baseline_env("unsloth") == {}  # nothing to leave out
+
+
+def test_a_baseline_run_without_flash_linear_attention_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.matrix_runner as runner
+
+    monkeypatch.setattr(runner, "fla_refused_here", lambda: True)
+    monkeypatch.setenv("PYTHONPATH", "/c/.gpu-fla:/c")
+    seen: list[dict[str, str]] = []
+
+    def launch(args, timeout, extra_path=None, env=None):  # type: ignore[no-untyped-def]
+        seen.append(env or {})
+        return {"tokens_per_s": 1.0}
+
+    args = _args(tmp_path)
+    clock = Clock(1000.0, None)
+    base = runner.run_one(("qwen3-0.6b", "qlora", "packed", "hf"), args, clock, launch)
+    ours = runner.run_one(("qwen3-0.6b", "qlora", "packed", "kestrel"), args, clock, launch)
+    assert seen[0]["PYTHONPATH"] == "/c" and "PYTHONPATH" not in seen[1]
+    assert base is not None and base["flash_linear_attention"].startswith("left out")
+    assert ours is not None and "flash_linear_attention" not in ours

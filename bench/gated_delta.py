@@ -1,0 +1,87 @@
+"""One gated-delta-rule op (a Qwen3.5 linear-attention layer's core, q/k normalised in it), forward
+plus backward at a model's shape, three ways on one GPU: Kestrel's stand-in
+(`kestrel.kernels.gated_delta`: flash-linear-attention's stages, the one it refuses on Hopper under
+Triton 3.4-3.7.0 in PyTorch), flash-linear-attention's own function (where its backward runs) and
+HF's PyTorch function (what trains where neither runs). Each is checked against HF's function in
+fp32 first (relative error of output and gradients), then timed (median of CUDA-event timings).
+
+    python bench/gated_delta.py --shape qwen3.5-9b --batch 1 --seq 4096 --out gated.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import cuda_time  # noqa: E402
+from bench.model_shapes import SHAPES  # noqa: E402
+
+
+def inputs(cfg: dict[str, Any], batch: int, seq: int) -> list[torch.Tensor]:
+    """q, k (value heads wide, as the layer repeats them), v, g, beta and the output's gradient."""
+    heads, dk, dv = cfg["linear_num_value_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).cuda()
+
+    q, k, v = rnd(batch, seq, heads, dk), rnd(batch, seq, heads, dk), rnd(batch, seq, heads, dv)
+    return [q, k, v, -F.softplus(rnd(batch, seq, heads)), rnd(batch, seq, heads).sigmoid(), rnd(batch, seq, heads, dv)]
+
+
+def run(fn: Callable[..., Any], xs: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Forward and backward once; the output and the five gradients."""
+    q, k, v, g, beta, grad = xs
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [g.clone().requires_grad_(), beta.to(dtype).requires_grad_()]
+    out, _ = fn(leaves[0], leaves[1], leaves[2], g=leaves[3], beta=leaves[4], use_qk_l2norm_in_kernel=True)
+    out.backward(grad.to(out.dtype))
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3.5-9b", choices=[s for s, c in SHAPES.items() if "linear_num_value_heads" in c])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
+
+    from kestrel.kernels import gated_delta
+    from kestrel.model.linear_attention import _fla_ops, fla_backward_works
+
+    xs = inputs(SHAPES[args.shape], args.batch, args.seq)
+    ways: dict[str, Callable[..., Any]] = {"hf_reference": reference}
+    ops = _fla_ops()
+    if ops is not None and gated_delta.available():
+        ways["kestrel_stand_in"] = gated_delta.chunk_gated_delta_rule
+        if fla_backward_works(torch.device("cuda"), ops[0]):
+            ways["fla"] = ops[0]
+    want = [t.float() for t in run(reference, xs, torch.float32)]
+    names = ("output", "dq", "dk", "dv", "dg", "dbeta")
+    result: dict[str, Any] = {"shape": args.shape, "batch": args.batch, "seq": args.seq,
+                              "device": torch.cuda.get_device_name(), "triton": __import__("triton").__version__}
+    for name, fn in ways.items():
+        got = run(fn, xs, torch.bfloat16)  # bf16 inputs, as training passes them (HF's function widens them)
+        errors = {n: float((a.float() - b).norm() / b.norm()) for n, a, b in zip(names, got, want)}
+        torch.cuda.reset_peak_memory_stats()
+        seconds = cuda_time(lambda: run(fn, xs, torch.bfloat16), warmup=2, iters=5 if name == "hf_reference" else 15)
+        result[name] = {"fwd_bwd_ms": seconds * 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                        "relative_error": errors}
+        print(name, json.dumps(result[name]), flush=True)
+    if "kestrel_stand_in" in result:
+        result["stand_in_vs_reference"] = result["hf_reference"]["fwd_bwd_ms"] / result["kestrel_stand_in"]["fwd_bwd_ms"]
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
