@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 CHUNK = 64  # flash-linear-attention's chunk size: its stages and this one must agree
+WORKING_BYTES = 256 << 20  # fp32 working memory of `chunk_dqkwg` at once: heads are taken in groups that fit
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,28 @@ def chunk_dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, w: torch.
     cancels against g2 = g / ln 2): every product that carries a gate factor contributes its
     value times the gradient of its result, to the row that the factor's exponent adds, minus to
     the row that it subtracts; row L of a chunk carries the state's decay.
+
+    The products run in fp32 over a few heads at a time, so the transient memory stays near
+    WORKING_BYTES whatever the length and head count.
     """
+    b, t, heads, d_k = q.shape
+    n, d_v = math.ceil(t / CHUNK), v_new.shape[-1]
+    per_head = 4 * n * (CHUNK * 4 * (d_k + d_v) + 2 * d_k * d_v + 3 * CHUNK * CHUNK)  # fp32 bytes alive at once
+    step = max(1, WORKING_BYTES // per_head)
+    dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+    dg = torch.empty(b, t, heads, dtype=torch.promote_types(g.dtype, torch.float32), device=q.device)
+    for i in range(0, heads, step):
+        sl = slice(i, i + step)
+        dq[:, :, sl], dk[:, :, sl], dw[:, :, sl], dg[:, :, sl] = _dqkwg_heads(
+            q[:, :, sl], k[:, :, sl], v_new[:, :, sl], w[:, :, sl], g[:, :, sl], h[:, :, sl], dv[:, :, sl],
+            do[:, :, sl], dh[:, :, sl], scale)
+    return dq, dk, dw, dg
+
+
+def _dqkwg_heads(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, w: torch.Tensor, g: torch.Tensor,
+                 h: torch.Tensor, dv: torch.Tensor, do: torch.Tensor, dh: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_dqkwg` for a slice of the heads (same shapes and results)."""
     t = q.shape[1]
     n = math.ceil(t / CHUNK)
     qc, kc, vc, wc, dvc, doc = (_chunks(x, n) for x in (q, k, v_new, w, dv, do))

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from kestrel.kernels import gated_delta
 from kestrel.kernels.gated_delta import CHUNK, chunk_dqkwg
 
 
@@ -36,8 +37,12 @@ def _chunk_objective(q, k, w, g, v_new, u, h, do, dh, dv, scale):  # type: ignor
     return total
 
 
+@pytest.mark.parametrize("one_head_at_a_time", [False, True])
 @pytest.mark.parametrize(("t", "heads", "dk", "dv"), [(150, 3, 16, 24), (128, 2, 32, 16), (40, 1, 8, 8)])
-def test_chunk_gradients_equal_autograd_through_the_chunk_equations(t: int, heads: int, dk: int, dv: int) -> None:
+def test_chunk_gradients_equal_autograd_through_the_chunk_equations(
+        t: int, heads: int, dk: int, dv: int, one_head_at_a_time: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if one_head_at_a_time:  # a working memory too small for two heads: the heads go one by one
+        monkeypatch.setattr(gated_delta, "WORKING_BYTES", 1)
     gen = torch.Generator().manual_seed(t)
     batch, n = 2, math.ceil(t / CHUNK)
 
