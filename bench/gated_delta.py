@@ -11,6 +11,7 @@ fp32 first (relative error of output and gradients), then timed (median of CUDA-
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -22,16 +23,21 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cuda_time  # noqa: E402
-from bench.model_shapes import SHAPES  # noqa: E402
+from bench.model_shapes import MODELS, MOE_MODELS  # noqa: E402
 
 
-def inputs(cfg: dict[str, Any], batch: int, seq: int) -> list[torch.Tensor]:
+def linear_attention_shapes() -> dict[str, dict[str, Any]]:
+    """The bench's model shapes with gated-delta-rule layers (Qwen3.5, dense and MoE)."""
+    return {name: cfg for name, cfg in {**MODELS, **MOE_MODELS}.items() if "linear_num_value_heads" in cfg}
+
+
+def inputs(cfg: dict[str, Any], batch: int, seq: int, device: str = "cuda") -> list[torch.Tensor]:
     """q, k (value heads wide, as the layer repeats them), v, g, beta and the output's gradient."""
     heads, dk, dv = cfg["linear_num_value_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     gen = torch.Generator().manual_seed(0)
 
     def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).cuda()
+        return torch.randn(*shape, generator=gen).to(device)
 
     q, k, v = rnd(batch, seq, heads, dk), rnd(batch, seq, heads, dk), rnd(batch, seq, heads, dv)
     return [q, k, v, -F.softplus(rnd(batch, seq, heads)), rnd(batch, seq, heads).sigmoid(), rnd(batch, seq, heads, dv)]
@@ -48,18 +54,20 @@ def run(fn: Callable[..., Any], xs: list[torch.Tensor], dtype: torch.dtype) -> l
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="qwen3.5-9b", choices=[s for s, c in SHAPES.items() if "linear_num_value_heads" in c])
+    p.add_argument("--shape", default="qwen3.5-9b", choices=sorted(linear_attention_shapes()))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
     from kestrel.kernels import gated_delta
     from kestrel.model.linear_attention import _fla_ops, fla_backward_works
 
-    xs = inputs(SHAPES[args.shape], args.batch, args.seq)
+    # HF wraps its PyTorch function so that flash-linear-attention's kernel runs when installed
+    reference = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    xs = inputs(linear_attention_shapes()[args.shape], args.batch, args.seq)
     ways: dict[str, Callable[..., Any]] = {"hf_reference": reference}
     ops = _fla_ops()
     if ops is not None and gated_delta.available():
