@@ -43,15 +43,6 @@ def inputs(cfg: dict[str, Any], batch: int, seq: int, device: str = "cuda") -> l
     return [q, k, v, -F.softplus(rnd(batch, seq, heads)), rnd(batch, seq, heads).sigmoid(), rnd(batch, seq, heads, dv)]
 
 
-def run(fn: Callable[..., Any], xs: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Forward and backward once; the output and the five gradients."""
-    q, k, v, g, beta, grad = xs
-    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [g.clone().requires_grad_(), beta.to(dtype).requires_grad_()]
-    out, _ = fn(leaves[0], leaves[1], leaves[2], g=leaves[3], beta=leaves[4], use_qk_l2norm_in_kernel=True)
-    out.backward(grad.to(out.dtype))
-    return [out.detach()] + [x.grad for x in leaves]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3.5-9b", choices=sorted(linear_attention_shapes()))
@@ -74,15 +65,17 @@ def main() -> None:
         ways["kestrel_stand_in"] = gated_delta.chunk_gated_delta_rule
         if fla_backward_works(torch.device("cuda"), ops[0]):
             ways["fla"] = ops[0]
-    want = [t.float() for t in run(reference, xs, torch.float32)]
-    names = ("output", "dq", "dk", "dv", "dg", "dbeta")
+    q, k, v, g, beta, grad = xs
+    want = gated_delta.forward_backward(reference, q, k, v, g, beta, grad, torch.float32)
     result: dict[str, Any] = {"shape": args.shape, "batch": args.batch, "seq": args.seq,
                               "device": torch.cuda.get_device_name(), "triton": __import__("triton").__version__}
     for name, fn in ways.items():
-        got = run(fn, xs, torch.bfloat16)  # bf16 inputs, as training passes them (HF's function widens them)
-        errors = {n: float((a.float() - b).norm() / b.norm()) for n, a, b in zip(names, got, want)}
+        # bf16 inputs, as training passes them (HF's function widens them)
+        got = gated_delta.forward_backward(fn, q, k, v, g, beta, grad, torch.bfloat16)
+        errors = dict(zip(gated_delta.OUTPUTS, gated_delta.relative_errors(got, want)))
         torch.cuda.reset_peak_memory_stats()
-        seconds = cuda_time(lambda: run(fn, xs, torch.bfloat16), warmup=2, iters=5 if name == "hf_reference" else 15)
+        seconds = cuda_time(lambda: gated_delta.forward_backward(fn, q, k, v, g, beta, grad, torch.bfloat16),
+                            warmup=2, iters=5 if name == "hf_reference" else 15)
         result[name] = {"fwd_bwd_ms": seconds * 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                         "relative_error": errors}
         print(name, json.dumps(result[name]), flush=True)

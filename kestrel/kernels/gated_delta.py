@@ -27,7 +27,7 @@ import contextlib
 import functools
 import math
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -197,6 +197,25 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         raise ValueError("chunk_gated_delta_rule normalises q and k itself (Qwen3.5's layers ask for that)")
     with _on_device(q):
         return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, output_final_state)
+
+
+OUTPUTS = ("output", "dq", "dk", "dv", "dg", "dbeta")  # what `forward_backward` returns, in order
+
+
+def forward_backward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One forward and backward of a chunked gated-delta-rule function `fn` (this module's, flash-
+    linear-attention's or HF's: the same call) on fresh leaves in `dtype` (g stays fp32, as the
+    layers pass it) with output gradient `grad`: [output, dq, dk, dv, dg, dbeta] in fp32."""
+    xs = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [g.float().requires_grad_(), beta.to(dtype).requires_grad_()]
+    out, _ = fn(xs[0], xs[1], xs[2], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True)
+    out.backward(grad.to(out.dtype))
+    return [out.detach().float()] + [x.grad.float() for x in xs]
+
+
+def relative_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
+    """||a - b|| / ||b|| for each pair."""
+    return [float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(got, want)]
 
 
 def available() -> bool:

@@ -90,25 +90,18 @@ def stand_in_trains(device: torch.device, heads: int, dk: int, dv: int, dtype: t
 
     q, k, v, grad = rnd(1, t, heads, dk), rnd(1, t, heads, dk), rnd(1, t, heads, dv), rnd(1, t, heads, dv)
     g, beta = -F.softplus(rnd(1, t, heads)), rnd(1, t, heads).sigmoid()
-
-    def run(fn: Callable[..., Any], wanted: torch.dtype) -> list[torch.Tensor]:
-        xs = [x.to(wanted).requires_grad_() for x in (q, k, v)] + [g.clone().requires_grad_(), beta.to(wanted).requires_grad_()]
-        out, _ = fn(xs[0], xs[1], xs[2], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True)
-        out.backward(grad.to(out.dtype))
-        return [out.detach().float()] + [x.grad.float() for x in xs]
-
     try:
-        got, want = run(gated_delta.chunk_gated_delta_rule, dtype), run(reference, torch.float32)
+        got = gated_delta.forward_backward(gated_delta.chunk_gated_delta_rule, q, k, v, g, beta, grad, dtype)
+        want = gated_delta.forward_backward(reference, q, k, v, g, beta, grad, torch.float32)
     except (RuntimeError, TypeError) as err:  # a flash-linear-attention whose stages moved or refuse
         log.warning("linear-attention layers train on PyTorch's reference functions on %s, which is slower: "
                     "Kestrel's stand-in for flash-linear-attention's backward failed (%s)", device, err)
         return False
-    errors = [float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(got, want)]
-    names = ("output", "dq", "dk", "dv", "dg", "dbeta")
+    errors = gated_delta.relative_errors(got, want)
     if max(errors) > PROBE_TOLERANCE:
         log.warning("linear-attention layers train on PyTorch's reference functions on %s, which is slower: "
                     "Kestrel's stand-in for flash-linear-attention's backward is off there (relative errors %s)",
-                    device, ", ".join(f"{n} {e:.3f}" for n, e in zip(names, errors)))
+                    device, ", ".join(f"{n} {e:.3f}" for n, e in zip(gated_delta.OUTPUTS, errors)))
         return False
     log.info("linear-attention layers (%d heads, %d/%d wide) train on flash-linear-attention's kernels on %s, "
              "with the backward stage it refuses there in PyTorch (largest relative error %.3f)",
@@ -145,23 +138,26 @@ def delta_rule(
         fn = fla[1] if fla is not None else _reference(module, "torch_recurrent_gated_delta_rule")
     else:
         shape = (q.shape[2], q.shape[3], v.shape[3])
-        fn = chunked_for(q.is_cuda, q.device, needs_grad, shape, q.dtype, _reference(module, "torch_chunk_gated_delta_rule"))
+        fn = chunked_for(q.is_cuda, q.device, needs_grad, shape, q.dtype,
+                         lambda: _reference(module, "torch_chunk_gated_delta_rule"))
     return fn(q, k, v, **kwargs)
 
 
 def chunked_for(on_cuda: bool, device: torch.device, needs_grad: bool, shape: tuple[int, int, int],
-                dtype: torch.dtype, reference: Callable[..., Any]) -> Callable[..., Any]:
+                dtype: torch.dtype, reference: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
     """The chunked function a pass runs: flash-linear-attention's where it may; where its backward
     is refused, Kestrel's stand-in if it trains right at this head shape (heads, dk, dv) and
-    dtype; else HF's `reference`."""
+    dtype; else HF's function, which `reference()` looks up (only when needed: this runs in every
+    layer's forward)."""
     ops = fla_for(on_cuda, device, needs_grad)
     if ops is not None:
         return ops[0]
-    if fla_for(on_cuda, device, needs_grad=False) is not None and stand_in_trains(device, *shape, dtype, reference):
+    ref = reference()
+    if fla_for(on_cuda, device, needs_grad=False) is not None and stand_in_trains(device, *shape, dtype, ref):
         from kestrel.kernels.gated_delta import chunk_gated_delta_rule
 
         return chunk_gated_delta_rule
-    return reference
+    return ref
 
 
 def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool) -> torch.Tensor:

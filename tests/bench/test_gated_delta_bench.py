@@ -1,5 +1,5 @@
-"""bench/gated_delta.py's parts on the CPU: the shapes it offers and one forward and backward of
-HF's function on a shape's heads (short), as its GPU run checks each way against it."""
+"""bench/gated_delta.py's parts on the CPU: the shapes it offers and its inputs through one forward
+and backward of HF's function (`gated_delta.forward_backward`, which the GPU run times each way with)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import inspect
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from bench.gated_delta import inputs, linear_attention_shapes, run
+from bench.gated_delta import inputs, linear_attention_shapes
+from kestrel.kernels.gated_delta import forward_backward
 
 
 def test_the_bench_offers_the_linear_attention_shapes_and_runs_a_way_once() -> None:
@@ -16,6 +17,6 @@ def test_the_bench_offers_the_linear_attention_shapes_and_runs_a_way_once() -> N
     assert "qwen3.5-9b" in shapes and all("linear_key_head_dim" in c for c in shapes.values())
     cfg = dict(shapes["qwen3.5-9b"], linear_num_value_heads=2)  # two heads keep the CPU run short
     xs = inputs(cfg, 1, 70, device="cpu")
-    out = run(inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule), xs, torch.float32)
+    out = forward_backward(inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule), *xs, torch.float32)
     assert [t.shape for t in out] == [xs[2].shape, xs[0].shape, xs[1].shape, xs[2].shape, xs[3].shape, xs[4].shape]
     assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in out)

@@ -135,11 +135,11 @@ def test_a_pass_needing_gradients_takes_the_stand_in_only_where_fla_refuses_and_
     monkeypatch.setattr(la, "stand_in_trains", lambda *args: probed.append(args) or stand_in_ok)
     reference = qwen3_5.torch_chunk_gated_delta_rule
     cpu = torch.device("cpu")
-    chosen = la.chunked_for(True, cpu, True, (4, 16, 32), torch.bfloat16, reference)
+    chosen = la.chunked_for(True, cpu, True, (4, 16, 32), torch.bfloat16, lambda: reference)
     assert chosen is {"fla": ops[0], "stand-in": gated_delta.chunk_gated_delta_rule, "reference": reference}[want]
     assert probed == ([] if fla_trains else [(cpu, 4, 16, 32, torch.bfloat16, reference)])
-    assert la.chunked_for(True, cpu, False, (4, 16, 32), torch.bfloat16, reference) is ops[0]  # no gradients
-    assert la.chunked_for(False, cpu, True, (4, 16, 32), torch.bfloat16, reference) is reference  # CUDA-only
+    assert la.chunked_for(True, cpu, False, (4, 16, 32), torch.bfloat16, lambda: reference) is ops[0]  # no gradients
+    assert la.chunked_for(False, cpu, True, (4, 16, 32), torch.bfloat16, lambda: reference) is reference  # CUDA-only
 
 
 @pytest.mark.gpu
