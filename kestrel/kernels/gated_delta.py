@@ -207,7 +207,9 @@ def forward_backward(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v
     """One forward and backward of a chunked gated-delta-rule function `fn` (this module's, flash-
     linear-attention's or HF's: the same call) on fresh leaves in `dtype` (g stays fp32, as the
     layers pass it) with output gradient `grad`: [output, dq, dk, dv, dg, dbeta] in fp32."""
-    xs = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [g.float().requires_grad_(), beta.to(dtype).requires_grad_()]
+    # copies, so that a call in the inputs' own dtype does not turn the caller's tensors into leaves
+    xs = [x.detach().to(dt, copy=True).requires_grad_()
+          for x, dt in zip((q, k, v, g, beta), (dtype, dtype, dtype, torch.float32, dtype))]
     out, _ = fn(xs[0], xs[1], xs[2], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True)
     out.backward(grad.to(out.dtype))
     return [out.detach().float()] + [x.grad.float() for x in xs]
