@@ -1,7 +1,7 @@
 """One gated-delta-rule op (a Qwen3.5 linear-attention layer's core, q/k normalised in it), forward
-plus backward at a model's shape, three ways on one GPU: Kestrel's stand-in
-(`kestrel.kernels.gated_delta`: flash-linear-attention's stages, the one it refuses on Hopper under
-Triton 3.4-3.7.0 in PyTorch), flash-linear-attention's own function (where its backward runs) and
+plus backward at a model's shape, on one GPU: Kestrel's stand-in (`kestrel.kernels.gated_delta`:
+flash-linear-attention's stages, the one it refuses on Hopper under Triton 3.4-3.7.0 done each of the
+stand-in's ways: its kernel on a clean tile, PyTorch), flash-linear-attention's own function (where its backward runs) and
 HF's PyTorch function (what trains where neither runs). Each is checked against HF's function in
 fp32 first (relative error of output and gradients), then timed (median of CUDA-event timings).
 
@@ -11,6 +11,7 @@ fp32 first (relative error of output and gradients), then timed (median of CUDA-
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import sys
@@ -62,7 +63,8 @@ def main() -> None:
     ways: dict[str, Callable[..., Any]] = {"hf_reference": reference}
     ops = _fla_ops()
     if ops is not None and gated_delta.available():
-        ways["kestrel_stand_in"] = gated_delta.chunk_gated_delta_rule
+        for way in gated_delta.DQKWG:  # the refused stage on fla's kernel (a clean tile), and in PyTorch
+            ways[f"kestrel_{way}_way"] = functools.partial(gated_delta.chunk_gated_delta_rule, dqkwg=way)
         if fla_backward_works(torch.device("cuda"), ops[0]):
             ways["fla"] = ops[0]
     q, k, v, g, beta, grad = xs
@@ -79,8 +81,10 @@ def main() -> None:
         result[name] = {"fwd_bwd_ms": seconds * 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                         "relative_error": errors}
         print(name, json.dumps(result[name]), flush=True)
-    if "kestrel_stand_in" in result:
-        result["stand_in_vs_reference"] = result["hf_reference"]["fwd_bwd_ms"] / result["kestrel_stand_in"]["fwd_bwd_ms"]
+    for way in gated_delta.DQKWG:
+        if f"kestrel_{way}_way" in result:
+            result[f"{way}_way_vs_reference"] = (result["hf_reference"]["fwd_bwd_ms"]
+                                                 / result[f"kestrel_{way}_way"]["fwd_bwd_ms"])
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 

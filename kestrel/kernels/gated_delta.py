@@ -5,10 +5,13 @@ flash-linear-attention 0.6 raises in its backward on Hopper GPUs under Triton 3.
 backward kernel, the one that gives each chunk's dq, dk, dw and dg, is miscompiled there (a
 transpose of a matrix-product result; fla issue 640) and would return wrong gradients. Every other
 stage of its forward and backward runs correctly there. `chunk_gated_delta_rule` here is its
-chunked function with that one stage done as batched PyTorch products over the chunks
-(`chunk_dqkwg`): the stage has no sequential dependency, since each chunk reads the state h_c and
-the state gradient the earlier stages computed, so it costs a few batched products per layer
-instead of the whole sequential reference.
+chunked function with that one stage done one of two ways (DQKWG):
+- "kernel": flash-linear-attention's own kernel for the stage, launched here with a key tile other
+  than the one width that is miscompiled (`chunk_dqkwg_kernel`);
+- "torch": batched PyTorch products over the chunks (`chunk_dqkwg`), a way that depends on no
+  Triton code generation. The stage has no sequential dependency, since each chunk reads the state
+  h_c and the state gradient the earlier stages computed, so even this costs a few batched
+  products per layer instead of the whole sequential reference.
 
 Notation (per batch row and head; chunk c of BT rows; h_c the (K, V) state before chunk c; g the
 within-chunk cumulative log-gate, in base-2 units as flash-linear-attention keeps it, g2 = g / ln 2):
@@ -122,6 +125,54 @@ def _dqkwg_heads(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, w: torch
     return _unchunk(dq, t, q.dtype), _unchunk(dk, t, k.dtype), _unchunk(dw, t, w.dtype), dg
 
 
+MISCOMPILED_TILE = 64  # the key-tile width at which Triton 3.4-3.7.0 miscompiles the stage on Hopper (fla issue 640)
+
+
+def _dqkwg_tiles(q: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """(BK, BV): flash-linear-attention's tile widths for the stage on q's device (the widest its
+    shared memory holds, as its own launcher picks them), with a key tile of MISCOMPILED_TILE
+    narrowed to half. Only the tile width of 64 is miscompiled (widths 32 and 128 give its
+    reference's gradients), and this launcher runs only where flash-linear-attention refuses its
+    own backward, so the narrowing is always due here; `linear_attention.stand_in_way`'s probe checks the result
+    at the layer's own head shape before any training step takes it."""
+    from fla.utils import check_shared_mem
+
+    index = q.device.index or 0
+    if check_shared_mem("hopper", index):
+        widest = 128
+    elif check_shared_mem("ampere", index):
+        widest = 128 if all(x.element_size() == 2 for x in tensors) else 64
+    else:
+        widest = 64 if check_shared_mem("ada", index) else 32
+    bk, bv = (min(max(1 << (d - 1).bit_length(), 16), widest) for d in (q.shape[-1], tensors[2].shape[-1]))
+    return (bk // 2 if bk == MISCOMPILED_TILE else bk), bv
+
+
+def chunk_dqkwg_kernel(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, w: torch.Tensor, g: torch.Tensor,
+                       h: torch.Tensor, dv: torch.Tensor, do: torch.Tensor, dh: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_dqkwg` (same arguments, shapes and results) on flash-linear-attention's own Triton
+    kernel for the stage, launched here with tiles that avoid the miscompiled one (`_dqkwg_tiles`).
+    The kernel gives each (key tile, chunk, batch row x head) program its tile of dq, dk, dw and a
+    partial dg over its key columns; the partials are summed over the key tiles."""
+    from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
+
+    b, t, heads, d_k = k.shape
+    d_v = v_new.shape[-1]
+    bk, bv = _dqkwg_tiles(q, (q, k, v_new, do, h, dh, w, dv))
+    n_k, n_t = math.ceil(d_k / bk), math.ceil(t / CHUNK)
+    dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
+    dg = torch.empty(n_k, *g.shape, dtype=torch.float32, device=g.device)
+    chunk_bwd_kernel_dqkwg[(n_k * n_t, b * heads)](
+        q=q, k=k, v=v_new, g=g, g_gamma=None, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv, dg=dg,
+        cu_seqlens=None, chunk_indices=None, scale=scale, B=b, T=t, H=heads, HV=heads, K=d_k, V=d_v,
+        BT=CHUNK, BK=bk, BV=bv, STATE_V_FIRST=False)
+    return dq, dk, dw, dg.sum(0)
+
+
+DQKWG = {"kernel": chunk_dqkwg_kernel, "torch": chunk_dqkwg}  # the stage's ways, fastest first
+
+
 @functools.cache
 def _fla() -> SimpleNamespace:
     """flash-linear-attention 0.6's stages (ImportError or AttributeError when absent or moved)."""
@@ -139,11 +190,12 @@ def _fla() -> SimpleNamespace:
 
 class _GatedDeltaRule(torch.autograd.Function):
     """flash-linear-attention's chunked gated delta rule (q, k L2-normalised in it), its backward
-    with `chunk_dqkwg` in place of the stage that Hopper under Triton 3.4-3.7.0 miscompiles."""
+    with one of DQKWG's ways in place of the stage that Hopper under Triton 3.4-3.7.0 miscompiles."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                initial_state: torch.Tensor | None, keep_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                initial_state: torch.Tensor | None, keep_state: bool,
+                dqkwg: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         fla = _fla()
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         scale = q.shape[-1] ** -0.5
@@ -153,7 +205,7 @@ class _GatedDeltaRule(torch.autograd.Function):
             q=qn, k=kn, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=keep_state, chunk_size=CHUNK)
         ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state)
-        ctx.scale, ctx.dtypes = scale, (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+        ctx.scale, ctx.dtypes, ctx.dqkwg = scale, (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), DQKWG[dqkwg]
         return o.to(q.dtype), final
 
     @staticmethod
@@ -172,13 +224,13 @@ class _GatedDeltaRule(torch.autograd.Function):
         dv = fla.dv_local(q=q, k=k, g=g, do=do, scale=scale, chunk_size=CHUNK)
         dh, dh0, dv = fla.state_grads(q=q, k=k, w=w, g=g, h0=initial_state, dht=dht, do=do, dv=dv, scale=scale,
                                       chunk_size=CHUNK)
-        dq, dk, dw, dg = chunk_dqkwg(q, k, v_new, w, g, h, dv, do, dh, scale)
+        dq, dk, dw, dg = ctx.dqkwg(q, k, v_new, w, g, h, dv, do, dh, scale)
         dk2, dv, db, dg2 = fla.wy_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv)
         dg = fla.cumsum(dg + dg2, chunk_size=CHUNK, reverse=True)
         dq = fla.l2norm_bwd(q, q_rstd, dq)
         dk = fla.l2norm_bwd(k, k_rstd, (dk.float() + dk2.float()).to(dk.dtype))
         tq, tk, tv, tg, tb = ctx.dtypes
-        return dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0, None
+        return dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0, None, None
 
 
 def _on_device(x: torch.Tensor) -> Any:
@@ -188,15 +240,18 @@ def _on_device(x: torch.Tensor) -> Any:
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-                           use_qk_l2norm_in_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           use_qk_l2norm_in_kernel: bool = True,
+                           dqkwg: str = "kernel") -> tuple[torch.Tensor, torch.Tensor | None]:
     """flash-linear-attention's `chunk_gated_delta_rule` call (q, k (B, T, H, K); v (B, T, H, V);
     g, beta (B, T, H); natural-log gate per token) -> (output (B, T, H, V), final state or None),
     trainable where its own backward refuses the device. q and k are always L2-normalised in it,
-    as Qwen3.5 asks."""
+    as Qwen3.5 asks. `dqkwg` names the way the refused stage runs (a key of DQKWG)."""
     if not use_qk_l2norm_in_kernel:
         raise ValueError("chunk_gated_delta_rule normalises q and k itself (Qwen3.5's layers ask for that)")
+    if dqkwg not in DQKWG:
+        raise ValueError(f"dqkwg must be one of {', '.join(DQKWG)}, not {dqkwg!r}")
     with _on_device(q):
-        return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, output_final_state)
+        return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, output_final_state, dqkwg)
 
 
 OUTPUTS = ("output", "dq", "dk", "dv", "dg", "dbeta")  # what `forward_backward` returns, in order

@@ -17,8 +17,9 @@ Gradients flow through whichever kernel ran (flash-linear-attention's own backwa
 Where that backward refuses the device (flash-linear-attention 0.6 raises on Hopper GPUs under
 Triton 3.4 to 3.7.0, which miscompile one of its backward stages), a one-time probe per device
 finds out and passes that need gradients take `kestrel.kernels.gated_delta`: its kernels with
-that one stage in PyTorch, once a probe at the layer's head shape shows it gives HF's reference's
-output and gradients there; else HF's reference functions. Passes without gradients (decode,
+that one stage done another way (its own kernel on a tile that is not miscompiled, else PyTorch),
+the first way that a probe at the layer's head shape shows to give HF's reference's output and
+gradients there; else HF's reference functions. Passes without gradients (decode,
 prefill, a checkpoint's first pass) keep the kernels. Each choice is logged once.
 """
 
@@ -72,16 +73,39 @@ PROBE_TOLERANCE = 0.05  # relative error of output and gradients: bf16 kernels l
 
 
 @functools.cache
-def stand_in_trains(device: torch.device, heads: int, dk: int, dv: int, dtype: torch.dtype,
-                    reference: Callable[..., Any]) -> bool:
-    """Whether `kestrel.kernels.gated_delta` gives `reference`'s (HF's PyTorch function, fp32)
-    output and gradients on `device` for a layer of `heads` heads of key width dk and value width
-    dv in `dtype`: a probe of two and a half chunks. flash-linear-attention tunes its launches
-    per head shape, not per length, so the probe runs the settings training will run."""
+def stand_in_way(device: torch.device, heads: int, dk: int, dv: int, dtype: torch.dtype,
+                 reference: Callable[..., Any]) -> Callable[..., Any] | None:
+    """`kestrel.kernels.gated_delta`'s chunked function with the first of its ways for the refused
+    stage (DQKWG, fastest first) that gives `reference`'s (HF's PyTorch function, fp32) output and
+    gradients on `device` for a layer of `heads` heads of key width dk and value width dv in
+    `dtype`, or None: a probe of two and a half chunks per way. flash-linear-attention tunes its
+    launches per head shape, not per length, so the probe runs the settings training will run."""
     from kestrel.kernels import gated_delta
 
     if not gated_delta.available():
-        return False
+        return None
+    for way in gated_delta.DQKWG:
+        fn = functools.partial(gated_delta.chunk_gated_delta_rule, dqkwg=way)
+        errors = _probe(fn, device, heads, dk, dv, dtype, reference)
+        if errors is not None and max(errors) <= PROBE_TOLERANCE:
+            log.info("linear-attention layers (%d heads, %d/%d wide) train on flash-linear-attention's kernels on "
+                     "%s, with the backward stage it refuses there done the %r way (largest relative error %.3f)",
+                     heads, dk, dv, device, way, max(errors))
+            return fn
+        if errors is not None:
+            log.warning("Kestrel's %r way for flash-linear-attention's refused backward stage is off on %s "
+                        "(relative errors %s)", way, device,
+                        ", ".join(f"{n} {e:.3f}" for n, e in zip(gated_delta.OUTPUTS, errors)))
+    log.warning("linear-attention layers train on PyTorch's reference functions on %s, which is slower", device)
+    return None
+
+
+def _probe(fn: Callable[..., Any], device: torch.device, heads: int, dk: int, dv: int, dtype: torch.dtype,
+           reference: Callable[..., Any]) -> list[float] | None:
+    """Relative errors of `fn`'s output and gradients against `reference`'s on fixed random
+    inputs of two and a half chunks, or None where `fn` fails."""
+    from kestrel.kernels import gated_delta
+
     gen = torch.Generator().manual_seed(0)
     t = 5 * gated_delta.CHUNK // 2
 
@@ -91,22 +115,13 @@ def stand_in_trains(device: torch.device, heads: int, dk: int, dv: int, dtype: t
     q, k, v, grad = rnd(1, t, heads, dk), rnd(1, t, heads, dk), rnd(1, t, heads, dv), rnd(1, t, heads, dv)
     g, beta = -F.softplus(rnd(1, t, heads)), rnd(1, t, heads).sigmoid()
     try:
-        got = gated_delta.forward_backward(gated_delta.chunk_gated_delta_rule, q, k, v, g, beta, grad, dtype)
+        got = gated_delta.forward_backward(fn, q, k, v, g, beta, grad, dtype)
         want = gated_delta.forward_backward(reference, q, k, v, g, beta, grad, torch.float32)
-    except (RuntimeError, TypeError) as err:  # a flash-linear-attention whose stages moved or refuse
-        log.warning("linear-attention layers train on PyTorch's reference functions on %s, which is slower: "
-                    "Kestrel's stand-in for flash-linear-attention's backward failed (%s)", device, err)
-        return False
-    errors = gated_delta.relative_errors(got, want)
-    if max(errors) > PROBE_TOLERANCE:
-        log.warning("linear-attention layers train on PyTorch's reference functions on %s, which is slower: "
-                    "Kestrel's stand-in for flash-linear-attention's backward is off there (relative errors %s)",
-                    device, ", ".join(f"{n} {e:.3f}" for n, e in zip(gated_delta.OUTPUTS, errors)))
-        return False
-    log.info("linear-attention layers (%d heads, %d/%d wide) train on flash-linear-attention's kernels on %s, "
-             "with the backward stage it refuses there in PyTorch (largest relative error %.3f)",
-             heads, dk, dv, device, max(errors))
-    return True
+    except (RuntimeError, TypeError, ImportError, AttributeError) as err:  # stages that moved or refuse
+        log.warning("Kestrel's %r way for flash-linear-attention's refused backward stage failed on %s (%s)",
+                    fn.keywords.get("dqkwg") if isinstance(fn, functools.partial) else fn, device, err)
+        return None
+    return gated_delta.relative_errors(got, want)
 
 
 def fla_for(on_cuda: bool, device: torch.device, needs_grad: bool) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
@@ -153,11 +168,8 @@ def chunked_for(on_cuda: bool, device: torch.device, needs_grad: bool, shape: tu
     if ops is not None:
         return ops[0]
     ref = reference()
-    if fla_for(on_cuda, device, needs_grad=False) is not None and stand_in_trains(device, *shape, dtype, ref):
-        from kestrel.kernels.gated_delta import chunk_gated_delta_rule
-
-        return chunk_gated_delta_rule
-    return ref
+    stand_in = stand_in_way(device, *shape, dtype, ref) if fla_for(on_cuda, device, needs_grad=False) else None
+    return stand_in or ref
 
 
 def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool) -> torch.Tensor:

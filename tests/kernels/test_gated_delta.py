@@ -4,6 +4,7 @@ where the last chunk is partial and where keys and values differ in width."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -76,14 +77,35 @@ def test_chunk_gradients_keep_the_input_dtype() -> None:
     assert torch.isfinite(dg).all()
 
 
+@pytest.mark.parametrize(("widest_arch", "dk", "dv", "want"), [
+    ("hopper", 128, 128, (128, 128)), ("hopper", 64, 128, (32, 128)), ("hopper", 48, 96, (32, 128)),
+    ("hopper", 256, 128, (128, 128)), ("hopper", 16, 16, (16, 16)), ("ada", 128, 64, (32, 64)),
+    ("none", 128, 128, (32, 32)),
+])
+def test_the_kernel_way_never_launches_the_miscompiled_key_tile(widest_arch: str, dk: int, dv: int,
+                                                                 want: tuple[int, int], monkeypatch) -> None:
+    """The launcher takes the widest tiles the device's shared memory holds, as flash-linear-
+    attention's own launcher does, except a key tile of 64, which it halves."""
+    pytest.importorskip("fla")
+    import fla.utils
+
+    order = ["none", "ada", "ampere", "hopper"]
+    monkeypatch.setattr(fla.utils, "check_shared_mem",
+                        lambda arch, index=0: order.index(arch) <= order.index(widest_arch))
+    q, v = torch.zeros(1, 8, 2, dk, dtype=torch.bfloat16), torch.zeros(1, 8, 2, dv, dtype=torch.bfloat16)
+    assert gated_delta._dqkwg_tiles(q, (q, q, v)) == want
+    assert gated_delta.MISCOMPILED_TILE not in gated_delta._dqkwg_tiles(q, (q, q, v))[:1]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("way", list(gated_delta.DQKWG))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("batch", "t", "heads", "dk", "dv", "with_state"), [
     (1, 200, 4, 64, 64, False), (2, 128, 2, 128, 128, False), (1, 70, 3, 32, 64, True),
 ])
 def test_the_stand_in_equals_hfs_reference_on_cuda(batch: int, t: int, heads: int, dk: int, dv: int,
-                                                    with_state: bool, dtype: torch.dtype) -> None:
-    """flash-linear-attention's stages with `chunk_dqkwg` in place of its refused one give HF's
+                                                    with_state: bool, dtype: torch.dtype, way: str) -> None:
+    """flash-linear-attention's stages with each of Kestrel's ways for its refused one give HF's
     PyTorch function's output, final state and gradients (that function in fp32)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -104,7 +126,7 @@ def test_the_stand_in_equals_hfs_reference_on_cuda(batch: int, t: int, heads: in
     grad_out, grad_state = rnd(batch, t, heads, dv), rnd(batch, heads, dk, dv)
 
     def run(fn, wanted: torch.dtype) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-        xs = [x.to(wanted).requires_grad_() for x in (q, k, v)] + [g.clone().requires_grad_(), beta.to(wanted).requires_grad_()]
+        xs = [x.to(dt, copy=True).requires_grad_() for x, dt in zip((q, k, v, g, beta), (wanted,) * 3 + (g.dtype, wanted))]
         h0 = state.clone().requires_grad_() if state is not None else None
         out, final = fn(xs[0], xs[1], xs[2], g=xs[3], beta=xs[4], initial_state=h0,
                         output_final_state=with_state, use_qk_l2norm_in_kernel=True)
@@ -113,7 +135,8 @@ def test_the_stand_in_equals_hfs_reference_on_cuda(batch: int, t: int, heads: in
         got = [out.detach().float()] + [x.grad.float() for x in xs]
         return got + ([final.detach().float(), h0.grad.float()] if with_state else [])
 
-    got, want = run(gated_delta.chunk_gated_delta_rule, dtype), run(reference, torch.float32)
+    got = run(functools.partial(gated_delta.chunk_gated_delta_rule, dqkwg=way), dtype)
+    want = run(reference, torch.float32)
     limit = 5e-3 if dtype == torch.float32 else 3e-2
     names = [*gated_delta.OUTPUTS, "final state", "d initial state"]
     for name, a, b in zip(names, got, want):

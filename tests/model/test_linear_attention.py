@@ -96,28 +96,48 @@ def _raising(q, k, v, **kwargs):  # type: ignore[no-untyped-def]
     raise RuntimeError("an illegal memory access was encountered")
 
 
-@pytest.mark.parametrize(("stand_in", "trains", "says"), [
-    (_scaled(1.0), True, "train on flash-linear-attention's kernels"),
-    (_scaled(1.2), False, "is off there (relative errors output 0.200"),
-    (_raising, False, "failed (an illegal memory access"),
+def _way(quality):  # type: ignore[no-untyped-def]
+    """A stand-in whose refused stage's ways behave as `quality` says (way -> function)."""
+    def chunk(q, k, v, dqkwg: str, **kwargs):  # type: ignore[no-untyped-def]
+        return quality[dqkwg](q, k, v, **kwargs)
+    return chunk
+
+
+GOOD, OFF = _scaled(1.0), _scaled(1.2)
+
+
+@pytest.mark.parametrize(("ways", "chosen", "says"), [
+    ({"kernel": GOOD, "torch": GOOD}, "kernel", ["done the 'kernel' way"]),
+    ({"kernel": OFF, "torch": GOOD}, "torch", ["'kernel' way", "is off on cpu (relative errors output 0.200",
+                                               "done the 'torch' way"]),
+    ({"kernel": _raising, "torch": GOOD}, "torch", ["'kernel' way", "failed on cpu (an illegal memory access",
+                                                    "done the 'torch' way"]),
+    ({"kernel": OFF, "torch": _raising}, None, ["'kernel' way", "is off on cpu", "'torch' way", "failed on cpu",
+                                                "train on PyTorch's reference functions"]),
 ])
-def test_the_stand_in_trains_only_where_its_probe_matches_the_reference(
-        stand_in, trains: bool, says: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """The probe compares the stand-in's output and five gradients with HF's reference (fp32) at
-    the layer's head shape, once per (device, shape, dtype)."""
+def test_the_stand_in_takes_the_first_way_whose_probe_matches_the_reference(
+        ways, chosen: str | None, says: list[str], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The probe compares each way's output and five gradients with HF's reference (fp32) at the
+    layer's head shape, fastest way first, once per (device, shape, dtype)."""
     from kestrel.kernels import gated_delta
     from kestrel.model import linear_attention as la
 
-    la.stand_in_trains.cache_clear()
+    la.stand_in_way.cache_clear()
     monkeypatch.setattr(gated_delta, "available", lambda: True)
-    monkeypatch.setattr(gated_delta, "chunk_gated_delta_rule", stand_in)
+    monkeypatch.setattr(gated_delta, "DQKWG", dict.fromkeys(("kernel", "torch")))
+    monkeypatch.setattr(gated_delta, "chunk_gated_delta_rule", _way(ways))
     args = (torch.device("cpu"), 2, 8, 16, torch.float32, qwen3_5.torch_chunk_gated_delta_rule)
     with caplog.at_level("INFO", logger="kestrel"):
-        assert la.stand_in_trains(*args) is trains
-        assert la.stand_in_trains(*args) is trains
-    said = [r.getMessage() for r in caplog.records if "linear-attention layers" in r.getMessage()]
-    assert len(said) == 1 and says in said[0], said
-    la.stand_in_trains.cache_clear()
+        fn = la.stand_in_way(*args)
+        assert la.stand_in_way(*args) is fn
+    assert (fn is None) if chosen is None else fn.keywords == {"dqkwg": chosen}
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    position = 0
+    for part in says:  # in this order, each once
+        assert said.count(part) == 1 and said.index(part) >= position, (part, said)
+        position = said.index(part)
+    la.stand_in_way.cache_clear()
 
 
 @pytest.mark.parametrize(("fla_trains", "stand_in_ok", "want"), [
@@ -132,11 +152,12 @@ def test_a_pass_needing_gradients_takes_the_stand_in_only_where_fla_refuses_and_
     monkeypatch.setattr(la, "_fla_ops", lambda: ops)
     monkeypatch.setattr(la, "fla_backward_works", lambda device, chunk: fla_trains)
     probed: list[tuple] = []
-    monkeypatch.setattr(la, "stand_in_trains", lambda *args: probed.append(args) or stand_in_ok)
+    stand_in = functools.partial(gated_delta.chunk_gated_delta_rule, dqkwg="kernel")
+    monkeypatch.setattr(la, "stand_in_way", lambda *args: probed.append(args) or (stand_in if stand_in_ok else None))
     reference = qwen3_5.torch_chunk_gated_delta_rule
     cpu = torch.device("cpu")
     chosen = la.chunked_for(True, cpu, True, (4, 16, 32), torch.bfloat16, lambda: reference)
-    assert chosen is {"fla": ops[0], "stand-in": gated_delta.chunk_gated_delta_rule, "reference": reference}[want]
+    assert chosen is {"fla": ops[0], "stand-in": stand_in, "reference": reference}[want]
     assert probed == ([] if fla_trains else [(cpu, 4, 16, 32, torch.bfloat16, reference)])
     assert la.chunked_for(True, cpu, False, (4, 16, 32), torch.bfloat16, lambda: reference) is ops[0]  # no gradients
     assert la.chunked_for(False, cpu, True, (4, 16, 32), torch.bfloat16, lambda: reference) is reference  # CUDA-only
