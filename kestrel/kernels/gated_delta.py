@@ -6,8 +6,8 @@ backward kernel, the one that gives each chunk's dq, dk, dw and dg, is miscompil
 transpose of a matrix-product result; fla issue 640) and would return wrong gradients. Every other
 stage of its forward and backward runs correctly there. `chunk_gated_delta_rule` here is its
 chunked function with that one stage done one of two ways (DQKWG):
-- "kernel": flash-linear-attention's own kernel for the stage, launched here with a key tile other
-  than the one width that is miscompiled (`chunk_dqkwg_kernel`);
+- "kernel": flash-linear-attention's own kernel for the stage, launched here only with the key tile
+  it is right at there (`chunk_dqkwg_kernel`; key widths above 64, as Qwen3.5's 128);
 - "torch": batched PyTorch products over the chunks (`chunk_dqkwg`), a way that depends on no
   Triton code generation. The stage has no sequential dependency, since each chunk reads the state
   h_c and the state gradient the earlier stages computed, so even this costs a few batched
@@ -125,41 +125,40 @@ def _dqkwg_heads(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, w: torch
     return _unchunk(dq, t, q.dtype), _unchunk(dk, t, k.dtype), _unchunk(dw, t, w.dtype), dg
 
 
-MISCOMPILED_TILE = 64  # the key-tile width at which Triton 3.4-3.7.0 miscompiles the stage on Hopper (fla issue 640)
+CLEAN_KEY_TILE = 128  # the one key-tile width at which the stage's kernel is right on Hopper under Triton 3.4-3.7.0
 
 
-def _dqkwg_tiles(q: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
-    """(BK, BV): flash-linear-attention's tile widths for the stage on q's device (the widest its
-    shared memory holds, as its own launcher picks them), with a key tile of MISCOMPILED_TILE
-    narrowed to half. Only the tile width of 64 is miscompiled (widths 32 and 128 give its
-    reference's gradients), and this launcher runs only where flash-linear-attention refuses its
-    own backward, so the narrowing is always due here; `linear_attention.stand_in_way`'s probe checks the result
-    at the layer's own head shape before any training step takes it."""
+def _dqkwg_tiles(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """(BK, BV): the stage's kernel tiles for keys q (.., K) and values v (.., V), each the key or
+    value width rounded up to a power of two, at most CLEAN_KEY_TILE. Under Triton 3.4-3.7.0 on
+    Hopper the kernel gives wrong dq and dk at key tiles of 64 (flash-linear-attention issue 640)
+    and of 32 in bf16 (bench/RESULTS.md, session 31); at 128 it gave HF's reference's gradients
+    in every case measured. This launcher runs only where flash-linear-attention refuses its own
+    backward, so it launches only a key tile of CLEAN_KEY_TILE (key widths above 64, on a device
+    whose shared memory holds it) and raises otherwise: `linear_attention.stand_in_way`'s probe
+    then takes the PyTorch way. The probe also checks a 128-wide launch at the layer's own head
+    shape before any training step takes it."""
     from fla.utils import check_shared_mem
 
-    index = q.device.index or 0
-    if check_shared_mem("hopper", index):
-        widest = 128
-    elif check_shared_mem("ampere", index):
-        widest = 128 if all(x.element_size() == 2 for x in tensors) else 64
-    else:
-        widest = 64 if check_shared_mem("ada", index) else 32
-    bk, bv = (min(max(1 << (d - 1).bit_length(), 16), widest) for d in (q.shape[-1], tensors[2].shape[-1]))
-    return (bk // 2 if bk == MISCOMPILED_TILE else bk), bv
+    bk, bv = (min(max(1 << (x.shape[-1] - 1).bit_length(), 16), CLEAN_KEY_TILE) for x in (q, v))
+    if bk != CLEAN_KEY_TILE or not check_shared_mem("hopper", q.device.index or 0):
+        raise RuntimeError(f"the stage's kernel runs only with a key tile of {CLEAN_KEY_TILE} here "
+                           f"(keys {q.shape[-1]} wide, a tile of {bk})")
+    return bk, bv
 
 
 def chunk_dqkwg_kernel(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, w: torch.Tensor, g: torch.Tensor,
                        h: torch.Tensor, dv: torch.Tensor, do: torch.Tensor, dh: torch.Tensor,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`chunk_dqkwg` (same arguments, shapes and results) on flash-linear-attention's own Triton
-    kernel for the stage, launched here with tiles that avoid the miscompiled one (`_dqkwg_tiles`).
+    kernel for the stage, launched here only with the key tile it is right at (`_dqkwg_tiles`).
     The kernel gives each (key tile, chunk, batch row x head) program its tile of dq, dk, dw and a
     partial dg over its key columns; the partials are summed over the key tiles."""
     from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
 
     b, t, heads, d_k = k.shape
     d_v = v_new.shape[-1]
-    bk, bv = _dqkwg_tiles(q, (q, k, v_new, do, h, dh, w, dv))
+    bk, bv = _dqkwg_tiles(q, v_new)
     n_k, n_t = math.ceil(d_k / bk), math.ceil(t / CHUNK)
     dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w)
     dg = torch.empty(n_k, *g.shape, dtype=torch.float32, device=g.device)
