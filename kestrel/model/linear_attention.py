@@ -20,7 +20,9 @@ finds out and passes that need gradients take `kestrel.kernels.gated_delta`: its
 that one stage done another way (its own kernel on a tile that is not miscompiled, else PyTorch),
 the first way that a probe at the layer's head shape shows to give HF's reference's output and
 gradients there; else HF's reference functions. Passes without gradients (decode,
-prefill, a checkpoint's first pass) keep the kernels. Each choice is logged once.
+prefill, a checkpoint's first pass) keep the kernels. Each choice is logged once. Passes without
+a cache on CUDA also take flash-linear-attention's short convolution and gated norm
+(`layer_kernels`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import functools
 import inspect
 import logging
 import sys
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -172,11 +175,41 @@ def chunked_for(on_cuda: bool, device: torch.device, needs_grad: bool, shape: tu
     return stand_in or ref
 
 
+@functools.cache
+def _fla_layer_ops() -> SimpleNamespace | None:
+    """flash-linear-attention's short causal convolution and gated RMS norm (Triton kernels, each
+    with its backward), or None."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    except ImportError:
+        return None
+    return SimpleNamespace(conv=causal_conv1d, norm=rms_norm_gated)
+
+
+def layer_kernels(x: torch.Tensor, cache: Any) -> SimpleNamespace | None:
+    """flash-linear-attention's convolution and norm for a pass over x without a cache (training,
+    evaluation): CUDA only, and not under KESTREL_KERNELS=torch. They read and write (B, T, C)
+    directly, where HF's convolution needs (B, C, T) copies both ways, and fuse the norm's
+    elementwise steps; passes with a cache keep HF's functions, which carry its states."""
+    if cache is not None or not x.is_cuda or forced_backend() == "torch":
+        return None
+    return _fla_layer_ops()
+
+
 def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool) -> torch.Tensor:
-    """The short causal convolution over the concatenated q/k/v channels, (B, C, T) -> (B, C, T),
+    """The short causal convolution over the concatenated q/k/v channels, (B, T, C) -> (B, T, C),
     reading and updating the cache's convolution state when decoding."""
-    seq_len = mixed.shape[-1]
     weight = self.conv1d.weight.squeeze(1)  # (C, w)
+    ops = layer_kernels(mixed, cache)
+    if ops is not None:
+        return ops.conv(x=mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation, backend="triton")[0]
+    return _hf_mix(self, mixed.transpose(1, 2), weight, cache, cached).transpose(1, 2)
+
+
+def _hf_mix(self: nn.Module, mixed: torch.Tensor, weight: torch.Tensor, cache: Any, cached: bool) -> torch.Tensor:
+    """`_mix` on HF's functions, in their layout: (B, C, T) -> (B, C, T)."""
+    seq_len = mixed.shape[-1]
     if cached and seq_len == 1 and not cache.layers[self.layer_idx].record_past:
         state = cache.layers[self.layer_idx].conv_states[0]
         return _reference(self, "causal_conv1d_update")(mixed, state, weight, self.conv1d.bias, self.activation)
@@ -197,7 +230,7 @@ def linear_attention_forward(
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     b, t, _ = hidden_states.shape
     cached = cache_params is not None and cache_params.has_previous_state(self.layer_idx, state_idx=0)
-    mixed = _mix(self, self.in_proj_qkv(hidden_states).transpose(1, 2), cache_params, cached).transpose(1, 2)
+    mixed = _mix(self, self.in_proj_qkv(hidden_states), cache_params, cached)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q, k = q.reshape(b, t, -1, self.head_k_dim), k.reshape(b, t, -1, self.head_k_dim)
     v = v.reshape(b, t, -1, self.head_v_dim)
@@ -211,5 +244,11 @@ def linear_attention_forward(
     out, final = delta_rule(self, q, k, v, g, beta, state, cache_params is not None, step=cached and t == 1)
     if cache_params is not None:
         cache_params.update_recurrent_state(final, self.layer_idx)
-    out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(b, t, -1)
+    ops = layer_kernels(out, cache_params)
+    if ops is not None:  # the gated RMS norm, norm(o) * weight * silu(z), in one kernel
+        out = ops.norm(out.reshape(-1, self.head_v_dim), z, self.norm.weight, None, activation="silu",
+                       eps=self.norm.variance_epsilon)
+    else:
+        out = self.norm(out.reshape(-1, self.head_v_dim), z)
+    out = out.reshape(b, t, -1)
     return self.out_proj(out)

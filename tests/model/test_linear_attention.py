@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
 from kestrel.model.patching import patch_model
@@ -187,3 +188,76 @@ def test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows(monkeypatch: py
     for (name, p), q in zip(fast.named_parameters(), ref.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def _conv_like_fla(calls: list[str]):  # flash-linear-attention's causal_conv1d, in PyTorch
+    def conv(x, weight, bias=None, activation=None, backend="triton", **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("conv")
+        width = weight.shape[-1]
+        y = F.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=width - 1, groups=x.shape[-1])
+        y = y[..., : x.shape[1]]
+        return (F.silu(y) if activation in ("silu", "swish") else y).transpose(1, 2), None
+
+    return conv
+
+
+def _norm_like_fla(calls: list[str]):  # flash-linear-attention's rms_norm_gated, in PyTorch
+    def norm(x, g, weight, bias, activation="swish", residual=None, prenorm=False, residual_in_fp32=False,
+             eps=1e-6):  # type: ignore[no-untyped-def]
+        calls.append("norm")
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        return (y * F.silu(g.float())).to(x.dtype)
+
+    return norm
+
+
+def test_passes_without_a_cache_take_the_convolution_and_norm_kernels_with_hfs_numbers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where flash-linear-attention's convolution and gated norm run (stood in for here by the
+    same math in PyTorch, with its call signatures), the patched layers hand them (B, T, C) and the
+    norm's weight, epsilon and gate so that logits and gradients equal HF's; passes with a cache
+    keep HF's functions."""
+    from kestrel.model import linear_attention as la
+
+    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(3))
+    ref, fast = (tiny_model("qwen3_5_text", VOCAB, seed=4) for _ in range(2))
+    for m in (ref, fast):
+        for name, p in m.named_parameters():  # HF starts the gated norm's weight at ones
+            if "linear_attn.norm" in name:
+                torch.nn.init.normal_(p, 1.0, 0.2, generator=torch.Generator().manual_seed(5))
+    patch_model(fast)
+    calls: list[str] = []
+    ops = la.SimpleNamespace(conv=_conv_like_fla(calls), norm=_norm_like_fla(calls))
+    monkeypatch.setattr(la, "layer_kernels", lambda x, cache: None if cache is not None else ops)
+    want = ref(input_ids=ids, labels=ids, use_cache=False)
+    got = fast(input_ids=ids, labels=ids, use_cache=False)
+    layers = sum(1 for m in fast.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    assert layers > 0 and calls == ["conv", "norm"] * layers
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5)  # the patched loss keeps no logits
+    with torch.no_grad():
+        torch.testing.assert_close(fast(input_ids=ids, use_cache=False).logits, want.logits, rtol=1e-5, atol=1e-5)
+    want.loss.backward()
+    got.loss.backward()
+    for (name, p), q in zip(fast.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    calls.clear()
+    with torch.no_grad():
+        fast(input_ids=ids, use_cache=True)
+    assert calls == []
+
+
+def test_the_convolution_and_norm_kernels_serve_only_cuda_passes_without_a_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel.model import linear_attention as la
+
+    ops = object()
+    monkeypatch.setattr(la, "_fla_layer_ops", lambda: ops)
+    cuda_like = torch.empty(0, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "meta"))
+    assert la.layer_kernels(cuda_like, None) is ops
+    assert la.layer_kernels(cuda_like, cache=object()) is None
+    assert la.layer_kernels(torch.empty(0), None) is None
+    monkeypatch.setenv("KESTREL_KERNELS", "torch")
+    assert la.layer_kernels(cuda_like, None) is None
