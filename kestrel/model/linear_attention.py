@@ -187,21 +187,75 @@ def _fla_layer_ops() -> SimpleNamespace | None:
     return SimpleNamespace(conv=causal_conv1d, norm=rms_norm_gated)
 
 
-def layer_kernels(x: torch.Tensor, cache: Any) -> SimpleNamespace | None:
-    """flash-linear-attention's convolution and norm for a pass over x without a cache (training,
-    evaluation): CUDA only, and not under KESTREL_KERNELS=torch. They read and write (B, T, C)
-    directly, where HF's convolution needs (B, C, T) copies both ways, and fuse the norm's
-    elementwise steps; passes with a cache keep HF's functions, which carry its states."""
-    if cache is not None or not x.is_cuda or forced_backend() == "torch":
+def layer_kernels(module: nn.Module, x: torch.Tensor, cache: Any) -> SimpleNamespace | None:
+    """flash-linear-attention's convolution and norm for a pass of `module` over x without a cache
+    (training, evaluation): CUDA only, not under KESTREL_KERNELS=torch, and only once a probe at
+    the layer's shape and dtype shows they give HF's functions' outputs and gradients there. They
+    read and write (B, T, C) directly, where HF's convolution needs (B, C, T) copies both ways, and
+    fuse the norm's elementwise steps; passes with a cache keep HF's functions, which carry its
+    states."""
+    if cache is not None or not x.is_cuda or forced_backend() == "torch" or _fla_layer_ops() is None:
         return None
-    return _fla_layer_ops()
+    conv = module.conv1d.weight
+    shape = (conv.shape[0], conv.shape[-1], module.conv1d.bias is not None, module.head_v_dim)
+    ok = layer_kernels_agree(x.device, *shape, x.dtype, _reference(module, "causal_conv1d_fn"), module.activation)
+    return _fla_layer_ops() if ok else None
+
+
+@functools.cache
+def layer_kernels_agree(device: torch.device, channels: int, width: int, bias: bool, head_dim: int,
+                        dtype: torch.dtype, conv_reference: Callable[..., Any], activation: str) -> bool:
+    """Whether flash-linear-attention's convolution (channels wide, kernel `width`) and gated norm
+    (head_dim wide) give HF's convolution's and Qwen3_5RMSNormGated's outputs and input gradients
+    (fp32) on `device` in `dtype`, within PROBE_TOLERANCE: one probe of 100 tokens each."""
+    ops = _fla_layer_ops()
+
+    def conv(x, w, *b, fla: bool):  # type: ignore[no-untyped-def]
+        if fla:
+            return ops.conv(x=x, weight=w, bias=b[0] if b else None, activation=activation, backend="triton")[0]
+        return conv_reference(x.transpose(1, 2), w, b[0] if b else None, activation=activation).transpose(1, 2)
+
+    def norm(o, z, w, fla: bool):  # type: ignore[no-untyped-def]
+        if fla:
+            return ops.norm(o, z, w, None, activation="silu", eps=1e-6)
+        return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * w * F.silu(z)
+
+    conv_shapes = [(1, 100, channels), (channels, width)] + ([(channels,)] if bias else [])
+    try:
+        errors = _errors(conv, conv_shapes, device, dtype) + _errors(norm, [(100, head_dim)] * 2 + [(head_dim,)],
+                                                                     device, dtype)
+    except (RuntimeError, TypeError) as err:
+        log.warning("linear-attention layers keep HF's convolution and norm on %s: flash-linear-attention's "
+                    "failed (%s)", device, err)
+        return False
+    if max(errors) > PROBE_TOLERANCE:
+        log.warning("linear-attention layers keep HF's convolution and norm on %s: flash-linear-attention's are "
+                    "off there (largest relative error %.3f)", device, max(errors))
+        return False
+    return True
+
+
+def _errors(fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]], device: torch.device,
+            dtype: torch.dtype) -> list[float]:
+    """Relative errors of fn(..., fla=True) in `dtype` against fn(..., fla=False) in fp32: the
+    output and each input's gradient of sum(output^2), on the same random inputs of `shapes`."""
+    from kestrel.kernels.gated_delta import relative_errors
+
+    runs = []
+    for fla, wanted in ((True, dtype), (False, torch.float32)):
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(*s, generator=gen).to(device, wanted).requires_grad_() for s in shapes]
+        out = fn(*xs, fla=fla)
+        out.float().pow(2).sum().backward()
+        runs.append([out.detach().float()] + [x.grad.float() for x in xs])
+    return relative_errors(*runs)
 
 
 def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool) -> torch.Tensor:
     """The short causal convolution over the concatenated q/k/v channels, (B, T, C) -> (B, T, C),
     reading and updating the cache's convolution state when decoding."""
     weight = self.conv1d.weight.squeeze(1)  # (C, w)
-    ops = layer_kernels(mixed, cache)
+    ops = layer_kernels(self, mixed, cache)
     if ops is not None:
         return ops.conv(x=mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation, backend="triton")[0]
     return _hf_mix(self, mixed.transpose(1, 2), weight, cache, cached).transpose(1, 2)
@@ -244,7 +298,7 @@ def linear_attention_forward(
     out, final = delta_rule(self, q, k, v, g, beta, state, cache_params is not None, step=cached and t == 1)
     if cache_params is not None:
         cache_params.update_recurrent_state(final, self.layer_idx)
-    ops = layer_kernels(out, cache_params)
+    ops = layer_kernels(self, out, cache_params)
     if ops is not None:  # the gated RMS norm, norm(o) * weight * silu(z), in one kernel
         out = ops.norm(out.reshape(-1, self.head_v_dim), z, self.norm.weight, None, activation="silu",
                        eps=self.norm.variance_epsilon)

@@ -229,7 +229,7 @@ def test_passes_without_a_cache_take_the_convolution_and_norm_kernels_with_hfs_n
     patch_model(fast)
     calls: list[str] = []
     ops = la.SimpleNamespace(conv=_conv_like_fla(calls), norm=_norm_like_fla(calls))
-    monkeypatch.setattr(la, "layer_kernels", lambda x, cache: None if cache is not None else ops)
+    monkeypatch.setattr(la, "layer_kernels", lambda module, x, cache: None if cache is not None else ops)
     want = ref(input_ids=ids, labels=ids, use_cache=False)
     got = fast(input_ids=ids, labels=ids, use_cache=False)
     layers = sum(1 for m in fast.modules() if type(m).__name__.endswith("GatedDeltaNet"))
@@ -248,16 +248,47 @@ def test_passes_without_a_cache_take_the_convolution_and_norm_kernels_with_hfs_n
     assert calls == []
 
 
-def test_the_convolution_and_norm_kernels_serve_only_cuda_passes_without_a_cache(
+def test_the_convolution_and_norm_kernels_serve_only_cuda_passes_without_a_cache_where_they_agree(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel.model import linear_attention as la
 
-    ops = object()
+    layer = next(m for m in tiny_model("qwen3_5_text", VOCAB, seed=1).modules() if hasattr(m, "conv1d"))
+    ops, agree = object(), [True]
     monkeypatch.setattr(la, "_fla_layer_ops", lambda: ops)
+    monkeypatch.setattr(la, "layer_kernels_agree", lambda *args: agree[0])
     cuda_like = torch.empty(0, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "meta"))
-    assert la.layer_kernels(cuda_like, None) is ops
-    assert la.layer_kernels(cuda_like, cache=object()) is None
-    assert la.layer_kernels(torch.empty(0), None) is None
+    assert la.layer_kernels(layer, cuda_like, None) is ops
+    assert la.layer_kernels(layer, cuda_like, cache=object()) is None
+    assert la.layer_kernels(layer, torch.empty(0), None) is None
+    agree[0] = False
+    assert la.layer_kernels(layer, cuda_like, None) is None
+    agree[0] = True
     monkeypatch.setenv("KESTREL_KERNELS", "torch")
-    assert la.layer_kernels(cuda_like, None) is None
+    assert la.layer_kernels(layer, cuda_like, None) is None
+
+
+def _scaled_norm(calls: list[str]):  # a gated norm whose output is off by a fifth
+    norm = _norm_like_fla(calls)
+    return lambda *args, **kwargs: norm(*args, **kwargs) * 1.2
+
+
+@pytest.mark.parametrize(("norm", "agree", "says"), [
+    (_norm_like_fla, True, None), (_scaled_norm, False, "are off there (largest relative error 0.440"),  # 1.2^2 - 1: gradients of out^2
+    (lambda calls: lambda *args, **kwargs: _raising(*args[:3]), False, "failed (an illegal memory access"),
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_convolution_and_norm_kernels_are_probed_against_hfs_functions(
+        norm, agree: bool, says: str | None, bias: bool, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from kestrel.model import linear_attention as la
+
+    calls: list[str] = []
+    monkeypatch.setattr(la, "_fla_layer_ops", lambda: la.SimpleNamespace(conv=_conv_like_fla(calls), norm=norm(calls)))
+    la.layer_kernels_agree.cache_clear()
+    with caplog.at_level("WARNING", logger="kestrel"):
+        assert la.layer_kernels_agree(torch.device("cpu"), 12, 4, bias, 8, torch.bfloat16,
+                                      qwen3_5.causal_conv1d_fn, "silu") is agree
+    said = [r.getMessage() for r in caplog.records if r.name == "kestrel"]
+    assert (said == []) if says is None else (len(said) == 1 and says in said[0]), said
+    la.layer_kernels_agree.cache_clear()
