@@ -27,16 +27,18 @@ a cache on CUDA also take flash-linear-attention's short convolution and gated n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import sys
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
 from kestrel.kernels.dispatch import forced_backend
 
@@ -53,6 +55,16 @@ def _fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
+@contextlib.contextmanager
+def _apart() -> Iterator[None]:
+    """A probe's forward and backward as if run on their own: gradients on and inference mode off
+    (a layer's first pass may be an evaluation under no_grad), and its saved tensors kept as they
+    are, out of reach of the saved-tensor hooks of a checkpointed or offloaded layer around it
+    (which would otherwise count, move or keep them)."""
+    with torch.inference_mode(False), torch.enable_grad(), saved_tensors_hooks(lambda x: x, lambda x: x):
+        yield
+
+
 @functools.cache
 def fla_backward_works(device: torch.device, chunk: Callable[..., Any]) -> bool:
     """Whether flash-linear-attention's chunked kernel runs its backward on `device`: a probe on
@@ -60,11 +72,12 @@ def fla_backward_works(device: torch.device, chunk: Callable[..., Any]) -> bool:
     def t(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
 
-    q, k, v = (t(1, 64, 1, 16).requires_grad_() for _ in range(3))
-    g, beta = (-t(1, 64, 1).abs()).requires_grad_(), t(1, 64, 1).sigmoid().requires_grad_()
     try:
-        out, _ = chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
-        out.float().sum().backward()
+        with _apart():
+            q, k, v = (t(1, 64, 1, 16).requires_grad_() for _ in range(3))
+            g, beta = (-t(1, 64, 1).abs()).requires_grad_(), t(1, 64, 1).sigmoid().requires_grad_()
+            out, _ = chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            out.float().sum().backward()
     except RuntimeError as err:
         log.warning("flash-linear-attention cannot train on %s (%s)", device, str(err).splitlines()[0])
         return False
@@ -115,11 +128,12 @@ def _probe(fn: Callable[..., Any], device: torch.device, heads: int, dk: int, dv
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device)
 
-    q, k, v, grad = rnd(1, t, heads, dk), rnd(1, t, heads, dk), rnd(1, t, heads, dv), rnd(1, t, heads, dv)
-    g, beta = -F.softplus(rnd(1, t, heads)), rnd(1, t, heads).sigmoid()
     try:
-        got = gated_delta.forward_backward(fn, q, k, v, g, beta, grad, dtype)
-        want = gated_delta.forward_backward(reference, q, k, v, g, beta, grad, torch.float32)
+        with _apart():
+            q, k, v, grad = rnd(1, t, heads, dk), rnd(1, t, heads, dk), rnd(1, t, heads, dv), rnd(1, t, heads, dv)
+            g, beta = -F.softplus(rnd(1, t, heads)), rnd(1, t, heads).sigmoid()
+            got = gated_delta.forward_backward(fn, q, k, v, g, beta, grad, dtype)
+            want = gated_delta.forward_backward(reference, q, k, v, g, beta, grad, torch.float32)
     except (RuntimeError, TypeError, ImportError, AttributeError) as err:  # stages that moved or refuse
         log.warning("Kestrel's %r way for flash-linear-attention's refused backward stage failed on %s (%s)",
                     fn.keywords.get("dqkwg") if isinstance(fn, functools.partial) else fn, device, err)
@@ -222,8 +236,9 @@ def layer_kernels_agree(device: torch.device, channels: int, width: int, bias: b
 
     conv_shapes = [(1, 100, channels), (channels, width)] + ([(channels,)] if bias else [])
     try:
-        errors = _errors(conv, conv_shapes, device, dtype) + _errors(norm, [(100, head_dim)] * 2 + [(head_dim,)],
-                                                                     device, dtype)
+        with _apart():
+            errors = _errors(conv, conv_shapes, device, dtype) + _errors(norm, [(100, head_dim)] * 2 + [(head_dim,)],
+                                                                         device, dtype)
     except (RuntimeError, TypeError) as err:
         log.warning("linear-attention layers keep HF's convolution and norm on %s: flash-linear-attention's "
                     "failed (%s)", device, err)

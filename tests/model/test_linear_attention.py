@@ -292,3 +292,34 @@ def test_the_convolution_and_norm_kernels_are_probed_against_hfs_functions(
     said = [r.getMessage() for r in caplog.records if r.name == "kestrel"]
     assert (said == []) if says is None else (len(said) == 1 and says in said[0]), said
     la.layer_kernels_agree.cache_clear()
+
+
+@pytest.mark.parametrize("around", ["no_grad", "inference_mode", "checkpoint_hooks"])
+def test_the_probes_run_as_on_their_own_inside_any_pass(around: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's first pass may be an evaluation without gradients or a checkpointed layer whose
+    saved-tensor hooks take every saved tensor: the probes still run their backward, and leave
+    the hooks untouched."""
+    from kestrel.kernels import gated_delta
+    from kestrel.model import linear_attention as la
+
+    calls: list[str] = []
+    monkeypatch.setattr(la, "_fla_layer_ops", lambda: la.SimpleNamespace(conv=_conv_like_fla(calls), norm=_norm_like_fla(calls)))
+    monkeypatch.setattr(gated_delta, "available", lambda: True)
+    monkeypatch.setattr(gated_delta, "DQKWG", dict.fromkeys(("kernel",)))
+    monkeypatch.setattr(gated_delta, "chunk_gated_delta_rule", _way({"kernel": GOOD}))
+    la.layer_kernels_agree.cache_clear(), la.stand_in_way.cache_clear(), la.fla_backward_works.cache_clear()
+    packed: list[torch.Tensor] = []
+
+    def pack(x: torch.Tensor):  # type: ignore[no-untyped-def]
+        packed.append(x)
+        raise AssertionError("a probe's tensor reached the layer's saved-tensor hooks")
+
+    context = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(),
+               "checkpoint_hooks": torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)}[around]
+    cpu = torch.device("cpu")
+    with context:
+        assert la.layer_kernels_agree(cpu, 12, 4, False, 8, torch.float32, qwen3_5.causal_conv1d_fn, "silu")
+        assert la.stand_in_way(cpu, 2, 8, 16, torch.float32, qwen3_5.torch_chunk_gated_delta_rule) is not None
+        assert la.fla_backward_works(cpu, _working_chunk)
+    assert packed == []
+    la.layer_kernels_agree.cache_clear(), la.stand_in_way.cache_clear(), la.fla_backward_works.cache_clear()
