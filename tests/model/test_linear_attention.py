@@ -165,22 +165,27 @@ def test_a_pass_needing_gradients_takes_the_stand_in_only_where_fla_refuses_and_
 
 
 @pytest.mark.gpu
-def test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """On CUDA with flash-linear-attention installed: the patched model's loss and gradients equal
     those of the same model on the PyTorch functions, whether the probe lets the kernel's backward
-    run or not (flash-linear-attention 0.6 refuses it on Hopper under Triton 3.4-3.7.0)."""
+    run or not (flash-linear-attention 0.6 refuses it on Hopper under Triton 3.4-3.7.0), and every
+    probe passes there: the layers ran on kernels, not on the fallbacks."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from kestrel.model import linear_attention as la
 
     if la._fla_ops() is None:
         pytest.skip("flash-linear-attention is not installed")
-    la.fla_backward_works.cache_clear()
+    la.fla_backward_works.cache_clear(), la.stand_in_way.cache_clear(), la.layer_kernels_agree.cache_clear()
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     fast, ref = (tiny_model("qwen3_5_text", VOCAB, seed=1).cuda() for _ in range(2))
     patch_model(fast), patch_model(ref)
-    loss = fast(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
+    with caplog.at_level("WARNING", logger="kestrel"):
+        loss = fast(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    fallbacks = [r.getMessage() for r in caplog.records if r.name == "kestrel" and "cannot train" not in r.getMessage()]
+    assert fallbacks == []
     monkeypatch.setenv("KESTREL_KERNELS", "torch")
     want = ref(input_ids=ids, labels=ids, use_cache=False).loss
     want.backward()
