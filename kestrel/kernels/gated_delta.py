@@ -128,6 +128,10 @@ def _dqkwg_heads(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, w: torch
 CLEAN_KEY_TILE = 128  # the one key-tile width at which the stage's kernel is right on Hopper under Triton 3.4-3.7.0
 
 
+class TileRefused(RuntimeError):
+    """The stage's kernel would need a key tile it is not right at: the PyTorch way serves."""
+
+
 def _dqkwg_tiles(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
     """(BK, BV): the stage's kernel tiles for keys q (.., K) and values v (.., V), each the key or
     value width rounded up to a power of two, at most CLEAN_KEY_TILE. Under Triton 3.4-3.7.0 on
@@ -142,7 +146,7 @@ def _dqkwg_tiles(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
 
     bk, bv = (min(max(1 << (x.shape[-1] - 1).bit_length(), 16), CLEAN_KEY_TILE) for x in (q, v))
     if bk != CLEAN_KEY_TILE or not check_shared_mem("hopper", q.device.index or 0):
-        raise RuntimeError(f"the stage's kernel runs only with a key tile of {CLEAN_KEY_TILE} here "
+        raise TileRefused(f"the stage's kernel runs only with a key tile of {CLEAN_KEY_TILE} here "
                            f"(keys {q.shape[-1]} wide, a tile of {bk})")
     return bk, bv
 

@@ -134,6 +134,9 @@ def _probe(fn: Callable[..., Any], device: torch.device, heads: int, dk: int, dv
             g, beta = -F.softplus(rnd(1, t, heads)), rnd(1, t, heads).sigmoid()
             got = gated_delta.forward_backward(fn, q, k, v, g, beta, grad, dtype)
             want = gated_delta.forward_backward(reference, q, k, v, g, beta, grad, torch.float32)
+    except gated_delta.TileRefused as err:  # by design: narrow heads take the next way
+        log.info("Kestrel's %r way is not for this layer on %s (%s)", fn.keywords.get("dqkwg"), device, err)
+        return None
     except (RuntimeError, TypeError, ImportError, AttributeError) as err:  # stages that moved or refuse
         log.warning("Kestrel's %r way for flash-linear-attention's refused backward stage failed on %s (%s)",
                     fn.keywords.get("dqkwg") if isinstance(fn, functools.partial) else fn, device, err)

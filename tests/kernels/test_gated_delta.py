@@ -90,7 +90,7 @@ def test_the_kernel_way_launches_only_the_key_tile_it_is_right_at(hopper: bool, 
     monkeypatch.setattr(fla.utils, "check_shared_mem", lambda arch, index=0: hopper or arch != "hopper")
     q, v = torch.zeros(1, 8, 2, dk, dtype=torch.bfloat16), torch.zeros(1, 8, 2, dv, dtype=torch.bfloat16)
     if want is None:
-        with pytest.raises(RuntimeError, match="key tile of 128"):
+        with pytest.raises(gated_delta.TileRefused, match="key tile of 128"):
             gated_delta._dqkwg_tiles(q, v)
     else:
         assert gated_delta._dqkwg_tiles(q, v) == want
@@ -136,7 +136,7 @@ def test_the_stand_in_equals_hfs_reference_on_cuda(batch: int, t: int, heads: in
 
     stand_in = functools.partial(gated_delta.chunk_gated_delta_rule, dqkwg=way)
     if way == "kernel" and dk <= 64:  # key tiles narrower than 128 are refused (wrong there)
-        with pytest.raises(RuntimeError, match="key tile of 128"):
+        with pytest.raises(gated_delta.TileRefused, match="key tile of 128"):
             run(stand_in, dtype)
         return
     got, want = run(stand_in, dtype), run(reference, torch.float32)

@@ -107,7 +107,14 @@ def _way(quality):  # type: ignore[no-untyped-def]
 GOOD, OFF = _scaled(1.0), _scaled(1.2)
 
 
+def _refusing_tile(q, k, v, **kwargs):  # type: ignore[no-untyped-def]
+    from kestrel.kernels import gated_delta
+
+    raise gated_delta.TileRefused("the stage's kernel runs only with a key tile of 128 here")
+
+
 @pytest.mark.parametrize(("ways", "chosen", "says"), [
+    ({"kernel": _refusing_tile, "torch": GOOD}, "torch", ["'kernel' way is not for this layer", "done the 'torch' way"]),
     ({"kernel": GOOD, "torch": GOOD}, "kernel", ["done the 'kernel' way"]),
     ({"kernel": OFF, "torch": GOOD}, "torch", ["'kernel' way", "is off on cpu (relative errors output 0.200",
                                                "done the 'torch' way"]),
