@@ -11,6 +11,10 @@
 #   traintests  pytest -m gpu over recompute and training's CUDA tests
 #   families  Qwen3.5 and Gemma 4 QLoRA against Unsloth, packed batches (issue 26's dense target);
 #             FAMILIES=gemma4-e2b runs one of them
+#   qwen35pair  Qwen3.5-9B QLoRA packed, Kestrel with graphs off and Unsloth in one call (side by side),
+#             one process each; a fresh machine spends about 100 s building the 9B folder first
+#   lintests  the linear-attention GPU tests alone (flash-linear-attention tunes each kernel on first use:
+#             the 17 tests took more than 240 s in one process on an H200)
 #   moe       Qwen3-MoE and gpt-oss 16-bit LoRA against HF+PEFT (issue 26's MoE target)
 #   train     the 8B QLoRA bench, offloaded checkpointing, Kestrel and Unsloth (issue 25's figure)
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
@@ -95,6 +99,11 @@ for want in "$@"; do
         families) phase families "${LIMIT_families:-330}" python bench/matrix.py --models "${FAMILIES:-qwen3.5-9b,gemma4-e2b}" \
                       --methods qlora --layouts packed --systems kestrel,unsloth --budget-s $((${LIMIT_families:-330} - 60)) \
                       --out "$OUT/families.jsonl" ;;
+        qwen35pair) phase qwen35pair 560 python bench/matrix.py --models qwen3.5-9b --methods qlora --layouts packed \
+                      --systems kestrel-off,unsloth --budget-s 380 --hard-s 540 --cell-timeout 400 \
+                      --out "$OUT/qwen35pair.jsonl" ;;
+        lintests) phase lintests 560 python -m pytest -q -n0 -m gpu -p no:cacheprovider -rf \
+                      tests/model/test_linear_attention.py tests/kernels/test_gated_delta.py ;;
         moe)      phase moe 330 python bench/matrix.py --models qwen3-30b-a3b,gpt-oss-20b --methods lora \
                       --layouts packed --systems kestrel,hf --budget-s 270 --out "$OUT/moe.jsonl" ;;
         train)    phase train 300 python bench/train.py --all --impls unsloth,kestrel --checkpointing offload \
@@ -125,7 +134,7 @@ for want in "$@"; do
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, nf4, nf4decode, gated, qwen35, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, nf4, nf4decode, gated, qwen35, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure
