@@ -215,17 +215,19 @@ def layer_kernels(module: nn.Module, x: torch.Tensor, cache: Any) -> SimpleNames
         return None
     conv = module.conv1d.weight
     shape = (conv.shape[0], conv.shape[-1], module.conv1d.bias is not None, module.head_v_dim)
-    ok = layer_kernels_agree(x.device, *shape, x.dtype, _reference(module, "causal_conv1d_fn"), module.activation)
+    ok = layer_kernels_agree(x.device, *shape, x.dtype, type(module).__module__, module.activation)
     return _fla_layer_ops() if ok else None
 
 
 @functools.cache
 def layer_kernels_agree(device: torch.device, channels: int, width: int, bias: bool, head_dim: int,
-                        dtype: torch.dtype, conv_reference: Callable[..., Any], activation: str) -> bool:
+                        dtype: torch.dtype, modeling: str, activation: str) -> bool:
     """Whether flash-linear-attention's convolution (channels wide, kernel `width`) and gated norm
-    (head_dim wide) give HF's convolution's and Qwen3_5RMSNormGated's outputs and input gradients
-    (fp32) on `device` in `dtype`, within PROBE_TOLERANCE: one probe of 100 tokens each."""
+    (head_dim wide) give the convolution of HF's modeling module `modeling` and Qwen3_5RMSNormGated's
+    math's outputs and input gradients (fp32) on `device` in `dtype`, within PROBE_TOLERANCE: one
+    probe of 100 tokens each."""
     ops = _fla_layer_ops()
+    conv_reference = inspect.unwrap(sys.modules[modeling].causal_conv1d_fn)
 
     def conv(x, w, *b, fla: bool):  # type: ignore[no-untyped-def]
         if fla:

@@ -300,7 +300,7 @@ def test_the_convolution_and_norm_kernels_are_probed_against_hfs_functions(
     la.layer_kernels_agree.cache_clear()
     with caplog.at_level("WARNING", logger="kestrel"):
         assert la.layer_kernels_agree(torch.device("cpu"), 12, 4, bias, 8, torch.bfloat16,
-                                      qwen3_5.causal_conv1d_fn, "silu") is agree
+                                      qwen3_5.__name__, "silu") is agree
     said = [r.getMessage() for r in caplog.records if r.name == "kestrel"]
     assert (said == []) if says is None else (len(said) == 1 and says in said[0]), said
     la.layer_kernels_agree.cache_clear()
@@ -330,7 +330,7 @@ def test_the_probes_run_as_on_their_own_inside_any_pass(around: str, monkeypatch
                "checkpoint_hooks": torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)}[around]
     cpu = torch.device("cpu")
     with context:
-        assert la.layer_kernels_agree(cpu, 12, 4, False, 8, torch.float32, qwen3_5.causal_conv1d_fn, "silu")
+        assert la.layer_kernels_agree(cpu, 12, 4, False, 8, torch.float32, qwen3_5.__name__, "silu")
         assert la.stand_in_way(cpu, 2, 8, 16, torch.float32, qwen3_5.torch_chunk_gated_delta_rule) is not None
         assert la.fla_backward_works(cpu, _working_chunk)
     assert packed == []
