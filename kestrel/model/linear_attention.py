@@ -153,10 +153,12 @@ def fla_for(on_cuda: bool, device: torch.device, needs_grad: bool) -> tuple[Call
     return ops
 
 
-def _reference(module: nn.Module, name: str) -> Callable[..., Any]:
-    """HF's PyTorch function `name` from the module's modeling file, under any kernel wrapper
-    HF put around it (`functools.wraps` keeps the original as `__wrapped__`)."""
-    return inspect.unwrap(getattr(sys.modules[type(module).__module__], name))
+def _reference(module: nn.Module | str, name: str) -> Callable[..., Any]:
+    """HF's PyTorch function `name` from the module's modeling file (or the modeling module of
+    that name), under any kernel wrapper HF put around it (`functools.wraps` keeps the original
+    as `__wrapped__`)."""
+    modeling = module if isinstance(module, str) else type(module).__module__
+    return inspect.unwrap(getattr(sys.modules[modeling], name))
 
 
 def delta_rule(
@@ -227,7 +229,7 @@ def layer_kernels_agree(device: torch.device, channels: int, width: int, bias: b
     math's outputs and input gradients (fp32) on `device` in `dtype`, within PROBE_TOLERANCE: one
     probe of 100 tokens each."""
     ops = _fla_layer_ops()
-    conv_reference = inspect.unwrap(sys.modules[modeling].causal_conv1d_fn)
+    conv_reference = _reference(modeling, "causal_conv1d_fn")
 
     def conv(x, w, *b, fla: bool):  # type: ignore[no-untyped-def]
         if fla:
@@ -271,11 +273,11 @@ def _errors(fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]], devi
     return relative_errors(*runs)
 
 
-def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool) -> torch.Tensor:
+def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool, ops: SimpleNamespace | None) -> torch.Tensor:
     """The short causal convolution over the concatenated q/k/v channels, (B, T, C) -> (B, T, C),
-    reading and updating the cache's convolution state when decoding."""
+    on `ops` (`layer_kernels`) where given, else HF's functions, which read and update the cache's
+    convolution state when decoding."""
     weight = self.conv1d.weight.squeeze(1)  # (C, w)
-    ops = layer_kernels(self, mixed, cache)
     if ops is not None:
         return ops.conv(x=mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation, backend="triton")[0]
     return _hf_mix(self, mixed.transpose(1, 2), weight, cache, cached).transpose(1, 2)
@@ -304,7 +306,9 @@ def linear_attention_forward(
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     b, t, _ = hidden_states.shape
     cached = cache_params is not None and cache_params.has_previous_state(self.layer_idx, state_idx=0)
-    mixed = _mix(self, self.in_proj_qkv(hidden_states), cache_params, cached)
+    mixed = self.in_proj_qkv(hidden_states)
+    ops = layer_kernels(self, mixed, cache_params)  # the convolution's and the norm's kernels, for this pass
+    mixed = _mix(self, mixed, cache_params, cached, ops)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q, k = q.reshape(b, t, -1, self.head_k_dim), k.reshape(b, t, -1, self.head_k_dim)
     v = v.reshape(b, t, -1, self.head_v_dim)
@@ -318,7 +322,6 @@ def linear_attention_forward(
     out, final = delta_rule(self, q, k, v, g, beta, state, cache_params is not None, step=cached and t == 1)
     if cache_params is not None:
         cache_params.update_recurrent_state(final, self.layer_idx)
-    ops = layer_kernels(self, out, cache_params)
     if ops is not None:  # the gated RMS norm, norm(o) * weight * silu(z), in one kernel
         out = ops.norm(out.reshape(-1, self.head_v_dim), z, self.norm.weight, None, activation="silu",
                        eps=self.norm.variance_epsilon)
