@@ -20,6 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kestrel import kernels
 from kestrel.recompute import checkpoint as checkpointing
 from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
+from kestrel.model.linear_attention import SEGMENTS_KWARG
 from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
 from kestrel.model.registry import FamilySpec
 
@@ -134,6 +135,7 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (not Qwen3.5's partial RoPE)
         q, k = _rope_(q, k, cos, sin)
         varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
+        kwargs.pop(SEGMENTS_KWARG, None)  # for the linear-attention layers; masks keep attention in its sample
         if varlen is not None:
             out = varlen_attention(q, k, v, varlen, self.scaling, self.sinks if spec.attention_sinks else None)
             return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None

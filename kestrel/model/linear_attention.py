@@ -273,11 +273,82 @@ def _errors(fn: Callable[..., torch.Tensor], shapes: list[tuple[int, ...]], devi
     return relative_errors(*runs)
 
 
-def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool, ops: SimpleNamespace | None) -> torch.Tensor:
-    """The short causal convolution over the concatenated q/k/v channels, (B, T, C) -> (B, T, C),
-    on `ops` (`layer_kernels`) where given, else HF's functions, which read and update the cache's
+# --- packed rows: several samples side by side in one row -----------------------------------
+
+SEGMENTS_KWARG = "kestrel_segment_offsets"  # the keyword the stack hands each linear-attention layer
+# The log-gate that empties the state at a sample's first token: exp(-200) is 0 in fp32, and a
+# trained layer's own gates reach this size, so every kernel already handles such values.
+BOUNDARY_GATE = -200.0
+
+
+def segment_offsets(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids (B, T) -> (B, T) int64: each token's offset from its sample's first token.
+    A sample starts at each row's first token and wherever the position does not follow the one
+    before by 1 (HF's `find_packed_sequence_indices` rule), so a padding tail is a sample too."""
+    t = position_ids.shape[-1]
+    index = torch.arange(t, device=position_ids.device).expand_as(position_ids)
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - first
+
+
+def make_segmented_stack_forward(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """A decoder stack's forward that hands its linear-attention layers each token's offset in
+    its sample (`SEGMENTS_KWARG`) when a pass without a cache brings position_ids (packed rows),
+    then runs `inner` (the stack's own forward, which passes unknown keywords down to every
+    layer). Positions may be (B, T) or, for multimodal rotary embeddings, (k, B, T) whose first
+    row is the text's."""
+
+    names = list(inspect.signature(inner).parameters)
+
+    def passed(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        at = names.index(name) if name in names else len(args)
+        return args[at] if at < len(args) else kwargs.get(name)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        position_ids = passed("position_ids", args, kwargs)
+        if position_ids is not None and passed("past_key_values", args, kwargs) is None:
+            text = position_ids if position_ids.ndim == 2 else position_ids[0]
+            kwargs[SEGMENTS_KWARG] = segment_offsets(text)
+        return inner(*args, **kwargs)
+
+    return forward
+
+
+def segmented_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                   offsets: torch.Tensor) -> torch.Tensor:
+    """The short causal depthwise convolution of HF's `causal_conv1d_fn`, each sample of a packed
+    row on its own: x (B, T, C), weight (C, w), bias (C,), offsets (B, T) from `segment_offsets`.
+
+        y_t = act(b + sum_{j < w, j <= offset_t} W[:, w-1-j] * x_{t-j})
+
+    (a sample sees zeros before its first token, as when it is alone). Summed in fp32; autograd
+    gives the backward (w shifted products)."""
+    width, wide = weight.shape[-1], torch.promote_types(x.dtype, torch.float32)
+    w = weight.to(wide)
+    acc = x.to(wide) * w[:, -1]
+    for j in range(1, min(width, x.shape[1])):
+        shifted = F.pad(x[:, :-j], (0, 0, j, 0)).to(wide) * w[:, width - 1 - j]
+        acc = acc + shifted.masked_fill((offsets < j).unsqueeze(-1), 0.0)
+    if bias is not None:
+        acc = acc + bias.to(wide)
+    if activation in ("silu", "swish"):
+        acc = F.silu(acc)
+    elif activation is not None:
+        raise ValueError(f"linear attention's convolution has an activation Kestrel does not know: {activation!r}")
+    return acc.to(x.dtype)
+
+
+def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool, ops: SimpleNamespace | None,
+         offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """The short causal convolution over the concatenated q/k/v channels, (B, T, C) -> (B, T, C):
+    per sample where `offsets` marks packed samples (passes without a cache), else on `ops`
+    (`layer_kernels`) where given, else HF's functions, which read and update the cache's
     convolution state when decoding."""
     weight = self.conv1d.weight.squeeze(1)  # (C, w)
+    if offsets is not None and cache is None:
+        return segmented_conv(mixed, weight, self.conv1d.bias, self.activation, offsets)
     if ops is not None:
         return ops.conv(x=mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation, backend="triton")[0]
     return _hf_mix(self, mixed.transpose(1, 2), weight, cache, cached).transpose(1, 2)
@@ -301,20 +372,27 @@ def linear_attention_forward(
 ) -> torch.Tensor:
     """Qwen3_5GatedDeltaNet's forward (see the module docstring). hidden_states (B, T, hidden);
     attention_mask (B, T) or None: padding positions are zeroed before the convolution, so a
-    left-padded row's state stays zero until its first token."""
+    left-padded row's state stays zero until its first token. kwargs[SEGMENTS_KWARG] (B, T),
+    each token's offset in its sample (packed rows, no cache): the convolution sees only its own
+    sample, and the gate at each sample's first token is BOUNDARY_GATE, so the state it starts
+    from is exp(BOUNDARY_GATE) S = 0, as for a sample alone (whose first gate has no effect)."""
+    offsets = kwargs.pop(SEGMENTS_KWARG, None)
+    offsets = offsets if cache_params is None else None  # decoding carries its own states
     if attention_mask is not None:
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     b, t, _ = hidden_states.shape
     cached = cache_params is not None and cache_params.has_previous_state(self.layer_idx, state_idx=0)
     mixed = self.in_proj_qkv(hidden_states)
     ops = layer_kernels(self, mixed, cache_params)  # the convolution's and the norm's kernels, for this pass
-    mixed = _mix(self, mixed, cache_params, cached, ops)
+    mixed = _mix(self, mixed, cache_params, cached, ops, offsets)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q, k = q.reshape(b, t, -1, self.head_k_dim), k.reshape(b, t, -1, self.head_k_dim)
     v = v.reshape(b, t, -1, self.head_v_dim)
     z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)  # (B*T*Hv, dv), the output gate
     beta = self.in_proj_b(hidden_states).sigmoid()  # (B, T, Hv)
     g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)  # fp32: A may overflow fp16
+    if offsets is not None:  # a packed sample starts from an empty state
+        g = g.masked_fill((offsets == 0).unsqueeze(-1), BOUNDARY_GATE)
     if self.num_v_heads > self.num_k_heads:  # grouped values: each q/k head serves num_v // num_k value heads
         rep = self.num_v_heads // self.num_k_heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)

@@ -27,7 +27,7 @@ from torch import nn
 from kestrel.model import forwards as ff
 from kestrel.model.attention import VarlenMode, varlen_backend
 from kestrel.model.decoder_stack import make_model_forward
-from kestrel.model.linear_attention import linear_attention_forward
+from kestrel.model.linear_attention import linear_attention_forward, make_segmented_stack_forward
 from kestrel.model.moe import make_moe_forward
 from kestrel.model.registry import ALL_LEVELS, FamilySpec, family_for
 
@@ -112,6 +112,8 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
     if "linear_attention" in on and spec.linear_attention_class:
         for mixer in _modules_named(model, spec.linear_attention_class):
             handle.rebind(mixer, linear_attention_forward)
+        for stack in _modules_named(model, spec.model_class):  # packed samples' bounds, to those layers
+            handle.rebind(stack, make_segmented_stack_forward(stack.forward))
     if "mlp" in on and spec.moe is not None:
         for block in _modules_named(model, spec.moe.block_class):
             handle.rebind(block, make_moe_forward(spec))
@@ -200,11 +202,15 @@ def prompt_sharing_refusal(model: nn.Module) -> str | None:
 
 def packing_refusal(model: nn.Module) -> str | None:
     """Why `model` must not train on packed rows (several samples side by side in one row), or
-    None. Attention keeps inside each sample (masks, varlen); a recurrent layer would not."""
+    None. Attention keeps inside each sample (masks, varlen); a recurrent layer does only on
+    Kestrel's linear-attention forward, which the stack tells where each sample starts."""
     spec = family_for(model.config)
-    if spec is not None and spec.linear_attention_class:
+    if spec is None or not spec.linear_attention_class:
+        return None
+    handle = _find_handle(model)
+    if handle is None or not handle.flags.attention:
         return (f"{spec.model_type}'s linear-attention layers would carry their state (and short convolution) "
-                "from one packed sample into the next")
+                "from one packed sample into the next without Kestrel's forward for them (fast kernels off)")
     return None
 
 

@@ -198,9 +198,10 @@ def test_moe_run_reports_the_router_aux_loss(family: str, tiny_model_dir, tmp_pa
     assert len(rows) == 3 and all(row["aux_loss"] > 0 for row in rows)
 
 
-def test_packing_is_off_for_linear_attention_and_said_so(tiny_model_dir, tmp_path: Path) -> None:
-    """A recurrent layer would carry one packed sample's state into the next: Qwen3.5 trains on
-    one sample a row, and the run's log says why; attention-only families keep packing."""
+def test_linear_attention_packs_on_kestrels_forward_and_says_why_not_without_it(tiny_model_dir, tmp_path: Path) -> None:
+    """Qwen3.5's patched layers keep each packed sample's state and convolution to itself, so it
+    packs like the attention-only families; with the fast kernels off, HF's layers would carry them
+    from one sample into the next, so it trains one sample a row and the run's log says why."""
     from kestrel.data.collate import BatchPlan
 
     planned: list[bool] = []
@@ -212,11 +213,11 @@ def test_packing_is_off_for_linear_attention_and_said_so(tiny_model_dir, tmp_pat
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(BatchPlan, "__init__", spy)
-        for family in ("qwen3_5_text", "qwen3"):
+        for family, fast in (("qwen3_5_text", True), ("qwen3", True), ("qwen3_5_text", False)):
             logs = Logs()
-            out = run(config_from_dict(_cfg(str(tiny_model_dir(family)), tmp_path / family, max_steps=2, packing=True)),
-                      [logs])
+            out = run(config_from_dict(_cfg(str(tiny_model_dir(family)), tmp_path / f"{family}-{fast}", max_steps=2,
+                                            packing=True, fast_kernels=fast)), [logs])
             assert out.status == "completed"
             said = any(line.startswith("packing off: qwen3_5_text's linear-attention layers") for line in logs.lines)
-            assert said == (family == "qwen3_5_text")
-    assert planned == [False, True]
+            assert said == (not fast)
+    assert planned == [True, True, False]
