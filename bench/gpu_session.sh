@@ -132,8 +132,9 @@ for want in "$@"; do
                       --out "$OUT/nf4_decode.json" ;;
         gated)    phase gated 200 python bench/gated_delta.py --shape qwen3.5-9b --seq 4096 --out "$OUT/gated_delta.json" ;;
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
-        packing)  phase packing 540 bash -c "python bench/short_conv.py --out $OUT/short_conv.json; python -m pytest -q -n0 \
-                      -m gpu -p no:cacheprovider -rf tests/model/test_linear_attention_packing.py \
+        packing)  phase packing 540 bash -c "python bench/short_conv.py --out $OUT/short_conv.json; python -m pytest -q \
+                      -p no:cacheprovider -rf --durations=8 tests/kernels/test_short_conv.py \
+                      tests/model/test_linear_attention_packing.py \
                       tests/model/test_linear_attention.py::test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;

@@ -4,8 +4,10 @@ forward plus backward at a model's shape, on one GPU, three ways:
 - `hf`: HF's `causal_conv1d_fn` (F.conv1d on (B, C, T), so a transposed copy each way);
 - `fla`: flash-linear-attention's Triton kernel on (B, T, C), one sample a row (what unpacked
   rows take; it resets only at `cu_seqlens`, which needs the host);
-- `segmented`: `kestrel.model.linear_attention.segmented_conv`, each packed sample on its own
-  (what packed rows take): w shifted products in fp32, masked at each sample's start.
+- `kestrel_kernel`: `kestrel.kernels.short_conv`'s Triton kernels, each packed sample on its own
+  (what packed rows take), and `kestrel_kernel_one_sample` the same with one sample a row;
+- `kestrel_torch`: its PyTorch reference (w shifted products in fp32, masked at each sample's
+  start), what the kernels replace.
 
 Each is first checked against HF's function run on each sample alone (relative error of the
 output and of x's gradient), then timed (median of CUDA-event timings).
@@ -54,13 +56,17 @@ def ways(offsets: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
     """name -> fn(x (B, T, C), weight (C, w), bias) -> (B, T, C)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
+    from kestrel.kernels.short_conv import _ShortConv, short_conv_reference
     from kestrel.model import linear_attention as la
 
     hf = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
     out: dict[str, Callable[..., torch.Tensor]] = {
         "hf": lambda x, w, b: hf(x.transpose(1, 2), w, b, activation="silu").transpose(1, 2),
-        "segmented": lambda x, w, b: la.segmented_conv(x, w, b, "silu", offsets),
+        "kestrel_torch": lambda x, w, b: short_conv_reference(x, w, b, "silu", offsets),
     }
+    if offsets.is_cuda:
+        out["kestrel_kernel"] = lambda x, w, b: _ShortConv.apply(x, w, b, offsets, True)
+        out["kestrel_kernel_one_sample"] = lambda x, w, b: _ShortConv.apply(x, w, b, None, True)
     ops = la._fla_layer_ops()
     if ops is not None:
         out["fla"] = lambda x, w, b: ops.conv(x=x, weight=w, bias=b, activation="silu", backend="triton")[0]
@@ -108,7 +114,7 @@ def run(shape: str, batch: int, seq: int, dtype: torch.dtype) -> dict[str, Any]:
         ws, bs = w.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
         y = fn(xs, ws, bs)
         (dx,) = torch.autograd.grad(y, xs, grad.to(dtype))
-        ref = packed_ref if name == "segmented" else alone_ref  # the other two see each row as one sample
+        ref = packed_ref if name in ("kestrel_torch", "kestrel_kernel") else alone_ref  # the others: a row, one sample
         errors = {"y": relative(y, ref["y"]), "dx": relative(dx, ref["dx"])}
 
         def step(fn=fn, xs=xs, ws=ws, bs=bs) -> None:

@@ -14,12 +14,14 @@ from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_qkv
 from kestrel.kernels.lora.mlp import lora_mlp
 from kestrel.kernels.rms_norm import rms_norm
 from kestrel.kernels.rope import rope_
+from kestrel.kernels.short_conv import short_conv
 
 __all__ = [
     "backend",
     "use_triton",
     "rms_norm",
     "rope_",
+    "short_conv",
     "swiglu",
     "geglu",
     "fused_linear_cross_entropy",

@@ -30,6 +30,14 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def round_up_coarse(n: int) -> int:
+    """`n` rounded up to three significant bits (4, 5, 6, 7 times a power of two): a trip count
+    that is a compile-time constant takes few distinct values (a handful per octave of n_rows),
+    while the programs it leads to stay within 80% of the target."""
+    step = 1 << max(0, n.bit_length() - 3)
+    return cdiv(n, step) * step
+
+
 @functools.lru_cache(maxsize=None)
 def block_and_warps(n_cols: int) -> tuple[int, int]:
     """Power-of-two block covering `n_cols` and a warp count that keeps about 8-16 elements per

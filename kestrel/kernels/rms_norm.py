@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels._launch import launch
-from kestrel.kernels._utils import as_rows, block_and_warps, cdiv, row_stride, sm_count
+from kestrel.kernels._utils import as_rows, block_and_warps, cdiv, round_up_coarse, row_stride, sm_count
 from kestrel.kernels.dispatch import use_triton
 
 Casting = Literal["llama", "gemma"]
@@ -131,14 +131,6 @@ def _bwd_stages(tile_bytes: int) -> int:
     return stages
 
 
-def _round_up_coarse(n: int) -> int:
-    """`n` rounded up to three significant bits (4, 5, 6, 7 times a power of two): a trip count
-    that is a compile-time constant takes few distinct values (a handful per octave of n_rows),
-    while the programs it leads to stay within 80% of the target."""
-    step = 1 << max(0, n.bit_length() - 3)
-    return cdiv(n, step) * step
-
-
 class _FwdPlan(NamedTuple):
     """The forward launch for one shape, stride set and dtype pair (see `_fwd_plan`)."""
 
@@ -206,7 +198,7 @@ def _bwd_plan(
     block, rows, warps = _tile(n_cols)
     tiles = max(cdiv(n_rows, rows), 1)
     target = max(1, _BWD_WARPS_PER_SM // warps) * sm_count(device)
-    tiles_per_program = _round_up_coarse(cdiv(tiles, target))
+    tiles_per_program = round_up_coarse(cdiv(tiles, target))
     stages = _bwd_stages(rows * block * (x_dtype.itemsize + dy_dtype.itemsize))
     tail = (n_rows, n_cols, tiles_per_program * rows, gemma, compute_dw, rows, block, stages)
     return cdiv(tiles, tiles_per_program), tail, warps

@@ -41,6 +41,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from kestrel.kernels.dispatch import forced_backend
+from kestrel.kernels.short_conv import short_conv
 
 log = logging.getLogger("kestrel")
 
@@ -316,30 +317,6 @@ def make_segmented_stack_forward(inner: Callable[..., Any]) -> Callable[..., Any
     return forward
 
 
-def segmented_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                   offsets: torch.Tensor) -> torch.Tensor:
-    """The short causal depthwise convolution of HF's `causal_conv1d_fn`, each sample of a packed
-    row on its own: x (B, T, C), weight (C, w), bias (C,), offsets (B, T) from `segment_offsets`.
-
-        y_t = act(b + sum_{j < w, j <= offset_t} W[:, w-1-j] * x_{t-j})
-
-    (a sample sees zeros before its first token, as when it is alone). Summed in fp32; autograd
-    gives the backward (w shifted products)."""
-    width, wide = weight.shape[-1], torch.promote_types(x.dtype, torch.float32)
-    w = weight.to(wide)
-    acc = x.to(wide) * w[:, -1]
-    for j in range(1, min(width, x.shape[1])):
-        shifted = F.pad(x[:, :-j], (0, 0, j, 0)).to(wide) * w[:, width - 1 - j]
-        acc = acc + shifted.masked_fill((offsets < j).unsqueeze(-1), 0.0)
-    if bias is not None:
-        acc = acc + bias.to(wide)
-    if activation in ("silu", "swish"):
-        acc = F.silu(acc)
-    elif activation is not None:
-        raise ValueError(f"linear attention's convolution has an activation Kestrel does not know: {activation!r}")
-    return acc.to(x.dtype)
-
-
 def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool, ops: SimpleNamespace | None,
          offsets: torch.Tensor | None = None) -> torch.Tensor:
     """The short causal convolution over the concatenated q/k/v channels, (B, T, C) -> (B, T, C):
@@ -348,7 +325,7 @@ def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool, ops: Si
     convolution state when decoding."""
     weight = self.conv1d.weight.squeeze(1)  # (C, w)
     if offsets is not None and cache is None:
-        return segmented_conv(mixed, weight, self.conv1d.bias, self.activation, offsets)
+        return short_conv(mixed, weight, self.conv1d.bias, self.activation, offsets)
     if ops is not None:
         return ops.conv(x=mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation, backend="triton")[0]
     return _hf_mix(self, mixed.transpose(1, 2), weight, cache, cached).transpose(1, 2)

@@ -7,7 +7,7 @@ import torch
 
 from bench import short_conv
 from bench.gated_delta import linear_attention_shapes
-from kestrel.model import linear_attention as la
+from kestrel.kernels.short_conv import short_conv_reference
 
 
 def test_the_drawn_samples_fill_each_row_within_their_bounds() -> None:
@@ -27,6 +27,6 @@ def test_the_reference_runs_each_sample_alone_as_the_segmented_convolution_does(
     x, w, b = torch.randn(2, 40, 6, generator=gen), torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
     offsets = short_conv.sample_offsets(2, 40, low=3, high=11)
     torch.testing.assert_close(short_conv.per_sample_reference(x, w, b, offsets),
-                               la.segmented_conv(x, w, b, "silu", offsets))
+                               short_conv_reference(x, w, b, "silu", offsets))
     whole = short_conv.ways(offsets)["hf"](x, w, b)  # one sample a row: differs after the first start
-    assert not torch.allclose(whole, la.segmented_conv(x, w, b, "silu", offsets))
+    assert not torch.allclose(whole, short_conv_reference(x, w, b, "silu", offsets))

@@ -12,8 +12,8 @@ import triton
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kestrel.kernels._utils import as_rows, cdiv, next_pow2, row_stride
-from kestrel.kernels.rms_norm import _round_up_coarse, rms_norm, rms_norm_reference
+from kestrel.kernels._utils import as_rows, cdiv, next_pow2, round_up_coarse, row_stride
+from kestrel.kernels.rms_norm import rms_norm, rms_norm_reference
 from tests.kernels.tolerance import assert_close
 
 # Small tests run where the Triton kernels can: CUDA when compiled, the CPU under the interpreter.
@@ -118,9 +118,9 @@ def test_backward_walks_every_row(backend, poisoned, n_rows, hidden, casting, of
         assert_close(got, want)
 
 
-def test_round_up_coarse() -> None:
+def testround_up_coarse() -> None:
     """Trip counts: never below n, at most 25% above, few distinct values."""
-    values = [_round_up_coarse(n) for n in range(1, 4097)]
+    values = [round_up_coarse(n) for n in range(1, 4097)]
     assert all(n <= v <= max(n, 1.25 * n) for n, v in zip(range(1, 4097), values))
     assert len(set(values)) <= 8 + 4 * 12  # 1..8, then four values per octave up to 4096
 

@@ -1,13 +1,12 @@
 """Packed rows for Qwen3.5: several samples side by side in one row train as if each were alone.
 The patched stack tells its linear-attention layers where each sample starts (from position_ids),
-the short convolution sees only its own sample, and the gate at a sample's first token empties
-the recurrent state."""
+the short convolution sees only its own sample (`kestrel.kernels.short_conv`, tested on its own in
+tests/kernels), and the gate at a sample's first token empties the recurrent state."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kestrel.model import linear_attention as la
 from kestrel.model.patching import PatchFlags, packing_refusal, patch_model, unpatch_model
@@ -25,34 +24,6 @@ def test_segment_offsets_follow_hfs_rule_for_where_a_sample_starts() -> None:
                          [0, 1, 2, 0, 1, 2, 3, 0, 0],
                          [0, 1, 2, 3, 4, 5, 6, 7, 8]])
     assert torch.equal(la.segment_offsets(positions), want)
-
-
-@pytest.mark.parametrize(("width", "bias", "activation"), [(4, True, "silu"), (3, False, None), (2, True, "swish")])
-def test_the_segmented_convolution_is_each_samples_own(width: int, bias: bool, activation: str | None) -> None:
-    """Against F.conv1d run on each sample alone (zeros before its first token), outputs and
-    gradients of x, weight and bias."""
-    gen = torch.Generator().manual_seed(width)
-    lengths = [3, 1, 7, 5]
-    x = torch.randn(1, sum(lengths), 6, generator=gen, dtype=torch.float64).requires_grad_()
-    weight = torch.randn(6, width, generator=gen, dtype=torch.float64).requires_grad_()
-    b = torch.randn(6, generator=gen, dtype=torch.float64).requires_grad_() if bias else None
-    offsets = torch.cat([torch.arange(n) for n in lengths])[None]
-    got = la.segmented_conv(x, weight, b, activation, offsets)
-    want = []
-    for part in x.split(lengths, dim=1):
-        y = F.conv1d(part.transpose(1, 2), weight[:, None], b, padding=width - 1, groups=6)[..., : part.shape[1]]
-        want.append((F.silu(y) if activation else y).transpose(1, 2))
-    want = torch.cat(want, dim=1)
-    torch.testing.assert_close(got, want)
-    grad = torch.randn(got.shape, generator=gen, dtype=torch.float64)
-    leaves = [t for t in (x, weight, b) if t is not None]
-    for g_got, g_want in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
-        torch.testing.assert_close(g_got, g_want)
-
-
-def test_the_segmented_convolution_refuses_an_activation_it_does_not_know() -> None:
-    with pytest.raises(ValueError, match="gelu"):
-        la.segmented_conv(torch.zeros(1, 3, 2), torch.zeros(2, 4), None, "gelu", torch.zeros(1, 3, dtype=torch.long))
 
 
 def _packed(rows: list[tuple[int, ...]], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, list[list[slice]]]:
@@ -97,9 +68,12 @@ def _worst_gradient(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
                for a, b in zip(got, want) if b is not None)
 
 
-def test_packed_rows_give_each_sample_what_it_gets_alone() -> None:
-    """Logits and every parameter's gradient of the patched model; HF's own layers, which carry
-    the state and convolution from one sample into the next, do not (the check has teeth)."""
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_packed_rows_give_each_sample_what_it_gets_alone(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits and every parameter's gradient of the patched model, on Kestrel's PyTorch references
+    and on its Triton kernels (the interpreter here); HF's own layers, which carry the state and
+    convolution from one sample into the next, do not (the check has teeth)."""
+    monkeypatch.setenv("KESTREL_KERNELS", kernels)
     model = tiny_model("qwen3_5_text", VOCAB, seed=2)
     assert any(t == "linear_attention" for t in model.config.layer_types)
     packed, alone, got, want = _alone_and_packed(model, ROWS)
