@@ -132,10 +132,10 @@ for want in "$@"; do
                       --out "$OUT/nf4_decode.json" ;;
         gated)    phase gated 200 python bench/gated_delta.py --shape qwen3.5-9b --seq 4096 --out "$OUT/gated_delta.json" ;;
         qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
-        packing)  phase packing 540 bash -c "python bench/short_conv.py --out $OUT/short_conv.json; python -m pytest -q \
-                      -p no:cacheprovider -rf --durations=8 tests/kernels/test_short_conv.py \
-                      tests/model/test_linear_attention_packing.py \
-                      tests/model/test_linear_attention.py::test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows" ;;
+        packing)  phase packing 540 bash -c "python bench/short_conv.py --out $OUT/short_conv.json; for t in \
+                      tests/model/test_linear_attention_packing.py tests/kernels/test_short_conv.py \
+                      tests/model/test_linear_attention.py::test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows; \
+                      do python -m pytest -q -n0 -p no:cacheprovider -rf --durations=5 \$t; done" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
         *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, nf4, nf4decode, gated, qwen35, packing, moedecode, matrix)" >&2; exit 2 ;;
