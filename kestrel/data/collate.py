@@ -94,9 +94,11 @@ class BatchPlan:
 
     `flat` (the model runs variable-length attention, `kestrel.model.patching.runs_varlen`): an
     unpacked batch becomes one padding-free row of its samples back to back instead of rows
-    padded to the longest (the same loss, without the padding's work), and every batch's width
-    is rounded up by `bucket_width` (so its shapes repeat for CUDA graphs), at most to the most a
-    batch can hold.
+    padded to the longest (the same loss, without the padding's work). The width of every flat
+    or packed batch is rounded up by `bucket_width` (so its shapes repeat for CUDA graphs and
+    their chooser), at most to the most a batch can hold: packed rows are nearly full, so that
+    costs little. Padded batches keep the longest sample's width, since rounding would add up to
+    an eighth more work to every row.
     """
 
     def __init__(
@@ -124,11 +126,9 @@ class BatchPlan:
         return [self._collate(self.units[i : i + self.batch_size]) for i in range(0, len(self.units), self.batch_size)]
 
     def _collate(self, chosen: list[list[Sample]]) -> Batch:
-        if self.flat:
+        if self.flat or self.packing:
             rows = chosen if self.packing else [[row[0] for row in chosen]]
             room = self.max_len * (1 if self.packing else self.batch_size)
             used = max(sum(len(s.input_ids) for s in row) for row in rows)
             return packed_batch(rows, self.pad_id, max(used, min(bucket_width(used), room)))
-        if self.packing:
-            return packed_batch(chosen, self.pad_id)
         return pad_batch([row[0] for row in chosen], self.pad_id)

@@ -81,19 +81,21 @@ def test_a_flat_batch_trains_as_the_padded_batch_through_hf(family: str, packing
 
 
 def test_a_runs_batches_take_few_shapes() -> None:
-    """Widths are bucket values (or the most a batch holds): at most 8 per doubling of the range
-    the batches' token counts span, however the samples fall."""
+    """Widths of flat and packed batches are bucket values (or the most a batch holds): at most 8
+    per doubling of the range the batches' token counts span, however the samples fall."""
     samples = _samples(400, seed=4)
-    for packing in (False, True):
-        plan = BatchPlan(samples, 8, packing, 64, 0, seed=2, flat=True)
+    # packed rows on HF's stack too; two rows of 100 a batch leave the longest short of full
+    for packing, flat, max_len, rows in ((False, True, 64, 8), (True, True, 64, 8), (True, False, 100, 2),
+                                         (True, True, 100, 2)):
+        plan = BatchPlan(samples, rows, packing, max_len, 0, seed=2, flat=flat)
         batches = [plan.batch(e, i) for e in range(2) for i in range(len(plan))]
         used = [int((b.labels != IGNORE).sum() + 0) for b in batches]
         widths = {b.input_ids.shape[1] for b in batches}
-        room = 64 if packing else 64 * 8
+        room = max_len if packing else max_len * rows
         assert all(w == bucket_width(w) or w == room for w in widths), widths
         span = max(b.input_ids.shape[1] for b in batches) / min(b.input_ids.shape[1] for b in batches)
         assert len(widths) <= 8 * (math.log2(span) + 1), widths
-        assert all(b.input_ids.shape[0] == (8 if packing else 1) for b in batches) and used
+        assert all(b.input_ids.shape[0] == (rows if packing else 1) for b in batches) and used
 
 
 def test_a_model_with_attention_sinks_takes_flat_batches_unless_varlen_is_off() -> None:
