@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
 
 from kestrel.model import linear_attention as la
 from kestrel.model.patching import PatchFlags, packing_refusal, patch_model, unpatch_model
@@ -72,17 +73,20 @@ def _worst_gradient(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
                for a, b in zip(got, want) if b is not None)
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_packed_rows_give_each_sample_what_it_gets_alone(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("family", "kernels"), [("qwen3_5_text", "torch"), ("qwen3_5_text", "triton"),
+                                                 ("qwen3_5_moe_text", "torch")])
+def test_packed_rows_give_each_sample_what_it_gets_alone(family: str, kernels: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Logits and every parameter's gradient of the patched model, on Kestrel's PyTorch references
     and on its Triton kernels (the interpreter here); HF's own layers, which carry the state and
     convolution from one sample into the next, do not (the check has teeth)."""
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs CPU tensors only in its interpreter (a GPU host runs the CUDA test below)")
     monkeypatch.setenv("KESTREL_KERNELS", kernels)
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):  # HF's own functions, not
-        monkeypatch.setattr(qwen3_5, name, inspect.unwrap(getattr(qwen3_5, name)))  # the CUDA-only fla it binds
-    model = tiny_model("qwen3_5_text", VOCAB, seed=2)
+    for module in (qwen3_5, qwen3_5_moe):  # HF's own functions, not the CUDA-only fla it binds where installed
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))
+    model = tiny_model(family, VOCAB, seed=2)
     assert any(t == "linear_attention" for t in model.config.layer_types)
     packed, alone, got, want = _alone_and_packed(model, ROWS)
     assert (packed - alone).abs().max() > 1e-3  # HF: the next sample starts from the last one's state
