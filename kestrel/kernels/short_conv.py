@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels._launch import launch
 from kestrel.kernels._utils import cdiv, next_pow2, round_up_coarse, sm_count
 from kestrel.kernels.dispatch import use_triton
 
@@ -144,8 +145,8 @@ class _ShortConv(torch.autograd.Function):
         n_rows = x.numel() // n_cols
         y = torch.empty_like(x)
         grid = (cdiv(n_rows, BLOCK_T), cdiv(n_cols, BLOCK_C))
-        _fwd_kernel[grid](y, x, weight, bias if bias is not None else weight, off, n_rows, n_cols,
-                          width, bias is not None, silu, BLOCK_T, BLOCK_C, num_warps=WARPS)
+        launch(_fwd_kernel, grid, y, x, weight, bias if bias is not None else weight, off, n_rows, n_cols,
+               width, bias is not None, silu, BLOCK_T, BLOCK_C, num_warps=WARPS)
         ctx.save_for_backward(x, weight, bias, off)
         ctx.silu = silu
         return y
@@ -161,9 +162,9 @@ class _ShortConv(torch.autograd.Function):
         dx = torch.empty_like(x)
         dw_part = torch.empty(programs, wpad, n_cols, device=x.device, dtype=torch.float32)
         db_part = torch.empty(programs, n_cols, device=x.device, dtype=torch.float32) if bias is not None else dw_part
-        _bwd_kernel[(programs, cdiv(n_cols, BLOCK_C))](
-            dx, dw_part, db_part, dy, x, weight, bias if bias is not None else weight, off, n_rows, n_cols, per,
-            width, wpad, bias is not None, ctx.silu, BLOCK_T, BLOCK_C, num_warps=WARPS)
+        launch(_bwd_kernel, (programs, cdiv(n_cols, BLOCK_C)),
+               dx, dw_part, db_part, dy, x, weight, bias if bias is not None else weight, off, n_rows, n_cols, per,
+               width, wpad, bias is not None, ctx.silu, BLOCK_T, BLOCK_C, num_warps=WARPS)
         dweight = dw_part[:, :width].sum(0).t().to(weight.dtype)
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
         return dx, dweight, dbias, None, None
