@@ -73,6 +73,9 @@ def fla_backward_works(device: torch.device, chunk: Callable[..., Any]) -> bool:
     def t(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
 
+    log.info("linear-attention layers on %s: flash-linear-attention compiles and tunes its kernels for each new "
+             "layer shape, which takes minutes on a machine that has not run them; Triton's cache keeps them for "
+             "later runs", device)
     try:
         with _apart():
             q, k, v = (t(1, 64, 1, 16).requires_grad_() for _ in range(3))

@@ -73,11 +73,13 @@ def test_fla_trains_only_where_its_backward_runs(chunk, trains: bool, monkeypatc
     ops = (chunk, _working_chunk)
     monkeypatch.setattr(la, "_fla_ops", lambda: ops)
     cpu = torch.device("cpu")
-    with caplog.at_level("WARNING", logger="kestrel"):
+    with caplog.at_level("INFO", logger="kestrel"):
         assert la.fla_for(True, cpu, needs_grad=True) == (ops if trains else None)
         assert la.fla_for(True, cpu, needs_grad=True) == (ops if trains else None)  # probed once
     assert la.fla_for(True, cpu, needs_grad=False) == ops  # passes without gradients keep the kernels
     assert la.fla_for(False, cpu, needs_grad=False) is None  # CUDA-only
+    # a first run on a machine tunes fla's kernels for minutes: the log says so before, once
+    assert sum("takes minutes on a machine" in r.getMessage() for r in caplog.records) == 1
     warnings = [r.getMessage() for r in caplog.records if "cannot train" in r.getMessage()]
     assert len(warnings) == (0 if trains else 1)
     if warnings:
