@@ -65,6 +65,22 @@ export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # flash-linear-attention (Qwen3.5's gated-delta-rule kernels, requirements.txt), when carried as .gpu-fla
 [ -d .gpu-fla ] && export PYTHONPATH="$PWD/.gpu-fla:$PYTHONPATH"
 
+# Triton's autotuning results. flash-linear-attention tunes every kernel at each new shape, which took
+# 303 s of a fresh machine's first Qwen3.5-9B steps (session 32). Each call's results (the small
+# *.autotune.json files, not the compiled kernels) come back under $OUT/gpu-autotune. Copy that folder
+# to .gpu-autotune (cp -r <files_at>/gpu-autotune .gpu-autotune) and carry it: the next call starts
+# with them. Tuning happens before any timed step, so no timing changes; every system shares the cache.
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+mkdir -p "$TRITON_CACHE_DIR"
+[ -d .gpu-autotune ] && cp -rn .gpu-autotune/. "$TRITON_CACHE_DIR/"
+save_autotune() {
+    mkdir -p "$OUT/gpu-autotune"
+    (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 | tar --null -cf - -T -) |
+        (cd "$OUT/gpu-autotune" && tar -xf -)
+    echo "$(find "$OUT/gpu-autotune" -name "*.autotune.json" | wc -l) autotuning results in $OUT/gpu-autotune"
+}
+trap save_autotune EXIT
+
 # Two phases, each within one call: 215 tests took more than 420 s on an H200 (session 22).
 GPU_TESTS=(tests/data/test_flat_batches.py tests/decode tests/kernels tests/model)
 GPU_TRAIN_TESTS=(tests/recompute tests/training/test_small_updates.py tests/training/test_train_gpu.py
