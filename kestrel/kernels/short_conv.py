@@ -120,10 +120,11 @@ def _bwd_kernel(DX, DW_PART, DB_PART, DY, X, Wt, B, OFF, n_rows, n_cols,
 
 
 def _offsets_or_positions(x: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    """(B*T,) int64 offsets: those given, or t itself (one sample a row)."""
+    """(B*T,) int64 offsets: those given (one row of them stands for every row), or t itself
+    (one sample a row)."""
     if offsets is None:
-        offsets = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-    return offsets.reshape(-1).to(torch.int64).contiguous()
+        offsets = torch.arange(x.shape[1], device=x.device)
+    return offsets.expand(x.shape[:2]).reshape(-1).to(torch.int64).contiguous()
 
 
 @functools.lru_cache(maxsize=None)

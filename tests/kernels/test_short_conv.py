@@ -68,6 +68,15 @@ def test_short_conv_is_each_samples_own_convolution(backend: str, poisoned: None
         assert_close(g_got.cpu(), g_want.to(dtype))
 
 
+def test_one_row_of_offsets_stands_for_every_row(backend: str) -> None:
+    """Offsets of shape (1, T), as position ids sometimes come unexpanded: each row is split alike."""
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(3, 20, 40, generator=gen).to(DEVICE), torch.randn(40, 4, generator=gen).to(DEVICE)
+    one = torch.cat([torch.arange(7), torch.arange(13)])[None].to(DEVICE)
+    assert_close(short_conv(x, weight, None, "silu", one), short_conv(x, weight, None, "silu", one.expand(3, -1)))
+    assert_close(short_conv(x, weight, None, "silu", one).cpu(), _alone(x.cpu(), weight.cpu(), None, True, [[7, 13]] * 3).float())
+
+
 def test_short_conv_refuses_an_activation_it_does_not_know() -> None:
     with pytest.raises(ValueError, match="gelu"):
         short_conv(torch.zeros(1, 3, 2), torch.zeros(2, 4), None, "gelu")
