@@ -2,10 +2,10 @@
 forward plus backward at a model's shape, on one GPU, three ways:
 
 - `hf`: HF's `causal_conv1d_fn` (F.conv1d on (B, C, T), so a transposed copy each way);
-- `fla`: flash-linear-attention's Triton kernel on (B, T, C), one sample a row (what unpacked
-  rows take; it resets only at `cu_seqlens`, which needs the host);
-- `kestrel_kernel`: `kestrel.kernels.short_conv`'s Triton kernels, each packed sample on its own
-  (what packed rows take), and `kestrel_kernel_one_sample` the same with one sample a row;
+- `fla`: flash-linear-attention's Triton kernel on (B, T, C), one sample a row (it resets only at
+  `cu_seqlens`, which needs the host, so a CUDA graph cannot hold it);
+- `kestrel_kernel`: `kestrel.kernels.short_conv`'s Triton kernels, each packed sample on its own,
+  and `kestrel_kernel_one_sample` the same with one sample a row (what training passes take);
 - `kestrel_torch`: its PyTorch reference (w shifted products in fp32, masked at each sample's
   start), what the kernels replace.
 
@@ -57,8 +57,6 @@ def ways(offsets: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     from kestrel.kernels.short_conv import _ShortConv, short_conv_reference
-    from kestrel.model import linear_attention as la
-
     hf = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
     out: dict[str, Callable[..., torch.Tensor]] = {
         "hf": lambda x, w, b: hf(x.transpose(1, 2), w, b, activation="silu").transpose(1, 2),
@@ -67,9 +65,11 @@ def ways(offsets: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
     if offsets.is_cuda:
         out["kestrel_kernel"] = lambda x, w, b: _ShortConv.apply(x, w, b, offsets, True)
         out["kestrel_kernel_one_sample"] = lambda x, w, b: _ShortConv.apply(x, w, b, None, True)
-    ops = la._fla_layer_ops()
-    if ops is not None:
-        out["fla"] = lambda x, w, b: ops.conv(x=x, weight=w, bias=b, activation="silu", backend="triton")[0]
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError:
+        return out
+    out["fla"] = lambda x, w, b: causal_conv1d(x=x, weight=w, bias=b, activation="silu", backend="triton")[0]
     return out
 
 

@@ -21,8 +21,9 @@ that one stage done another way (its own kernel on a tile that is not miscompile
 the first way that a probe at the layer's head shape shows to give HF's reference's output and
 gradients there; else HF's reference functions. Passes without gradients (decode,
 prefill, a checkpoint's first pass) keep the kernels. Each choice is logged once. Passes without
-a cache on CUDA also take flash-linear-attention's short convolution and gated norm
-(`layer_kernels`).
+a cache take Kestrel's short convolution (`kestrel.kernels.short_conv`) and, on CUDA,
+flash-linear-attention's gated norm (`norm_kernel`). Packed rows (several samples in a row) train
+each sample as if alone: see `make_segmented_stack_forward`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import functools
 import inspect
 import logging
 import sys
-from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -199,64 +199,47 @@ def chunked_for(on_cuda: bool, device: torch.device, needs_grad: bool, shape: tu
 
 
 @functools.cache
-def _fla_layer_ops() -> SimpleNamespace | None:
-    """flash-linear-attention's short causal convolution and gated RMS norm (Triton kernels, each
-    with its backward), or None."""
+def _fla_norm() -> Callable[..., Any] | None:
+    """flash-linear-attention's fused gated RMS norm (a Triton kernel with its backward), or None."""
     try:
-        from fla.modules.causal_conv1d import causal_conv1d
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
     except ImportError:
         return None
-    return SimpleNamespace(conv=causal_conv1d, norm=rms_norm_gated)
+    return rms_norm_gated
 
 
-def layer_kernels(module: nn.Module, x: torch.Tensor, cache: Any) -> SimpleNamespace | None:
-    """flash-linear-attention's convolution and norm for a pass of `module` over x without a cache
+def norm_kernel(module: nn.Module, x: torch.Tensor, cache: Any) -> Callable[..., Any] | None:
+    """flash-linear-attention's gated RMS norm for a pass of `module` over x without a cache
     (training, evaluation): CUDA only, not under KESTREL_KERNELS=torch, and only once a probe at
-    the layer's shape and dtype shows they give HF's functions' outputs and gradients there. They
-    read and write (B, T, C) directly, where HF's convolution needs (B, C, T) copies both ways, and
-    fuse the norm's elementwise steps; passes with a cache keep HF's functions, which carry its
-    states."""
-    if cache is not None or not x.is_cuda or forced_backend() == "torch" or _fla_layer_ops() is None:
+    the layer's head width and dtype shows it gives Qwen3_5RMSNormGated's output and gradients
+    there. It fuses the norm's elementwise steps; passes with a cache keep HF's module."""
+    if cache is not None or not x.is_cuda or forced_backend() == "torch" or _fla_norm() is None:
         return None
-    conv = module.conv1d.weight
-    shape = (conv.shape[0], conv.shape[-1], module.conv1d.bias is not None, module.head_v_dim)
-    ok = layer_kernels_agree(x.device, *shape, x.dtype, type(module).__module__, module.activation)
-    return _fla_layer_ops() if ok else None
+    return _fla_norm() if norm_kernel_agrees(x.device, module.head_v_dim, x.dtype) else None
 
 
 @functools.cache
-def layer_kernels_agree(device: torch.device, channels: int, width: int, bias: bool, head_dim: int,
-                        dtype: torch.dtype, modeling: str, activation: str) -> bool:
-    """Whether flash-linear-attention's convolution (channels wide, kernel `width`) and gated norm
-    (head_dim wide) give the convolution of HF's modeling module `modeling` and Qwen3_5RMSNormGated's
-    math's outputs and input gradients (fp32) on `device` in `dtype`, within PROBE_TOLERANCE: one
-    probe of 100 tokens each."""
-    ops = _fla_layer_ops()
-    conv_reference = _reference(modeling, "causal_conv1d_fn")
-
-    def conv(x, w, *b, fla: bool):  # type: ignore[no-untyped-def]
-        if fla:
-            return ops.conv(x=x, weight=w, bias=b[0] if b else None, activation=activation, backend="triton")[0]
-        return conv_reference(x.transpose(1, 2), w, b[0] if b else None, activation=activation).transpose(1, 2)
+def norm_kernel_agrees(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether flash-linear-attention's gated norm (head_dim wide) gives Qwen3_5RMSNormGated's
+    math's output and input gradients (fp32) on `device` in `dtype`, within PROBE_TOLERANCE: one
+    probe of 100 rows."""
+    kernel = _fla_norm()
 
     def norm(o, z, w, fla: bool):  # type: ignore[no-untyped-def]
         if fla:
-            return ops.norm(o, z, w, None, activation="silu", eps=1e-6)
+            return kernel(o, z, w, None, activation="silu", eps=1e-6)
         return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * w * F.silu(z)
 
-    conv_shapes = [(1, 100, channels), (channels, width)] + ([(channels,)] if bias else [])
     try:
         with _apart():
-            errors = _errors(conv, conv_shapes, device, dtype) + _errors(norm, [(100, head_dim)] * 2 + [(head_dim,)],
-                                                                         device, dtype)
+            errors = _errors(norm, [(100, head_dim)] * 2 + [(head_dim,)], device, dtype)
     except (RuntimeError, TypeError) as err:
-        log.warning("linear-attention layers keep HF's convolution and norm on %s: flash-linear-attention's "
-                    "failed (%s)", device, err)
+        log.warning("linear-attention layers keep HF's gated norm on %s: flash-linear-attention's failed (%s)",
+                    device, err)
         return False
     if max(errors) > PROBE_TOLERANCE:
-        log.warning("linear-attention layers keep HF's convolution and norm on %s: flash-linear-attention's are "
-                    "off there (largest relative error %.3f)", device, max(errors))
+        log.warning("linear-attention layers keep HF's gated norm on %s: flash-linear-attention's is off there "
+                    "(largest relative error %.3f)", device, max(errors))
         return False
     return True
 
@@ -320,17 +303,16 @@ def make_segmented_stack_forward(inner: Callable[..., Any]) -> Callable[..., Any
     return forward
 
 
-def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool, ops: SimpleNamespace | None,
+def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool,
          offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """The short causal convolution over the concatenated q/k/v channels, (B, T, C) -> (B, T, C):
-    per sample where `offsets` marks packed samples (passes without a cache), else on `ops`
-    (`layer_kernels`) where given, else HF's functions, which read and update the cache's
-    convolution state when decoding."""
+    """The short causal convolution over the concatenated q/k/v channels, (B, T, C) -> (B, T, C).
+    Passes without a cache (training, evaluation) take Kestrel's (`kestrel.kernels.short_conv`:
+    Triton on CUDA, reading and writing (B, T, C) as it is, each packed sample on its own where
+    `offsets` marks them); passes with one keep HF's functions, which read and update the cache's
+    convolution state."""
     weight = self.conv1d.weight.squeeze(1)  # (C, w)
-    if offsets is not None and cache is None:
+    if cache is None:
         return short_conv(mixed, weight, self.conv1d.bias, self.activation, offsets)
-    if ops is not None:
-        return ops.conv(x=mixed, weight=weight, bias=self.conv1d.bias, activation=self.activation, backend="triton")[0]
     return _hf_mix(self, mixed.transpose(1, 2), weight, cache, cached).transpose(1, 2)
 
 
@@ -363,8 +345,7 @@ def linear_attention_forward(
     b, t, _ = hidden_states.shape
     cached = cache_params is not None and cache_params.has_previous_state(self.layer_idx, state_idx=0)
     mixed = self.in_proj_qkv(hidden_states)
-    ops = layer_kernels(self, mixed, cache_params)  # the convolution's and the norm's kernels, for this pass
-    mixed = _mix(self, mixed, cache_params, cached, ops, offsets)
+    mixed = _mix(self, mixed, cache_params, cached, offsets)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q, k = q.reshape(b, t, -1, self.head_k_dim), k.reshape(b, t, -1, self.head_k_dim)
     v = v.reshape(b, t, -1, self.head_v_dim)
@@ -380,9 +361,10 @@ def linear_attention_forward(
     out, final = delta_rule(self, q, k, v, g, beta, state, cache_params is not None, step=cached and t == 1)
     if cache_params is not None:
         cache_params.update_recurrent_state(final, self.layer_idx)
-    if ops is not None:  # the gated RMS norm, norm(o) * weight * silu(z), in one kernel
-        out = ops.norm(out.reshape(-1, self.head_v_dim), z, self.norm.weight, None, activation="silu",
-                       eps=self.norm.variance_epsilon)
+    norm = norm_kernel(self, out, cache_params)
+    if norm is not None:  # the gated RMS norm, norm(o) * weight * silu(z), in one kernel
+        out = norm(out.reshape(-1, self.head_v_dim), z, self.norm.weight, None, activation="silu",
+                   eps=self.norm.variance_epsilon)
     else:
         out = self.norm(out.reshape(-1, self.head_v_dim), z)
     out = out.reshape(b, t, -1)

@@ -186,7 +186,7 @@ def test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows(monkeypatch: py
 
     if la._fla_ops() is None:
         pytest.skip("flash-linear-attention is not installed")
-    la.fla_backward_works.cache_clear(), la.stand_in_way.cache_clear(), la.layer_kernels_agree.cache_clear()
+    la.fla_backward_works.cache_clear(), la.stand_in_way.cache_clear(), la.norm_kernel_agrees.cache_clear()
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     fast, ref = (tiny_model("qwen3_5_text", VOCAB, seed=1).cuda() for _ in range(2))
     patch_model(fast), patch_model(ref)
@@ -204,17 +204,6 @@ def test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows(monkeypatch: py
             torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=name)
 
 
-def _conv_like_fla(calls: list[str]):  # flash-linear-attention's causal_conv1d, in PyTorch
-    def conv(x, weight, bias=None, activation=None, backend="triton", **kwargs):  # type: ignore[no-untyped-def]
-        calls.append("conv")
-        width = weight.shape[-1]
-        y = F.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=width - 1, groups=x.shape[-1])
-        y = y[..., : x.shape[1]]
-        return (F.silu(y) if activation in ("silu", "swish") else y).transpose(1, 2), None
-
-    return conv
-
-
 def _norm_like_fla(calls: list[str]):  # flash-linear-attention's rms_norm_gated, in PyTorch
     def norm(x, g, weight, bias, activation="swish", residual=None, prenorm=False, residual_in_fp32=False,
              eps=1e-6):  # type: ignore[no-untyped-def]
@@ -226,12 +215,12 @@ def _norm_like_fla(calls: list[str]):  # flash-linear-attention's rms_norm_gated
     return norm
 
 
-def test_passes_without_a_cache_take_the_convolution_and_norm_kernels_with_hfs_numbers(
+def test_passes_without_a_cache_take_kestrels_convolution_and_the_norm_kernel_with_hfs_numbers(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where flash-linear-attention's convolution and gated norm run (stood in for here by the
-    same math in PyTorch, with its call signatures), the patched layers hand them (B, T, C) and the
-    norm's weight, epsilon and gate so that logits and gradients equal HF's; passes with a cache
-    keep HF's functions."""
+    """Passes without a cache take Kestrel's short convolution and, where flash-linear-attention's
+    gated norm runs (stood in for here by the same math in PyTorch, with its call signature), hand
+    it the norm's weight, epsilon and gate, so that logits and gradients equal HF's; passes with a
+    cache keep HF's functions."""
     from kestrel.model import linear_attention as la
 
     ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(3))
@@ -242,8 +231,14 @@ def test_passes_without_a_cache_take_the_convolution_and_norm_kernels_with_hfs_n
                 torch.nn.init.normal_(p, 1.0, 0.2, generator=torch.Generator().manual_seed(5))
     patch_model(fast)
     calls: list[str] = []
-    ops = la.SimpleNamespace(conv=_conv_like_fla(calls), norm=_norm_like_fla(calls))
-    monkeypatch.setattr(la, "layer_kernels", lambda module, x, cache: None if cache is not None else ops)
+    norm, conv = _norm_like_fla(calls), la.short_conv
+
+    def counted_conv(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("conv")
+        return conv(*args, **kwargs)
+
+    monkeypatch.setattr(la, "short_conv", counted_conv)
+    monkeypatch.setattr(la, "norm_kernel", lambda module, x, cache: None if cache is not None else norm)
     want = ref(input_ids=ids, labels=ids, use_cache=False)
     got = fast(input_ids=ids, labels=ids, use_cache=False)
     layers = sum(1 for m in fast.modules() if type(m).__name__.endswith("GatedDeltaNet"))
@@ -262,24 +257,24 @@ def test_passes_without_a_cache_take_the_convolution_and_norm_kernels_with_hfs_n
     assert calls == []
 
 
-def test_the_convolution_and_norm_kernels_serve_only_cuda_passes_without_a_cache_where_they_agree(
+def test_the_norm_kernel_serves_only_cuda_passes_without_a_cache_where_it_agrees(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel.model import linear_attention as la
 
     layer = next(m for m in tiny_model("qwen3_5_text", VOCAB, seed=1).modules() if hasattr(m, "conv1d"))
-    ops, agree = object(), [True]
-    monkeypatch.setattr(la, "_fla_layer_ops", lambda: ops)
-    monkeypatch.setattr(la, "layer_kernels_agree", lambda *args: agree[0])
+    kernel, agree = object(), [True]
+    monkeypatch.setattr(la, "_fla_norm", lambda: kernel)
+    monkeypatch.setattr(la, "norm_kernel_agrees", lambda *args: agree[0])
     cuda_like = torch.empty(0, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "meta"))
-    assert la.layer_kernels(layer, cuda_like, None) is ops
-    assert la.layer_kernels(layer, cuda_like, cache=object()) is None
-    assert la.layer_kernels(layer, torch.empty(0), None) is None
+    assert la.norm_kernel(layer, cuda_like, None) is kernel
+    assert la.norm_kernel(layer, cuda_like, cache=object()) is None
+    assert la.norm_kernel(layer, torch.empty(0), None) is None
     agree[0] = False
-    assert la.layer_kernels(layer, cuda_like, None) is None
+    assert la.norm_kernel(layer, cuda_like, None) is None
     agree[0] = True
     monkeypatch.setenv("KESTREL_KERNELS", "torch")
-    assert la.layer_kernels(layer, cuda_like, None) is None
+    assert la.norm_kernel(layer, cuda_like, None) is None
 
 
 def _scaled_norm(calls: list[str]):  # a gated norm whose output is off by a fifth
@@ -288,24 +283,23 @@ def _scaled_norm(calls: list[str]):  # a gated norm whose output is off by a fif
 
 
 @pytest.mark.parametrize(("norm", "agree", "says"), [
-    (_norm_like_fla, True, None), (_scaled_norm, False, "are off there (largest relative error 0.440"),  # 1.2^2 - 1: gradients of out^2
+    (_norm_like_fla, True, None), (_scaled_norm, False, "is off there (largest relative error 0.440"),  # 1.2^2 - 1: gradients of out^2
     (lambda calls: lambda *args, **kwargs: _raising(*args[:3]), False, "failed (an illegal memory access"),
 ])
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_convolution_and_norm_kernels_are_probed_against_hfs_functions(
-        norm, agree: bool, says: str | None, bias: bool, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_kernel_is_probed_against_hfs_math(norm, agree: bool, says: str | None, dtype: torch.dtype,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
     from kestrel.model import linear_attention as la
 
     calls: list[str] = []
-    monkeypatch.setattr(la, "_fla_layer_ops", lambda: la.SimpleNamespace(conv=_conv_like_fla(calls), norm=norm(calls)))
-    la.layer_kernels_agree.cache_clear()
+    monkeypatch.setattr(la, "_fla_norm", lambda: norm(calls))
+    la.norm_kernel_agrees.cache_clear()
     with caplog.at_level("WARNING", logger="kestrel"):
-        assert la.layer_kernels_agree(torch.device("cpu"), 12, 4, bias, 8, torch.bfloat16,
-                                      qwen3_5.__name__, "silu") is agree
+        assert la.norm_kernel_agrees(torch.device("cpu"), 8, dtype) is agree
     said = [r.getMessage() for r in caplog.records if r.name == "kestrel"]
     assert (said == []) if says is None else (len(said) == 1 and says in said[0]), said
-    la.layer_kernels_agree.cache_clear()
+    la.norm_kernel_agrees.cache_clear()
 
 
 @pytest.mark.parametrize("around", ["no_grad", "inference_mode", "checkpoint_hooks"])
@@ -317,11 +311,11 @@ def test_the_probes_run_as_on_their_own_inside_any_pass(around: str, monkeypatch
     from kestrel.model import linear_attention as la
 
     calls: list[str] = []
-    monkeypatch.setattr(la, "_fla_layer_ops", lambda: la.SimpleNamespace(conv=_conv_like_fla(calls), norm=_norm_like_fla(calls)))
+    monkeypatch.setattr(la, "_fla_norm", lambda: _norm_like_fla(calls))
     monkeypatch.setattr(gated_delta, "available", lambda: True)
     monkeypatch.setattr(gated_delta, "DQKWG", dict.fromkeys(("kernel",)))
     monkeypatch.setattr(gated_delta, "chunk_gated_delta_rule", _way({"kernel": GOOD}))
-    la.layer_kernels_agree.cache_clear(), la.stand_in_way.cache_clear(), la.fla_backward_works.cache_clear()
+    la.norm_kernel_agrees.cache_clear(), la.stand_in_way.cache_clear(), la.fla_backward_works.cache_clear()
     packed: list[torch.Tensor] = []
 
     def pack(x: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -332,8 +326,8 @@ def test_the_probes_run_as_on_their_own_inside_any_pass(around: str, monkeypatch
                "checkpoint_hooks": torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)}[around]
     cpu = torch.device("cpu")
     with context:
-        assert la.layer_kernels_agree(cpu, 12, 4, False, 8, torch.float32, qwen3_5.__name__, "silu")
+        assert la.norm_kernel_agrees(cpu, 8, torch.float32)
         assert la.stand_in_way(cpu, 2, 8, 16, torch.float32, qwen3_5.torch_chunk_gated_delta_rule) is not None
         assert la.fla_backward_works(cpu, _working_chunk)
     assert packed == []
-    la.layer_kernels_agree.cache_clear(), la.stand_in_way.cache_clear(), la.fla_backward_works.cache_clear()
+    la.norm_kernel_agrees.cache_clear(), la.stand_in_way.cache_clear(), la.fla_backward_works.cache_clear()
