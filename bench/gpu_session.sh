@@ -45,6 +45,9 @@
 #   gated     one gated-delta-rule op at Qwen3.5-9B's shape (1 x 4,096), forward and backward: Kestrel's stand-in,
 #             flash-linear-attention's own (where its backward runs) and HF's PyTorch function, each checked
 #             against HF's in fp32, then timed (bench/gated_delta.py)
+#   packing   the linear-attention short convolution at Qwen3.5-9B's shape (bench/short_conv.py: HF's, fla's,
+#             Kestrel's kernel and reference), then, each in its own process, the packed-rows tests (the CUDA
+#             one: a packed tiny Qwen3.5 equals each sample alone), the kernel's tests and the patched-model test
 #   moedecode a MoE layer's decode step at the Qwen3-30B-A3B and gpt-oss-20b shapes: gathered weights
 #             against the expert GEMV kernel, 16-bit and NF4 (bench/moe_decode.py)
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
