@@ -44,13 +44,19 @@ def inputs(cfg: dict[str, Any], batch: int, seq: int, device: str = "cuda") -> l
     return [q, k, v, -F.softplus(rnd(batch, seq, heads)), rnd(batch, seq, heads).sigmoid(), rnd(batch, seq, heads, dv)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def shape_arguments(doc: str | None) -> argparse.Namespace:
+    """The command line of a bench that times one linear-attention layer part: --shape (a model
+    with gated-delta-rule layers), --batch, --seq and --out."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3.5-9b", choices=sorted(linear_attention_shapes()))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = shape_arguments(__doc__)
 
     from transformers.models.qwen3_5 import modeling_qwen3_5
 

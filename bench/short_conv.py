@@ -17,7 +17,6 @@ output and of x's gradient), then timed (median of CUDA-event timings).
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import sys
@@ -29,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cuda_time  # noqa: E402
-from bench.gated_delta import linear_attention_shapes  # noqa: E402
+from kestrel.kernels.gated_delta import relative_errors  # noqa: E402
+from bench.gated_delta import linear_attention_shapes, shape_arguments  # noqa: E402
 
 
 def channels(cfg: dict[str, Any]) -> tuple[int, int]:
@@ -88,10 +88,6 @@ def per_sample_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     return out
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
-
-
 def run(shape: str, batch: int, seq: int, dtype: torch.dtype) -> dict[str, Any]:
     c, width = channels(linear_attention_shapes()[shape])
     gen = torch.Generator().manual_seed(1)
@@ -115,7 +111,7 @@ def run(shape: str, batch: int, seq: int, dtype: torch.dtype) -> dict[str, Any]:
         y = fn(xs, ws, bs)
         (dx,) = torch.autograd.grad(y, xs, grad.to(dtype))
         ref = packed_ref if name in ("kestrel_torch", "kestrel_kernel") else alone_ref  # the others: a row, one sample
-        errors = {"y": relative(y, ref["y"]), "dx": relative(dx, ref["dx"])}
+        errors = dict(zip(("y", "dx"), relative_errors([y.float(), dx.float()], [ref["y"], ref["dx"]])))
 
         def step(fn=fn, xs=xs, ws=ws, bs=bs) -> None:
             out = fn(xs, ws, bs)
@@ -127,12 +123,7 @@ def run(shape: str, batch: int, seq: int, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen3.5-9b", choices=sorted(linear_attention_shapes()))
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = shape_arguments(__doc__)
     record = run(args.shape, args.batch, args.seq, torch.bfloat16)
     args.out.write_text(json.dumps(record, indent=1))
 

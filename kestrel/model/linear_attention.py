@@ -42,6 +42,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from kestrel.kernels.dispatch import forced_backend
 from kestrel.kernels.short_conv import short_conv
+from kestrel.model.attention import sample_starts
 
 log = logging.getLogger("kestrel")
 
@@ -271,13 +272,10 @@ BOUNDARY_GATE = -200.0
 
 def segment_offsets(position_ids: torch.Tensor) -> torch.Tensor:
     """position_ids (B, T) -> (B, T) int64: each token's offset from its sample's first token.
-    A sample starts at each row's first token and wherever the position does not follow the one
-    before by 1 (HF's `find_packed_sequence_indices` rule), so a padding tail is a sample too."""
-    t = position_ids.shape[-1]
-    index = torch.arange(t, device=position_ids.device).expand_as(position_ids)
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    Samples start where `kestrel.model.attention.sample_starts` says (HF's rule), so a padding
+    tail is a sample too."""
+    index = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+    first = torch.where(sample_starts(position_ids), index, torch.zeros_like(index)).cummax(dim=-1).values
     return index - first
 
 
