@@ -184,6 +184,9 @@ RU_SAME_CONFIG = "The runs have the same settings."
 RU_GENERATION = "Generation check (held-out prompts, answered greedily at the end of the run)"
 RU_GEN_COLUMNS = ["prompt", "reference", "answer", "exact match", "ROUGE-L"]
 RU_GEN_SUMMARY = "{n} held-out prompts at step {step}: exact match **{exact:.0%}**, ROUGE-L **{rouge:.3f}**"
+RU_GEN_CUT = "[cut: time budget]"  # beside an answer the end-of-run check's time budget cut
+RU_GEN_CUT_NOTE = ("{n} answers were cut at the check's time budget ({seconds:.1f} s, which keeps evaluation within "
+                   "5% of the training time), so their scores read low; 'Check generations' answers them in full.")
 RU_GEN_NONE = "No generation check for this run (it runs at the end of a run with eval_split or eval_dataset)."
 RU_GEN_CHECK = "Check generations"
 RU_GEN_RUNNING = "Answering run #{job}'s held-out prompts with its {weights} ({seconds:.0f} s so far)…"

@@ -16,7 +16,9 @@ is bounded first (`cap_eval_tokens`) so that at least MIN_EVALS (and patience + 
 in that budget. An eval token looked cheaper than a training token (one forward against a forward
 and a backward), yet on the GPU the 5% token budget cost about 12% of the stepping time, so from
 the first evaluation on the measured seconds re-plan the interval (`EvalSchedule`): evaluation
-stays within EVAL_BUDGET of the run's training time.
+stays within EVAL_BUDGET of the run's training time. The end-of-run generation check is held to the
+same budget: CHECK_SHARE of it is reserved for the check, which stops decoding once its seconds are
+spent (`GenerationCheck.run`).
 
 The best weights (lowest eval loss so far; GRPO: highest eval reward) go to `output_dir/best/`
 (adapter/ or model/, with the tokenizer), marked by `best/best.json` (`kestrel.training.best`);
@@ -47,6 +49,11 @@ if TYPE_CHECKING:
     from kestrel.training.metrics import Callback
 
 EVAL_BUDGET = 0.05  # evaluation tokens, at most this share of the run's training tokens
+# Of EVAL_BUDGET, the share reserved for the end-of-run generation check when the run has one; the
+# periodic evaluations (the final one included) get the rest. A policy, not a measured threshold:
+# the check is a fixed cost that would otherwise break the budget on a short run, and its answers
+# are worth reading cut short rather than not at all (`EvalSchedule.check_seconds`).
+CHECK_SHARE = 0.4
 MAX_EVALS = 25  # automatic interval: at most this many evaluations a run (each may save the best)
 MIN_EVALS = 5  # automatic interval: the eval set is bounded so that at least this many fit
 
@@ -165,7 +172,8 @@ class Evaluator:
         self.state = replay([(step, self.sign * v) for step, v in history or []], early_stopping.min_delta)
         self.tokens_evaluated = 0  # over this process's evaluations (the cost test counts them)
         self.best_writes = BestWrites(self.output_dir)  # the recipe reports and waits for its writes
-        self.schedule = EvalSchedule(plan.every, plan.auto, EVAL_BUDGET, early_stopping.patience)
+        check_share = CHECK_SHARE if generation is not None and generation.cases else 0.0
+        self.schedule = EvalSchedule(plan.every, plan.auto, EVAL_BUDGET, early_stopping.patience, check_share)
 
     def due(self, done: int, total_steps: int) -> bool:
         return self.schedule.due(done, total_steps)

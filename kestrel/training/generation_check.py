@@ -3,16 +3,26 @@ at the end of a run, scored against their reference answers, stored with the run
 
     check = GenerationCheck.from_conversations(eval_convs, tokenizer, max_prompt_tokens=1024)
     summary = check.run(model, tokenizer, output_dir, step)   # writes output_dir/generation_check.json
+    summary = check.run(model, tokenizer, output_dir, step, seconds=2.5)   # stops decoding after 2.5 s
 
-The file holds {"step", "exact_match", "rouge_l" (means over the prompts), "rows": [{"line",
-"prompt", "reference", "answer", "exact_match", "rouge_l"}]} (scores: `kestrel.training.scores`).
+The file holds {"step", "exact_match", "rouge_l" (means over the prompts), "seconds" (the time
+budget, null for none), "stopped_early" (answers cut by it), "rows": [{"line", "prompt",
+"reference", "answer", "finished", "exact_match", "rouge_l"}]} (scores: `kestrel.training.scores`).
+A row's "finished" says why its answer ended: "stop" (a stop token), "length" (the token limit) or
+"time" (the time budget ran out first). Answers cut by time are scored as they are, against the
+whole reference, so their scores read low: they say the budget ran out, not that the model erred.
+Files written before the budget lack "seconds", "stopped_early" and "finished".
+
 A prompt is a conversation without its last assistant turn, which is the reference; rows of
-raw text (no turns) have no reference and are not used.
+raw text (no turns) have no reference and are not used. The end-of-run check has a time budget
+(`kestrel.training.eval_schedule.EvalSchedule.check_seconds`), so evaluation stays within its
+share of a short run's time; the on-demand check (`kestrel.training.check_run`) has none.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,13 +81,17 @@ class GenerationCheck:
         longest = max((len(tokenizer(c.reference, add_special_tokens=False)["input_ids"]) for c in cases), default=0)
         return cls(cases, min(MAX_NEW_TOKENS, longest + 16))
 
-    def run(self, model: nn.Module, tokenizer: Any, output_dir: Path, step: int) -> dict[str, Any]:
+    def run(self, model: nn.Module, tokenizer: Any, output_dir: Path, step: int,
+            seconds: float | None = None) -> dict[str, Any]:
         """Answer every prompt greedily in one decode batch, score, write GENERATION_FILE; returns
-        what was written. Raises `kestrel.decode.model.UnsupportedModelError` for a model the
-        decode path lacks."""
+        what was written. With `seconds`, decoding stops once that many seconds have passed since
+        this call began (the generator's making included); every answer keeps at least the first
+        token. Raises `kestrel.decode.model.UnsupportedModelError` for a model the decode path
+        lacks."""
         from kestrel.decode.generate import Generator
         from kestrel.training.grpo.rollout import decode_completions
 
+        deadline = None if seconds is None else time.perf_counter() + seconds
         was_training = model.training
         model.eval()
         longest = max(len(c.ids) for c in self.cases)
@@ -89,20 +103,45 @@ class GenerationCheck:
         generator = self.generator or Generator(model, tokenizer, max_seq_len=longest + self.max_new_tokens,
                                                 compile=False)
         try:
-            out = generator.generate([c.ids for c in self.cases], max_new_tokens=self.max_new_tokens,
-                                     adapter=getattr(model, "active_adapter", None))
-            answers = decode_completions(tokenizer, out.tokens, generator.stop_ids)
+            tokens, finished = self.answer(generator, getattr(model, "active_adapter", None), deadline)
+            answers = decode_completions(tokenizer, tokens, generator.stop_ids)
         finally:
             # Ours: the model's projections get their own storage back. The run's: its cache goes.
             generator.close() if self.generator is None else generator.release()
             model.train(was_training)
-        return self.write(answers, output_dir, step)
+        return self.write(answers, output_dir, step, finished, seconds)
 
-    def write(self, answers: list[str], output_dir: Path, step: int) -> dict[str, Any]:
-        rows = [{"line": c.line, "prompt": c.prompt, "reference": c.reference, "answer": a.strip(),
+    def answer(self, generator: Any, adapter: str | None,
+               deadline: float | None) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's new tokens and why its answer ended ("stop", "length", or "time": still
+        decoding at `deadline`, a `time.perf_counter()` reading; None: no deadline)."""
+        tokens: list[list[int]] = [[] for _ in self.cases]
+        finished = [False] * len(self.cases)
+        chunks = generator.chunks([c.ids for c in self.cases], max_new_tokens=self.max_new_tokens, adapter=adapter)
+        try:
+            for chunk in chunks:  # the first chunk is always kept: every prompt gets an answer
+                for row, new in zip(tokens, chunk.tokens):
+                    row += new
+                finished = list(chunk.finished)
+                if deadline is not None and time.perf_counter() >= deadline:
+                    break
+        finally:
+            chunks.close()  # ends the request now, not when collected: the generator is free for release()
+        stops = set(generator.stop_ids)
+        # The decode's own reasons: a row ends at its stop token (kept in its tokens) or at the limit.
+        reasons = [("stop" if row and row[-1] in stops else "length") if done else "time"
+                   for row, done in zip(tokens, finished)]
+        return tokens, reasons
+
+    def write(self, answers: list[str], output_dir: Path, step: int, finished: list[str],
+              seconds: float | None) -> dict[str, Any]:
+        """Score `answers` (one per case; `finished`: why each ended) against the references and
+        write GENERATION_FILE with the time budget `seconds`; returns what was written."""
+        rows = [{"line": c.line, "prompt": c.prompt, "reference": c.reference, "answer": a.strip(), "finished": f,
                  "exact_match": exact_match(a, c.reference), "rouge_l": rouge_l(a, c.reference)["f"]}
-                for c, a in zip(self.cases, answers)]
+                for c, a, f in zip(self.cases, answers, finished)]
         summary = {"step": step, "exact_match": sum(r["exact_match"] for r in rows) / len(rows),
-                   "rouge_l": sum(r["rouge_l"] for r in rows) / len(rows), "rows": rows}
+                   "rouge_l": sum(r["rouge_l"] for r in rows) / len(rows), "seconds": seconds,
+                   "stopped_early": sum(r["finished"] == "time" for r in rows), "rows": rows}
         (Path(output_dir) / GENERATION_FILE).write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
         return summary

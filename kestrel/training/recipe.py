@@ -330,7 +330,7 @@ def generation_check(s: RunState, cb: Callback, step: int) -> None:
         return
     free_training_memory(s)
     try:
-        summary = check.run(s.model, s.tokenizer, s.output_dir, step)
+        summary = check.run(s.model, s.tokenizer, s.output_dir, step, seconds=s.evaluator.schedule.check_seconds())
     except UnsupportedModelError as exc:
         cb.on_log(f"generation check skipped: the fast decode path does not run this model ({exc})")
         return
@@ -340,13 +340,22 @@ def generation_check(s: RunState, cb: Callback, step: int) -> None:
         free_training_memory(s)  # here, not in the except block, whose traceback still holds the check's tensors
         cb.on_log(f"generation check skipped: the GPU ran out of memory decoding {len(check.cases)} held-out "
                   "prompts after training (the decode path's cache and buffers come on top of the model). "
-                  f"The trained weights are saved; check them once the GPU is free: the Runs tab's "
-                  f"'Check generations', or `python -m kestrel.training.check_run {s.output_dir} --weights "
-                  f"{s.output_dir} --step {step}`")
+                  f"The trained weights are saved; check them once the GPU is free: {check_later(s, step)}")
         return
     cb.on_step({"step": step, "eval_exact_match": summary["exact_match"], "eval_rouge_l": summary["rouge_l"]})
     cb.on_log(f"generation check on {len(check.cases)} held-out prompts: exact match {summary['exact_match']:.0%}, "
               f"ROUGE-L {summary['rouge_l']:.3f} (in {s.output_dir / GENERATION_FILE})")
+    if summary["stopped_early"]:
+        cb.on_log(f"generation check: {summary['stopped_early']} of {len(check.cases)} answers stopped at its time "
+                  f"budget of {summary['seconds']:.1f} s, so their scores read low; the budget keeps evaluation "
+                  f"within {s.evaluator.schedule.budget:.0%} of the training time. For full answers: "
+                  f"{check_later(s, step)}")
+
+
+def check_later(s: RunState, step: int) -> str:
+    """How to run the generation check on the saved final weights, whole and without a time budget."""
+    return (f"the Runs tab's 'Check generations', or `python -m kestrel.training.check_run {s.output_dir} "
+            f"--weights {s.output_dir} --step {step}`")
 
 
 def free_training_memory(s: RunState) -> None:

@@ -90,3 +90,29 @@ def test_runs_that_cannot_be_checked_say_why(tmp_path: Path) -> None:
     with pytest.raises(gr.Error) as excinfo:
         list(generation.check_generations(None))
     assert "Pick a run first" in error_text(excinfo)
+
+
+def _written(folder: Path, rows: list[dict], **summary: object) -> jobs.Job:
+    """A finished run whose generation_check.json holds `rows` and `summary`'s keys."""
+    job = _run(folder, eval_split=0.05)
+    data = {"step": 4, "exact_match": 0.0, "rouge_l": 0.25, **summary, "rows": rows}
+    (folder / "generation_check.json").write_text(json.dumps(data))
+    return job
+
+
+def test_answers_cut_by_the_checks_time_budget_are_marked(tmp_path: Path) -> None:
+    row = {"line": 1, "prompt": "2+2?", "reference": "4", "exact_match": False, "rouge_l": 0.5}
+    job = _written(tmp_path / "cut", [{**row, "answer": "The ans", "finished": "time"},
+                                      {**row, "answer": "4", "finished": "stop"}], seconds=1.5, stopped_early=1)
+    view = generation.generation_view(job)
+    assert view["generation_table"]["answer"].tolist() == ["The ans [cut: time budget]", "4"]
+    summary = view["generation_summary"]
+    assert summary.startswith("2 held-out prompts at step 4")
+    assert "1 answers were cut at the check's time budget (1.5 s" in summary and "'Check generations'" in summary
+
+
+def test_a_check_written_before_the_time_budget_reads_as_before(tmp_path: Path) -> None:
+    row = {"line": 1, "prompt": "2+2?", "reference": "4", "answer": "The ans", "exact_match": False, "rouge_l": 0.5}
+    view = generation.generation_view(_written(tmp_path / "old", [row]))
+    assert view["generation_table"]["answer"].tolist() == ["The ans"]
+    assert view["generation_summary"] == "1 held-out prompts at step 4: exact match **0%**, ROUGE-L **0.250**"

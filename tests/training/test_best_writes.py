@@ -122,9 +122,14 @@ def _finished_run(model, optimizer, released: list[bool], check, output_dir: Pat
     `released` records each release of the (stand-in) recompute's graphs."""
     from types import SimpleNamespace
 
+    from kestrel.training.eval_schedule import EvalSchedule
+    from kestrel.training.evaluation import EVAL_BUDGET
+
+    schedule = EvalSchedule(1, True, EVAL_BUDGET)  # no step measured: the check has no time budget
     return SimpleNamespace(model=model, tokenizer=None, output_dir=output_dir, optimizer=optimizer,
                            recompute=SimpleNamespace(release=lambda: released.append(True)),
-                           evaluator=SimpleNamespace(generation=check), world=SimpleNamespace(is_main=True, size=1))
+                           evaluator=SimpleNamespace(generation=check, schedule=schedule),
+                           world=SimpleNamespace(is_main=True, size=1))
 
 
 def test_the_training_state_is_freed_before_the_generation_check_decodes(tiny_model_dir, monkeypatch) -> None:
@@ -141,9 +146,9 @@ def test_the_training_state_is_freed_before_the_generation_check_decodes(tiny_mo
     released: list[bool] = []
     seen: dict[str, object] = {}
 
-    def check_run(self, m, tokenizer, output_dir, step):  # what the decode would find
+    def check_run(self, m, tokenizer, output_dir, step, seconds=None):  # what the decode would find
         seen.update(state=len(optimizer.state), grads=sum(p.grad is not None for p in params), released=list(released))
-        return {"exact_match": 0.0, "rouge_l": 0.0}
+        return {"exact_match": 0.0, "rouge_l": 0.0, "seconds": seconds, "stopped_early": 0}
 
     monkeypatch.setattr(GenerationCheck, "run", check_run)
     s = _finished_run(model, optimizer, released, GenerationCheck([object()], 8))
@@ -164,7 +169,7 @@ def test_a_check_out_of_gpu_memory_is_logged_and_the_completed_run_stands(tiny_m
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     released: list[bool] = []
 
-    def check_run(self, m, tokenizer, output_dir, step):
+    def check_run(self, m, tokenizer, output_dir, step, seconds=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 832.00 MiB")
 
     monkeypatch.setattr(GenerationCheck, "run", check_run)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kestrel.training.evaluation import EVAL_BUDGET
+from kestrel.training.evaluation import CHECK_SHARE, EVAL_BUDGET
 from kestrel.training.eval_schedule import EvalSchedule
 
 
@@ -89,6 +89,58 @@ def test_only_the_final_evaluation_when_one_more_does_not_fit_and_patience_is_to
     evals, logs = _simulate(schedule, 40, [1.0] * 40, [1.5])  # 2 s of budget, 1.5 s spent at step 5
     assert evals == [5, 40]
     assert "only the final evaluation is left" in logs[0] and "patience 3" in logs[0], logs
+
+
+# --- the generation check's share ---------------------------------------------------------------
+
+
+def test_the_generation_checks_reserve_leaves_fewer_periodic_evaluations() -> None:
+    """The GPU case again: with the check's reserve taken out of the budget, the same measurements
+    fit fewer evaluations, and those stay within what is left."""
+    step_s, stall = [0.39] * 600, 0.46
+    without, _ = _simulate(EvalSchedule(every=10, auto=True, budget=EVAL_BUDGET), 600, step_s, [stall])
+    checked = EvalSchedule(every=10, auto=True, budget=EVAL_BUDGET, check_share=CHECK_SHARE)
+    evals, _ = _simulate(checked, 600, step_s, [stall])
+    assert len(evals) < len(without)
+    assert len(evals) * stall <= (1 - CHECK_SHARE) * EVAL_BUDGET * sum(step_s) + 1e-9 and evals[-1] == 600
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_the_final_evaluation_counts_in_the_seconds_spent(auto: bool) -> None:
+    stalls = [0.05, 0.025, 0.0125, 0.4]  # cheap enough for the plan to stay every 10; a slow final one
+    schedule = EvalSchedule(every=10, auto=auto, budget=EVAL_BUDGET, check_share=CHECK_SHARE)
+    evals, _ = _simulate(schedule, 35, [1.0] * 35, stalls)
+    assert evals == [10, 20, 30, 35] and schedule.spent_s == pytest.approx(sum(stalls))
+
+
+def test_the_check_gets_what_the_evaluations_left_and_at_least_its_reserve() -> None:
+    """100 steps of 1 s: a budget of 5 s, of which the check's reserve is 2 s."""
+    reserve = CHECK_SHARE * EVAL_BUDGET * 100
+    assert EvalSchedule(every=10, auto=True, budget=EVAL_BUDGET, check_share=CHECK_SHARE).check_seconds() is None
+    cheap = EvalSchedule(every=10, auto=True, budget=EVAL_BUDGET, check_share=CHECK_SHARE)
+    evals, _ = _simulate(cheap, 100, [1.0] * 99 + [9.0], [0.1])  # the median step is 1 s
+    assert len(evals) == 10 and cheap.check_seconds() == pytest.approx(EVAL_BUDGET * 100 - 10 * 0.1)  # 4 s > 2 s
+    slow_final = EvalSchedule(every=10, auto=True, budget=EVAL_BUDGET, check_share=CHECK_SHARE)
+    evals, _ = _simulate(slow_final, 100, [1.0] * 100, [0.1] * 9 + [4.0])  # 4.9 s spent: 0.1 s left
+    assert len(evals) == 10 and slow_final.check_seconds() == pytest.approx(reserve)
+
+
+def test_a_run_whose_evaluations_overspent_still_gives_the_check_its_reserve() -> None:
+    """eval_steps set by hand: evaluations of 5 s every 10 steps of 0.1 s spend far more than the
+    budget, and the check still gets its reserve of the training seconds."""
+    schedule = EvalSchedule(every=10, auto=False, budget=EVAL_BUDGET, check_share=CHECK_SHARE)
+    _simulate(schedule, 35, [0.1] * 35, [5.0])
+    assert schedule.spent_s == pytest.approx(20.0)
+    assert schedule.check_seconds() == pytest.approx(CHECK_SHARE * EVAL_BUDGET * 35 * 0.1)
+
+
+def test_the_check_budgets_the_steps_run_not_those_planned() -> None:
+    """Early stopping ends the run at step 40 of 100: the check is held to 40 steps' budget."""
+    schedule = EvalSchedule(every=10, auto=True, budget=EVAL_BUDGET, check_share=CHECK_SHARE)
+    for done in range(1, 41):
+        schedule.stepped(1.0)
+        schedule.due(done, 100)
+    assert schedule.check_seconds() == pytest.approx(EVAL_BUDGET * 40)
 
 
 def test_every_rank_plans_from_rank_0s_measurements() -> None:

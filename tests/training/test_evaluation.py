@@ -255,9 +255,9 @@ class _FakeGenerator:
         _FakeGenerator.instances.append(self)
         self.stop_ids, self.closed, self.released = [0], False, False
 
-    def generate(self, prompts, max_new_tokens, adapter=None):
-        from types import SimpleNamespace
-        return SimpleNamespace(tokens=[[5, 6, 0] for _ in prompts])
+    def chunks(self, prompts, max_new_tokens, adapter=None):
+        from kestrel.decode.generate import TokenChunk
+        yield TokenChunk([[5, 6, 0] for _ in prompts], [True] * len(prompts))
 
     def close(self) -> None:
         self.closed = True
@@ -288,6 +288,73 @@ def test_the_check_decodes_its_one_batch_uncompiled_and_reuses_a_runs_generator(
     GenerationCheck(cases, 8, own).run(model, tokenizer, tmp_path, step=4)
     assert len(_FakeGenerator.made) == 2 and own.released and not own.closed  # no generator made for it
     assert json.loads((tmp_path / "generation_check.json").read_text())["step"] == 4
+
+
+def _tiny_check(tiny_model_dir, max_new_tokens: int):
+    """The tiny model (eval mode), its tokenizer, a check of 8 held-out arithmetic prompts whose
+    answers may run to `max_new_tokens`, and a generator sized for it that reads every 4 tokens."""
+    from kestrel.decode.generate import Generator
+    from kestrel.training.generation_check import GenerationCheck
+
+    model, tokenizer = load(str(tiny_model_dir("llama")), 256, dtype="fp32")
+    model.eval()
+    _, convs, _ = load_conversations("arithmetic_chat")
+    cases = GenerationCheck.from_conversations(convs, tokenizer, 64).cases
+    longest = max(len(c.ids) for c in cases)
+    generator = Generator(model, tokenizer, max_seq_len=longest + max_new_tokens, sync_every=4)
+    return model, tokenizer, GenerationCheck(cases, max_new_tokens, generator)
+
+
+def test_a_check_out_of_time_keeps_the_first_chunk_of_each_answer_and_marks_it(tiny_model_dir, tmp_path) -> None:
+    """seconds=0: the time is spent before the first token, so each answer is its first chunk
+    (the prefill's token), marked "time" unless it had ended there; the generator (a run's, as
+    GRPO passes) is released and serves the next request."""
+    from kestrel.training.grpo.rollout import decode_completions
+
+    model, tokenizer, check = _tiny_check(tiny_model_dir, 40)
+    prompts = [c.ids for c in check.cases]
+    full = check.generator.generate(prompts, max_new_tokens=40)
+    assert any(len(t) > 4 for t in full.tokens)  # more than one chunk would be decoded
+    summary = check.run(model, tokenizer, tmp_path, step=5, seconds=0.0)
+    first = decode_completions(tokenizer, [t[:1] for t in full.tokens], check.generator.stop_ids)
+    assert [r["answer"] for r in summary["rows"]] == [a.strip() for a in first]
+    want = ["stop" if len(t) == 1 and r == "stop" else "time" for t, r in zip(full.tokens, full.finish_reasons)]
+    assert [r["finished"] for r in summary["rows"]] == want and "time" in want
+    assert summary["stopped_early"] == want.count("time") and summary["seconds"] == 0.0
+    assert json.loads((tmp_path / "generation_check.json").read_text()) == summary
+    assert check.generator._session is None  # released
+    assert check.generator.generate(prompts, max_new_tokens=40).tokens == full.tokens  # not left busy
+
+
+def test_a_check_without_a_time_budget_answers_in_full(tiny_model_dir, tmp_path) -> None:
+    from kestrel.training.grpo.rollout import decode_completions
+
+    model, tokenizer, check = _tiny_check(tiny_model_dir, 40)
+    full = check.generator.generate([c.ids for c in check.cases], max_new_tokens=40)
+    stops, check.generator = check.generator.stop_ids, None  # the check makes its own, of the same size
+    summary = check.run(model, tokenizer, tmp_path, step=5)
+    answers = decode_completions(tokenizer, full.tokens, stops)
+    assert [r["answer"] for r in summary["rows"]] == [a.strip() for a in answers]
+    assert [r["finished"] for r in summary["rows"]] == full.finish_reasons
+    assert summary["stopped_early"] == 0 and summary["seconds"] is None
+
+
+def test_a_run_whose_check_runs_out_of_time_says_so(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:
+    """The end-of-run check gets the schedule's seconds; when they cut answers, the log says how
+    many, why, and how to get them in full."""
+    from kestrel.training.eval_schedule import EvalSchedule
+
+    monkeypatch.setattr(EvalSchedule, "check_seconds", lambda self: 0.0)  # nothing left of the budget
+    out, logs = tmp_path / "run", Logs()
+    result = run(config_from_dict(_cfg(str(tiny_model_dir("llama")), out, max_steps=4, eval_split=0.05)), [logs])
+    assert result.status == "completed", result.error
+    check = json.loads((out / "generation_check.json").read_text())
+    cut = sum(r["finished"] == "time" for r in check["rows"])
+    assert check["seconds"] == 0.0 and check["stopped_early"] == cut > 0
+    assert all(r["finished"] in ("stop", "length", "time") for r in check["rows"])
+    line = next(x for x in logs.lines if "time budget" in x)
+    assert f"{cut} of 8 answers stopped at its time budget of 0.0 s" in line and "within 5% of the training time" in line
+    assert "'Check generations'" in line and f"python -m kestrel.training.check_run {out} --weights {out} --step 4" in line
 
 
 def test_resume_restores_early_stopping_from_the_evaluations_before_the_checkpoint(tiny_model_dir, tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """The Runs tab's generation check: the held-out prompts a run answered, beside their reference
 answers, with exact match and ROUGE-L (`kestrel.training.generation_check` wrote them), and the
 "Check generations" button that answers them again on demand with the run's saved weights.
+Answers the end-of-run check's time budget cut are marked beside the answer, with a note above
+the table (files written before the budget have neither).
 
     generation_view(job)  -> {"generation_summary": markdown, "generation_table": DataFrame,
                               "check_generations": the button (enabled for a finished run with
@@ -68,12 +70,20 @@ def generation_view(job: jobs.Job | None) -> dict[str, Any]:
     if data is None:
         return {"generation_summary": S.RU_GEN_NONE, "generation_table": pd.DataFrame(columns=S.RU_GEN_COLUMNS),
                 "check_generations": button}
-    rows = [[r.get("prompt", ""), r.get("reference", ""), r.get("answer", ""),
+    rows = [[r.get("prompt", ""), r.get("reference", ""), _answer(r),
              "yes" if r.get("exact_match") else "no", round(float(r.get("rouge_l", 0.0)), 3)] for r in data["rows"]]
     summary = S.RU_GEN_SUMMARY.format(n=len(rows), step=data.get("step", "?"),
                                       exact=float(data.get("exact_match", 0.0)), rouge=float(data.get("rouge_l", 0.0)))
+    if data.get("stopped_early"):  # files written before the time budget have no such key
+        summary += "\n\n" + S.RU_GEN_CUT_NOTE.format(n=data["stopped_early"], seconds=float(data.get("seconds") or 0.0))
     return {"generation_summary": summary, "generation_table": pd.DataFrame(rows, columns=S.RU_GEN_COLUMNS),
             "check_generations": button}
+
+
+def _answer(row: dict[str, Any]) -> str:
+    """A row's answer, marked when the end-of-run check's time budget cut it."""
+    answer = row.get("answer", "")
+    return f"{answer} {S.RU_GEN_CUT}" if row.get("finished") == "time" else answer
 
 
 def check_command(run_dir: str, weights: Path, step: int) -> list[str]:
