@@ -69,18 +69,18 @@ export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .gpu-fla ] && export PYTHONPATH="$PWD/.gpu-fla:$PYTHONPATH"
 
 # Triton's autotuning results. flash-linear-attention tunes every kernel at each new shape, which took
-# 303 s of a fresh machine's first Qwen3.5-9B steps (session 32). Each call's results (the small
-# *.autotune.json files, not the compiled kernels) come back under $OUT/gpu-autotune. Copy that folder
-# to .gpu-autotune (cp -r <files_at>/gpu-autotune .gpu-autotune) and carry it: the next call starts
-# with them. Tuning happens before any timed step, so no timing changes; every system shares the cache.
+# 258-303 s of a fresh machine's first Qwen3.5-9B steps (sessions 32-33). Each call's results (the small
+# *.autotune.json files, not the compiled kernels) come back as one archive, $OUT/gpu-autotune.tar (the
+# device tool returns a limited number of files per call: 6 of 39 loose files came back in session 33).
+# Copy it into the checkout (cp <files_at>/gpu-autotune.tar .gpu-autotune.tar) and carry it: the next call
+# starts with them, and adds its own. Tuning happens before any timed step, so no timing changes; every
+# system shares the cache.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 mkdir -p "$TRITON_CACHE_DIR"
-[ -d .gpu-autotune ] && cp -rn .gpu-autotune/. "$TRITON_CACHE_DIR/"
+[ -f .gpu-autotune.tar ] && tar -xkf .gpu-autotune.tar -C "$TRITON_CACHE_DIR" 2>/dev/null
 save_autotune() {
-    mkdir -p "$OUT/gpu-autotune"
-    (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 | tar --null -cf - -T -) |
-        (cd "$OUT/gpu-autotune" && tar -xf -)
-    echo "$(find "$OUT/gpu-autotune" -name "*.autotune.json" | wc -l) autotuning results in $OUT/gpu-autotune"
+    (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 | tar --null -cf "$OUT/gpu-autotune.tar" -T -)
+    echo "$(tar -tf "$OUT/gpu-autotune.tar" | grep -c autotune.json) autotuning results in $OUT/gpu-autotune.tar"
 }
 trap save_autotune EXIT
 
