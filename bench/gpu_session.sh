@@ -20,11 +20,12 @@
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
 #   dpo       DPO QLoRA at the 8B shape (issue 27's target): Kestrel (the default, auto checkpointing: offload
 #             on one GPU), TRL and Unsloth, each in its own process, 60 steps (median, settled and mean rates)
-#   dpoeval   Kestrel's DPO, DPOEVAL_STEPS (160) steps, four runs in turn: without evaluation, with it (5% of
-#             the pairs held out, the default interval), then both again. Each process's first training
-#             step and first decode compile Triton kernels into the machine's cache, so the first pair
-#             meets cold kernels (a fresh machine's first run), the second pair warm ones (every later
-#             run); what evaluation adds is taken within a pair (issue 27: at most 5%)
+#   dpoeval   Kestrel's DPO: one short warm-up run (12 steps: a process's first steps compile Triton
+#             kernels into the machine's cache, which made a fresh machine's first run about 9 s slower),
+#             then DPOEVAL_STEPS (160) steps four times in the order with, without, without, with
+#             evaluation (5% of the pairs held out, the default interval; ABBA, so a drift over the call
+#             cancels). What evaluation adds is the mean of the two "with" runs' wall time over the mean
+#             of the two "without" (issue 27: at most 5%)
 #   gencheck  the end-of-run generation check alone on the 8B QLoRA shape (8 prompts of 512 tokens, 256 new):
 #             as the product runs it (uncompiled; twice, then once profiled: kernel time by kind per
 #             decode step), then with a compiled generator in a process of its own (what it replaced)
@@ -129,9 +130,10 @@ for want in "$@"; do
                       --steps 8 --warmup 12 --out "$OUT/train_off.json" ;;
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
         dpo)      phase dpo 540 python bench/dpo.py --impls kestrel,trl,unsloth --steps 60 --warmup 3 --out "$OUT/dpo.json" ;;
-        dpoeval)  phase dpoeval 560 bash -c "for run in 1 2; do for e in 0 0.05; do python bench/dpo.py --impls kestrel \
-                      --steps ${DPOEVAL_STEPS:-160} --warmup 3 --eval-split \$e --out $OUT/dpo-eval\$e-run\$run.json \
-                      || exit 1; done; done" ;;
+        dpoeval)  phase dpoeval 560 bash -c "python bench/dpo.py --impls kestrel --steps 12 --warmup 3 --out $OUT/dpo-warm.json \
+                      || exit 1; for e in 0.05 0 0 0.05; do n=\$((n + 1)); python bench/dpo.py --impls kestrel \
+                      --steps ${DPOEVAL_STEPS:-160} --warmup 3 --eval-split \$e --out $OUT/dpo-eval\$e-run\$n.json \
+                      || exit 1; done" ;;
         gencheck) phase gencheck 500 bash -c "python bench/decode_memory.py --layers 0 --prompts 8 --prompt-len 512 \
                       --new 256 --profile $OUT/gencheck-prof.txt --out $OUT/gencheck.txt && python bench/decode_memory.py \
                       --layers 0 --prompts 8 --prompt-len 512 --new 256 --compile --out $OUT/gencheck-compiled.txt" ;;

@@ -114,16 +114,23 @@ class GenerationCheck:
     def answer(self, generator: Any, adapter: str | None,
                deadline: float | None) -> tuple[list[list[int]], list[str]]:
         """Each prompt's new tokens and why its answer ended ("stop", "length", or "time": still
-        decoding at `deadline`, a `time.perf_counter()` reading; None: no deadline)."""
+        decoding when the deadline came, a `time.perf_counter()` reading; None: no deadline).
+
+        Decoding stops at the chunk after which the next one would end past the deadline, judged
+        by how long the last chunk took to arrive (chunks are equal in steps, so equal in time),
+        rather than at the first chunk past it, which overran by up to a chunk."""
         tokens: list[list[int]] = [[] for _ in self.cases]
         finished = [False] * len(self.cases)
         chunks = generator.chunks([c.ids for c in self.cases], max_new_tokens=self.max_new_tokens, adapter=adapter)
+        last, gap = time.perf_counter(), 0.0  # the first chunk is the prefill's: its time says nothing of the next
         try:
-            for chunk in chunks:  # the first chunk is always kept: every prompt gets an answer
+            for n, chunk in enumerate(chunks):  # the first chunk is always kept: every prompt gets an answer
                 for row, new in zip(tokens, chunk.tokens):
                     row += new
                 finished = list(chunk.finished)
-                if deadline is not None and time.perf_counter() >= deadline:
+                now = time.perf_counter()
+                gap, last = (now - last if n else 0.0), now
+                if deadline is not None and now + gap > deadline:
                     break
         finally:
             chunks.close()  # ends the request now, not when collected: the generator is free for release()

@@ -290,6 +290,39 @@ def test_the_check_decodes_its_one_batch_uncompiled_and_reuses_a_runs_generator(
     assert json.loads((tmp_path / "generation_check.json").read_text())["step"] == 4
 
 
+class _TimedChunks:
+    """A generator whose chunks (the prefill's token, then one token each) arrive at the
+    scripted clock readings `arrivals` (seconds); the check's own reads of the clock see them."""
+
+    def __init__(self, arrivals: list[float]) -> None:
+        self.arrivals, self.now, self.stop_ids, self.sent = arrivals, 0.0, [0], 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def chunks(self, prompts, max_new_tokens, adapter=None):
+        from kestrel.decode.generate import TokenChunk
+        for t in self.arrivals:
+            self.now, self.sent = t, self.sent + 1
+            yield TokenChunk([[7] for _ in prompts], [False] * len(prompts))
+
+
+@pytest.mark.parametrize(("deadline", "kept"), [(2.5, 3), (2.9, 3), (3.0, 4), (0.5, 2), (0.1, 1), (None, 5)])
+def test_a_check_stops_before_the_chunk_that_would_end_past_its_deadline(monkeypatch, deadline, kept) -> None:
+    """Chunks arrive at 0.2 (the prefill), 1.0, 2.0, 3.0, 4.0 s: each decoding chunk takes 1 s, so
+    with the deadline at 2.5 s the check stops at the chunk of 2.0 s (the next would end at 3.0),
+    and at 3.0 it takes that one. The first chunk is kept whatever the deadline; after it, the next
+    chunk's time is unknown, so it is decoded when the deadline has not yet come (0.5 s)."""
+    from kestrel.training import generation_check
+    from kestrel.training.generation_check import GenerationCase, GenerationCheck
+
+    gen = _TimedChunks([0.2, 1.0, 2.0, 3.0, 4.0])
+    monkeypatch.setattr(generation_check.time, "perf_counter", gen.clock)
+    check = GenerationCheck([GenerationCase([1], "q", "7", 1)], 8, gen)
+    tokens, reasons = check.answer(gen, None, deadline)
+    assert tokens == [[7] * kept] and gen.sent == kept and reasons == ["time"]
+
+
 def _tiny_check(tiny_model_dir, max_new_tokens: int):
     """The tiny model (eval mode), its tokenizer, a check of 8 held-out arithmetic prompts whose
     answers may run to `max_new_tokens`, and a generator sized for it that reads every 4 tokens."""
