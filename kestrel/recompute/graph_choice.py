@@ -92,6 +92,10 @@ class _Layout:
     graph_warm: int = 0  # untimed graphed forwards so far
     times: dict[bool, list[float]] = dataclasses.field(default_factory=lambda: {True: [], False: []})
     decision: Decision | None = None
+    recent: list[float] = dataclasses.field(default_factory=list)  # the decided way's forwards since its last check
+    watch: int = 0  # forwards of the decided way between checks (0: not watched)
+    retimes: int = 0  # times this layout's decision was doubted and timed again
+    retiming: bool = False  # timing the other way again now: nothing is inferred for it meanwhile
 
 
 class GraphChooser:
@@ -117,17 +121,30 @@ class GraphChooser:
       same batch with another number of samples in it) takes the decision even while being timed.
       Layouts between the bounds are probed. A decision that contradicts the rule (graphed above an
       eager one) ends the inferring by bounds.
+    - A timed decision is watched: its way's forwards stay timed (events, no sync), and every
+      `watch` of them their median is held against the median the other way ran at when it lost.
+      Where the chosen way now runs slower than that, the choice rested on samples that did not hold
+      (an eager step can vary by half between steps on a busy host: DPO, bench/RESULTS.md session
+      33), so the other way is timed again and the layout decided anew from the chosen way's recent
+      median and the other's fresh samples; decisions inferred from it are inferred again.
+      The window then doubles, so a run of n forwards re-times a layout at most log2(n / watch)
+      times. A re-timing costs `samples` forwards (after `warmup` ones, for graphs) of the other
+      way, and it only starts where the two ways' times have come within `margin` of each other
+      or crossed, so it is cheap exactly when the evidence is weak, and it is how a wrong or stale
+      choice is undone.
 
-    `on_decision(decision)` hears each choice as it is made (the run's log and metrics).
+    `on_decision(decision)` hears each choice as it is made (the run's log and metrics), re-timed
+    ones included.
     """
 
     def __init__(
         self, mode: GraphMode = "auto", clock: Clock | None = None, warmup: int = 3, samples: int = 3,
-        margin: float = 0.01, on_decision: Callable[[Decision], None] | None = None,
+        margin: float = 0.01, on_decision: Callable[[Decision], None] | None = None, watch: int = 12,
     ) -> None:
         if mode not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
         self.mode, self.clock, self.warmup, self.samples, self.margin = mode, clock or WallClock(), warmup, samples, margin
+        self.watch = watch
         self.on_decision = on_decision
         self.layouts: dict[Hashable, _Layout] = {}
         self._open: tuple[_Layout, bool, Any] | None = None  # the forward running now, if timed: layout, way, start
@@ -187,7 +204,7 @@ class GraphChooser:
         if layout.decision is None:
             self._infer(layout)
         if layout.decision is not None:
-            return layout.decision.graphed, False
+            return layout.decision.graphed, layout.watch > 0
         if layout.sightings == 1:
             return False, False  # eager warm-up
         if self._have(layout, False) < self.samples:
@@ -214,7 +231,24 @@ class GraphChooser:
                 layout.times[graphed].append(seconds)
                 if min(len(t) for t in layout.times.values()) >= self.samples:
                     self._decide(layout)
+            elif layout.watch and graphed == layout.decision.graphed:
+                layout.recent.append(seconds)
+                if len(layout.recent) >= layout.watch:
+                    self._recheck(layout)
         self._pending = still
+
+    def _recheck(self, layout: _Layout) -> None:
+        """A watched layout's check: time the other way again where the chosen way's recent
+        median is no longer faster than the median the other way lost with."""
+        decision, ran = layout.decision, statistics.median(layout.recent)
+        assert decision is not None and decision.graphed_s is not None and decision.eager_s is not None
+        lost_with = decision.eager_s if decision.graphed else decision.graphed_s
+        if ran * (1 + self.margin) < lost_with:
+            layout.recent = []  # still the faster way: keep watching
+            return
+        layout.times = {decision.graphed: layout.recent, not decision.graphed: []}
+        layout.recent, layout.decision, layout.graph_warm = [], None, 0
+        layout.watch, layout.retimes, layout.retiming = layout.watch * 2, layout.retimes + 1, True
 
     def _decide(self, layout: _Layout) -> None:
         graphed_s = statistics.median(layout.times[True])
@@ -222,15 +256,39 @@ class GraphChooser:
         graphed = graphed_s < eager_s * (1 - self.margin)
         faster = "graphed" if graphed else "eager"
         ratio = max(graphed_s, eager_s) / max(min(graphed_s, eager_s), 1e-12)
-        reason = (f"timed {self.samples} forwards each way: graphed {graphed_s * 1e3:.1f} ms, eager "
-                  f"{eager_s * 1e3:.1f} ms a step; {faster} " +
+        n_graphed, n_eager = len(layout.times[True]), len(layout.times[False])
+        timed = (f"timed {self.samples} forwards each way" if n_graphed == n_eager else
+                 f"re-timed ({layout.retimes}): the chosen way ran slower than the other had, so "
+                 f"{n_graphed} graphed and {n_eager} eager forwards")
+        reason = (f"{timed}: graphed {graphed_s * 1e3:.1f} ms, eager {eager_s * 1e3:.1f} ms a step; {faster} " +
                   (f"is {ratio:.2f}x faster" if ratio > 1 + self.margin else "is level, and holds no graph pool"))
+        retimed, layout.retiming, layout.watch = layout.retiming, False, layout.watch or self.watch
         self._set(layout, Decision(layout.name, layout.tokens, graphed, graphed_s, eager_s, reason))
+        if retimed:
+            self._reinfer()
 
-    def _infer(self, layout: _Layout) -> None:
+    def _reinfer(self) -> None:
+        """After a re-timed decision: each inferred decision taken again from the timed ones
+        (told only where it changed); one that no bound covers any more is probed."""
+        for layout in self.layouts.values():
+            old = layout.decision
+            if old is None or old.graphed_s is not None:
+                continue
+            layout.decision = None
+            self._infer(layout, force=True)
+            if layout.decision is None:
+                layout.sightings = 1  # probed afresh from its next forward
+                layout.times = {True: [], False: []}
+            elif layout.decision.graphed == old.graphed:
+                layout.decision = old  # unchanged: no new line for the log
+
+    def _infer(self, layout: _Layout, force: bool = False) -> None:
         """The cost model's answer, where a timed decision gives one: a layout of as many tokens
         takes its decision at any stage; a bound (fewer tokens than a graphed one, more than an
-        eager one) applies only before this layout's own timing has started."""
+        eager one) applies only before this layout's own timing has started (`force`: whatever its
+        stage, for a layout decided by inference before). A layout being re-timed is left alone."""
+        if layout.retiming:
+            return
         timed = [lay.decision for lay in self.layouts.values() if lay.decision is not None and lay.decision.graphed_s is not None]
         same = [d for d in timed if d.tokens == layout.tokens]
         if same:
@@ -239,7 +297,7 @@ class GraphChooser:
             return
         graphed_at = [d.tokens for d in timed if d.graphed]
         eager_at = [d.tokens for d in timed if not d.graphed]
-        if layout.sightings > 2 or graphed_at and eager_at and max(graphed_at) >= min(eager_at):
+        if (layout.sightings > 2 and not force) or graphed_at and eager_at and max(graphed_at) >= min(eager_at):
             return  # being timed already, or the rule does not hold on this run
         if graphed_at and layout.tokens <= max(graphed_at):
             self._set(layout, Decision(layout.name, layout.tokens, True, None, None,

@@ -208,3 +208,88 @@ def test_interleaved_layouts_are_all_decided() -> None:
     decided = {d.layout: d.graphed for d in run.decisions}
     assert decided == {"a": True, "b": True, "c": False}
     assert all(run.ways[-8:][i] == (order[i % 4][0] != "c") for i in range(8))  # each follows its decision
+
+
+# --- watched decisions ---------------------------------------------------------------------------
+
+
+def test_a_choice_whose_way_runs_slower_than_the_other_had_is_timed_again_and_undone() -> None:
+    """The eager probe met three lucky steps (0.38 s) and won against graphed (0.39 s); eager steps
+    then run at 0.48 s. After `watch` eager forwards the chooser times graphed again, against the
+    eager steps' recent median, and switches (DPO on an H200, session 33: 0.48 against 0.39 s)."""
+    eager_seen = []
+
+    def cost(tokens: int, graphed: bool) -> float:
+        if graphed:
+            return 0.39
+        eager_seen.append(1)
+        return 0.38 if len(eager_seen) <= 4 else 0.48
+
+    run = FakeRun(cost)
+    for _ in range(10 + 12 + 6 + 40):
+        run.forward("k", 3328)
+    first, second = run.decisions
+    assert not first.graphed and first.eager_s == pytest.approx(0.38)
+    assert second.graphed and second.eager_s == pytest.approx(0.48) and second.graphed_s == pytest.approx(0.39)
+    assert "re-timed (1)" in second.reason and "3 graphed and 1" in second.reason  # 12 or 13 eager: the watch's
+    decided = run.ways.index(False, 7)  # the first forward after the probe (timings are read a forward late)
+    assert run.ways[decided:decided + 12] == [False] * 12  # watched: the decided way ran its window
+    assert all(run.ways[-40:]) and run.chooser.decided_graphed("k")
+
+
+def test_a_choice_that_holds_is_never_timed_again() -> None:
+    run = FakeRun(host_bound)
+    for _ in range(500):
+        run.forward("small", 1000)
+    assert len(run.decisions) == 1 and all(run.ways[10:])
+    assert run.chooser.layouts["small"].retimes == 0
+
+
+def test_drift_that_slows_both_ways_re_times_a_layout_only_log_often_and_keeps_the_choice() -> None:
+    """Every forward after the decision is 30% slower whichever way (a GPU slowing under power):
+    the chosen way's median passes the other's old one, so the other is timed again, is slower
+    still, and the choice stands; the window doubles each time, so over 600 forwards the layout is
+    re-timed at most log2(600 / 12) + 1 times."""
+    count = [0]
+
+    def cost(tokens: int, graphed: bool) -> float:
+        count[0] += 1
+        slow = 1.3 if count[0] > 10 else 1.0
+        return (0.1 if graphed else 0.12) * slow
+
+    run = FakeRun(cost)
+    for _ in range(600):
+        run.forward("k", 100)
+    layout = run.chooser.layouts["k"]
+    assert 1 <= layout.retimes <= 6
+    assert all(d.graphed for d in run.decisions) and len(run.decisions) == layout.retimes + 1
+    assert run.ways.count(False) <= 4 + 3 * layout.retimes  # the probes' eager forwards, no more
+
+
+def test_decisions_inferred_from_an_undone_one_are_inferred_again() -> None:
+    """A small layout decided eager (its eager probe met fast steps) makes a larger one eager by
+    inference; once the small one is re-timed graphed, the larger one has no bound left and is
+    probed on its own."""
+    eager_seen = []
+
+    def cost(tokens: int, graphed: bool) -> float:
+        if tokens == 4000:
+            return 0.2 if graphed else 0.1  # the large layout: eager really is faster
+        if graphed:
+            return 0.2
+        eager_seen.append(1)
+        return 0.1 if len(eager_seen) <= 4 else 0.3
+
+    run = FakeRun(cost)
+    for _ in range(12):
+        run.forward("small", 1000)
+    run.forward("large", 4000)
+    assert [d.graphed for d in run.decisions] == [False, False] and run.decisions[1].eager_s is None
+    for _ in range(12 + 8):
+        run.forward("small", 1000)
+    assert run.decisions[-1].graphed and "re-timed" in run.decisions[-1].reason
+    assert not run.chooser.decided_graphed("large") and run.chooser.layouts["large"].decision is None
+    for _ in range(12):
+        run.forward("large", 4000)
+    large = run.decisions[-1]
+    assert large.layout == "large" and not large.graphed and large.eager_s == pytest.approx(0.1)
