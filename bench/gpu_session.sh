@@ -20,8 +20,9 @@
 #   decode    batch-1 and rollout decode at the 8B shape, Kestrel and Unsloth (issue 25's figure)
 #   dpo       DPO QLoRA at the 8B shape (issue 27's target): Kestrel (the default, auto checkpointing: offload
 #             on one GPU), TRL and Unsloth, each in its own process, 60 steps (median, settled and mean rates)
-#   dpoeval   Kestrel's DPO: one short warm-up run (12 steps: a process's first steps compile Triton
-#             kernels into the machine's cache, which made a fresh machine's first run about 9 s slower),
+#   dpoeval   Kestrel's DPO: one short warm-up run with evaluation (12 steps: a process's first steps,
+#             and its first generation check's decode, compile Triton kernels into the machine's cache,
+#             which made a fresh machine's first run about 9 s slower, and its first check 5 s slower),
 #             then DPOEVAL_STEPS (160) steps four times in the order with, without, without, with
 #             evaluation (5% of the pairs held out, the default interval; ABBA, so a drift over the call
 #             cancels). What evaluation adds is the mean of the two "with" runs' wall time over the mean
@@ -130,7 +131,7 @@ for want in "$@"; do
                       --steps 8 --warmup 12 --out "$OUT/train_off.json" ;;
         decode)   phase decode 300 python bench/decode.py --baseline unsloth --skip-hf --out "$OUT/decode.json" ;;
         dpo)      phase dpo 540 python bench/dpo.py --impls kestrel,trl,unsloth --steps 60 --warmup 3 --out "$OUT/dpo.json" ;;
-        dpoeval)  phase dpoeval 560 bash -c "python bench/dpo.py --impls kestrel --steps 12 --warmup 3 --out $OUT/dpo-warm.json \
+        dpoeval)  phase dpoeval 560 bash -c "python bench/dpo.py --impls kestrel --steps 12 --warmup 3 --eval-split 0.05 --out $OUT/dpo-warm.json \
                       || exit 1; for e in 0.05 0 0 0.05; do n=\$((n + 1)); python bench/dpo.py --impls kestrel \
                       --steps ${DPOEVAL_STEPS:-160} --warmup 3 --eval-split \$e --out $OUT/dpo-eval\$e-run\$n.json \
                       || exit 1; done" ;;
