@@ -128,10 +128,10 @@ class GraphChooser:
       33), so the other way is timed again and the layout decided anew from the chosen way's recent
       median and the other's fresh samples; decisions inferred from it are inferred again.
       The window then doubles (watch, 2 watch, 4 watch, ...), so a run of n forwards re-times a
-      layout at most log2(n / watch + 1) times. A re-timing costs `samples` forwards (after `warmup` ones, for graphs) of the other
-      way, and it only starts where the two ways' times have come within `margin` of each other
-      or crossed, so it is cheap exactly when the evidence is weak, and it is how a wrong or stale
-      choice is undone.
+      layout at most log2(n / watch + 1) times. A re-timing costs `samples` forwards (after
+      `warmup` ones, for graphs) of the other way, and it only starts where the two ways' times
+      have come within `margin` of each other or crossed, so it is cheap exactly when the
+      evidence is weak, and it is how a wrong or stale choice is undone.
 
     `on_decision(decision)` hears each choice as it is made (the run's log and metrics), re-timed
     ones included.
