@@ -84,9 +84,9 @@ class GenerationCheck:
     def run(self, model: nn.Module, tokenizer: Any, output_dir: Path, step: int,
             seconds: float | None = None) -> dict[str, Any]:
         """Answer every prompt greedily in one decode batch, score, write GENERATION_FILE; returns
-        what was written. With `seconds`, decoding stops once that many seconds have passed since
-        this call began (the generator's making included); every answer keeps at least the first
-        token. Raises `kestrel.decode.model.UnsupportedModelError` for a model the decode path
+        what was written. With `seconds`, decoding stops before the chunk that would end more than
+        that many seconds after this call began (the generator's making included; `answer`); every
+        answer keeps at least the first token. Raises `kestrel.decode.model.UnsupportedModelError` for a model the decode path
         lacks."""
         from kestrel.decode.generate import Generator
         from kestrel.training.grpo.rollout import decode_completions
