@@ -101,8 +101,29 @@ def analyse(trace: dict, steps: int) -> str:
         gaps[where][1] += 1
     for k, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
+    lines += _kernels_by_source(kernels, launches, cpu, steps, ("other", "copy"))
     lines += _products_by_shape(kernels, cpu, steps)
     return "\n".join(lines)
+
+
+def _kernels_by_source(kernels: list[dict], launches: dict, cpu: list[dict], steps: int,
+                       kinds: tuple[str, ...]) -> list[str]:
+    """The time of the kernels of `kinds` by the op and the frames of ours that launched them:
+    elementwise kernels' names are cut before their functor, so the launching op (and the line of
+    ours under it) says which of them a step could drop or fuse."""
+    picked = [k for k in kernels if kind_of(k["name"]) in kinds]
+    queries = []
+    for k in picked:
+        launch = launches.get(k["args"].get("correlation"))
+        queries.append((launch["ts"], launch.get("tid"), k["dur"]) if launch else (None, None, k["dur"]))
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for where, (_, _, dur) in zip(_frames_at(cpu, queries), queries):
+        rows[where][0] += dur
+        rows[where][1] += 1
+    lines = [f"\n{' and '.join(kinds)} kernels by the op and our frames that launched them (ms/step, launches/step):"]
+    for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:30]:
+        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
+    return lines
 
 
 def _products_by_shape(kernels: list[dict], cpu: list[dict], steps: int) -> list[str]:

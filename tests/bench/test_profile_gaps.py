@@ -24,3 +24,34 @@ def test_a_gap_is_told_by_the_launching_op_and_our_frames() -> None:
     gap_line = next(line for line in report.splitlines() if "aten::copy_" in line)
     assert "0.50" in gap_line  # ms per step
     assert "model/attention.py(170): samples_from_starts < training/preference/score.py(80): micro_loss" in gap_line
+
+
+def test_elementwise_and_copy_kernels_are_told_by_the_op_and_frames_that_launched_them() -> None:
+    """Two strided copies launched from one line of ours and an elementwise multiply from another:
+    each kernel's time goes to its own launching op and frame, whatever the kernel's cut name."""
+    def kernel(ts: float, dur: float, corr: int, name: str) -> dict:
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts: float, corr: int) -> dict:
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": 7,
+                "args": {"correlation": corr}}
+
+    copy = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy"
+    events = [
+        kernel(1000, 300, 1, copy), kernel(1300, 200, 2, copy), kernel(1500, 50, 3, "void at::native::vectorized_mul"),
+        kernel(1550, 400, 4, "nvjet_gemm"),
+        launch(10, 1), launch(20, 2), launch(110, 3), launch(120, 4),
+        {"cat": "python_function", "name": "/x/kestrel/model/linear_attention.py(350): linear_attention_forward",
+         "ts": 0, "dur": 100, "tid": 7},
+        {"cat": "cpu_op", "name": "aten::contiguous", "ts": 5, "dur": 30, "tid": 7},
+        {"cat": "python_function", "name": "/x/kestrel/model/linear_attention.py(360): linear_attention_forward",
+         "ts": 100, "dur": 50, "tid": 7},
+        {"cat": "cpu_op", "name": "aten::mul", "ts": 105, "dur": 10, "tid": 7},
+    ]
+    report = analyse({"traceEvents": events}, steps=1).splitlines()
+    head = next(i for i, line in enumerate(report) if line.startswith("other and copy kernels by"))
+    table = report[head + 1:head + 3]
+    assert "0.50" in table[0] and "aten::contiguous in model/linear_attention.py(350)" in table[0]
+    assert "2.0" in table[0]  # launches per step
+    assert "0.05" in table[1] and "aten::mul in model/linear_attention.py(360)" in table[1]
+    assert not any("nvjet" in line or "aten::mm" in line for line in report[head:head + 4])
