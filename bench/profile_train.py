@@ -93,8 +93,7 @@ def analyse(trace: dict, steps: int) -> str:
     for (_, e0), (s1, _) in zip(busy, busy[1:]):
         if s1 - e0 >= GAP_US:
             nxt = kernels[min(bisect.bisect_left(starts, s1), len(kernels) - 1)]
-            launch = launches.get(nxt["args"].get("correlation"))
-            queries.append((launch["ts"], launch.get("tid"), s1 - e0) if launch else (None, None, s1 - e0))
+            queries.append(_launched(nxt, launches, s1 - e0))
     gaps: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for where, gap in zip(_frames_at(cpu, queries), (q[2] for q in queries)):
         gaps[where][0] += gap
@@ -111,11 +110,7 @@ def _kernels_by_source(kernels: list[dict], launches: dict, cpu: list[dict], ste
     """The time of the kernels of `kinds` by the op and the frames of ours that launched them:
     elementwise kernels' names are cut before their functor, so the launching op (and the line of
     ours under it) says which of them a step could drop or fuse."""
-    picked = [k for k in kernels if kind_of(k["name"]) in kinds]
-    queries = []
-    for k in picked:
-        launch = launches.get(k["args"].get("correlation"))
-        queries.append((launch["ts"], launch.get("tid"), k["dur"]) if launch else (None, None, k["dur"]))
+    queries = [_launched(k, launches, k["dur"]) for k in kernels if kind_of(k["name"]) in kinds]
     rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for where, (_, _, dur) in zip(_frames_at(cpu, queries), queries):
         rows[where][0] += dur
@@ -124,6 +119,13 @@ def _kernels_by_source(kernels: list[dict], launches: dict, cpu: list[dict], ste
     for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:30]:
         lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
     return lines
+
+
+def _launched(kernel: dict, launches: dict, value: float) -> tuple:
+    """(launch ts, launch thread, value) of `kernel`'s launch, for `_frames_at`; (None, None,
+    value) when the trace lost the launch."""
+    launch = launches.get(kernel["args"].get("correlation"))
+    return (launch["ts"], launch.get("tid"), value) if launch else (None, None, value)
 
 
 def _products_by_shape(kernels: list[dict], cpu: list[dict], steps: int) -> list[str]:

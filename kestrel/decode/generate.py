@@ -67,6 +67,7 @@ class TokenChunk:
 
     tokens: list[list[int]]
     finished: list[bool]
+    reasons: list[str | None] = dataclasses.field(default_factory=list)  # "stop" / "length" once finished
 
 
 @dataclass
@@ -154,7 +155,7 @@ class _Tracker:
             self.tokens[b] += new[b]
             if reason is None and self.steps >= self.max_new:
                 self.reasons[b] = "length"
-        self.last = TokenChunk(new, [r is not None for r in self.reasons])
+        self.last = TokenChunk(new, [r is not None for r in self.reasons], list(self.reasons))
         return self.last
 
     @property

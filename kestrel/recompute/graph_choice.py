@@ -274,37 +274,42 @@ class GraphChooser:
             old = layout.decision
             if old is None or old.graphed_s is not None:
                 continue
-            layout.decision = None
-            self._infer(layout, force=True)
-            if layout.decision is None:
-                layout.sightings = 1  # probed afresh from its next forward
+            new = self._inferred(layout, force=True)
+            if new is None:
+                layout.decision, layout.sightings = None, 1  # probed afresh from its next forward
                 layout.times = {True: [], False: []}
-            elif layout.decision.graphed == old.graphed:
-                layout.decision = old  # unchanged: no new line for the log
+            elif new.graphed != old.graphed:
+                self._set(layout, new)
 
-    def _infer(self, layout: _Layout, force: bool = False) -> None:
+    def _infer(self, layout: _Layout) -> None:
+        """Sets the cost model's answer (`_inferred`), where there is one."""
+        decision = self._inferred(layout)
+        if decision is not None:
+            self._set(layout, decision)
+
+    def _inferred(self, layout: _Layout, force: bool = False) -> Decision | None:
         """The cost model's answer, where a timed decision gives one: a layout of as many tokens
         takes its decision at any stage; a bound (fewer tokens than a graphed one, more than an
         eager one) applies only before this layout's own timing has started (`force`: whatever its
-        stage, for a layout decided by inference before). A layout being re-timed is left alone."""
+        stage, for a layout decided by inference before). A layout being re-timed has none."""
         if layout.retiming:
-            return
+            return None
         timed = [lay.decision for lay in self.layouts.values() if lay.decision is not None and lay.decision.graphed_s is not None]
         same = [d for d in timed if d.tokens == layout.tokens]
         if same:
-            self._set(layout, Decision(layout.name, layout.tokens, same[0].graphed, None, None,
-                                       f"as many tokens as {same[0].layout}, timed"))
-            return
+            return Decision(layout.name, layout.tokens, same[0].graphed, None, None,
+                            f"as many tokens as {same[0].layout}, timed")
         graphed_at = [d.tokens for d in timed if d.graphed]
         eager_at = [d.tokens for d in timed if not d.graphed]
         if (layout.sightings > 2 and not force) or graphed_at and eager_at and max(graphed_at) >= min(eager_at):
-            return  # being timed already, or the rule does not hold on this run
+            return None  # being timed already, or the rule does not hold on this run
         if graphed_at and layout.tokens <= max(graphed_at):
-            self._set(layout, Decision(layout.name, layout.tokens, True, None, None,
-                                       f"no more tokens than a layout timed faster graphed ({max(graphed_at)})"))
-        elif eager_at and layout.tokens >= min(eager_at):
-            self._set(layout, Decision(layout.name, layout.tokens, False, None, None,
-                                       f"no fewer tokens than a layout timed faster eager ({min(eager_at)})"))
+            return Decision(layout.name, layout.tokens, True, None, None,
+                            f"no more tokens than a layout timed faster graphed ({max(graphed_at)})")
+        if eager_at and layout.tokens >= min(eager_at):
+            return Decision(layout.name, layout.tokens, False, None, None,
+                            f"no fewer tokens than a layout timed faster eager ({min(eager_at)})")
+        return None
 
     def _set(self, layout: _Layout, decision: Decision) -> None:
         layout.decision = decision

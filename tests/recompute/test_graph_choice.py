@@ -293,3 +293,22 @@ def test_decisions_inferred_from_an_undone_one_are_inferred_again() -> None:
         run.forward("large", 4000)
     large = run.decisions[-1]
     assert large.layout == "large" and not large.graphed and large.eager_s == pytest.approx(0.1)
+
+
+def test_a_re_timing_that_keeps_the_choice_tells_no_inferred_decision_again() -> None:
+    """Drift re-times the timed layout and the choice stands: the layout inferred from it keeps
+    its decision, and the log hears of it once."""
+    count = [0]
+
+    def cost(tokens: int, graphed: bool) -> float:
+        count[0] += 1
+        return (0.1 if graphed else 0.12) * (1.3 if count[0] > 11 else 1.0)
+
+    run = FakeRun(cost)
+    for _ in range(11):
+        run.forward("small", 1000)
+    run.forward("tiny", 10)  # inferred graphed: fewer tokens than a layout timed faster graphed
+    for _ in range(60):
+        run.forward("small", 1000)
+    assert run.chooser.layouts["small"].retimes >= 1
+    assert [d.layout for d in run.decisions].count("tiny") == 1 and run.chooser.decided_graphed("tiny")
