@@ -153,7 +153,7 @@ for want in "$@"; do
         nf4decode) phase nf4decode 540 python bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 \
                       --out "$OUT/nf4_decode.json" ;;
         gated)    phase gated 200 python bench/gated_delta.py --shape qwen3.5-9b --seq 4096 --out "$OUT/gated_delta.json" ;;
-        qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --out "$OUT/qwen35-prof.txt" ;;
+        qwen35)   phase qwen35 300 python bench/profile_train.py --shape qwen3.5-9b --method qlora --stack --out "$OUT/qwen35-prof.txt" ;;
         packing)  phase packing 540 bash -c "python bench/short_conv.py --out $OUT/short_conv.json; for t in \
                       tests/model/test_linear_attention_packing.py tests/kernels/test_short_conv.py \
                       tests/model/test_linear_attention.py::test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows; \
