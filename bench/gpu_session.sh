@@ -35,6 +35,8 @@
 #             peak, and each step's allocated and reserved peaks (bench/graph_memory.py)
 #   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the
 #             allocator to say which step set the run's memory peak, and where
+#   q35mem    what is alive at Qwen3.5-9B QLoRA's eager memory peak (graphs off: the peak the chooser's eager
+#             steps set, 0.30 GiB over Unsloth's in session 34), by allocating site
 #   gemma4peak what is alive at Gemma-4-E2B QLoRA's whole-run memory peak (set while the layer graphs are
 #             captured; 0.08 GiB over Unsloth's in session 22), by allocating site
 #   nf4       NF4 decode (issue 24): the GEMV tile sweep, then its second phase (block parts and
@@ -50,6 +52,7 @@
 #   packing   the linear-attention short convolution at Qwen3.5-9B's shape (bench/short_conv.py: HF's, fla's,
 #             Kestrel's kernel and reference), then, each in its own process, the packed-rows tests (the CUDA
 #             one: a packed tiny Qwen3.5 equals each sample alone), the kernel's tests and the patched-model test
+#   conv      the short convolution alone: bench/short_conv.py (as in `packing`) and its kernel's CUDA tests
 #   moedecode a MoE layer's decode step at the Qwen3-30B-A3B and gpt-oss-20b shapes: gathered weights
 #             against the expert GEMV kernel, 16-bit and NF4 (bench/moe_decode.py)
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
@@ -148,6 +151,8 @@ for want in "$@"; do
         # Each shape's plan is stored as soon as it is done; NF4_SHAPES=qkv,o (then gate_up,down) splits it over calls.
         nf4)      phase nf4 560 python bench/nf4_gemv_sweep.py --shapes "${NF4_SHAPES:-qkv,o,gate_up,down}" \
                       --out "$OUT/nf4_sweep.json" ;;
+        q35mem)   phase q35mem 300 python bench/graph_memory.py --model qwen3.5-9b --graphs off --steps 5 \
+                      --trace-step -1 --out "$OUT/qwen35-mem.txt" ;;
         gemma4peak) phase gemma4peak 540 python bench/graph_memory.py --model gemma4-e2b --graphs auto --steps 20 \
                       --trace-step -1 --out "$OUT/gemma4-peak.txt" ;;
         nf4decode) phase nf4decode 540 python bench/nf4_decode.py --skip-modules --dense separate --new-tokens 128 \
@@ -158,9 +163,11 @@ for want in "$@"; do
                       tests/model/test_linear_attention_packing.py tests/kernels/test_short_conv.py \
                       tests/model/test_linear_attention.py::test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows; \
                       do python -m pytest -q -n0 -p no:cacheprovider -rf --durations=5 \$t; done" ;;
+        conv)     phase conv 240 bash -c "python bench/short_conv.py --out $OUT/short_conv.json; python -m pytest -q -n0 \
+                      -p no:cacheprovider -rf tests/kernels/test_short_conv.py" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, nf4, nf4decode, gated, qwen35, packing, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure

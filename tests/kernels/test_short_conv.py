@@ -4,6 +4,7 @@ kernels (the CPU interpreter here, CUDA on the GPU machine) and the torch refere
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -43,13 +44,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("batch", "t", "c", "width", "lengths"), CASES)
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("silu", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_short_conv_is_each_samples_own_convolution(backend: str, poisoned: None, batch: int, t: int, c: int,
-                                                    width: int, lengths: list[list[int]] | None, bias: bool,
-                                                    silu: bool, dtype: torch.dtype) -> None:
+def _check_against_alone(batch: int, t: int, c: int, width: int, lengths: list[list[int]] | None, bias: bool,
+                         silu: bool, dtype: torch.dtype) -> None:
+    """short_conv's output and gradients against `_alone`'s, for random inputs of this shape."""
     gen = torch.Generator().manual_seed(t * c + width)
     x = torch.randn(batch, t, c, generator=gen)
     weight, b = torch.randn(c, width, generator=gen) * 0.5, torch.randn(c, generator=gen) if bias else None
@@ -66,6 +63,39 @@ def test_short_conv_is_each_samples_own_convolution(backend: str, poisoned: None
     assert_close(got.cpu(), want.to(dtype))
     for g_got, g_want in zip(got_grads, want_grads):  # dW and db sum over tokens: bf16 rounds once at the end
         assert_close(g_got.cpu(), g_want.to(dtype))
+
+
+@pytest.mark.parametrize(("batch", "t", "c", "width", "lengths"), CASES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_is_each_samples_own_convolution(backend: str, poisoned: None, batch: int, t: int, c: int,
+                                                    width: int, lengths: list[list[int]] | None, bias: bool,
+                                                    silu: bool, dtype: torch.dtype) -> None:
+    _check_against_alone(batch, t, c, width, lengths, bias, silu, dtype)
+
+
+@pytest.mark.parametrize("width", [2, 4, 5])
+@pytest.mark.parametrize("silu", [True, False])
+def test_backward_reads_no_gradient_across_samples_rows_or_programs(poisoned: None, monkeypatch: pytest.MonkeyPatch,
+                                                                     width: int, silu: bool) -> None:
+    """The backward reads d (or dy) at the w-1 tokens after each token: never past its sample's
+    end, also where that end is a row's last token (a one-token sample, then the next row's
+    first, itself one token long), and where a program's run of rows or a tile ends mid-sample.
+    One tile's rows a program, so the 72 rows make 5 programs a column block."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    module = importlib.import_module("kestrel.kernels.short_conv")  # the package's `short_conv` is the function
+    programs: list[int] = []
+
+    def one_tile_each(n_rows: int, n_cols: int, sms: int) -> int:
+        programs.append(-(-n_rows // BLOCK_T))
+        return BLOCK_T
+
+    monkeypatch.setattr(module, "_rows_per_program", one_tile_each)
+    # Flat rows 0..71: samples end at 9, 22, 23 | 24, 44, 47 | 71; tiles and programs start every
+    # 16 rows (16, 32 and 64 are mid-sample), the backward's walk every BWD_T = 8 (8, 40, 56 too).
+    _check_against_alone(3, 24, 40, width, [[10, 13, 1], [1, 20, 3], [24]], True, silu, torch.float32)
+    assert programs == [5]
 
 
 def test_one_row_of_offsets_stands_for_every_row(backend: str) -> None:
