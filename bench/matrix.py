@@ -307,6 +307,13 @@ def graph_report(recompute: Any, system: str, cuda_graphs: str) -> dict[str, Any
             "graph_layouts_seen": len(chooser.layouts) if chooser else 0, "layer_graphs": recompute.graphs.stats() if recompute else None}
 
 
+def adapted(model: Any) -> dict[str, Any]:
+    """The module names that carry LoRA adapters (`lora_A`'s parents, by their last name): every
+    system should list the same (`bench.train.same_targets`)."""
+    names = {name.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for name, _ in model.named_modules() if name.endswith(".lora_A")}
+    return {"lora_targets": sorted(names)}
+
+
 def expert_storage(model: Any) -> dict[str, Any]:
     """How a mixture of experts holds its routed experts' weights: "nf4" where Kestrel packed them
     (`kestrel.model.expert_quant`), else the weights' dtypes (uint8: bitsandbytes 4-bit); {} for a dense model."""
@@ -348,7 +355,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             "useful_tflops": tflops, "mfu_vs_spec": tflops / SPEC_PEAK_TFLOPS, **res,
             "device": torch.cuda.get_device_name(), "warmup": args.warmup, "steps": args.steps,
             **({"settle": args.settle, "checkpointing": "offload" if recompute.offload else "standard"} if kestrel else {}),
-            "batches": args.batches, "seed": args.seed, "versions": _versions(), **expert_storage(model),
+            "batches": args.batches, "seed": args.seed, "versions": _versions(), **expert_storage(model), **adapted(model),
             **graph_report(recompute, system, args.cuda_graphs)}
 
 

@@ -26,7 +26,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -76,8 +76,16 @@ def hf_model(folder: Path, args: argparse.Namespace, dtype: torch.dtype = torch.
 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     return get_peft_model(model, LoraConfig(
-        r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[t for t in TARGETS if t in present], bias="none",
-        target_parameters=expert_parameters(model, TARGETS) or None))
+        r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[t for t in same_targets(model) if t in present],
+        bias="none", target_parameters=expert_parameters(model, TARGETS) or None))
+
+
+def same_targets(model: Any) -> list[str]:
+    """The LoRA targets of every system: `TARGETS` as Kestrel widens them for the family
+    (`kestrel.model.lora.every_linear`: Qwen3.5's linear-attention projections too)."""
+    from kestrel.model.lora import every_linear
+
+    return every_linear(model, TARGETS)
 
 
 def build(impl: str, folder: Path, args: argparse.Namespace):
@@ -96,7 +104,7 @@ def build(impl: str, folder: Path, args: argparse.Namespace):
             load_in_4bit=args.method == "qlora", local_files_only=True,
         )
         return FastLanguageModel.get_peft_model(
-            model, r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, bias="none",
+            model, r=16, lora_alpha=16, lora_dropout=0.0, target_modules=same_targets(model), bias="none",
             use_gradient_checkpointing={"offload": "unsloth", "standard": True, "off": False}[args.checkpointing],
         )
     from kestrel.recompute.checkpoint import set_gradient_checkpointing

@@ -45,6 +45,18 @@ def expert_parameters(model: nn.Module, targets: list[str]) -> list[str]:
     return [f"experts.{name}" for name in wanted if name in stored]
 
 
+def every_linear(model: nn.Module, targets: list[str]) -> list[str]:
+    """`targets`, plus the family's other linears (`FamilySpec.extra_lora_targets`, e.g. Qwen3.5's
+    linear-attention projections) present in `model` when `targets` hold all seven of
+    `ALL_LINEAR`: what "every linear" means for the family. The benches give the baselines the
+    same list, so every system trains the same adapters."""
+    spec = family_for(model.config)
+    if spec is None or not set(ALL_LINEAR) <= set(targets):
+        return list(targets)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return list(targets) + [t for t in spec.extra_lora_targets if t not in targets and t in present]
+
+
 def _load_trainable(model: nn.Module, path: str) -> nn.Module:
     from peft import PeftModel
 
@@ -77,9 +89,7 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             f"lora.targets {missing} are not modules of this model; it has e.g. "
             + ", ".join(sorted(n for n in present if n.endswith("proj"))[:10])
         )
-    spec = family_for(model.config)
-    if spec is not None and set(ALL_LINEAR) <= set(targets):  # "every linear" includes the family's others
-        targets += [t for t in spec.extra_lora_targets if t not in targets and t in present]
+    targets = every_linear(model, targets)
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
