@@ -11,8 +11,9 @@
 #   traintests  pytest -m gpu over recompute and training's CUDA tests
 #   families  Qwen3.5 and Gemma 4 QLoRA against Unsloth, packed batches (issue 26's dense target);
 #             FAMILIES=gemma4-e2b runs one of them
-#   qwen35pair  Qwen3.5-9B QLoRA packed, Kestrel with graphs off and Unsloth in one call (side by side),
-#             one process each; a fresh machine spends about 100 s building the 9B folder first
+#   qwen35pair  Qwen3.5-9B QLoRA packed, Kestrel (auto, settled: its packed batches make one layout) and
+#             Unsloth in one call (side by side), one process each, the same adapters; a fresh machine spends
+#             about 100 s building the 9B folder first, and Unsloth's warm-up took 160 s with .gpu-autotune.tar
 #   lintests  the linear-attention GPU tests alone (flash-linear-attention tunes each kernel on first use:
 #             the 17 tests took more than 240 s in one process on an H200)
 #   moe       Qwen3-MoE and gpt-oss 16-bit LoRA against HF+PEFT (issue 26's MoE target)
@@ -124,7 +125,7 @@ for want in "$@"; do
                       --methods qlora --layouts packed --systems kestrel,unsloth --budget-s $((${LIMIT_families:-330} - 60)) \
                       --out "$OUT/families.jsonl" ;;
         qwen35pair) phase qwen35pair 560 python bench/matrix.py --models qwen3.5-9b --methods qlora --layouts packed \
-                      --systems kestrel-off,unsloth --budget-s 380 --hard-s 540 --cell-timeout 400 \
+                      --systems kestrel,unsloth --settle 120 --budget-s 380 --hard-s 540 --cell-timeout 400 \
                       --out "$OUT/qwen35pair.jsonl" ;;
         lintests) phase lintests 560 python -m pytest -q -n0 -m gpu -p no:cacheprovider -rf \
                       tests/model/test_linear_attention.py tests/kernels/test_gated_delta.py ;;
