@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kestrel.config import ALL_LINEAR  # noqa: E402
+
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -31,7 +34,7 @@ LLAMA_1B = dict(  # Llama-3.2-1B: where a step's GPU work is small and the host 
 )
 SHAPES = {"llama-8b": LLAMA_8B, "llama-1b": LLAMA_1B}
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # LoRA on all 7 linears
+TARGETS = list(ALL_LINEAR)  # LoRA on all 7 linears (widened per family: bench.train.same_targets)
 
 
 def llama8b_dir(path: str = "/tmp/kestrel-bench/llama8b", layers: int | None = None) -> Path:

@@ -32,10 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import SHAPES, cuda_time, gib, random_batch, run_isolated, shape_dir  # noqa: E402
+from bench.common import SHAPES, TARGETS, cuda_time, gib, random_batch, run_isolated, shape_dir  # noqa: E402
 from bench.model_shapes import MODELS  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _bnb_config(dtype: torch.dtype = torch.bfloat16):
