@@ -7,7 +7,6 @@ the PyTorch references elsewhere, chosen by `kestrel.kernels.dispatch`).
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any, Callable
 
@@ -20,56 +19,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kestrel import kernels
 from kestrel.recompute import checkpoint as checkpointing
 from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
+from kestrel.model.fused_lora import fused_lora_weights, project_together
 from kestrel.model.linear_attention import SEGMENTS_KWARG
 from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
 from kestrel.model.registry import FamilySpec
-
-log = logging.getLogger("kestrel")
-_NOTICED: set[str] = set()
-
-
-def _notice_once(message: str) -> None:
-    if message not in _NOTICED:
-        _NOTICED.add(message)
-        log.warning(message)
-
-
-# --- LoRA: which PEFT layers can run through the fused kernels -----------------------------
-
-
-def fused_lora_weights(layer: nn.Module) -> Any | None:
-    """`kestrel.kernels.LoRAWeights` for a PEFT LoRA layer that the fused path can run now, else None.
-
-    With adapters disabled (the DPO / KTO / GRPO reference pass) the weights have the adapter
-    off (s = 0, `LoRAWeights.adapter_off`): the base runs through the same kernels as the policy.
-    None for a plain linear or a merged layer; None with a one-time notice when PEFT carries
-    something the kernel does not support (dropout > 0, a bias, DoRA, several active adapters).
-    The answer is cached on the layer for each state it depends on (a run switches between
-    enabled and disabled every step), because this runs for every projection of every step.
-    """
-    if not hasattr(layer, "lora_A"):
-        return None
-    active = tuple(layer.active_adapters)
-    state = (active, layer.merged, layer.disable_adapters, tuple(layer.scaling.get(a) for a in active))
-    cached = layer.__dict__.setdefault("_kestrel_fused", {})
-    if state in cached:
-        return cached[state]
-    weights = None
-    if not state[1] and len(state[0]) == 1:
-        weights, reason = kernels.LoRAWeights.from_peft(layer, state[0][0], adapter_off=bool(state[2]))
-        if weights is None:
-            _notice_once(f"fused LoRA kernel off for some layers ({reason}); using PEFT's path for them")
-    cached[state] = weights
-    return weights
-
-
-def lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """PEFT LoRA linear: y = x W^T + s (x A^T) B^T through the fused kernel when possible."""
-    weights = fused_lora_weights(self) if not args and not kwargs else None
-    if weights is None:
-        return type(self).forward(self, x, *args, **kwargs)
-    return kernels.lora_linear(x, weights)
-
 
 # --- RMSNorm ---------------------------------------------------------------------------------
 
@@ -87,11 +40,8 @@ def make_rms_norm_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
 # --- Attention -------------------------------------------------------------------------------
 
 
-def _project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fused = [fused_lora_weights(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
-    if all(w is not None for w in fused):
-        return kernels.lora_qkv(x, *fused)
-    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+def _project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return project_together(x, attn.q_proj, attn.k_proj, attn.v_proj)
 
 
 def _rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

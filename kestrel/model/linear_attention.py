@@ -43,6 +43,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from kestrel.kernels.dispatch import forced_backend
 from kestrel.kernels.short_conv import short_conv
 from kestrel.model.attention import sample_starts
+from kestrel.model.fused_lora import project_together
 
 log = logging.getLogger("kestrel")
 
@@ -343,12 +344,13 @@ def linear_attention_forward(
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     b, t, _ = hidden_states.shape
     cached = cache_params is not None and cache_params.has_previous_state(self.layer_idx, state_idx=0)
-    mixed = self.in_proj_qkv(hidden_states)
+    # One Function for the two adapted projections of this input: one dX, not an autograd add
+    mixed, z = project_together(hidden_states, self.in_proj_qkv, self.in_proj_z)
     mixed = _mix(self, mixed, cache_params, cached, offsets)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q, k = q.reshape(b, t, -1, self.head_k_dim), k.reshape(b, t, -1, self.head_k_dim)
     v = v.reshape(b, t, -1, self.head_v_dim)
-    z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)  # (B*T*Hv, dv), the output gate
+    z = z.reshape(-1, self.head_v_dim)  # (B*T*Hv, dv), the output gate
     beta = self.in_proj_b(hidden_states).sigmoid()  # (B, T, Hv)
     g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)  # fp32: A may overflow fp16
     if offsets is not None:  # a packed sample starts from an empty state

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from torch import nn
 
 from kestrel.model import forwards as ff
+from kestrel.model.fused_lora import lora_linear_forward
 from kestrel.model.attention import VarlenMode, varlen_backend
 from kestrel.model.decoder_stack import make_model_forward
 from kestrel.model.linear_attention import linear_attention_forward, make_segmented_stack_forward
@@ -153,7 +154,7 @@ def patch_lora_layers(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, LoraLayer) and isinstance(module, nn.Module) and hasattr(module, "lora_A"):
             if type(module).__name__ in ("Linear", "Linear4bit"):
-                handle.rebind(module, ff.lora_linear_forward)
+                handle.rebind(module, lora_linear_forward)
                 count += 1
     return count
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_qkv
 from kestrel.kernels.lora.mlp import lora_mlp
-from kestrel.model.forwards import fused_lora_weights
+from kestrel.model.fused_lora import fused_lora_weights
 from tests.kernels.test_lora import HIDDEN, MLP, QKV, _nf4_block, _peft_block, _peft_mlp, _peft_qkv, _x
 
 peft = pytest.importorskip("peft")

@@ -355,10 +355,16 @@ def lora_linear(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
     return _LoRAProjections.apply(x, _will_backward(x, [w]), *w._flat())[0]
 
 
+def lora_projections(x: torch.Tensor, *ws: LoRAWeights) -> tuple[torch.Tensor, ...]:
+    """x (..., in) -> one (..., out_k) output per projection of `ws`, all of one input, as one
+    autograd Function: one shrink product for all, backward sums their dX contributions into one
+    buffer (no autograd adds). Q/K/V, or a linear-attention layer's in_proj_qkv and in_proj_z."""
+    return _LoRAProjections.apply(x, _will_backward(x, list(ws)), *(t for w in ws for t in w._flat()))
+
+
 def lora_qkv(
     x: torch.Tensor, q: LoRAWeights, k: LoRAWeights, v: LoRAWeights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (..., hidden) -> (Q (..., out_q), K (..., out_k), V (..., out_v)) as one autograd
-    Function: one shrink product for the three, backward sums the three dX contributions into
-    one buffer."""
-    return _LoRAProjections.apply(x, _will_backward(x, [q, k, v]), *q._flat(), *k._flat(), *v._flat())
+    """x (..., hidden) -> (Q (..., out_q), K (..., out_k), V (..., out_v)): `lora_projections`
+    of the three."""
+    return lora_projections(x, q, k, v)  # type: ignore[return-value]
