@@ -222,6 +222,7 @@ class _ShortConv(torch.autograd.Function):
         n_cols, width = x.shape[-1], weight.shape[-1]
         n_rows = x.numel() // n_cols
         per = _rows_per_program(n_rows, n_cols, sm_count(x.device))
+        assert per % BWD_T == 0, "the backward walks whole BWD_T tiles: no row past a program's run"
         programs, col_blocks = cdiv(n_rows, per), cdiv(n_cols, BLOCK_C)
         dx = torch.empty_like(x)
         d = torch.empty_like(x) if ctx.silu else dx  # d in x's dtype: see the module docstring
