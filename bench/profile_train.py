@@ -41,9 +41,15 @@ KINDS = [  # (kind, pattern over the lower-cased kernel name); first match wins
 GAP_US = 20.0
 
 
-def kind_of(name: str) -> str:
+def kind_of(name: str, launch: dict | None = None) -> str:
+    """The kernel's kind by its name; one no pattern names is Triton's when it was launched through
+    the driver API (`launch` a "cuda_driver" event: Triton's launcher calls cuLaunchKernel), as
+    flash-linear-attention's `chunk_fwd_kernel_o` is, else "other" (PyTorch's elementwise kernels)."""
     low = name.lower()
-    return next((k for k, pat in KINDS if re.search(pat, low)), "other")
+    kind = next((k for k, pat in KINDS if re.search(pat, low)), None)
+    if kind is None:
+        kind = "triton" if launch is not None and launch.get("cat") == "cuda_driver" else "other"
+    return kind
 
 
 def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -64,7 +70,10 @@ def _ours(frame: str) -> bool:
 def analyse(trace: dict, steps: int) -> str:
     events = trace["traceEvents"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    launches = {e["args"].get("correlation"): e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
+    for k in kernels:  # each kernel's kind, once
+        k["kind"] = kind_of(k["name"], launches.get(k.get("args", {}).get("correlation")))
     cpu = [e for e in events if e.get("cat") in ("cpu_op", "python_function") and "dur" in e]
     cpu.sort(key=lambda e: e["ts"])
     kernels.sort(key=lambda e: e["ts"])
@@ -77,8 +86,8 @@ def analyse(trace: dict, steps: int) -> str:
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in kernels:
-        by_kind[kind_of(e["name"])][0] += e["dur"]
-        by_kind[kind_of(e["name"])][1] += 1
+        by_kind[e["kind"]][0] += e["dur"]
+        by_kind[e["kind"]][1] += 1
         by_name[e["name"][:90]][0] += e["dur"]
         by_name[e["name"][:90]][1] += 1
     lines.append("\nkernel time by kind (ms/step, launches/step):")
@@ -110,7 +119,7 @@ def _kernels_by_source(kernels: list[dict], launches: dict, cpu: list[dict], ste
     """The time of the kernels of `kinds` by the op and the frames of ours that launched them:
     elementwise kernels' names are cut before their functor, so the launching op (and the line of
     ours under it) says which of them a step could drop or fuse."""
-    queries = [_launched(k, launches, k["dur"]) for k in kernels if kind_of(k["name"]) in kinds]
+    queries = [_launched(k, launches, k["dur"]) for k in kernels if k["kind"] in kinds]
     rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for where, (_, _, dur) in zip(_frames_at(cpu, queries), queries):
         rows[where][0] += dur
@@ -135,7 +144,7 @@ def _products_by_shape(kernels: list[dict], cpu: list[dict], steps: int) -> list
            if e.get("cat") == "cpu_op" and "External id" in e.get("args", {}) and "Input Dims" in e["args"]}
     rows: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     for k in kernels:
-        if kind_of(k["name"]) != "matmul":
+        if k["kind"] != "matmul":
             continue
         op = ops.get(k["args"].get("External id"))
         dims = [d for d in (op["args"]["Input Dims"] if op else []) if len(d) == 2]

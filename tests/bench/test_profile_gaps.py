@@ -55,3 +55,22 @@ def test_elementwise_and_copy_kernels_are_told_by_the_op_and_frames_that_launche
     assert "2.0" in table[0]  # launches per step
     assert "0.05" in table[1] and "aten::mul in model/linear_attention.py(360)" in table[1]
     assert not any("nvjet" in line or "aten::mm" in line for line in report[head:head + 4])
+
+
+def test_a_kernel_launched_through_the_driver_is_tritons_whatever_its_name() -> None:
+    """flash-linear-attention's `chunk_fwd_kernel_o` matches no name pattern; Triton launches it with
+    cuLaunchKernel (a "cuda_driver" event), so it counts as Triton, not among PyTorch's elementwise
+    kernels, while an unnamed kernel launched through the runtime stays "other"."""
+    events = [
+        {"cat": "kernel", "name": "chunk_fwd_kernel_o", "ts": 100, "dur": 300, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "void at::native::vectorized_mul", "ts": 400, "dur": 100, "args": {"correlation": 2}},
+        {"cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 10, "dur": 2, "tid": 7, "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 20, "dur": 2, "tid": 7, "args": {"correlation": 2}},
+        {"cat": "cpu_op", "name": "aten::mul", "ts": 15, "dur": 10, "tid": 7},
+    ]
+    report = analyse({"traceEvents": events}, steps=1).splitlines()
+    kinds = {line.split()[0]: line.split()[1] for line in report if line.startswith("  ") and " ms " in line}
+    assert kinds == {"triton": "0.30", "other": "0.10"}
+    head = next(i for i, line in enumerate(report) if line.startswith("other and copy kernels by"))
+    table = [line for line in report[head + 1:] if line.startswith("  ")][:2]
+    assert len(table) == 1 and "0.10" in table[0] and "aten::mul" in table[0]  # the Triton kernel is not here
