@@ -8,7 +8,8 @@ unmerged per-row LoRA adapters, streaming text. Used by chat, the studio and GRP
 
 from kestrel.decode.adapters import AdapterError, load_adapter
 from kestrel.decode.chat import encode_chat, stop_token_ids
-from kestrel.decode.generate import GenerationOutput, Generator, TokenChunk
+from kestrel.decode.generate import Generator
+from kestrel.decode.tracking import GenerationOutput, TokenChunk
 from kestrel.decode.sampling import GREEDY, SamplingParams
 from kestrel.decode.stream import TextStream, stream_text
 

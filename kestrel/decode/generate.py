@@ -38,6 +38,7 @@ import torch
 from kestrel.decode.adapters import LoraCall, load_adapter, selection_rows
 from kestrel.decode.chat import stop_token_ids
 from kestrel.decode.sampling import GREEDY, SamplingParams, SamplingPlan, SamplingState, sample
+from kestrel.decode.tracking import GenerationOutput, TokenChunk, Tracker
 
 log = logging.getLogger("kestrel")
 MAX_STOPS = 16
@@ -59,23 +60,6 @@ class DecodeBackend(Protocol):
         self, tok: torch.Tensor, col: torch.Tensor, pad: torch.Tensor, cache: Any, lora: LoraCall | None
     ) -> torch.Tensor: ...
     def sync_lora(self) -> None: ...
-
-
-@dataclass
-class TokenChunk:
-    """New tokens per row since the previous chunk (none after a row's stop token)."""
-
-    tokens: list[list[int]]
-    finished: list[bool]
-    reasons: list[str | None] = dataclasses.field(default_factory=list)  # "stop" / "length" once finished
-
-
-@dataclass
-class GenerationOutput:
-    tokens: list[list[int]]  # new tokens per row; the stop token included when one ended the row
-    finish_reasons: list[str]  # "stop" or "length"
-    first_token_s: float  # prefill + first token on the host
-    total_s: float
 
 
 class _Session:
@@ -131,36 +115,6 @@ class _Request:
     lora_key: Any
     stops: list[int]
     max_new: int
-
-
-class _Tracker:
-    """Host-side bookkeeping of each row's tokens and why it finished."""
-
-    def __init__(self, batch: int, stops: Sequence[int], max_new: int) -> None:
-        self.tokens: list[list[int]] = [[] for _ in range(batch)]
-        self.reasons: list[str | None] = [None] * batch
-        self.stops, self.max_new, self.steps = set(stops), max_new, 0
-        self.last = TokenChunk([], [])  # the most recent chunk
-
-    def add(self, steps: list[list[int]]) -> TokenChunk:
-        new: list[list[int]] = [[] for _ in self.tokens]
-        for row_tokens in steps:  # one entry per step: (B,) ids
-            for b, tok in enumerate(row_tokens):
-                if self.reasons[b] is None:
-                    new[b].append(tok)
-                    if tok in self.stops:
-                        self.reasons[b] = "stop"
-        self.steps += len(steps)
-        for b, reason in enumerate(self.reasons):
-            self.tokens[b] += new[b]
-            if reason is None and self.steps >= self.max_new:
-                self.reasons[b] = "length"
-        self.last = TokenChunk(new, [r is not None for r in self.reasons], list(self.reasons))
-        return self.last
-
-    @property
-    def finished(self) -> bool:
-        return all(r is not None for r in self.reasons)
 
 
 def _cache_length(needed: int, max_seq_len: int, cuda: bool) -> int:
@@ -299,7 +253,7 @@ class Generator:
 
     # --- the loop ------------------------------------------------------------------------------
 
-    def _run(self, prompts, max_new_tokens, sampling, adapter, stop_ids) -> Iterator[_Tracker]:
+    def _run(self, prompts, max_new_tokens, sampling, adapter, stop_ids) -> Iterator[Tracker]:
         """One request at a time (the session's buffers are shared): see `_decode`."""
         if self._busy:
             raise RuntimeError("this Generator is already running a request; serialize calls (one per model)")
@@ -309,7 +263,7 @@ class Generator:
         finally:
             self._busy = False
 
-    def _decode(self, prompts, max_new_tokens, sampling, adapter, stop_ids) -> Iterator[_Tracker]:
+    def _decode(self, prompts, max_new_tokens, sampling, adapter, stop_ids) -> Iterator[Tracker]:
         """Prefill, then pipelined decode; yields the tracker after each chunk reaches the host.
 
         Work runs under no_grad in short blocks, never across a `yield`, so the caller's grad
@@ -322,7 +276,7 @@ class Generator:
             self._emit(s, logits, req.plan)
             first = s.readback(0, 1)()
         self.first_token_s = time.perf_counter() - start
-        tracker = _Tracker(s.batch, req.stops, req.max_new)
+        tracker = Tracker(s.batch, req.stops, req.max_new)
         tracker.add(first)
         yield tracker
         pending: list[Callable[[], list[list[int]]]] = []

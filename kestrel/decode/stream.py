@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from kestrel.decode.generate import TokenChunk
+from kestrel.decode.tracking import TokenChunk
 
 _INCOMPLETE = "\ufffd"
 

@@ -211,7 +211,7 @@ def test_stop_ids_come_from_the_template_and_stream_leaves_them_out(demo_tokeniz
     im_end = demo_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert im_end in stop_token_ids(demo_tokenizer)
     ids = demo_tokenizer.encode("done 🎉", add_special_tokens=False)
-    chunks = [TokenChunk([ids[:2]], [False]), TokenChunk([ids[2:] + [im_end]], [True])]
+    chunks = [TokenChunk([ids[:2]], [None]), TokenChunk([ids[2:] + [im_end]], ["stop"])]
     assert "".join(p[0] for p in stream_text(chunks, demo_tokenizer, [im_end], skip_special_tokens=False)) == "done 🎉"
     prompt = encode_chat(demo_tokenizer, [{"role": "user", "content": "hi"}])
     assert demo_tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")

@@ -71,7 +71,7 @@ def test_stop_ends_an_endless_decode() -> None:
 
         def chunks(self, prompts: list, max_new: int, sampling: object, adapter: list) -> Iterator[TokenChunk]:
             while True:
-                yield TokenChunk([[5]], [False])
+                yield TokenChunk([[5]], [None])
 
     class Tokenizer:
         def decode(self, ids: list[int], **_: object) -> str:

@@ -257,7 +257,7 @@ class _FakeGenerator:
 
     def chunks(self, prompts, max_new_tokens, adapter=None):
         from kestrel.decode.generate import TokenChunk
-        yield TokenChunk([[5, 6, 0] for _ in prompts], [True] * len(prompts), ["stop"] * len(prompts))
+        yield TokenChunk([[5, 6, 0] for _ in prompts], ["stop"] * len(prompts))
 
     def close(self) -> None:
         self.closed = True
@@ -304,7 +304,7 @@ class _TimedChunks:
         from kestrel.decode.generate import TokenChunk
         for t in self.arrivals:
             self.now, self.sent = t, self.sent + 1
-            yield TokenChunk([[7] for _ in prompts], [False] * len(prompts), [None] * len(prompts))
+            yield TokenChunk([[7] for _ in prompts], [None] * len(prompts))
 
 
 @pytest.mark.parametrize(("deadline", "kept"), [(2.5, 3), (2.9, 3), (3.0, 4), (0.5, 2), (0.1, 1), (None, 5)])
