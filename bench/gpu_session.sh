@@ -53,7 +53,8 @@
 #   packing   the linear-attention short convolution at Qwen3.5-9B's shape (bench/short_conv.py: HF's, fla's,
 #             Kestrel's kernel and reference), then, each in its own process, the packed-rows tests (the CUDA
 #             one: a packed tiny Qwen3.5 equals each sample alone), the kernel's tests and the patched-model test
-#   conv      the short convolution alone: bench/short_conv.py (as in `packing`) and its kernel's CUDA tests
+#   conv      the short convolution alone: bench/short_conv.py (as in `packing`), again at 3 x 1,000 tokens (a
+#             row count the backward's settings were not timed at), and its kernel's CUDA tests
 #   moedecode a MoE layer's decode step at the Qwen3-30B-A3B and gpt-oss-20b shapes: gathered weights
 #             against the expert GEMV kernel, 16-bit and NF4 (bench/moe_decode.py)
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
@@ -164,7 +165,8 @@ for want in "$@"; do
                       tests/model/test_linear_attention_packing.py tests/kernels/test_short_conv.py \
                       tests/model/test_linear_attention.py::test_patched_qwen3_5_trains_on_cuda_with_whatever_fla_allows; \
                       do python -m pytest -q -n0 -p no:cacheprovider -rf --durations=5 \$t; done" ;;
-        conv)     phase conv 240 bash -c "python bench/short_conv.py --out $OUT/short_conv.json; python -m pytest -q -n0 \
+        conv)     phase conv 240 bash -c "python bench/short_conv.py --out $OUT/short_conv.json; python bench/short_conv.py \
+                      --batch 3 --seq 1000 --out $OUT/short_conv-3x1000.json; python -m pytest -q -n0 \
                       -p no:cacheprovider -rf tests/kernels/test_short_conv.py" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         matrix)   matrix ;;
