@@ -40,10 +40,6 @@ def make_rms_norm_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
 # --- Attention -------------------------------------------------------------------------------
 
 
-def _project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return project_together(x, attn.q_proj, attn.k_proj, attn.v_proj)
-
-
 def _rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place RoPE on q, k (B, h, T, d); with partial rotary (cos, sin (B, T, r), r < d: Qwen3.5's
     quarter of head_dim) only the first r channels turn, as HF's `apply_rotary_pos_emb` does."""
@@ -71,7 +67,7 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
     ) -> tuple[torch.Tensor, Any]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q, k, v = _project_qkv(self, hidden_states)
+        q, k, v = project_together(hidden_states, self.q_proj, self.k_proj, self.v_proj)
         gate = None
         if spec.attn_output_gate:
             q, gate = torch.chunk(q.view(*input_shape, -1, 2 * self.head_dim), 2, dim=-1)
