@@ -16,7 +16,9 @@ from typing import Any
 
 from bench.model_shapes import ARCHITECTURES, MODELS
 
-MODEL_ROOT = Path("/tmp/kestrel-bench/matrix")  # on the GPU machine: one folder per model, reused
+# On the GPU machine: one folder per model, reused. Two matrix runs at once on one host (one per GPU)
+# each take their own root (KESTREL_MATRIX_MODELS): a run removes the other models' folders under its root.
+MODEL_ROOT = Path(os.environ.get("KESTREL_MATRIX_MODELS", "/tmp/kestrel-bench/matrix"))
 DISK_MARGIN = 2 * 2**30  # bytes left free beyond the checkpoint (the tokenizer, the file system's own)
 
 
