@@ -57,6 +57,15 @@
 #             row count the backward's settings were not timed at), and its kernel's CUDA tests
 #   moedecode a MoE layer's decode step at the Qwen3-30B-A3B and gpt-oss-20b shapes: gathered weights
 #             against the expert GEMV kernel, 16-bit and NF4 (bench/moe_decode.py)
+#   gate      what paging the MLP gate product out costs or saves (offloaded checkpointing): QLoRA packed, graphs
+#             forced on, for each of GATE_MODELS (qwen2.5-7b,qwen3-4b) at KESTREL_OFFLOAD_GATE = each of GATES
+#             (1 0.5 0: the share of layers that page it out), one process each, then the table of $OUT/gate.jsonl
+#             (each record's offload_gate says which). On a card whose host link is slow against its matrix rate,
+#             a forward whose copies out take longer than its work waits for them (bench/RESULTS.md, session 35)
+#   expand    reserved memory with the caching allocator's expandable segments: Kestrel (auto) on EXPAND_MODELS
+#             (qwen3-0.6b,llama-3.2-1b) QLoRA padded and packed, without and then with
+#             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, one process a cell (records say `alloc_conf`): on the
+#             small models Kestrel's reserved peak is 0.1-0.5 GiB over Unsloth's while its allocated peak is not
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
 #             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
@@ -67,9 +76,17 @@
 #
 # Needs .gpu-site (and .gpu-anchors for the baselines; .gpu-fla, flash-linear-attention, for Qwen3.5)
 # carried with the checkout; see bench/RESULTS.md for how they are built.
+#
+# Two phases at once on a host with two GPUs: one run of this script per GPU, each with its own OUT and its own
+# matrix model folders (a matrix run removes the other models' folders under its root):
+#   CUDA_VISIBLE_DEVICES=0 KESTREL_MATRIX_MODELS=/tmp/m0 OUT=$OUT/a bash bench/gpu_session.sh qwen35pair &
+#   CUDA_VISIBLE_DEVICES=1 KESTREL_MATRIX_MODELS=/tmp/m1 OUT=$OUT/b bash bench/gpu_session.sh matrix & wait
+# The device tool brings back a limited number of files (about eight): BUNDLE=1 packs everything this run
+# wrote under $OUT into $OUT/results.tar at the end and removes the loose files (gpu-autotune.tar stays beside it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
+GATE_MODELS="${GATE_MODELS:-qwen2.5-7b,qwen3-4b}" GATES="${GATES:-1 0.5 0}" EXPAND_MODELS="${EXPAND_MODELS:-qwen3-0.6b,llama-3.2-1b}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # flash-linear-attention (Qwen3.5's gated-delta-rule kernels, requirements.txt), when carried as .gpu-fla
@@ -89,7 +106,12 @@ save_autotune() {
     (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 | tar --null -cf "$OUT/gpu-autotune.tar" -T -)
     echo "$(tar -tf "$OUT/gpu-autotune.tar" | grep -c autotune.json) autotuning results in $OUT/gpu-autotune.tar"
 }
-trap save_autotune EXIT
+bundle() {  # BUNDLE=1: one archive of everything under $OUT, the loose files removed
+    [ "${BUNDLE:-0}" = 1 ] || return 0
+    (cd "$OUT" && find . -type f ! -name results.tar ! -name gpu-autotune.tar -print0 | tar --null -cf results.tar -T - --remove-files)
+    echo "results in $OUT/results.tar"
+}
+trap 'save_autotune; bundle' EXIT
 
 # Two phases, each within one call: 215 tests took more than 420 s on an H200 (session 22).
 GPU_TESTS=(tests/data/test_flat_batches.py tests/decode tests/kernels tests/model)
@@ -98,7 +120,7 @@ GPU_TRAIN_TESTS=(tests/recompute tests/training/test_small_updates.py tests/trai
 
 phase() {  # phase NAME SECONDS COMMAND...: run it with a wall-clock limit, log to $OUT/NAME.log
     local name=$1 limit=$2
-    local override="LIMIT_$1"  # e.g. LIMIT_train=240 shortens one phase to fit a call
+    local override="LIMIT_${1//[^A-Za-z0-9_]/_}"  # e.g. LIMIT_train=240 shortens one phase to fit a call
     limit=${!override:-$limit}
     shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)"
@@ -169,8 +191,29 @@ for want in "$@"; do
                       --batch 3 --seq 1000 --out $OUT/short_conv-3x1000.json; python -m pytest -q -n0 \
                       -p no:cacheprovider -rf tests/kernels/test_short_conv.py" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
+        expand)   for way in off on; do
+                      conf=""; [ "$way" = on ] && conf="expandable_segments:True"
+                      phase "expand-$way" 280 env PYTORCH_CUDA_ALLOC_CONF="$conf" python bench/matrix.py \
+                          --models "$EXPAND_MODELS" --methods qlora --layouts padded,packed --systems kestrel --settle 160 \
+                          --budget-s 200 --hard-s 270 --out "$OUT/expand-$way.jsonl"; done
+                  python -c "import json, sys
+for path in sys.argv[1:]:
+    for line in open(path):
+        r = json.loads(line)
+        print(path.rsplit('/', 1)[-1], r['model'], r['layout'], round(r.get('tokens_per_s') or 0), 'tok/s', 'peak alloc',
+              r.get('peak_alloc_gib'), 'reserved', r.get('peak_reserved_gib'), r.get('error', '')[-200:])" "$OUT"/expand-*.jsonl ;;
+        gate)     for model in ${GATE_MODELS//,/ }; do for g in $GATES; do
+                      phase "gate-$model-$g" 200 env KESTREL_OFFLOAD_GATE="$g" python bench/matrix.py --models "$model" \
+                          --methods qlora --layouts packed --systems kestrel-on --budget-s 150 --hard-s 190 \
+                          --out "$OUT/gate-$g.jsonl"; done; done
+                  cat "$OUT"/gate-*.jsonl > "$OUT/gate.jsonl" 2>/dev/null
+                  python -c "import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r['model'], 'gate', r.get('offload_gate'), round(r.get('tokens_per_s') or 0), 'tok/s',
+          r.get('peak_alloc_gib'), 'GiB', r.get('error', '')[-200:])" "$OUT/gate.jsonl" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure

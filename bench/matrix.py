@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -354,8 +355,10 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             "real_tokens": tokens, "padding_share": 1 - tokens / slots, "flat": flat,
             "useful_tflops": tflops, "mfu_vs_spec": tflops / SPEC_PEAK_TFLOPS, **res,
             "device": torch.cuda.get_device_name(), "warmup": args.warmup, "steps": args.steps,
-            **({"settle": args.settle, "checkpointing": "offload" if recompute.offload else "standard"} if kestrel else {}),
-            "batches": args.batches, "seed": args.seed, "versions": _versions(), **expert_storage(model), **adapted(model),
+            **({"settle": args.settle, "checkpointing": "offload" if recompute.offload else "standard",
+                "offload_gate": recompute.gate_share} if kestrel else {}),
+            "batches": args.batches, "seed": args.seed, "versions": _versions(),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **expert_storage(model), **adapted(model),
             **graph_report(recompute, system, args.cuda_graphs)}
 
 

@@ -224,14 +224,21 @@ class _GatedDeltaRule(torch.autograd.Function):
         w, u = fla.recompute_w_u(k=k, v=v, beta=beta, A=a, g=g)
         h, v_new, _ = fla.states(k=k, w=w, u=u, g=g, initial_state=initial_state, output_final_state=False,
                                  chunk_size=CHUNK)
+        del u
         dv = fla.dv_local(q=q, k=k, g=g, do=do, scale=scale, chunk_size=CHUNK)
         dh, dh0, dv = fla.state_grads(q=q, k=k, w=w, g=g, h0=initial_state, dht=dht, do=do, dv=dv, scale=scale,
                                       chunk_size=CHUNK)
         dq, dk, dw, dg = ctx.dqkwg(q, k, v_new, w, g, h, dv, do, dh, scale)
+        # The whole run's memory peak fell in this backward (Qwen3.5-9B, bench/RESULTS.md, session 35):
+        # the states and their gradients go as soon as their last reader has run, not at return.
+        del w, h, v_new, dh
         dk2, dv, db, dg2 = fla.wy_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv)
+        del dw
         dg = fla.cumsum(dg + dg2, chunk_size=CHUNK, reverse=True)
         dq = fla.l2norm_bwd(q, q_rstd, dq)
-        dk = fla.l2norm_bwd(k, k_rstd, (dk.float() + dk2.float()).to(dk.dtype))
+        # One rounding of the fp32 sum, as `(dk.float() + dk2.float()).to(dk.dtype)` gives, without its
+        # two fp32 copies: a bf16 add computes in fp32 and rounds once.
+        dk = fla.l2norm_bwd(k, k_rstd, torch.add(dk, dk2).to(dk.dtype))
         tq, tk, tv, tg, tb = ctx.dtypes
         return dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0, None, None
 
