@@ -130,7 +130,7 @@ def make_mlp_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         `kestrel.kernels.lora_mlp`); gate_store: where an offloaded checkpoint keeps the gate product
         (`kestrel.kernels.lora.mlp.GateStore`). Both honoured by the fused LoRA path, ignored by the others."""
         fused = [fused_lora_weights(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
-        if all(w is not None for w in fused):
+        if all(w is not None and w.bias is None for w in fused):  # biased: each projection fused on its own
             return kernels.lora_mlp(
                 x, *fused, activation=spec.activation, discard_output=discard_output,
                 gate_store=gate_store,

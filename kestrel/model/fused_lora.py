@@ -27,7 +27,7 @@ def fused_lora_weights(layer: nn.Module) -> Any | None:
     With adapters disabled (the DPO / KTO / GRPO reference pass) the weights have the adapter
     off (s = 0, `LoRAWeights.adapter_off`): the base runs through the same kernels as the policy.
     None for a plain linear or a merged layer; None with a one-time notice when PEFT carries
-    something the kernel does not support (dropout > 0, a bias, DoRA, several active adapters).
+    something the kernel does not support (dropout > 0, a trainable bias, DoRA, several active adapters).
     The answer is cached on the layer for each state it depends on (a run switches between
     enabled and disabled every step), because this runs for every projection of every step.
     """

@@ -184,7 +184,6 @@ def test_mlp_backward_runs_once() -> None:
     ("cfg", "reason"),
     [
         ({"lora_dropout": 0.1}, "dropout"),
-        ({"bias": True}, "base layer has a bias"),
         ({"use_dora": True}, "DoRA"),
         ({"lora_bias": True}, "lora_B has a bias"),
     ],

@@ -149,3 +149,23 @@ def test_residual_add_writes_into_a_fresh_update_and_keeps_both_gradients() -> N
     for upd in (base[:, :], torch.randn(2, 4, requires_grad=True), (residual.detach() @ w).double()):
         before = upd.detach().clone()
         assert _residual_add(residual, upd) is not upd and torch.equal(upd.detach(), before)
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_every_adapted_linear_runs_the_fused_path(family: str) -> None:
+    # A base bias (Qwen2's Q/K/V, gpt-oss's attention) once sent those layers to PEFT's own forward, a
+    # slower path with an autograd add per projection; nothing in a supported family may fall back.
+    from kestrel.model.fused_lora import fused_lora_weights
+
+    fast_base = tiny_model(family, VOCAB, seed=2)
+    patch_model(fast_base)
+    fast = _lora(fast_base, seed=3)
+    patch_lora_layers(fast)
+    # PEFT layers over a linear (a mixture's experts are adapted as parameters, kestrel.model.moe)
+    adapted = {name: m for name, m in fast.named_modules()
+               if hasattr(m, "lora_A") and isinstance(getattr(m.get_base_layer(), "weight", None), torch.Tensor)}
+    biased = [name for name, m in adapted.items() if getattr(m.get_base_layer(), "bias", None) is not None]
+    assert adapted
+    assert [name for name, m in adapted.items() if fused_lora_weights(m) is None] == []
+    if family == "qwen2":
+        assert len(biased) == 3 * fast.config.num_hidden_layers  # the test reaches the biased layers

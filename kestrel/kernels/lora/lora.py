@@ -30,8 +30,10 @@ orders lose small terms and speed picks the order (`_ADAPTER_FIRST_MIN`).
 tests/kernels/test_lora_small_updates.py pins this down.
 
 Matmuls go to cuBLAS through torch; compute runs in X's dtype (or autocast's), A and B cast to it.
-Bias, dropout and DoRA are refused by `LoRAWeights.from_peft` with a reason, so the caller keeps
-PEFT's forward.
+A frozen base bias b (Qwen2's Q/K/V) rides in the first product's epilogue (`torch.addmm`):
+Y = X W^T + b + s (X A^T) B^T, no pass of its own; it changes no gradient above, and a trainable
+one is refused. Dropout, DoRA and an adapter bias are refused by `LoRAWeights.from_peft` with a
+reason, so the caller keeps PEFT's forward.
 
 Adapter off (`from_peft(..., adapter_off=True)`: PEFT's `disable_adapter()`, the DPO / KTO / GRPO
 reference pass): scaling s = 0, so Y = X W^T exactly, and the forward skips every adapter product
@@ -58,13 +60,16 @@ _FIELDS = 5  # tensors/values per projection in a flattened autograd argument li
 class LoRAWeights:
     """One LoRA projection. weight: the frozen base, `(out, in)` 16/32-bit, or NF4-packed uint8
     (a bitsandbytes `Params4bit`) with its `quant_state`; lora_A `(r, in)`; lora_B `(out, r)`;
-    scaling: `lora_alpha / r` (or PEFT's rsLoRA value)."""
+    scaling: `lora_alpha / r` (or PEFT's rsLoRA value); bias: the base's frozen bias `(out,)`, or
+    None. The bias is not among a Function's flattened fields (`_flat`): it needs no gradient, so
+    the projections' Function takes the group's biases as one plain argument."""
 
     weight: torch.Tensor
     quant_state: Any | None
     lora_A: torch.Tensor
     lora_B: torch.Tensor
     scaling: float
+    bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         a_shape, b_shape = tuple(self.lora_A.shape), tuple(self.lora_B.shape)
@@ -74,6 +79,8 @@ class LoRAWeights:
         if base != (b_shape[0], a_shape[1]):
             expected = (b_shape[0], a_shape[1])
             raise ValueError(f"base weight {base} does not match the adapter's {expected}")
+        if self.bias is not None and tuple(self.bias.shape) != (b_shape[0],):
+            raise ValueError(f"bias {tuple(self.bias.shape)} is not ({b_shape[0]},), one value an output")
 
     @property
     def adapter_off(self) -> bool:
@@ -101,10 +108,12 @@ class LoRAWeights:
         if reason:
             return None, reason
         name = adapter_name or layer.active_adapters[0]
-        weight = layer.get_base_layer().weight
+        base = layer.get_base_layer()
+        weight = base.weight
         quant_state = getattr(weight, "quant_state", None) if weight.dtype == torch.uint8 else None
         lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-        return cls(weight, quant_state, lora_a, lora_b, 0.0 if adapter_off else float(layer.scaling[name])), ""
+        scaling = 0.0 if adapter_off else float(layer.scaling[name])
+        return cls(weight, quant_state, lora_a, lora_b, scaling, getattr(base, "bias", None)), ""
 
     def _flat(self) -> tuple[Any, ...]:
         return (self.weight, self.quant_state, self.lora_A, self.lora_B, self.scaling)
@@ -187,24 +196,33 @@ def _shrink(x: torch.Tensor, ws: list[LoRAWeights], a: torch.Tensor) -> torch.Te
     return _scale_columns_(torch.mm(x, a.t()), ws)
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """a @ b (+ bias, broadcast over rows, added in the product's epilogue), into `out` when given."""
+    if bias is None:
+        return torch.mm(a, b, out=out)
+    return torch.addmm(bias, a, b) if out is None else torch.addmm(bias, a, b, out=out)
+
+
 def _expand(
     x: torch.Tensor, xa: torch.Tensor | None, w: LoRAWeights, dtype: torch.dtype, merged: bool,
     dense: torch.Tensor | None = None, a: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + xa B^T (M, out) for x (M, in) and this projection's xa (M, r); merged: the
+    """y = x W^T + b + xa B^T (M, out) for x (M, in) and this projection's xa (M, r); merged: the
     adapter is inside W' (`_merged`, from A's cast rows `a` when given) and xa is not read.
     dense: W (W' when merged) already formed; otherwise it is dequantized (merged) here.
     out: where to write y (contiguous (M, out) in `dtype`), else a new tensor. Unmerged, the
-    order of the two products is `_ADAPTER_FIRST_MIN`'s."""
+    order of the two products is `_ADAPTER_FIRST_MIN`'s; the bias b (when the base has one) goes
+    with whichever comes first."""
+    bias = None if w.bias is None else cast(w.bias, dtype)
     if merged:
-        return torch.mm(x, (_merged(w, dtype, a=a) if dense is None else dense).t(), out=out)
+        return _mm(x, (_merged(w, dtype, a=a) if dense is None else dense).t(), bias, out)
     base = _base(w.weight, w.quant_state, dtype) if dense is None else dense
     if w.adapter_off:
-        return torch.mm(x, base.t(), out=out)
+        return _mm(x, base.t(), bias, out)
     b = cast(w.lora_B, dtype)
     if x.is_cuda and w.out_features * w.in_features < _ADAPTER_FIRST_MIN:
-        return torch.mm(x, base.t(), out=out).addmm_(xa, b.t())
-    return torch.mm(xa, b.t(), out=out).addmm_(x, base.t())
+        return _mm(x, base.t(), bias, out).addmm_(xa, b.t())
+    return _mm(xa, b.t(), bias, out).addmm_(x, base.t())
 
 
 def _adapter_backward(
@@ -281,8 +299,16 @@ def _will_backward(x: torch.Tensor, ws: list[LoRAWeights]) -> bool:
     )
 
 
-def _unflatten(args: tuple[Any, ...]) -> list[LoRAWeights]:
-    return [LoRAWeights(*args[i : i + _FIELDS]) for i in range(0, len(args), _FIELDS)]
+def _unflatten(args: tuple[Any, ...], biases: tuple[torch.Tensor | None, ...] | None = None) -> list[LoRAWeights]:
+    ws = [LoRAWeights(*args[i : i + _FIELDS]) for i in range(0, len(args), _FIELDS)]
+    for w, bias in zip(ws, biases or ()):
+        w.bias = bias
+    return ws
+
+
+def _biases(ws: list[LoRAWeights] | tuple[LoRAWeights, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The group's base biases, one plain Function argument (`LoRAWeights.bias`)."""
+    return tuple(w.bias for w in ws)
 
 
 def _save(ctx: Any, ws: list[LoRAWeights] | tuple[LoRAWeights, ...], *saved: torch.Tensor) -> None:
@@ -319,8 +345,9 @@ class _LoRAProjections(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, grad: bool, *flat: Any) -> tuple[torch.Tensor, ...]:
-        dtype, lead, ws = _compute_dtype(x), x.shape[:-1], _unflatten(flat)
+    def forward(ctx: Any, x: torch.Tensor, grad: bool, biases: tuple[torch.Tensor | None, ...],
+                *flat: Any) -> tuple[torch.Tensor, ...]:
+        dtype, lead, ws = _compute_dtype(x), x.shape[:-1], _unflatten(flat, biases)
         merged = _merges(ws)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
@@ -341,25 +368,25 @@ class _LoRAProjections(torch.autograd.Function):
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, xa, a, *rest = ctx.saved_tensors
         ws, dtype = _rebuild(rest, ctx.meta), ctx.dtype
-        grads: list[torch.Tensor | None] = [None] * (2 + _FIELDS * len(ws))
+        grads: list[torch.Tensor | None] = [None] * (3 + _FIELDS * len(ws))  # x, grad, biases, fields
         with torch.autocast(x2.device.type, enabled=False):
             dy2 = [dy.reshape(-1, dy.shape[-1]).to(dtype) for dy in dys]  # (M, out_k)
-            dx = _group_backward(ctx, 2, dy2, x2, xa, a, ws, dtype, grads)
+            dx = _group_backward(ctx, 3, dy2, x2, xa, a, ws, dtype, grads)
         if dx is not None:
             grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return tuple(grads)
 
 
 def lora_linear(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
-    """x (..., in) -> x W^T + s (x A^T) B^T (..., out); backward by hand (module docstring)."""
-    return _LoRAProjections.apply(x, _will_backward(x, [w]), *w._flat())[0]
+    """x (..., in) -> x W^T + b + s (x A^T) B^T (..., out); backward by hand (module docstring)."""
+    return _LoRAProjections.apply(x, _will_backward(x, [w]), _biases([w]), *w._flat())[0]
 
 
 def lora_projections(x: torch.Tensor, *ws: LoRAWeights) -> tuple[torch.Tensor, ...]:
     """x (..., in) -> one (..., out_k) output per projection of `ws`, all of one input, as one
     autograd Function: one shrink product for all, backward sums their dX contributions into one
     buffer (no autograd adds). Q/K/V, or a linear-attention layer's in_proj_qkv and in_proj_z."""
-    return _LoRAProjections.apply(x, _will_backward(x, list(ws)), *(t for w in ws for t in w._flat()))
+    return _LoRAProjections.apply(x, _will_backward(x, list(ws)), _biases(ws), *(t for w in ws for t in w._flat()))
 
 
 def lora_qkv(

@@ -308,6 +308,9 @@ def lora_mlp(
     store, and the recompute must see the same input as the first pass."""
     if activation not in ("swiglu", "geglu"):
         raise ValueError(f"activation must be 'swiglu' or 'geglu', got {activation!r}")
+    if any(w.bias is not None for w in (gate, up, down)):
+        raise ValueError("lora_mlp takes bias-free projections: run a biased MLP's projections one by one "
+                         "(lora_linear each)")
     grad = base._will_backward(x, [gate, up, down])
     return _LoRAMLP.apply(
         x, activation, discard_output, grad, gate_store, *gate._flat(), *up._flat(), *down._flat()

@@ -62,8 +62,9 @@ def _base_refusal(base: Any, lora_a: Any, lora_b: Any, scaling: Any) -> str:
         return "lora_A has a bias"
     if not isinstance(scaling, (int, float)):
         return f"scaling is a {type(scaling).__name__}, not a number"
-    if getattr(base, "bias", None) is not None:
-        return "base layer has a bias"
+    bias = getattr(base, "bias", None)
+    if bias is not None and bias.requires_grad:
+        return "base layer's bias is trainable (the fused backward gives it no gradient)"
     weight = getattr(base, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return f"base layer {type(base).__name__} has no 2-D weight"
