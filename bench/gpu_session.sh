@@ -66,6 +66,8 @@
 #             (qwen3-0.6b,llama-3.2-1b) QLoRA padded and packed, without and then with
 #             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, one process a cell (records say `alloc_conf`): on the
 #             small models Kestrel's reserved peak is 0.1-0.5 GiB over Unsloth's while its allocated peak is not
+#   gradprod  the adapters' fp32 weight-gradient products at GRAD_SHAPE's (qwen2.5-7b) shapes: cuBLAS with an fp32
+#             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
 #             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
@@ -202,6 +204,8 @@ for path in sys.argv[1:]:
         r = json.loads(line)
         print(path.rsplit('/', 1)[-1], r['model'], r['layout'], round(r.get('tokens_per_s') or 0), 'tok/s', 'peak alloc',
               r.get('peak_alloc_gib'), 'reserved', r.get('peak_reserved_gib'), r.get('error', '')[-200:])" "$OUT"/expand-*.jsonl ;;
+        gradprod) phase gradprod 120 python bench/lora_grad_products.py --shape "${GRAD_SHAPE:-qwen2.5-7b}" \
+                      --out "$OUT/grad_products.json" ;;
         gate)     for model in ${GATE_MODELS//,/ }; do for g in $GATES; do
                       phase "gate-$model-$g" 200 env KESTREL_OFFLOAD_GATE="$g" python bench/matrix.py --models "$model" \
                           --methods qlora --layouts packed --systems kestrel-on --budget-s 150 --hard-s 190 \
@@ -213,7 +217,7 @@ for line in open(sys.argv[1]):
     print(r['model'], 'gate', r.get('offload_gate'), round(r.get('tokens_per_s') or 0), 'tok/s',
           r.get('peak_alloc_gib'), 'GiB', r.get('error', '')[-200:])" "$OUT/gate.jsonl" ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, gradprod, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure
