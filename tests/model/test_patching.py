@@ -157,9 +157,13 @@ def test_every_adapted_linear_runs_the_fused_path(family: str) -> None:
     # slower path with an autograd add per projection; nothing in a supported family may fall back.
     from kestrel.model.fused_lora import fused_lora_weights
 
+    from kestrel.config import ALL_LINEAR
+    from kestrel.model.lora import every_linear
+
     fast_base = tiny_model(family, VOCAB, seed=2)
     patch_model(fast_base)
-    fast = _lora(fast_base, seed=3)
+    # The product's "every linear": the seven, plus the family's own (Qwen3.5's linear-attention projections)
+    fast = get_peft_model(fast_base, LoraConfig(r=8, lora_alpha=16, target_modules=every_linear(fast_base, list(ALL_LINEAR))))
     patch_lora_layers(fast)
     # PEFT layers over a linear (a mixture's experts are adapted as parameters, kestrel.model.moe)
     adapted = {name: m for name, m in fast.named_modules()
@@ -169,3 +173,5 @@ def test_every_adapted_linear_runs_the_fused_path(family: str) -> None:
     assert [name for name, m in adapted.items() if fused_lora_weights(m) is None] == []
     if family == "qwen2":
         assert len(biased) == 3 * fast.config.num_hidden_layers  # the test reaches the biased layers
+    if family == "qwen3_5_text":
+        assert any(name.endswith("in_proj_qkv") for name in adapted)  # and the family's own linears
