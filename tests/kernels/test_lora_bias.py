@@ -78,7 +78,7 @@ class _Pair(nn.Module):
         self.k_proj = nn.Linear(IN, OUT // 2, bias=True)
 
 
-def _nf4_pair(dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+def _nf4_pair(dtype: torch.dtype, device: str = "cpu") -> tuple[nn.Module, nn.Module]:
     """(an NF4 block of two biased projections with PEFT LoRA, its fp32 twin: the same adapters
     over the dequantized weights and the same bias)."""
     bnb = pytest.importorskip("bitsandbytes")
@@ -92,10 +92,10 @@ def _nf4_pair(dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
                                      quant_type="nf4")
         q.bias = nn.Parameter(lin.bias.data.to(dtype), requires_grad=False)
         setattr(block, name, q)
-    block = block.to("cpu")  # quantizes
+    block = block.to(device)  # quantizes
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj"])
     block = peft.inject_adapter_in_model(config, block)
-    twin = peft.inject_adapter_in_model(config, _Pair())
+    twin = peft.inject_adapter_in_model(config, _Pair()).to(device)
     for name in ("q_proj", "k_proj"):
         src, dst = getattr(block, name), getattr(twin, name)
         nn.init.normal_(src.lora_B["default"].weight, std=0.2)
@@ -117,3 +117,23 @@ def test_nf4_biased_projections_match_peft(dtype: torch.dtype, backend: str, mon
     pair = lambda ws: lambda x: lora_projections(x, *ws)  # noqa: E731
     ref = lambda b: lambda x: (b.q_proj(x), b.k_proj(x))  # noqa: E731
     _check(block, ("q_proj", "k_proj"), pair, ref, _x(dtype, (2, 5, IN)), twin=twin)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_biased_projections_match_peft(dtype: torch.dtype) -> None:
+    # On CUDA the adapter's product goes first on large shapes and second on small ones
+    # (`_ADAPTER_FIRST_MIN`), and cuBLAS adds the bias in its epilogue: both orders, 16-bit and NF4 bases.
+    block = _peft_block(dtype, bias=True).cuda()
+    x = _x(dtype, (3, 33, block.q_proj.in_features)).cuda()
+    _check(block, QKV, lambda ws: lambda x: lora_qkv(x, *ws), _peft_qkv, x)
+    wide = nn.Module()
+    wide.q_proj = nn.Linear(2048, 4096, bias=True)  # out x in = 2^23: the adapter's product goes first
+    wide = peft.inject_adapter_in_model(peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"]), wide)
+    nn.init.normal_(wide.q_proj.lora_B["default"].weight, std=0.2)
+    wide = wide.to("cuda", dtype)
+    _check(wide, ("q_proj",), lambda ws: lambda x: lora_linear(x, ws[0]), lambda b: b.q_proj, _x(dtype, (3, 33, 2048)).cuda())
+    nf4_block, twin = _nf4_pair(dtype, "cuda")
+    pair = lambda ws: lambda x: lora_projections(x, *ws)  # noqa: E731
+    ref = lambda b: lambda x: (b.q_proj(x), b.k_proj(x))  # noqa: E731
+    _check(nf4_block, ("q_proj", "k_proj"), pair, ref, _x(dtype, (3, 33, IN)).cuda(), twin=twin)
