@@ -59,8 +59,8 @@
 #             against the expert GEMV kernel, 16-bit and NF4 (bench/moe_decode.py)
 #   gate      what paging the MLP gate product out costs or saves (offloaded checkpointing): QLoRA packed, graphs
 #             forced on, for each of GATE_MODELS (qwen2.5-7b,qwen3-4b) at KESTREL_OFFLOAD_GATE = each of GATES
-#             (1 0.5 0: the share of layers that page it out), one process each, then the table of $OUT/gate.jsonl
-#             (each record's offload_gate says which). On a card whose host link is slow against its matrix rate,
+#             (1 0.5 0: the share of layers that page it out), one process each, into $OUT/gate-<share>.jsonl,
+#             then a line a record. On a card whose host link is slow against its matrix rate,
 #             a forward whose copies out take longer than its work waits for them (bench/RESULTS.md, session 35)
 #   expand    reserved memory with the caching allocator's expandable segments: Kestrel (auto) on EXPAND_MODELS
 #             (qwen3-0.6b,llama-3.2-1b) QLoRA padded and packed, without and then with
@@ -128,6 +128,16 @@ phase() {  # phase NAME SECONDS COMMAND...: run it with a wall-clock limit, log 
     echo "=== $name (limit ${limit}s) $(date +%T)"
     timeout --kill-after=20 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "=== $name exit $? $(date +%T)"
+}
+
+records() {  # one line a matrix record of the files given: what ran, under which settings, how fast, how large
+    python -c "import json, sys
+for path in sys.argv[1:]:
+    for line in open(path):
+        r = json.loads(line)
+        print(path.rsplit('/', 1)[-1], r['model'], r['layout'], r['system'], 'offload_gate', r.get('offload_gate'),
+              'alloc_conf', repr(r.get('alloc_conf')), round(r.get('tokens_per_s') or 0), 'tok/s, peak GiB alloc',
+              r.get('peak_alloc_gib'), 'reserved', r.get('peak_reserved_gib'), r.get('error', '')[-200:])" "$@"
 }
 
 matrix() {  # the whole matrix, resumed from bench/results/$MATRIX_FILE; a pair is started until 170 s
@@ -198,24 +208,14 @@ for want in "$@"; do
                       phase "expand-$way" 280 env PYTORCH_CUDA_ALLOC_CONF="$conf" python bench/matrix.py \
                           --models "$EXPAND_MODELS" --methods qlora --layouts padded,packed --systems kestrel --settle 160 \
                           --budget-s 200 --hard-s 270 --out "$OUT/expand-$way.jsonl"; done
-                  python -c "import json, sys
-for path in sys.argv[1:]:
-    for line in open(path):
-        r = json.loads(line)
-        print(path.rsplit('/', 1)[-1], r['model'], r['layout'], round(r.get('tokens_per_s') or 0), 'tok/s', 'peak alloc',
-              r.get('peak_alloc_gib'), 'reserved', r.get('peak_reserved_gib'), r.get('error', '')[-200:])" "$OUT"/expand-*.jsonl ;;
+                  records "$OUT"/expand-*.jsonl ;;
         gradprod) phase gradprod 120 python bench/lora_grad_products.py --shape "${GRAD_SHAPE:-qwen2.5-7b}" \
                       --out "$OUT/grad_products.json" ;;
         gate)     for model in ${GATE_MODELS//,/ }; do for g in $GATES; do
                       phase "gate-$model-$g" 200 env KESTREL_OFFLOAD_GATE="$g" python bench/matrix.py --models "$model" \
                           --methods qlora --layouts packed --systems kestrel-on --budget-s 150 --hard-s 190 \
                           --out "$OUT/gate-$g.jsonl"; done; done
-                  cat "$OUT"/gate-*.jsonl > "$OUT/gate.jsonl" 2>/dev/null
-                  python -c "import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r['model'], 'gate', r.get('offload_gate'), round(r.get('tokens_per_s') or 0), 'tok/s',
-          r.get('peak_alloc_gib'), 'GiB', r.get('error', '')[-200:])" "$OUT/gate.jsonl" ;;
+                  records "$OUT"/gate-*.jsonl ;;
         matrix)   matrix ;;
         *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, gradprod, matrix)" >&2; exit 2 ;;
     esac

@@ -300,10 +300,10 @@ def _will_backward(x: torch.Tensor, ws: list[LoRAWeights]) -> bool:
 
 
 def _unflatten(args: tuple[Any, ...], biases: tuple[torch.Tensor | None, ...] | None = None) -> list[LoRAWeights]:
-    ws = [LoRAWeights(*args[i : i + _FIELDS]) for i in range(0, len(args), _FIELDS)]
-    for w, bias in zip(ws, biases or ()):
-        w.bias = bias
-    return ws
+    """The projections of a flattened argument list (`_flat` each), with their biases when given."""
+    n = len(args) // _FIELDS
+    return [LoRAWeights(*args[k * _FIELDS : (k + 1) * _FIELDS], bias)
+            for k, bias in enumerate(biases if biases is not None else (None,) * n)]
 
 
 def _biases(ws: list[LoRAWeights] | tuple[LoRAWeights, ...]) -> tuple[torch.Tensor | None, ...]:
