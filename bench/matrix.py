@@ -356,7 +356,8 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             "useful_tflops": tflops, "mfu_vs_spec": tflops / SPEC_PEAK_TFLOPS, **res,
             "device": torch.cuda.get_device_name(), "warmup": args.warmup, "steps": args.steps,
             **({"settle": args.settle, "checkpointing": "offload" if recompute.offload else "standard",
-                "offload_gate": recompute.gate_share} if kestrel else {}),
+                "offload_gate": recompute.gate_share, "defer_mlp": recompute.deferral.mode,
+                "mlp_deferral": [d.as_metrics() for d in recompute.deferral.decided.values()]} if kestrel else {}),
             "batches": args.batches, "seed": args.seed, "versions": _versions(),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **expert_storage(model), **adapted(model),
             **graph_report(recompute, system, args.cuda_graphs)}

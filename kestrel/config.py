@@ -33,6 +33,7 @@ from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, PREFERENCE_METHO
 from kestrel.errors import ConfigError
 from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
+from kestrel.constants import DEFER_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
 METHODS = ("qlora", "lora", "full", "grpo", *PREFERENCE_METHODS)
@@ -165,11 +166,17 @@ class PerformanceSettings:
     # Offloaded checkpointing: the share of layers (0 to 1, spread evenly) whose MLP gate product
     # is also paged out to host memory, so the recompute skips its largest product.
     offload_gate: float = 1.0
+    # Whether a checkpointed layer's recomputed MLP runs in its backward in chunks of rows (less memory
+    # on long rows, no paged gate product): auto only where whole rows would not fit the device
+    # (`kestrel.recompute.mlp_deferral`); on wherever it saves memory; off never.
+    defer_mlp: str = "auto"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,
               f"performance.cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {self.cuda_graphs!r}")
         check(0.0 <= self.offload_gate <= 1.0, f"performance.offload_gate must be 0 to 1, got {self.offload_gate}")
+        check(self.defer_mlp in DEFER_MODES,
+              f"performance.defer_mlp must be one of {', '.join(DEFER_MODES)}, got {self.defer_mlp!r}")
 
 
 @dataclass

@@ -124,16 +124,17 @@ def make_mlp_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
     glu = kernels.swiglu if spec.activation == "swiglu" else kernels.geglu
 
     def forward(
-        self: nn.Module, x: torch.Tensor, discard_output: bool = False, gate_store: Any = None,
+        self: nn.Module, x: torch.Tensor, discard_output: bool = False, gate_store: Any = None, defer: Any = None,
     ) -> torch.Tensor:
         """discard_output: the caller uses only the output's graph, not its values (see
         `kestrel.kernels.lora_mlp`); gate_store: where an offloaded checkpoint keeps the gate product
-        (`kestrel.kernels.lora.mlp.GateStore`). Both honoured by the fused LoRA path, ignored by the others."""
+        (`kestrel.kernels.lora.mlp.GateStore`); defer: whether a recompute defers to its backward
+        (`kestrel.kernels.lora.mlp.DeferPolicy`). All honoured by the fused LoRA path, ignored by the others."""
         fused = [fused_lora_weights(getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         if all(w is not None and w.bias is None for w in fused):  # biased: each projection fused on its own
             return kernels.lora_mlp(
                 x, *fused, activation=spec.activation, discard_output=discard_output,
-                gate_store=gate_store,
+                gate_store=gate_store, defer=defer,
             )
         return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
 
@@ -152,7 +153,8 @@ def _mlp_args(layer: nn.Module, spec: FamilySpec) -> dict[str, Any] | None:
     scope = checkpointing.scope_of(layer)
     if scope is None:
         return {}
-    return {"gate_store": scope.gate, "discard_output": scope.recomputing and not spec.sandwich_norm}
+    return {"gate_store": scope.gate, "discard_output": scope.recomputing and not spec.sandwich_norm,
+            "defer": scope.deferral}
 
 
 class _GraphOnlySum(torch.autograd.Function):

@@ -35,10 +35,11 @@ from torch import nn
 
 from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs, no_grad
-from kestrel.recompute.gate_share import gate_share, pages_gate_out
+from kestrel.recompute.gate_share import gate_share, paged_gate_layers, pages_gate_out
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from kestrel.recompute.host_memory import HostMemoryError, host_buffer, side_stream
 from kestrel.recompute.linked import LinkedCall
+from kestrel.recompute.mlp_deferral import defer_mode, MLPDeferral
 
 log = logging.getLogger("kestrel")
 
@@ -358,9 +359,10 @@ class Recompute:
 
     def __init__(
         self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
-        shared_state: str | None = None,
+        shared_state: str | None = None, deferral: MLPDeferral | None = None,
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
+        self.deferral = deferral if deferral is not None else MLPDeferral()  # whether recomputed MLPs defer
         self.shared_state = shared_state  # the layers' keyword holding tensors shared between them (`LinkedCall`)
         self.first = weakref.ref(first_layer) if first_layer is not None else None
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the decoder layers calling it
@@ -432,11 +434,12 @@ def graph_mode(configured: GraphMode) -> GraphMode:
 
 def set_gradient_checkpointing(
     model: nn.Module, mode: str, cuda_graphs: GraphMode = "auto", on_decision: Callable[[Decision], None] | None = None,
-    offload_gate: float = 1.0,
+    offload_gate: float = 1.0, deferral: MLPDeferral | None = None,
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
-    `offload_gate`: the share of offloaded layers that page their MLP gate product out.
+    `offload_gate`: the share of offloaded layers that page their MLP gate product out; `deferral`:
+    whether a recomputed MLP defers to its backward (`kestrel.recompute.mlp_deferral`; default `auto`).
 
     Both modes checkpoint with our reentrant `LayerCheckpoint`. Hugging Face's
     `gradient_checkpointing_enable` is called with use_reentrant=False only to set HF's flags
@@ -460,7 +463,10 @@ def set_gradient_checkpointing(
                            on_decision=on_decision)
     spec = family_for(model.config)
     recompute = Recompute(mode == "offload", _first_decoder_layer(model, layers), chooser, gate_share(offload_gate),
-                          shared_state=spec.layer_shared_state if spec is not None else None)
+                          shared_state=spec.layer_shared_state if spec is not None else None,
+                          deferral=deferral if deferral is not None else MLPDeferral(defer_mode("auto")))
+    if recompute.offload:  # the gate products whole rows would page out (`kestrel.recompute.mlp_deferral`)
+        recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
         recompute._layers.add(layer)

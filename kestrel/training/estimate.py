@@ -19,7 +19,7 @@ The model of memory (bytes), written for the way the engine trains:
   - `standard` keeps each layer's input (h a token a layer) and recomputes one layer at a time;
     `offload` keeps the layer inputs in host memory and two in flight on the GPU. A recomputed
     layer's backward holds 12 h a token besides its MLP, whose E, G and h (3 i a token) are
-    kept whole for short rows; beyond `kestrel.kernels.lora.mlp._defer_pays`'s point (4,779 rows at the 8B
+    kept whole for short rows; beyond `kestrel.kernels.lora.mlp.lowers_peak`'s point (4,779 rows at the 8B
     shape in QLoRA, 2,048 in 16-bit) the MLP runs in chunks of 2,048 rows instead, over dense
     copies of the NF4 gate and up weights. The model errs above the measured allocated peaks
     (it counts the CUDA context). The allocator reserves more: cached blocks, which it frees
@@ -373,7 +373,7 @@ def _per_device(shape: ModelShape, method: str, weights: int, optimizer: int, tr
 
 def _mlp_values(tokens: int, h: int, i: int, qlora: bool) -> tuple[int, int]:
     """(whole, deferred): values a recomputed MLP holds keeping E, G, h for all `tokens` rows, and
-    deferred to its backward in chunks over dense gate/up weights (`kestrel.kernels.lora.mlp._defer_pays`
+    deferred to its backward in chunks over dense gate/up weights (`kestrel.kernels.lora.mlp.lowers_peak`
     takes the smaller)."""
     dense = 2 * h * i if qlora else 0
     return 3 * tokens * i, 3 * min(tokens, DEFERRED_ROWS) * i + dense

@@ -30,6 +30,7 @@ from kestrel.model.lora import attach_lora
 from kestrel.model.multimodal import freeze_outside_language_model
 from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
+from kestrel.recompute.mlp_deferral import defer_mode, DeferDecision, MLPDeferral
 from kestrel.recompute.policy import choose_checkpointing
 from kestrel.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights
 from kestrel.training.distributed import World, shard_full_model
@@ -107,6 +108,17 @@ def graph_reporter(record: PerformanceRecord, cb: Callback) -> Callable[[Decisio
     return report
 
 
+def deferral_reporter(record: PerformanceRecord, cb: Callback) -> Callable[[DeferDecision], None]:
+    """Where a run's MLP deferral choices go (`kestrel.recompute.mlp_deferral`): a log line each, all in `record`."""
+
+    def report(decision: DeferDecision) -> None:
+        way = "deferred to its backward" if decision.deferred else "whole rows"
+        cb.on_log(f"recomputed MLP at {decision.rows} rows: {way} ({decision.reason})")
+        record.set("defer_mlp", [*record.made.get("defer_mlp", []), decision.as_metrics()])
+
+    return report
+
+
 def on_cuda_device(model: nn.Module) -> bool:
     return any(p.is_cuda for p in model.parameters())
 
@@ -154,9 +166,10 @@ def prepare_model(
         for p in model.parameters():
             p.requires_grad_(False)
         model = attach_lora(model, config.lora)
+    deferral = MLPDeferral(defer_mode(config.performance.defer_mlp), on_decision=deferral_reporter(record, cb))
     recompute = set_gradient_checkpointing(
         model, mode, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
-        graph_reporter(record, cb), config.performance.offload_gate)
+        graph_reporter(record, cb), config.performance.offload_gate, deferral)
     if world.distributed:
         if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)

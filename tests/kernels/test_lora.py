@@ -370,8 +370,8 @@ def test_deferring_pays_only_where_it_lowers_the_peak() -> None:
 
     for nf4_base, threshold in ((True, 2048 + 2 * 4096 // 3), (False, 2048)):
         gate, up = proj(14336, 4096, nf4_base), proj(14336, 4096, nf4_base)
-        assert not mlp_module._defer_pays(threshold, gate, up)
-        assert mlp_module._defer_pays(threshold + 1, gate, up)
+        assert not mlp_module.lowers_peak(threshold, gate, up)
+        assert mlp_module.lowers_peak(threshold + 1, gate, up)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -93,3 +93,36 @@ def test_a_first_pass_whose_recompute_defers_keeps_nothing(monkeypatch: pytest.M
     got = _run(lambda x: lora_mlp(x, *weights, discard_output=True, gate_store=store), _x(torch.float32), params)
     assert store.taken == 0
     _close(got[1], expected[1], 1e-5)
+
+
+class _Policy:
+    """A DeferPolicy with a fixed answer that records the rows it is asked about."""
+
+    def __init__(self, defers: bool) -> None:
+        self.answer, self.asked = defers, []
+
+    def defers(self, rows: int, gate, up, device: torch.device) -> bool:
+        self.asked.append(rows)
+        return self.answer
+
+
+@pytest.mark.parametrize("defers", [False, True])
+def test_the_deferral_policy_decides_both_passes(defers: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows past the memory rule's point: the run's policy, not the rule, decides. Not deferring, the
+    # first pass keeps E and the recompute takes it (no gate product); deferring, nothing is kept and
+    # the backward forms E itself. The gradients are PEFT's either way.
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 5)  # 14 rows over a 16-bit base: the memory rule defers
+    block = _peft_block()
+    params = _adapter_params(block, MLP)
+    expected = _run(_peft_mlp("swiglu")(block), _x(torch.float32), params)
+    weights, store, policy = _weights(block, MLP), _Store(), _Policy(defers)
+    computed = _gate_products(monkeypatch, weights[0].lora_A)
+    with torch.no_grad():
+        lora_mlp(_x(torch.float32), *weights, gate_store=store, defer=policy)
+    assert len(store.kept) == (0 if defers else 1)
+    got = _run(lambda x: lora_mlp(x, *weights, discard_output=True, gate_store=store, defer=policy),
+               _x(torch.float32), params)
+    assert policy.asked == [14, 14]
+    assert store.taken == (0 if defers else 1)
+    assert computed == ([14, 5, 5, 4] if defers else [14])  # first pass, then the deferred chunks or nothing
+    _close(got[1], expected[1], 1e-5)

@@ -188,7 +188,7 @@ def test_deferred_mlp_forms_each_weight_once(backend: str, inter: int, monkeypat
     from kestrel.kernels.lora import mlp as mlp_module
 
     monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 4)
-    monkeypatch.setattr(mlp_module, "_defer_pays", lambda *a: True)  # at these tiny shapes it would not
+    monkeypatch.setattr(mlp_module, "lowers_peak", lambda *a: True)  # at these tiny shapes it would not
     block = _nf4_block(torch.float32, inter)
     merged, plain = [], []
     real_merged, real_plain = nf4_lora.dequantize_merged, nf4.dequantize

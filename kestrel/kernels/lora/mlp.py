@@ -36,8 +36,15 @@ Activation = Literal["swiglu", "geglu"]
 # Rows of X per chunk of a deferred MLP. 2,048 keeps the (rows, I) products in cuBLAS's
 # efficient range (at the Llama-8B MLP, 2048 x 14336 x 4096 fills several waves of output tiles
 # on a large GPU) and E, G and h/dh at 168 MiB there, however long the sequence.
-_FIRST = 5  # gate's fields in the flattened argument list: after x, activation, discard, grad, store
+_FIRST = 6  # gate's fields in the flattened argument list: after x, activation, discard, grad, store, policy
 _DOWN = _FIRST + 2 * _FIELDS  # down's fields
+
+
+class DeferPolicy(Protocol):
+    """Whether a recompute's MLP of `rows` rows defers to its backward (`kestrel.recompute.mlp_deferral`
+    holds a run's); it must answer the same for a layer's first pass and its recompute."""
+
+    def defers(self, rows: int, gate: LoRAWeights, up: LoRAWeights, device: torch.device) -> bool: ...
 
 
 class GateStore(Protocol):
@@ -124,7 +131,7 @@ class _LoRAMLP(torch.autograd.Function):
     product is skipped (Y's values are unspecified) and h is kept for backward instead of
     recomputed (backward frees it before dh exists, so the peak is unchanged). `store`: a
     first pass without autograd gives it E, and a recompute takes E from it. Where deferring
-    lowers the peak (`_defer_pays`), the forward saves X alone and computes nothing, and the
+    lowers the peak (`DeferPolicy`, by default `lowers_peak`), the forward saves X alone and computes nothing, and the
     backward runs the forward and the backward above together, chunk by chunk
     (`_deferred_backward`).
     """
@@ -132,7 +139,7 @@ class _LoRAMLP(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, activation: Activation, discard: bool, grad: bool,
-        store: GateStore | None, *flat: Any,
+        store: GateStore | None, policy: DeferPolicy | None, *flat: Any,
     ) -> torch.Tensor:
         gate, up, down = base._unflatten(flat)
         dtype, lead = base._compute_dtype(x), x.shape[:-1]
@@ -140,12 +147,12 @@ class _LoRAMLP(torch.autograd.Function):
         ctx.done, ctx.h = False, None
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
-            ctx.deferred = discard and grad and _defer_pays(x2.shape[0], gate, up)
+            ctx.deferred = discard and grad and _defers(policy, x2.shape[0], gate, up, x.device)
             if ctx.deferred:
                 base._save(ctx, (gate, up, down), x2)
                 y = _unspecified(x2.shape[0], down.out_features, dtype, x.device)
             else:
-                y = _forward(ctx, x2, (gate, up, down), activation, dtype, grad, discard, store)
+                y = _forward(ctx, x2, (gate, up, down), activation, dtype, grad, discard, store, policy)
         # Not a view of y: a view made inside a Function cannot be updated in place downstream.
         return torch.ops.aten._unsafe_view(y, (*lead, down.out_features))
 
@@ -169,19 +176,33 @@ def _unspecified(rows: int, cols: int, dtype: torch.dtype, device: torch.device)
     return torch.empty((), dtype=dtype, device=device).expand(rows, cols)
 
 
-def _defer_pays(rows: int, gate: LoRAWeights, up: LoRAWeights) -> bool:
-    """Whether a deferred MLP peaks lower than a recompute that keeps E, G and h for all `rows`:
-    3 rows I elements against 3 min(rows, DEFERRED_ROWS) I plus the W_g, W_u it keeps dense
-    (the merged NF4 ones, or dequantized copies; a 16-bit base is used as it is)."""
-    inter = gate.out_features
-    kept = sum(w.out_features * w.in_features for w in (gate, up) if w.quant_state is not None)
-    whole = 3 * rows * inter
-    return 3 * min(rows, DEFERRED_ROWS) * inter + kept < whole
+def extra_bytes(rows: int, inter: int, dense: int, itemsize: int = 2) -> int:
+    """Bytes a recompute that keeps E, G and h for all `rows` (rows, I) holds beyond a deferred one,
+    which holds three (min(rows, DEFERRED_ROWS), I) chunks plus `dense` weight elements (gate's and
+    up's merged W', `dense_elements`)."""
+    return itemsize * (3 * rows * inter - 3 * min(rows, DEFERRED_ROWS) * inter - dense)
+
+
+def dense_elements(gate: LoRAWeights, up: LoRAWeights) -> int:
+    """Weight elements a deferred MLP keeps dense: gate's and up's where the base is NF4 (merged
+    or dequantized copies; a 16-bit base is used as it is)."""
+    return sum(w.out_features * w.in_features for w in (gate, up) if w.quant_state is not None)
+
+
+def lowers_peak(rows: int, gate: LoRAWeights, up: LoRAWeights, device: torch.device | None = None) -> bool:
+    """Whether deferring lowers the MLP recompute's peak at all (`extra_bytes` > 0): the default
+    `DeferPolicy` (`device` unused)."""
+    return extra_bytes(rows, gate.out_features, dense_elements(gate, up)) > 0
+
+
+def _defers(policy: DeferPolicy | None, rows: int, gate: LoRAWeights, up: LoRAWeights, device: torch.device) -> bool:
+    return lowers_peak(rows, gate, up) if policy is None else policy.defers(rows, gate, up, device)
 
 
 def _forward(
     ctx: Any, x2: torch.Tensor, ws: tuple[LoRAWeights, LoRAWeights, LoRAWeights],
     activation: Activation, dtype: torch.dtype, grad: bool, discard: bool, store: GateStore | None,
+    policy: DeferPolicy | None = None,
 ) -> torch.Tensor:
     """The forward of `_LoRAMLP` (not deferred): Y (M, H), or unspecified values when
     `discard`; saves for `_backward` when `grad`. E comes from `store` in a recompute that
@@ -196,7 +217,7 @@ def _forward(
     xa_g, xa_u = (None, None) if xa_gu is None else (xa_gu[:, sg], xa_gu[:, su])
     e = store.take() if store is not None and grad else None
     if e is None:
-        keep = store is not None and not grad and not _defer_pays(x2.shape[0], gate, up)
+        keep = store is not None and not grad and not _defers(policy, x2.shape[0], gate, up, x2.device)
         into = store.target((x2.shape[0], gate.out_features), dtype) if keep else None
         e = base._expand(x2, xa_g, gate, dtype, merged_gu, a=a_gu[sg], out=into)  # (M, I)
         if keep:
@@ -299,13 +320,15 @@ def lora_mlp(
     activation: Activation = "swiglu",
     discard_output: bool = False,
     gate_store: GateStore | None = None,
+    defer: DeferPolicy | None = None,
 ) -> torch.Tensor:
     """x (..., H) -> down(act(gate(x)) * up(x)) (..., H), one autograd Function (see _LoRAMLP).
     discard_output=True: the output's VALUES are unspecified (the down product is skipped, or
     everything deferred to the backward) and only its gradient path is real; for a checkpoint's
     recompute whose output is thrown away. gate_store: where a checkpoint's first pass keeps
     the gate product E and its recompute takes it back (`GateStore`); both passes get the same
-    store, and the recompute must see the same input as the first pass."""
+    store, and the recompute must see the same input as the first pass. defer: whether a recompute
+    of these rows defers to its backward (`DeferPolicy`; None: wherever that lowers its peak)."""
     if activation not in ("swiglu", "geglu"):
         raise ValueError(f"activation must be 'swiglu' or 'geglu', got {activation!r}")
     if any(w.bias is not None for w in (gate, up, down)):
@@ -313,5 +336,5 @@ def lora_mlp(
                          "(lora_linear each)")
     grad = base._will_backward(x, [gate, up, down])
     return _LoRAMLP.apply(
-        x, activation, discard_output, grad, gate_store, *gate._flat(), *up._flat(), *down._flat()
+        x, activation, discard_output, grad, gate_store, defer, *gate._flat(), *up._flat(), *down._flat()
     )

@@ -1,0 +1,134 @@
+"""Whether a checkpointed layer's recomputed MLP defers to its backward: one run's policy.
+
+A deferred MLP (`kestrel.kernels.lora.mlp`) runs nothing in its recompute's forward and then the
+forward and the backward together in chunks of `DEFERRED_ROWS` rows, so its (rows, I)
+intermediates E, G and h no longer grow with the sequence. It does the same products as a
+recompute that keeps them, but it gives up two things the whole-rows path has:
+
+- offloaded checkpointing's paged gate product E (the recompute then skips its largest product);
+- the merged weights and whole-row products of one pass (chunks of 2,048 rows, weights kept dense).
+
+So deferring buys memory and nothing else. Its saving, for one layer at a time (the recompute of
+one layer is alive at once), is 2 (3 M I - 3 min(M, C) I - W) bytes, W the dense
+gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_bytes`). The modes (`performance.defer_mlp`):
+
+- `on`: defer wherever that saving is positive (`kestrel.kernels.lora.mlp.lowers_peak`, the rule before this policy);
+- `off`: never defer;
+- `auto`: defer only where the whole-rows recompute would not fit: its extra bytes are more than
+  half of the device's headroom when a row count is first seen (memory the device has free plus
+  what the caching allocator holds unused). Half, because that first sighting is a first pass,
+  before the step's backward, its loss chunk and (on the first step) the optimizer's state have
+  taken theirs: the other half is left to them. Where offloaded checkpointing pages E out
+  (`paged_layers` of the layers), whole rows also need those pages, rows x I x 2 bytes a layer, to
+  fit in half of the host memory available then (pinned pages cannot be swapped out). Off CUDA
+  there is no device headroom to read, and `auto` keeps the memory rule.
+
+Each row count's answer is decided once and kept, so a layer's first pass (which pages E out or
+not) and its recompute (which takes E back or defers) always agree, and CUDA graphs captured for
+a layout stay valid. Each decision is reported once (`on_decision`: the run's log and
+`performance.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Literal
+
+import torch
+
+from kestrel import env
+from kestrel.constants import DEFER_MODES
+from kestrel.kernels.lora.mlp import dense_elements, extra_bytes
+
+DeferMode = Literal["auto", "on", "off"]
+
+
+def cuda_headroom(device: torch.device) -> int | None:
+    """Bytes the device could still give this process: free on the device plus what the caching
+    allocator reserved and does not use; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def available_host_bytes(path: str = "/proc/meminfo") -> int | None:
+    """The host memory available to new allocations without swapping (MemAvailable), or None."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferDecision:
+    """One row count's answer, as the run's log and metrics show it."""
+
+    rows: int
+    inter: int
+    deferred: bool
+    reason: str
+
+    def as_metrics(self) -> dict[str, Any]:
+        return {"rows": self.rows, "intermediate": self.inter, "deferred": self.deferred, "reason": self.reason}
+
+
+class MLPDeferral:
+    """One run's deferral policy (module docstring); `kestrel.kernels.lora.mlp.DeferPolicy`.
+    `headroom(device)` reads the device's spare bytes and `host_room()` the host's (tests hand in
+    their own); `paged_layers`: how many layers page E out to the host (set by the run's
+    `kestrel.recompute.checkpoint.Recompute`; 0 without offloading)."""
+
+    def __init__(
+        self, mode: DeferMode = "auto", headroom: Callable[[torch.device], int | None] = cuda_headroom,
+        on_decision: Callable[[DeferDecision], None] | None = None,
+        host_room: Callable[[], int | None] = available_host_bytes,
+    ) -> None:
+        if mode not in DEFER_MODES:
+            raise ValueError(f"defer_mlp must be one of {', '.join(DEFER_MODES)}, got {mode!r}")
+        self.mode, self.headroom, self.on_decision, self.host_room = mode, headroom, on_decision, host_room
+        self.paged_layers = 0
+        self.decided: dict[tuple[int, int, int, torch.device], DeferDecision] = {}
+
+    def defers(self, rows: int, gate: Any, up: Any, device: torch.device) -> bool:
+        """Whether an MLP of `rows` rows over `gate`, `up` defers its recompute to its backward."""
+        dense = dense_elements(gate, up)
+        key = (rows, gate.out_features, dense, device)
+        decision = self.decided.get(key)
+        if decision is None:
+            decision = self.decided[key] = self._decide(rows, gate.out_features, dense, device)
+            if self.on_decision is not None:
+                self.on_decision(decision)
+        return decision.deferred
+
+    def _decide(self, rows: int, inter: int, dense: int, device: torch.device) -> DeferDecision:
+        extra = extra_bytes(rows, inter, dense)
+        gib = f"{extra / 2**30:.2f} GiB"
+        if extra <= 0:
+            return DeferDecision(rows, inter, False, "deferring would not lower the peak")
+        if self.mode != "auto":
+            way = "deferred" if self.mode == "on" else "not deferred"
+            return DeferDecision(rows, inter, self.mode == "on", f"{way} (defer_mlp: {self.mode}); saves {gib}")
+        room = self.headroom(device)
+        if room is None:
+            return DeferDecision(rows, inter, True, f"saves {gib}; no device headroom to read off CUDA")
+        need = f"whole rows need {gib} more, {room / 2**30:.2f} GiB spare"
+        if 2 * extra > room:
+            return DeferDecision(rows, inter, True, f"{need}: would not fit, deferred")
+        pages = self.paged_layers * rows * inter * 2  # E of each paging layer, 16-bit
+        host = self.host_room() if pages else None
+        if pages and (host is None or 2 * pages > host):
+            spare = "unknown" if host is None else f"{host / 2**30:.1f} GiB"
+            return DeferDecision(rows, inter, True, f"{need}, but paging their gate products would pin "
+                                 f"{pages / 2**30:.1f} GiB of host memory ({spare} available): deferred")
+        return DeferDecision(rows, inter, False, f"{need}: fits, whole rows (faster)")
+
+
+def defer_mode(configured: str) -> DeferMode:
+    """The run's deferral mode: KESTREL_DEFER_MLP (auto | on | off, a debugging override) wins over the configured one."""
+    forced = env.choice("KESTREL_DEFER_MLP", {m: m for m in DEFER_MODES})
+    return (configured if forced is None else forced)  # type: ignore[return-value]

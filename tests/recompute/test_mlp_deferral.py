@@ -1,0 +1,146 @@
+"""kestrel.recompute.mlp_deferral: when a recomputed MLP defers to its backward, and that a run follows it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kestrel.config import PerformanceSettings
+from kestrel.errors import ConfigError
+from kestrel.kernels.lora.lora import LoRAWeights
+from kestrel.kernels.lora.mlp import extra_bytes
+from kestrel.recompute.mlp_deferral import available_host_bytes, defer_mode, DeferDecision, MLPDeferral
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)  # the policy only reads the device's type
+GIB = 2**30
+
+
+def _proj(out: int, inp: int, nf4_base: bool = True) -> LoRAWeights:
+    meta = torch.empty(out, inp, device="meta")
+    state = type("State", (), {"shape": (out, inp)})() if nf4_base else None
+    return LoRAWeights(meta, state, torch.empty(16, inp, device="meta"), torch.empty(out, 16, device="meta"), 2.0)
+
+
+def _policy(mode: str, device_room: int | None, host_room: int | None = None, paged: int = 0):
+    seen: list[DeferDecision] = []
+    policy = MLPDeferral(mode, headroom=lambda d: device_room if d.type == "cuda" else None,  # type: ignore[arg-type]
+                         on_decision=seen.append, host_room=lambda: host_room)
+    policy.paged_layers = paged
+    return policy, seen
+
+
+GATE, UP = _proj(9728, 2560), _proj(9728, 2560)  # a 4B-class MLP over NF4, shapes no issue names
+
+
+def test_extra_bytes_is_what_deferring_saves() -> None:
+    # 8,192 rows: E, G, h whole (3 x 8192 x I) against three 2,048-row chunks plus the dense W'_g, W'_u.
+    assert extra_bytes(8192, 9728, 2 * 9728 * 2560) == 2 * (3 * 8192 * 9728 - 3 * 2048 * 9728 - 2 * 9728 * 2560)
+    assert extra_bytes(2048, 9728, 0) == 0  # one chunk holds every row: nothing saved
+
+
+@pytest.mark.parametrize("mode, deferred", [("on", True), ("off", False)])
+def test_forced_modes_ignore_the_room(mode: str, deferred: bool) -> None:
+    policy, seen = _policy(mode, device_room=0)
+    assert policy.defers(8192, GATE, UP, GPU) is deferred
+    assert [d.deferred for d in seen] == [deferred] and mode in seen[0].reason
+
+
+def test_auto_keeps_whole_rows_where_twice_their_extra_fits() -> None:
+    extra = extra_bytes(8192, 9728, 2 * 9728 * 2560)
+    roomy, _ = _policy("auto", device_room=2 * extra)
+    tight, seen = _policy("auto", device_room=2 * extra - 1)
+    assert not roomy.defers(8192, GATE, UP, GPU)
+    assert tight.defers(8192, GATE, UP, GPU)
+    assert "would not fit" in seen[0].reason
+
+
+def test_nothing_to_save_never_defers() -> None:
+    policy, seen = _policy("on", device_room=0)
+    assert not policy.defers(3000, GATE, UP, GPU)  # NF4: below the point where the dense weights pay
+    assert "would not lower the peak" in seen[0].reason
+
+
+def test_auto_off_cuda_keeps_the_memory_rule() -> None:
+    policy, seen = _policy("auto", device_room=None)
+    assert policy.defers(8192, GATE, UP, CPU)
+    assert not policy.defers(1024, GATE, UP, CPU)
+    assert "off CUDA" in seen[0].reason
+
+
+def test_each_row_count_is_decided_once() -> None:
+    # Both passes of a layer, and every later step, get the first answer even when the room changes,
+    # so a first pass that paged E out always meets a recompute that takes it back.
+    room = [64 * GIB]
+    seen: list[DeferDecision] = []
+    policy = MLPDeferral("auto", headroom=lambda d: room[0], on_decision=seen.append, host_room=lambda: None)
+    assert not policy.defers(8192, GATE, UP, GPU)
+    room[0] = 0
+    assert not policy.defers(8192, GATE, UP, GPU)
+    assert policy.defers(16384, GATE, UP, GPU)  # a new row count reads the room again
+    assert [(d.rows, d.deferred) for d in seen] == [(8192, False), (16384, True)]
+
+
+def test_paged_gate_products_must_fit_the_host() -> None:
+    # Offloading 36 layers' E at 8,192 rows pins 36 x 8192 x 9728 x 2 bytes (5.3 GiB).
+    pages = 36 * 8192 * 9728 * 2
+    fits, _ = _policy("auto", device_room=64 * GIB, host_room=2 * pages, paged=36)
+    short, seen = _policy("auto", device_room=64 * GIB, host_room=2 * pages - 1, paged=36)
+    unknown, _ = _policy("auto", device_room=64 * GIB, host_room=None, paged=36)
+    assert not fits.defers(8192, GATE, UP, GPU)
+    assert short.defers(8192, GATE, UP, GPU) and "pin" in seen[0].reason
+    assert unknown.defers(8192, GATE, UP, GPU)
+    not_offloaded, _ = _policy("auto", device_room=64 * GIB, host_room=None, paged=0)
+    assert not not_offloaded.defers(8192, GATE, UP, GPU)
+
+
+def test_available_host_bytes_reads_meminfo(tmp_path) -> None:
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    8000000 kB\n")
+    assert available_host_bytes(str(info)) == 8000000 * 1024
+    assert available_host_bytes(str(tmp_path / "missing")) is None
+
+
+def test_mode_comes_from_the_config_and_the_variable_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert PerformanceSettings().defer_mlp == "auto"
+    with pytest.raises(ConfigError, match="performance.defer_mlp"):
+        PerformanceSettings(defer_mlp="sometimes")
+    monkeypatch.delenv("KESTREL_DEFER_MLP", raising=False)
+    assert defer_mode("on") == "on"
+    monkeypatch.setenv("KESTREL_DEFER_MLP", "off")
+    assert defer_mode("auto") == "off"
+    monkeypatch.setenv("KESTREL_DEFER_MLP", "maybe")
+    with pytest.raises(ValueError, match="KESTREL_DEFER_MLP"):
+        defer_mode("auto")
+    with pytest.raises(ValueError, match="defer_mlp"):
+        MLPDeferral("maybe")  # type: ignore[arg-type]
+
+
+def test_decisions_are_json_metrics() -> None:
+    policy, seen = _policy("off", device_room=None)
+    policy.defers(8192, GATE, UP, GPU)
+    assert json.loads(json.dumps(seen[0].as_metrics())) == {
+        "rows": 8192, "intermediate": 9728, "deferred": False, "reason": seen[0].reason}
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_a_run_follows_its_mode_and_says_so(mode: str, tiny_model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel.config import config_from_dict
+    from kestrel.kernels.lora import mlp as mlp_module
+    from kestrel.training.run import run
+    from tests.support.logs import Logs
+
+    monkeypatch.delenv("KESTREL_DEFER_MLP", raising=False)
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 8)  # the tiny model's rows pass the point where deferring saves
+    log = Logs()
+    cfg = config_from_dict(dict(model=str(tiny_model_dir("llama")), dataset="arithmetic_chat", output_dir=str(tmp_path / "r"),
+                                max_steps=2, max_seq_length=64, save_steps=0, dtype="fp32", method="lora",
+                                performance={"defer_mlp": mode}))
+    assert run(cfg, [log]).status == "completed"
+    lines = [line for line in log.lines if line.startswith("recomputed MLP at ")]
+    made = json.loads((tmp_path / "r" / "performance.json").read_text())["defer_mlp"]
+    assert lines and len(lines) == len(made)  # one line a decided row count
+    deferring = [m for m in made if "lower the peak" not in m["reason"]]
+    assert deferring and all(m["deferred"] is (mode == "on") for m in deferring)
+    assert all(f"defer_mlp: {mode}" in m["reason"] for m in deferring)
