@@ -213,7 +213,7 @@ for want in "$@"; do
         expand)   for way in off on; do
                       conf=""; [ "$way" = on ] && conf="expandable_segments:True"
                       phase "expand-$way" 280 env PYTORCH_CUDA_ALLOC_CONF="$conf" python bench/matrix.py \
-                          --models "$EXPAND_MODELS" --methods qlora --layouts padded,packed --systems kestrel --settle 160 \
+                          --models "$EXPAND_MODELS" --methods qlora --layouts "${EXPAND_LAYOUTS:-padded,packed}" --systems kestrel --settle 160 \
                           --budget-s 200 --hard-s 270 --out "$OUT/expand-$way.jsonl"; done
                   records "$OUT"/expand-*.jsonl ;;
         gradprod) phase gradprod 120 python bench/lora_grad_products.py --shape "${GRAD_SHAPE:-qwen2.5-7b}" \
