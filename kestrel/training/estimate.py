@@ -23,7 +23,8 @@ The model of memory (bytes), written for the way the engine trains:
     shape in QLoRA, 2,048 in 16-bit) the MLP runs in chunks of 2,048 rows instead, over dense
     copies of the NF4 gate and up weights. That is the least a run needs: `performance.defer_mlp:
     auto` (`kestrel.recompute.mlp_deferral`) keeps whole rows, and pages their E out, only where the
-    device and the host have room for them when the run gets there, so the estimate counts neither. The model errs above the measured allocated peaks
+    device and the host have room for them when the run gets there, so the estimate counts neither.
+    The model errs above the measured allocated peaks
     (it counts the CUDA context). The allocator reserves more: cached blocks, which it frees
     and retries with before it reports out-of-memory.
   The loss is chunked (logits never exist for the whole batch), so the head costs one chunk.
