@@ -70,9 +70,9 @@
 #             small models Kestrel's reserved peak is 0.1-0.5 GiB over Unsloth's while its allocated peak is not
 #   gradprod  the adapters' fp32 weight-gradient products at GRAD_SHAPE's (qwen2.5-7b) shapes: cuBLAS with an fp32
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
-#   defer     long rows with the recomputed MLP deferred to its backward (KESTREL_DEFER_MLP=on, the rule before
-#             `performance.defer_mlp`) and whole (off: what auto picks where memory allows, its gate product
-#             paged), then Unsloth, for each of DEFER_MODELS, QLoRA, DEFER_LAYOUTS (long), one process each
+#   defer     the recomputed MLP deferred to its backward wherever that saves memory (KESTREL_DEFER_MLP=memory, the
+#             default) and only where whole rows would not fit (fit: whole rows, their gate product paged), then
+#             Unsloth, for each of DEFER_MODELS, QLoRA, DEFER_LAYOUTS (default long), one process each
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
 #             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
@@ -223,9 +223,9 @@ for want in "$@"; do
                           --methods qlora --layouts packed --systems kestrel-on --budget-s 150 --hard-s 190 \
                           --out "$OUT/gate-$g.jsonl"; done; done
                   records "$OUT"/gate-*.jsonl ;;
-        defer)    for model in ${DEFER_MODELS//,/ }; do for way in on off unsloth; do
+        defer)    for model in ${DEFER_MODELS//,/ }; do for way in memory fit unsloth; do
                       sys=kestrel; [ "$way" = unsloth ] && sys=unsloth
-                      phase "defer-$model-$way" 240 env KESTREL_DEFER_MLP="${way/unsloth/auto}" python bench/matrix.py \
+                      phase "defer-$model-$way" 240 env KESTREL_DEFER_MLP="${way/unsloth/memory}" python bench/matrix.py \
                           --models "$model" --methods qlora --layouts "${DEFER_LAYOUTS:-long}" --systems $sys \
                           --budget-s 180 --hard-s 230 --out "$OUT/defer-$way.jsonl"; done; done
                   records "$OUT"/defer-*.jsonl ;;

@@ -167,9 +167,9 @@ class PerformanceSettings:
     # is also paged out to host memory, so the recompute skips its largest product.
     offload_gate: float = 1.0
     # Whether a checkpointed layer's recomputed MLP runs in its backward in chunks of rows (less memory
-    # on long rows, no paged gate product): auto only where whole rows would not fit the device
-    # (`kestrel.recompute.mlp_deferral`); on wherever it saves memory; off never.
-    defer_mlp: str = "auto"
+    # on long rows, but no paged gate product): memory wherever that lowers its peak; fit only where
+    # whole rows would not fit the device (faster, more memory); off never (`kestrel.recompute.mlp_deferral`).
+    defer_mlp: str = "memory"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,

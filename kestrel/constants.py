@@ -14,7 +14,7 @@ GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # sequence mean | token level | t
 # chunks of this many rows (`kernels.lora.mlp`); the memory estimate models the same.
 DEFERRED_ROWS = 2048
 # `performance.defer_mlp`: when a recomputed MLP defers (`kestrel.recompute.mlp_deferral`)
-DEFER_MODES = ("auto", "on", "off")
+DEFER_MODES = ("memory", "fit", "off")
 # Dataset formats the reader knows (`kestrel.data.formats.FORMATS`, plus auto-detection), named
 # here so a config is checked without importing the reader (tests/test_config_limits.py keeps
 # the two lists equal).

@@ -9,7 +9,7 @@ overrides for debugging; nothing else in the package reads the environment for t
 | KESTREL_HOME | the folder for models, datasets, runs and the job database (default ~/.kestrel) |
 | KESTREL_CUDA_GRAPHS | 1 / 0 / auto: override a run's `performance.cuda_graphs` (debugging) |
 | KESTREL_OFFLOAD_GATE | 0..1: override a run's `performance.offload_gate` (debugging) |
-| KESTREL_DEFER_MLP | auto / on / off: override a run's `performance.defer_mlp` (debugging) |
+| KESTREL_DEFER_MLP | memory / fit / off: override a run's `performance.defer_mlp` (debugging) |
 | KESTREL_KERNELS | triton / torch: force every fused op onto one implementation (debugging, tests) |
 | KESTREL_PDL | 0 turns off programmatic dependent launches in the decode step (Hopper and later) |
 | KESTREL_DEVICES | the devices jobs may use, "cpu" or "cuda:0,cuda:1" (default: every visible GPU) |

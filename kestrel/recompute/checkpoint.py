@@ -439,7 +439,7 @@ def set_gradient_checkpointing(
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
     `offload_gate`: the share of offloaded layers that page their MLP gate product out; `deferral`:
-    whether a recomputed MLP defers to its backward (`kestrel.recompute.mlp_deferral`; default `auto`).
+    whether a recomputed MLP defers to its backward (`kestrel.recompute.mlp_deferral`; default `memory`, or KESTREL_DEFER_MLP).
 
     Both modes checkpoint with our reentrant `LayerCheckpoint`. Hugging Face's
     `gradient_checkpointing_enable` is called with use_reentrant=False only to set HF's flags
@@ -464,7 +464,7 @@ def set_gradient_checkpointing(
     spec = family_for(model.config)
     recompute = Recompute(mode == "offload", _first_decoder_layer(model, layers), chooser, gate_share(offload_gate),
                           shared_state=spec.layer_shared_state if spec is not None else None,
-                          deferral=deferral if deferral is not None else MLPDeferral(defer_mode("auto")))
+                          deferral=deferral if deferral is not None else MLPDeferral(defer_mode("memory")))
     if recompute.offload:  # the gate products whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
     for layer in layers:

@@ -10,18 +10,21 @@ recompute that keeps them, but it gives up two things the whole-rows path has:
 
 So deferring buys memory and nothing else. Its saving, for one layer at a time (the recompute of
 one layer is alive at once), is 2 (3 M I - 3 min(M, C) I - W) bytes, W the dense
-gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_bytes`). The modes (`performance.defer_mlp`):
+gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_bytes`). The modes
+(`performance.defer_mlp`):
 
-- `on`: defer wherever that saving is positive (`kestrel.kernels.lora.mlp.lowers_peak`, the rule before this policy);
-- `off`: never defer;
-- `auto`: defer only where the whole-rows recompute would not fit: its extra bytes are more than
-  half of the device's headroom when a row count is first seen (memory the device has free plus
-  what the caching allocator holds unused). Half, because that first sighting is a first pass,
-  before the step's backward, its loss chunk and (on the first step) the optimizer's state have
-  taken theirs: the other half is left to them. Where offloaded checkpointing pages E out
-  (`paged_layers` of the layers), whole rows also need those pages, rows x I x 2 bytes a layer, to
-  fit in half of the host memory available then (pinned pages cannot be swapped out). Off CUDA
-  there is no device headroom to read, and `auto` keeps the memory rule.
+- `memory` (the default): defer wherever that saving is positive (`kestrel.kernels.lora.mlp.lowers_peak`).
+- `fit`: defer only where the whole-rows recompute would not fit: its extra bytes are more than half
+  of the device's headroom when a row count is first seen (memory the device has free plus what the
+  caching allocator holds unused). Half, because that first sighting is a first pass, before the
+  step's backward, its loss chunk and (on the first step) the optimizer's state have taken theirs:
+  the other half is left to them. Where offloaded checkpointing pages E out (`paged_layers` of the
+  layers), whole rows also need those pages, rows x I x 2 bytes a layer, to fit in half of the host
+  memory available then (pinned pages cannot be swapped out). Off CUDA there is no device headroom
+  to read, and `fit` keeps the memory rule. Faster where E is paged (bench/RESULTS.md, session 36:
+  5-7% on long rows of 4B-7B models), at the memory deferring saved plus, under CUDA graphs, two
+  static E buffers.
+- `off`: never defer.
 
 Each row count's answer is decided once and kept, so a layer's first pass (which pages E out or
 not) and its recompute (which takes E back or defers) always agree, and CUDA graphs captured for
@@ -40,7 +43,7 @@ from kestrel import env
 from kestrel.constants import DEFER_MODES
 from kestrel.kernels.lora.mlp import dense_elements, extra_bytes
 
-DeferMode = Literal["auto", "on", "off"]
+DeferMode = Literal["memory", "fit", "off"]
 
 
 def cuda_headroom(device: torch.device) -> int | None:
@@ -84,7 +87,7 @@ class MLPDeferral:
     `kestrel.recompute.checkpoint.Recompute`; 0 without offloading)."""
 
     def __init__(
-        self, mode: DeferMode = "auto", headroom: Callable[[torch.device], int | None] = cuda_headroom,
+        self, mode: DeferMode = "memory", headroom: Callable[[torch.device], int | None] = cuda_headroom,
         on_decision: Callable[[DeferDecision], None] | None = None,
         host_room: Callable[[], int | None] = available_host_bytes,
     ) -> None:
@@ -110,9 +113,9 @@ class MLPDeferral:
         gib = f"{extra / 2**30:.2f} GiB"
         if extra <= 0:
             return DeferDecision(rows, inter, False, "deferring would not lower the peak")
-        if self.mode != "auto":
-            way = "deferred" if self.mode == "on" else "not deferred"
-            return DeferDecision(rows, inter, self.mode == "on", f"{way} (defer_mlp: {self.mode}); saves {gib}")
+        if self.mode != "fit":
+            way = "deferred" if self.mode == "memory" else "not deferred"
+            return DeferDecision(rows, inter, self.mode == "memory", f"{way} (defer_mlp: {self.mode}); saves {gib}")
         room = self.headroom(device)
         if room is None:
             return DeferDecision(rows, inter, True, f"saves {gib}; no device headroom to read off CUDA")
@@ -129,6 +132,6 @@ class MLPDeferral:
 
 
 def defer_mode(configured: str) -> DeferMode:
-    """The run's deferral mode: KESTREL_DEFER_MLP (auto | on | off, a debugging override) wins over the configured one."""
+    """The run's deferral mode: KESTREL_DEFER_MLP (memory | fit | off, a debugging override) wins over the configured one."""
     forced = env.choice("KESTREL_DEFER_MLP", {m: m for m in DEFER_MODES})
     return (configured if forced is None else forced)  # type: ignore[return-value]

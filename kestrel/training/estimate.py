@@ -21,8 +21,8 @@ The model of memory (bytes), written for the way the engine trains:
     layer's backward holds 12 h a token besides its MLP, whose E, G and h (3 i a token) are
     kept whole for short rows; beyond `kestrel.kernels.lora.mlp.lowers_peak`'s point (4,779 rows at the 8B
     shape in QLoRA, 2,048 in 16-bit) the MLP runs in chunks of 2,048 rows instead, over dense
-    copies of the NF4 gate and up weights. That is the least a run needs: `performance.defer_mlp:
-    auto` (`kestrel.recompute.mlp_deferral`) keeps whole rows, and pages their E out, only where the
+    copies of the NF4 gate and up weights. That is the default (`performance.defer_mlp: memory`);
+    `fit` (`kestrel.recompute.mlp_deferral`) keeps whole rows, and pages their E out, only where the
     device and the host have room for them when the run gets there, so the estimate counts neither.
     The model errs above the measured allocated peaks
     (it counts the CUDA context). The allocator reserves more: cached blocks, which it frees

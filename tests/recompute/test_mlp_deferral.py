@@ -40,30 +40,30 @@ def test_extra_bytes_is_what_deferring_saves() -> None:
     assert extra_bytes(2048, 9728, 0) == 0  # one chunk holds every row: nothing saved
 
 
-@pytest.mark.parametrize("mode, deferred", [("on", True), ("off", False)])
+@pytest.mark.parametrize("mode, deferred", [("memory", True), ("off", False)])
 def test_forced_modes_ignore_the_room(mode: str, deferred: bool) -> None:
     policy, seen = _policy(mode, device_room=0)
     assert policy.defers(8192, GATE, UP, GPU) is deferred
     assert [d.deferred for d in seen] == [deferred] and mode in seen[0].reason
 
 
-def test_auto_keeps_whole_rows_where_twice_their_extra_fits() -> None:
+def test_fit_keeps_whole_rows_where_twice_their_extra_fits() -> None:
     extra = extra_bytes(8192, 9728, 2 * 9728 * 2560)
-    roomy, _ = _policy("auto", device_room=2 * extra)
-    tight, seen = _policy("auto", device_room=2 * extra - 1)
+    roomy, _ = _policy("fit", device_room=2 * extra)
+    tight, seen = _policy("fit", device_room=2 * extra - 1)
     assert not roomy.defers(8192, GATE, UP, GPU)
     assert tight.defers(8192, GATE, UP, GPU)
     assert "would not fit" in seen[0].reason
 
 
 def test_nothing_to_save_never_defers() -> None:
-    policy, seen = _policy("on", device_room=0)
+    policy, seen = _policy("memory", device_room=0)
     assert not policy.defers(3000, GATE, UP, GPU)  # NF4: below the point where the dense weights pay
     assert "would not lower the peak" in seen[0].reason
 
 
-def test_auto_off_cuda_keeps_the_memory_rule() -> None:
-    policy, seen = _policy("auto", device_room=None)
+def test_fit_off_cuda_keeps_the_memory_rule() -> None:
+    policy, seen = _policy("fit", device_room=None)
     assert policy.defers(8192, GATE, UP, CPU)
     assert not policy.defers(1024, GATE, UP, CPU)
     assert "off CUDA" in seen[0].reason
@@ -74,7 +74,7 @@ def test_each_row_count_is_decided_once() -> None:
     # so a first pass that paged E out always meets a recompute that takes it back.
     room = [64 * GIB]
     seen: list[DeferDecision] = []
-    policy = MLPDeferral("auto", headroom=lambda d: room[0], on_decision=seen.append, host_room=lambda: None)
+    policy = MLPDeferral("fit", headroom=lambda d: room[0], on_decision=seen.append, host_room=lambda: None)
     assert not policy.defers(8192, GATE, UP, GPU)
     room[0] = 0
     assert not policy.defers(8192, GATE, UP, GPU)
@@ -85,13 +85,13 @@ def test_each_row_count_is_decided_once() -> None:
 def test_paged_gate_products_must_fit_the_host() -> None:
     # Offloading 36 layers' E at 8,192 rows pins 36 x 8192 x 9728 x 2 bytes (5.3 GiB).
     pages = 36 * 8192 * 9728 * 2
-    fits, _ = _policy("auto", device_room=64 * GIB, host_room=2 * pages, paged=36)
-    short, seen = _policy("auto", device_room=64 * GIB, host_room=2 * pages - 1, paged=36)
-    unknown, _ = _policy("auto", device_room=64 * GIB, host_room=None, paged=36)
+    fits, _ = _policy("fit", device_room=64 * GIB, host_room=2 * pages, paged=36)
+    short, seen = _policy("fit", device_room=64 * GIB, host_room=2 * pages - 1, paged=36)
+    unknown, _ = _policy("fit", device_room=64 * GIB, host_room=None, paged=36)
     assert not fits.defers(8192, GATE, UP, GPU)
     assert short.defers(8192, GATE, UP, GPU) and "pin" in seen[0].reason
     assert unknown.defers(8192, GATE, UP, GPU)
-    not_offloaded, _ = _policy("auto", device_room=64 * GIB, host_room=None, paged=0)
+    not_offloaded, _ = _policy("fit", device_room=64 * GIB, host_room=None, paged=0)
     assert not not_offloaded.defers(8192, GATE, UP, GPU)
 
 
@@ -103,16 +103,16 @@ def test_available_host_bytes_reads_meminfo(tmp_path) -> None:
 
 
 def test_mode_comes_from_the_config_and_the_variable_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert PerformanceSettings().defer_mlp == "auto"
+    assert PerformanceSettings().defer_mlp == "memory"
     with pytest.raises(ConfigError, match="performance.defer_mlp"):
         PerformanceSettings(defer_mlp="sometimes")
     monkeypatch.delenv("KESTREL_DEFER_MLP", raising=False)
-    assert defer_mode("on") == "on"
+    assert defer_mode("fit") == "fit"
     monkeypatch.setenv("KESTREL_DEFER_MLP", "off")
-    assert defer_mode("auto") == "off"
+    assert defer_mode("memory") == "off"
     monkeypatch.setenv("KESTREL_DEFER_MLP", "maybe")
     with pytest.raises(ValueError, match="KESTREL_DEFER_MLP"):
-        defer_mode("auto")
+        defer_mode("memory")
     with pytest.raises(ValueError, match="defer_mlp"):
         MLPDeferral("maybe")  # type: ignore[arg-type]
 
@@ -124,7 +124,7 @@ def test_decisions_are_json_metrics() -> None:
         "rows": 8192, "intermediate": 9728, "deferred": False, "reason": seen[0].reason}
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("mode", ["memory", "off"])
 def test_a_run_follows_its_mode_and_says_so(mode: str, tiny_model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel.config import config_from_dict
     from kestrel.kernels.lora import mlp as mlp_module
@@ -142,5 +142,5 @@ def test_a_run_follows_its_mode_and_says_so(mode: str, tiny_model_dir, tmp_path,
     made = json.loads((tmp_path / "r" / "performance.json").read_text())["defer_mlp"]
     assert lines and len(lines) == len(made)  # one line a decided row count
     deferring = [m for m in made if "lower the peak" not in m["reason"]]
-    assert deferring and all(m["deferred"] is (mode == "on") for m in deferring)
+    assert deferring and all(m["deferred"] is (mode == "memory") for m in deferring)
     assert all(f"defer_mlp: {mode}" in m["reason"] for m in deferring)
