@@ -144,3 +144,31 @@ def test_a_run_follows_its_mode_and_says_so(mode: str, tiny_model_dir, tmp_path,
     deferring = [m for m in made if "lower the peak" not in m["reason"]]
     assert deferring and all(m["deferred"] is (mode == "memory") for m in deferring)
     assert all(f"defer_mlp: {mode}" in m["reason"] for m in deferring)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed"])
+def test_whole_rows_train_as_deferred_rows_on_cuda(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, graphs: bool) -> None:
+    # Offloaded QLoRA whose 96-row MLPs pass the (lowered) point where deferring saves memory: `memory`
+    # defers them, `fit` (a roomy GPU) keeps whole rows and pages the gate product out. Same losses and
+    # adapters; only `fit` keeps gate products (in static buffers when graphed).
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kestrel.kernels.lora import mlp as mlp_module
+    from tests.recompute.test_layer_graphs import _train
+
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 16)
+    folder = tiny_model_dir("llama")
+    runs = {}
+    for mode in ("memory", "fit"):
+        policy = MLPDeferral(mode)  # type: ignore[arg-type]
+        runs[mode] = (*_train(folder, graphs, monkeypatch, qlora=True, mode="offload", deferral=policy), policy)
+    (deferred, deferred_w, deferred_stats, memory), (whole, whole_w, whole_stats, fit) = runs["memory"], runs["fit"]
+    assert [d.deferred for d in memory.decided.values()] == [True]
+    assert [d.deferred for d in fit.decided.values()] == [False]
+    if graphs:
+        assert deferred_stats["gates"] == 0 and whole_stats["gates"] == 2, (deferred_stats, whole_stats)
+    for step, (a, b) in enumerate(zip(whole, deferred)):
+        assert abs(a - b) <= 1e-2 * abs(b), f"loss {step}: whole rows {a} vs deferred {b}"
+    for a, b in zip(whole_w, deferred_w):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=1e-3)
