@@ -28,8 +28,8 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
 
 Each row count's answer is decided once and kept, so a layer's first pass (which pages E out or
 not) and its recompute (which takes E back or defers) always agree, and CUDA graphs captured for
-a layout stay valid. Each decision is reported once (`on_decision`: the run's log and
-`performance.json`).
+a layout stay valid. Each MLP's first answer, and each change of answer between row counts, is reported
+(`on_decision`: the run's log and `performance.json`).
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class MLPDeferral:
             raise ValueError(f"defer_mlp must be one of {', '.join(DEFER_MODES)}, got {mode!r}")
         self.mode, self.headroom, self.on_decision, self.host_room = mode, headroom, on_decision, host_room
         self.paged_layers = 0
+        self.reported: dict[tuple, bool] = {}  # each MLP width's last reported answer
         self.decided: dict[tuple[int, int, int, torch.device], DeferDecision] = {}
 
     def defers(self, rows: int, gate: Any, up: Any, device: torch.device) -> bool:
@@ -104,9 +105,15 @@ class MLPDeferral:
         decision = self.decided.get(key)
         if decision is None:
             decision = self.decided[key] = self._decide(rows, gate.out_features, dense, device)
-            if self.on_decision is not None:
-                self.on_decision(decision)
+            self._report(decision, (gate.out_features, dense, device))
         return decision.deferred
+
+    def _report(self, decision: DeferDecision, mlp: tuple) -> None:
+        """Tell `on_decision` of an MLP's first answer and of each change of answer as its row counts
+        vary (batch layouts of many sizes would otherwise log a line each)."""
+        if self.on_decision is not None and self.reported.get(mlp) is not decision.deferred:
+            self.reported[mlp] = decision.deferred
+            self.on_decision(decision)
 
     def _decide(self, rows: int, inter: int, dense: int, device: torch.device) -> DeferDecision:
         extra = extra_bytes(rows, inter, dense)

@@ -172,3 +172,12 @@ def test_whole_rows_train_as_deferred_rows_on_cuda(tiny_model_dir, monkeypatch: 
         assert abs(a - b) <= 1e-2 * abs(b), f"loss {step}: whole rows {a} vs deferred {b}"
     for a, b in zip(whole_w, deferred_w):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=1e-3)
+
+
+def test_only_changes_of_answer_are_reported() -> None:
+    # Batches of many sizes: a line for the first answer and for each change, not one per row count.
+    policy, seen = _policy("memory", device_room=None)
+    for rows in (1024, 1536, 2048, 8192, 9216, 10240, 1024):
+        policy.defers(rows, GATE, UP, GPU)
+    assert len(policy.decided) == 6
+    assert [(d.rows, d.deferred) for d in seen] == [(1024, False), (8192, True)]
