@@ -21,9 +21,9 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   the other half is left to them. Where offloaded checkpointing pages E out (`paged_layers` of the
   layers), whole rows also need those pages, rows x I x 2 bytes a layer, to fit in half of the host
   memory available then (pinned pages cannot be swapped out). Off CUDA there is no device headroom
-  to read, and `fit` keeps the memory rule. Faster where E is paged (bench/RESULTS.md, session 36:
-  5-7% on long rows of 4B-7B models), at the memory deferring saved plus, under CUDA graphs, two
-  static E buffers.
+  to read, and `fit` keeps the memory rule. Where E is paged, its device need counts the two static
+  (rows, I) buffers a CUDA-graphed layer pages E through. Faster where E is paged (bench/RESULTS.md,
+  session 36: 5-7% on long rows of 4B-7B models), at that memory.
 - `off`: never defer.
 
 Each row count's answer is decided once and kept, so a layer's first pass (which pages E out or
@@ -126,7 +126,9 @@ class MLPDeferral:
         room = self.headroom(device)
         if room is None:
             return DeferDecision(rows, inter, True, f"saves {gib}; no device headroom to read off CUDA")
-        need = f"whole rows need {gib} more, {room / 2**30:.2f} GiB spare"
+        if self.paged_layers:  # a graphed layer pages E through two static (rows, I) buffers
+            extra += 2 * rows * inter * 2
+        need = f"whole rows need {extra / 2**30:.2f} GiB more, {room / 2**30:.2f} GiB spare"
         if 2 * extra > room:
             return DeferDecision(rows, inter, True, f"{need}: would not fit, deferred")
         pages = self.paged_layers * rows * inter * 2  # E of each paging layer, 16-bit

@@ -95,6 +95,15 @@ def test_paged_gate_products_must_fit_the_host() -> None:
     assert not not_offloaded.defers(8192, GATE, UP, GPU)
 
 
+def test_paging_counts_the_graphs_static_gate_buffers_on_the_device() -> None:
+    # Paged, whole rows also hold two static (rows, I) E buffers (a graphed layer's): they must fit too.
+    extra = extra_bytes(8192, 9728, 2 * 9728 * 2560) + 2 * 8192 * 9728 * 2
+    fits, _ = _policy("fit", device_room=2 * extra, host_room=64 * GIB, paged=36)
+    short, seen = _policy("fit", device_room=2 * extra - 1, host_room=64 * GIB, paged=36)
+    assert not fits.defers(8192, GATE, UP, GPU)
+    assert short.defers(8192, GATE, UP, GPU) and "would not fit" in seen[0].reason
+
+
 def test_available_host_bytes_reads_meminfo(tmp_path) -> None:
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    8000000 kB\n")
