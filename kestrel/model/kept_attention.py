@@ -1,0 +1,162 @@
+"""Causal attention whose backward starts from a kept output: a checkpoint's recompute without the
+attention forward.
+
+A checkpointed layer runs its attention forward twice: in its first pass, and again in the recompute
+that builds the graph for its backward. At long rows that second forward is a large share of the step
+(quadratic in the row's length: at 8,192 tokens about a third of a 1B-4B layer's forward FLOPs). Its
+only use in the backward is (out, lse), which the first pass already computed. Keeping them from the
+first pass (somewhere off the GPU, as offloaded checkpointing keeps the MLP's gate product) lets the
+recompute hand them to `KeptAttention` instead.
+
+Math, for one head with queries Q (S, D), keys K and values V (S, D), causal, scale s:
+
+    S_ij = s q_i.k_j  (j <= i),   lse_i = logsumexp_j S_ij,   P_ij = exp(S_ij - lse_i),   O = P V
+
+Backward, given dO (flash attention's, from (Q, K, V, O, lse) alone):
+
+    D_i  = rowsum(dO_i * O_i)
+    dP   = dO V^T,   dS = P * (dP - D)
+    dQ   = s dS K,   dK = s dS^T Q,   dV = P^T dO
+
+With Hkv < Hq key/value heads (grouped-query attention), query head h reads KV head h // (Hq / Hkv),
+and dK, dV sum over each group.
+
+The forward and backward are a parameter (`CausalKernels`), never a global: `CUDNN_CAUSAL` calls
+torch's cuDNN attention ops on CUDA (what SDPA runs there for these shapes, bench/RESULTS.md,
+"Attention back ends"); `REFERENCE_CAUSAL` is the math above in PyTorch, for tests and the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# (q (B, Hq, S, D), k, v (B, Hkv, S, D), scale) -> out (B, Hq, S, D), lse (fp32, B x Hq x S, the kernel's layout)
+CausalForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+# (grad_out, q, k, v, out, lse, scale) -> dq, dk, dv (shaped as q, k, v)
+CausalBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class CausalKernels:
+    """A causal attention forward that returns its logsumexp, and the backward that takes one."""
+
+    forward: CausalForward
+    backward: CausalBackward
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv * groups, S, D), query head h reading KV head h // groups."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _fold_groups(dx: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, Hq, S, D) -> (B, Hkv, S, D): each KV head's gradient, summed over the query heads reading it."""
+    b, hq, s, d = dx.shape
+    return dx if hq == hkv else dx.view(b, hkv, hq // hkv, s, d).sum(2)
+
+
+def reference_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module docstring's forward in PyTorch: out (B, Hq, S, D) in q's dtype, lse (B, Hq, S) in fp32
+    (fp64 for fp64 inputs)."""
+    groups, acc = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)
+    k, v = _repeat_kv(k, groups).to(acc), _repeat_kv(v, groups).to(acc)
+    s = q.shape[2]
+    scores = (q.to(acc) @ k.transpose(-1, -2)) * scale  # (B, Hq, S, S)
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, S)
+    out = torch.exp(scores - lse[..., None]) @ v
+    return out.to(q.dtype), lse
+
+
+def reference_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The module docstring's backward in PyTorch (fp32 inside, fp64 for fp64), from (q, k, v, out, lse) alone."""
+    hkv, groups, acc = k.shape[1], q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(acc), _repeat_kv(k, groups).to(acc), _repeat_kv(v, groups).to(acc)
+    g, o = grad.to(acc), out.to(acc)
+    s = q.shape[2]
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    p = torch.exp(scores - lse.to(acc).reshape(*scores.shape[:-1], 1)).masked_fill(~causal, 0.0)  # (B, Hq, S, S)
+    d = (g * o).sum(-1, keepdim=True)  # (B, Hq, S, 1)
+    ds = p * (g @ vf.transpose(-1, -2) - d)
+    dq = scale * ds @ kf
+    dk = _fold_groups(scale * ds.transpose(-1, -2) @ qf, hkv)
+    dv = _fold_groups(p.transpose(-1, -2) @ g, hkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+REFERENCE_CAUSAL = CausalKernels(reference_forward, reference_backward)
+
+
+def cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's cuDNN attention forward, causal, no dropout, its logsumexp returned (what SDPA calls for
+    `is_causal` on Hopper, K/V heads unrepeated as with `enable_gqa`)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None,  # attn_bias
+        True,  # compute_log_sumexp
+        0.0, True, False,  # dropout_p, is_causal, return_debug_mask
+        scale=scale,
+    )
+    return out, lse
+
+
+def cudnn_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's cuDNN attention backward for `cudnn_forward`. Without dropout its random state is never
+    read, and without nested tensors the sequence offsets are empty: both are placeholders here."""
+    if grad.stride() != out.stride():  # the kernel reads dO in O's layout
+        grad = torch.empty_like(out).copy_(grad)
+    none = torch.empty(0, dtype=torch.int64, device=q.device)
+    s = q.shape[2]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad, q, k, v, out, lse,
+        none, none,  # philox_seed, philox_offset
+        torch.empty(0, dtype=q.dtype, device=q.device),  # attn_bias
+        none, none, s, s,  # cum_seq_q, cum_seq_k, max_q, max_k
+        0.0, True,  # dropout_p, is_causal
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+CUDNN_CAUSAL = CausalKernels(cudnn_forward, cudnn_backward)
+
+
+class KeptAttention(torch.autograd.Function):
+    """out = causal attention of (q, k, v), handed in already computed (the first pass's `out`, `lse`);
+    backward as the module docstring gives it. q (B, Hq, S, D), k and v (B, Hkv, S, D)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor],
+        scale: float, kernels: CausalKernels,
+    ) -> torch.Tensor:
+        out, lse = kept  # not inputs of the Function: their memory is the kept buffers', no aliasing
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.kernels = scale, kernels
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernels.backward(grad, q, k, v, out, lse, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def kept_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor], scale: float,
+    kernels: CausalKernels,
+) -> torch.Tensor:
+    """Causal attention (B, Hq, S, D) from the first pass's kept (out, lse): no forward is run."""
+    return KeptAttention.apply(q, k, v, kept, scale, kernels)
