@@ -73,6 +73,9 @@
 #   defer     the recomputed MLP deferred to its backward wherever that saves memory (KESTREL_DEFER_MLP=memory, the
 #             default) and only where whole rows would not fit (fit: whole rows, their gate product paged), then
 #             Unsloth, for each of DEFER_MODELS, QLoRA, DEFER_LAYOUTS (default long), one process each
+#   keepattn  long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=1, eager
+#             layers only): graphs off without and with it, then auto with it (the chooser weighs eager layers that
+#             keep it against graphed ones that do not), for each of KEEP_MODELS, QLoRA, one process each
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
 #             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
@@ -141,7 +144,7 @@ for path in sys.argv[1:]:
     for line in open(path):
         r = json.loads(line)
         print(path.rsplit('/', 1)[-1], r['model'], r['layout'], r['system'], 'offload_gate', r.get('offload_gate'),
-              'alloc_conf', repr(r.get('alloc_conf')), 'defer', r.get('defer_mlp'), r.get('mlp_deferral'),
+              'alloc_conf', repr(r.get('alloc_conf')), 'defer', r.get('defer_mlp'), r.get('mlp_deferral'), 'keep_attention', r.get('keep_attention'), r.get('cuda_graphs'),
               round(r.get('tokens_per_s') or 0), 'tok/s, peak GiB alloc',
               r.get('peak_alloc_gib'), 'reserved', r.get('peak_reserved_gib'), r.get('error', '')[-200:])" "$@"
 }
@@ -229,6 +232,12 @@ for want in "$@"; do
                           --models "$model" --methods qlora --layouts "${DEFER_LAYOUTS:-long}" --systems $sys \
                           --budget-s 180 --hard-s 230 --out "$OUT/defer-$way.jsonl"; done; done
                   records "$OUT"/defer-*.jsonl ;;
+        keepattn) for model in ${KEEP_MODELS//,/ }; do for run in off:0 off:1 auto:1; do
+                      sys=kestrel-${run%%:*}; sys=${sys/-auto/}; keep=${run##*:}
+                      phase "keepattn-$model-${run/:/-}" 240 env KESTREL_KEEP_ATTENTION="$keep" python bench/matrix.py \
+                          --models "$model" --methods qlora --layouts long --systems "$sys" --budget-s 180 --hard-s 230 \
+                          --out "$OUT/keepattn-${run/:/-}.jsonl"; done; done
+                  records "$OUT"/keepattn-*.jsonl ;;
         matrix)   matrix ;;
         *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, gradprod, matrix)" >&2; exit 2 ;;
     esac

@@ -357,6 +357,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             "device": torch.cuda.get_device_name(), "warmup": args.warmup, "steps": args.steps,
             **({"settle": args.settle, "checkpointing": "offload" if recompute.offload else "standard",
                 "offload_gate": recompute.gate_share, "defer_mlp": recompute.deferral.mode,
+                "keep_attention": recompute.keep_attention,
                 "mlp_deferral": [d.as_metrics() for d in recompute.deferral.decided.values()]} if kestrel else {}),
             "batches": args.batches, "seed": args.seed, "versions": _versions(),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **expert_storage(model), **adapted(model),

@@ -19,6 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kestrel import kernels
 from kestrel.recompute import checkpoint as checkpointing
 from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
+from kestrel.model.kept_attention import KEPT_KWARG, stored_causal_attention
 from kestrel.model.fused_lora import fused_lora_weights, project_together
 from kestrel.model.linear_attention import SEGMENTS_KWARG
 from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
@@ -85,11 +86,18 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         if varlen is not None:
             out = varlen_attention(q, k, v, varlen, self.scaling, self.sinks if spec.attention_sinks else None)
             return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
+        window = layer_window(spec, self.config, self.layer_idx)
+        store = kwargs.pop(KEPT_KWARG, None)  # a checkpoint keeping this layer's attention output
+        if (store is not None and attention_mask is None and past_key_values is None and window is None
+                and not spec.attention_sinks and not (self.training and self.attention_dropout)):
+            out = stored_causal_attention(q, k, v, self.scaling, store)  # plain causal rows
+            if out is not None:
+                out = out.transpose(1, 2).reshape(*input_shape, -1)
+                return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         eager = sys.modules[type(self).__module__].eager_attention_forward
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-        window = layer_window(spec, self.config, self.layer_idx)
         if window is not None:  # flash / flex read the window from here (Mistral's included)
             kwargs["sliding_window"] = window
         if spec.attention_sinks:  # gpt-oss off the varlen path: HF's eager, flash and flex kernels take them as s_aux
@@ -105,6 +113,7 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
             out = out * torch.sigmoid(gate)
         return self.o_proj(out), weights
 
+    forward.takes_kept_attention = True  # type: ignore[attr-defined]
     return forward
 
 
@@ -215,6 +224,9 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         router_stats = kwargs.pop(ROUTER_STATS_KWARG, None)
         residual = hidden_states
         h = self.input_layernorm(hidden_states)
+        scope = checkpointing.scope_of(self)
+        if scope is not None and scope.attention is not None and getattr(self.self_attn.forward, "takes_kept_attention", False):
+            kwargs[KEPT_KWARG] = scope.attention
         h, _ = self.self_attn(
             hidden_states=h,
             attention_mask=attention_mask,

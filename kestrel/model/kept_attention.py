@@ -29,9 +29,11 @@ torch's cuDNN attention ops on CUDA (what SDPA runs there for these shapes, benc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
+
+KEPT_KWARG = "kestrel_kept_attention"  # the keyword a checkpointed decoder layer hands its attention (`AttentionStore`)
 
 # (q (B, Hq, S, D), k, v (B, Hkv, S, D), scale) -> out (B, Hq, S, D), lse (fp32, B x Hq x S, the kernel's layout)
 CausalForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
@@ -160,3 +162,42 @@ def kept_attention(
 ) -> torch.Tensor:
     """Causal attention (B, Hq, S, D) from the first pass's kept (out, lse): no forward is run."""
     return KeptAttention.apply(q, k, v, kept, scale, kernels)
+
+
+class AttentionStore(Protocol):
+    """Keeps a checkpointed layer's attention output and logsumexp from its first pass to its recompute
+    (`kestrel.recompute.host_tensors.KeptAttentionOutput` pages them to host memory)."""
+
+    def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Called once in the first pass; the store copies them (in stream order)."""
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(out, lse) back on their device for the recompute, or None when nothing was kept."""
+
+
+def causal_kernels(q: torch.Tensor) -> CausalKernels | None:
+    """The kernels for q's device and dtype: cuDNN's on CUDA in fp16/bf16, the reference on the CPU
+    (tests), None elsewhere (the caller then runs its own attention and keeps nothing)."""
+    if q.is_cuda:
+        return CUDNN_CAUSAL if q.dtype in (torch.float16, torch.bfloat16) else None
+    return REFERENCE_CAUSAL if q.device.type == "cpu" else None
+
+
+def stored_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, store: AttentionStore,
+) -> torch.Tensor | None:
+    """Causal attention (B, Hq, S, D) through a checkpoint's `store`: a first pass (grad off) computes
+    (out, lse) and keeps them; the recompute (grad on) takes them back and runs no forward
+    (`KeptAttention`). None where these tensors have no kernel, or the first pass kept nothing: the
+    caller then runs its own attention (the two passes of a layer agree, as a kept pair is taken
+    only where it was kept)."""
+    kernels = causal_kernels(q)
+    if kernels is None:
+        return None
+    if not torch.is_grad_enabled():
+        out, lse = kernels.forward(q, k, v, scale)
+        store.keep(out, lse)
+        return out
+    kept = store.take()
+    return None if kept is None else kept_attention(q, k, v, kept, scale, kernels)
+

@@ -169,7 +169,7 @@ def prepare_model(
     deferral = MLPDeferral(defer_mode(config.performance.defer_mlp), on_decision=deferral_reporter(record, cb))
     recompute = set_gradient_checkpointing(
         model, mode, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
-        graph_reporter(record, cb), config.performance.offload_gate, deferral)
+        graph_reporter(record, cb), config.performance.offload_gate, deferral, config.performance.keep_attention)
     if world.distributed:
         if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)

@@ -64,14 +64,18 @@ def test_kept_attention_runs_no_forward_kernel() -> None:
 def test_cudnn_kernels_match_sdpa_on_cuda(hq: int, hkv: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    q, k, v, grad = _qkv(hq, hkv, torch.bfloat16, "cuda", s=1024, b=1, d=128)
+    # As the model lays them out: (B, S, H, D) projections seen as (B, H, S, D); the kept pair comes
+    # back from host memory contiguous, whatever strides the kernel gave it.
+    q, k, v, grad = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in
+                     _qkv(hq, hkv, torch.bfloat16, "cuda", s=1024, b=2, d=128))
     scale = 128 ** -0.5
     want, want_grads = _sdpa_grads(q, k, v, grad, scale)
     out, lse = CUDNN_CAUSAL.forward(q, k, v, scale)
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
-    ref_out, ref_lse = REFERENCE_CAUSAL.forward(q, k, v, scale)
+    _, ref_lse = REFERENCE_CAUSAL.forward(q, k, v, scale)
     torch.testing.assert_close(lse.float().reshape(ref_lse.shape), ref_lse, rtol=1e-3, atol=1e-3)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    kept_attention(*leaves, (out, lse), scale, CUDNN_CAUSAL).backward(grad)
-    for leaf, expected in zip(leaves, want_grads):
-        torch.testing.assert_close(leaf.grad, expected, rtol=5e-2, atol=5e-2)
+    for kept in ((out, lse), (out.contiguous(), lse.contiguous())):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        kept_attention(*leaves, kept, scale, CUDNN_CAUSAL).backward(grad)
+        for leaf, expected in zip(leaves, want_grads):
+            torch.testing.assert_close(leaf.grad, expected, rtol=5e-2, atol=5e-2)
