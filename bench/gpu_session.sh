@@ -73,9 +73,9 @@
 #   defer     the recomputed MLP deferred to its backward wherever that saves memory (KESTREL_DEFER_MLP=memory, the
 #             default) and only where whole rows would not fit (fit: whole rows, their gate product paged), then
 #             Unsloth, for each of DEFER_MODELS, QLoRA, DEFER_LAYOUTS (default long), one process each
-#   keepattn  long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=1, eager
-#             layers only): graphs off without and with it, then auto with it (the chooser weighs eager layers that
-#             keep it against graphed ones that do not), for each of KEEP_MODELS, QLoRA, one process each
+#   keepattn  long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=1): graphs
+#             off without and with it, then auto (the product's graph choice) without and with it, for each of
+#             KEEP_MODELS (default llama-3.2-1b,qwen3-4b,mistral-7b), QLoRA, one process each
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
 #             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
@@ -96,7 +96,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
-GATE_MODELS="${GATE_MODELS:-qwen2.5-7b,qwen3-4b}" GATES="${GATES:-1 0.5 0}" EXPAND_MODELS="${EXPAND_MODELS:-qwen3-0.6b,llama-3.2-1b}"
+KEEP_MODELS="${KEEP_MODELS:-llama-3.2-1b,qwen3-4b,mistral-7b}" GATE_MODELS="${GATE_MODELS:-qwen2.5-7b,qwen3-4b}" GATES="${GATES:-1 0.5 0}" EXPAND_MODELS="${EXPAND_MODELS:-qwen3-0.6b,llama-3.2-1b}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # flash-linear-attention (Qwen3.5's gated-delta-rule kernels, requirements.txt), when carried as .gpu-fla
@@ -232,7 +232,7 @@ for want in "$@"; do
                           --models "$model" --methods qlora --layouts "${DEFER_LAYOUTS:-long}" --systems $sys \
                           --budget-s 180 --hard-s 230 --out "$OUT/defer-$way.jsonl"; done; done
                   records "$OUT"/defer-*.jsonl ;;
-        keepattn) for model in ${KEEP_MODELS//,/ }; do for run in off:0 off:1 auto:1; do
+        keepattn) for model in ${KEEP_MODELS//,/ }; do for run in off:0 off:1 auto:0 auto:1; do
                       sys=kestrel-${run%%:*}; sys=${sys/-auto/}; keep=${run##*:}
                       phase "keepattn-$model-${run/:/-}" 240 env KESTREL_KEEP_ATTENTION="$keep" python bench/matrix.py \
                           --models "$model" --methods qlora --layouts long --systems "$sys" --budget-s 180 --hard-s 230 \

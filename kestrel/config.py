@@ -170,7 +170,7 @@ class PerformanceSettings:
     # on long rows, but no paged gate product): memory wherever that lowers its peak; fit only where
     # whole rows would not fit the device (faster, more memory); off never (`kestrel.recompute.mlp_deferral`).
     defer_mlp: str = "memory"
-    # Offloaded checkpointing: each layer (not CUDA-graphed) pages its causal attention's output and
+    # Offloaded checkpointing: each layer pages its causal attention's output and
     # logsumexp out too, so its recompute runs no attention forward (`kestrel.model.kept_attention`).
     keep_attention: bool = False
 

@@ -20,8 +20,9 @@ layer's first pass and its recompute-with-backward replay as CUDA graphs
 (`kestrel.recompute.layer_graphs`): `Recompute` hands `LayerCheckpoint` a `GraphedLayer` instead
 of the plain call (or of the `LinkedCall` of a layer with ties beyond its hidden states). The
 pinned host buffers and the side stream come from `kestrel.recompute.host_memory`, the kept tensors
-from `kestrel.recompute.host_tensors`. Where the run keeps attention outputs (`keep_attention`, offload, a
-layer not graphed), each layer's first pass pages its causal attention's output and logsumexp out too,
+from `kestrel.recompute.host_tensors`. Where the run keeps attention outputs (`keep_attention`, offload),
+each layer's first pass pages its causal attention's output and logsumexp out too (a graphed one
+through two static buffers, as its gate product),
 and its recompute runs no attention forward (`kestrel.model.kept_attention`).
 """
 
@@ -68,13 +69,13 @@ class LayerCheckpoint(torch.autograd.Function):
         if owner.offload and owner.pages_gate_out(ctx.saved_input.depth):
             ctx.gate = ctx.saved_input.gate = _KeptGate(owner.offloaded, slot=ctx.saved_input.depth % 2)
         ctx.attention = None
-        if owner.offload and owner.keep_attention and not isinstance(run, layer_graphs.GraphedLayer):
-            ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(owner.offloaded)
+        if owner.offload and owner.keep_attention:
+            ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(owner.offloaded, slot=ctx.saved_input.depth % 2)
         owner.gate, owner.attention = ctx.gate, ctx.attention
         try:
             with torch.no_grad():
                 if isinstance(run, layer_graphs.GraphedLayer):
-                    return run(hidden, ctx.gate)
+                    return run(hidden, ctx.gate, kept=ctx.attention.keepers() if ctx.attention is not None else ())
                 if isinstance(run, LinkedCall):  # `links` are its inputs: (y, *what it wrote)
                     return run.first_pass(hidden)
                 return run(hidden)
@@ -143,7 +144,7 @@ class Recompute:
         # down product and skips the last residual sum); its gate-product store (offload).
         self.recomputing = False
         self.gate: _KeptGate | None = None
-        self.keep_attention = keep_attention  # offloaded layers page their attention output out (not graphed ones)
+        self.keep_attention = keep_attention  # offloaded layers page their causal attention's output out
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
 
     def pages_gate_out(self, depth: int) -> bool:
@@ -208,7 +209,7 @@ def set_gradient_checkpointing(
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
     `offload_gate`: the share of offloaded layers that page their MLP gate product out; `deferral`:
-    `keep_attention`: offloaded layers (those not graphed) page their causal attention's output out, so
+    `keep_attention`: offloaded layers page their causal attention's output out, so
     their recompute runs no attention forward (KESTREL_KEEP_ATTENTION overrides); `deferral`:
     whether a recomputed MLP defers to its backward (`kestrel.recompute.mlp_deferral`; default `memory`, or KESTREL_DEFER_MLP).
 

@@ -12,7 +12,7 @@ from torch import nn
 from kestrel.recompute.graph_inputs import StaticBuffers
 
 if TYPE_CHECKING:
-    from kestrel.recompute.layer_graphs import _Graphs
+    from kestrel.recompute.graph_state import _Graphs
 
 
 def flat_slots(g: _Graphs, bufs: StaticBuffers, params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int, int]]:

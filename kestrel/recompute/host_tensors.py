@@ -175,7 +175,7 @@ class _KeptGate(_HostTensor):
     When host memory cannot be page-locked, E is not kept (the recompute computes it), with a
     warning.
 
-    In a CUDA-graphed layer (`layer_graphs.GraphedLayer`, the `layer_graphs.GateKeeper` it
+    In a CUDA-graphed layer (`layer_graphs.GraphedLayer`, the `graph_state.GateKeeper` it
     uses) E lives on the device between the passes in a static buffer the layer's two graphs
     write and read (`bind`), one of two: consecutive layers alternate (`slot`), so one layer's E
     is copied out (`copy_out`, after its first pass) while the next layer computes, and is copied
@@ -263,10 +263,16 @@ class KeptAttentionOutput:
     """A layer's causal attention output O (B, Hq, S, D) and logsumexp kept in pinned host memory from
     its first pass to its recompute, which then runs no attention forward (`kestrel.model.kept_attention`;
     the model's `AttentionStore`). Rides along with the layer input's `_HostCopy` (copied back with it).
-    When host memory cannot be page-locked, nothing is kept (the recompute computes attention), with a warning."""
+    When host memory cannot be page-locked, nothing is kept (the recompute computes attention), with a warning.
+    In a CUDA-graphed layer each lives in a static buffer between the passes, as the gate product does
+    (`_KeptGate`; `slot`: which of two, alternating by layer)."""
 
-    def __init__(self, state: OffloadState) -> None:
-        self.out, self.lse = _KeptGate(state), _KeptGate(state)
+    def __init__(self, state: OffloadState, slot: int = 0) -> None:
+        self.out, self.lse = _KeptGate(state, slot), _KeptGate(state, slot)
+
+    def keepers(self) -> tuple[_KeptGate, _KeptGate]:
+        """The two kept tensors, for a CUDA-graphed layer to bind to its static buffers (`GraphedLayer`)."""
+        return self.out, self.lse
 
     def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         self.out.keep(out)

@@ -27,20 +27,19 @@ takes its ties as further static inputs and outputs (`kestrel.recompute.linked_g
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from kestrel.recompute.graph_grads import flat_slots, set_grads
+from kestrel.recompute.graph_state import _Device, _Graphs, _LayerState, GateKeeper
 from kestrel.recompute.graph_inputs import graphable, NotGraphable, StaticBuffers, signature, substitute
 from kestrel.recompute.linked import LinkedCall
-from kestrel.recompute.linked_graphs import GraphLinks, LinkBuffers, WrittenLike, feed_dw, grad_lists, split_grads
+from kestrel.recompute.linked_graphs import GraphLinks, feed_dw, grad_lists, split_grads
 from kestrel.kernels import dispatch, nf4
 from kestrel.kernels.lora import casts as lora_casts
 
@@ -50,74 +49,6 @@ log = logging.getLogger("kestrel")
 # in a bounded set of shapes (`kestrel.data.collate.bucket_width`), which a run cycles through.
 GRAPHS_PER_LAYER = 24
 MAX_CAPTURES = 4 * GRAPHS_PER_LAYER  # captures per layer before giving up on it: its signatures do not repeat
-
-
-class GateKeeper(Protocol):
-    """Where offloaded checkpointing keeps one layer call's MLP gate product E (M, I) between its
-    first pass and its backward (`kestrel.recompute.checkpoint._KeptGate`), as a graphed layer uses it:
-    E stays in a static device buffer that both graphs address, and the keeper moves that
-    buffer's contents to host memory and back around the replays."""
-
-    slot: int  # which of two static buffers: consecutive layers alternate
-
-    @property
-    def like(self) -> tuple[tuple[int, ...], torch.dtype] | None:
-        """E's shape and dtype once an eager first pass has kept it."""
-
-    def bind(self, buf: torch.Tensor | None) -> None:
-        """The MLP keeps E in `buf` and takes it from there (None: keeps nothing); the compute
-        stream first waits until the buffer's last copy to or from the host is done."""
-
-    def copy_out(self) -> None:
-        """After the first pass: start copying the buffer to host memory."""
-
-    def take(self) -> torch.Tensor | None:
-        """Before the backward: E back in the buffer for the compute stream, or None."""
-
-
-@dataclasses.dataclass
-class _Device:
-    """Per device: the static buffers, the graphs' memory pool and the capture stream."""
-
-    buffers: StaticBuffers
-    pool: Any
-    stream: torch.cuda.Stream
-
-
-# --- Per-layer graphs ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Graphs:
-    """One signature's graphs of one layer and the static buffers they read and write."""
-
-    x: torch.Tensor  # layer input; the first pass leaves the output here
-    leaves: list[torch.Tensor]  # the other tensor arguments
-    forward: torch.cuda.CUDAGraph | None = None
-    backward: torch.cuda.CUDAGraph | None = None
-    grad: torch.Tensor | None = None  # incoming gradient; the backward leaves dX here
-    params: list[tuple[nn.Parameter, torch.Tensor]] = dataclasses.field(default_factory=list)
-    flats: list[torch.Tensor] = dataclasses.field(default_factory=list)  # gradient buffers, one per dtype
-    gate: torch.Tensor | None = None  # the MLP gate product E between the passes (`GateKeeper`)
-    links: LinkBuffers | None = None  # a linked call's ties (`kestrel.recompute.linked_graphs`)
-    failed: bool = False
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every static buffer these graphs address."""
-        links = self.links
-        tied = [*links.links, *links.wrote, *links.dw, *links.dlinks] if links is not None else []
-        return [self.x, *self.leaves, *(t for t in (self.grad, self.gate) if t is not None), *self.flats, *tied]
-
-
-class _LayerState:
-    def __init__(self) -> None:
-        self.seen: dict[Any, int] = {}
-        self.gate_like: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}  # E kept by a first sighting
-        self.wrote: dict[Any, list[WrittenLike]] = {}  # what a linked call's first sighting wrote
-        self.graphs: collections.OrderedDict[Any, _Graphs] = collections.OrderedDict()
-        self.captures = 0
-        self.eager_backwards = 0  # backwards run eagerly after a graphed first pass
-        self.off = False
 
 
 class GraphRegistry:
@@ -168,7 +99,8 @@ class GraphRegistry:
         self.dropped = 0
 
     def stats(self) -> dict[str, int]:
-        """Graphs captured, those keeping a gate product in a static buffer, linked calls' backward
+        """Graphs captured, those keeping a gate product (and those keeping other tensors: an attention
+        output) in static buffers, linked calls' backward
         graphs, input copies made so far, and graphs dropped with a replaced storage (tests, profiling)."""
         states = list(self.layers.values())
         graphs = [g for state in states for g in state.graphs.values()]
@@ -177,6 +109,7 @@ class GraphRegistry:
             "backward": sum(g.backward is not None for g in graphs),
             "failed": sum(g.failed for g in graphs),
             "gates": sum(g.gate is not None for g in graphs),
+            "kept": sum(bool(g.kept) for g in graphs),
             "linked": sum(g.links is not None and g.backward is not None for g in graphs),
             "eager_backwards": sum(state.eager_backwards for state in states),
             "copies": sum(d.buffers.copies for d in self.devices.values()),
@@ -238,6 +171,7 @@ class GraphedLayer:
         self.leaves: list[torch.Tensor] = []
         self.graphs: _Graphs | None = None
         self.gate: GateKeeper | None = None
+        self.kept: tuple[GateKeeper, ...] = ()  # further tensors kept between the passes (attention out, lse)
         self.key: Any = None
         self.seen: Any = None  # the key and the gate buffer this call uses
         if registry.state(self.layer).off:
@@ -276,6 +210,10 @@ class GraphedLayer:
         graphs = _Graphs(bufs.like("x", hidden), [bufs.like(("arg", i), t) for i, t in enumerate(self.leaves)])
         if like is not None:
             graphs.gate = bufs.get(("gate", gate.slot), *like, hidden.device)
+        kept_like = state.kept_like.get(seen)
+        if kept_like is not None:
+            graphs.kept = [bufs.get(("kept", i, keeper.slot), *shape, hidden.device)
+                           for i, (keeper, shape) in enumerate(zip(self.kept, kept_like))]
         if self.links is not None:
             graphs.links = self.links.allocate(bufs, written, hidden.device)
         state.graphs[key] = graphs
@@ -311,29 +249,43 @@ class GraphedLayer:
 
     def __call__(
         self, hidden: torch.Tensor, gate: GateKeeper | None = None, alone: bool = False,
+        kept: tuple[GateKeeper, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The first pass (under no_grad). `gate`: where offloaded checkpointing keeps this call's
-        MLP gate product; the graphs keep it in a static buffer, which `gate` copies out. `alone`:
+        MLP gate product; the graphs keep it in a static buffer, which `gate` copies out; `kept`: the
+        same for further tensors (a kept attention output and its logsumexp). `alone`:
         a no-grad forward that no backward follows (a reference pass): its first-pass graph is
         captured once the layer holds a backward graph of another signature (the pool's order)."""
-        self.gate = gate
-        self.seen = None if self.key is None else (self.key, None if gate is None else gate.slot)
+        self.gate, self.kept = gate, kept
+        slots = (None if gate is None else gate.slot, tuple(k.slot for k in kept))
+        self.seen = None if self.key is None else (self.key, *slots)
         g = self.graphs = None if torch.is_grad_enabled() else self._lookup(hidden, gate)
         if g is None:
             out = self.eager(hidden)
-            if gate is not None and gate.like is not None and self.seen is not None:
-                self.registry.state(self.layer).gate_like[self.seen] = gate.like
+            self._remember_kept(gate, kept)
             return out
         if gate is not None:
             gate.bind(g.gate)
+        for i, keeper in enumerate(kept):  # none kept by the first sighting: none kept now
+            keeper.bind(g.kept[i] if g.kept else None)
         # Captured once the backward graph is: the pool's segments are then cut for the
         # backward's larger working set, and the first pass fits into them (the other way round
         # the pool grows; bench/RESULTS.md, QLoRA "Session 12"). Until then it runs eagerly.
         first = g.forward is not None or (g.backward is not None if not alone else self._holds_backward())
         out = self._first_pass(g, hidden) if first else self.eager(hidden)
-        if gate is not None:
-            gate.copy_out()
+        for keeper in (gate, *kept) if gate is not None else kept:
+            keeper.copy_out()
         return out
+
+    def _remember_kept(self, gate: GateKeeper | None, kept: tuple[GateKeeper, ...]) -> None:
+        """After an eager first sighting: the shapes of what it kept, for its graphs' static buffers."""
+        if self.seen is None:
+            return
+        state = self.registry.state(self.layer)
+        if gate is not None and gate.like is not None:
+            state.gate_like[self.seen] = gate.like
+        if kept and all(k.like is not None for k in kept):
+            state.kept_like[self.seen] = [k.like for k in kept]
 
     def _first_pass(self, g: _Graphs, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The first pass's graph replayed (captured on its first call here); eager if it does not capture."""
@@ -376,7 +328,8 @@ class GraphedLayer:
         if g is None or g.failed:
             return None, hidden
         if (grad_out.shape != hidden.shape or not grad_out.is_contiguous()
-                or g.gate is not None and self.gate.take() is None):  # E not kept after all: recompute it
+                or g.gate is not None and self.gate.take() is None  # E not kept after all: recompute it
+                or g.kept and any(t is None for t in [k.take() for k in self.kept])):  # each taken back
             self.registry.state(self.layer).eager_backwards += 1
             return None, hidden
         bufs = self.registry.device(hidden.device).buffers

@@ -88,16 +88,21 @@ def test_keep_attention_is_config_and_the_variable_overrides(monkeypatch) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
-def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, monkeypatch, qlora: bool) -> None:
-    # bf16 on CUDA through cuDNN's kernels, eager layers (kept attention skips graphed ones).
+@pytest.mark.parametrize(("qlora", "graphs"), [(False, False), (True, False), (True, True)],
+                         ids=["lora", "qlora", "qlora-graphed"])
+def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, monkeypatch, qlora: bool,
+                                                               graphs: bool) -> None:
+    # bf16 on CUDA through cuDNN's kernels; graphed, the output and lse live in static buffers between the passes.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from tests.recompute.test_layer_graphs import _train as train_cuda
 
     folder = tiny_model_dir("llama")
-    base, base_w, _ = train_cuda(folder, False, monkeypatch, qlora=qlora, mode="offload")
-    kept, kept_w, _ = train_cuda(folder, False, monkeypatch, qlora=qlora, mode="offload", keep_attention=True)
+    base, base_w, base_stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload")
+    kept, kept_w, stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload", keep_attention=True)
+    if graphs:
+        assert base_stats["kept"] == 0 and stats["kept"] == 2 and stats["eager_backwards"] == 0, stats
+        assert stats["forward"] == stats["backward"] == 2 and stats["failed"] == 0, stats
     for step, (a, b) in enumerate(zip(kept, base)):
         assert abs(a - b) <= 1e-2 * abs(b), f"loss {step}: kept {a} vs recomputed {b}"
     for a, b in zip(kept_w, base_w):
