@@ -140,7 +140,7 @@ def checkpointing_for(config: TrainConfig, model: nn.Module, world: World) -> tu
             need = estimate_training_memory(
                 shape, method, config.lora.r, config.lora.targets, rows, config.max_seq_length, "offload",
                 config.grpo.num_generations, config.grpo.max_completion_length, config.grpo.max_prompt_length,
-                1, config.performance.offload_gate).offload_host_ram
+                1, config.performance.offload_gate, config.performance.keep_attention).offload_host_ram
     return choose_checkpointing(on_cuda, world.size, need, detect_host_memory())
 
 

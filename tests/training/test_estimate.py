@@ -265,3 +265,14 @@ def test_qwen3_5_moe_counts_experts_the_shared_expert_and_linear_attention() -> 
                                     max_prompt_length=512, max_completion_length=256)
     kv = 2 * 10 * 4 * 768 * 2 * 256 * 2  # K and V, 10 layers, 4 sequences of 768 tokens, 2 KV heads of 256
     assert grpo.extra == 1024 * 248320 * 4 + kv + 4 * shape.linear_attention.state_bytes()  # + a logits chunk
+
+
+def test_kept_attention_outputs_are_paged_too() -> None:
+    # 32 attention layers x 4,096 tokens x 32 heads x (128 x 2 + 4) bytes: the outputs and logsumexps
+    shape = shape_from_config(LLAMA_8B)
+    plain = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload")
+    kept = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention=True)
+    assert kept.offload_host_ram - plain.offload_host_ram == 32 * 4096 * 32 * (128 * 2 + 4)
+    assert kept.total_bytes == plain.total_bytes  # host memory only
+    standard = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "standard", keep_attention=True)
+    assert standard.offload_host_ram == 0

@@ -271,8 +271,8 @@ def fast_path_text(config: dict[str, Any]) -> str:
 
 
 def _estimate(shape: ModelShape, data: dict[str, Any], devices: int, checkpointing: str) -> MemoryEstimate:
-    """`estimate_training_memory` of the form's settings (and the YAML's `performance.offload_gate`,
-    as a run reads it), with `checkpointing` resolved."""
+    """`estimate_training_memory` of the form's settings (and the YAML's `performance.offload_gate` and
+    `keep_attention`, as a run reads them), with `checkpointing` resolved."""
     lora, grpo = data.get("lora", {}), data.get("grpo", {})
     method, rows = training_rows(data["method"], data.get("preference", {}).get("finetune", "lora"),
                                  int(data["batch_size"]))
@@ -280,7 +280,8 @@ def _estimate(shape: ModelShape, data: dict[str, Any], devices: int, checkpointi
         shape, method, int(lora.get("r", 16)), lora.get("targets"), rows, int(data["max_seq_length"]), checkpointing,
         int(grpo.get("num_generations", 8)), int(grpo.get("max_completion_length", 256)),
         int(grpo.get("max_prompt_length", 512)), devices,
-        float(data.get("performance", {}).get("offload_gate", PerformanceSettings.offload_gate)))
+        float(data.get("performance", {}).get("offload_gate", PerformanceSettings.offload_gate)),
+        bool(data.get("performance", {}).get("keep_attention", PerformanceSettings.keep_attention)))
 
 
 def _checkpointing(shape: ModelShape, data: dict[str, Any], devices: int, on_cuda: bool) -> tuple[str, str]:
