@@ -9,7 +9,7 @@
 # Phases:
 #   tests     pytest -m gpu over the data, decode, kernel and model rooms' CUDA tests (gradio is absent there)
 #   picked    pytest -m gpu over the files TESTS names (space-separated), e.g. the tests of what changed since the
-#             last call
+#             last call, in PICKED_WORKERS (4) processes (in session 36 the default, one per core, spent 200 s starting)
 #   traintests  pytest -m gpu over recompute and training's CUDA tests
 #   families  Qwen3.5 and Gemma 4 QLoRA against Unsloth, packed batches (issue 26's dense target);
 #             FAMILIES=gemma4-e2b runs one of them
@@ -165,7 +165,8 @@ matrix() {  # the whole matrix, resumed from bench/results/$MATRIX_FILE; a pair 
 for want in "$@"; do
     case $want in
         tests)    phase tests 420 python -m pytest -q -m gpu -p no:cacheprovider -rf "${GPU_TESTS[@]}" ;;
-        picked)   phase picked "${LIMIT_picked:-300}" python -m pytest -q -m gpu -p no:cacheprovider -rf ${TESTS:?TESTS names the test files} ;;
+        picked)   phase picked "${LIMIT_picked:-300}" python -m pytest -q -m gpu -p no:cacheprovider -rf -n "${PICKED_WORKERS:-4}" \
+                      ${TESTS:?TESTS names the test files} ;;
         traintests) phase traintests 420 python -m pytest -q -m gpu -p no:cacheprovider -rf "${GPU_TRAIN_TESTS[@]}" ;;
         families) phase families "${LIMIT_families:-330}" python bench/matrix.py --models "${FAMILIES:-qwen3.5-9b,gemma4-e2b}" \
                       --methods qlora --layouts packed --systems kestrel,unsloth --budget-s $((${LIMIT_families:-330} - 60)) \
