@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import cuda_time  # noqa: E402
 from bench.model_shapes import MODELS  # noqa: E402
-from kestrel.model.kept_attention import CUDNN_CAUSAL, kept_attention  # noqa: E402
+from kestrel.model.kept_attention import CausalKernels, CUDNN_CAUSAL, kept_attention  # noqa: E402
 
 
 def heads(cfg: dict[str, Any]) -> tuple[int, int, int]:
@@ -36,10 +36,11 @@ def heads(cfg: dict[str, Any]) -> tuple[int, int, int]:
     return hq, cfg.get("num_key_value_heads", hq), cfg.get("head_dim") or cfg["hidden_size"] // hq
 
 
-def inputs(batch: int, seq: int, hq: int, hkv: int, d: int) -> list[torch.Tensor]:
+def inputs(batch: int, seq: int, hq: int, hkv: int, d: int, device: str = "cuda",
+           dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     """q, k, v as the model lays them out ((B, S, H, D) seen as (B, H, S, D)) and an output gradient."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    make = lambda h: torch.randn(batch, seq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)  # noqa: E731
+    gen = torch.Generator(device=device).manual_seed(0)
+    make = lambda h: torch.randn(batch, seq, h, d, device=device, dtype=dtype, generator=gen).transpose(1, 2)  # noqa: E731
     return [make(hq), make(hkv), make(hkv), make(hq)]
 
 
@@ -47,8 +48,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float
-           ) -> dict[str, Callable[[], list[torch.Tensor]]]:
+def passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float,
+           kernels: CausalKernels = CUDNN_CAUSAL) -> dict[str, Callable[[], list[torch.Tensor]]]:
     """name -> a checkpointed layer's attention work, both passes; returns (out, dq, dk, dv)."""
 
     def recomputed() -> list[torch.Tensor]:
@@ -61,10 +62,10 @@ def passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor
 
     def kept() -> list[torch.Tensor]:
         with torch.no_grad():
-            pair = CUDNN_CAUSAL.forward(q, k, v, scale)  # the first pass, its logsumexp kept
+            pair = kernels.forward(q, k, v, scale)  # the first pass, its logsumexp kept
         pair = (pair[0].contiguous(), pair[1].contiguous())  # as it comes back from host memory
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        out = kept_attention(*leaves, pair, scale, CUDNN_CAUSAL)
+        out = kept_attention(*leaves, pair, scale, kernels)
         out.backward(grad)
         return [out.detach(), *(t.grad for t in leaves)]
 
