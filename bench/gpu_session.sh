@@ -74,8 +74,8 @@
 #             default) and only where whole rows would not fit (fit: whole rows, their gate product paged), then
 #             Unsloth, for each of DEFER_MODELS, QLoRA, DEFER_LAYOUTS (default long), one process each
 #   keepattn  the attention op alone at 8,192 tokens (bench/kept_attention.py: recomputed against kept, errors and
-#             times), then long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=1): graphs
-#             off without and with it, then auto (the product's graph choice) without and with it, for each of
+#             times), then long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=on / auto): graphs
+#             off without and with it, then auto graphs without it and with keep_attention auto, for each of
 #             KEEP_MODELS (default llama-3.2-1b,qwen3-4b,mistral-7b), QLoRA, one process each
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
@@ -236,7 +236,7 @@ for want in "$@"; do
                   records "$OUT"/defer-*.jsonl ;;
         keepattn) phase keepattn-op 120 bash -c "python bench/kept_attention.py --shape qwen3-4b --out $OUT/kept_attention.json; \
                       python bench/kept_attention.py --shape llama-3.2-1b --out $OUT/kept_attention-1b.json"
-                  for model in ${KEEP_MODELS//,/ }; do for run in off:0 off:1 auto:0 auto:1; do
+                  for model in ${KEEP_MODELS//,/ }; do for run in off:off off:on auto:off auto:auto; do
                       sys=kestrel-${run%%:*}; sys=${sys/-auto/}; keep=${run##*:}
                       phase "keepattn-$model-${run/:/-}" 240 env KESTREL_KEEP_ATTENTION="$keep" python bench/matrix.py \
                           --models "$model" --methods qlora --layouts long --systems "$sys" --budget-s 180 --hard-s 230 \

@@ -33,7 +33,7 @@ from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, PREFERENCE_METHO
 from kestrel.errors import ConfigError
 from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
-from kestrel.constants import DEFER_MODES
+from kestrel.constants import DEFER_MODES, KEEP_ATTENTION_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
 METHODS = ("qlora", "lora", "full", "grpo", *PREFERENCE_METHODS)
@@ -170,14 +170,17 @@ class PerformanceSettings:
     # on long rows, but no paged gate product): memory wherever that lowers its peak; fit only where
     # whole rows would not fit the device (faster, more memory); off never (`kestrel.recompute.mlp_deferral`).
     defer_mlp: str = "memory"
-    # Offloaded checkpointing: each layer pages its causal attention's output and
-    # logsumexp out too, so its recompute runs no attention forward (`kestrel.model.kept_attention`).
-    keep_attention: bool = False
+    # Offloaded checkpointing: each layer pages its causal attention's output and logsumexp out too, so
+    # its recompute runs no attention forward (`kestrel.model.kept_attention`): on, off, or auto (rows at
+    # least as long as the hidden size, where that pays more per byte paged than the gate product).
+    keep_attention: str = "off"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,
               f"performance.cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {self.cuda_graphs!r}")
         check(0.0 <= self.offload_gate <= 1.0, f"performance.offload_gate must be 0 to 1, got {self.offload_gate}")
+        check(self.keep_attention in KEEP_ATTENTION_MODES,
+              f"performance.keep_attention must be one of {', '.join(KEEP_ATTENTION_MODES)}, got {self.keep_attention!r}")
         check(self.defer_mlp in DEFER_MODES,
               f"performance.defer_mlp must be one of {', '.join(DEFER_MODES)}, got {self.defer_mlp!r}")
 

@@ -15,6 +15,8 @@ GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")  # sequence mean | token level | t
 DEFERRED_ROWS = 2048
 # `performance.defer_mlp`: when a recomputed MLP defers (`kestrel.recompute.mlp_deferral`)
 DEFER_MODES = ("memory", "fit", "off")
+# `performance.keep_attention`: when offloaded layers keep their attention output (`kestrel.model.kept_attention`)
+KEEP_ATTENTION_MODES = ("off", "auto", "on")
 # Dataset formats the reader knows (`kestrel.data.formats.FORMATS`, plus auto-detection), named
 # here so a config is checked without importing the reader (tests/test_config_limits.py keeps
 # the two lists equal).

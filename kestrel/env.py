@@ -10,7 +10,7 @@ overrides for debugging; nothing else in the package reads the environment for t
 | KESTREL_CUDA_GRAPHS | 1 / 0 / auto: override a run's `performance.cuda_graphs` (debugging) |
 | KESTREL_OFFLOAD_GATE | 0..1: override a run's `performance.offload_gate` (debugging) |
 | KESTREL_DEFER_MLP | memory / fit / off: override a run's `performance.defer_mlp` (debugging) |
-| KESTREL_KEEP_ATTENTION | 1 / 0: override a run's `performance.keep_attention` (debugging) |
+| KESTREL_KEEP_ATTENTION | off / auto / on: override a run's `performance.keep_attention` (debugging) |
 | KESTREL_KERNELS | triton / torch: force every fused op onto one implementation (debugging, tests) |
 | KESTREL_PDL | 0 turns off programmatic dependent launches in the decode step (Hopper and later) |
 | KESTREL_DEVICES | the devices jobs may use, "cpu" or "cuda:0,cuda:1" (default: every visible GPU) |
@@ -53,12 +53,6 @@ def number(name: str, default: float) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a number") from None
-
-
-def flag(name: str, default: bool) -> bool:
-    """A 1 / 0 variable (also on / off, true / false), or `default` when unset."""
-    forced = choice(name, {"1": "1", "on": "1", "true": "1", "0": "0", "off": "0", "false": "0"})
-    return default if forced is None else forced == "1"
 
 
 def choice(name: str, allowed: dict[str, str]) -> str | None:

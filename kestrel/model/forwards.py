@@ -90,7 +90,7 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         store = kwargs.pop(KEPT_KWARG, None)  # a checkpoint keeping this layer's attention output
         if (store is not None and attention_mask is None and past_key_values is None and window is None
                 and not spec.attention_sinks and not (self.training and self.attention_dropout)):
-            out = stored_causal_attention(q, k, v, self.scaling, store)  # plain causal rows
+            out = stored_causal_attention(q, k, v, self.scaling, store, hidden_states.shape[-1])  # plain causal rows
             if out is not None:
                 out = out.transpose(1, 2).reshape(*input_shape, -1)
                 return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None

@@ -168,11 +168,24 @@ class AttentionStore(Protocol):
     """Keeps a checkpointed layer's attention output and logsumexp from its first pass to its recompute
     (`kestrel.recompute.host_tensors.KeptAttentionOutput` pages them to host memory)."""
 
+    only_long: bool  # keep only where `worth_keeping` (performance.keep_attention: auto)
+
     def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Called once in the first pass; the store copies them (in stream order)."""
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(out, lse) back on their device for the recompute, or None when nothing was kept."""
+
+
+def worth_keeping(seq: int, hidden: int) -> bool:
+    """Whether paging a causal attention output of rows of `seq` tokens saves at least as much recompute per
+    byte as paging the MLP's gate product E, which offloaded checkpointing already does.
+
+    A row's attention forward is about 2 S Hq D FLOPs (causal: half of 4 S Hq D), for Hq D x 2 bytes of
+    output (and 4 Hq of logsumexp): about S FLOPs a byte. E's product is 2 H I FLOPs a row for I x 2
+    bytes: H FLOPs a byte. So the output pays at least as well once S >= H, and better than that, as
+    attention runs below the matrix products' rate."""
+    return seq >= hidden
 
 
 def causal_kernels(q: torch.Tensor) -> CausalKernels | None:
@@ -184,15 +197,16 @@ def causal_kernels(q: torch.Tensor) -> CausalKernels | None:
 
 
 def stored_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, store: AttentionStore,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, store: AttentionStore, hidden: int,
 ) -> torch.Tensor | None:
     """Causal attention (B, Hq, S, D) through a checkpoint's `store`: a first pass (grad off) computes
     (out, lse) and keeps them; the recompute (grad on) takes them back and runs no forward
     (`KeptAttention`). None where these tensors have no kernel, or the first pass kept nothing: the
     caller then runs its own attention (the two passes of a layer agree, as a kept pair is taken
-    only where it was kept)."""
+    only where it was kept). `hidden`: the model's hidden size, for `worth_keeping` where the store
+    keeps only long rows."""
     kernels = causal_kernels(q)
-    if kernels is None:
+    if kernels is None or store.only_long and not worth_keeping(q.shape[2], hidden):
         return None
     if not torch.is_grad_enabled():
         out, lse = kernels.forward(q, k, v, scale)

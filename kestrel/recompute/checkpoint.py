@@ -33,6 +33,7 @@ import weakref
 from typing import Any, Callable
 
 from kestrel import env
+from kestrel.constants import KEEP_ATTENTION_MODES
 import torch
 from torch import nn
 
@@ -69,8 +70,9 @@ class LayerCheckpoint(torch.autograd.Function):
         if owner.offload and owner.pages_gate_out(ctx.saved_input.depth):
             ctx.gate = ctx.saved_input.gate = _KeptGate(owner.offloaded, slot=ctx.saved_input.depth % 2)
         ctx.attention = None
-        if owner.offload and owner.keep_attention:
-            ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(owner.offloaded, slot=ctx.saved_input.depth % 2)
+        if owner.offload and owner.keep_attention != "off":
+            ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(
+                owner.offloaded, slot=ctx.saved_input.depth % 2, only_long=owner.keep_attention == "auto")
         owner.gate, owner.attention = ctx.gate, ctx.attention
         try:
             with torch.no_grad():
@@ -127,7 +129,7 @@ class Recompute:
 
     def __init__(
         self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
-        shared_state: str | None = None, deferral: MLPDeferral | None = None, keep_attention: bool = False,
+        shared_state: str | None = None, deferral: MLPDeferral | None = None, keep_attention: str = "off",
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.deferral = deferral if deferral is not None else MLPDeferral()  # whether recomputed MLPs defer
@@ -144,7 +146,7 @@ class Recompute:
         # down product and skips the last residual sum); its gate-product store (offload).
         self.recomputing = False
         self.gate: _KeptGate | None = None
-        self.keep_attention = keep_attention  # offloaded layers page their causal attention's output out
+        self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
 
     def pages_gate_out(self, depth: int) -> bool:
@@ -195,6 +197,12 @@ class Recompute:
         return list(self._layers)  # the decoder layers checkpointed through this run's recompute
 
 
+def keep_attention_mode(configured: str) -> str:
+    """The run's `keep_attention`: KESTREL_KEEP_ATTENTION (off | auto | on, a debugging override) wins."""
+    forced = env.choice("KESTREL_KEEP_ATTENTION", {m: m for m in KEEP_ATTENTION_MODES})
+    return configured if forced is None else forced
+
+
 def graph_mode(configured: GraphMode) -> GraphMode:
     """The run's CUDA-graph mode: KESTREL_CUDA_GRAPHS (1 | 0 | auto, a debugging override)
     wins over the configured one."""
@@ -204,12 +212,12 @@ def graph_mode(configured: GraphMode) -> GraphMode:
 
 def set_gradient_checkpointing(
     model: nn.Module, mode: str, cuda_graphs: GraphMode = "auto", on_decision: Callable[[Decision], None] | None = None,
-    offload_gate: float = 1.0, deferral: MLPDeferral | None = None, keep_attention: bool = False,
+    offload_gate: float = 1.0, deferral: MLPDeferral | None = None, keep_attention: str = "off",
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
     `offload_gate`: the share of offloaded layers that page their MLP gate product out; `deferral`:
-    `keep_attention`: offloaded layers page their causal attention's output out, so
+    `keep_attention` (off | auto | on): offloaded layers page their causal attention's output out, so
     their recompute runs no attention forward (KESTREL_KEEP_ATTENTION overrides); `deferral`:
     whether a recomputed MLP defers to its backward (`kestrel.recompute.mlp_deferral`; default `memory`, or KESTREL_DEFER_MLP).
 
@@ -237,7 +245,7 @@ def set_gradient_checkpointing(
     recompute = Recompute(mode == "offload", _first_decoder_layer(model, layers), chooser, gate_share(offload_gate),
                           shared_state=spec.layer_shared_state if spec is not None else None,
                           deferral=deferral if deferral is not None else MLPDeferral(defer_mode("memory")),
-                          keep_attention=env.flag("KESTREL_KEEP_ATTENTION", keep_attention))
+                          keep_attention=keep_attention_mode(keep_attention))
     if recompute.offload:  # the gate products whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
     for layer in layers:

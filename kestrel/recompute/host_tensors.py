@@ -267,8 +267,9 @@ class KeptAttentionOutput:
     In a CUDA-graphed layer each lives in a static buffer between the passes, as the gate product does
     (`_KeptGate`; `slot`: which of two, alternating by layer)."""
 
-    def __init__(self, state: OffloadState, slot: int = 0) -> None:
+    def __init__(self, state: OffloadState, slot: int = 0, only_long: bool = False) -> None:
         self.out, self.lse = _KeptGate(state, slot), _KeptGate(state, slot)
+        self.only_long = only_long  # keep only rows worth it (`kestrel.model.kept_attention.worth_keeping`)
 
     def keepers(self) -> tuple[_KeptGate, _KeptGate]:
         """The two kept tensors, for a CUDA-graphed layer to bind to its static buffers (`GraphedLayer`)."""

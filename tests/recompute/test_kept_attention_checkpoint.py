@@ -32,7 +32,7 @@ def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int
     torch.manual_seed(0)
     model, _ = load(str(folder), 64, dtype="fp32", device="cpu")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
-    set_gradient_checkpointing(model, "offload", "off", keep_attention=keep)
+    set_gradient_checkpointing(model, "offload", "off", keep_attention="on" if keep else "off")
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -68,23 +68,40 @@ def test_a_store_that_kept_nothing_means_attention_is_recomputed() -> None:
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     assert store.take() is None
     with torch.no_grad():
-        out = kept_module.stored_causal_attention(q, k, v, 0.5, store)
+        out = kept_module.stored_causal_attention(q, k, v, 0.5, store, hidden=4)
     got = store.take()
     assert got is not None and torch.equal(got[0], out)
-    assert kept_module.stored_causal_attention(q.requires_grad_(True), k, v, 0.5, store) is None  # taken already
+    assert kept_module.stored_causal_attention(q.requires_grad_(True), k, v, 0.5, store, hidden=4) is None  # taken
 
 
 def test_keep_attention_is_config_and_the_variable_overrides(monkeypatch) -> None:
     from kestrel.config import PerformanceSettings, config_from_dict
-    from kestrel import env
+    from kestrel.errors import ConfigError
+    from kestrel.recompute.checkpoint import keep_attention_mode
 
-    assert PerformanceSettings().keep_attention is False
-    assert config_from_dict({"performance": {"keep_attention": True}}).performance.keep_attention is True
-    monkeypatch.setenv("KESTREL_KEEP_ATTENTION", "1")
-    assert env.flag("KESTREL_KEEP_ATTENTION", False) is True
+    assert PerformanceSettings().keep_attention == "off"
+    assert config_from_dict({"performance": {"keep_attention": "auto"}}).performance.keep_attention == "auto"
+    with pytest.raises(ConfigError, match="performance.keep_attention"):
+        PerformanceSettings(keep_attention="always")
+    monkeypatch.delenv("KESTREL_KEEP_ATTENTION", raising=False)
+    assert keep_attention_mode("auto") == "auto"
+    monkeypatch.setenv("KESTREL_KEEP_ATTENTION", "on")
+    assert keep_attention_mode("off") == "on"
     monkeypatch.setenv("KESTREL_KEEP_ATTENTION", "maybe")
     with pytest.raises(ValueError, match="KESTREL_KEEP_ATTENTION"):
-        env.flag("KESTREL_KEEP_ATTENTION", False)
+        keep_attention_mode("off")
+
+
+def test_auto_keeps_rows_at_least_as_long_as_the_hidden_size() -> None:
+    # S FLOPs of attention forward per byte of output against H per byte of the gate product E.
+    assert kept_module.worth_keeping(4096, 4096) and kept_module.worth_keeping(8192, 2560)
+    assert not kept_module.worth_keeping(2048, 4096)
+    short, long_ = KeptAttentionOutput(OffloadState(), only_long=True), KeptAttentionOutput(OffloadState(), only_long=True)
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    with torch.no_grad():
+        assert kept_module.stored_causal_attention(q, k, v, 0.5, short, hidden=8) is None  # 6 rows < 8
+        assert kept_module.stored_causal_attention(q, k, v, 0.5, long_, hidden=6) is not None
+    assert short.take() is None and long_.take() is not None
 
 
 @pytest.mark.gpu
@@ -99,7 +116,7 @@ def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, m
 
     folder = tiny_model_dir("llama")
     base, base_w, base_stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload")
-    kept, kept_w, stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload", keep_attention=True)
+    kept, kept_w, stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload", keep_attention="on")
     if graphs:
         assert base_stats["kept"] == 0 and stats["kept"] == 2 and stats["eager_backwards"] == 0, stats
         assert stats["forward"] == stats["backward"] == 2 and stats["failed"] == 0, stats

@@ -134,11 +134,11 @@ def test_graphs_on_a_replaced_storage_are_dropped_so_it_is_freed() -> None:
 
 
 def _train(folder: Path, graphs: bool | None, monkeypatch, *, qlora: bool, mode: str, accumulate: int = 1,
-           steps: int = 4, deferral=None, keep_attention: bool = False,
+           steps: int = 4, deferral=None, keep_attention: str = "off",
            ) -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
     """Train the tiny model `steps` steps with graphs on, off, or (None) as the environment says;
     `deferral`: the run's `kestrel.recompute.mlp_deferral.MLPDeferral` (None: the default); `keep_attention`:
-    offloaded layers keep their attention output (`kestrel.model.kept_attention`)."""
+    whether offloaded layers keep their attention output (off | auto | on, `kestrel.model.kept_attention`)."""
     from kestrel.recompute.checkpoint import set_gradient_checkpointing
     from kestrel.config import LoraSettings
     from kestrel.model.loader import load

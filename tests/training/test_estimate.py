@@ -271,8 +271,14 @@ def test_kept_attention_outputs_are_paged_too() -> None:
     # 32 attention layers x 4,096 tokens x 32 heads x (128 x 2 + 4) bytes: the outputs and logsumexps
     shape = shape_from_config(LLAMA_8B)
     plain = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload")
-    kept = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention=True)
+    kept = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention="on")
     assert kept.offload_host_ram - plain.offload_host_ram == 32 * 4096 * 32 * (128 * 2 + 4)
     assert kept.total_bytes == plain.total_bytes  # host memory only
-    standard = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "standard", keep_attention=True)
+    standard = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "standard", keep_attention="on")
     assert standard.offload_host_ram == 0
+    # auto keeps rows at least as long as the hidden size (4,096 here): not 2,048-token rows, 8,192-token ones
+    assert estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention="auto"
+                                    ).offload_host_ram == plain.offload_host_ram
+    long_plain = estimate_training_memory(shape, "qlora", 16, None, 1, 8192, "offload")
+    long_auto = estimate_training_memory(shape, "qlora", 16, None, 1, 8192, "offload", keep_attention="auto")
+    assert long_auto.offload_host_ram - long_plain.offload_host_ram == 32 * 8192 * 32 * (128 * 2 + 4)
