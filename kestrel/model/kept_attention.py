@@ -188,12 +188,27 @@ def worth_keeping(seq: int, hidden: int) -> bool:
     return seq >= hidden
 
 
-def causal_kernels(q: torch.Tensor) -> CausalKernels | None:
-    """The kernels for q's device and dtype: cuDNN's on CUDA in fp16/bf16, the reference on the CPU
-    (tests), None elsewhere (the caller then runs its own attention and keeps nothing)."""
-    if q.is_cuda:
-        return CUDNN_CAUSAL if q.dtype in (torch.float16, torch.bfloat16) else None
-    return REFERENCE_CAUSAL if q.device.type == "cpu" else None
+def causal_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CausalKernels | None:
+    """The kernels for these tensors: cuDNN's on CUDA where SDPA itself could train on cuDNN's attention
+    (its own check, asked as for tensors that need gradients, so both passes of a layer get the same
+    answer), the reference on the CPU (tests), None elsewhere (the caller then runs its own attention
+    and keeps nothing)."""
+    if q.device.type == "cpu":
+        return REFERENCE_CAUSAL
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return CUDNN_CAUSAL if _cudnn_trains(q, k, v) else None
+
+
+def _cudnn_trains(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether SDPA could run causal attention of q, k, v, needing gradients, on cuDNN (head size,
+    layout, GPU); False where torch's check cannot be asked."""
+    graded = [t.detach().requires_grad_(True) for t in (q, k, v)]  # views: no copies
+    try:
+        params = torch.backends.cuda.SDPAParams(*graded, None, 0.0, True, q.shape[1] != k.shape[1])
+        return bool(torch.backends.cuda.can_use_cudnn_attention(params, False))
+    except (AttributeError, TypeError, RuntimeError):
+        return False
 
 
 def stored_causal_attention(
@@ -205,7 +220,7 @@ def stored_causal_attention(
     caller then runs its own attention (the two passes of a layer agree, as a kept pair is taken
     only where it was kept). `hidden`: the model's hidden size, for `worth_keeping` where the store
     keeps only long rows."""
-    kernels = causal_kernels(q)
+    kernels = causal_kernels(q, k, v)
     if kernels is None or store.only_long and not worth_keeping(q.shape[2], hidden):
         return None
     if not torch.is_grad_enabled():

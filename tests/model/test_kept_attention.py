@@ -79,3 +79,22 @@ def test_cudnn_kernels_match_sdpa_on_cuda(hq: int, hkv: int) -> None:
         kept_attention(*leaves, kept, scale, CUDNN_CAUSAL).backward(grad)
         for leaf, expected in zip(leaves, want_grads):
             torch.testing.assert_close(leaf.grad, expected, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_training_shapes_take_cudnn_and_fp32_takes_nothing() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kestrel.model.kept_attention import causal_kernels
+
+    q, k, v, _ = _qkv(8, 2, torch.bfloat16, "cuda", s=256, b=1, d=128)
+    assert causal_kernels(q, k, v) is CUDNN_CAUSAL
+    q, k, v, _ = _qkv(8, 2, torch.float32, "cuda", s=256, b=1, d=128)
+    assert causal_kernels(q, k, v) is None
+
+
+def test_the_cpu_takes_the_reference() -> None:
+    from kestrel.model.kept_attention import causal_kernels
+
+    q, k, v, _ = _qkv(4, 2, torch.float32)
+    assert causal_kernels(q, k, v) is REFERENCE_CAUSAL

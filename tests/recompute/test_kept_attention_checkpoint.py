@@ -116,7 +116,22 @@ def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, m
 
     folder = tiny_model_dir("llama")
     base, base_w, base_stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload")
+    calls = {"forward": 0, "backward": 0}
+    real = kept_module.CUDNN_CAUSAL
+
+    def counted(name: str):
+        def run(*a):
+            calls[name] += 1
+            return getattr(real, name)(*a)
+        return run
+
+    monkeypatch.setattr(kept_module, "CUDNN_CAUSAL", kept_module.CausalKernels(counted("forward"), counted("backward")))
     kept, kept_w, stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload", keep_attention="on")
+    layers, steps = 2, 4  # the tiny llama's, `train_cuda`'s
+    if not graphs:  # replays call no Python: counted only eagerly
+        assert calls == {"forward": layers * steps, "backward": layers * steps}, calls
+    else:
+        assert calls["forward"] > 0, calls
     if graphs:
         assert base_stats["kept"] == 0 and stats["kept"] == 2 and stats["eager_backwards"] == 0, stats
         assert stats["forward"] == stats["backward"] == 2 and stats["failed"] == 0, stats
