@@ -55,6 +55,13 @@ def number(name: str, default: float) -> float:
         raise ValueError(f"{name}={value!r} is not a number") from None
 
 
+def override(name: str, configured: str, modes: tuple[str, ...]) -> str:
+    """A run setting whose modes are `modes`: the variable `name`, when set to one of them (a
+    debugging override), wins over `configured`."""
+    forced = choice(name, {m: m for m in modes})
+    return configured if forced is None else forced
+
+
 def choice(name: str, allowed: dict[str, str]) -> str | None:
     """A variable that names one of `allowed` (its spellings -> the meaning), None when unset."""
     value = raw(name).lower()

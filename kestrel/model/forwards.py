@@ -151,15 +151,14 @@ def make_mlp_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
     return forward
 
 
-def _mlp_args(layer: nn.Module, spec: FamilySpec) -> dict[str, Any] | None:
+def _mlp_args(layer: nn.Module, spec: FamilySpec, scope: checkpointing.Recompute | None) -> dict[str, Any] | None:
     """What the layer's checkpoint tells a patched MLP (its gate-product store), or None for an
     unpatched MLP; `discard_output` when the MLP may skip computing its output: in a
     checkpoint's recompute the layer's output values are thrown away, and when the MLP's output
     goes straight into the residual sum (no post-MLP norm, whose backward would need them) only
-    its gradient path matters."""
+    its gradient path matters. `scope`: the layer's checkpointing (`checkpointing.scope_of`)."""
     if not getattr(layer.mlp.forward, "takes_layer_args", False):
         return None
-    scope = checkpointing.scope_of(layer)
     if scope is None:
         return {}
     return {"gate_store": scope.gate, "discard_output": scope.recomputing and not spec.sandwich_norm,
@@ -243,7 +242,7 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         h = self.pre_feedforward_layernorm(h) if spec.sandwich_norm else self.post_attention_layernorm(h)
         if spec.moe is not None and type(self.mlp).__name__ == spec.moe.block_class:
             return _residual_add(residual, _moe_mlp(self, h, router_stats))
-        args = _mlp_args(self, spec)
+        args = _mlp_args(self, spec, scope)
         if args and args["discard_output"]:  # a recompute: only the graph of the MLP and the last sum is used
             return _GraphOnlySum.apply(residual, self.mlp(h, **args))
         h = self.mlp(h, **args) if args else self.mlp(h)

@@ -199,8 +199,7 @@ class Recompute:
 
 def keep_attention_mode(configured: str) -> str:
     """The run's `keep_attention`: KESTREL_KEEP_ATTENTION (off | auto | on, a debugging override) wins."""
-    forced = env.choice("KESTREL_KEEP_ATTENTION", {m: m for m in KEEP_ATTENTION_MODES})
-    return configured if forced is None else forced
+    return env.override("KESTREL_KEEP_ATTENTION", configured, KEEP_ATTENTION_MODES)
 
 
 def graph_mode(configured: GraphMode) -> GraphMode:

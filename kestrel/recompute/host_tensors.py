@@ -25,7 +25,7 @@ class OffloadState:
     reading: list[tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=list)
     last: weakref.ref | None = None  # the layer-input copy made most recently (`_HostCopy`)
     side_use: dict[int, Any] = dataclasses.field(default_factory=dict)  # static buffer address -> its last copy's end
-    warned: bool = False  # "not paging MLP activations out" said once
+    warned: bool = False  # "not paging activations out" said once
 
     def release_read(self) -> None:
         """Let go of the tensors copied out so far, once the compute stream has waited for their
@@ -216,7 +216,7 @@ class _KeptGate(_HostTensor):
                 self.static.copy_(e)
             return
         if self.host is not None:
-            raise RuntimeError("a layer's gate product was kept twice in one forward")
+            raise RuntimeError("a layer's kept tensor (gate product, attention output) was kept twice in one forward")
         try:
             self._keep(e)
         except HostMemoryError as err:

@@ -142,5 +142,4 @@ class MLPDeferral:
 
 def defer_mode(configured: str) -> DeferMode:
     """The run's deferral mode: KESTREL_DEFER_MLP (memory | fit | off, a debugging override) wins over the configured one."""
-    forced = env.choice("KESTREL_DEFER_MLP", {m: m for m in DEFER_MODES})
-    return (configured if forced is None else forced)  # type: ignore[return-value]
+    return env.override("KESTREL_DEFER_MLP", configured, DEFER_MODES)  # type: ignore[return-value]

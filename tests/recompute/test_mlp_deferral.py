@@ -31,13 +31,13 @@ def _policy(mode: str, device_room: int | None, host_room: int | None = None, pa
     return policy, seen
 
 
-GATE, UP = _proj(9728, 2560), _proj(9728, 2560)  # a 4B-class MLP over NF4, shapes no issue names
+GATE, UP = _proj(7040, 2176), _proj(7040, 2176)  # an MLP over NF4 of a width no issue or bench model has
 
 
 def test_extra_bytes_is_what_deferring_saves() -> None:
     # 8,192 rows: E, G, h whole (3 x 8192 x I) against three 2,048-row chunks plus the dense W'_g, W'_u.
-    assert extra_bytes(8192, 9728, 2 * 9728 * 2560) == 2 * (3 * 8192 * 9728 - 3 * 2048 * 9728 - 2 * 9728 * 2560)
-    assert extra_bytes(2048, 9728, 0) == 0  # one chunk holds every row: nothing saved
+    assert extra_bytes(8192, 7040, 2 * 7040 * 2176) == 2 * (3 * 8192 * 7040 - 3 * 2048 * 7040 - 2 * 7040 * 2176)
+    assert extra_bytes(2048, 7040, 0) == 0  # one chunk holds every row: nothing saved
 
 
 @pytest.mark.parametrize("mode, deferred", [("memory", True), ("off", False)])
@@ -48,7 +48,7 @@ def test_forced_modes_ignore_the_room(mode: str, deferred: bool) -> None:
 
 
 def test_fit_keeps_whole_rows_where_twice_their_extra_fits() -> None:
-    extra = extra_bytes(8192, 9728, 2 * 9728 * 2560)
+    extra = extra_bytes(8192, 7040, 2 * 7040 * 2176)
     roomy, _ = _policy("fit", device_room=2 * extra)
     tight, seen = _policy("fit", device_room=2 * extra - 1)
     assert not roomy.defers(8192, GATE, UP, GPU)
@@ -83,8 +83,8 @@ def test_each_row_count_is_decided_once() -> None:
 
 
 def test_paged_gate_products_must_fit_the_host() -> None:
-    # Offloading 36 layers' E at 8,192 rows pins 36 x 8192 x 9728 x 2 bytes (5.3 GiB).
-    pages = 36 * 8192 * 9728 * 2
+    # Offloading 36 layers' E at 8,192 rows pins 36 x 8192 x 7040 x 2 bytes (3.9 GiB).
+    pages = 36 * 8192 * 7040 * 2
     fits, _ = _policy("fit", device_room=64 * GIB, host_room=2 * pages, paged=36)
     short, seen = _policy("fit", device_room=64 * GIB, host_room=2 * pages - 1, paged=36)
     unknown, _ = _policy("fit", device_room=64 * GIB, host_room=None, paged=36)
@@ -97,7 +97,7 @@ def test_paged_gate_products_must_fit_the_host() -> None:
 
 def test_paging_counts_the_graphs_static_gate_buffers_on_the_device() -> None:
     # Paged, whole rows also hold two static (rows, I) E buffers (a graphed layer's): they must fit too.
-    extra = extra_bytes(8192, 9728, 2 * 9728 * 2560) + 2 * 8192 * 9728 * 2
+    extra = extra_bytes(8192, 7040, 2 * 7040 * 2176) + 2 * 8192 * 7040 * 2
     fits, _ = _policy("fit", device_room=2 * extra, host_room=64 * GIB, paged=36)
     short, seen = _policy("fit", device_room=2 * extra - 1, host_room=64 * GIB, paged=36)
     assert not fits.defers(8192, GATE, UP, GPU)
@@ -130,7 +130,7 @@ def test_decisions_are_json_metrics() -> None:
     policy, seen = _policy("off", device_room=None)
     policy.defers(8192, GATE, UP, GPU)
     assert json.loads(json.dumps(seen[0].as_metrics())) == {
-        "rows": 8192, "intermediate": 9728, "deferred": False, "reason": seen[0].reason}
+        "rows": 8192, "intermediate": 7040, "deferred": False, "reason": seen[0].reason}
 
 
 @pytest.mark.parametrize("mode", ["memory", "off"])

@@ -189,9 +189,9 @@ def dense_elements(gate: LoRAWeights, up: LoRAWeights) -> int:
     return sum(w.out_features * w.in_features for w in (gate, up) if w.quant_state is not None)
 
 
-def lowers_peak(rows: int, gate: LoRAWeights, up: LoRAWeights, device: torch.device | None = None) -> bool:
-    """Whether deferring lowers the MLP recompute's peak at all (`extra_bytes` > 0): the default
-    `DeferPolicy` (`device` unused)."""
+def lowers_peak(rows: int, gate: LoRAWeights, up: LoRAWeights) -> bool:
+    """Whether deferring lowers the MLP recompute's peak at all (`extra_bytes` > 0): the rule
+    without a `DeferPolicy`."""
     return extra_bytes(rows, gate.out_features, dense_elements(gate, up)) > 0
 
 
