@@ -76,7 +76,8 @@
 #   keepattn  the attention op alone at 8,192 tokens (bench/kept_attention.py: recomputed against kept, errors and
 #             times), then long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=on / auto): graphs
 #             off without and with it, then auto graphs without it and with keep_attention auto, for each of
-#             KEEP_MODELS (default llama-3.2-1b,qwen3-4b,mistral-7b), QLoRA, one process each
+#             KEEP_MODELS (default llama-3.2-1b,qwen3-4b,mistral-7b), QLoRA, one process each; KEEP_RUNS picks
+#             graphs:keep pairs (default "off:off off:on auto:off auto:auto"), KEEP_OP= (empty) skips the op alone
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
 #             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
@@ -234,9 +235,9 @@ for want in "$@"; do
                           --models "$model" --methods qlora --layouts "${DEFER_LAYOUTS:-long}" --systems $sys \
                           --budget-s 180 --hard-s 230 --out "$OUT/defer-$way.jsonl"; done; done
                   records "$OUT"/defer-*.jsonl ;;
-        keepattn) phase keepattn-op 120 bash -c "python bench/kept_attention.py --shape qwen3-4b --out $OUT/kept_attention.json; \
-                      python bench/kept_attention.py --shape llama-3.2-1b --out $OUT/kept_attention-1b.json"
-                  for model in ${KEEP_MODELS//,/ }; do for run in off:off off:on auto:off auto:auto; do
+        keepattn) [ -n "${KEEP_OP-1}" ] && phase keepattn-op 120 bash -c "python bench/kept_attention.py --shape qwen3-4b \
+                      --out $OUT/kept_attention.json; python bench/kept_attention.py --shape llama-3.2-1b --out $OUT/kept_attention-1b.json"
+                  for model in ${KEEP_MODELS//,/ }; do for run in ${KEEP_RUNS:-off:off off:on auto:off auto:auto}; do
                       sys=kestrel-${run%%:*}; sys=${sys/-auto/}; keep=${run##*:}
                       phase "keepattn-$model-${run/:/-}" 240 env KESTREL_KEEP_ATTENTION="$keep" python bench/matrix.py \
                           --models "$model" --methods qlora --layouts long --systems "$sys" --budget-s 180 --hard-s 230 \

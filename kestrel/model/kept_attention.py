@@ -116,20 +116,41 @@ def cudnn_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch's cuDNN attention backward for `cudnn_forward`. Without dropout its random state is never
-    read, and without nested tensors the sequence offsets are empty: both are placeholders here."""
-    if grad.stride() != out.stride():  # the kernel reads dO in O's layout
-        grad = torch.empty_like(out).copy_(grad)
-    none = torch.empty(0, dtype=torch.int64, device=q.device)
-    s = q.shape[2]
+    read (an empty placeholder here). The bias and the sequence offsets are passed as None, which the
+    op receives as undefined tensors: a defined one, even empty, would be read as a bias of that shape
+    or as nested rows."""
+    out = _in_layout(out, _dense_strides_like(q, out.shape))  # where cuDNN's forward would have put it
+    grad = _in_layout(grad, out.stride())  # the kernel reads dO in O's layout
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         grad, q, k, v, out, lse,
-        none, none,  # philox_seed, philox_offset
-        torch.empty(0, dtype=q.dtype, device=q.device),  # attn_bias
-        none, none, s, s,  # cum_seq_q, cum_seq_k, max_q, max_k
+        unused, unused,  # philox_seed, philox_offset
+        None,  # attn_bias
+        None, None, q.shape[2], k.shape[2],  # cum_seq_q, cum_seq_k, max_q, max_k
         0.0, True,  # dropout_p, is_causal
         scale=scale,
     )
     return dq, dk, dv
+
+
+def _dense_strides_like(ref: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """Dense strides for `shape` that order its dims as `ref`'s strides do (innermost first), the layout
+    cuDNN's attention forward gives its output for a query laid out as `ref`. The backward must get O in
+    that layout: torch caches cuDNN's backward graphs by q, k and v's layouts (not O's in every torch
+    version), so an O laid out otherwise can meet a graph built for the forward's own layout and be
+    misread (wrong gradients, no error)."""
+    order = sorted(range(len(shape)), key=lambda d: ref.stride(d) or 1 << 62)  # stable: ties keep dim order
+    strides, step = [0] * len(shape), 1
+    for d in order:
+        strides[d], step = step, step * shape[d]
+    return tuple(strides)
+
+
+def _in_layout(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """`t` itself when it has these strides, else a copy that has them."""
+    if t.stride() == tuple(strides):
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
 CUDNN_CAUSAL = CausalKernels(cudnn_forward, cudnn_backward)

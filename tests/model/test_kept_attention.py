@@ -74,7 +74,8 @@ def test_cudnn_kernels_match_sdpa_on_cuda(hq: int, hkv: int) -> None:
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     _, ref_lse = REFERENCE_CAUSAL.forward(q, k, v, scale)
     torch.testing.assert_close(lse.float().reshape(ref_lse.shape), ref_lse, rtol=1e-3, atol=1e-3)
-    for kept in ((out, lse), (out.contiguous(), lse.contiguous())):
+    bshd = out.transpose(1, 2).contiguous().transpose(1, 2)
+    for kept in ((out, lse), (out.contiguous(), lse.contiguous()), (bshd, lse)):
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         kept_attention(*leaves, kept, scale, CUDNN_CAUSAL).backward(grad)
         for leaf, expected in zip(leaves, want_grads):
@@ -98,3 +99,21 @@ def test_the_cpu_takes_the_reference() -> None:
 
     q, k, v, _ = _qkv(4, 2, torch.float32)
     assert causal_kernels(q, k, v) is REFERENCE_CAUSAL
+
+
+@pytest.mark.parametrize("perm", [(0, 1, 2, 3), (0, 2, 1, 3), (2, 0, 1, 3), (1, 2, 0, 3)])
+def test_cudnn_backward_lays_o_out_as_the_forward_would(perm: tuple[int, int, int, int]) -> None:
+    # cuDNN's forward gives O q's layout (dense, dims ordered as q's strides); O and dO reach the
+    # backward in it whatever layout they were kept in, or a graph cached for q's layout misreads them.
+    from kestrel.model.kept_attention import _dense_strides_like, _in_layout
+
+    sizes = (2, 3, 5, 4)
+    q = torch.randn(*(sizes[p] for p in perm)).permute(*sorted(range(4), key=perm.__getitem__))
+    assert q.shape == sizes
+    assert _dense_strides_like(q, q.shape) == torch.empty_like(q).stride()
+    wider = _dense_strides_like(q, (2, 3, 5, 8))  # O's head size may differ from q's: same order, dense
+    assert sorted(range(4), key=wider.__getitem__) == sorted(range(4), key=q.stride().__getitem__)
+    o = torch.randn(sizes)
+    moved = _in_layout(o, _dense_strides_like(q, o.shape))
+    assert moved.stride() == q.stride() and torch.equal(moved, o)
+    assert _in_layout(moved, moved.stride()) is moved
