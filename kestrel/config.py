@@ -168,7 +168,8 @@ class PerformanceSettings:
     offload_gate: float = 1.0
     # Whether a checkpointed layer's recomputed MLP runs in its backward in chunks of rows (less memory
     # on long rows, but no paged gate product): memory wherever that lowers its peak; fit only where
-    # whole rows would not fit the device (faster, more memory); off never (`kestrel.recompute.mlp_deferral`).
+    # whole rows would not fit the device or their paged gate products would not keep up with the layers
+    # on the host link, both measured (faster, more memory); off never (`kestrel.recompute.mlp_deferral`).
     defer_mlp: str = "memory"
     # Offloaded checkpointing: each layer pages its causal attention's output and logsumexp out too, so
     # its recompute runs no attention forward (`kestrel.model.kept_attention`): on, off, or auto (rows at

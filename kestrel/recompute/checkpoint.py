@@ -43,7 +43,7 @@ from kestrel.recompute.gate_share import gate_share, paged_gate_layers, pages_ga
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from kestrel.recompute.host_tensors import _HostCopy, _KeptGate, KeptAttentionOutput, OffloadState
 from kestrel.recompute.linked import LinkedCall
-from kestrel.recompute.mlp_deferral import defer_mode, MLPDeferral
+from kestrel.recompute.mlp_deferral import defer_mode, MLPDeferral, time_first_pass
 
 log = logging.getLogger("kestrel")
 
@@ -167,6 +167,8 @@ class Recompute:
         if not torch.is_grad_enabled():  # nothing will be back-propagated: nothing to keep, no training forward to time
             return no_grad.call(self, run, hidden, args) if self.no_grad_active else run(hidden, *args)
         linked = LinkedCall.of(run, args, self.shared_state)
+        if self.starts_forward(run):
+            self._time_first_pass(run, hidden, args, linked)
         if self.starts_forward(run) and layer_graphs.graphable(run, hidden):
             key = layer_graphs.call_key(run, hidden, args, linked)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
@@ -180,6 +182,18 @@ class Recompute:
             linked.publish(tuple(written))
             return y
         return LayerCheckpoint.apply(wrapped, self, hidden)
+
+    def _time_first_pass(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple,
+                         linked: LinkedCall | None) -> None:
+        """Where the run's MLP deferral weighs the host link against a layer's work at a new row count
+        (`MLPDeferral.wants_layer_time`), time the forward's first layer once as its first pass runs
+        it (no grad, nothing kept), before that pass: its MLPs decide there. A layer with ties beyond
+        its hidden states (`LinkedCall`) would write them twice, so is not timed (its MLPs defer)."""
+        rows = hidden.numel() // max(hidden.shape[-1], 1)
+        if linked is not None or not self.offload or not self.deferral.wants_layer_time(rows, hidden.device):
+            return
+        with torch.no_grad():
+            self.deferral.layer_seconds[rows] = time_first_pass(lambda: run(hidden, *args))
 
     def release(self) -> None:
         """Drop the run's CUDA graphs and give their memory back."""

@@ -14,7 +14,8 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
 (`performance.defer_mlp`):
 
 - `memory` (the default): defer wherever that saving is positive (`kestrel.kernels.lora.mlp.lowers_peak`).
-- `fit`: defer only where the whole-rows recompute would not fit: its extra bytes are more than half
+- `fit`: defer where the whole-rows recompute would not fit, or where paging its E out would not hide
+  under the layer's own work. Memory: its extra bytes are more than half
   of the device's headroom when a row count is first seen (memory the device has free plus what the
   caching allocator holds unused). Half, because that first sighting is a first pass, before the
   step's backward, its loss chunk and (on the first step) the optimizer's state have taken theirs:
@@ -22,8 +23,15 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   layers), whole rows also need those pages, rows x I x 2 bytes a layer, to fit in half of the host
   memory available then (pinned pages cannot be swapped out). Off CUDA there is no device headroom
   to read, and `fit` keeps the memory rule. Where E is paged, its device need counts the two static
-  (rows, I) buffers a CUDA-graphed layer pages E through. Faster where E is paged (bench/RESULTS.md,
-  session 36: 5-7% on long rows of 4B-7B models), at that memory.
+  (rows, I) buffers a CUDA-graphed layer pages E through. The host link: a paging layer sends E and
+  its own input out, rows x (I + H) x 2 bytes, while the layers above compute; where that takes
+  longer than a layer's first pass, the forward waits on the link and whole rows lose more than
+  the recompute's gate product saves them (a 1B model with a wide MLP: bench/RESULTS.md, session
+  37). So `fit` keeps whole rows only where those bytes, at the link's rate, take no longer than a
+  layer's first pass at that row count; both are measured on the run's own device and shapes when a
+  row count is first seen (`measure_link_rate`, once a device; `Recompute` times its first decoder
+  layer, `time_first_pass`), and a row count with no timing defers. Faster where that holds
+  (bench/RESULTS.md, sessions 36-37: 5-7% on long rows of 3B-7B models), at that memory.
 - `off`: never defer.
 
 Each row count's answer is decided once and kept, so a layer's first pass (which pages E out or
@@ -41,6 +49,7 @@ import torch
 
 from kestrel import env
 from kestrel.constants import DEFER_MODES
+from kestrel.kernels.lora import mlp
 from kestrel.kernels.lora.mlp import dense_elements, extra_bytes
 
 DeferMode = Literal["memory", "fit", "off"]
@@ -67,6 +76,30 @@ def available_host_bytes(path: str = "/proc/meminfo") -> int | None:
     return None
 
 
+def measure_link_rate(device: torch.device, nbytes: int = 64 << 20) -> float | None:
+    """Bytes a second the device copies to pinned host memory (the way offloading pages tensors
+    out): the fastest of three copies of `nbytes`; None off CUDA."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # nothing to time inside a capture
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return nbytes / min(time_first_pass(lambda: dst.copy_(src, non_blocking=True), repeats=1) for _ in range(3))
+
+
+def time_first_pass(call: Callable[[], Any], repeats: int = 2) -> float:
+    """Seconds the current CUDA stream takes for `call()`, the last of `repeats` runs (the first may
+    compile or tune kernels for a new shape). Waits for the GPU: call it once per shape, not per step."""
+    seconds = 0.0
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    return seconds
+
+
 @dataclasses.dataclass(frozen=True)
 class DeferDecision:
     """One row count's answer, as the run's log and metrics show it."""
@@ -82,30 +115,42 @@ class DeferDecision:
 
 class MLPDeferral:
     """One run's deferral policy (module docstring); `kestrel.kernels.lora.mlp.DeferPolicy`.
-    `headroom(device)` reads the device's spare bytes and `host_room()` the host's (tests hand in
-    their own); `paged_layers`: how many layers page E out to the host (set by the run's
-    `kestrel.recompute.checkpoint.Recompute`; 0 without offloading)."""
+    `headroom(device)` reads the device's spare bytes, `host_room()` the host's and `link_rate(device)`
+    the host link's bytes a second (tests hand in their own); `paged_layers`: how many layers page E
+    out to the host (set by the run's `kestrel.recompute.checkpoint.Recompute`; 0 without offloading);
+    `layer_seconds`: a decoder layer's first pass by row count (`Recompute` fills it where
+    `wants_layer_time`)."""
 
     def __init__(
         self, mode: DeferMode = "memory", headroom: Callable[[torch.device], int | None] = cuda_headroom,
         on_decision: Callable[[DeferDecision], None] | None = None,
         host_room: Callable[[], int | None] = available_host_bytes,
+        link_rate: Callable[[torch.device], float | None] = measure_link_rate,
     ) -> None:
         if mode not in DEFER_MODES:
             raise ValueError(f"defer_mlp must be one of {', '.join(DEFER_MODES)}, got {mode!r}")
         self.mode, self.headroom, self.on_decision, self.host_room = mode, headroom, on_decision, host_room
+        self.link_rate = link_rate
+        self.link_rates: dict[torch.device, float | None] = {}  # measured once a device
         self.paged_layers = 0
+        self.layer_seconds: dict[int, float] = {}
         self.reported: dict[tuple, bool] = {}  # each MLP width's last reported answer
-        self.decided: dict[tuple[int, int, int, torch.device], DeferDecision] = {}
+        self.decided: dict[tuple[int, int, int, int, torch.device], DeferDecision] = {}
+
+    def wants_layer_time(self, rows: int, device: torch.device) -> bool:
+        """Whether `Recompute` should time a layer's first pass at `rows` rows before the layer runs:
+        `fit` on a CUDA run that pages E, at a row count not yet timed that deferring could concern."""
+        return (self.mode == "fit" and self.paged_layers > 0 and device.type == "cuda"
+                and rows > mlp.DEFERRED_ROWS and rows not in self.layer_seconds)
 
     def defers(self, rows: int, gate: Any, up: Any, device: torch.device) -> bool:
         """Whether an MLP of `rows` rows over `gate`, `up` defers its recompute to its backward."""
         dense = dense_elements(gate, up)
-        key = (rows, gate.out_features, dense, device)
+        key = (rows, gate.out_features, gate.in_features, dense, device)
         decision = self.decided.get(key)
         if decision is None:
-            decision = self.decided[key] = self._decide(rows, gate.out_features, dense, device)
-            self._report(decision, (gate.out_features, dense, device))
+            decision = self.decided[key] = self._decide(rows, gate.out_features, gate.in_features, dense, device)
+            self._report(decision, key[1:])
         return decision.deferred
 
     def _report(self, decision: DeferDecision, mlp: tuple) -> None:
@@ -115,7 +160,7 @@ class MLPDeferral:
             self.reported[mlp] = decision.deferred
             self.on_decision(decision)
 
-    def _decide(self, rows: int, inter: int, dense: int, device: torch.device) -> DeferDecision:
+    def _decide(self, rows: int, inter: int, hidden: int, dense: int, device: torch.device) -> DeferDecision:
         extra = extra_bytes(rows, inter, dense)
         gib = f"{extra / 2**30:.2f} GiB"
         if extra <= 0:
@@ -137,7 +182,25 @@ class MLPDeferral:
             spare = "unknown" if host is None else f"{host / 2**30:.1f} GiB"
             return DeferDecision(rows, inter, True, f"{need}, but paging their gate products would pin "
                                  f"{pages / 2**30:.1f} GiB of host memory ({spare} available): deferred")
-        return DeferDecision(rows, inter, False, f"{need}: fits, whole rows (faster)")
+        if not pages:
+            return DeferDecision(rows, inter, False, f"{need}: fits, whole rows (faster)")
+        slow, link = self._link(rows, inter, hidden, device)
+        if slow:
+            return DeferDecision(rows, inter, True, f"{need}: fits, but {link}: deferred")
+        return DeferDecision(rows, inter, False, f"{need}: fits, and {link}: whole rows (faster)")
+
+    def _link(self, rows: int, inter: int, hidden: int, device: torch.device) -> tuple[bool, str]:
+        """(whether paging a layer's E and input out takes longer than a layer's first pass, the figures)."""
+        if device not in self.link_rates:
+            self.link_rates[device] = self.link_rate(device)
+        rate, seconds = self.link_rates[device], self.layer_seconds.get(rows)
+        if rate is None or seconds is None:
+            return True, "no timing of the host link and a layer's first pass shows its pages would keep up"
+        paged = rows * (inter + hidden) * 2  # E and the layer's input, 16-bit
+        copy = paged / rate
+        verdict = "longer than" if copy > seconds else "within"
+        return copy > seconds, (f"paging {paged / 2**20:.0f} MiB a layer takes {copy * 1e3:.2f} ms at "
+                                f"{rate / 1e9:.1f} GB/s, {verdict} its first pass ({seconds * 1e3:.2f} ms)")
 
 
 def defer_mode(configured: str) -> DeferMode:

@@ -23,11 +23,16 @@ def _proj(out: int, inp: int, nf4_base: bool = True) -> LoRAWeights:
     return LoRAWeights(meta, state, torch.empty(16, inp, device="meta"), torch.empty(out, 16, device="meta"), 2.0)
 
 
-def _policy(mode: str, device_room: int | None, host_room: int | None = None, paged: int = 0):
+def _policy(mode: str, device_room: int | None, host_room: int | None = None, paged: int = 0,
+            link: float | None = 1e12, layer_s: float | None = 1.0):
+    """A policy with these rooms, a host link of `link` bytes/s and a first pass of `layer_s` seconds
+    timed at 8,192 rows (None: not measured)."""
     seen: list[DeferDecision] = []
     policy = MLPDeferral(mode, headroom=lambda d: device_room if d.type == "cuda" else None,  # type: ignore[arg-type]
-                         on_decision=seen.append, host_room=lambda: host_room)
+                         on_decision=seen.append, host_room=lambda: host_room, link_rate=lambda d: link)
     policy.paged_layers = paged
+    if layer_s is not None:
+        policy.layer_seconds[8192] = layer_s
     return policy, seen
 
 
@@ -102,6 +107,87 @@ def test_paging_counts_the_graphs_static_gate_buffers_on_the_device() -> None:
     short, seen = _policy("fit", device_room=2 * extra - 1, host_room=64 * GIB, paged=36)
     assert not fits.defers(8192, GATE, UP, GPU)
     assert short.defers(8192, GATE, UP, GPU) and "would not fit" in seen[0].reason
+
+
+PAGED = 8192 * (7040 + 2176) * 2  # a paging layer's E and input at 8,192 rows, 16-bit
+
+
+@pytest.mark.parametrize("link", [25e9, 64e9, 400e9])
+def test_fit_keeps_whole_rows_only_where_the_link_keeps_up_with_a_layer(link: float) -> None:
+    # Whole rows page E and the layer input out during the first pass: at most a layer's first pass long.
+    within, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
+    behind, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link,
+                           layer_s=0.99 * PAGED / link)
+    assert not within.defers(8192, GATE, UP, GPU)
+    assert behind.defers(8192, GATE, UP, GPU)
+    assert "longer than its first pass" in seen[0].reason and f"{link / 1e9:.1f} GB/s" in seen[0].reason
+
+
+def test_fit_without_a_timing_defers_and_measures_the_link_once_a_device() -> None:
+    untimed, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, layer_s=None)
+    assert untimed.defers(8192, GATE, UP, GPU) and "no timing" in seen[0].reason
+    asked: list[torch.device] = []
+    policy = MLPDeferral("fit", headroom=lambda d: 64 * GIB, host_room=lambda: 64 * GIB,
+                         link_rate=lambda d: asked.append(d) or 1e12)
+    policy.paged_layers = 36
+    policy.layer_seconds.update({8192: 1.0, 4096: 1.0})
+    assert not policy.defers(8192, GATE, UP, GPU) and not policy.defers(4096, GATE, UP, GPU)
+    assert asked == [GPU]
+
+
+def test_only_fit_on_a_paging_cuda_run_asks_for_layer_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel.kernels.lora import mlp as mlp_module
+
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 2048)
+    fit, _ = _policy("fit", device_room=64 * GIB, paged=36, layer_s=None)
+    assert fit.wants_layer_time(4096, GPU) and not fit.wants_layer_time(2048, GPU)  # one chunk: nothing to defer
+    assert not fit.wants_layer_time(4096, CPU)
+    fit.layer_seconds[4096] = 0.01
+    assert not fit.wants_layer_time(4096, GPU)  # timed once
+    assert not _policy("memory", device_room=64 * GIB, paged=36)[0].wants_layer_time(4096, GPU)
+    assert not _policy("fit", device_room=64 * GIB, paged=0)[0].wants_layer_time(4096, GPU)  # nothing paged
+
+
+def test_offloading_times_the_first_layer_once_a_row_count_and_trains_the_same(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `fit` with E paged: Recompute times the forward's first layer once per new row count, with no
+    # grad and before its first pass; the timing run changes nothing in training.
+    from kestrel.config import LoraSettings
+    from kestrel.kernels.lora import mlp as mlp_module
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+    from kestrel.recompute import checkpoint
+
+    class Timed(MLPDeferral):  # asks on the CPU as it would on CUDA
+        def wants_layer_time(self, rows: int, device: torch.device) -> bool:
+            return super().wants_layer_time(rows, GPU)
+
+    timed: list[tuple[bool, int]] = []
+
+    def fake_time(call):
+        timed.append((torch.is_grad_enabled(), call().shape[-2]))
+        return 0.5
+
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 8)
+    monkeypatch.setattr(checkpoint, "time_first_pass", fake_time)
+    runs = {}
+    for name, policy in (("timed", Timed("fit")), ("plain", MLPDeferral("memory"))):
+        torch.manual_seed(0)
+        model, _ = load(str(tiny_model_dir("llama")), 64, dtype="fp32", device="cpu")
+        model = attach_lora(model, LoraSettings(r=8, alpha=16))
+        checkpoint.set_gradient_checkpointing(model, "offload", "off", deferral=policy)
+        model.train()
+        losses = []
+        for rows in (40, 24, 40):
+            ids = torch.randint(5, 200, (2, rows), generator=torch.Generator().manual_seed(rows))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        runs[name] = (losses, policy)
+    assert timed == [(False, 40), (False, 24)]  # once a row count (80 and 48 rows), the first layer only
+    assert runs["timed"][1].layer_seconds == {80: 0.5, 48: 0.5}
+    assert runs["timed"][0] == runs["plain"][0]
 
 
 def test_available_host_bytes_reads_meminfo(tmp_path) -> None:
