@@ -24,13 +24,16 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   memory available then (pinned pages cannot be swapped out). Off CUDA there is no device headroom
   to read, and `fit` keeps the memory rule. Where E is paged, its device need counts the two static
   (rows, I) buffers a CUDA-graphed layer pages E through. The host link: a paging layer sends E and
-  its own input out, rows x (I + H) x 2 bytes, while the layers above compute; where that takes
-  longer than a layer's first pass, the forward waits on the link and whole rows lose more than
-  the recompute's gate product saves them (a 1B model with a wide MLP: bench/RESULTS.md, session
-  37). So `fit` keeps whole rows only where those bytes, at the link's rate, take no longer than a
-  layer's first pass at that row count; both are measured on the run's own device and shapes when a
-  row count is first seen (`measure_link_rate`, once a device; `Recompute` times its first decoder
-  layer, `time_first_pass`), and a row count with no timing defers. Faster where that holds
+  its own input out, rows x (I + H) x 2 bytes, on one copy stream while the layers above compute.
+  A graphed layer pages E through two alternating static buffers, so its copy must end before the
+  layer two above reuses the buffer: the forward then runs a layer per max(first pass, copy), and
+  where the copy is the longer, whole rows lose more than the recompute's gate product saves them
+  (a 1B model with a wide MLP: bench/RESULTS.md, session 37). So `fit` keeps whole rows only where
+  those bytes, at the link's rate, take no longer than a layer's first pass at that row count; both
+  are measured on the run's own device and shapes when a row count is first seen
+  (`measure_link_rate`, once a device; `Recompute` times its first decoder layer, `time_first_pass`;
+  a model whose first layer is a cheap sliding-window one is timed short, which errs toward
+  deferring), and a row count with no timing defers. Faster where that holds
   (bench/RESULTS.md, sessions 36-37: 5-7% on long rows of 3B-7B models), at that memory.
 - `off`: never defer.
 
