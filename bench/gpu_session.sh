@@ -72,7 +72,9 @@
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
 #   defer     the recomputed MLP deferred to its backward wherever that saves memory (KESTREL_DEFER_MLP=memory, the
 #             default) and only where whole rows would not fit (fit: whole rows, their gate product paged), then
-#             Unsloth, for each of DEFER_MODELS, QLoRA, DEFER_LAYOUTS (default long), one process each
+#             Unsloth, for each of DEFER_MODELS (llama-3.2-3b,gemma3-1b,qwen3-4b), QLoRA, DEFER_LAYOUTS (default long), one process each;
+#             DEFER_WAYS picks among "memory fit unsloth" (fit's records give the link rate and layer times
+#             it decided from)
 #   keepattn  the attention op alone at 8,192 tokens (bench/kept_attention.py: recomputed against kept, errors and
 #             times), then long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=on / auto): graphs
 #             off without and with it, then auto graphs without it and with keep_attention auto, for each of
@@ -98,7 +100,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
-KEEP_MODELS="${KEEP_MODELS:-llama-3.2-1b,qwen3-4b,mistral-7b}" GATE_MODELS="${GATE_MODELS:-qwen2.5-7b,qwen3-4b}" GATES="${GATES:-1 0.5 0}" EXPAND_MODELS="${EXPAND_MODELS:-qwen3-0.6b,llama-3.2-1b}"
+KEEP_MODELS="${KEEP_MODELS:-llama-3.2-1b,qwen3-4b,mistral-7b}" DEFER_MODELS="${DEFER_MODELS:-llama-3.2-3b,gemma3-1b,qwen3-4b}" GATE_MODELS="${GATE_MODELS:-qwen2.5-7b,qwen3-4b}" GATES="${GATES:-1 0.5 0}" EXPAND_MODELS="${EXPAND_MODELS:-qwen3-0.6b,llama-3.2-1b}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # flash-linear-attention (Qwen3.5's gated-delta-rule kernels, requirements.txt), when carried as .gpu-fla
@@ -229,7 +231,7 @@ for want in "$@"; do
                           --methods qlora --layouts packed --systems kestrel-on --budget-s 150 --hard-s 190 \
                           --out "$OUT/gate-$g.jsonl"; done; done
                   records "$OUT"/gate-*.jsonl ;;
-        defer)    for model in ${DEFER_MODELS//,/ }; do for way in memory fit unsloth; do
+        defer)    for model in ${DEFER_MODELS//,/ }; do for way in ${DEFER_WAYS:-memory fit unsloth}; do
                       sys=kestrel; [ "$way" = unsloth ] && sys=unsloth
                       phase "defer-$model-$way" 240 env KESTREL_DEFER_MLP="${way/unsloth/memory}" python bench/matrix.py \
                           --models "$model" --methods qlora --layouts "${DEFER_LAYOUTS:-long}" --systems $sys \

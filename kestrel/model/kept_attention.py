@@ -198,6 +198,18 @@ class AttentionStore(Protocol):
         """(out, lse) back on their device for the recompute, or None when nothing was kept."""
 
 
+def kept_bytes_per_row(config: Any) -> int:
+    """Bytes a layer keeping its attention output pages out per token: the output, heads x head_dim
+    in 16 bits, and one fp32 logsumexp a head. `config`: the model's (an image-text one's text config
+    is read)."""
+    from kestrel.model.registry import text_config
+
+    text = text_config(config)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return heads * (head_dim * 2 + 4)
+
+
 def worth_keeping(seq: int, hidden: int) -> bool:
     """Whether paging a causal attention output of rows of `seq` tokens saves at least as much recompute per
     byte as paging the MLP's gate product E, which offloaded checkpointing already does.

@@ -37,6 +37,7 @@ from kestrel.constants import KEEP_ATTENTION_MODES
 import torch
 from torch import nn
 
+from kestrel.model.kept_attention import kept_bytes_per_row
 from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs, no_grad
 from kestrel.recompute.gate_share import gate_share, paged_gate_layers, pages_gate_out
@@ -259,8 +260,10 @@ def set_gradient_checkpointing(
                           shared_state=spec.layer_shared_state if spec is not None else None,
                           deferral=deferral if deferral is not None else MLPDeferral(defer_mode("memory")),
                           keep_attention=keep_attention_mode(keep_attention))
-    if recompute.offload:  # the gate products whole rows would page out (`kestrel.recompute.mlp_deferral`)
+    if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
+        if recompute.keep_attention != "off":
+            recompute.deferral.kept_per_row = kept_bytes_per_row(model.config)
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
         recompute._layers.add(layer)

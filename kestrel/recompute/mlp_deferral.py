@@ -24,7 +24,8 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   memory available then (pinned pages cannot be swapped out). Off CUDA there is no device headroom
   to read, and `fit` keeps the memory rule. Where E is paged, its device need counts the two static
   (rows, I) buffers a CUDA-graphed layer pages E through. The host link: a paging layer sends E and
-  its own input out, rows x (I + H) x 2 bytes, on one copy stream while the layers above compute.
+  its own input out, rows x (I + H) x 2 bytes (and its attention output where `keep_attention`
+  keeps it, `kept_per_row`), on one copy stream while the layers above compute.
   A graphed layer pages E through two alternating static buffers, so its copy must end before the
   layer two above reuses the buffer: the forward then runs a layer per max(first pass, copy), and
   where the copy is the longer, whole rows lose more than the recompute's gate product saves them
@@ -136,6 +137,7 @@ class MLPDeferral:
         self.link_rate = link_rate
         self.link_rates: dict[torch.device, float | None] = {}  # measured once a device
         self.paged_layers = 0
+        self.kept_per_row = 0  # bytes a paging layer sends per row beside E and its input (kept attention)
         self.layer_seconds: dict[int, float] = {}
         self.reported: dict[tuple, bool] = {}  # each MLP width's last reported answer
         self.decided: dict[tuple[int, int, int, int, torch.device], DeferDecision] = {}
@@ -199,7 +201,7 @@ class MLPDeferral:
         rate, seconds = self.link_rates[device], self.layer_seconds.get(rows)
         if rate is None or seconds is None:
             return True, "no timing of the host link and a layer's first pass shows its pages would keep up"
-        paged = rows * (inter + hidden) * 2  # E and the layer's input, 16-bit
+        paged = rows * ((inter + hidden) * 2 + self.kept_per_row)  # E and the layer's input, 16-bit, and what it keeps
         copy = paged / rate
         verdict = "longer than" if copy > seconds else "within"
         return copy > seconds, (f"paging {paged / 2**20:.0f} MiB a layer takes {copy * 1e3:.2f} ms at "

@@ -123,6 +123,31 @@ def test_fit_keeps_whole_rows_only_where_the_link_keeps_up_with_a_layer(link: fl
     assert "longer than its first pass" in seen[0].reason and f"{link / 1e9:.1f} GB/s" in seen[0].reason
 
 
+def test_kept_attention_pages_count_against_the_link() -> None:
+    # keep_attention sends each row's attention output too: a first pass that hides E and the input
+    # alone can be too short once those bytes ride along.
+    link = 50e9
+    alone, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
+    keeping, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link,
+                            layer_s=PAGED / link)
+    keeping.kept_per_row = 32 * (128 * 2 + 4)
+    assert not alone.defers(8192, GATE, UP, GPU)
+    assert keeping.defers(8192, GATE, UP, GPU) and "longer than" in seen[0].reason
+
+
+def test_kept_bytes_per_row_reads_heads_and_head_size() -> None:
+    from types import SimpleNamespace
+
+    from kestrel.model.kept_attention import kept_bytes_per_row
+
+    qwen3_like = SimpleNamespace(num_attention_heads=32, head_dim=128, hidden_size=2560)  # heads x head_dim != hidden
+    assert kept_bytes_per_row(qwen3_like) == 32 * (128 * 2 + 4)
+    no_head_dim = SimpleNamespace(num_attention_heads=12, hidden_size=1536)
+    assert kept_bytes_per_row(no_head_dim) == 12 * (128 * 2 + 4)
+    image_text = SimpleNamespace(text_config=qwen3_like, vision_config=SimpleNamespace())
+    assert kept_bytes_per_row(image_text) == kept_bytes_per_row(qwen3_like)
+
+
 def test_fit_without_a_timing_defers_and_measures_the_link_once_a_device() -> None:
     untimed, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, layer_s=None)
     assert untimed.defers(8192, GATE, UP, GPU) and "no timing" in seen[0].reason
