@@ -44,7 +44,7 @@ from kestrel.recompute.gate_share import gate_share, paged_gate_layers, pages_ga
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from kestrel.recompute.host_tensors import _HostCopy, _KeptGate, KeptAttentionOutput, OffloadState
 from kestrel.recompute.linked import LinkedCall
-from kestrel.recompute.mlp_deferral import defer_mode, MLPDeferral, time_first_pass
+from kestrel.recompute.mlp_deferral import defer_mode, MLPDeferral
 
 log = logging.getLogger("kestrel")
 
@@ -149,6 +149,7 @@ class Recompute:
         self.gate: _KeptGate | None = None
         self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
+        self._timings: dict[int, tuple[Any, Any]] = {}  # rows -> marks around a first layer's first pass
 
     def pages_gate_out(self, depth: int) -> bool:
         """Whether an offloaded layer (`depth` layers below it) pages its MLP's gate product out
@@ -168,8 +169,7 @@ class Recompute:
         if not torch.is_grad_enabled():  # nothing will be back-propagated: nothing to keep, no training forward to time
             return no_grad.call(self, run, hidden, args) if self.no_grad_active else run(hidden, *args)
         linked = LinkedCall.of(run, args, self.shared_state)
-        if self.starts_forward(run):
-            self._time_first_pass(run, hidden, args, linked)
+        timing = self._layer_timing(run, hidden, linked)
         if self.starts_forward(run) and layer_graphs.graphable(run, hidden):
             key = layer_graphs.call_key(run, hidden, args, linked)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
@@ -182,19 +182,30 @@ class Recompute:
             y, *written = LayerCheckpoint.apply(wrapped, self, hidden, *linked.inputs)
             linked.publish(tuple(written))
             return y
-        return LayerCheckpoint.apply(wrapped, self, hidden)
+        y = LayerCheckpoint.apply(wrapped, self, hidden)
+        if timing is not None:
+            self._timings[timing[0]] = (timing[1], self.chooser.clock.mark())
+        return y
 
-    def _time_first_pass(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple,
-                         linked: LinkedCall | None) -> None:
-        """Where the run's MLP deferral weighs the host link against a layer's work at a new row count
-        (`MLPDeferral.wants_layer_time`), time the forward's first layer once as its first pass runs
-        it (no grad, nothing kept), before that pass: its MLPs decide there. A layer with ties beyond
-        its hidden states (`LinkedCall`) would write them twice, so is not timed (its MLPs defer)."""
+    def _layer_timing(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor,
+                      linked: LinkedCall | None) -> tuple[int, Any] | None:
+        """At a forward's first layer: hand the run's MLP deferral the first-pass times measured in
+        earlier forwards that the device has finished (`MLPDeferral.record_layer_time`; so its answers
+        change only between forwards, never between a layer's first pass and its recompute), and,
+        where it wants this row count timed (`wants_layer_time`), (rows, a start mark) for timing
+        this layer's first pass. A layer with ties beyond its hidden states (`LinkedCall`) is not
+        timed (its MLPs stay deferred)."""
+        if not self.offload or not self.starts_forward(run):
+            return None
+        for rows, (start, end) in list(self._timings.items()):
+            seconds = self.chooser.clock.seconds(start, end)
+            if seconds is not None:
+                del self._timings[rows]
+                self.deferral.record_layer_time(rows, seconds)
         rows = hidden.numel() // max(hidden.shape[-1], 1)
-        if linked is not None or not self.offload or not self.deferral.wants_layer_time(rows, hidden.device):
-            return
-        with torch.no_grad():
-            self.deferral.layer_seconds[rows] = time_first_pass(lambda: run(hidden, *args))
+        if linked is not None or rows in self._timings or not self.deferral.wants_layer_time(rows, hidden.device):
+            return None
+        return rows, self.chooser.clock.mark()
 
     def release(self) -> None:
         """Drop the run's CUDA graphs and give their memory back."""

@@ -31,16 +31,19 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   where the copy is the longer, whole rows lose more than the recompute's gate product saves them
   (a 1B model with a wide MLP: bench/RESULTS.md, session 37). So `fit` keeps whole rows only where
   those bytes, at the link's rate, take no longer than a layer's first pass at that row count; both
-  are measured on the run's own device and shapes when a row count is first seen
-  (`measure_link_rate`, once a device; `Recompute` times its first decoder layer, `time_first_pass`;
-  a model whose first layer is a cheap sliding-window one is timed short, which errs toward
-  deferring), and a row count with no timing defers. Faster where that holds
+  are measured on the run's own device and shapes (`measure_link_rate`, once a device; `Recompute`
+  times the forward's first decoder layer's first pass the first time a row count is seen: eager,
+  so host gaps count where launches bound it, and a cheap sliding-window first layer is timed
+  short, which errs toward deferring). Until a row count's time is in, it defers; the answer is
+  decided again at the next forward with that row count (before any CUDA graph of it is captured:
+  a layout's graphs are captured from its second sighting on) and reported again. Faster where that holds
   (bench/RESULTS.md, sessions 36-37: 5-7% on long rows of 3B-7B models), at that memory.
 - `off`: never defer.
 
-Each row count's answer is decided once and kept, so a layer's first pass (which pages E out or
-not) and its recompute (which takes E back or defers) always agree, and CUDA graphs captured for
-a layout stay valid. Each MLP's first answer, and each change of answer between row counts, is reported
+Each row count's answer is decided once and kept (`fit`'s untimed answer until its timing is in,
+which happens between forwards), so a layer's first pass (which pages E out or not) and its
+recompute (which takes E back or defers) always agree, and CUDA graphs captured for a layout stay
+valid. Each MLP's first answer, and each change of answer between row counts, is reported
 (`on_decision`: the run's log and `performance.json`).
 """
 
@@ -87,21 +90,15 @@ def measure_link_rate(device: torch.device, nbytes: int = 64 << 20) -> float | N
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return nbytes / min(time_first_pass(lambda: dst.copy_(src, non_blocking=True), repeats=1) for _ in range(3))
-
-
-def time_first_pass(call: Callable[[], Any], repeats: int = 2) -> float:
-    """Seconds the current CUDA stream takes for `call()`, the last of `repeats` runs (the first may
-    compile or tune kernels for a new shape). Waits for the GPU: call it once per shape, not per step."""
-    seconds = 0.0
-    for _ in range(repeats):
+    seconds = []
+    for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        call()
+        dst.copy_(src, non_blocking=True)
         end.record()
         end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    return seconds
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return nbytes / min(seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +109,7 @@ class DeferDecision:
     inter: int
     deferred: bool
     reason: str
+    untimed: bool = False  # `fit` before this row count's first pass was timed: decided again once it is
 
     def as_metrics(self) -> dict[str, Any]:
         return {"rows": self.rows, "intermediate": self.inter, "deferred": self.deferred, "reason": self.reason}
@@ -122,8 +120,8 @@ class MLPDeferral:
     `headroom(device)` reads the device's spare bytes, `host_room()` the host's and `link_rate(device)`
     the host link's bytes a second (tests hand in their own); `paged_layers`: how many layers page E
     out to the host (set by the run's `kestrel.recompute.checkpoint.Recompute`; 0 without offloading);
-    `layer_seconds`: a decoder layer's first pass by row count (`Recompute` fills it where
-    `wants_layer_time`)."""
+    `layer_seconds`: a decoder layer's first pass by row count (`Recompute` fills it through
+    `record_layer_time` where `wants_layer_time`)."""
 
     def __init__(
         self, mode: DeferMode = "memory", headroom: Callable[[torch.device], int | None] = cuda_headroom,
@@ -139,7 +137,7 @@ class MLPDeferral:
         self.paged_layers = 0
         self.kept_per_row = 0  # bytes a paging layer sends per row beside E and its input (kept attention)
         self.layer_seconds: dict[int, float] = {}
-        self.reported: dict[tuple, bool] = {}  # each MLP width's last reported answer
+        self.reported: dict[tuple, DeferDecision] = {}  # each MLP width's last reported answer
         self.decided: dict[tuple[int, int, int, int, torch.device], DeferDecision] = {}
 
     def wants_layer_time(self, rows: int, device: torch.device) -> bool:
@@ -147,6 +145,14 @@ class MLPDeferral:
         `fit` on a CUDA run that pages E, at a row count not yet timed that deferring could concern."""
         return (self.mode == "fit" and self.paged_layers > 0 and device.type == "cuda"
                 and rows > mlp.DEFERRED_ROWS and rows not in self.layer_seconds)
+
+    def record_layer_time(self, rows: int, seconds: float) -> None:
+        """A decoder layer's first pass took `seconds` at `rows` rows: the answers given for that row
+        count before it was timed are decided again at their next call (`Recompute` calls this between
+        forwards only)."""
+        self.layer_seconds[rows] = seconds
+        for key in [k for k, d in self.decided.items() if d.rows == rows and d.untimed]:
+            del self.decided[key]
 
     def defers(self, rows: int, gate: Any, up: Any, device: torch.device) -> bool:
         """Whether an MLP of `rows` rows over `gate`, `up` defers its recompute to its backward."""
@@ -161,8 +167,9 @@ class MLPDeferral:
     def _report(self, decision: DeferDecision, mlp: tuple) -> None:
         """Tell `on_decision` of an MLP's first answer and of each change of answer as its row counts
         vary (batch layouts of many sizes would otherwise log a line each)."""
-        if self.on_decision is not None and self.reported.get(mlp) is not decision.deferred:
-            self.reported[mlp] = decision.deferred
+        last = self.reported.get(mlp)
+        if self.on_decision is not None and (last is None or last.deferred is not decision.deferred or last.untimed):
+            self.reported[mlp] = decision
             self.on_decision(decision)
 
     def _decide(self, rows: int, inter: int, hidden: int, dense: int, device: torch.device) -> DeferDecision:
@@ -189,6 +196,9 @@ class MLPDeferral:
                                  f"{pages / 2**30:.1f} GiB of host memory ({spare} available): deferred")
         if not pages:
             return DeferDecision(rows, inter, False, f"{need}: fits, whole rows (faster)")
+        if rows not in self.layer_seconds:
+            return DeferDecision(rows, inter, True, f"{need}: deferred until a layer's first pass at "
+                                 "this row count is timed", untimed=True)
         slow, link = self._link(rows, inter, hidden, device)
         if slow:
             return DeferDecision(rows, inter, True, f"{need}: fits, but {link}: deferred")
@@ -198,9 +208,9 @@ class MLPDeferral:
         """(whether paging a layer's E and input out takes longer than a layer's first pass, the figures)."""
         if device not in self.link_rates:
             self.link_rates[device] = self.link_rate(device)
-        rate, seconds = self.link_rates[device], self.layer_seconds.get(rows)
-        if rate is None or seconds is None:
-            return True, "no timing of the host link and a layer's first pass shows its pages would keep up"
+        rate, seconds = self.link_rates[device], self.layer_seconds[rows]
+        if rate is None:
+            return True, "the host link's rate could not be measured"
         paged = rows * ((inter + hidden) * 2 + self.kept_per_row)  # E and the layer's input, 16-bit, and what it keeps
         copy = paged / rate
         verdict = "longer than" if copy > seconds else "within"

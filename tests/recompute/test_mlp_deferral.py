@@ -148,9 +148,9 @@ def test_kept_bytes_per_row_reads_heads_and_head_size() -> None:
     assert kept_bytes_per_row(image_text) == kept_bytes_per_row(qwen3_like)
 
 
-def test_fit_without_a_timing_defers_and_measures_the_link_once_a_device() -> None:
-    untimed, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, layer_s=None)
-    assert untimed.defers(8192, GATE, UP, GPU) and "no timing" in seen[0].reason
+def test_the_link_is_measured_once_a_device_and_an_unmeasured_one_defers() -> None:
+    unmeasured, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=None)
+    assert unmeasured.defers(8192, GATE, UP, GPU) and "could not be measured" in seen[0].reason
     asked: list[torch.device] = []
     policy = MLPDeferral("fit", headroom=lambda d: 64 * GIB, host_room=lambda: 64 * GIB,
                          link_rate=lambda d: asked.append(d) or 1e12)
@@ -173,11 +173,26 @@ def test_only_fit_on_a_paging_cuda_run_asks_for_layer_times(monkeypatch: pytest.
     assert not _policy("fit", device_room=64 * GIB, paged=0)[0].wants_layer_time(4096, GPU)  # nothing paged
 
 
-def test_offloading_times_the_first_layer_once_a_row_count_and_trains_the_same(
+def test_an_untimed_row_count_defers_until_its_time_is_in_then_is_decided_again() -> None:
+    policy, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=50e9, layer_s=None)
+    assert policy.defers(8192, GATE, UP, GPU) and seen[-1].untimed and "until" in seen[-1].reason
+    assert policy.defers(8192, GATE, UP, GPU) and len(seen) == 1  # kept until the time is in
+    policy.record_layer_time(8192, 2 * PAGED / 50e9)
+    assert not policy.defers(8192, GATE, UP, GPU)
+    assert [d.deferred for d in seen] == [True, False] and not seen[-1].untimed
+    slow, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=50e9, layer_s=None)
+    slow.defers(8192, GATE, UP, GPU)
+    slow.record_layer_time(8192, 0.5 * PAGED / 50e9)
+    assert slow.defers(8192, GATE, UP, GPU)
+    assert len(seen) == 2 and "longer than" in seen[-1].reason  # the timed answer is reported too, though equal
+
+
+def test_offloading_times_the_first_layers_first_pass_and_decides_at_the_next_forward(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # `fit` with E paged: Recompute times the forward's first layer once per new row count, with no
-    # grad and before its first pass; the timing run changes nothing in training.
+    # `fit` with E paged: Recompute marks the forward's first layer's first pass at a new row count and
+    # hands the time over at a later forward's start; the row count is then decided again (here: whole
+    # rows, a fast link), and training matches deferred rows throughout.
     from kestrel.config import LoraSettings
     from kestrel.kernels.lora import mlp as mlp_module
     from kestrel.model.loader import load
@@ -188,31 +203,36 @@ def test_offloading_times_the_first_layer_once_a_row_count_and_trains_the_same(
         def wants_layer_time(self, rows: int, device: torch.device) -> bool:
             return super().wants_layer_time(rows, GPU)
 
-    timed: list[tuple[bool, int]] = []
-
-    def fake_time(call):
-        timed.append((torch.is_grad_enabled(), call().shape[-2]))
-        return 0.5
-
     monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 8)
-    monkeypatch.setattr(checkpoint, "time_first_pass", fake_time)
+    folder = tiny_model_dir("llama")  # built before the seeds below: building draws random numbers
     runs = {}
-    for name, policy in (("timed", Timed("fit")), ("plain", MLPDeferral("memory"))):
+    for name in ("fit", "memory"):
+        seen: list[DeferDecision] = []
+        policy = Timed(name, headroom=lambda d: 64 * GIB, host_room=lambda: 64 * GIB, link_rate=lambda d: 1e15,
+                       on_decision=seen.append)  # type: ignore[arg-type]
         torch.manual_seed(0)
-        model, _ = load(str(tiny_model_dir("llama")), 64, dtype="fp32", device="cpu")
+        model, _ = load(str(folder), 64, dtype="fp32", device="cpu")
         model = attach_lora(model, LoraSettings(r=8, alpha=16))
         checkpoint.set_gradient_checkpointing(model, "offload", "off", deferral=policy)
         model.train()
-        losses = []
+        losses, grads = [], []
         for rows in (40, 24, 40):
             ids = torch.randint(5, 200, (2, rows), generator=torch.Generator().manual_seed(rows))
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             losses.append(loss.item())
-        runs[name] = (losses, policy)
-    assert timed == [(False, 40), (False, 24)]  # once a row count (80 and 48 rows), the first layer only
-    assert runs["timed"][1].layer_seconds == {80: 0.5, 48: 0.5}
-    assert runs["timed"][0] == runs["plain"][0]
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            model.zero_grad(set_to_none=True)
+        runs[name] = (losses, grads, policy, seen)
+    losses, grads, policy, seen = runs["fit"]
+    assert set(policy.layer_seconds) == {80, 48}  # 40 x 2 and 24 x 2 rows, each timed once
+    assert [(d.rows, d.deferred, d.untimed) for d in seen] == [(80, True, True), (48, True, True), (80, False, False)]
+    assert not any(d.untimed for d in policy.decided.values() if d.rows == 80)
+    for a, b in zip(losses, runs["memory"][0]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    for step_a, step_b in zip(grads, runs["memory"][1]):
+        for a, b in zip(step_a, step_b):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_available_host_bytes_reads_meminfo(tmp_path) -> None:
