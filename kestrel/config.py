@@ -173,7 +173,8 @@ class PerformanceSettings:
     defer_mlp: str = "memory"
     # Offloaded checkpointing: each layer pages its causal attention's output and logsumexp out too, so
     # its recompute runs no attention forward (`kestrel.model.kept_attention`): on, off, or auto (rows at
-    # least as long as the hidden size, where that pays more per byte paged than the gate product).
+    # least as long as the hidden size, where that pays more per byte paged than the gate product, and
+    # only where the measured host link carries it within a layer's first pass, `kestrel.recompute.host_link`).
     keep_attention: str = "off"
 
     def __post_init__(self) -> None:

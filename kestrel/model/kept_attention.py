@@ -191,6 +191,9 @@ class AttentionStore(Protocol):
 
     only_long: bool  # keep only where `worth_keeping` (performance.keep_attention: auto)
 
+    def admits(self, rows: int, hidden: int, device: torch.device) -> bool:
+        """Whether a first pass of `rows` rows may keep its output (the host link's room, where the run asks)."""
+
     def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Called once in the first pass; the store copies them (in stream order)."""
 
@@ -252,11 +255,13 @@ def stored_causal_attention(
     (`KeptAttention`). None where these tensors have no kernel, or the first pass kept nothing: the
     caller then runs its own attention (the two passes of a layer agree, as a kept pair is taken
     only where it was kept). `hidden`: the model's hidden size, for `worth_keeping` where the store
-    keeps only long rows."""
+    keeps only long rows, and for the host link's rule (`AttentionStore.admits`)."""
     kernels = causal_kernels(q, k, v)
     if kernels is None or store.only_long and not worth_keeping(q.shape[2], hidden):
         return None
     if not torch.is_grad_enabled():
+        if not store.admits(q.shape[0] * q.shape[2], hidden, q.device):
+            return None
         out, lse = kernels.forward(q, k, v, scale)
         store.keep(out, lse)
         return out

@@ -72,8 +72,10 @@ class LayerCheckpoint(torch.autograd.Function):
             ctx.gate = ctx.saved_input.gate = _KeptGate(owner.offloaded, slot=ctx.saved_input.depth % 2)
         ctx.attention = None
         if owner.offload and owner.keep_attention != "off":
+            auto = owner.keep_attention == "auto"
             ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(
-                owner.offloaded, slot=ctx.saved_input.depth % 2, only_long=owner.keep_attention == "auto")
+                owner.offloaded, slot=ctx.saved_input.depth % 2, only_long=auto,
+                link=owner.attention_keeps_up if auto else None)
         owner.gate, owner.attention = ctx.gate, ctx.attention
         try:
             with torch.no_grad():
@@ -203,9 +205,24 @@ class Recompute:
                 del self._timings[rows]
                 self.deferral.record_layer_time(rows, seconds)
         rows = hidden.numel() // max(hidden.shape[-1], 1)
-        if linked is not None or rows in self._timings or not self.deferral.wants_layer_time(rows, hidden.device):
+        if linked is not None or rows in self._timings or not self._wants_layer_time(rows, hidden.device):
             return None
         return rows, self.chooser.clock.mark()
+
+    def _wants_layer_time(self, rows: int, device: torch.device) -> bool:
+        """Whether a layer's first pass at `rows` rows is still to be timed for the link's sake: the
+        MLP deferral asks (`fit`), or `keep_attention: auto` pages attention outputs only where the
+        link keeps up (`attention_keeps_up`)."""
+        if self.deferral.wants_layer_time(rows, device):
+            return True
+        return self.keep_attention == "auto" and device.type == "cuda" and not self.deferral.link.timed(rows)
+
+    def attention_keeps_up(self, rows: int, hidden: int, device: torch.device) -> bool:
+        """`keep_attention: auto`'s link rule: a layer keeps its attention output at `rows` rows only
+        where its input and that output, paged out during its first pass, end within it
+        (`kestrel.recompute.host_link`); not while the row count is untimed."""
+        keeps_up, _ = self.deferral.link.keeps_up(rows, hidden * 2 + self.deferral.kept_per_row, device)
+        return bool(keeps_up)
 
     def release(self) -> None:
         """Drop the run's CUDA graphs and give their memory back."""

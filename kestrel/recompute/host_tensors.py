@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -267,9 +267,14 @@ class KeptAttentionOutput:
     In a CUDA-graphed layer each lives in a static buffer between the passes, as the gate product does
     (`_KeptGate`; `slot`: which of two, alternating by layer)."""
 
-    def __init__(self, state: OffloadState, slot: int = 0, only_long: bool = False) -> None:
+    def __init__(self, state: OffloadState, slot: int = 0, only_long: bool = False,
+                 link: Callable[[int, int, torch.device], bool] | None = None) -> None:
         self.out, self.lse = _KeptGate(state, slot), _KeptGate(state, slot)
         self.only_long = only_long  # keep only rows worth it (`kestrel.model.kept_attention.worth_keeping`)
+        self.link = link  # (rows, hidden, device) -> whether the host link has room for them; None: always
+
+    def admits(self, rows: int, hidden: int, device: torch.device) -> bool:
+        return self.link is None or self.link(rows, hidden, device)
 
     def keepers(self) -> tuple[_KeptGate, _KeptGate]:
         """The two kept tensors, for a CUDA-graphed layer to bind to its static buffers (`GraphedLayer`)."""

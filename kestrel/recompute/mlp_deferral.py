@@ -25,18 +25,18 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   to read, and `fit` keeps the memory rule. Where E is paged, its device need counts the two static
   (rows, I) buffers a CUDA-graphed layer pages E through. The host link: a paging layer sends E and
   its own input out, rows x (I + H) x 2 bytes (and its attention output where `keep_attention`
-  keeps it, `kept_per_row`), on one copy stream while the layers above compute.
-  A graphed layer pages E through two alternating static buffers, so its copy must end before the
-  layer two above reuses the buffer: the forward then runs a layer per max(first pass, copy), and
-  where the copy is the longer, whole rows lose more than the recompute's gate product saves them
-  (a 1B model with a wide MLP: bench/RESULTS.md, session 37). So `fit` keeps whole rows only where
-  those bytes, at the link's rate, take no longer than a layer's first pass at that row count; both
-  are measured on the run's own device and shapes (`measure_link_rate`, once a device; `Recompute`
-  times the forward's first decoder layer's first pass the first time a row count is seen: eager,
-  so host gaps count where launches bound it, and a cheap sliding-window first layer is timed
-  short, which errs toward deferring). Until a row count's time is in, it defers; the answer is
-  decided again at the next forward with that row count (before any CUDA graph of it is captured:
-  a layout's graphs are captured from its second sighting on) and reported again. Faster where that holds
+  keeps it, `kept_per_row`), on one copy stream while the layers above compute. A graphed layer
+  pages E through two alternating static buffers, so its copy must end before the layer two above
+  reuses the buffer: the forward then runs a layer per max(first pass, copy), and where the copy is
+  the longer, whole rows lose more than the recompute's gate product saves them (a 1B model with a
+  wide MLP: bench/RESULTS.md, session 37). So `fit` keeps whole rows only where those bytes, at the
+  link's rate, take no longer than a layer's first pass at that row count
+  (`kestrel.recompute.host_link`: the rate measured once a device; `Recompute` times the forward's
+  first decoder layer's first pass the first time a row count is seen: eager, so host gaps count
+  where launches bound it, and a cheap sliding-window first layer is timed short, which errs toward
+  deferring). Until a row count's time is in, it defers; the answer is decided again at the next
+  forward with that row count (before any CUDA graph of it is captured: a layout's graphs are
+  captured from its second sighting on) and reported again. Faster where that holds
   (bench/RESULTS.md, sessions 36-37: 5-7% on long rows of 3B-7B models), at that memory.
 - `off`: never defer.
 
@@ -58,6 +58,7 @@ from kestrel import env
 from kestrel.constants import DEFER_MODES
 from kestrel.kernels.lora import mlp
 from kestrel.kernels.lora.mlp import dense_elements, extra_bytes
+from kestrel.recompute.host_link import HostLink, measure_link_rate
 
 DeferMode = Literal["memory", "fit", "off"]
 
@@ -83,24 +84,6 @@ def available_host_bytes(path: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def measure_link_rate(device: torch.device, nbytes: int = 64 << 20) -> float | None:
-    """Bytes a second the device copies to pinned host memory (the way offloading pages tensors
-    out): the fastest of three copies of `nbytes`; None off CUDA."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # nothing to time inside a capture
-        return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    seconds = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3)
-    return nbytes / min(seconds)
-
-
 @dataclasses.dataclass(frozen=True)
 class DeferDecision:
     """One row count's answer, as the run's log and metrics show it."""
@@ -120,8 +103,8 @@ class MLPDeferral:
     `headroom(device)` reads the device's spare bytes, `host_room()` the host's and `link_rate(device)`
     the host link's bytes a second (tests hand in their own); `paged_layers`: how many layers page E
     out to the host (set by the run's `kestrel.recompute.checkpoint.Recompute`; 0 without offloading);
-    `layer_seconds`: a decoder layer's first pass by row count (`Recompute` fills it through
-    `record_layer_time` where `wants_layer_time`)."""
+    `link`: the run's `HostLink`, whose layer times `Recompute` fills through `record_layer_time`
+    where `wants_layer_time`."""
 
     def __init__(
         self, mode: DeferMode = "memory", headroom: Callable[[torch.device], int | None] = cuda_headroom,
@@ -132,11 +115,9 @@ class MLPDeferral:
         if mode not in DEFER_MODES:
             raise ValueError(f"defer_mlp must be one of {', '.join(DEFER_MODES)}, got {mode!r}")
         self.mode, self.headroom, self.on_decision, self.host_room = mode, headroom, on_decision, host_room
-        self.link_rate = link_rate
-        self.link_rates: dict[torch.device, float | None] = {}  # measured once a device
+        self.link = HostLink(link_rate)  # the run's host link (`Recompute` times its layers through it)
         self.paged_layers = 0
         self.kept_per_row = 0  # bytes a paging layer sends per row beside E and its input (kept attention)
-        self.layer_seconds: dict[int, float] = {}
         self.reported: dict[tuple, DeferDecision] = {}  # each MLP width's last reported answer
         self.decided: dict[tuple[int, int, int, int, torch.device], DeferDecision] = {}
 
@@ -144,13 +125,13 @@ class MLPDeferral:
         """Whether `Recompute` should time a layer's first pass at `rows` rows before the layer runs:
         `fit` on a CUDA run that pages E, at a row count not yet timed that deferring could concern."""
         return (self.mode == "fit" and self.paged_layers > 0 and device.type == "cuda"
-                and rows > mlp.DEFERRED_ROWS and rows not in self.layer_seconds)
+                and rows > mlp.DEFERRED_ROWS and not self.link.timed(rows))
 
     def record_layer_time(self, rows: int, seconds: float) -> None:
         """A decoder layer's first pass took `seconds` at `rows` rows: the answers given for that row
         count before it was timed are decided again at their next call (`Recompute` calls this between
         forwards only)."""
-        self.layer_seconds[rows] = seconds
+        self.link.record(rows, seconds)
         for key in [k for k, d in self.decided.items() if d.rows == rows and d.untimed]:
             del self.decided[key]
 
@@ -196,26 +177,13 @@ class MLPDeferral:
                                  f"{pages / 2**30:.1f} GiB of host memory ({spare} available): deferred")
         if not pages:
             return DeferDecision(rows, inter, False, f"{need}: fits, whole rows (faster)")
-        if rows not in self.layer_seconds:
+        keeps_up, link = self.link.keeps_up(rows, (inter + hidden) * 2 + self.kept_per_row, device)
+        if keeps_up is None:
             return DeferDecision(rows, inter, True, f"{need}: deferred until a layer's first pass at "
                                  "this row count is timed", untimed=True)
-        slow, link = self._link(rows, inter, hidden, device)
-        if slow:
+        if not keeps_up:
             return DeferDecision(rows, inter, True, f"{need}: fits, but {link}: deferred")
         return DeferDecision(rows, inter, False, f"{need}: fits, and {link}: whole rows (faster)")
-
-    def _link(self, rows: int, inter: int, hidden: int, device: torch.device) -> tuple[bool, str]:
-        """(whether paging a layer's E and input out takes longer than a layer's first pass, the figures)."""
-        if device not in self.link_rates:
-            self.link_rates[device] = self.link_rate(device)
-        rate, seconds = self.link_rates[device], self.layer_seconds[rows]
-        if rate is None:
-            return True, "the host link's rate could not be measured"
-        paged = rows * ((inter + hidden) * 2 + self.kept_per_row)  # E and the layer's input, 16-bit, and what it keeps
-        copy = paged / rate
-        verdict = "longer than" if copy > seconds else "within"
-        return copy > seconds, (f"paging {paged / 2**20:.0f} MiB a layer takes {copy * 1e3:.2f} ms at "
-                                f"{rate / 1e9:.1f} GB/s, {verdict} its first pass ({seconds * 1e3:.2f} ms)")
 
 
 def defer_mode(configured: str) -> DeferMode:

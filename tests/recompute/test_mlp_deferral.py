@@ -32,7 +32,7 @@ def _policy(mode: str, device_room: int | None, host_room: int | None = None, pa
                          on_decision=seen.append, host_room=lambda: host_room, link_rate=lambda d: link)
     policy.paged_layers = paged
     if layer_s is not None:
-        policy.layer_seconds[8192] = layer_s
+        policy.link.layer_seconds[8192] = layer_s
     return policy, seen
 
 
@@ -155,7 +155,7 @@ def test_the_link_is_measured_once_a_device_and_an_unmeasured_one_defers() -> No
     policy = MLPDeferral("fit", headroom=lambda d: 64 * GIB, host_room=lambda: 64 * GIB,
                          link_rate=lambda d: asked.append(d) or 1e12)
     policy.paged_layers = 36
-    policy.layer_seconds.update({8192: 1.0, 4096: 1.0})
+    policy.link.layer_seconds.update({8192: 1.0, 4096: 1.0})
     assert not policy.defers(8192, GATE, UP, GPU) and not policy.defers(4096, GATE, UP, GPU)
     assert asked == [GPU]
 
@@ -167,7 +167,7 @@ def test_only_fit_on_a_paging_cuda_run_asks_for_layer_times(monkeypatch: pytest.
     fit, _ = _policy("fit", device_room=64 * GIB, paged=36, layer_s=None)
     assert fit.wants_layer_time(4096, GPU) and not fit.wants_layer_time(2048, GPU)  # one chunk: nothing to defer
     assert not fit.wants_layer_time(4096, CPU)
-    fit.layer_seconds[4096] = 0.01
+    fit.link.layer_seconds[4096] = 0.01
     assert not fit.wants_layer_time(4096, GPU)  # timed once
     assert not _policy("memory", device_room=64 * GIB, paged=36)[0].wants_layer_time(4096, GPU)
     assert not _policy("fit", device_room=64 * GIB, paged=0)[0].wants_layer_time(4096, GPU)  # nothing paged
@@ -225,7 +225,7 @@ def test_offloading_times_the_first_layers_first_pass_and_decides_at_the_next_fo
             model.zero_grad(set_to_none=True)
         runs[name] = (losses, grads, policy, seen)
     losses, grads, policy, seen = runs["fit"]
-    assert set(policy.layer_seconds) == {80, 48}  # 40 x 2 and 24 x 2 rows, each timed once
+    assert set(policy.link.layer_seconds) == {80, 48}  # 40 x 2 and 24 x 2 rows, each timed once
     assert [(d.rows, d.deferred, d.untimed) for d in seen] == [(80, True, True), (48, True, True), (80, False, False)]
     assert not any(d.untimed for d in policy.decided.values() if d.rows == 80)
     for a, b in zip(losses, runs["memory"][0]):

@@ -1,0 +1,94 @@
+"""kestrel.recompute.host_link: whether a layer's pages end within its first pass, and who asks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.recompute.host_link import HostLink, measure_link_rate
+
+GPU = torch.device("cuda", 0)  # the link only keys its rates by device
+
+
+@pytest.mark.parametrize("rate", [12e9, 55e9, 450e9])  # PCIe 3 and 5, a chip-to-chip link
+def test_a_layer_keeps_up_while_its_pages_end_within_its_first_pass(rate: float) -> None:
+    link = HostLink(lambda d: rate)
+    rows, per_row = 6144, 3 * 1664  # no model's: 6,144 rows of 4,992 bytes
+    assert link.keeps_up(rows, per_row, GPU)[0] is None  # untimed
+    link.record(rows, rows * per_row / rate)
+    fits, why = link.keeps_up(rows, per_row, GPU)
+    assert fits and "within" in why and f"{rate / 1e9:.1f} GB/s" in why
+    fits, why = link.keeps_up(rows, per_row + 2, GPU)
+    assert fits is False and "longer than" in why
+
+
+def test_the_rate_is_measured_once_a_device_and_none_keeps_nothing() -> None:
+    asked: list[torch.device] = []
+    link = HostLink(lambda d: asked.append(d) or 50e9)
+    link.record(100, 1.0)
+    link.record(200, 1.0)
+    link.keeps_up(100, 10, GPU)
+    link.keeps_up(200, 10, GPU)
+    assert asked == [GPU]
+    unmeasured = HostLink(lambda d: None)
+    unmeasured.record(100, 1.0)
+    assert unmeasured.keeps_up(100, 10, GPU) == (False, "the host link's rate could not be measured")
+
+
+def test_no_rate_off_cuda() -> None:
+    assert measure_link_rate(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+def test_the_rate_is_a_plausible_host_link_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rate = measure_link_rate(torch.device("cuda"))
+    assert rate is not None and 1e9 < rate < 2e12  # between a slow PCIe link and beyond NVLink-C2C
+
+
+@pytest.mark.parametrize("rate, kept", [(1e15, True), (1.0, False)])
+def test_auto_keeps_attention_only_once_timed_and_where_the_link_keeps_up(
+    rate: float, kept: bool, tiny_model_dir, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # keep_attention auto, rows of 160 >= the tiny hidden size (128): the first forward's first pass is
+    # timed and keeps nothing; from the next forward on, a fast link keeps each layer's output (one
+    # reference forward a layer in the first pass, its backward in the recompute), a slow one never.
+    from kestrel.config import LoraSettings
+    from kestrel.kernels.lora import mlp as mlp_module
+    from kestrel.model import kept_attention as kept_module
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+    from kestrel.recompute import checkpoint
+    from kestrel.recompute.mlp_deferral import MLPDeferral
+
+    class Timed(MLPDeferral):  # asks on the CPU as it would on CUDA
+        def wants_layer_time(self, rows: int, device: torch.device) -> bool:
+            return super().wants_layer_time(rows, GPU)
+
+    calls = {"forward": 0, "backward": 0}
+
+    def count(name, fn):
+        def counted(*a):
+            calls[name] += 1
+            return fn(*a)
+        return counted
+
+    monkeypatch.setattr(kept_module, "REFERENCE_CAUSAL", kept_module.CausalKernels(
+        count("forward", kept_module.reference_forward), count("backward", kept_module.reference_backward)))
+    monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 8)
+    monkeypatch.delenv("KESTREL_KEEP_ATTENTION", raising=False)
+    folder = tiny_model_dir("llama")
+    policy = Timed("fit", headroom=lambda d: 1 << 36, host_room=lambda: 1 << 36, link_rate=lambda d: rate)
+    torch.manual_seed(0)
+    model, _ = load(str(folder), 64, dtype="fp32", device="cpu")
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    checkpoint.set_gradient_checkpointing(model, "offload", "off", deferral=policy, keep_attention="auto")
+    model.train()
+    ids = torch.randint(5, 200, (1, 160), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == {"forward": 0, "backward": 0} and not policy.link.timed(160)  # handed over at the next forward
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert policy.link.timed(160)
+    layers = 2
+    assert calls == ({"forward": layers, "backward": layers} if kept else {"forward": 0, "backward": 0}), calls
