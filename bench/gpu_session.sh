@@ -79,7 +79,9 @@
 #             times), then long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=on / auto): graphs
 #             off without and with it, then auto graphs without it and with keep_attention auto, for each of
 #             KEEP_MODELS (default llama-3.2-1b,qwen3-4b,mistral-7b), QLoRA, one process each; KEEP_RUNS picks
-#             graphs:keep pairs (default "off:off off:on auto:off auto:auto"), KEEP_OP= (empty) skips the op alone
+#             graphs:keep[:defer_mlp] runs (default "off:off off:on auto:off auto:auto"; defer_mlp defaults to
+#             KESTREL_DEFER_MLP or memory), KEEP_LAYOUTS the layouts (long), KEEP_OP= (empty) skips the op alone.
+#             The link plan, every combination: KEEP_RUNS="auto:off:memory auto:off:fit auto:auto:memory auto:auto:fit"
 #   matrix    issue 24's whole matrix (bench/matrix.py: every model, method, layout and system) on every
 #             GPU of the host (--gpus all), one chunk under the phase's limit, Kestrel's chooser settled
 #             (--settle $MATRIX_SETTLE, default 160). It resumes from bench/results/$MATRIX_FILE (default
@@ -240,10 +242,12 @@ for want in "$@"; do
         keepattn) [ -n "${KEEP_OP-1}" ] && phase keepattn-op 120 bash -c "python bench/kept_attention.py --shape qwen3-4b \
                       --out $OUT/kept_attention.json; python bench/kept_attention.py --shape llama-3.2-1b --out $OUT/kept_attention-1b.json"
                   for model in ${KEEP_MODELS//,/ }; do for run in ${KEEP_RUNS:-off:off off:on auto:off auto:auto}; do
-                      sys=kestrel-${run%%:*}; sys=${sys/-auto/}; keep=${run##*:}
-                      phase "keepattn-$model-${run/:/-}" 240 env KESTREL_KEEP_ATTENTION="$keep" python bench/matrix.py \
-                          --models "$model" --methods qlora --layouts long --systems "$sys" --budget-s 180 --hard-s 230 \
-                          --out "$OUT/keepattn-${run/:/-}.jsonl"; done; done
+                      IFS=: read -r graphs keep defer <<<"$run"
+                      sys=kestrel-$graphs; sys=${sys/-auto/}; name=${run//:/-}
+                      phase "keepattn-$model-$name" 240 env KESTREL_KEEP_ATTENTION="$keep" \
+                          KESTREL_DEFER_MLP="${defer:-${KESTREL_DEFER_MLP:-memory}}" python bench/matrix.py \
+                          --models "$model" --methods qlora --layouts "${KEEP_LAYOUTS:-long}" --systems "$sys" --budget-s 180 \
+                          --hard-s 230 --out "$OUT/keepattn-$name.jsonl"; done; done
                   records "$OUT"/keepattn-*.jsonl ;;
         matrix)   matrix ;;
         *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, gradprod, matrix)" >&2; exit 2 ;;
