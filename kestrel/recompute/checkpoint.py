@@ -152,6 +152,8 @@ class Recompute:
         self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
         self._timings: dict[int, tuple[Any, Any]] = {}  # rows -> marks around a first layer's first pass
+        self.attention_kept: dict[int, bool] = {}  # keep_attention auto: each timed row count's answer
+        self.on_attention: Callable[[int, bool, str], None] | None = None  # (rows, kept, why), once a row count
 
     def pages_gate_out(self, depth: int) -> bool:
         """Whether an offloaded layer (`depth` layers below it) pages its MLP's gate product out
@@ -220,8 +222,16 @@ class Recompute:
     def attention_keeps_up(self, rows: int, hidden: int, device: torch.device) -> bool:
         """`keep_attention: auto`'s link rule: a layer keeps its attention output at `rows` rows only
         where its input and that output, paged out during its first pass, end within it
-        (`kestrel.recompute.host_link`); not while the row count is untimed."""
-        keeps_up, _ = self.deferral.link.keeps_up(rows, hidden * 2 + self.deferral.kept_per_row, device)
+        (`kestrel.recompute.host_link`); not while the row count is untimed. Each timed row count is
+        decided once and reported (`on_attention`)."""
+        known = self.attention_kept.get(rows)
+        if known is not None:
+            return known
+        keeps_up, why = self.deferral.link.keeps_up(rows, hidden * 2 + self.deferral.kept_per_row, device)
+        if keeps_up is not None:
+            self.attention_kept[rows] = keeps_up
+            if self.on_attention is not None:
+                self.on_attention(rows, keeps_up, why)
         return bool(keeps_up)
 
     def release(self) -> None:
@@ -255,12 +265,14 @@ def graph_mode(configured: GraphMode) -> GraphMode:
 def set_gradient_checkpointing(
     model: nn.Module, mode: str, cuda_graphs: GraphMode = "auto", on_decision: Callable[[Decision], None] | None = None,
     offload_gate: float = 1.0, deferral: MLPDeferral | None = None, keep_attention: str = "off",
+    on_attention: Callable[[int, bool, str], None] | None = None,
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
     `offload_gate`: the share of offloaded layers that page their MLP gate product out; `deferral`:
     `keep_attention` (off | auto | on): offloaded layers page their causal attention's output out, so
-    their recompute runs no attention forward (KESTREL_KEEP_ATTENTION overrides); `deferral`:
+    their recompute runs no attention forward (KESTREL_KEEP_ATTENTION overrides; `on_attention` hears
+    `auto`'s answer for each row count, `Recompute.attention_keeps_up`); `deferral`:
     whether a recomputed MLP defers to its backward (`kestrel.recompute.mlp_deferral`; default `memory`, or KESTREL_DEFER_MLP).
 
     Both modes checkpoint with our reentrant `LayerCheckpoint`. Hugging Face's
@@ -288,6 +300,7 @@ def set_gradient_checkpointing(
                           shared_state=spec.layer_shared_state if spec is not None else None,
                           deferral=deferral if deferral is not None else MLPDeferral(defer_mode("memory")),
                           keep_attention=keep_attention_mode(keep_attention))
+    recompute.on_attention = on_attention
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
         if recompute.keep_attention != "off":

@@ -119,6 +119,17 @@ def deferral_reporter(record: PerformanceRecord, cb: Callback) -> Callable[[Defe
     return report
 
 
+def attention_reporter(record: PerformanceRecord, cb: Callback) -> Callable[[int, bool, str], None]:
+    """Where `keep_attention: auto`'s answers go (`Recompute.attention_keeps_up`): a log line each, all in `record`."""
+
+    def report(rows: int, kept: bool, why: str) -> None:
+        way = "kept from the first pass" if kept else "recomputed"
+        cb.on_log(f"attention outputs at {rows} rows: {way} ({why})")
+        record.set("keep_attention", [*record.made.get("keep_attention", []), {"rows": rows, "kept": kept, "reason": why}])
+
+    return report
+
+
 def on_cuda_device(model: nn.Module) -> bool:
     return any(p.is_cuda for p in model.parameters())
 
@@ -169,7 +180,8 @@ def prepare_model(
     deferral = MLPDeferral(defer_mode(config.performance.defer_mlp), on_decision=deferral_reporter(record, cb))
     recompute = set_gradient_checkpointing(
         model, mode, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
-        graph_reporter(record, cb), config.performance.offload_gate, deferral, config.performance.keep_attention)
+        graph_reporter(record, cb), config.performance.offload_gate, deferral, config.performance.keep_attention,
+        attention_reporter(record, cb))
     if world.distributed:
         if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)

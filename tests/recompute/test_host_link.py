@@ -83,7 +83,9 @@ def test_auto_keeps_attention_only_once_timed_and_where_the_link_keeps_up(
     torch.manual_seed(0)
     model, _ = load(str(folder), 64, dtype="fp32", device="cpu")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
-    checkpoint.set_gradient_checkpointing(model, "offload", "off", deferral=policy, keep_attention="auto")
+    heard: list[tuple[int, bool]] = []
+    checkpoint.set_gradient_checkpointing(model, "offload", "off", deferral=policy, keep_attention="auto",
+                                          on_attention=lambda rows, kept, why: heard.append((rows, kept)))
     model.train()
     ids = torch.randint(5, 200, (1, 160), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -92,3 +94,19 @@ def test_auto_keeps_attention_only_once_timed_and_where_the_link_keeps_up(
     assert policy.link.timed(160)
     layers = 2
     assert calls == ({"forward": layers, "backward": layers} if kept else {"forward": 0, "backward": 0}), calls
+    assert heard == [(160, kept)]  # once, though every layer asked
+
+
+def test_auto_answers_reach_the_log_and_performance_json(tmp_path) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from kestrel.training.recipe import PerformanceRecord, attention_reporter
+
+    lines: list[str] = []
+    report = attention_reporter(PerformanceRecord(tmp_path), SimpleNamespace(on_log=lines.append))  # type: ignore[arg-type]
+    report(8192, True, "paging 96 MiB a layer takes 1.9 ms at 50.0 GB/s, within its first pass (2.40 ms)")
+    report(4096, False, "paging 48 MiB a layer takes 0.96 ms at 50.0 GB/s, longer than its first pass (0.80 ms)")
+    made = json.loads((tmp_path / "performance.json").read_text())["keep_attention"]
+    assert [(m["rows"], m["kept"]) for m in made] == [(8192, True), (4096, False)]
+    assert "8192 rows: kept" in lines[0] and "4096 rows: recomputed" in lines[1] and "longer than" in lines[1]
