@@ -53,11 +53,14 @@ class HostLink:
 
     def keeps_up(self, rows: int, bytes_per_row: int, device: torch.device) -> tuple[bool | None, str]:
         """(whether a layer paging `bytes_per_row` a row at `rows` rows ends its copies within its first
-        pass, the figures); None while this row count is untimed."""
+        pass, the figures); None while this row count is untimed, or the rate unmeasured inside a graph
+        capture (the caller asks again later)."""
         seconds = self.layer_seconds.get(rows)
         if seconds is None:
             return None, "a layer's first pass at this row count is not yet timed"
         if device not in self.rates:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # cannot time here: ask again later
+                return None, "the host link's rate is not measured inside a CUDA graph capture"
             self.rates[device] = self.measure(device)
         rate = self.rates[device]
         if rate is None:
