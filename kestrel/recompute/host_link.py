@@ -59,7 +59,8 @@ class HostLink:
         if seconds is None:
             return None, "a layer's first pass at this row count is not yet timed"
         if device not in self.rates:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # cannot time here: ask again later
+            capturing = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if capturing:  # no timing inside a capture: the caller asks again later
                 return None, "the host link's rate is not measured inside a CUDA graph capture"
             self.rates[device] = self.measure(device)
         rate = self.rates[device]
