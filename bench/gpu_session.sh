@@ -150,7 +150,8 @@ for path in sys.argv[1:]:
     for line in open(path):
         r = json.loads(line)
         print(path.rsplit('/', 1)[-1], r['model'], r['layout'], r['system'], 'offload_gate', r.get('offload_gate'),
-              'alloc_conf', repr(r.get('alloc_conf')), 'defer', r.get('defer_mlp'), r.get('mlp_deferral'), 'keep_attention', r.get('keep_attention'), r.get('cuda_graphs'),
+              'alloc_conf', repr(r.get('alloc_conf')), 'defer', r.get('defer_mlp'), r.get('mlp_deferral'), 'keep_attention',
+              r.get('keep_attention'), r.get('attention_kept'), 'link', r.get('host_link'), r.get('cuda_graphs'),
               round(r.get('tokens_per_s') or 0), 'tok/s, peak GiB alloc',
               r.get('peak_alloc_gib'), 'reserved', r.get('peak_reserved_gib'), r.get('error', '')[-200:])" "$@"
 }

@@ -358,7 +358,11 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             **({"settle": args.settle, "checkpointing": "offload" if recompute.offload else "standard",
                 "offload_gate": recompute.gate_share, "defer_mlp": recompute.deferral.mode,
                 "keep_attention": recompute.keep_attention,
-                "mlp_deferral": [d.as_metrics() for d in recompute.deferral.decided.values()]} if kestrel else {}),
+                "mlp_deferral": [d.as_metrics() for d in recompute.deferral.decided.values()],
+                "attention_kept": {str(rows): kept for rows, kept in recompute.attention_kept.items()},
+                "host_link": {"bytes_per_s": {str(d): r for d, r in recompute.deferral.link.rates.items()},
+                              "layer_seconds": {str(rows): s for rows, s in recompute.deferral.link.layer_seconds.items()}},
+                } if kestrel else {}),
             "batches": args.batches, "seed": args.seed, "versions": _versions(),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **expert_storage(model), **adapted(model),
             **graph_report(recompute, system, args.cuda_graphs)}
