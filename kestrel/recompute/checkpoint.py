@@ -152,6 +152,8 @@ class Recompute:
         self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
         self._timings: dict[int, tuple[Any, Any]] = {}  # rows -> marks around a first layer's first pass
+        self._sightings: dict[int, int] = {}  # rows -> training forwards seen (offload)
+        self._ran_graphed: set[int] = set()  # row counts some forward ran as CUDA graphs
         self.attention_kept: dict[int, bool] = {}  # keep_attention auto: each timed row count's answer
         self.on_attention: Callable[[int, bool, str], None] | None = None  # (rows, kept, why), once a row count
 
@@ -178,6 +180,8 @@ class Recompute:
             key = layer_graphs.call_key(run, hidden, args, linked)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
             self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
+            if self.graphed:
+                self._ran_graphed.add(tokens)
             if self.holds_graphs and not self.chooser.any_graphed():
                 self.release()  # every layout runs eagerly: give the graphs' memory back
             self.holds_graphs |= self.graphed
@@ -205,11 +209,23 @@ class Recompute:
             seconds = self.chooser.clock.seconds(start, end)
             if seconds is not None:
                 del self._timings[rows]
-                self.deferral.record_layer_time(rows, seconds)
+                self._hand_over(rows, seconds)
         rows = hidden.numel() // max(hidden.shape[-1], 1)
+        seen = self._sightings[rows] = self._sightings.get(rows, 0) + 1
         if linked is not None or rows in self._timings or not self._wants_layer_time(rows, hidden.device):
             return None
-        return rows, self.chooser.clock.mark()
+        # A row count's first forward compiles and tunes kernels for its shapes: its time says little.
+        return (rows, self.chooser.clock.mark()) if seen > 1 else None
+
+    def _hand_over(self, rows: int, seconds: float) -> None:
+        """A first pass's time is in: answers at `rows` rows are decided again from it, unless a forward
+        of that row count already ran as CUDA graphs (they may have captured the untimed answers, and a
+        first pass and a recompute captured under different answers would page what nothing reads):
+        then the untimed answers stay."""
+        again = rows not in self._ran_graphed
+        self.deferral.record_layer_time(rows, seconds, decide_again=again)
+        if not again:
+            self.attention_kept.setdefault(rows, False)
 
     def _wants_layer_time(self, rows: int, device: torch.device) -> bool:
         """Whether a layer's first pass at `rows` rows is still to be timed for the link's sake: the

@@ -32,11 +32,13 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   wide MLP: bench/RESULTS.md, session 37). So `fit` keeps whole rows only where those bytes, at the
   link's rate, take no longer than a layer's first pass at that row count
   (`kestrel.recompute.host_link`: the rate measured once a device; `Recompute` times the forward's
-  first decoder layer's first pass the first time a row count is seen: eager, so host gaps count
-  where launches bound it, and a cheap sliding-window first layer is timed short, which errs toward
-  deferring). Until a row count's time is in, it defers; the answer is decided again at the next
-  forward with that row count (before any CUDA graph of it is captured: a layout's graphs are
-  captured from its second sighting on) and reported again. Faster where that holds
+  first decoder layer's first pass the second time a row count is seen (the first compiles and tunes
+  kernels): eager, so host gaps count where launches bound it, and a cheap sliding-window first
+  layer is timed short, which errs toward deferring). Until a row count's time is in, it defers;
+  the answer is decided again at the next forward with that row count and reported again, unless a
+  forward of it already ran as CUDA graphs (auto graphs try a new layout eagerly for four forwards
+  first; forced on, or inferred graphed, a layout can capture before its time is in), whose
+  captures may hold the untimed answer: then that answer stays. Faster where that holds
   (bench/RESULTS.md, sessions 36-37: 5-7% on long rows of 3B-7B models), at that memory.
 - `off`: never defer.
 
@@ -127,12 +129,12 @@ class MLPDeferral:
         return (self.mode == "fit" and self.paged_layers > 0 and device.type == "cuda"
                 and rows > mlp.DEFERRED_ROWS and not self.link.timed(rows))
 
-    def record_layer_time(self, rows: int, seconds: float) -> None:
+    def record_layer_time(self, rows: int, seconds: float, decide_again: bool = True) -> None:
         """A decoder layer's first pass took `seconds` at `rows` rows: the answers given for that row
-        count before it was timed are decided again at their next call (`Recompute` calls this between
-        forwards only)."""
+        count before it was timed are decided again at their next call, where `decide_again`
+        (`Recompute` calls this between forwards only, and keeps them where graphs may hold them)."""
         self.link.record(rows, seconds)
-        for key in [k for k, d in self.decided.items() if d.rows == rows and d.untimed]:
+        for key in [k for k, d in self.decided.items() if d.rows == rows and d.untimed and decide_again]:
             del self.decided[key]
 
     def defers(self, rows: int, gate: Any, up: Any, device: torch.device) -> bool:

@@ -190,9 +190,9 @@ def test_an_untimed_row_count_defers_until_its_time_is_in_then_is_decided_again(
 def test_offloading_times_the_first_layers_first_pass_and_decides_at_the_next_forward(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # `fit` with E paged: Recompute marks the forward's first layer's first pass at a new row count and
-    # hands the time over at a later forward's start; the row count is then decided again (here: whole
-    # rows, a fast link), and training matches deferred rows throughout.
+    # `fit` with E paged: Recompute marks the forward's first layer's first pass at a row count's second
+    # forward (the first compiles) and hands the time over at a later forward's start; the row count is
+    # then decided again (here: whole rows, a fast link), and training matches deferred rows throughout.
     from kestrel.config import LoraSettings
     from kestrel.kernels.lora import mlp as mlp_module
     from kestrel.model.loader import load
@@ -216,7 +216,7 @@ def test_offloading_times_the_first_layers_first_pass_and_decides_at_the_next_fo
         checkpoint.set_gradient_checkpointing(model, "offload", "off", deferral=policy)
         model.train()
         losses, grads = [], []
-        for rows in (40, 24, 40):
+        for rows in (40, 40, 24, 40):
             ids = torch.randint(5, 200, (2, rows), generator=torch.Generator().manual_seed(rows))
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -225,7 +225,7 @@ def test_offloading_times_the_first_layers_first_pass_and_decides_at_the_next_fo
             model.zero_grad(set_to_none=True)
         runs[name] = (losses, grads, policy, seen)
     losses, grads, policy, seen = runs["fit"]
-    assert set(policy.link.layer_seconds) == {80, 48}  # 40 x 2 and 24 x 2 rows, each timed once
+    assert set(policy.link.layer_seconds) == {80}  # 40 x 2 rows, timed at its second forward; 48 seen once
     assert [(d.rows, d.deferred, d.untimed) for d in seen] == [(80, True, True), (48, True, True), (80, False, False)]
     assert not any(d.untimed for d in policy.decided.values() if d.rows == 80)
     for a, b in zip(losses, runs["memory"][0]):
@@ -233,6 +233,28 @@ def test_offloading_times_the_first_layers_first_pass_and_decides_at_the_next_fo
     for step_a, step_b in zip(grads, runs["memory"][1]):
         for a, b in zip(step_a, step_b):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_row_count_that_ran_graphed_keeps_its_untimed_answers(tiny_model_dir) -> None:
+    # Graphs captured before a row count's time came in hold its untimed answers: they stay, for the
+    # MLPs and for keep_attention auto, so no first pass pages what its recompute will not read.
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+    from kestrel.recompute import checkpoint
+
+    policy, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=1e15, layer_s=None)
+    model, _ = load(str(tiny_model_dir("llama")), 64, dtype="fp32", device="cpu")
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    run = checkpoint.set_gradient_checkpointing(model, "offload", "off", deferral=policy, keep_attention="auto")
+    policy.paged_layers = 36  # as the policy above was made
+    assert policy.defers(8192, GATE, UP, GPU) and seen[-1].untimed
+    run._ran_graphed.add(8192)
+    run._hand_over(8192, 1.0)
+    assert policy.link.timed(8192) and policy.defers(8192, GATE, UP, GPU) and len(seen) == 1
+    assert run.attention_keeps_up(8192, 128, GPU) is False
+    run._hand_over(4096, 1.0)  # never ran graphed: decided from its time
+    assert not policy.defers(4096, GATE, UP, GPU) and not seen[-1].untimed
 
 
 def test_available_host_bytes_reads_meminfo(tmp_path) -> None:
@@ -290,8 +312,10 @@ def test_a_run_follows_its_mode_and_says_so(mode: str, tiny_model_dir, tmp_path,
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed"])
 def test_whole_rows_train_as_deferred_rows_on_cuda(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, graphs: bool) -> None:
     # Offloaded QLoRA whose 96-row MLPs pass the (lowered) point where deferring saves memory: `memory`
-    # defers them, `fit` (a roomy GPU) keeps whole rows and pages the gate product out. Same losses and
-    # adapters; only `fit` keeps gate products (in static buffers when graphed).
+    # defers them, `fit` (a roomy GPU, a link that keeps up) keeps whole rows and pages the gate product
+    # out: eager, from the third step (its first pass timed by CUDA events in the second); graphed, from
+    # the first (timed beforehand). Same losses and adapters; only `fit` keeps gate products (in static
+    # buffers when graphed).
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from kestrel.kernels.lora import mlp as mlp_module
@@ -304,6 +328,8 @@ def test_whole_rows_train_as_deferred_rows_on_cuda(tiny_model_dir, monkeypatch: 
     runs = {}
     for mode in ("memory", "fit"):
         policy = MLPDeferral(mode)  # type: ignore[arg-type]
+        if graphs and mode == "fit":  # forced-on graphs capture from the first forward: the time must be in before
+            policy.record_layer_time(96, 1.0)  # a slow first pass: the tiny pages keep up with any link
         runs[mode] = (*_train(folder, graphs, monkeypatch, qlora=True, mode="offload", deferral=policy), policy)
     (deferred, deferred_w, deferred_stats, memory), (whole, whole_w, whole_stats, fit) = runs["memory"], runs["fit"]
     assert [d.deferred for d in memory.decided.values()] == [True]
