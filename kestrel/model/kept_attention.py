@@ -33,6 +33,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from kestrel.model.registry import text_config
+
 KEPT_KWARG = "kestrel_kept_attention"  # the keyword a checkpointed decoder layer hands its attention (`AttentionStore`)
 
 # (q (B, Hq, S, D), k, v (B, Hkv, S, D), scale) -> out (B, Hq, S, D), lse (fp32, B x Hq x S, the kernel's layout)
@@ -205,8 +207,6 @@ def kept_bytes_per_row(config: Any) -> int:
     """Bytes a layer keeping its attention output pages out per token: the output, heads x head_dim
     in 16 bits, and one fp32 logsumexp a head. `config`: the model's (an image-text one's text config
     is read)."""
-    from kestrel.model.registry import text_config
-
     text = text_config(config)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
