@@ -191,10 +191,9 @@ class AttentionStore(Protocol):
     """Keeps a checkpointed layer's attention output and logsumexp from its first pass to its recompute
     (`kestrel.recompute.host_tensors.KeptAttentionOutput` pages them to host memory)."""
 
-    only_long: bool  # keep only where `worth_keeping` (performance.keep_attention: auto)
-
-    def admits(self, rows: int, hidden: int, device: torch.device) -> bool:
-        """Whether a first pass of `rows` rows may keep its output (the host link's room, where the run asks)."""
+    def admits(self, seq: int, rows: int, hidden: int, device: torch.device) -> bool:
+        """Whether a first pass of `rows` rows, in rows `seq` long, keeps its output (`keep_attention: auto`:
+        `worth_keeping` and the host link's room)."""
 
     def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Called once in the first pass; the store copies them (in stream order)."""
@@ -254,13 +253,12 @@ def stored_causal_attention(
     (out, lse) and keeps them; the recompute (grad on) takes them back and runs no forward
     (`KeptAttention`). None where these tensors have no kernel, or the first pass kept nothing: the
     caller then runs its own attention (the two passes of a layer agree, as a kept pair is taken
-    only where it was kept). `hidden`: the model's hidden size, for `worth_keeping` where the store
-    keeps only long rows, and for the host link's rule (`AttentionStore.admits`)."""
+    only where it was kept). `hidden`: the model's hidden size, for the store's rule (`AttentionStore.admits`)."""
     kernels = causal_kernels(q, k, v)
-    if kernels is None or store.only_long and not worth_keeping(q.shape[2], hidden):
+    if kernels is None:
         return None
     if not torch.is_grad_enabled():
-        if not store.admits(q.shape[0] * q.shape[2], hidden, q.device):
+        if not store.admits(q.shape[2], q.shape[0] * q.shape[2], hidden, q.device):
             return None
         out, lse = kernels.forward(q, k, v, scale)
         store.keep(out, lse)

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from kestrel.model.kept_attention import worth_keeping
+
 from kestrel.recompute.host_memory import HostMemoryError, host_buffer, side_stream
 
 log = logging.getLogger("kestrel")
@@ -273,7 +275,11 @@ class KeptAttentionOutput:
         self.only_long = only_long  # keep only rows worth it (`kestrel.model.kept_attention.worth_keeping`)
         self.link = link  # (rows, hidden, device) -> whether the host link has room for them; None: always
 
-    def admits(self, rows: int, hidden: int, device: torch.device) -> bool:
+    def admits(self, seq: int, rows: int, hidden: int, device: torch.device) -> bool:
+        """`kestrel.model.kept_attention.AttentionStore.admits`: long enough rows where `only_long`, and room
+        on the host link where `link` is given."""
+        if self.only_long and not worth_keeping(seq, hidden):
+            return False
         return self.link is None or self.link(rows, hidden, device)
 
     def keepers(self) -> tuple[_KeptGate, _KeptGate]:
