@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel.recompute.checkpoint import graph_mode
-from kestrel.config import ConfigError, config_from_dict
+from kestrel.config import config_from_dict
 from kestrel.recompute.graph_choice import GraphChooser, WallClock
 
 
@@ -135,19 +134,10 @@ def test_forced_modes_never_time(mode: str) -> None:
     assert chooser.decisions() == []
 
 
-def test_the_mode_is_config_saved_with_the_run_and_the_variable_only_overrides(monkeypatch) -> None:
+def test_the_mode_is_saved_with_the_run() -> None:
+    # The rest of the switch (default, checks, the variable): tests/recompute/test_performance_switches.py.
     config = config_from_dict({"performance": {"cuda_graphs": "off"}})
     assert "cuda_graphs: 'off'" in config.to_yaml() or "cuda_graphs: off" in config.to_yaml()
-    assert config_from_dict({}).performance.cuda_graphs == "auto"
-    with pytest.raises(ConfigError, match="performance.cuda_graphs"):
-        config_from_dict({"performance": {"cuda_graphs": "sometimes"}})
-    monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
-    assert graph_mode("off") == "off"
-    monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "1")
-    assert graph_mode("off") == "on"
-    monkeypatch.setenv("KESTREL_CUDA_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="KESTREL_CUDA_GRAPHS"):
-        graph_mode("auto")
 
 
 def test_a_layout_of_as_many_tokens_takes_the_timed_decision_even_mid_probe() -> None:

@@ -74,24 +74,6 @@ def test_a_store_that_kept_nothing_means_attention_is_recomputed() -> None:
     assert kept_module.stored_causal_attention(q.requires_grad_(True), k, v, 0.5, store, hidden=4) is None  # taken
 
 
-def test_keep_attention_is_config_and_the_variable_overrides(monkeypatch) -> None:
-    from kestrel.config import PerformanceSettings, config_from_dict
-    from kestrel.errors import ConfigError
-    from kestrel.recompute.checkpoint import keep_attention_mode
-
-    assert PerformanceSettings().keep_attention == "off"
-    assert config_from_dict({"performance": {"keep_attention": "auto"}}).performance.keep_attention == "auto"
-    with pytest.raises(ConfigError, match="performance.keep_attention"):
-        PerformanceSettings(keep_attention="always")
-    monkeypatch.delenv("KESTREL_KEEP_ATTENTION", raising=False)
-    assert keep_attention_mode("auto") == "auto"
-    monkeypatch.setenv("KESTREL_KEEP_ATTENTION", "on")
-    assert keep_attention_mode("off") == "on"
-    monkeypatch.setenv("KESTREL_KEEP_ATTENTION", "maybe")
-    with pytest.raises(ValueError, match="KESTREL_KEEP_ATTENTION"):
-        keep_attention_mode("off")
-
-
 def test_auto_keeps_rows_at_least_as_long_as_the_hidden_size() -> None:
     # S FLOPs of attention forward per byte of output against H per byte of the gate product E.
     assert kept_module.worth_keeping(4096, 4096) and kept_module.worth_keeping(8192, 2560)

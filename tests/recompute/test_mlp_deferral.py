@@ -7,11 +7,9 @@ import json
 import pytest
 import torch
 
-from kestrel.config import PerformanceSettings
-from kestrel.errors import ConfigError
 from kestrel.kernels.lora.lora import LoRAWeights
 from kestrel.kernels.lora.mlp import extra_bytes
-from kestrel.recompute.mlp_deferral import available_host_bytes, defer_mode, DeferDecision, MLPDeferral
+from kestrel.recompute.mlp_deferral import available_host_bytes, DeferDecision, MLPDeferral
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)  # the policy only reads the device's type
 GIB = 2**30
@@ -264,17 +262,7 @@ def test_available_host_bytes_reads_meminfo(tmp_path) -> None:
     assert available_host_bytes(str(tmp_path / "missing")) is None
 
 
-def test_mode_comes_from_the_config_and_the_variable_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert PerformanceSettings().defer_mlp == "memory"
-    with pytest.raises(ConfigError, match="performance.defer_mlp"):
-        PerformanceSettings(defer_mlp="sometimes")
-    monkeypatch.delenv("KESTREL_DEFER_MLP", raising=False)
-    assert defer_mode("fit") == "fit"
-    monkeypatch.setenv("KESTREL_DEFER_MLP", "off")
-    assert defer_mode("memory") == "off"
-    monkeypatch.setenv("KESTREL_DEFER_MLP", "maybe")
-    with pytest.raises(ValueError, match="KESTREL_DEFER_MLP"):
-        defer_mode("memory")
+def test_an_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="defer_mlp"):
         MLPDeferral("maybe")  # type: ignore[arg-type]
 
