@@ -175,8 +175,9 @@ class Recompute:
         if not torch.is_grad_enabled():  # nothing will be back-propagated: nothing to keep, no training forward to time
             return no_grad.call(self, run, hidden, args) if self.no_grad_active else run(hidden, *args)
         linked = LinkedCall.of(run, args, self.shared_state)
-        timing = self._layer_timing(run, hidden, linked)
-        if self.starts_forward(run) and layer_graphs.graphable(run, hidden):
+        first = self.starts_forward(run)
+        timing = self._layer_timing(hidden, linked) if first and self.offload else None
+        if first and layer_graphs.graphable(run, hidden):
             key = layer_graphs.call_key(run, hidden, args, linked)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
             self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
@@ -195,16 +196,13 @@ class Recompute:
             self._timings[timing[0]] = (timing[1], self.chooser.clock.mark())
         return y
 
-    def _layer_timing(self, run: Callable[..., torch.Tensor], hidden: torch.Tensor,
-                      linked: LinkedCall | None) -> tuple[int, Any] | None:
-        """At a forward's first layer: hand the run's MLP deferral the first-pass times measured in
+    def _layer_timing(self, hidden: torch.Tensor, linked: LinkedCall | None) -> tuple[int, Any] | None:
+        """At an offloaded forward's first layer: hand the run's MLP deferral the first-pass times measured in
         earlier forwards that the device has finished (`MLPDeferral.record_layer_time`; so its answers
         change only between forwards, never between a layer's first pass and its recompute), and,
         where it wants this row count timed (`wants_layer_time`), (rows, a start mark) for timing
         this layer's first pass. A layer with ties beyond its hidden states (`LinkedCall`) is not
         timed (its MLPs stay deferred)."""
-        if not self.offload or not self.starts_forward(run):
-            return None
         for rows, (start, end) in list(self._timings.items()):
             seconds = self.chooser.clock.seconds(start, end)
             if seconds is not None:
