@@ -42,6 +42,7 @@ from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs, no_grad
 from kestrel.recompute.gate_share import gate_share, paged_gate_layers, pages_gate_out
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
+from kestrel.recompute.host_link import FirstPassTimes
 from kestrel.recompute.host_tensors import _HostCopy, _KeptGate, KeptAttentionOutput, OffloadState
 from kestrel.recompute.linked import LinkedCall
 from kestrel.recompute.mlp_deferral import defer_mode, MLPDeferral
@@ -151,7 +152,7 @@ class Recompute:
         self.gate: _KeptGate | None = None
         self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
-        self._timings: dict[int, tuple[Any, Any]] = {}  # rows -> marks around a first layer's first pass
+        self.first_pass = FirstPassTimes(chooser.clock)  # the forward's first layer's first pass, by row count
         self._sightings: dict[int, int] = {}  # rows -> training forwards seen (offload)
         self._ran_graphed: set[int] = set()  # row counts some forward ran as CUDA graphs
         self.attention_kept: dict[int, bool] = {}  # keep_attention auto: each timed row count's answer
@@ -176,7 +177,8 @@ class Recompute:
             return no_grad.call(self, run, hidden, args) if self.no_grad_active else run(hidden, *args)
         linked = LinkedCall.of(run, args, self.shared_state)
         first = self.starts_forward(run)
-        timing = self._layer_timing(hidden, linked) if first and self.offload else None
+        if first and self.offload:
+            self._hand_over_times()
         if first and layer_graphs.graphable(run, hidden):
             key = layer_graphs.call_key(run, hidden, args, linked)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
@@ -186,34 +188,41 @@ class Recompute:
             if self.holds_graphs and not self.chooser.any_graphed():
                 self.release()  # every layout runs eagerly: give the graphs' memory back
             self.holds_graphs |= self.graphed
+        timed = self._start_timing(hidden, linked) if first and self.offload else None
         wrapped = layer_graphs.wrap(run, hidden, args, self.graphs if self.graphed else None, linked)
         if linked is not None:  # `LinkedCall` or a `GraphedLayer` of it: its ties are the checkpoint's too
             y, *written = LayerCheckpoint.apply(wrapped, self, hidden, *linked.inputs)
             linked.publish(tuple(written))
             return y
         y = LayerCheckpoint.apply(wrapped, self, hidden)
-        if timing is not None:
-            self._timings[timing[0]] = (timing[1], self.chooser.clock.mark())
+        if timed is not None:
+            self.first_pass.stop(timed)
         return y
 
-    def _layer_timing(self, hidden: torch.Tensor, linked: LinkedCall | None) -> tuple[int, Any] | None:
-        """At an offloaded forward's first layer: hand the run's MLP deferral the first-pass times measured in
-        earlier forwards that the device has finished (`MLPDeferral.record_layer_time`; so its answers
-        change only between forwards, never between a layer's first pass and its recompute), and,
-        where it wants this row count timed (`wants_layer_time`), (rows, a start mark) for timing
-        this layer's first pass. A layer with ties beyond its hidden states (`LinkedCall`) is not
-        timed (its MLPs stay deferred)."""
-        for rows, (start, end) in list(self._timings.items()):
-            seconds = self.chooser.clock.seconds(start, end)
-            if seconds is not None:
-                del self._timings[rows]
-                self._hand_over(rows, seconds)
+    def _hand_over_times(self) -> None:
+        """At an offloaded forward's first layer, before anything is decided for this forward: hand the
+        run's MLP deferral the first-pass times of earlier forwards that the device has finished
+        (`MLPDeferral.record_layer_time`), so its answers change only between forwards, never
+        between a layer's first pass and its recompute."""
+        for rows, seconds in self.first_pass.finished():
+            self._hand_over(rows, seconds)
+
+    def _start_timing(self, hidden: torch.Tensor, linked: LinkedCall | None) -> int | None:
+        """Where the run wants this row count's first pass timed (`wants_layer_time`) and this is not its
+        first forward (which compiles and tunes kernels: its time says little), start timing this
+        layer's first pass (`FirstPassTimes`) and return the row count. The timing holds the stream
+        idle before the pass, which would skew a step the graph chooser times: that forward's time
+        is left out (`GraphChooser.spoil`). A layer with ties beyond its hidden states
+        (`LinkedCall`) is not timed (its MLPs stay deferred)."""
         rows = hidden.numel() // max(hidden.shape[-1], 1)
         seen = self._sightings[rows] = self._sightings.get(rows, 0) + 1
-        if linked is not None or rows in self._timings or not self._wants_layer_time(rows, hidden.device):
+        if linked is not None or seen < 2 or self.first_pass.timing(rows):
             return None
-        # A row count's first forward compiles and tunes kernels for its shapes: its time says little.
-        return (rows, self.chooser.clock.mark()) if seen > 1 else None
+        if not self._wants_layer_time(rows, hidden.device):
+            return None
+        self.chooser.spoil()
+        self.first_pass.start(rows, hidden.is_cuda)
+        return rows
 
     def _hand_over(self, rows: int, seconds: float) -> None:
         """A first pass's time is in: answers at `rows` rows are decided again from it, unless a forward

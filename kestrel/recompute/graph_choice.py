@@ -150,6 +150,7 @@ class GraphChooser:
         self._open: tuple[_Layout, bool, Any] | None = None  # the forward running now, if timed: layout, way, start
         self._last: bool | None = None  # the way the last forward ran
         self._pending: list[tuple[_Layout, bool, Any, Any]] = []  # timings whose end may not have passed
+        self._drain = False  # drain before the next forward (`spoil`)
 
     # --- The one call a forward makes ---------------------------------------------------------
 
@@ -165,8 +166,9 @@ class GraphChooser:
         layout.sightings += 1
         graphed, timed = self._way(layout)
         switched = self._last is not None and graphed != self._last
-        if switched:
+        if switched or self._drain:
             self.clock.drain()
+            self._drain = False
         mark = self.clock.mark()
         if self._open is not None:  # after a switch, it ends once its own work has drained
             self._pending.append((*self._open, mark))
@@ -175,6 +177,13 @@ class GraphChooser:
         self._open = (layout, graphed, mark) if timed else None
         self._last = graphed
         return graphed
+
+    def spoil(self) -> None:
+        """This forward's time is not to count (something held its stream idle: `FirstPassTimes`), and
+        the next forward starts on a drained device (the host ran ahead meanwhile, and the queue it
+        left would hide the next forward's host cost)."""
+        self._open = None
+        self._drain = True
 
     def decided_graphed(self, key: Hashable) -> bool:
         """Whether layout `key` is decided graphed (always, with graphs forced on): what a no-grad

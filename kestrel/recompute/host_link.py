@@ -8,12 +8,16 @@ buffers, so its copies must end before the layer two above reuses them: the forw
 per max(first pass, copies). A page that makes the copies outlast the first pass slows every layer.
 `HostLink.keeps_up` asks that of a row count's bytes: the link's rate is measured once a device
 (`measure_link_rate`), a layer's first pass once a row count (`Recompute` marks the forward's first
-decoder layer and hands the time over between forwards, `record`).
+decoder layer and hands the time over between forwards, `record`; `FirstPassTimes` times it as a
+CUDA-graphed layer runs, with no wait on the host).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -71,3 +75,81 @@ class HostLink:
         verdict = "longer than" if copy > seconds else "within"
         return copy <= seconds, (f"paging {paged / 2**20:.0f} MiB a layer takes {copy * 1e3:.2f} ms at "
                                  f"{rate / 1e9:.1f} GB/s, {verdict} its first pass ({seconds * 1e3:.2f} ms)")
+
+
+@dataclasses.dataclass
+class _PassTiming:
+    """One first pass being timed: GPU marks before the lead, at the pass's start and end; the host's
+    seconds from enqueueing the start mark to enqueueing the end mark."""
+
+    lead: Any
+    start: Any
+    end: Any = None
+    host_s: float = 0.0
+    host_at: float = 0.0
+
+
+class FirstPassTimes:
+    """Times the forward's first decoder layer's first pass, one row count at a time, as the GPU runs it
+    when nothing waits on the host: what a CUDA-graphed layer takes, the time the host link's copies
+    must fit in (`HostLink.keeps_up`).
+
+    An eager pass times the host's launch gaps too: a small layer's eager first pass took 3.5-5 ms on
+    an H200 where its graphed pass is near 1 ms (bench/RESULTS.md, session 38), so the link looked
+    free where it was not. So on CUDA the stream first idles for a lead (a spin kernel) while the host
+    enqueues the whole pass behind it; the GPU then runs the pass back to back. The time counts only
+    if the host's enqueueing did end within the lead (the marks say so once passed); otherwise the
+    row count is timed again at a later forward with a lead twice the host's time, up to `tries`
+    times, and the last time counts as it is (a pass that waits on the host, a sync inside it, can
+    never be timed without its gaps). The first lead is a guess of `lead_cycles` GPU clock cycles;
+    later ones are sized from the measured cycles a second. Off CUDA there is no lead and the
+    clock's time counts."""
+
+    def __init__(
+        self, clock: Any, tries: int = 3, lead_cycles: int = 1 << 25,
+        spin: Callable[[int], None] | None = None, host_clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.clock, self.tries, self.cycles = clock, tries, lead_cycles
+        self.spin = spin if spin is not None else torch.cuda._sleep  # holds the current stream for n clock cycles
+        self.host_clock = host_clock
+        self.cycles_per_s: float | None = None
+        self.running: dict[int, _PassTiming] = {}
+        self.attempts: dict[int, int] = {}
+        self.leads: dict[int, int] = {}  # rows -> the lead (cycles) its next try spins
+
+    def start(self, rows: int, cuda: bool) -> None:
+        """Before the pass: idle the stream for a lead (CUDA), then mark the pass's start."""
+        lead = self.clock.mark() if cuda else None
+        if cuda:
+            self.spin(self.leads.get(rows, self.cycles))
+        self.running[rows] = _PassTiming(lead, self.clock.mark(), host_at=self.host_clock())
+        self.attempts[rows] = self.attempts.get(rows, 0) + 1
+
+    def stop(self, rows: int) -> None:
+        """After the pass: mark its end."""
+        timing = self.running[rows]
+        timing.end = self.clock.mark()
+        timing.host_s = self.host_clock() - timing.host_at
+
+    def finished(self) -> Iterator[tuple[int, float]]:
+        """(rows, seconds) of each timed pass the device has finished whose time counts; a pass the
+        host held up is dropped, its row count to be timed again at a later forward."""
+        for rows, timing in list(self.running.items()):
+            if timing.end is None:
+                continue
+            seconds = self.clock.seconds(timing.start, timing.end)
+            if seconds is None:
+                continue
+            del self.running[rows]
+            lead_s = self.clock.seconds(timing.lead, timing.start) if timing.lead is not None else None
+            if lead_s is not None and lead_s > 0:
+                cycles = self.leads.get(rows, self.cycles)
+                self.cycles_per_s = cycles / lead_s
+                if timing.host_s > lead_s and self.attempts[rows] < self.tries:
+                    self.leads[rows] = math.ceil(2 * timing.host_s * self.cycles_per_s)
+                    continue
+            yield rows, seconds
+
+    def timing(self, rows: int) -> bool:
+        """Whether a pass of `rows` rows is being timed now (not yet read)."""
+        return rows in self.running

@@ -33,8 +33,9 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   link's rate, take no longer than a layer's first pass at that row count
   (`kestrel.recompute.host_link`: the rate measured once a device; `Recompute` times the forward's
   first decoder layer's first pass the second time a row count is seen (the first compiles and tunes
-  kernels): eager, so host gaps count where launches bound it, and a cheap sliding-window first
-  layer is timed short, which errs toward deferring). Until a row count's time is in, it defers;
+  kernels), as the GPU runs it with no wait on the host (`host_link.FirstPassTimes`): what a graphed
+  layer takes, and an eager pass's launch gaps made a small model's link look free (session 38); a
+  cheap sliding-window first layer is timed short, which errs toward deferring). Until a row count's time is in, it defers;
   the answer is decided again at the next forward with that row count and reported again, unless a
   forward of it already ran as CUDA graphs (auto graphs try a new layout eagerly for four forwards
   first; forced on, or inferred graphed, a layout can capture before its time is in), whose

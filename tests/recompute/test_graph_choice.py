@@ -302,3 +302,27 @@ def test_a_re_timing_that_keeps_the_choice_tells_no_inferred_decision_again() ->
         run.forward("small", 1000)
     assert run.chooser.layouts["small"].retimes >= 1
     assert [d.layout for d in run.decisions].count("tiny") == 1 and run.chooser.decided_graphed("tiny")
+
+
+def test_a_spoiled_forward_is_not_counted_and_the_next_starts_drained() -> None:
+    # The forward that times a layer's first pass behind a lead (`FirstPassTimes`) holds its stream idle:
+    # its time would make the eager way look slow, so it is left out and sampled again.
+    drains: list[int] = []
+
+    class Clock(WallClock):
+        def drain(self) -> None:
+            drains.append(len(run.ways))
+
+    run = FakeRun(host_bound)
+    run.chooser.clock = Clock(lambda: run.now)
+    run.forward("k", 1000)  # eager warm-up
+    run.forward("k", 1000)  # eager, timed...
+    run.chooser.spoil()  # ...but spoiled
+    run.now += 5.0  # the lead: it would have made eager lose by far
+    assert drains == []
+    for _ in range(12):
+        run.forward("k", 1000)
+    assert drains[0] == 2  # the forward after the spoiled one began on a drained device
+    decision = run.decisions[0]
+    assert decision.eager_s == pytest.approx(0.05)  # three clean eager samples; the spoiled one is not among them
+    assert run.ways[:5] == [False, False, False, False, False]  # one eager forward more to make up for it

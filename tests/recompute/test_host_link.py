@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.recompute.host_link import HostLink, measure_link_rate
+from kestrel.recompute.host_link import FirstPassTimes, HostLink, measure_link_rate
 
 GPU = torch.device("cuda", 0)  # the link only keys its rates by device
 
@@ -112,3 +112,109 @@ def test_auto_answers_reach_the_log_and_performance_json(tmp_path) -> None:
     made = json.loads((tmp_path / "performance.json").read_text())["keep_attention"]
     assert [(m["rows"], m["kept"]) for m in made] == [(8192, True), (4096, False)]
     assert "8192 rows: kept" in lines[0] and "4096 rows: recomputed" in lines[1] and "longer than" in lines[1]
+
+
+class _Timeline:
+    """A device timeline the tests move by hand: marks are (index, time) and read once `passed`."""
+
+    def __init__(self) -> None:
+        self.t, self.marks, self.passed = 0.0, 0, True
+
+    def mark(self) -> tuple[int, float]:
+        self.marks += 1
+        return self.marks, self.t
+
+    def seconds(self, start, end):
+        return end[1] - start[1] if self.passed else None
+
+
+def _timer(host_per_pass: float, tries: int = 3) -> tuple[FirstPassTimes, _Timeline, list[int]]:
+    """Times on a device of 2e9 cycles a second, passes of 1 ms on it, each enqueued in `host_per_pass`
+    seconds of the host's."""
+    gpu, host, spins = _Timeline(), [0.0], []
+
+    def spin(cycles: int) -> None:
+        spins.append(cycles)
+        gpu.t += cycles / 2e9
+
+    timer = FirstPassTimes(gpu, tries=tries, lead_cycles=2_000_000, spin=spin, host_clock=lambda: host[0])
+
+    def run_pass(rows: int) -> None:
+        timer.start(rows, cuda=True)
+        host[0] += host_per_pass
+        gpu.t += 1e-3
+        timer.stop(rows)
+
+    timer.run_pass = run_pass  # type: ignore[attr-defined]
+    return timer, gpu, spins
+
+
+def test_a_pass_enqueued_within_its_lead_counts_once_the_device_has_passed_it() -> None:
+    timer, gpu, spins = _timer(host_per_pass=0.5e-3)  # the host enqueues in 0.5 ms, under the 1 ms lead
+    timer.run_pass(8192)  # type: ignore[attr-defined]
+    assert spins == [2_000_000] and timer.timing(8192)
+    gpu.passed = False
+    assert list(timer.finished()) == [] and timer.timing(8192)  # not read before the device gets there
+    gpu.passed = True
+    assert list(timer.finished()) == [(8192, pytest.approx(1e-3))] and not timer.timing(8192)
+    assert timer.cycles_per_s == pytest.approx(2e9)
+
+
+def test_a_pass_the_host_held_up_is_timed_again_with_a_lead_twice_the_hosts_time() -> None:
+    timer, gpu, spins = _timer(host_per_pass=3e-3)  # 3 ms of the host's against a 1 ms lead
+    timer.run_pass(4096)  # type: ignore[attr-defined]
+    assert list(timer.finished()) == [] and not timer.timing(4096)  # dropped: to be timed again
+    timer.run_pass(4096)  # type: ignore[attr-defined]
+    assert spins[1] == pytest.approx(2 * 3e-3 * 2e9, rel=1e-6)  # 6 ms of the device's clock
+    assert list(timer.finished()) == [(4096, pytest.approx(1e-3))]
+
+
+def test_after_its_tries_a_held_up_pass_counts_as_it_is() -> None:
+    timer, gpu, spins = _timer(host_per_pass=3e-3, tries=2)
+    timer.leads[512] = 1  # a lead that never covers the host
+    for _ in range(2):
+        timer.run_pass(512)  # type: ignore[attr-defined]
+        got = list(timer.finished())
+        timer.leads[512] = 1
+    assert got == [(512, pytest.approx(1e-3))] and len(spins) == 2
+
+
+def test_off_cuda_there_is_no_lead_and_the_clocks_time_counts() -> None:
+    timer, gpu, spins = _timer(host_per_pass=5.0)
+    timer.start(64, cuda=False)
+    gpu.t += 2e-3
+    timer.stop(64)
+    assert spins == [] and list(timer.finished()) == [(64, pytest.approx(2e-3))]
+
+
+@pytest.mark.gpu
+def test_a_led_pass_on_cuda_times_the_device_without_the_hosts_gaps() -> None:
+    # 400 one-element additions: the host takes longer to launch each than the GPU to run it, so an
+    # eager timing is the host's; behind a lead the GPU runs them back to back.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kestrel.recompute.graph_choice import CudaClock
+
+    x = torch.zeros(1, device="cuda")
+
+    def launches() -> None:
+        for _ in range(400):
+            x.add_(1)
+
+    launches()
+    clock = CudaClock()
+    start = clock.mark()
+    launches()
+    end = clock.mark()
+    torch.cuda.synchronize()
+    eager = clock.seconds(start, end)
+    timer = FirstPassTimes(clock)
+    for _ in range(timer.tries):
+        timer.start(1, cuda=True)
+        launches()
+        timer.stop(1)
+        torch.cuda.synchronize()
+        got = dict(timer.finished())
+        if got:
+            break
+    assert got and got[1] < eager, (got, eager)
