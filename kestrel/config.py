@@ -175,7 +175,7 @@ class PerformanceSettings:
     # its recompute runs no attention forward (`kestrel.model.kept_attention`): on, off, or auto (rows at
     # least as long as the hidden size, where that pays more per byte paged than the gate product, and
     # only where the measured host link carries it within a layer's first pass, `kestrel.recompute.host_link`).
-    keep_attention: str = "off"
+    keep_attention: str = "auto"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,

@@ -205,11 +205,13 @@ class AttentionStore(Protocol):
 def kept_bytes_per_row(config: Any) -> int:
     """Bytes a layer keeping its attention output pages out per token: the output, heads x head_dim
     in 16 bits, and one fp32 logsumexp a head. `config`: the model's (an image-text one's text config
-    is read)."""
-    text = text_config(config)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return heads * (head_dim * 2 + 4)
+    is read). Where layers differ in head size (Gemma 4's `per_layer_config`), the widest layer's:
+    one layer's pages must fit the link's time for a layer."""
+    text = text_config(config).to_dict()  # a per-layer config refuses to give its attributes globally
+    heads = int(text["num_attention_heads"])
+    base = int(text.get("head_dim") or text["hidden_size"] // heads)
+    sizes = [int(layer.get("head_dim") or base) for layer in (text.get("per_layer_config") or {}).values()]
+    return heads * (max([base, *sizes]) * 2 + 4)
 
 
 def worth_keeping(seq: int, hidden: int) -> bool:

@@ -33,6 +33,7 @@ import weakref
 from typing import Any, Callable
 
 from kestrel import env
+from kestrel.config import PerformanceSettings
 from kestrel.constants import KEEP_ATTENTION_MODES
 import torch
 from torch import nn
@@ -156,6 +157,7 @@ class Recompute:
         self._sightings: dict[int, int] = {}  # rows -> training forwards seen (offload)
         self._ran_graphed: set[int] = set()  # row counts some forward ran as CUDA graphs
         self.attention_kept: dict[int, bool] = {}  # keep_attention auto: each timed row count's answer
+        self._attention_asked: set[int] = set()  # row counts at which a layer asked it
         self.on_attention: Callable[[int, bool, str], None] | None = None  # (rows, kept, why), once a row count
 
     def pages_gate_out(self, depth: int) -> bool:
@@ -236,26 +238,45 @@ class Recompute:
 
     def _wants_layer_time(self, rows: int, device: torch.device) -> bool:
         """Whether a layer's first pass at `rows` rows is still to be timed for the link's sake: the
-        MLP deferral asks (`fit`), or `keep_attention: auto` pages attention outputs only where the
-        link keeps up (`attention_keeps_up`)."""
+        MLP deferral asks (`fit`), or a layer asked `keep_attention: auto` whether to keep its
+        attention output at this row count (long enough rows), which it does only where the link
+        keeps up (`attention_keeps_up`)."""
         if self.deferral.wants_layer_time(rows, device):
             return True
-        return self.keep_attention == "auto" and device.type == "cuda" and not self.deferral.link.timed(rows)
+        return rows in self._attention_asked and device.type == "cuda" and not self.deferral.link.timed(rows)
 
     def attention_keeps_up(self, rows: int, hidden: int, device: torch.device) -> bool:
         """`keep_attention: auto`'s link rule: a layer keeps its attention output at `rows` rows only
-        where its input and that output, paged out during its first pass, end within it
-        (`kestrel.recompute.host_link`); not while the row count is untimed. Each timed row count is
-        decided once and reported (`on_attention`)."""
+        where what its first pass pages out (its input, that output, and its MLP's gate product where
+        the MLP keeps whole rows at this row count) ends within that pass
+        (`kestrel.recompute.host_link`); not while the row count is untimed (asking marks it to be
+        timed). Each timed row count is decided once and reported (`on_attention`)."""
         known = self.attention_kept.get(rows)
         if known is not None:
             return known
-        keeps_up, why = self.deferral.link.keeps_up(rows, hidden * 2 + self.deferral.kept_per_row, device)
+        self._attention_asked.add(rows)
+        keeps_up, why = self._attention_host_room(rows, hidden)
+        if keeps_up is None:
+            per_row = hidden * 2 + self.deferral.kept_per_row + self.deferral.paged_bytes_per_row(rows)
+            keeps_up, why = self.deferral.link.keeps_up(rows, per_row, device)
         if keeps_up is not None:
             self.attention_kept[rows] = keeps_up
             if self.on_attention is not None:
                 self.on_attention(rows, keeps_up, why)
         return bool(keeps_up)
+
+    def _attention_host_room(self, rows: int, hidden: int) -> tuple[bool | None, str]:
+        """(False, why) where every layer's input and attention output at `rows` rows would pin more than
+        half the host memory available now (pinned pages cannot be swapped out, and the rest of the
+        step and the machine need room: the rule `fit` holds paged gate products to); (None, "")
+        where they fit, for the link to decide."""
+        pages = len(self._layers) * rows * (hidden * 2 + self.deferral.kept_per_row)
+        host = self.deferral.host_room()
+        if host is not None and 2 * pages <= host:
+            return None, ""
+        spare = "unknown" if host is None else f"{host / 2**30:.1f} GiB"
+        return False, (f"the layers' inputs and attention outputs would pin {pages / 2**30:.1f} GiB of host "
+                       f"memory ({spare} available)")
 
     def release(self) -> None:
         """Drop the run's CUDA graphs and give their memory back."""
@@ -287,7 +308,8 @@ def graph_mode(configured: GraphMode) -> GraphMode:
 
 def set_gradient_checkpointing(
     model: nn.Module, mode: str, cuda_graphs: GraphMode = "auto", on_decision: Callable[[Decision], None] | None = None,
-    offload_gate: float = 1.0, deferral: MLPDeferral | None = None, keep_attention: str = "off",
+    offload_gate: float = 1.0, deferral: MLPDeferral | None = None,
+    keep_attention: str = PerformanceSettings.keep_attention,
     on_attention: Callable[[int, bool, str], None] | None = None,
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
@@ -321,7 +343,7 @@ def set_gradient_checkpointing(
     spec = family_for(model.config)
     recompute = Recompute(mode == "offload", _first_decoder_layer(model, layers), chooser, gate_share(offload_gate),
                           shared_state=spec.layer_shared_state if spec is not None else None,
-                          deferral=deferral if deferral is not None else MLPDeferral(defer_mode("memory")),
+                          deferral=deferral if deferral is not None else MLPDeferral(defer_mode(PerformanceSettings.defer_mlp)),
                           keep_attention=keep_attention_mode(keep_attention))
     recompute.on_attention = on_attention
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)

@@ -130,6 +130,14 @@ class MLPDeferral:
         return (self.mode == "fit" and self.paged_layers > 0 and device.type == "cuda"
                 and rows > mlp.DEFERRED_ROWS and not self.link.timed(rows))
 
+    def paged_bytes_per_row(self, rows: int) -> int:
+        """Bytes a row that a paging layer's MLP sends over the host link at `rows` rows: its gate
+        product E (I x 2, the widest MLP's) where an MLP decided at that row count keeps whole rows;
+        0 where every one defers, none is decided yet, or no layer pages E."""
+        if not self.paged_layers:
+            return 0
+        return max((d.inter * 2 for d in self.decided.values() if d.rows == rows and not d.deferred), default=0)
+
     def record_layer_time(self, rows: int, seconds: float, decide_again: bool = True) -> None:
         """A decoder layer's first pass took `seconds` at `rows` rows: the answers given for that row
         count before it was timed are decided again at their next call, where `decide_again`

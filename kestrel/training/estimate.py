@@ -38,8 +38,9 @@ The model of memory (bytes), written for the way the engine trains:
   8B shape), and where the MLP keeps its gate product E (rows short of its deferral point, a dense
   MLP) it pages E out too, in `performance.offload_gate` of the layers: tokens x intermediate x 2
   bytes each (3.5 GiB more at 2 x 2,048 tokens on the 8B shape, against 1 GiB of inputs); with
-  `performance.keep_attention` (on; auto for rows at least as long as the hidden size), each attention
-  layer's output and logsumexp too, tokens x heads x (head_dim x 2 + 4) bytes.
+  `performance.keep_attention: on`, each attention layer's output and logsumexp too, tokens x heads x
+  (head_dim x 2 + 4) bytes (`auto`, the default, keeps them only where half the host memory then
+  available holds them with the inputs, so they are not counted as needed).
   Pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
 - mixture of experts (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): every expert's weights count (E x 3 h ie, plus the
   router's E h); QLoRA stores the experts in NF4 too (`kestrel.model.expert_quant`; the router
@@ -71,6 +72,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
+from kestrel.config import PerformanceSettings
 from kestrel.constants import DEFERRED_ROWS, PREFERENCE_METHODS
 from kestrel.model.registry import family_of
 from kestrel.recompute.gate_share import paged_gate_layers
@@ -317,7 +319,7 @@ def estimate_training_memory(
     shape: ModelShape, method: str = "lora", lora_r: int = 16, lora_targets: list[str] | None = None,
     batch_size: int = 2, max_seq_length: int = 2048, gradient_checkpointing: str = "standard",
     num_generations: int = 8, max_completion_length: int = 256, max_prompt_length: int = 512, devices: int = 1,
-    offload_gate: float = 1.0, keep_attention: str = "off",
+    offload_gate: float = 1.0, keep_attention: str = PerformanceSettings.keep_attention,
 ) -> MemoryEstimate:
     """Peak training memory of `shape` under these settings, per device of `devices` (see the
     module docstring)."""
@@ -359,7 +361,7 @@ def estimate_training_memory(
     host = 0
     if gradient_checkpointing == "offload":
         host = shape.layers * tokens * shape.hidden * 2 + _paged_gates(shape, method == "qlora", tokens, offload_gate)
-        if keep_attention == "on" or keep_attention == "auto" and length >= shape.hidden:  # outputs, logsumexps
+        if keep_attention == "on":  # outputs, logsumexps (auto keeps them only where the host has room)
             host += sum(n * tokens * shape.heads * (head_dim * 2 + 4) for n, head_dim, _ in shape.attention_kinds())
     return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host, communication, devices)
 

@@ -218,3 +218,61 @@ def test_a_led_pass_on_cuda_times_the_device_without_the_hosts_gaps() -> None:
         if got:
             break
     assert got and got[1] < eager, (got, eager)
+
+
+def _recompute(host_room: int | None, layers: int = 20, link: float = 50e9):
+    """A run's `Recompute` (offload, graphs off) over `layers` stand-in layers, `memory` deferral, the
+    attention output 1,040 bytes a row, a host link of `link` bytes/s, `host_room` bytes of host memory."""
+    from kestrel.recompute.checkpoint import Recompute
+    from kestrel.recompute.graph_choice import GraphChooser
+    from kestrel.recompute.mlp_deferral import MLPDeferral
+
+    deferral = MLPDeferral("memory", host_room=lambda: host_room, link_rate=lambda d: link)
+    deferral.kept_per_row = 1040
+    run = Recompute(True, None, GraphChooser("off"), deferral=deferral, keep_attention="auto")
+    kept = [torch.nn.Linear(1, 1) for _ in range(layers)]
+    for layer in kept:
+        run._layers.add(layer)
+    run.kept = kept  # type: ignore[attr-defined]  # the weak set's members live as long as the run
+    return run
+
+
+def test_auto_counts_the_gate_products_of_mlps_that_keep_whole_rows_at_that_row_count() -> None:
+    # 3,000 rows of hidden 1,024: input 2,048 + output 1,040 bytes a row pass a link that a paged E (I 5,632)
+    # would overrun; only the MLPs' answers at that row count count.
+    from kestrel.recompute.mlp_deferral import DeferDecision
+
+    run = _recompute(host_room=1 << 40)
+    rows, hidden = 3000, 1024
+    run.deferral.link.record(rows, rows * (hidden * 2 + 1040 + 100) / 50e9)  # room for input and output only
+    run.deferral.paged_layers = 20
+    run.deferral.decided[(rows, 5632, hidden, 0, GPU)] = DeferDecision(rows, 5632, deferred=True, reason="")
+    run.deferral.decided[(4096, 5632, hidden, 0, GPU)] = DeferDecision(4096, 5632, deferred=False, reason="")
+    assert run.attention_keeps_up(rows, hidden, GPU) is True
+    again = _recompute(host_room=1 << 40)
+    again.deferral.link.record(rows, rows * (hidden * 2 + 1040 + 100) / 50e9)
+    again.deferral.paged_layers = 20
+    again.deferral.decided[(rows, 5632, hidden, 0, GPU)] = DeferDecision(rows, 5632, deferred=False, reason="")
+    assert again.attention_keeps_up(rows, hidden, GPU) is False
+
+
+def test_auto_keeps_nothing_where_the_pages_would_pin_over_half_the_host() -> None:
+    rows, hidden = 8192, 1024
+    pages = 20 * rows * (hidden * 2 + 1040)  # every layer's input and output
+    heard: list[tuple[int, bool, str]] = []
+    for host, kept in ((2 * pages, True), (2 * pages - 1, False), (None, False)):
+        run = _recompute(host_room=host)
+        run.on_attention = lambda r, k, why: heard.append((r, k, why))
+        run.deferral.link.record(rows, 1.0)  # a slow layer: the link keeps up
+        assert run.attention_keeps_up(rows, hidden, GPU) is kept
+    assert "pin" in heard[1][2] and "GiB of host memory" in heard[1][2] and "unknown" in heard[2][2]
+
+
+def test_only_row_counts_asked_about_are_timed_for_auto() -> None:
+    run = _recompute(host_room=1 << 40)
+    assert not run._wants_layer_time(8192, GPU)  # no layer asked: short rows, or nothing to keep
+    assert run.attention_keeps_up(8192, 1024, GPU) is False  # untimed: nothing kept yet
+    assert run._wants_layer_time(8192, GPU) and not run._wants_layer_time(8192, torch.device("cpu"))
+    assert not run._wants_layer_time(4096, GPU)
+    run.deferral.link.record(8192, 1.0)
+    assert not run._wants_layer_time(8192, GPU)

@@ -138,12 +138,20 @@ def test_kept_bytes_per_row_reads_heads_and_head_size() -> None:
 
     from kestrel.model.kept_attention import kept_bytes_per_row
 
-    qwen3_like = SimpleNamespace(num_attention_heads=32, head_dim=128, hidden_size=2560)  # heads x head_dim != hidden
+    class Config(SimpleNamespace):
+        def to_dict(self) -> dict:
+            return dict(vars(self))
+
+    qwen3_like = Config(num_attention_heads=32, head_dim=128, hidden_size=2560)  # heads x head_dim != hidden
     assert kept_bytes_per_row(qwen3_like) == 32 * (128 * 2 + 4)
-    no_head_dim = SimpleNamespace(num_attention_heads=12, hidden_size=1536)
+    no_head_dim = Config(num_attention_heads=12, hidden_size=1536)
     assert kept_bytes_per_row(no_head_dim) == 12 * (128 * 2 + 4)
     image_text = SimpleNamespace(text_config=qwen3_like, vision_config=SimpleNamespace())
     assert kept_bytes_per_row(image_text) == kept_bytes_per_row(qwen3_like)
+    # layers of two head sizes (Gemma 4's per-layer config): the widest layer's pages
+    per_layer = Config(num_attention_heads=8, head_dim=256, hidden_size=1536,
+                       per_layer_config={"4": {"head_dim": 512}, "9": {"sliding_window": 512}})
+    assert kept_bytes_per_row(per_layer) == 8 * (512 * 2 + 4)
 
 
 def test_the_link_is_measured_once_a_device_and_an_unmeasured_one_defers() -> None:

@@ -15,7 +15,7 @@ from kestrel.recompute.mlp_deferral import defer_mode
 SWITCHES = [  # field, default, the run's resolver, its variable, (configured: not the default, variable value, result)
     ("cuda_graphs", "auto", graph_mode, "KESTREL_CUDA_GRAPHS", ("off", "1", "on")),
     ("defer_mlp", "memory", defer_mode, "KESTREL_DEFER_MLP", ("fit", "off", "off")),
-    ("keep_attention", "off", keep_attention_mode, "KESTREL_KEEP_ATTENTION", ("auto", "on", "on")),
+    ("keep_attention", "auto", keep_attention_mode, "KESTREL_KEEP_ATTENTION", ("off", "on", "on")),
 ]
 
 
