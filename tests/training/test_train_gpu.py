@@ -27,6 +27,18 @@ def _cfg(model: str, out: Path, **kw) -> dict:
     return {**base, **kw}
 
 
+def _hf_trains(family: str) -> bool:
+    """Whether unpatched Hugging Face can train `family` here: its linear-attention models (Qwen3.5) bind
+    flash-linear-attention at import where it is installed, whose backward refuses Hopper under
+    Triton below 3.7.1 (bench/RESULTS.md, session 18); Kestrel probes that and trains past it."""
+    from kestrel.model import linear_attention
+
+    if not family.startswith("qwen3_5"):
+        return True
+    ops = linear_attention._fla_ops()
+    return ops is None or linear_attention.fla_backward_works(torch.device("cuda"), ops[0])
+
+
 def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -36,6 +48,8 @@ def _losses(out: Path) -> list[float]:
 def test_patched_bf16_curve_matches_unpatched_on_cuda(family: str, packing: bool, tiny_model_dir, tmp_path: Path) -> None:
     if packing and family in PACKING_BLIND:
         pytest.skip("HF's own forward lets packed samples see each other here; ours keeps them apart")
+    if not _hf_trains(family):
+        pytest.skip("unpatched HF binds flash-linear-attention, whose backward refuses this GPU: no reference here")
     model = str(tiny_model_dir(family))
     fast = run(config_from_dict(_cfg(model, tmp_path / "fast", packing=packing)))
     slow = run(config_from_dict(_cfg(model, tmp_path / "slow", packing=packing, fast_kernels=False)))
@@ -76,8 +90,9 @@ def test_qlora_offload_pages_gate_products_out_and_keeps_the_curve(
     monkeypatch.setattr(checkpointing._KeptGate, "copy_out",
                         lambda self: statics.append(self.static is not None) or real_copy_out(self))
     curves = {}
-    for mode in ("standard", "offload"):
-        result = run(config_from_dict(_cfg(model, tmp_path / mode, method="qlora", gradient_checkpointing=mode)))
+    for mode in ("standard", "offload"):  # the gate product's pages alone (kept attention: its own tests)
+        result = run(config_from_dict(_cfg(model, tmp_path / mode, method="qlora", gradient_checkpointing=mode,
+                                           performance={"keep_attention": "off"})))
         assert result.status == "completed", result.error
         curves[mode] = _losses(tmp_path / mode)
     layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
