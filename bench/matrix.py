@@ -358,6 +358,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
             **({"settle": args.settle, "checkpointing": "offload" if recompute.offload else "standard",
                 "offload_gate": recompute.gate_share, "defer_mlp": recompute.deferral.mode,
                 "keep_attention": recompute.keep_attention,
+                "keep_projection": recompute.keep_projection,
                 "mlp_deferral": [d.as_metrics() for d in recompute.deferral.decided.values()],
                 "attention_kept": {str(rows): kept for rows, kept in recompute.attention_kept.items()},
                 "host_link": {"bytes_per_s": {str(d): r for d, r in recompute.deferral.link.rates.items()},

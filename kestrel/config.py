@@ -33,7 +33,7 @@ from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, PREFERENCE_METHO
 from kestrel.errors import ConfigError
 from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
-from kestrel.constants import DEFER_MODES, KEEP_ATTENTION_MODES
+from kestrel.constants import DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
 METHODS = ("qlora", "lora", "full", "grpo", *PREFERENCE_METHODS)
@@ -176,6 +176,9 @@ class PerformanceSettings:
     # least as long as the hidden size, where that pays more per byte paged than the gate product, and
     # only where the measured host link carries it within a layer's first pass, `kestrel.recompute.host_link`).
     keep_attention: str = "auto"
+    # Where a layer keeps its attention output (keep_attention), it pages its output projection's output too
+    # (hidden x 2 bytes a row more on the link), so the recompute skips that product as well (on | off).
+    keep_projection: str = "off"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,
@@ -183,6 +186,8 @@ class PerformanceSettings:
         check(0.0 <= self.offload_gate <= 1.0, f"performance.offload_gate must be 0 to 1, got {self.offload_gate}")
         check(self.keep_attention in KEEP_ATTENTION_MODES,
               f"performance.keep_attention must be one of {', '.join(KEEP_ATTENTION_MODES)}, got {self.keep_attention!r}")
+        check(self.keep_projection in KEEP_PROJECTION_MODES,
+              f"performance.keep_projection must be one of {', '.join(KEEP_PROJECTION_MODES)}, got {self.keep_projection!r}")
         check(self.defer_mlp in DEFER_MODES,
               f"performance.defer_mlp must be one of {', '.join(DEFER_MODES)}, got {self.defer_mlp!r}")
 

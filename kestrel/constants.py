@@ -17,6 +17,8 @@ DEFERRED_ROWS = 2048
 DEFER_MODES = ("memory", "fit", "off")
 # `performance.keep_attention`: when offloaded layers keep their attention output (`kestrel.model.kept_attention`)
 KEEP_ATTENTION_MODES = ("off", "auto", "on")
+# `performance.keep_projection`: whether a layer keeping its attention output keeps its output projection's too
+KEEP_PROJECTION_MODES = ("off", "on")
 # Dataset formats the reader knows (`kestrel.data.formats.FORMATS`, plus auto-detection), named
 # here so a config is checked without importing the reader (tests/test_config_limits.py keeps
 # the two lists equal).

@@ -19,7 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kestrel import kernels
 from kestrel.recompute import checkpoint as checkpointing
 from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
-from kestrel.model.kept_attention import KEPT_KWARG, stored_causal_attention
+from kestrel.model.kept_attention import KEPT_KWARG, stored_causal_attention, stored_projection
 from kestrel.model.fused_lora import fused_lora_weights, project_together
 from kestrel.model.linear_attention import SEGMENTS_KWARG
 from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
@@ -93,7 +93,7 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
             out = stored_causal_attention(q, k, v, self.scaling, store, hidden_states.shape[-1])  # plain causal rows
             if out is not None:
                 out = out.transpose(1, 2).reshape(*input_shape, -1)
-                return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
+                return stored_projection(self.o_proj, out if gate is None else out * torch.sigmoid(gate), store), None
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         eager = sys.modules[type(self).__module__].eager_attention_forward

@@ -32,7 +32,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
+from torch import nn
 
+from kestrel.kernels.lora.lora import lora_linear_known
+from kestrel.model.fused_lora import fused_lora_weights
 from kestrel.model.registry import text_config
 
 KEPT_KWARG = "kestrel_kept_attention"  # the keyword a checkpointed decoder layer hands its attention (`AttentionStore`)
@@ -201,17 +204,26 @@ class AttentionStore(Protocol):
     def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(out, lse) back on their device for the recompute, or None when nothing was kept."""
 
+    keeps_projection: bool  # whether the output projection's output is kept with them (`keep_projection`)
 
-def kept_bytes_per_row(config: Any) -> int:
+    def keep_projection(self, y: torch.Tensor) -> None:
+        """The first pass's output projection output, kept after (out, lse) were."""
+
+    def take_projection(self) -> torch.Tensor | None:
+        """That output back on its device for the recompute, or None."""
+
+
+def kept_bytes_per_row(config: Any, projection: bool = False) -> int:
     """Bytes a layer keeping its attention output pages out per token: the output, heads x head_dim
-    in 16 bits, and one fp32 logsumexp a head. `config`: the model's (an image-text one's text config
+    in 16 bits, and one fp32 logsumexp a head; with `projection` (`keep_projection`), the output
+    projection's output too, hidden x 2. `config`: the model's (an image-text one's text config
     is read). Where layers differ in head size (Gemma 4's `per_layer_config`), the widest layer's:
     one layer's pages must fit the link's time for a layer."""
     text = text_config(config).to_dict()  # a per-layer config refuses to give its attributes globally
     heads = int(text["num_attention_heads"])
     base = int(text.get("head_dim") or text["hidden_size"] // heads)
     sizes = [int(layer.get("head_dim") or base) for layer in (text.get("per_layer_config") or {}).values()]
-    return heads * (max([base, *sizes]) * 2 + 4)
+    return heads * (max([base, *sizes]) * 2 + 4) + (2 * int(text["hidden_size"]) if projection else 0)
 
 
 def worth_keeping(seq: int, hidden: int) -> bool:
@@ -268,3 +280,21 @@ def stored_causal_attention(
     kept = store.take()
     return None if kept is None else kept_attention(q, k, v, kept, scale, kernels)
 
+
+
+def stored_projection(o_proj: nn.Module, x: torch.Tensor, store: AttentionStore) -> torch.Tensor:
+    """o_proj(x) (..., hidden) of a layer whose attention output `store` kept (`stored_causal_attention` gave
+    it): where the store keeps the projection's output too (`keep_projection`), the first pass keeps it and
+    the recompute takes it back and runs no product for it, only its backward
+    (`kestrel.kernels.lora_linear_known`: o_proj must be on the fused LoRA path; otherwise it runs
+    as it is, and the kept copy goes unused)."""
+    if not store.keeps_projection:
+        return o_proj(x)
+    if not torch.is_grad_enabled():  # the first pass
+        y = o_proj(x)
+        store.keep_projection(y)
+        return y
+    known, weights = store.take_projection(), fused_lora_weights(o_proj)
+    if known is None or weights is None:
+        return o_proj(x)
+    return lora_linear_known(x, weights, known.view(*x.shape[:-1], known.shape[-1]))

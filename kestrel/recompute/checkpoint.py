@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from kestrel import env
 from kestrel.config import PerformanceSettings
-from kestrel.constants import KEEP_ATTENTION_MODES
+from kestrel.constants import KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES
 import torch
 from torch import nn
 
@@ -77,7 +77,7 @@ class LayerCheckpoint(torch.autograd.Function):
             auto = owner.keep_attention == "auto"
             ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(
                 owner.offloaded, slot=ctx.saved_input.depth % 2, only_long=auto,
-                link=owner.attention_keeps_up if auto else None)
+                link=owner.attention_keeps_up if auto else None, projection=owner.keep_projection)
         owner.gate, owner.attention = ctx.gate, ctx.attention
         try:
             with torch.no_grad():
@@ -135,6 +135,7 @@ class Recompute:
     def __init__(
         self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
         shared_state: str | None = None, deferral: MLPDeferral | None = None, keep_attention: str = "off",
+        keep_projection: bool = False,
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.deferral = deferral if deferral is not None else MLPDeferral()  # whether recomputed MLPs defer
@@ -152,6 +153,7 @@ class Recompute:
         self.recomputing = False
         self.gate: _KeptGate | None = None
         self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
+        self.keep_projection = keep_projection  # and, with it, their output projection's output
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
         self.first_pass = FirstPassTimes(chooser.clock)  # the forward's first layer's first pass, by row count
         self._sightings: dict[int, int] = {}  # rows -> training forwards seen (offload)
@@ -294,6 +296,11 @@ class Recompute:
         return list(self._layers)  # the decoder layers checkpointed through this run's recompute
 
 
+def keep_projection_mode(configured: str) -> str:
+    """The run's `keep_projection`: KESTREL_KEEP_PROJECTION (off | on, a debugging override) wins."""
+    return env.override("KESTREL_KEEP_PROJECTION", configured, KEEP_PROJECTION_MODES)
+
+
 def keep_attention_mode(configured: str) -> str:
     """The run's `keep_attention`: KESTREL_KEEP_ATTENTION (off | auto | on, a debugging override) wins."""
     return env.override("KESTREL_KEEP_ATTENTION", configured, KEEP_ATTENTION_MODES)
@@ -311,14 +318,16 @@ def set_gradient_checkpointing(
     offload_gate: float = 1.0, deferral: MLPDeferral | None = None,
     keep_attention: str = PerformanceSettings.keep_attention,
     on_attention: Callable[[int, bool, str], None] | None = None,
+    keep_projection: str = PerformanceSettings.keep_projection,
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
     `offload_gate`: the share of offloaded layers that page their MLP gate product out; `deferral`:
-    `keep_attention` (off | auto | on): offloaded layers page their causal attention's output out, so
-    their recompute runs no attention forward (KESTREL_KEEP_ATTENTION overrides; `on_attention` hears
-    `auto`'s answer for each row count, `Recompute.attention_keeps_up`); `deferral`:
-    whether a recomputed MLP defers to its backward (`kestrel.recompute.mlp_deferral`; default `memory`, or KESTREL_DEFER_MLP).
+    whether a recomputed MLP defers to its backward (`kestrel.recompute.mlp_deferral`; default `memory`, or
+    KESTREL_DEFER_MLP); `keep_attention` (off | auto | on): offloaded layers page their causal attention's
+    output out, so their recompute runs no attention forward (KESTREL_KEEP_ATTENTION overrides; `on_attention`
+    hears `auto`'s answer for each row count, `Recompute.attention_keeps_up`); `keep_projection` (off | on):
+    where they do, their output projection's output too (KESTREL_KEEP_PROJECTION overrides).
 
     Both modes checkpoint with our reentrant `LayerCheckpoint`. Hugging Face's
     `gradient_checkpointing_enable` is called with use_reentrant=False only to set HF's flags
@@ -344,12 +353,13 @@ def set_gradient_checkpointing(
     recompute = Recompute(mode == "offload", _first_decoder_layer(model, layers), chooser, gate_share(offload_gate),
                           shared_state=spec.layer_shared_state if spec is not None else None,
                           deferral=deferral if deferral is not None else MLPDeferral(defer_mode(PerformanceSettings.defer_mlp)),
-                          keep_attention=keep_attention_mode(keep_attention))
+                          keep_attention=keep_attention_mode(keep_attention),
+                          keep_projection=keep_projection_mode(keep_projection) == "on")
     recompute.on_attention = on_attention
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
         if recompute.keep_attention != "off":
-            recompute.deferral.kept_per_row = kept_bytes_per_row(model.config)
+            recompute.deferral.kept_per_row = kept_bytes_per_row(model.config, recompute.keep_projection)
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
         recompute._layers.add(layer)

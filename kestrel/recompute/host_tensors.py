@@ -270,10 +270,13 @@ class KeptAttentionOutput:
     (`_KeptGate`; `slot`: which of two, alternating by layer)."""
 
     def __init__(self, state: OffloadState, slot: int = 0, only_long: bool = False,
-                 link: Callable[[int, int, torch.device], bool] | None = None) -> None:
+                 link: Callable[[int, int, torch.device], bool] | None = None, projection: bool = False) -> None:
         self.out, self.lse = _KeptGate(state, slot), _KeptGate(state, slot)
         self.only_long = only_long  # keep only rows worth it (`kestrel.model.kept_attention.worth_keeping`)
         self.link = link  # (rows, hidden, device) -> whether the host link has room for them; None: always
+        # `keep_projection`: the output projection's output too, kept with (and only with) O and lse
+        self.proj = _KeptGate(state, slot) if projection else None
+        self.keeps_projection = projection
 
     def admits(self, seq: int, rows: int, hidden: int, device: torch.device) -> bool:
         """`kestrel.model.kept_attention.AttentionStore.admits`: long enough rows where `only_long`, and room
@@ -282,9 +285,10 @@ class KeptAttentionOutput:
             return False
         return self.link is None or self.link(rows, hidden, device)
 
-    def keepers(self) -> tuple[_KeptGate, _KeptGate]:
-        """The two kept tensors, for a CUDA-graphed layer to bind to its static buffers (`GraphedLayer`)."""
-        return self.out, self.lse
+    def keepers(self) -> tuple[_KeptGate, ...]:
+        """The kept tensors (O, lse, and the projection's output where kept), for a CUDA-graphed layer to bind
+        to its static buffers (`GraphedLayer`)."""
+        return (self.out, self.lse) if self.proj is None else (self.out, self.lse, self.proj)
 
     def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         self.out.keep(out)
@@ -295,6 +299,17 @@ class KeptAttentionOutput:
         out, lse = self.out.take(), self.lse.take()
         return None if out is None or lse is None else (out, lse)
 
+    def keep_projection(self, y: torch.Tensor) -> None:
+        """The first pass's output projection output y, after O was kept. The layer then adds its residual
+        into y in place: an eager copy out runs on the side stream, so it copies a clone; a bound buffer
+        takes its copy in stream order."""
+        if self.proj is not None:
+            self.proj.keep(y if self.proj.bound else y.clone())
+
+    def take_projection(self) -> torch.Tensor | None:
+        """The kept output projection output, back on the device for the recompute (None if not kept)."""
+        return None if self.proj is None else self.proj.take()
+
     def prefetch(self) -> None:
-        self.out.prefetch()
-        self.lse.prefetch()
+        for keeper in self.keepers():
+            keeper.prefetch()

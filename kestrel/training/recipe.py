@@ -151,7 +151,8 @@ def checkpointing_for(config: TrainConfig, model: nn.Module, world: World) -> tu
             need = estimate_training_memory(
                 shape, method, config.lora.r, config.lora.targets, rows, config.max_seq_length, "offload",
                 config.grpo.num_generations, config.grpo.max_completion_length, config.grpo.max_prompt_length,
-                1, config.performance.offload_gate, config.performance.keep_attention).offload_host_ram
+                1, config.performance.offload_gate, config.performance.keep_attention,
+                config.performance.keep_projection).offload_host_ram
     return choose_checkpointing(on_cuda, world.size, need, detect_host_memory())
 
 
@@ -181,7 +182,7 @@ def prepare_model(
     recompute = set_gradient_checkpointing(
         model, mode, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
         graph_reporter(record, cb), config.performance.offload_gate, deferral, config.performance.keep_attention,
-        attention_reporter(record, cb))
+        attention_reporter(record, cb), config.performance.keep_projection)
     if world.distributed:
         if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)

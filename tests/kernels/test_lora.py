@@ -386,3 +386,30 @@ def test_deferred_mlp_in_16_bit_matches_peft(dtype: torch.dtype, monkeypatch: py
     truth = _run(_peft_mlp("swiglu")(twin), _x(dtype).float(), _adapter_params(twin, MLP))
     assert all(g.dtype == p.dtype for g, p in zip(got[1][1:], params))
     _close(got[1], truth[1], TOL[dtype])
+
+
+@pytest.mark.parametrize("nf4_base", [False, True], ids=["16-bit", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_known_output_back_propagates_as_the_projection_without_its_product(
+    nf4_base: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A checkpoint's recompute that kept the output projection's output (`keep_projection`): lora_linear_known
+    # returns that output and gives lora_linear's gradients (x, A, B), and forms no base weight in its forward.
+    from kestrel.kernels.lora import lora as lora_module
+    from kestrel.kernels.lora.lora import lora_linear_known
+
+    block = _nf4_block(dtype) if nf4_base else _peft_block(dtype)
+    (w,) = _weights(block, ("down_proj",))
+    params = _adapter_params(block, ("down_proj",))
+    x = _x(dtype, (2, 7, w.in_features))
+    expected = _run(lambda t: lora_linear(t, w), x, params)
+    known = lora_linear(x, w).detach()
+    bases: list[int] = []
+    real_base = lora_module._base
+    monkeypatch.setattr(lora_module, "_base", lambda *a: bases.append(1) or real_base(*a))
+    monkeypatch.setattr(lora_module, "_merged", lambda *a, **k: pytest.fail("a known output formed W'"))
+    got = _run(lambda t: lora_linear_known(t, w, known), x, params, x_grad=True)
+    torch.testing.assert_close(got[0][0], expected[0][0], rtol=0, atol=0)  # the kept value itself
+    for g, e in zip(got[1], expected[1]):
+        torch.testing.assert_close(g, e, rtol=TOL[dtype], atol=TOL[dtype])
+    assert len(bases) == 1  # the backward's dX product only: none in the forward

@@ -10,15 +10,25 @@ from kestrel.model import kept_attention as kept_module
 from kestrel.recompute.host_tensors import KeptAttentionOutput, OffloadState
 
 
-def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int = 40, steps: int = 3):
-    """Losses over `steps` steps, the first step's adapter gradients, and how often each attention kernel ran."""
+def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int = 40, steps: int = 3,
+           projection: bool = False):
+    """Losses over `steps` steps, the first step's adapter gradients, and how often each attention kernel
+    ran (and, as "known", how often a recompute took the output projection's kept output instead of its product)."""
     from kestrel.config import LoraSettings
     from kestrel.model.loader import load
     from kestrel.model.lora import attach_lora
     from kestrel.recompute.checkpoint import set_gradient_checkpointing
 
     monkeypatch.delenv("KESTREL_KEEP_ATTENTION", raising=False)
-    calls = {"forward": 0, "backward": 0}
+    monkeypatch.delenv("KESTREL_KEEP_PROJECTION", raising=False)
+    calls = {"forward": 0, "backward": 0, "known": 0}
+    from kestrel.kernels import lora_linear_known as real_known
+
+    def known(*a):
+        calls["known"] += 1
+        return real_known(*a)
+
+    monkeypatch.setattr(kept_module, "lora_linear_known", known)
 
     def forward(*a):
         calls["forward"] += 1
@@ -32,7 +42,8 @@ def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int
     torch.manual_seed(0)
     model, _ = load(str(folder), 64, dtype="fp32", device="cpu")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
-    set_gradient_checkpointing(model, "offload", "off", keep_attention="on" if keep else "off")
+    set_gradient_checkpointing(model, "offload", "off", keep_attention="on" if keep else "off",
+                               keep_projection="on" if projection else "off")
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -48,15 +59,18 @@ def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int
     return losses, grads, calls
 
 
+@pytest.mark.parametrize("projection", [False, True], ids=["attention", "attention-and-projection"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_kept_attention_trains_as_recomputed_attention(family: str, tiny_model_dir, monkeypatch) -> None:
+def test_kept_attention_trains_as_recomputed_attention(family: str, projection: bool, tiny_model_dir,
+                                                       monkeypatch) -> None:
     folder = tiny_model_dir(family)
     base, base_grads, base_calls = _train(folder, False, monkeypatch)
-    kept, kept_grads, calls = _train(folder, True, monkeypatch)
-    assert base_calls == {"forward": 0, "backward": 0}  # off: SDPA in both passes
+    kept, kept_grads, calls = _train(folder, True, monkeypatch, projection=projection)
+    assert base_calls == {"forward": 0, "backward": 0, "known": 0}  # off: SDPA in both passes
     layers = 2  # the tiny models'
-    # On: one forward a layer a step (the first pass), none in the recompute; one backward a layer a step.
-    assert calls == {"forward": 3 * layers, "backward": 3 * layers}, calls
+    # On: one forward a layer a step (the first pass), none in the recompute; one backward a layer a step;
+    # with the projection kept, each recompute takes its output instead of forming it.
+    assert calls == {"forward": 3 * layers, "backward": 3 * layers, "known": 3 * layers if projection else 0}, calls
     for a, b in zip(kept, base):
         assert abs(a - b) <= 1e-5 * abs(b)
     for a, b in zip(kept_grads, base_grads, strict=True):
@@ -87,10 +101,11 @@ def test_auto_keeps_rows_at_least_as_long_as_the_hidden_size() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("qlora", "graphs"), [(False, False), (True, False), (True, True)],
-                         ids=["lora", "qlora", "qlora-graphed"])
+@pytest.mark.parametrize(("qlora", "graphs", "projection"), [
+    (False, False, "off"), (True, False, "off"), (True, True, "off"), (True, False, "on"), (True, True, "on"),
+], ids=["lora", "qlora", "qlora-graphed", "qlora-projection", "qlora-graphed-projection"])
 def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, monkeypatch, qlora: bool,
-                                                               graphs: bool) -> None:
+                                                               graphs: bool, projection: str) -> None:
     # bf16 on CUDA through cuDNN's kernels; graphed, the output and lse live in static buffers between the passes.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -108,7 +123,8 @@ def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, m
         return run
 
     monkeypatch.setattr(kept_module, "CUDNN_CAUSAL", kept_module.CausalKernels(counted("forward"), counted("backward")))
-    kept, kept_w, stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload", keep_attention="on")
+    kept, kept_w, stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload", keep_attention="on",
+                                     keep_projection=projection)
     layers, steps = 2, 4  # the tiny llama's, `train_cuda`'s
     if not graphs:  # replays call no Python: counted only eagerly
         assert calls == {"forward": layers * steps, "backward": layers * steps}, calls
