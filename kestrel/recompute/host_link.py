@@ -110,7 +110,9 @@ class FirstPassTimes:
         spin: Callable[[int], None] | None = None, host_clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.clock, self.tries, self.cycles = clock, tries, lead_cycles
-        self.spin = spin if spin is not None else torch.cuda._sleep  # holds the current stream for n clock cycles
+        # Holds the current stream for n clock cycles (torch's private `_sleep`; where a torch lacks it, passes
+        # are timed without a lead, their launch gaps included).
+        self.spin = spin if spin is not None else getattr(torch.cuda, "_sleep", None)
         self.host_clock = host_clock
         self.cycles_per_s: float | None = None
         self.running: dict[int, _PassTiming] = {}
@@ -119,8 +121,9 @@ class FirstPassTimes:
 
     def start(self, rows: int, cuda: bool) -> None:
         """Before the pass: idle the stream for a lead (CUDA), then mark the pass's start."""
-        lead = self.clock.mark() if cuda else None
-        if cuda:
+        led = cuda and self.spin is not None
+        lead = self.clock.mark() if led else None
+        if led:
             self.spin(self.leads.get(rows, self.cycles))
         self.running[rows] = _PassTiming(lead, self.clock.mark(), host_at=self.host_clock())
         self.attempts[rows] = self.attempts.get(rows, 0) + 1

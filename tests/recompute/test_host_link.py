@@ -276,3 +276,15 @@ def test_only_row_counts_asked_about_are_timed_for_auto() -> None:
     assert not run._wants_layer_time(4096, GPU)
     run.deferral.link.record(8192, 1.0)
     assert not run._wants_layer_time(8192, GPU)
+
+
+def test_without_a_spin_kernel_a_pass_is_timed_as_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A torch without `torch.cuda._sleep`: no lead, and the clock's time counts (launch gaps and all).
+    monkeypatch.delattr(torch.cuda, "_sleep", raising=False)
+    gpu, host = _Timeline(), [0.0]
+    timer = FirstPassTimes(gpu, host_clock=lambda: host[0])
+    assert timer.spin is None
+    timer.start(8192, cuda=True)
+    gpu.t, host[0] = 3e-3, 5e-3
+    timer.stop(8192)
+    assert list(timer.finished()) == [(8192, pytest.approx(3e-3))]
