@@ -159,7 +159,7 @@ class Recompute:
         self._sightings: dict[int, int] = {}  # rows -> training forwards seen (offload)
         self._ran_graphed: set[int] = set()  # row counts some forward ran as CUDA graphs
         self.attention_kept: dict[int, bool] = {}  # keep_attention auto: each timed row count's answer
-        self._attention_asked: set[int] = set()  # row counts at which a layer asked it
+        self.attention_asked: set[int] = set()  # row counts at which a layer asked it
         self.on_attention: Callable[[int, bool, str], None] | None = None  # (rows, kept, why), once a row count
 
     def pages_gate_out(self, depth: int) -> bool:
@@ -245,7 +245,7 @@ class Recompute:
         keeps up (`attention_keeps_up`)."""
         if self.deferral.wants_layer_time(rows, device):
             return True
-        return rows in self._attention_asked and device.type == "cuda" and not self.deferral.link.timed(rows)
+        return rows in self.attention_asked and device.type == "cuda" and not self.deferral.link.timed(rows)
 
     def attention_keeps_up(self, rows: int, hidden: int, device: torch.device) -> bool:
         """`keep_attention: auto`'s link rule: a layer keeps its attention output at `rows` rows only
@@ -256,7 +256,7 @@ class Recompute:
         known = self.attention_kept.get(rows)
         if known is not None:
             return known
-        self._attention_asked.add(rows)
+        self.attention_asked.add(rows)
         keeps_up, why = self._attention_host_room(rows, hidden)
         if keeps_up is None:
             per_row = hidden * 2 + self.deferral.kept_per_row + self.deferral.paged_bytes_per_row(rows)
@@ -360,6 +360,8 @@ def set_gradient_checkpointing(
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
         if recompute.keep_attention != "off":
             recompute.deferral.kept_per_row = kept_bytes_per_row(model.config, recompute.keep_projection)
+            if recompute.keep_attention == "auto":  # kept only at row counts a layer asked about
+                recompute.deferral.attention_rows = recompute.attention_asked
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
         recompute._layers.add(layer)

@@ -121,6 +121,9 @@ class MLPDeferral:
         self.link = HostLink(link_rate)  # the run's host link (`Recompute` times its layers through it)
         self.paged_layers = 0
         self.kept_per_row = 0  # bytes a paging layer sends per row beside E and its input (kept attention)
+        # keep_attention auto: the row counts at which a layer asked to keep (long enough rows); kept_per_row
+        # counts at those alone. None: at every row count (keep_attention on)
+        self.attention_rows: set[int] | None = None
         self.reported: dict[tuple, DeferDecision] = {}  # each MLP width's last reported answer
         self.decided: dict[tuple[int, int, int, int, torch.device], DeferDecision] = {}
 
@@ -188,7 +191,8 @@ class MLPDeferral:
                                  f"{pages / 2**30:.1f} GiB of host memory ({spare} available): deferred")
         if not pages:
             return DeferDecision(rows, inter, False, f"{need}: fits, whole rows (faster)")
-        keeps_up, link = self.link.keeps_up(rows, (inter + hidden) * 2 + self.kept_per_row, device)
+        kept = self.kept_per_row if self.attention_rows is None or rows in self.attention_rows else 0
+        keeps_up, link = self.link.keeps_up(rows, (inter + hidden) * 2 + kept, device)
         if keeps_up is None:
             return DeferDecision(rows, inter, True, f"{need}: deferred until a layer's first pass at "
                                  "this row count is timed", untimed=True)

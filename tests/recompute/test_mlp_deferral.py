@@ -131,6 +131,14 @@ def test_kept_attention_pages_count_against_the_link() -> None:
     keeping.kept_per_row = 32 * (128 * 2 + 4)
     assert not alone.defers(8192, GATE, UP, GPU)
     assert keeping.defers(8192, GATE, UP, GPU) and "longer than" in seen[0].reason
+    # keep_attention auto keeps only at row counts a layer asked about (long enough rows): elsewhere the
+    # output's bytes do not ride along
+    auto, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
+    auto.kept_per_row, auto.attention_rows = keeping.kept_per_row, set()
+    assert not auto.defers(8192, GATE, UP, GPU)
+    asked, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
+    asked.kept_per_row, asked.attention_rows = keeping.kept_per_row, {8192}
+    assert asked.defers(8192, GATE, UP, GPU)
 
 
 def test_kept_bytes_per_row_reads_heads_and_head_size() -> None:
