@@ -257,28 +257,17 @@ class Recompute:
         if known is not None:
             return known
         self.attention_asked.add(rows)
-        keeps_up, why = self._attention_host_room(rows, hidden)
-        if keeps_up is None:
-            per_row = hidden * 2 + self.deferral.kept_per_row + self.deferral.paged_bytes_per_row(rows)
-            keeps_up, why = self.deferral.link.keeps_up(rows, per_row, device)
+        per_row = hidden * 2 + self.deferral.kept_per_row + self.deferral.paged_bytes_per_row(rows)
+        keeps_up, why = self.deferral.link.keeps_up(rows, per_row, device)
+        if keeps_up:  # the link carries them; the host must hold every layer's (`MLPDeferral.host_short`)
+            short = self.deferral.host_short(len(self._layers) * rows * (hidden * 2 + self.deferral.kept_per_row))
+            if short is not None:
+                keeps_up, why = False, f"the layers' inputs and attention outputs {short}"
         if keeps_up is not None:
             self.attention_kept[rows] = keeps_up
             if self.on_attention is not None:
                 self.on_attention(rows, keeps_up, why)
         return bool(keeps_up)
-
-    def _attention_host_room(self, rows: int, hidden: int) -> tuple[bool | None, str]:
-        """(False, why) where every layer's input and attention output at `rows` rows would pin more than
-        half the host memory available now (pinned pages cannot be swapped out, and the rest of the
-        step and the machine need room: the rule `fit` holds paged gate products to); (None, "")
-        where they fit, for the link to decide."""
-        pages = len(self._layers) * rows * (hidden * 2 + self.deferral.kept_per_row)
-        host = self.deferral.host_room()
-        if host is not None and 2 * pages <= host:
-            return None, ""
-        spare = "unknown" if host is None else f"{host / 2**30:.1f} GiB"
-        return False, (f"the layers' inputs and attention outputs would pin {pages / 2**30:.1f} GiB of host "
-                       f"memory ({spare} available)")
 
     def release(self) -> None:
         """Drop the run's CUDA graphs and give their memory back."""

@@ -276,7 +276,10 @@ class KeptAttentionOutput:
         self.link = link  # (rows, hidden, device) -> whether the host link has room for them; None: always
         # `keep_projection`: the output projection's output too, kept with (and only with) O and lse
         self.proj = _KeptGate(state, slot) if projection else None
-        self.keeps_projection = projection
+
+    @property
+    def keeps_projection(self) -> bool:
+        return self.proj is not None
 
     def admits(self, seq: int, rows: int, hidden: int, device: torch.device) -> bool:
         """`kestrel.model.kept_attention.AttentionStore.admits`: long enough rows where `only_long`, and room

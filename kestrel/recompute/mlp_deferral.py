@@ -133,6 +133,17 @@ class MLPDeferral:
         return (self.mode == "fit" and self.paged_layers > 0 and device.type == "cuda"
                 and rows > mlp.DEFERRED_ROWS and not self.link.timed(rows))
 
+    def host_short(self, pages: int) -> str | None:
+        """Why pinning `pages` more bytes of host memory is refused (more than half the host memory
+        available now, or that is unknown: pinned pages cannot be swapped out, and the rest of the step
+        and the machine need room), or None where they fit. For paged gate products here and kept
+        attention outputs (`Recompute.attention_keeps_up`)."""
+        host = self.host_room()
+        if host is not None and 2 * pages <= host:
+            return None
+        spare = "unknown" if host is None else f"{host / 2**30:.1f} GiB"
+        return f"would pin {pages / 2**30:.1f} GiB of host memory ({spare} available)"
+
     def paged_bytes_per_row(self, rows: int) -> int:
         """Bytes a row that a paging layer's MLP sends over the host link at `rows` rows: its gate
         product E (I x 2, the widest MLP's) where an MLP decided at that row count keeps whole rows;
@@ -184,11 +195,9 @@ class MLPDeferral:
         if 2 * extra > room:
             return DeferDecision(rows, inter, True, f"{need}: would not fit, deferred")
         pages = self.paged_layers * rows * inter * 2  # E of each paging layer, 16-bit
-        host = self.host_room() if pages else None
-        if pages and (host is None or 2 * pages > host):
-            spare = "unknown" if host is None else f"{host / 2**30:.1f} GiB"
-            return DeferDecision(rows, inter, True, f"{need}, but paging their gate products would pin "
-                                 f"{pages / 2**30:.1f} GiB of host memory ({spare} available): deferred")
+        short = self.host_short(pages) if pages else None
+        if short is not None:
+            return DeferDecision(rows, inter, True, f"{need}, but paging their gate products {short}: deferred")
         if not pages:
             return DeferDecision(rows, inter, False, f"{need}: fits, whole rows (faster)")
         kept = self.kept_per_row if self.attention_rows is None or rows in self.attention_rows else 0

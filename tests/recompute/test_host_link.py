@@ -270,8 +270,11 @@ def test_auto_keeps_nothing_where_the_pages_would_pin_over_half_the_host() -> No
 
 def test_only_row_counts_asked_about_are_timed_for_auto() -> None:
     run = _recompute(host_room=1 << 40)
+    reads: list[int] = []
+    run.deferral.host_room = lambda: reads.append(1) or 1 << 40
     assert not run._wants_layer_time(8192, GPU)  # no layer asked: short rows, or nothing to keep
     assert run.attention_keeps_up(8192, 1024, GPU) is False  # untimed: nothing kept yet
+    assert reads == []  # every layer asks while untimed: the host's memory is read only once the link answers
     assert run._wants_layer_time(8192, GPU) and not run._wants_layer_time(8192, torch.device("cpu"))
     assert not run._wants_layer_time(4096, GPU)
     run.deferral.link.record(8192, 1.0)

@@ -377,11 +377,12 @@ class _LoRAProjections(torch.autograd.Function):
         return tuple(grads)
 
 
-class _KnownProjection(torch.autograd.Function):
+class _KnownProjection(_LoRAProjections):
     """Y = X W^T + b + s (X A^T) B^T whose value is already known (`known`: the first pass's, kept by a
     checkpoint): the forward forms only the rank-r X A^T that dB needs, no base product, and returns
-    `known`; the backward is `_LoRAProjections`' (module docstring). `known` is not an input of the
-    Function: its memory is the kept buffer's, and it takes no gradient."""
+    `known`; the backward is `_LoRAProjections`' own (its arguments sit where that one's do: x, then
+    `known` in place of `grad`, the biases, the fields). `known` is not an input of the Function: its
+    memory is the kept buffer's, and it takes no gradient."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, known: tuple[torch.Tensor], biases: tuple[torch.Tensor | None, ...],
@@ -395,17 +396,6 @@ class _KnownProjection(torch.autograd.Function):
         ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape
         y = known[0]
         return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, xa, a, *rest = ctx.saved_tensors
-        ws, dtype = _rebuild(rest, ctx.meta), ctx.dtype
-        grads: list[torch.Tensor | None] = [None] * (3 + _FIELDS * len(ws))  # x, known, biases, fields
-        with torch.autocast(x2.device.type, enabled=False):
-            dx = _group_backward(ctx, 3, [dy.reshape(-1, dy.shape[-1]).to(dtype)], x2, xa, a, ws, dtype, grads)
-        if dx is not None:
-            grads[0] = dx.view(ctx.x_shape).to(ctx.x_dtype)
-        return tuple(grads)
 
 
 def lora_linear_known(x: torch.Tensor, w: LoRAWeights, known: torch.Tensor) -> torch.Tensor:
