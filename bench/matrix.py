@@ -361,6 +361,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
                 "keep_projection": recompute.keep_projection,
                 "mlp_deferral": [d.as_metrics() for d in recompute.deferral.decided.values()],
                 "attention_kept": {str(rows): kept for rows, kept in recompute.attention_kept.items()},
+                "projection_kept": {str(rows): kept for rows, kept in recompute.projection_kept.items()},
                 "host_link": {"bytes_per_s": {str(d): r for d, r in recompute.deferral.link.rates.items()},
                               "layer_seconds": {str(rows): s for rows, s in recompute.deferral.link.layer_seconds.items()}},
                 } if kestrel else {}),

@@ -177,8 +177,9 @@ class PerformanceSettings:
     # only where the measured host link carries it within a layer's first pass, `kestrel.recompute.host_link`).
     keep_attention: str = "auto"
     # Where a layer keeps its attention output (keep_attention), it pages its output projection's output too
-    # (hidden x 2 bytes a row more on the link), so the recompute skips that product as well (on | off).
-    keep_projection: str = "off"
+    # (hidden x 2 bytes a row more on the link), so the recompute skips that product as well (on | off); under
+    # keep_attention auto, only where the measured link carries those bytes too (else the attention output alone).
+    keep_projection: str = "on"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,

@@ -77,7 +77,7 @@ class LayerCheckpoint(torch.autograd.Function):
             auto = owner.keep_attention == "auto"
             ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(
                 owner.offloaded, slot=ctx.saved_input.depth % 2, only_long=auto,
-                link=owner.attention_keeps_up if auto else None, projection=owner.keep_projection)
+                link=owner.attention_keeps_up if auto else None, projection=owner.projection_at(hidden))
         owner.gate, owner.attention = ctx.gate, ctx.attention
         try:
             with torch.no_grad():
@@ -154,11 +154,15 @@ class Recompute:
         self.gate: _KeptGate | None = None
         self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
         self.keep_projection = keep_projection  # and, with it, their output projection's output
+        # Bytes a row of what a keeping layer pages beside its input: the attention output with its
+        # logsumexp, and the output projection's output (0 unless `keep_projection`)
+        self.attention_bytes, self.projection_bytes = 0, 0
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
         self.first_pass = FirstPassTimes(chooser.clock)  # the forward's first layer's first pass, by row count
         self._sightings: dict[int, int] = {}  # rows -> training forwards seen (offload)
         self._ran_graphed: set[int] = set()  # row counts some forward ran as CUDA graphs
         self.attention_kept: dict[int, bool] = {}  # keep_attention auto: each timed row count's answer
+        self.projection_kept: dict[int, bool] = {}  # and whether its output projection's output rides along
         self.attention_asked: set[int] = set()  # row counts at which a layer asked it
         self.on_attention: Callable[[int, bool, str], None] | None = None  # (rows, kept, why), once a row count
 
@@ -252,22 +256,63 @@ class Recompute:
         where what its first pass pages out (its input, that output, and its MLP's gate product where
         the MLP keeps whole rows at this row count) ends within that pass
         (`kestrel.recompute.host_link`); not while the row count is untimed (asking marks it to be
-        timed). Each timed row count is decided once and reported (`on_attention`)."""
+        timed). With `keep_projection`, the output projection's output rides along only where the
+        link has room for it too; where it has room for the attention output alone, that alone is
+        kept (`projection_kept`). Each timed row count is decided once and reported (`on_attention`)."""
         known = self.attention_kept.get(rows)
         if known is not None:
             return known
         self.attention_asked.add(rows)
-        per_row = hidden * 2 + self.deferral.kept_per_row + self.deferral.paged_bytes_per_row(rows)
-        keeps_up, why = self.deferral.link.keeps_up(rows, per_row, device)
-        if keeps_up:  # the link carries them; the host must hold every layer's (`MLPDeferral.host_short`)
-            short = self.deferral.host_short(len(self._layers) * rows * (hidden * 2 + self.deferral.kept_per_row))
-            if short is not None:
-                keeps_up, why = False, f"the layers' inputs and attention outputs {short}"
+        keeps_up, why = self._fits(rows, hidden, device, self.attention_bytes + self.projection_bytes)
+        projection = bool(keeps_up) and self.projection_bytes > 0
+        if keeps_up is False and self.projection_bytes:
+            keeps_up, alone = self._fits(rows, hidden, device, self.attention_bytes)
+            why = f"with the output projection's output: {why}; without it: {alone}"
         if keeps_up is not None:
-            self.attention_kept[rows] = keeps_up
+            self.attention_kept[rows], self.projection_kept[rows] = keeps_up, projection
             if self.on_attention is not None:
-                self.on_attention(rows, keeps_up, why)
+                self.on_attention(rows, keeps_up, why + ("; the output projection's output too" if projection else ""))
         return bool(keeps_up)
+
+    def _fits(self, rows: int, hidden: int, device: torch.device, kept: int) -> tuple[bool | None, str]:
+        """Whether a layer paging its input and `kept` bytes a row more (with its MLP's gate product
+        where whole rows are kept at `rows`) ends within its first pass (None: untimed), and the
+        host holds every layer's pages (`MLPDeferral.host_short`); and why."""
+        per_row = hidden * 2 + kept + self.deferral.paged_bytes_per_row(rows)
+        keeps_up, why = self.deferral.link.keeps_up(rows, per_row, device)
+        if keeps_up:  # the link carries them; the host must hold every layer's
+            short = self.deferral.host_short(len(self._layers) * rows * (hidden * 2 + kept))
+            if short is not None:
+                return False, f"the layers' inputs and kept outputs {short}"
+        return keeps_up, why
+
+    def projection_at(self, hidden: torch.Tensor) -> bool:
+        """Whether a layer checkpointing `hidden` (..., hidden size) keeps its output projection's
+        output with its attention output: `keep_projection` with `keep_attention: on`; under `auto`, the
+        answer for its row count (`attention_keeps_up`), decided here where a layer already asked and
+        the link is timed, so each layer of a forward gets the same answer; no while undecided (the
+        attention output is then not kept either)."""
+        if not self.keep_projection or self.keep_attention == "off":
+            return False
+        if self.keep_attention == "on":
+            return True
+        rows = hidden.numel() // max(hidden.shape[-1], 1)
+        if rows not in self.attention_kept and rows in self.attention_asked:
+            self.attention_keeps_up(rows, hidden.shape[-1], hidden.device)
+        return self.projection_kept.get(rows, False)
+
+    def kept_bytes_at(self, rows: int) -> int:
+        """Bytes a row that a keeping layer pages beside its input at `rows` rows (`MLPDeferral.kept_bytes`):
+        what `keep_attention` keeps there; under `auto`, what was decided, or the attention output alone
+        where a layer asked and nothing is decided yet (the projection's output yields to whole MLP rows)."""
+        if self.keep_attention == "off":
+            return 0
+        if self.keep_attention == "on":
+            return self.attention_bytes + self.projection_bytes
+        if rows in self.attention_kept:
+            kept = self.attention_kept[rows]
+            return kept * self.attention_bytes + self.projection_kept.get(rows, False) * self.projection_bytes
+        return self.attention_bytes if rows in self.attention_asked else 0
 
     def release(self) -> None:
         """Drop the run's CUDA graphs and give their memory back."""
@@ -348,9 +393,9 @@ def set_gradient_checkpointing(
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
         if recompute.keep_attention != "off":
-            recompute.deferral.kept_per_row = kept_bytes_per_row(model.config, recompute.keep_projection)
-            if recompute.keep_attention == "auto":  # kept only at row counts a layer asked about
-                recompute.deferral.attention_rows = recompute.attention_asked
+            recompute.attention_bytes = kept_bytes_per_row(model.config)
+            recompute.projection_bytes = kept_bytes_per_row(model.config, recompute.keep_projection) - recompute.attention_bytes
+            recompute.deferral.kept_bytes = recompute.kept_bytes_at
     for layer in layers:
         layer._gradient_checkpointing_func = recompute
         recompute._layers.add(layer)

@@ -25,7 +25,7 @@ gate and up weights a deferred NF4 MLP keeps (`kestrel.kernels.lora.mlp.extra_by
   to read, and `fit` keeps the memory rule. Where E is paged, its device need counts the two static
   (rows, I) buffers a CUDA-graphed layer pages E through. The host link: a paging layer sends E and
   its own input out, rows x (I + H) x 2 bytes (and its attention output where `keep_attention`
-  keeps it, `kept_per_row`), on one copy stream while the layers above compute. A graphed layer
+  keeps it, `kept_bytes`), on one copy stream while the layers above compute. A graphed layer
   pages E through two alternating static buffers, so its copy must end before the layer two above
   reuses the buffer: the forward then runs a layer per max(first pass, copy), and where the copy is
   the longer, whole rows lose more than the recompute's gate product saves them (a 1B model with a
@@ -120,10 +120,9 @@ class MLPDeferral:
         self.mode, self.headroom, self.on_decision, self.host_room = mode, headroom, on_decision, host_room
         self.link = HostLink(link_rate)  # the run's host link (`Recompute` times its layers through it)
         self.paged_layers = 0
-        self.kept_per_row = 0  # bytes a paging layer sends per row beside E and its input (kept attention)
-        # keep_attention auto: the row counts at which a layer asked to keep (long enough rows); kept_per_row
-        # counts at those alone. None: at every row count (keep_attention on)
-        self.attention_rows: set[int] | None = None
+        # rows -> bytes a row that a paging layer sends beside E and its input at that row count (kept
+        # attention: `Recompute.kept_bytes_at`)
+        self.kept_bytes: Callable[[int], int] = lambda rows: 0
         self.reported: dict[tuple, DeferDecision] = {}  # each MLP width's last reported answer
         self.decided: dict[tuple[int, int, int, int, torch.device], DeferDecision] = {}
 
@@ -200,8 +199,7 @@ class MLPDeferral:
             return DeferDecision(rows, inter, True, f"{need}, but paging their gate products {short}: deferred")
         if not pages:
             return DeferDecision(rows, inter, False, f"{need}: fits, whole rows (faster)")
-        kept = self.kept_per_row if self.attention_rows is None or rows in self.attention_rows else 0
-        keeps_up, link = self.link.keeps_up(rows, (inter + hidden) * 2 + kept, device)
+        keeps_up, link = self.link.keeps_up(rows, (inter + hidden) * 2 + self.kept_bytes(rows), device)
         if keeps_up is None:
             return DeferDecision(rows, inter, True, f"{need}: deferred until a layer's first pass at "
                                  "this row count is timed", untimed=True)

@@ -220,16 +220,19 @@ def test_a_led_pass_on_cuda_times_the_device_without_the_hosts_gaps() -> None:
     assert got and got[1] < eager, (got, eager)
 
 
-def _recompute(host_room: int | None, layers: int = 20, link: float = 50e9):
+def _recompute(host_room: int | None, layers: int = 20, link: float = 50e9, projection: int = 0):
     """A run's `Recompute` (offload, graphs off) over `layers` stand-in layers, `memory` deferral, the
-    attention output 1,040 bytes a row, a host link of `link` bytes/s, `host_room` bytes of host memory."""
+    attention output 1,040 bytes a row (and the output projection's `projection` bytes, kept where
+    nonzero), a host link of `link` bytes/s, `host_room` bytes of host memory."""
     from kestrel.recompute.checkpoint import Recompute
     from kestrel.recompute.graph_choice import GraphChooser
     from kestrel.recompute.mlp_deferral import MLPDeferral
 
     deferral = MLPDeferral("memory", host_room=lambda: host_room, link_rate=lambda d: link)
-    deferral.kept_per_row = 1040
-    run = Recompute(True, None, GraphChooser("off"), deferral=deferral, keep_attention="auto")
+    run = Recompute(True, None, GraphChooser("off"), deferral=deferral, keep_attention="auto",
+                    keep_projection=projection > 0)
+    run.attention_bytes, run.projection_bytes = 1040, projection
+    deferral.kept_bytes = run.kept_bytes_at
     kept = [torch.nn.Linear(1, 1) for _ in range(layers)]
     for layer in kept:
         run._layers.add(layer)
@@ -291,3 +294,36 @@ def test_without_a_spin_kernel_a_pass_is_timed_as_it_ran(monkeypatch: pytest.Mon
     gpu.t, host[0] = 3e-3, 5e-3
     timer.stop(8192)
     assert list(timer.finished()) == [(8192, pytest.approx(3e-3))]
+
+
+def test_auto_keeps_the_projection_output_only_where_the_link_has_room_for_it_too() -> None:
+    # 8,192 rows of hidden 1,024: input 2,048 + attention 1,040 bytes a row fit a first pass that the
+    # projection's 2,048 bytes more would overrun; there the attention output alone is kept.
+    rows, hidden = 8192, 1024
+    heard: list[tuple[int, bool, str]] = []
+    for room, kept, projection in ((2048 + 1040 + 2048, True, True), (2048 + 1040, True, False), (2048, False, False)):
+        run = _recompute(host_room=1 << 40, projection=2048)
+        run.on_attention = lambda r, k, why: heard.append((r, k, why))
+        run.deferral.link.record(rows, rows * (room + 10) / 50e9)
+        stand_in = torch.empty(1, rows, hidden, device="meta")
+        assert run.projection_at(stand_in) is False  # no layer asked at this row count: nothing kept
+        assert run.attention_keeps_up(rows, hidden, GPU) is kept
+        assert run.projection_at(stand_in) is projection and run.projection_kept[rows] is projection
+        assert run.kept_bytes_at(rows) == kept * 1040 + projection * 2048
+    assert "output projection's output too" in heard[0][2]
+    assert "without it" in heard[1][2] and "without it" in heard[2][2]
+
+
+def test_a_layer_learns_the_projection_answer_before_its_first_pass_where_the_link_is_timed() -> None:
+    # Timed and asked, but not yet decided (the answer comes at a forward's first layer): the store a
+    # layer's checkpoint makes gets the decided answer, as every later layer's will.
+    rows, hidden = 8192, 1024
+    run = _recompute(host_room=1 << 40, projection=2048)
+    assert run.attention_keeps_up(rows, hidden, GPU) is False  # untimed: asked
+    run.deferral.link.record(rows, 1.0)
+    assert rows not in run.attention_kept
+    assert run.projection_at(torch.empty(1, rows, hidden, device="meta")) is True and run.attention_kept[rows]
+    forced = _recompute(host_room=1 << 40, projection=2048)
+    forced.keep_attention = "on"
+    assert forced.projection_at(torch.empty(1, 8, hidden, device="meta")) is True
+    assert forced.kept_bytes_at(8) == 1040 + 2048

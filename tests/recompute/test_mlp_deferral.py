@@ -128,17 +128,20 @@ def test_kept_attention_pages_count_against_the_link() -> None:
     alone, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
     keeping, seen = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link,
                             layer_s=PAGED / link)
-    keeping.kept_per_row = 32 * (128 * 2 + 4)
+    keeping.kept_bytes = lambda rows: 32 * (128 * 2 + 4)
     assert not alone.defers(8192, GATE, UP, GPU)
     assert keeping.defers(8192, GATE, UP, GPU) and "longer than" in seen[0].reason
-    # keep_attention auto keeps only at row counts a layer asked about (long enough rows): elsewhere the
-    # output's bytes do not ride along
-    auto, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
-    auto.kept_per_row, auto.attention_rows = keeping.kept_per_row, set()
-    assert not auto.defers(8192, GATE, UP, GPU)
-    asked, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
-    asked.kept_per_row, asked.attention_rows = keeping.kept_per_row, {8192}
-    assert asked.defers(8192, GATE, UP, GPU)
+    # keep_attention auto keeps only at row counts a layer asked about (long enough rows), what was decided
+    # there once decided: elsewhere the output's bytes do not ride along
+    from kestrel.recompute.checkpoint import Recompute
+    from kestrel.recompute.graph_choice import GraphChooser
+
+    for asked, decided, defers in ((set(), {}, False), ({8192}, {}, True), ({8192}, {8192: False}, False)):
+        auto, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
+        run = Recompute(True, None, GraphChooser("off"), deferral=auto, keep_attention="auto")
+        run.attention_bytes, run.attention_asked, run.attention_kept = 32 * (128 * 2 + 4), asked, decided
+        auto.kept_bytes = run.kept_bytes_at
+        assert auto.defers(8192, GATE, UP, GPU) is defers, (asked, decided)
 
 
 def test_kept_bytes_per_row_reads_heads_and_head_size() -> None:

@@ -16,7 +16,7 @@ SWITCHES = [  # field, default, the run's resolver, its variable, (configured: n
     ("cuda_graphs", "auto", graph_mode, "KESTREL_CUDA_GRAPHS", ("off", "1", "on")),
     ("defer_mlp", "memory", defer_mode, "KESTREL_DEFER_MLP", ("fit", "off", "off")),
     ("keep_attention", "auto", keep_attention_mode, "KESTREL_KEEP_ATTENTION", ("off", "on", "on")),
-    ("keep_projection", "off", keep_projection_mode, "KESTREL_KEEP_PROJECTION", ("on", "off", "off")),
+    ("keep_projection", "on", keep_projection_mode, "KESTREL_KEEP_PROJECTION", ("off", "on", "on")),
 ]
 
 
