@@ -305,7 +305,8 @@ def graph_report(recompute: Any, system: str, cuda_graphs: str) -> dict[str, Any
     chooser = recompute.chooser if recompute is not None else None
     return {"cuda_graphs": FORCED_GRAPHS.get(system, cuda_graphs),
             "graph_decisions": [dataclasses.asdict(d) for d in chooser.decisions()] if chooser else [],
-            "graph_layouts_seen": len(chooser.layouts) if chooser else 0, "layer_graphs": recompute.graphs.stats() if recompute else None}
+            "graph_layouts_seen": len(chooser.layouts) if chooser else 0, "layer_graphs": recompute.graphs.stats() if recompute else None,
+            "graph_warnings": sorted(recompute.graphs.warned) if recompute else []}
 
 
 def adapted(model: Any) -> dict[str, Any]:

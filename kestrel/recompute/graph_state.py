@@ -45,6 +45,7 @@ class _Device:
     buffers: StaticBuffers
     pool: Any
     stream: torch.cuda.Stream
+    keeper: torch.cuda.CUDAGraph | None = None  # holds `pool` while the device's graphs come and go (`_pool_keeper`)
 
 
 # --- Per-layer graphs ----------------------------------------------------------------------------

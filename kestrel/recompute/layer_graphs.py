@@ -66,7 +66,8 @@ class GraphRegistry:
     def device(self, device: torch.device) -> _Device:
         if device not in self.devices:
             drop = _weak_call(self.drop_viewing)  # weak: the registry's memory goes when it does
-            self.devices[device] = _Device(StaticBuffers(drop), torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+            self.devices[device] = _Device(StaticBuffers(drop), pool, stream, _pool_keeper(pool, stream))
         return self.devices[device]
 
     def drop_viewing(self, old: torch.Tensor) -> None:
@@ -411,6 +412,22 @@ class GraphedLayer:
                        "it runs eagerly")
             return None
         return graph
+
+
+def _pool_keeper(pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
+    """A one-kernel graph captured into the graphs' shared `pool`, held as long as the device's entry, so
+    the pool always has a user. The caching allocator counts a private pool's graphs; once the last is
+    destroyed (static buffers outgrown: `drop_viewing`) a pool it has not yet freed, as under expandable
+    segments, makes the next capture into it fail an internal assert (`use_count > 0`), and every layer
+    would then run eagerly. None where it does not capture (that capture's own failure shows then)."""
+    flag = torch.zeros(1, device=stream.device)  # outside the pool: the graph allocates nothing
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            flag.zero_()
+    except RuntimeError:
+        return None
+    return graph
 
 
 def _warm_stream(stream: torch.cuda.Stream) -> None:
