@@ -64,10 +64,10 @@
 #             (1 0.5 0: the share of layers that page it out), one process each, into $OUT/gate-<share>.jsonl,
 #             then a line a record. On a card whose host link is slow against its matrix rate,
 #             a forward whose copies out take longer than its work waits for them (bench/RESULTS.md, session 35)
-#   expand    reserved memory with the caching allocator's expandable segments: Kestrel (auto) on EXPAND_MODELS
-#             (qwen3-0.6b,llama-3.2-1b) QLoRA padded and packed, without and then with
-#             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, one process a cell (records say `alloc_conf`): on the
-#             small models Kestrel's reserved peak is 0.1-0.5 GiB over Unsloth's while its allocated peak is not
+#   expand    reserved memory and speed with torch's fixed segments against expandable ones (`performance.cuda_allocator`,
+#             expandable by default since session 39): Kestrel (auto) on EXPAND_MODELS (qwen3-0.6b,llama-3.2-1b) QLoRA,
+#             EXPAND_LAYOUTS (padded,packed), PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False then :True (the variable
+#             wins over the run's setting), one process a cell (records say `alloc_conf` and `cuda_allocator`)
 #   gradprod  the adapters' fp32 weight-gradient products at GRAD_SHAPE's (qwen2.5-7b) shapes: cuBLAS with an fp32
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
 #   defer     the recomputed MLP deferred to its backward wherever that saves memory (KESTREL_DEFER_MLP=memory, the
@@ -224,7 +224,7 @@ for want in "$@"; do
                       -p no:cacheprovider -rf tests/kernels/test_short_conv.py" ;;
         moedecode) phase moedecode 240 python bench/moe_decode.py --out "$OUT/moe_decode.json" ;;
         expand)   for way in off on; do
-                      conf=""; [ "$way" = on ] && conf="expandable_segments:True"
+                      conf="expandable_segments:False"; [ "$way" = on ] && conf="expandable_segments:True"
                       phase "expand-$way" 280 env PYTORCH_CUDA_ALLOC_CONF="$conf" python bench/matrix.py \
                           --models "$EXPAND_MODELS" --methods qlora --layouts "${EXPAND_LAYOUTS:-padded,packed}" --systems kestrel --settle 160 \
                           --budget-s 200 --hard-s 270 --out "$OUT/expand-$way.jsonl"; done

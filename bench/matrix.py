@@ -334,7 +334,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
     name, method, layout, system = args.cell.split(",")
     from bench.train import SPEC_PEAK_TFLOPS, _import_first
 
-    _import_first("kestrel" if system.startswith("kestrel") else system)
+    allocator = _import_first("kestrel" if system.startswith("kestrel") else system)
     import torch
 
     torch.cuda.reset_peak_memory_stats()
@@ -367,7 +367,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
                               "layer_seconds": {str(rows): s for rows, s in recompute.deferral.link.layer_seconds.items()}},
                 } if kestrel else {}),
             "batches": args.batches, "seed": args.seed, "versions": _versions(),
-            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **expert_storage(model), **adapted(model),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "cuda_allocator": allocator, **expert_storage(model), **adapted(model),
             **graph_report(recompute, system, args.cuda_graphs)}
 
 

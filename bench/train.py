@@ -197,14 +197,19 @@ def _host_rss_gib() -> float:
     return float("nan")
 
 
-def _import_first(impl: str) -> None:
+def _import_first(impl: str) -> str:
     """Import the implementation's package before anything touches CUDA, as its users would:
     Unsloth sets torch's CUDA allocator to expandable segments on import, which only counts
-    when torch's allocator has not started yet."""
+    when torch's allocator has not started yet; a Kestrel run sets its own (`performance.cuda_allocator`)
+    before it loads anything. Returns Kestrel's allocator setting ("" for the others)."""
     if impl == "kestrel":
-        import kestrel  # noqa: F401
-    elif impl == "unsloth":
+        from kestrel.config import PerformanceSettings
+        from kestrel.training.cuda_allocator import apply_cuda_allocator
+
+        return apply_cuda_allocator(PerformanceSettings.cuda_allocator)
+    if impl == "unsloth":
         import unsloth  # noqa: F401
+    return ""
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -33,7 +33,7 @@ from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, PREFERENCE_METHO
 from kestrel.errors import ConfigError
 from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
-from kestrel.constants import DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES
+from kestrel.constants import CUDA_ALLOCATORS, DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
 METHODS = ("qlora", "lora", "full", "grpo", *PREFERENCE_METHODS)
@@ -180,6 +180,9 @@ class PerformanceSettings:
     # (hidden x 2 bytes a row more on the link), so the recompute skips that product as well (on | off); under
     # keep_attention auto, only where the measured link carries those bytes too (else the attention output alone).
     keep_projection: str = "on"
+    # How torch's CUDA caching allocator grows its segments: expandable (reserved memory follows what the run
+    # holds) or fixed (torch's default); `kestrel.training.cuda_allocator`.
+    cuda_allocator: str = "expandable"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,
@@ -189,6 +192,8 @@ class PerformanceSettings:
               f"performance.keep_attention must be one of {', '.join(KEEP_ATTENTION_MODES)}, got {self.keep_attention!r}")
         check(self.keep_projection in KEEP_PROJECTION_MODES,
               f"performance.keep_projection must be one of {', '.join(KEEP_PROJECTION_MODES)}, got {self.keep_projection!r}")
+        check(self.cuda_allocator in CUDA_ALLOCATORS,
+              f"performance.cuda_allocator must be one of {', '.join(CUDA_ALLOCATORS)}, got {self.cuda_allocator!r}")
         check(self.defer_mlp in DEFER_MODES,
               f"performance.defer_mlp must be one of {', '.join(DEFER_MODES)}, got {self.defer_mlp!r}")
 

@@ -23,6 +23,7 @@ from kestrel.constants import slug
 from kestrel.recompute.host_memory import release_pinned_memory
 from kestrel.config import TrainConfig, check_output_dir, expand_path
 from kestrel.errors import ConfigError, KestrelError, OutOfMemoryError, oom_message
+from kestrel.training.cuda_allocator import apply_cuda_allocator
 from kestrel.training.checkpoints import (
     describe, free_bytes, latest_checkpoint, looks_like_full_disk, remove_stale_writes,
 )
@@ -135,6 +136,7 @@ def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainRe
     With several `devices`, this process is rank 0: it starts the other ranks
     (`kestrel.training.launch`), and alone reports and writes. A process started as another
     rank (RANK > 0 in its environment) trains its share and reports nothing."""
+    allocator = apply_cuda_allocator(config.performance.cuda_allocator)  # before anything reserves CUDA memory
     world = world_from_env()
     devices = plan_devices(config.devices, torch.cuda.device_count()) if not world.distributed else []
     output_dir = resolve_output_dir(config)
@@ -145,6 +147,7 @@ def run(config: TrainConfig, callbacks: list[Callback] | None = None) -> TrainRe
         if main:
             config.save(output_dir / "config.yaml")
             _clean_stale_writes(output_dir, cb)
+            cb.on_log(f"CUDA allocator: {allocator}")
         if len(devices) > 1:
             group = RankGroup(output_dir / "config.yaml", devices, output_dir)
             group.start_watching(lambda message: _end_stuck(cb, group, message))

@@ -221,4 +221,5 @@ def test_linear_attention_packs_on_kestrels_forward_and_says_why_not_without_it(
             assert out.status == "completed"
             said = any(line.startswith("packing off: qwen3_5_text's linear-attention layers") for line in logs.lines)
             assert said == (not fast)
+            assert "CUDA allocator: no CUDA device: nothing to set" in logs.lines  # `performance.cuda_allocator`
     assert planned == [True, True, False]
