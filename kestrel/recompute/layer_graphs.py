@@ -420,6 +420,8 @@ def _pool_keeper(pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph |
     destroyed (static buffers outgrown: `drop_viewing`) a pool it has not yet freed, as under expandable
     segments, makes the next capture into it fail an internal assert (`use_count > 0`), and every layer
     would then run eagerly. None where it does not capture (that capture's own failure shows then)."""
+    if torch.cuda.is_current_stream_capturing():  # not from inside another capture: keep without a keeper
+        return None
     flag = torch.zeros(1, device=stream.device)  # outside the pool: the graph allocates nothing
     graph = torch.cuda.CUDAGraph()
     try:
