@@ -74,7 +74,8 @@
 #             default) and only where whole rows would not fit (fit: whole rows, their gate product paged), then
 #             Unsloth, for each of DEFER_MODELS (llama-3.2-3b,gemma3-1b,qwen3-4b), QLoRA, DEFER_LAYOUTS (default long), one process each;
 #             DEFER_WAYS picks among "memory fit unsloth" (fit's records give the link rate and layer times
-#             it decided from)
+#             it decided from); DEFER_HARD (230) the seconds a run may take (Unsloth's Gemma-3-1B long run did not
+#             finish in 230 s in session 38: DEFER_HARD=400 with LIMIT_defer_gemma3_1b_unsloth=420)
 #   keepattn  the attention op alone at 8,192 tokens (bench/kept_attention.py: recomputed against kept, errors and
 #             times), then long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=on / auto): graphs
 #             off without and with it, then auto graphs without it and with keep_attention auto, for each of
@@ -240,7 +241,7 @@ for want in "$@"; do
                       sys=kestrel; [ "$way" = unsloth ] && sys=unsloth
                       phase "defer-$model-$way" 240 env KESTREL_DEFER_MLP="${way/unsloth/memory}" python bench/matrix.py \
                           --models "$model" --methods qlora --layouts "${DEFER_LAYOUTS:-long}" --systems $sys \
-                          --budget-s 180 --hard-s 230 --out "$OUT/defer-$way.jsonl"; done; done
+                          --budget-s 180 --hard-s "${DEFER_HARD:-230}" --out "$OUT/defer-$way.jsonl"; done; done
                   records "$OUT"/defer-*.jsonl ;;
         keepattn) [ -n "${KEEP_OP-1}" ] && phase keepattn-op 120 bash -c "python bench/kept_attention.py --shape qwen3-4b \
                       --out $OUT/kept_attention.json; python bench/kept_attention.py --shape llama-3.2-1b --out $OUT/kept_attention-1b.json"
