@@ -7,10 +7,10 @@ Its CUDA graphs keep their private pool alive across drops (`kestrel.recompute.l
 which expandable segments need. Measured against `fixed`, torch's own segments (bench/RESULTS.md,
 session 39): the same speed, 0.2-0.5 GiB less reserved. Unsloth sets the same on import.
 
-The setting must reach the allocator before it first reserves memory: through torch's own variable,
-PYTORCH_CUDA_ALLOC_CONF, before CUDA starts in this process (inherited by the ranks it starts), or
-through torch's runtime setter once CUDA has started (new segments follow it). A PYTORCH_CUDA_ALLOC_CONF
-that already names expandable segments is the user's own choice, and wins.
+The setting goes through torch's runtime setter, before CUDA starts or after (new segments follow it): setting
+torch's variable once torch is imported does not reach every torch version's allocator. Where the setter is
+missing, torch's variable is set before CUDA starts (the ranks a run starts inherit it). An allocator setting
+in torch's variables that names expandable segments is the user's own choice, and wins.
 """
 
 from __future__ import annotations
@@ -19,27 +19,29 @@ import os
 
 import torch
 
-TORCH_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"  # torch's, not Kestrel's: read here only to respect the user's
+TORCH_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch's (the second its older name)
 
 
 def apply_cuda_allocator(mode: str) -> str:
     """Set this process's CUDA caching allocator as `mode` (expandable | fixed) says; returns what applies,
     for the run's log."""
-    given = os.environ.get(TORCH_VARIABLE, "")
-    if "expandable_segments" in given:
-        return f"as {TORCH_VARIABLE} sets it ({given})"
+    for name in TORCH_VARIABLES:
+        given = os.environ.get(name, "")
+        if "expandable_segments" in given:
+            return f"as {name} sets it ({given})"
     if not torch.cuda.is_available():
         return "no CUDA device: nothing to set"
     setting = f"expandable_segments:{mode == 'expandable'}"
-    if not torch.cuda.is_initialized():
-        os.environ[TORCH_VARIABLE] = f"{given},{setting}" if given else setting
-        return f"{mode} segments"
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
         torch.cuda.memory, "_set_allocator_settings", None)
     if setter is None:
-        return f"torch's default segments: CUDA had started, and this torch cannot change them at run time ({mode} asked)"
+        if torch.cuda.is_initialized():
+            return f"torch's default segments: CUDA had started, and this torch cannot change them ({mode} asked)"
+        given = os.environ.get(TORCH_VARIABLES[1], "")
+        os.environ[TORCH_VARIABLES[1]] = f"{given},{setting}" if given else setting
+        return f"{mode} segments (through {TORCH_VARIABLES[1]})"
     try:
         setter(setting)
     except RuntimeError as exc:
         return f"torch's default segments: {mode} refused ({exc})"
-    return f"{mode} segments (set after CUDA had started: new segments follow it)"
+    return f"{mode} segments"
