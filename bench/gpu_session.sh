@@ -80,8 +80,9 @@
 #             times), then long rows keeping each layer's attention output for its recompute (KESTREL_KEEP_ATTENTION=on / auto): graphs
 #             off without and with it, then auto graphs without it and with keep_attention auto, for each of
 #             KEEP_MODELS (default llama-3.2-1b,qwen3-4b,mistral-7b), QLoRA, one process each; KEEP_RUNS picks
-#             graphs:keep[:defer_mlp[:keep_projection]] runs (default "off:off off:on auto:off auto:auto"; defer_mlp
-#             defaults to KESTREL_DEFER_MLP or memory, keep_projection to the run's default, on), KEEP_LAYOUTS the layouts (long),
+#             graphs:keep[:defer_mlp[:keep_projection[:keep_qkv]]] runs (default "off:off off:on auto:off auto:auto";
+#             defer_mlp defaults to KESTREL_DEFER_MLP or memory, keep_projection to on, keep_qkv to off). Q, K and V kept
+#             too, against the default: KEEP_RUNS="auto:auto:memory:on:off auto:auto:memory:on:on", KEEP_LAYOUTS the layouts (long),
 #             KEEP_OP= (empty) skips the op alone. The output projection kept too, against the default:
 #             KEEP_RUNS="auto:auto:memory:off auto:auto:memory:on"
 #             The link plan, every combination: KEEP_RUNS="auto:off:memory auto:off:fit auto:auto:memory auto:auto:fit"
@@ -154,7 +155,7 @@ for path in sys.argv[1:]:
         r = json.loads(line)
         print(path.rsplit('/', 1)[-1], r['model'], r['layout'], r['system'], 'offload_gate', r.get('offload_gate'),
               'alloc_conf', repr(r.get('alloc_conf')), 'defer', r.get('defer_mlp'), r.get('mlp_deferral'), 'keep_attention',
-              r.get('keep_attention'), r.get('attention_kept'), 'projection', r.get('keep_projection'), r.get('projection_kept'), 'link', r.get('host_link'), r.get('cuda_graphs'),
+              r.get('keep_attention'), r.get('attention_kept'), 'projection', r.get('keep_projection'), r.get('projection_kept'), 'qkv', r.get('qkv_kept'), 'link', r.get('host_link'), r.get('cuda_graphs'),
               round(r.get('tokens_per_s') or 0), 'tok/s, peak GiB alloc',
               r.get('peak_alloc_gib'), 'reserved', r.get('peak_reserved_gib'), r.get('error', '')[-200:])" "$@"
 }
@@ -246,9 +247,9 @@ for want in "$@"; do
         keepattn) [ -n "${KEEP_OP-1}" ] && phase keepattn-op 120 bash -c "python bench/kept_attention.py --shape qwen3-4b \
                       --out $OUT/kept_attention.json; python bench/kept_attention.py --shape llama-3.2-1b --out $OUT/kept_attention-1b.json"
                   for model in ${KEEP_MODELS//,/ }; do for run in ${KEEP_RUNS:-off:off off:on auto:off auto:auto}; do
-                      IFS=: read -r graphs keep defer proj <<<"$run"
+                      IFS=: read -r graphs keep defer proj qkv <<<"$run"
                       sys=kestrel-$graphs; sys=${sys/-auto/}; name=${run//:/-}
-                      phase "keepattn-$model-$name" 240 env KESTREL_KEEP_ATTENTION="$keep" KESTREL_KEEP_PROJECTION="${proj:-on}" \
+                      phase "keepattn-$model-$name" 240 env KESTREL_KEEP_ATTENTION="$keep" KESTREL_KEEP_PROJECTION="${proj:-on}" KESTREL_KEEP_QKV="${qkv:-off}" \
                           KESTREL_DEFER_MLP="${defer:-${KESTREL_DEFER_MLP:-memory}}" python bench/matrix.py \
                           --models "$model" --methods qlora --layouts "${KEEP_LAYOUTS:-long}" --systems "$sys" --budget-s 180 \
                           --hard-s 230 --out "$OUT/keepattn-$name.jsonl"; done; done

@@ -363,6 +363,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
                 "mlp_deferral": [d.as_metrics() for d in recompute.deferral.decided.values()],
                 "attention_kept": {str(rows): kept for rows, kept in recompute.attention_kept.items()},
                 "projection_kept": {str(rows): kept for rows, kept in recompute.projection_kept.items()},
+                "keep_qkv": recompute.keep_qkv, "qkv_kept": {str(rows): kept for rows, kept in recompute.qkv_kept.items()},
                 "host_link": {"bytes_per_s": {str(d): r for d, r in recompute.deferral.link.rates.items()},
                               "layer_seconds": {str(rows): s for rows, s in recompute.deferral.link.layer_seconds.items()}},
                 } if kestrel else {}),

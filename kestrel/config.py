@@ -33,7 +33,7 @@ from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, PREFERENCE_METHO
 from kestrel.errors import ConfigError
 from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
-from kestrel.constants import CUDA_ALLOCATORS, DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES
+from kestrel.constants import CUDA_ALLOCATORS, DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES, KEEP_QKV_MODES
 from kestrel.safe_yaml import parse_value, read_config_file
 
 METHODS = ("qlora", "lora", "full", "grpo", *PREFERENCE_METHODS)
@@ -180,6 +180,10 @@ class PerformanceSettings:
     # (hidden x 2 bytes a row more on the link), so the recompute skips that product as well (on | off); under
     # keep_attention auto, only where the measured link carries those bytes too (else the attention output alone).
     keep_projection: str = "on"
+    # Where a layer keeps its attention output, it pages its Q, K and V projections' outputs too ((Hq + 2 Hkv) x
+    # head_dim x 2 bytes a row), so the recompute runs none of their products either (on | off); under keep_attention
+    # auto, only where the measured link carries them after the output projection's output. Off until measured.
+    keep_qkv: str = "off"
     # How torch's CUDA caching allocator grows its segments: expandable (reserved memory follows what the run
     # holds) or fixed (torch's default); `kestrel.training.cuda_allocator`.
     cuda_allocator: str = "expandable"
@@ -192,6 +196,8 @@ class PerformanceSettings:
               f"performance.keep_attention must be one of {', '.join(KEEP_ATTENTION_MODES)}, got {self.keep_attention!r}")
         check(self.keep_projection in KEEP_PROJECTION_MODES,
               f"performance.keep_projection must be one of {', '.join(KEEP_PROJECTION_MODES)}, got {self.keep_projection!r}")
+        check(self.keep_qkv in KEEP_QKV_MODES,
+              f"performance.keep_qkv must be one of {', '.join(KEEP_QKV_MODES)}, got {self.keep_qkv!r}")
         check(self.cuda_allocator in CUDA_ALLOCATORS,
               f"performance.cuda_allocator must be one of {', '.join(CUDA_ALLOCATORS)}, got {self.cuda_allocator!r}")
         check(self.defer_mlp in DEFER_MODES,

@@ -19,6 +19,8 @@ DEFER_MODES = ("memory", "fit", "off")
 KEEP_ATTENTION_MODES = ("off", "auto", "on")
 # `performance.keep_projection`: whether a layer keeping its attention output keeps its output projection's too
 KEEP_PROJECTION_MODES = ("off", "on")
+# `performance.keep_qkv`: whether a layer keeping its attention output keeps its Q/K/V projections' outputs too
+KEEP_QKV_MODES = ("off", "on")
 # `performance.cuda_allocator`: how torch's CUDA caching allocator grows its segments
 CUDA_ALLOCATORS = ("expandable", "fixed")
 # Dataset formats the reader knows (`kestrel.data.formats.FORMATS`, plus auto-detection), named

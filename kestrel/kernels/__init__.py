@@ -10,7 +10,9 @@ grouped GEMM or a padded `bmm`, not Triton) in `moe/`.
 from kestrel.kernels.cross_entropy import chunked_token_logprobs, fused_linear_cross_entropy
 from kestrel.kernels.dispatch import backend, use_triton
 from kestrel.kernels.glu import geglu, swiglu
-from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_linear_known, lora_projections, lora_qkv
+from kestrel.kernels.lora.lora import (
+    LoRAWeights, lora_linear, lora_linear_known, lora_projections, lora_projections_known, lora_qkv,
+)
 from kestrel.kernels.lora.mlp import lora_mlp
 from kestrel.kernels.rms_norm import rms_norm
 from kestrel.kernels.rope import rope_
@@ -30,6 +32,7 @@ __all__ = [
     "lora_linear",
     "lora_linear_known",
     "lora_projections",
+    "lora_projections_known",
     "lora_mlp",
     "lora_qkv",
 ]

@@ -19,8 +19,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kestrel import kernels
 from kestrel.recompute import checkpoint as checkpointing
 from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
-from kestrel.model.kept_attention import KEPT_KWARG, stored_causal_attention, stored_projection
-from kestrel.model.fused_lora import fused_lora_weights, project_together
+from kestrel.model.kept_attention import KEPT_KWARG, stored_causal_attention, stored_projection, stored_qkv
+from kestrel.model.fused_lora import fused_lora_weights
 from kestrel.model.linear_attention import SEGMENTS_KWARG
 from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
 from kestrel.model.registry import FamilySpec
@@ -68,7 +68,17 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
     ) -> tuple[torch.Tensor, Any]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q, k, v = project_together(hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        window = layer_window(spec, self.config, self.layer_idx)
+        varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
+        store = kwargs.pop(KEPT_KWARG, None)  # a checkpoint keeping this layer's attention output
+        if store is not None and (varlen is not None or attention_mask is not None or past_key_values is not None
+                                  or window is not None
+                                  or spec.attention_sinks or (self.training and self.attention_dropout)):
+            store = None  # keeping serves plain causal rows alone
+        # A first pass keeps Q, K and V (`keep_qkv`) only where its attention output will be kept: asked first
+        admitted = (store is not None and store.keeps_qkv and not torch.is_grad_enabled() and len(input_shape) == 2
+                    and store.admits(input_shape[1], input_shape.numel(), hidden_states.shape[-1], hidden_states.device))
+        q, k, v = stored_qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), store, admitted)
         gate = None
         if spec.attn_output_gate:
             q, gate = torch.chunk(q.view(*input_shape, -1, 2 * self.head_dim), 2, dim=-1)
@@ -81,15 +91,11 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         if spec.rope_half_table and 2 * cos.shape[-1] == q.shape[-1]:  # gpt-oss: halves rotate as rotate_half's
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (not Qwen3.5's partial RoPE)
         q, k = _rope_(q, k, cos, sin)
-        varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
         kwargs.pop(SEGMENTS_KWARG, None)  # for the linear-attention layers; masks keep attention in its sample
         if varlen is not None:
             out = varlen_attention(q, k, v, varlen, self.scaling, self.sinks if spec.attention_sinks else None)
             return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
-        window = layer_window(spec, self.config, self.layer_idx)
-        store = kwargs.pop(KEPT_KWARG, None)  # a checkpoint keeping this layer's attention output
-        if (store is not None and attention_mask is None and past_key_values is None and window is None
-                and not spec.attention_sinks and not (self.training and self.attention_dropout)):
+        if store is not None:
             out = stored_causal_attention(q, k, v, self.scaling, store, hidden_states.shape[-1])  # plain causal rows
             if out is not None:
                 out = out.transpose(1, 2).reshape(*input_shape, -1)

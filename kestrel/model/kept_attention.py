@@ -34,8 +34,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from kestrel.kernels.lora.lora import lora_linear_known
-from kestrel.model.fused_lora import fused_lora_weights
+from kestrel.kernels.lora.lora import lora_linear_known, lora_projections_known
+from kestrel.model.fused_lora import fused_lora_weights, project_together
 from kestrel.model.registry import text_config
 
 KEPT_KWARG = "kestrel_kept_attention"  # the keyword a checkpointed decoder layer hands its attention (`AttentionStore`)
@@ -212,18 +212,29 @@ class AttentionStore(Protocol):
     def take_projection(self) -> torch.Tensor | None:
         """That output back on its device for the recompute, or None."""
 
+    keeps_qkv: bool  # whether the Q, K and V projections' outputs are kept with them (`keep_qkv`)
 
-def kept_bytes_per_row(config: Any, projection: bool = False) -> int:
+    def keep_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The first pass's Q, K and V projection outputs (..., out_k), before norms and RoPE turn them."""
+
+    def take_qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Those outputs back on their device for the recompute, or None."""
+
+
+def kept_bytes_per_row(config: Any, projection: bool = False, qkv: bool = False) -> int:
     """Bytes a layer keeping its attention output pages out per token: the output, heads x head_dim
     in 16 bits, and one fp32 logsumexp a head; with `projection` (`keep_projection`), the output
-    projection's output too, hidden x 2. `config`: the model's (an image-text one's text config
+    projection's output too, hidden x 2; with `qkv` (`keep_qkv`), the Q, K and V projections' outputs,
+    (heads + 2 KV heads) x head_dim x 2. `config`: the model's (an image-text one's text config
     is read). Where layers differ in head size (Gemma 4's `per_layer_config`), the widest layer's:
     one layer's pages must fit the link's time for a layer."""
     text = text_config(config).to_dict()  # a per-layer config refuses to give its attributes globally
     heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
     base = int(text.get("head_dim") or text["hidden_size"] // heads)
-    sizes = [int(layer.get("head_dim") or base) for layer in (text.get("per_layer_config") or {}).values()]
-    return heads * (max([base, *sizes]) * 2 + 4) + (2 * int(text["hidden_size"]) if projection else 0)
+    size = max([base, *(int(layer.get("head_dim") or base) for layer in (text.get("per_layer_config") or {}).values())])
+    return (heads * (size * 2 + 4) + (2 * int(text["hidden_size"]) if projection else 0)
+            + ((heads + 2 * kv_heads) * size * 2 if qkv else 0))
 
 
 def worth_keeping(seq: int, hidden: int) -> bool:
@@ -280,6 +291,27 @@ def stored_causal_attention(
     kept = store.take()
     return None if kept is None else kept_attention(q, k, v, kept, scale, kernels)
 
+
+
+def stored_qkv(
+    x: torch.Tensor, layers: tuple[nn.Module, nn.Module, nn.Module], store: AttentionStore | None, admitted: bool,
+) -> tuple[torch.Tensor, ...]:
+    """(q, k, v) = the Q, K and V projections of x (..., hidden), through a checkpoint's `store` where it keeps
+    them (`keep_qkv`): a first pass whose attention output will be kept (`admitted`, the store's own answer)
+    keeps them; the recompute takes them back and runs none of their products, only their backward
+    (`kestrel.kernels.lora_projections_known`: the three must be on the fused LoRA path; otherwise they run
+    as they are, and the kept copies go unused)."""
+    if store is None or not store.keeps_qkv:
+        return project_together(x, *layers)
+    if not torch.is_grad_enabled():  # the first pass
+        q, k, v = project_together(x, *layers)
+        if admitted:
+            store.keep_qkv(q, k, v)
+        return q, k, v
+    known, weights = store.take_qkv(), [fused_lora_weights(layer) for layer in layers]
+    if known is None or any(w is None for w in weights):
+        return project_together(x, *layers)
+    return lora_projections_known(x, tuple(weights), known)
 
 
 def stored_projection(o_proj: nn.Module, x: torch.Tensor, store: AttentionStore) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from kestrel import env
 from kestrel.config import PerformanceSettings
-from kestrel.constants import KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES
+from kestrel.constants import KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES, KEEP_QKV_MODES
 import torch
 from torch import nn
 
@@ -75,9 +75,10 @@ class LayerCheckpoint(torch.autograd.Function):
         ctx.attention = None
         if owner.offload and owner.keep_attention != "off":
             auto = owner.keep_attention == "auto"
+            projection, qkv = owner.extras_at(hidden)
             ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(
                 owner.offloaded, slot=ctx.saved_input.depth % 2, only_long=auto,
-                link=owner.attention_keeps_up if auto else None, projection=owner.projection_at(hidden))
+                link=owner.attention_keeps_up if auto else None, projection=projection, qkv=qkv)
         owner.gate, owner.attention = ctx.gate, ctx.attention
         try:
             with torch.no_grad():
@@ -135,7 +136,7 @@ class Recompute:
     def __init__(
         self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
         shared_state: str | None = None, deferral: MLPDeferral | None = None, keep_attention: str = "off",
-        keep_projection: bool = False,
+        keep_projection: bool = False, keep_qkv: bool = False,
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.deferral = deferral if deferral is not None else MLPDeferral()  # whether recomputed MLPs defer
@@ -154,15 +155,17 @@ class Recompute:
         self.gate: _KeptGate | None = None
         self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
         self.keep_projection = keep_projection  # and, with it, their output projection's output
+        self.keep_qkv = keep_qkv  # and their Q, K and V projections' outputs
         # Bytes a row of what a keeping layer pages beside its input: the attention output with its
-        # logsumexp, and the output projection's output (0 unless `keep_projection`)
-        self.attention_bytes, self.projection_bytes = 0, 0
+        # logsumexp, the output projection's output (0 unless `keep_projection`), Q, K and V (0 unless `keep_qkv`)
+        self.attention_bytes, self.projection_bytes, self.qkv_bytes = 0, 0, 0
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
         self.first_pass = FirstPassTimes(chooser.clock)  # the forward's first layer's first pass, by row count
         self._sightings: dict[int, int] = {}  # rows -> training forwards seen (offload)
         self._ran_graphed: set[int] = set()  # row counts some forward ran as CUDA graphs
         self.attention_kept: dict[int, bool] = {}  # keep_attention auto: each timed row count's answer
         self.projection_kept: dict[int, bool] = {}  # and whether its output projection's output rides along
+        self.qkv_kept: dict[int, bool] = {}  # and whether its Q, K and V do
         self.attention_asked: set[int] = set()  # row counts at which a layer asked it
         self.on_attention: Callable[[int, bool, str], None] | None = None  # (rows, kept, why), once a row count
 
@@ -256,23 +259,30 @@ class Recompute:
         where what its first pass pages out (its input, that output, and its MLP's gate product where
         the MLP keeps whole rows at this row count) ends within that pass
         (`kestrel.recompute.host_link`); not while the row count is untimed (asking marks it to be
-        timed). With `keep_projection`, the output projection's output rides along only where the
-        link has room for it too; where it has room for the attention output alone, that alone is
-        kept (`projection_kept`). Each timed row count is decided once and reported (`on_attention`)."""
+        timed). The extras ride along in order while the link has room for them: the output projection's
+        output (`keep_projection`), then Q, K and V (`keep_qkv`), each doing the same recompute work a byte;
+        where it has room for fewer, fewer are kept (`projection_kept`, `qkv_kept`). Each timed row count
+        is decided once and reported (`on_attention`)."""
         known = self.attention_kept.get(rows)
         if known is not None:
             return known
         self.attention_asked.add(rows)
-        keeps_up, why = self._fits(rows, hidden, device, self.attention_bytes + self.projection_bytes)
-        projection = bool(keeps_up) and self.projection_bytes > 0
-        if keeps_up is False and self.projection_bytes:
-            keeps_up, alone = self._fits(rows, hidden, device, self.attention_bytes)
-            why = f"with the output projection's output: {why}; without it: {alone}"
-        if keeps_up is not None:
-            self.attention_kept[rows], self.projection_kept[rows] = keeps_up, projection
-            if self.on_attention is not None:
-                self.on_attention(rows, keeps_up, why + ("; the output projection's output too" if projection else ""))
-        return bool(keeps_up)
+        levels = [(p, q) for p, q in ((True, True), (True, False), (False, True), (False, False))
+                  if (self.projection_bytes or not p) and (self.qkv_bytes or not q)]
+        tried: list[str] = []
+        for projection, qkv in levels:
+            kept = self.attention_bytes + projection * self.projection_bytes + qkv * self.qkv_bytes
+            keeps_up, why = self._fits(rows, hidden, device, kept)
+            if keeps_up is None:
+                return False
+            tried.append(why if len(levels) == 1 else f"{_extras(projection, qkv)}: {why}")
+            if keeps_up:
+                break
+        self.attention_kept[rows] = keeps_up
+        self.projection_kept[rows], self.qkv_kept[rows] = keeps_up and projection, keeps_up and qkv
+        if self.on_attention is not None:
+            self.on_attention(rows, keeps_up, "; ".join(tried))
+        return keeps_up
 
     def _fits(self, rows: int, hidden: int, device: torch.device, kept: int) -> tuple[bool | None, str]:
         """Whether a layer paging its input and `kept` bytes a row more (with its MLP's gate product
@@ -286,32 +296,33 @@ class Recompute:
                 return False, f"the layers' inputs and kept outputs {short}"
         return keeps_up, why
 
-    def projection_at(self, hidden: torch.Tensor) -> bool:
-        """Whether a layer checkpointing `hidden` (..., hidden size) keeps its output projection's
-        output with its attention output: `keep_projection` with `keep_attention: on`; under `auto`, the
-        answer for its row count (`attention_keeps_up`), decided here where a layer already asked and
-        the link is timed, so each layer of a forward gets the same answer; no while undecided (the
-        attention output is then not kept either)."""
-        if not self.keep_projection or self.keep_attention == "off":
-            return False
+    def extras_at(self, hidden: torch.Tensor) -> tuple[bool, bool]:
+        """(projection, qkv): whether a layer checkpointing `hidden` (..., hidden size) keeps its output
+        projection's output, and its Q, K and V, with its attention output: as `keep_projection` and
+        `keep_qkv` say under `keep_attention: on`; under `auto`, the answer for its row count
+        (`attention_keeps_up`), decided here where a layer already asked and the link is timed, so each
+        layer of a forward gets the same answer; neither while undecided (nor is the attention output kept)."""
+        if self.keep_attention == "off" or not (self.keep_projection or self.keep_qkv):
+            return False, False
         if self.keep_attention == "on":
-            return True
+            return self.keep_projection, self.keep_qkv
         rows = hidden.numel() // max(hidden.shape[-1], 1)
         if rows not in self.attention_kept and rows in self.attention_asked:
             self.attention_keeps_up(rows, hidden.shape[-1], hidden.device)
-        return self.projection_kept.get(rows, False)
+        return self.projection_kept.get(rows, False), self.qkv_kept.get(rows, False)
 
     def kept_bytes_at(self, rows: int) -> int:
         """Bytes a row that a keeping layer pages beside its input at `rows` rows (`MLPDeferral.kept_bytes`):
         what `keep_attention` keeps there; under `auto`, what was decided, or the attention output alone
-        where a layer asked and nothing is decided yet (the projection's output yields to whole MLP rows)."""
+        where a layer asked and nothing is decided yet (the extras yield to whole MLP rows)."""
         if self.keep_attention == "off":
             return 0
         if self.keep_attention == "on":
-            return self.attention_bytes + self.projection_bytes
+            return self.attention_bytes + self.projection_bytes + self.qkv_bytes
         if rows in self.attention_kept:
-            kept = self.attention_kept[rows]
-            return kept * self.attention_bytes + self.projection_kept.get(rows, False) * self.projection_bytes
+            return (self.attention_kept[rows] * self.attention_bytes
+                    + self.projection_kept.get(rows, False) * self.projection_bytes
+                    + self.qkv_kept.get(rows, False) * self.qkv_bytes)
         return self.attention_bytes if rows in self.attention_asked else 0
 
     def release(self) -> None:
@@ -328,6 +339,17 @@ class Recompute:
 
     def layers(self) -> list[nn.Module]:
         return list(self._layers)  # the decoder layers checkpointed through this run's recompute
+
+
+def _extras(projection: bool, qkv: bool) -> str:
+    """What a level of `Recompute.attention_keeps_up` keeps, for its report."""
+    return "the attention output" + (", the output projection's output" if projection else "") + (
+        ", Q, K and V" if qkv else "")
+
+
+def keep_qkv_mode(configured: str) -> str:
+    """The run's `keep_qkv`: KESTREL_KEEP_QKV (off | on, a debugging override) wins."""
+    return env.override("KESTREL_KEEP_QKV", configured, KEEP_QKV_MODES)
 
 
 def keep_projection_mode(configured: str) -> str:
@@ -353,6 +375,7 @@ def set_gradient_checkpointing(
     keep_attention: str = PerformanceSettings.keep_attention,
     on_attention: Callable[[int, bool, str], None] | None = None,
     keep_projection: str = PerformanceSettings.keep_projection,
+    keep_qkv: str = PerformanceSettings.keep_qkv,
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
@@ -361,7 +384,8 @@ def set_gradient_checkpointing(
     KESTREL_DEFER_MLP); `keep_attention` (off | auto | on): offloaded layers page their causal attention's
     output out, so their recompute runs no attention forward (KESTREL_KEEP_ATTENTION overrides; `on_attention`
     hears `auto`'s answer for each row count, `Recompute.attention_keeps_up`); `keep_projection` (off | on):
-    where they do, their output projection's output too (KESTREL_KEEP_PROJECTION overrides).
+    where they do, their output projection's output too (KESTREL_KEEP_PROJECTION overrides); `keep_qkv`
+    (off | on): and their Q, K and V projections' outputs (KESTREL_KEEP_QKV overrides).
 
     Both modes checkpoint with our reentrant `LayerCheckpoint`. Hugging Face's
     `gradient_checkpointing_enable` is called with use_reentrant=False only to set HF's flags
@@ -388,13 +412,15 @@ def set_gradient_checkpointing(
                           shared_state=spec.layer_shared_state if spec is not None else None,
                           deferral=deferral if deferral is not None else MLPDeferral(defer_mode(PerformanceSettings.defer_mlp)),
                           keep_attention=keep_attention_mode(keep_attention),
-                          keep_projection=keep_projection_mode(keep_projection) == "on")
+                          keep_projection=keep_projection_mode(keep_projection) == "on",
+                          keep_qkv=keep_qkv_mode(keep_qkv) == "on")
     recompute.on_attention = on_attention
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
         if recompute.keep_attention != "off":
             recompute.attention_bytes = kept_bytes_per_row(model.config)
             recompute.projection_bytes = kept_bytes_per_row(model.config, recompute.keep_projection) - recompute.attention_bytes
+            recompute.qkv_bytes = kept_bytes_per_row(model.config, qkv=recompute.keep_qkv) - recompute.attention_bytes
             recompute.deferral.kept_bytes = recompute.kept_bytes_at
     for layer in layers:
         layer._gradient_checkpointing_func = recompute

@@ -270,16 +270,23 @@ class KeptAttentionOutput:
     (`_KeptGate`; `slot`: which of two, alternating by layer)."""
 
     def __init__(self, state: OffloadState, slot: int = 0, only_long: bool = False,
-                 link: Callable[[int, int, torch.device], bool] | None = None, projection: bool = False) -> None:
+                 link: Callable[[int, int, torch.device], bool] | None = None, projection: bool = False,
+                 qkv: bool = False) -> None:
         self.out, self.lse = _KeptGate(state, slot), _KeptGate(state, slot)
         self.only_long = only_long  # keep only rows worth it (`kestrel.model.kept_attention.worth_keeping`)
         self.link = link  # (rows, hidden, device) -> whether the host link has room for them; None: always
         # `keep_projection`: the output projection's output too, kept with (and only with) O and lse
         self.proj = _KeptGate(state, slot) if projection else None
+        # `keep_qkv`: the Q, K and V projections' outputs too, likewise
+        self.qkv = tuple(_KeptGate(state, slot) for _ in range(3)) if qkv else ()
 
     @property
     def keeps_projection(self) -> bool:
         return self.proj is not None
+
+    @property
+    def keeps_qkv(self) -> bool:
+        return bool(self.qkv)
 
     def admits(self, seq: int, rows: int, hidden: int, device: torch.device) -> bool:
         """`kestrel.model.kept_attention.AttentionStore.admits`: long enough rows where `only_long`, and room
@@ -289,9 +296,9 @@ class KeptAttentionOutput:
         return self.link is None or self.link(rows, hidden, device)
 
     def keepers(self) -> tuple[_KeptGate, ...]:
-        """The kept tensors (O, lse, and the projection's output where kept), for a CUDA-graphed layer to bind
-        to its static buffers (`GraphedLayer`)."""
-        return (self.out, self.lse) if self.proj is None else (self.out, self.lse, self.proj)
+        """The kept tensors (O, lse, the output projection's output and Q, K, V where kept), for a CUDA-graphed
+        layer to bind to its static buffers (`GraphedLayer`)."""
+        return (self.out, self.lse, *(() if self.proj is None else (self.proj,)), *self.qkv)
 
     def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         self.out.keep(out)
@@ -312,6 +319,18 @@ class KeptAttentionOutput:
     def take_projection(self) -> torch.Tensor | None:
         """The kept output projection output, back on the device for the recompute (None if not kept)."""
         return None if self.proj is None else self.proj.take()
+
+    def keep_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The first pass's Q, K and V projection outputs, before the layer turns q and k in place (norms
+        aside, RoPE): an eager copy out runs on the side stream, so it copies clones of those two; a bound
+        buffer takes its copy in stream order."""
+        for keeper, t, turned in zip(self.qkv, (q, k, v), (True, True, False)):
+            keeper.keep(t if keeper.bound or not turned else t.clone())
+
+    def take_qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The kept Q, K and V, back on the device for the recompute (None unless all three were kept)."""
+        got = tuple(keeper.take() for keeper in self.qkv)
+        return None if not got or any(t is None for t in got) else got  # type: ignore[return-value]
 
     def prefetch(self) -> None:
         for keeper in self.keepers():

@@ -40,7 +40,8 @@ The model of memory (bytes), written for the way the engine trains:
   bytes each (3.5 GiB more at 2 x 2,048 tokens on the 8B shape, against 1 GiB of inputs); with
   `performance.keep_attention: on`, each attention layer's output and logsumexp too, tokens x heads x
   (head_dim x 2 + 4) bytes, and with `keep_projection: on` the output projection's output, tokens x
-  hidden x 2 (`auto`, the default, keeps them only where half the host memory then available holds
+  hidden x 2, with `keep_qkv: on` Q, K and V, tokens x (heads + 2 kv_heads) x head_dim x 2 (`auto`, the
+  default, keeps them only where half the host memory then available holds
   them with the inputs, so they are not counted as needed).
   Pinned pages cannot be swapped out, so this must fit the machine's RAM. 0 otherwise.
 - mixture of experts (Qwen3-MoE, gpt-oss, Qwen3.5-MoE): every expert's weights count (E x 3 h ie, plus the
@@ -321,7 +322,7 @@ def estimate_training_memory(
     batch_size: int = 2, max_seq_length: int = 2048, gradient_checkpointing: str = "standard",
     num_generations: int = 8, max_completion_length: int = 256, max_prompt_length: int = 512, devices: int = 1,
     offload_gate: float = 1.0, keep_attention: str = PerformanceSettings.keep_attention,
-    keep_projection: str = PerformanceSettings.keep_projection,
+    keep_projection: str = PerformanceSettings.keep_projection, keep_qkv: str = PerformanceSettings.keep_qkv,
 ) -> MemoryEstimate:
     """Peak training memory of `shape` under these settings, per device of `devices` (see the
     module docstring)."""
@@ -367,6 +368,8 @@ def estimate_training_memory(
             host += sum(n * tokens * shape.heads * (head_dim * 2 + 4) for n, head_dim, _ in shape.attention_kinds())
             if keep_projection == "on":  # and the output projections' outputs
                 host += shape.attention_layers * tokens * shape.hidden * 2
+            if keep_qkv == "on":  # and Q, K and V
+                host += sum(n * tokens * (shape.heads + 2 * kv) * head_dim * 2 for n, head_dim, kv in shape.attention_kinds())
     return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host, communication, devices)
 
 

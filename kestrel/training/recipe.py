@@ -152,7 +152,7 @@ def checkpointing_for(config: TrainConfig, model: nn.Module, world: World) -> tu
                 shape, method, config.lora.r, config.lora.targets, rows, config.max_seq_length, "offload",
                 config.grpo.num_generations, config.grpo.max_completion_length, config.grpo.max_prompt_length,
                 1, config.performance.offload_gate, config.performance.keep_attention,
-                config.performance.keep_projection).offload_host_ram
+                config.performance.keep_projection, config.performance.keep_qkv).offload_host_ram
     return choose_checkpointing(on_cuda, world.size, need, detect_host_memory())
 
 
@@ -182,7 +182,7 @@ def prepare_model(
     recompute = set_gradient_checkpointing(
         model, mode, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
         graph_reporter(record, cb), config.performance.offload_gate, deferral, config.performance.keep_attention,
-        attention_reporter(record, cb), config.performance.keep_projection)
+        attention_reporter(record, cb), config.performance.keep_projection, config.performance.keep_qkv)
     if world.distributed:
         if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)

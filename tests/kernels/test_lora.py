@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.kernels import nf4
-from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_qkv
+from kestrel.kernels.lora.lora import LoRAWeights, lora_linear, lora_projections, lora_qkv
 from kestrel.kernels.lora.mlp import lora_mlp
 
 peft = pytest.importorskip("peft")
@@ -413,3 +413,30 @@ def test_a_known_output_back_propagates_as_the_projection_without_its_product(
     for g, e in zip(got[1], expected[1]):
         torch.testing.assert_close(g, e, rtol=TOL[dtype], atol=TOL[dtype])
     assert len(bases) == 1  # the backward's dX product only: none in the forward
+
+
+@pytest.mark.parametrize("nf4_base", [False, True], ids=["16-bit", "nf4"])
+def test_known_qkv_outputs_back_propagate_as_their_projections(nf4_base: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checkpoint's recompute that kept Q, K and V (`keep_qkv`): lora_projections_known returns them, each a
+    # fresh tensor (RoPE then turns q and k in place), and gives lora_projections' gradients, with no base product.
+    from kestrel.kernels.lora import lora as lora_module
+    from kestrel.kernels.lora.lora import lora_projections_known
+
+    dtype, names = torch.float32, ("q_proj", "k_proj", "v_proj")
+    block = _nf4_block(dtype) if nf4_base else _peft_block(dtype)
+    ws = tuple(_weights(block, names))
+    params = _adapter_params(block, names)
+    x = _x(dtype, (2, 7, ws[0].in_features))
+    expected = _run(lambda t: lora_projections(t, *ws), x, params)
+    known = tuple(y.detach() for y in lora_projections(x, *ws))
+    monkeypatch.setattr(lora_module, "_merged", lambda *a, **k: pytest.fail("known outputs formed W'"))
+
+    def recompute(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = lora_projections_known(t, ws, known)
+        return q.mul_(1.0), k, v  # in place, as RoPE: allowed on the Function's outputs
+
+    got = _run(recompute, x, params)
+    for g, e in zip(got[0], expected[0], strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    for g, e in zip(got[1], expected[1], strict=True):
+        torch.testing.assert_close(g, e, rtol=TOL[dtype], atol=TOL[dtype])

@@ -220,18 +220,18 @@ def test_a_led_pass_on_cuda_times_the_device_without_the_hosts_gaps() -> None:
     assert got and got[1] < eager, (got, eager)
 
 
-def _recompute(host_room: int | None, layers: int = 20, link: float = 50e9, projection: int = 0):
+def _recompute(host_room: int | None, layers: int = 20, link: float = 50e9, projection: int = 0, qkv: int = 0):
     """A run's `Recompute` (offload, graphs off) over `layers` stand-in layers, `memory` deferral, the
-    attention output 1,040 bytes a row (and the output projection's `projection` bytes, kept where
-    nonzero), a host link of `link` bytes/s, `host_room` bytes of host memory."""
+    attention output 1,040 bytes a row (and the output projection's `projection` bytes and Q, K and V's `qkv`
+    bytes, each kept where nonzero), a host link of `link` bytes/s, `host_room` bytes of host memory."""
     from kestrel.recompute.checkpoint import Recompute
     from kestrel.recompute.graph_choice import GraphChooser
     from kestrel.recompute.mlp_deferral import MLPDeferral
 
     deferral = MLPDeferral("memory", host_room=lambda: host_room, link_rate=lambda d: link)
     run = Recompute(True, None, GraphChooser("off"), deferral=deferral, keep_attention="auto",
-                    keep_projection=projection > 0)
-    run.attention_bytes, run.projection_bytes = 1040, projection
+                    keep_projection=projection > 0, keep_qkv=qkv > 0)
+    run.attention_bytes, run.projection_bytes, run.qkv_bytes = 1040, projection, qkv
     deferral.kept_bytes = run.kept_bytes_at
     kept = [torch.nn.Linear(1, 1) for _ in range(layers)]
     for layer in kept:
@@ -296,34 +296,39 @@ def test_without_a_spin_kernel_a_pass_is_timed_as_it_ran(monkeypatch: pytest.Mon
     assert list(timer.finished()) == [(8192, pytest.approx(3e-3))]
 
 
-def test_auto_keeps_the_projection_output_only_where_the_link_has_room_for_it_too() -> None:
-    # 8,192 rows of hidden 1,024: input 2,048 + attention 1,040 bytes a row fit a first pass that the
-    # projection's 2,048 bytes more would overrun; there the attention output alone is kept.
+def test_auto_keeps_the_extras_only_where_the_link_has_room_for_them_too() -> None:
+    # 8,192 rows of hidden 1,024: input 2,048 + attention 1,040 bytes a row, then the projection's 2,048, then
+    # Q, K and V's 3,072: each level is kept where a first pass of that many bytes a row carries them.
     rows, hidden = 8192, 1024
     heard: list[tuple[int, bool, str]] = []
-    for room, kept, projection in ((2048 + 1040 + 2048, True, True), (2048 + 1040, True, False), (2048, False, False)):
-        run = _recompute(host_room=1 << 40, projection=2048)
+    cases = ((2048 + 1040 + 2048 + 3072, True, True, True), (2048 + 1040 + 2048, True, True, False),
+             (2048 + 1040, True, False, False), (2048, False, False, False))
+    for room, kept, projection, qkv in cases:
+        run = _recompute(host_room=1 << 40, projection=2048, qkv=3072)
         run.on_attention = lambda r, k, why: heard.append((r, k, why))
         run.deferral.link.record(rows, rows * (room + 10) / 50e9)
         stand_in = torch.empty(1, rows, hidden, device="meta")
-        assert run.projection_at(stand_in) is False  # no layer asked at this row count: nothing kept
+        assert run.extras_at(stand_in) == (False, False)  # no layer asked at this row count: nothing kept
         assert run.attention_keeps_up(rows, hidden, GPU) is kept
-        assert run.projection_at(stand_in) is projection and run.projection_kept[rows] is projection
-        assert run.kept_bytes_at(rows) == kept * 1040 + projection * 2048
-    assert "output projection's output too" in heard[0][2]
-    assert "without it" in heard[1][2] and "without it" in heard[2][2]
+        assert run.extras_at(stand_in) == (projection, qkv)
+        assert run.kept_bytes_at(rows) == kept * 1040 + projection * 2048 + qkv * 3072
+    assert heard[0][2].startswith("the attention output, the output projection's output, Q, K and V: ")
+    assert heard[1][2].count("; ") == 1 and heard[2][2].count("; ") == 3  # every level tried is reported
+    alone = _recompute(host_room=1 << 40, qkv=3072)  # Q, K and V without the projection's output
+    alone.deferral.link.record(rows, rows * (2048 + 1040 + 3072 + 10) / 50e9)
+    assert alone.attention_keeps_up(rows, hidden, GPU) and alone.qkv_kept[rows] and not alone.projection_kept[rows]
 
 
-def test_a_layer_learns_the_projection_answer_before_its_first_pass_where_the_link_is_timed() -> None:
+def test_a_layer_learns_the_extras_before_its_first_pass_where_the_link_is_timed() -> None:
     # Timed and asked, but not yet decided (the answer comes at a forward's first layer): the store a
     # layer's checkpoint makes gets the decided answer, as every later layer's will.
     rows, hidden = 8192, 1024
-    run = _recompute(host_room=1 << 40, projection=2048)
+    run = _recompute(host_room=1 << 40, projection=2048, qkv=3072)
     assert run.attention_keeps_up(rows, hidden, GPU) is False  # untimed: asked
     run.deferral.link.record(rows, 1.0)
     assert rows not in run.attention_kept
-    assert run.projection_at(torch.empty(1, rows, hidden, device="meta")) is True and run.attention_kept[rows]
+    assert run.extras_at(torch.empty(1, rows, hidden, device="meta")) == (True, True) and run.attention_kept[rows]
     forced = _recompute(host_room=1 << 40, projection=2048)
     forced.keep_attention = "on"
-    assert forced.projection_at(torch.empty(1, 8, hidden, device="meta")) is True
+    assert forced.extras_at(torch.empty(1, 8, hidden, device="meta")) == (True, False)
     assert forced.kept_bytes_at(8) == 1040 + 2048

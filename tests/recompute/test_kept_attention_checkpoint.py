@@ -12,9 +12,10 @@ from kestrel.recompute.host_tensors import KeptAttentionOutput, OffloadState
 
 
 def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int = 40, steps: int = 3,
-           projection: bool = False):
+           projection: bool = False, qkv: bool = False):
     """Losses over `steps` steps, the first step's adapter gradients, and how often each attention kernel
-    ran (and, as "known", how often a recompute took the output projection's kept output instead of its product)."""
+    ran (and, as "known" and "known_qkv", how often a recompute took the output projection's kept output, and
+    Q, K and V, instead of their products)."""
     from kestrel.config import LoraSettings
     from kestrel.model.loader import load
     from kestrel.model.lora import attach_lora
@@ -22,14 +23,20 @@ def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int
 
     monkeypatch.delenv("KESTREL_KEEP_ATTENTION", raising=False)
     monkeypatch.delenv("KESTREL_KEEP_PROJECTION", raising=False)
-    calls = {"forward": 0, "backward": 0, "known": 0}
-    from kestrel.kernels import lora_linear_known as real_known
+    monkeypatch.delenv("KESTREL_KEEP_QKV", raising=False)
+    calls = {"forward": 0, "backward": 0, "known": 0, "known_qkv": 0}
+    from kestrel.kernels import lora_linear_known as real_known, lora_projections_known as real_known_qkv
 
     def known(*a):
         calls["known"] += 1
         return real_known(*a)
 
+    def known_qkv(*a):
+        calls["known_qkv"] += 1
+        return real_known_qkv(*a)
+
     monkeypatch.setattr(kept_module, "lora_linear_known", known)
+    monkeypatch.setattr(kept_module, "lora_projections_known", known_qkv)
 
     def forward(*a):
         calls["forward"] += 1
@@ -44,7 +51,7 @@ def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int
     model, _ = load(str(folder), 64, dtype="fp32", device="cpu")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
     set_gradient_checkpointing(model, "offload", "off", keep_attention="on" if keep else "off",
-                               keep_projection="on" if projection else "off")
+                               keep_projection="on" if projection else "off", keep_qkv="on" if qkv else "off")
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -66,18 +73,20 @@ def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int
 ALL_PLAIN = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
 
 
-@pytest.mark.parametrize("projection", [False, True], ids=["attention", "attention-and-projection"])
+@pytest.mark.parametrize(("projection", "qkv"), [(False, False), (True, False), (True, True), (False, True)],
+                         ids=["attention", "attention-and-projection", "all", "attention-and-qkv"])
 @pytest.mark.parametrize("family", SUPPORTED)
-def test_kept_attention_trains_as_recomputed_attention(family: str, projection: bool, tiny_model_dir,
+def test_kept_attention_trains_as_recomputed_attention(family: str, projection: bool, qkv: bool, tiny_model_dir,
                                                        monkeypatch) -> None:
     folder = tiny_model_dir(family)
     base, base_grads, base_calls = _train(folder, False, monkeypatch)
-    kept, kept_grads, calls = _train(folder, True, monkeypatch, projection=projection)
-    assert base_calls == {"forward": 0, "backward": 0, "known": 0}  # off: SDPA in both passes
+    kept, kept_grads, calls = _train(folder, True, monkeypatch, projection=projection, qkv=qkv)
+    assert base_calls == {"forward": 0, "backward": 0, "known": 0, "known_qkv": 0}  # off: SDPA in both passes
     steps = 3 * 2 if family in ALL_PLAIN else 0  # 3 steps x the tiny models' 2 layers
     # On: one forward a layer a step (the first pass), none in the recompute; one backward a layer a step;
-    # with the projection kept, each recompute takes its output instead of forming it.
-    assert calls == {"forward": steps, "backward": steps, "known": steps if projection else 0}, calls
+    # with the projection (Q, K and V) kept, each recompute takes its output instead of forming it.
+    assert calls == {"forward": steps, "backward": steps, "known": steps if projection else 0,
+                     "known_qkv": steps if qkv else 0}, calls
     for a, b in zip(kept, base):
         assert abs(a - b) <= 1e-5 * abs(b)
     for a, b in zip(kept_grads, base_grads, strict=True):
@@ -108,11 +117,13 @@ def test_auto_keeps_rows_at_least_as_long_as_the_hidden_size() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("qlora", "graphs", "projection"), [
-    (False, False, "off"), (True, False, "off"), (True, True, "off"), (True, False, "on"), (True, True, "on"),
-], ids=["lora", "qlora", "qlora-graphed", "qlora-projection", "qlora-graphed-projection"])
+@pytest.mark.parametrize(("qlora", "graphs", "projection", "qkv"), [
+    (False, False, "off", "off"), (True, False, "off", "off"), (True, True, "off", "off"), (True, False, "on", "off"),
+    (True, True, "on", "off"), (True, False, "on", "on"), (True, True, "on", "on"), (False, True, "off", "on"),
+], ids=["lora", "qlora", "qlora-graphed", "qlora-projection", "qlora-graphed-projection", "qlora-all",
+        "qlora-graphed-all", "lora-graphed-qkv"])
 def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, monkeypatch, qlora: bool,
-                                                               graphs: bool, projection: str) -> None:
+                                                               graphs: bool, projection: str, qkv: str) -> None:
     # bf16 on CUDA through cuDNN's kernels; graphed, the output and lse live in static buffers between the passes.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -131,7 +142,7 @@ def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, m
 
     monkeypatch.setattr(kept_module, "CUDNN_CAUSAL", kept_module.CausalKernels(counted("forward"), counted("backward")))
     kept, kept_w, stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload", keep_attention="on",
-                                     keep_projection=projection)
+                                     keep_projection=projection, keep_qkv=qkv)
     layers, steps = 2, 4  # the tiny llama's, `train_cuda`'s
     if not graphs:  # replays call no Python: counted only eagerly
         assert calls == {"forward": layers * steps, "backward": layers * steps}, calls

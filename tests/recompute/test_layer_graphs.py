@@ -135,11 +135,11 @@ def test_graphs_on_a_replaced_storage_are_dropped_so_it_is_freed() -> None:
 
 def _train(folder: Path, graphs: bool | None, monkeypatch, *, qlora: bool, mode: str, accumulate: int = 1,
            steps: int = 4, deferral=None, keep_attention: str = "off", keep_projection: str = "off",
-           ) -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
+           keep_qkv: str = "off") -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
     """Train the tiny model `steps` steps with graphs on, off, or (None) as the environment says;
     `deferral`: the run's `kestrel.recompute.mlp_deferral.MLPDeferral` (None: the default); `keep_attention`:
     whether offloaded layers keep their attention output (off | auto | on, `kestrel.model.kept_attention`),
-    `keep_projection` (off | on) their output projection's output with it."""
+    `keep_projection` (off | on) their output projection's output with it, `keep_qkv` (off | on) Q, K and V."""
     from kestrel.recompute.checkpoint import set_gradient_checkpointing
     from kestrel.config import LoraSettings
     from kestrel.model.loader import load
@@ -150,7 +150,7 @@ def _train(folder: Path, graphs: bool | None, monkeypatch, *, qlora: bool, mode:
     model, _ = load(str(folder), 64, load_in_4bit=qlora, dtype="bf16", device="cuda")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
     run = set_gradient_checkpointing(model, mode, {True: "on", False: "off", None: "auto"}[graphs], deferral=deferral,
-                                     keep_attention=keep_attention, keep_projection=keep_projection)
+                                     keep_attention=keep_attention, keep_projection=keep_projection, keep_qkv=keep_qkv)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, fused=True)

@@ -156,6 +156,9 @@ def test_kept_bytes_per_row_reads_heads_and_head_size() -> None:
     qwen3_like = Config(num_attention_heads=32, head_dim=128, hidden_size=2560)  # heads x head_dim != hidden
     assert kept_bytes_per_row(qwen3_like) == 32 * (128 * 2 + 4)
     assert kept_bytes_per_row(qwen3_like, projection=True) == 32 * (128 * 2 + 4) + 2560 * 2  # o_proj's output too
+    grouped = Config(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=2560)
+    assert kept_bytes_per_row(grouped, qkv=True) == 32 * (128 * 2 + 4) + (32 + 2 * 8) * 128 * 2  # Q, K, V too
+    assert kept_bytes_per_row(qwen3_like, qkv=True) == 32 * (128 * 2 + 4) + 96 * 128 * 2  # no KV heads given: MHA
     no_head_dim = Config(num_attention_heads=12, hidden_size=1536)
     assert kept_bytes_per_row(no_head_dim) == 12 * (128 * 2 + 4)
     image_text = SimpleNamespace(text_config=qwen3_like, vision_config=SimpleNamespace())

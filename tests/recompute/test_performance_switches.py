@@ -9,7 +9,7 @@ import pytest
 
 from kestrel.config import PerformanceSettings, config_from_dict
 from kestrel.errors import ConfigError
-from kestrel.recompute.checkpoint import graph_mode, keep_attention_mode, keep_projection_mode
+from kestrel.recompute.checkpoint import graph_mode, keep_attention_mode, keep_projection_mode, keep_qkv_mode
 from kestrel.recompute.mlp_deferral import defer_mode
 
 SWITCHES = [  # field, default, the run's resolver, its variable, (configured: not the default, variable value, result)
@@ -17,6 +17,7 @@ SWITCHES = [  # field, default, the run's resolver, its variable, (configured: n
     ("defer_mlp", "memory", defer_mode, "KESTREL_DEFER_MLP", ("fit", "off", "off")),
     ("keep_attention", "auto", keep_attention_mode, "KESTREL_KEEP_ATTENTION", ("off", "on", "on")),
     ("keep_projection", "on", keep_projection_mode, "KESTREL_KEEP_PROJECTION", ("off", "on", "on")),
+    ("keep_qkv", "off", keep_qkv_mode, "KESTREL_KEEP_QKV", ("on", "off", "off")),
 ]
 
 

@@ -278,6 +278,9 @@ def test_kept_attention_outputs_are_paged_too() -> None:
     projection = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention="on",
                                           keep_projection="on")
     assert projection.offload_host_ram - kept.offload_host_ram == 32 * 4096 * 4096 * 2  # o_proj's outputs
+    qkv = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention="on",
+                                   keep_projection="on", keep_qkv="on")
+    assert qkv.offload_host_ram - projection.offload_host_ram == 32 * 4096 * (32 + 2 * 8) * 128 * 2  # Q, K, V
     standard = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "standard", keep_attention="on")
     assert standard.offload_host_ram == 0
     # auto (the default) keeps them only where the host has room to spare: never counted as needed, so

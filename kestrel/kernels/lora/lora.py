@@ -377,31 +377,38 @@ class _LoRAProjections(torch.autograd.Function):
         return tuple(grads)
 
 
-class _KnownProjection(_LoRAProjections):
-    """Y = X W^T + b + s (X A^T) B^T whose value is already known (`known`: the first pass's, kept by a
-    checkpoint): the forward forms only the rank-r X A^T that dB needs, no base product, and returns
-    `known`; the backward is `_LoRAProjections`' own (its arguments sit where that one's do: x, then
-    `known` in place of `grad`, the biases, the fields). `known` is not an input of the Function: its
-    memory is the kept buffer's, and it takes no gradient."""
+class _KnownProjections(_LoRAProjections):
+    """Y_k = X W_k^T + b_k + s_k (X A_k^T) B_k^T, k = 1..N, whose values are already known (`known`: the
+    first pass's, kept by a checkpoint): the forward forms only the rank-r X [A_k]^T that dB needs, no base
+    product, and returns `known`; the backward is `_LoRAProjections`' own (its arguments sit where that
+    one's do: x, then `known` in place of `grad`, the biases, the fields). `known` is not an input of the
+    Function: its memory is the kept buffers', and it takes no gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, known: tuple[torch.Tensor], biases: tuple[torch.Tensor | None, ...],
-                *flat: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, known: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
+                *flat: Any) -> tuple[torch.Tensor, ...]:
         dtype, ws = _compute_dtype(x), _unflatten(flat, biases)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, in)
-            a = _stacked_a(ws, dtype)  # (r, in)
-            xa = _shrink(x2, ws, a)  # (M, r)
+            a = _stacked_a(ws, dtype)  # (N r, in)
+            xa = _shrink(x2, ws, a)  # (M, N r)
         _save(ctx, ws, x2, xa, a)
         ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape
-        y = known[0]
-        return y.view_as(y)
+        return tuple(torch.ops.aten._unsafe_view(y, y.shape) for y in known)  # fresh tensors, as the forward's
 
 
 def lora_linear_known(x: torch.Tensor, w: LoRAWeights, known: torch.Tensor) -> torch.Tensor:
     """`lora_linear(x, w)` whose value `known` (..., out) the caller already has (a checkpoint's recompute of
     a projection whose first-pass output was kept): no base product runs; the gradients are lora_linear's."""
-    return _KnownProjection.apply(x, (known,), _biases([w]), *w._flat())
+    return _KnownProjections.apply(x, (known,), _biases([w]), *w._flat())[0]
+
+
+def lora_projections_known(x: torch.Tensor, ws: tuple[LoRAWeights, ...], known: tuple[torch.Tensor, ...]
+                           ) -> tuple[torch.Tensor, ...]:
+    """`lora_projections(x, *ws)` whose values `known` (one (..., out_k) each) the caller already has (a
+    checkpoint's recompute of Q/K/V whose first-pass outputs were kept): no base product runs; the gradients
+    are lora_projections'."""
+    return _KnownProjections.apply(x, tuple(known), _biases(ws), *(t for w in ws for t in w._flat()))
 
 
 def lora_linear(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:

@@ -282,7 +282,8 @@ def _estimate(shape: ModelShape, data: dict[str, Any], devices: int, checkpointi
         int(grpo.get("max_prompt_length", 512)), devices,
         float(data.get("performance", {}).get("offload_gate", PerformanceSettings.offload_gate)),
         str(data.get("performance", {}).get("keep_attention", PerformanceSettings.keep_attention)),
-        str(data.get("performance", {}).get("keep_projection", PerformanceSettings.keep_projection)))
+        str(data.get("performance", {}).get("keep_projection", PerformanceSettings.keep_projection)),
+        str(data.get("performance", {}).get("keep_qkv", PerformanceSettings.keep_qkv)))
 
 
 def _checkpointing(shape: ModelShape, data: dict[str, Any], devices: int, on_cuda: bool) -> tuple[str, str]:
