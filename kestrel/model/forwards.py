@@ -51,6 +51,15 @@ def _rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
 
 
+def _admits_qkv(store: Any, hidden_states: torch.Tensor) -> bool:
+    """Whether a first pass keeps its Q, K and V (`keep_qkv`): only where its attention output will be kept,
+    so the store is asked before the projections run (rows (B, T, hidden))."""
+    if store is None or not store.keeps_qkv or torch.is_grad_enabled() or hidden_states.dim() != 3:
+        return False
+    batch, seq, hidden = hidden_states.shape
+    return store.admits(seq, batch * seq, hidden, hidden_states.device)
+
+
 def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor, Any]]:
     """Attention with QK-norm, in-place RoPE and fused LoRA QKV; varlen when the model forward says so.
 
@@ -70,15 +79,11 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
         hidden_shape = (*input_shape, -1, self.head_dim)
         window = layer_window(spec, self.config, self.layer_idx)
         varlen = kwargs.pop(VARLEN_KWARG, None)  # set by the model forward, once per forward
+        plain = (varlen is None and attention_mask is None and past_key_values is None and window is None
+                 and not spec.attention_sinks and not (self.training and self.attention_dropout))
         store = kwargs.pop(KEPT_KWARG, None)  # a checkpoint keeping this layer's attention output
-        if store is not None and (varlen is not None or attention_mask is not None or past_key_values is not None
-                                  or window is not None
-                                  or spec.attention_sinks or (self.training and self.attention_dropout)):
-            store = None  # keeping serves plain causal rows alone
-        # A first pass keeps Q, K and V (`keep_qkv`) only where its attention output will be kept: asked first
-        admitted = (store is not None and store.keeps_qkv and not torch.is_grad_enabled() and len(input_shape) == 2
-                    and store.admits(input_shape[1], input_shape.numel(), hidden_states.shape[-1], hidden_states.device))
-        q, k, v = stored_qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), store, admitted)
+        store = store if plain else None  # keeping serves plain causal rows alone
+        q, k, v = stored_qkv(hidden_states, (self.q_proj, self.k_proj, self.v_proj), store, _admits_qkv(store, hidden_states))
         gate = None
         if spec.attn_output_gate:
             q, gate = torch.chunk(q.view(*input_shape, -1, 2 * self.head_dim), 2, dim=-1)
