@@ -221,20 +221,43 @@ class AttentionStore(Protocol):
         """Those outputs back on their device for the recompute, or None."""
 
 
-def kept_bytes_per_row(config: Any, projection: bool = False, qkv: bool = False) -> int:
-    """Bytes a layer keeping its attention output pages out per token: the output, heads x head_dim
-    in 16 bits, and one fp32 logsumexp a head; with `projection` (`keep_projection`), the output
-    projection's output too, hidden x 2; with `qkv` (`keep_qkv`), the Q, K and V projections' outputs,
-    (heads + 2 KV heads) x head_dim x 2. `config`: the model's (an image-text one's text config
-    is read). Where layers differ in head size (Gemma 4's `per_layer_config`), the widest layer's:
-    one layer's pages must fit the link's time for a layer."""
-    text = text_config(config).to_dict()  # a per-layer config refuses to give its attributes globally
-    heads = int(text["num_attention_heads"])
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    base = int(text.get("head_dim") or text["hidden_size"] // heads)
-    size = max([base, *(int(layer.get("head_dim") or base) for layer in (text.get("per_layer_config") or {}).values())])
-    return (heads * (size * 2 + 4) + (2 * int(text["hidden_size"]) if projection else 0)
-            + ((heads + 2 * kv_heads) * size * 2 if qkv else 0))
+@dataclass(frozen=True)
+class Keeping:
+    """What a keeping layer pages out at one row count beside its input: its attention output (with the
+    logsumexp), and with it its output projection's output (`keep_projection`) and its Q, K and V (`keep_qkv`)."""
+
+    attention: bool = False
+    projection: bool = False
+    qkv: bool = False
+
+    def describe(self) -> str:
+        return "the attention output" + (", the output projection's output" if self.projection else "") + (
+            ", Q, K and V" if self.qkv else "")
+
+
+@dataclass(frozen=True)
+class KeptBytes:
+    """Bytes a row of each tensor a keeping layer may page out (`Keeping`'s parts)."""
+
+    attention: int = 0  # the output, heads x head_dim in 16 bits, and one fp32 logsumexp a head
+    projection: int = 0  # the output projection's output, hidden x 2
+    qkv: int = 0  # Q, K and V, (heads + 2 KV heads) x head_dim x 2
+
+    def of(self, keeping: Keeping) -> int:
+        return (keeping.attention * self.attention + keeping.projection * self.projection
+                + keeping.qkv * self.qkv)
+
+    @classmethod
+    def of_model(cls, config: Any) -> KeptBytes:
+        """The sizes for a model's `config` (an image-text one's text config is read). Where layers differ
+        in head size (Gemma 4's `per_layer_config`), the widest layer's: one layer's pages must fit the
+        link's time for a layer."""
+        text = text_config(config).to_dict()  # a per-layer config refuses to give its attributes globally
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        base = int(text.get("head_dim") or text["hidden_size"] // heads)
+        size = max([base, *(int(layer.get("head_dim") or base) for layer in (text.get("per_layer_config") or {}).values())])
+        return cls(heads * (size * 2 + 4), 2 * int(text["hidden_size"]), (heads + 2 * kv_heads) * size * 2)
 
 
 def worth_keeping(seq: int, hidden: int) -> bool:

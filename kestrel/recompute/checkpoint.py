@@ -28,6 +28,7 @@ and its recompute runs no attention forward (`kestrel.model.kept_attention`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any, Callable
@@ -38,7 +39,7 @@ from kestrel.constants import KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES, KEEP_
 import torch
 from torch import nn
 
-from kestrel.model.kept_attention import kept_bytes_per_row
+from kestrel.model.kept_attention import KeptBytes, Keeping
 from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs, no_grad
 from kestrel.recompute.gate_share import gate_share, paged_gate_layers, pages_gate_out
@@ -75,10 +76,10 @@ class LayerCheckpoint(torch.autograd.Function):
         ctx.attention = None
         if owner.offload and owner.keep_attention != "off":
             auto = owner.keep_attention == "auto"
-            projection, qkv = owner.extras_at(hidden)
+            extras = owner.extras_at(hidden)
             ctx.attention = ctx.saved_input.attention = KeptAttentionOutput(
                 owner.offloaded, slot=ctx.saved_input.depth % 2, only_long=auto,
-                link=owner.attention_keeps_up if auto else None, projection=projection, qkv=qkv)
+                link=owner.attention_keeps_up if auto else None, projection=extras.projection, qkv=extras.qkv)
         owner.gate, owner.attention = ctx.gate, ctx.attention
         try:
             with torch.no_grad():
@@ -156,16 +157,13 @@ class Recompute:
         self.keep_attention = keep_attention  # off | auto | on: offloaded layers page their attention output out
         self.keep_projection = keep_projection  # and, with it, their output projection's output
         self.keep_qkv = keep_qkv  # and their Q, K and V projections' outputs
-        # Bytes a row of what a keeping layer pages beside its input: the attention output with its
-        # logsumexp, the output projection's output (0 unless `keep_projection`), Q, K and V (0 unless `keep_qkv`)
-        self.attention_bytes, self.projection_bytes, self.qkv_bytes = 0, 0, 0
+        # Bytes a row of what a keeping layer may page beside its input (0 for an extra the run does not keep)
+        self.kept_sizes = KeptBytes()
         self.attention: KeptAttentionOutput | None = None  # while a layer's checkpoint runs: its store
         self.first_pass = FirstPassTimes(chooser.clock)  # the forward's first layer's first pass, by row count
         self._sightings: dict[int, int] = {}  # rows -> training forwards seen (offload)
         self._ran_graphed: set[int] = set()  # row counts some forward ran as CUDA graphs
-        self.attention_kept: dict[int, bool] = {}  # keep_attention auto: each timed row count's answer
-        self.projection_kept: dict[int, bool] = {}  # and whether its output projection's output rides along
-        self.qkv_kept: dict[int, bool] = {}  # and whether its Q, K and V do
+        self.kept: dict[int, Keeping] = {}  # keep_attention auto: each timed row count's answer
         self.attention_asked: set[int] = set()  # row counts at which a layer asked it
         self.on_attention: Callable[[int, bool, str], None] | None = None  # (rows, kept, why), once a row count
 
@@ -243,7 +241,7 @@ class Recompute:
         again = rows not in self._ran_graphed
         self.deferral.record_layer_time(rows, seconds, decide_again=again)
         if not again:
-            self.attention_kept.setdefault(rows, False)
+            self.kept.setdefault(rows, Keeping())
 
     def _wants_layer_time(self, rows: int, device: torch.device) -> bool:
         """Whether a layer's first pass at `rows` rows is still to be timed for the link's sake: the
@@ -261,25 +259,24 @@ class Recompute:
         (`kestrel.recompute.host_link`); not while the row count is untimed (asking marks it to be
         timed). The extras ride along in order while the link has room for them: the output projection's
         output (`keep_projection`), then Q, K and V (`keep_qkv`), each doing the same recompute work a byte;
-        where it has room for fewer, fewer are kept (`projection_kept`, `qkv_kept`). Each timed row count
-        is decided once and reported (`on_attention`)."""
-        known = self.attention_kept.get(rows)
+        where it has room for fewer, fewer are kept (`kept`). Each timed row count is decided once and
+        reported (`on_attention`)."""
+        known = self.kept.get(rows)
         if known is not None:
-            return known
+            return known.attention
         self.attention_asked.add(rows)
-        levels = [(p, q) for p, q in ((True, True), (True, False), (False, True), (False, False))
-                  if (self.projection_bytes or not p) and (self.qkv_bytes or not q)]
+        sizes = self.kept_sizes
+        levels = [Keeping(True, p, q) for p, q in ((True, True), (True, False), (False, True), (False, False))
+                  if (sizes.projection or not p) and (sizes.qkv or not q)]
         tried: list[str] = []
-        for projection, qkv in levels:
-            kept = self.attention_bytes + projection * self.projection_bytes + qkv * self.qkv_bytes
-            keeps_up, why = self._fits(rows, hidden, device, kept)
+        for level in levels:
+            keeps_up, why = self._fits(rows, hidden, device, sizes.of(level))
             if keeps_up is None:
                 return False
-            tried.append(why if len(levels) == 1 else f"{_extras(projection, qkv)}: {why}")
+            tried.append(why if len(levels) == 1 else f"{level.describe()}: {why}")
             if keeps_up:
                 break
-        self.attention_kept[rows] = keeps_up
-        self.projection_kept[rows], self.qkv_kept[rows] = keeps_up and projection, keeps_up and qkv
+        self.kept[rows] = level if keeps_up else Keeping()
         if self.on_attention is not None:
             self.on_attention(rows, keeps_up, "; ".join(tried))
         return keeps_up
@@ -296,20 +293,20 @@ class Recompute:
                 return False, f"the layers' inputs and kept outputs {short}"
         return keeps_up, why
 
-    def extras_at(self, hidden: torch.Tensor) -> tuple[bool, bool]:
-        """(projection, qkv): whether a layer checkpointing `hidden` (..., hidden size) keeps its output
-        projection's output, and its Q, K and V, with its attention output: as `keep_projection` and
-        `keep_qkv` say under `keep_attention: on`; under `auto`, the answer for its row count
-        (`attention_keeps_up`), decided here where a layer already asked and the link is timed, so each
-        layer of a forward gets the same answer; neither while undecided (nor is the attention output kept)."""
+    def extras_at(self, hidden: torch.Tensor) -> Keeping:
+        """What a layer checkpointing `hidden` (..., hidden size) keeps with its attention output (its
+        `projection` and `qkv`): as `keep_projection` and `keep_qkv` say under `keep_attention: on`; under
+        `auto`, the answer for its row count (`attention_keeps_up`), decided here where a layer already
+        asked and the link is timed, so each layer of a forward gets the same answer; nothing while
+        undecided (nor is the attention output kept)."""
         if self.keep_attention == "off" or not (self.keep_projection or self.keep_qkv):
-            return False, False
+            return Keeping()
         if self.keep_attention == "on":
-            return self.keep_projection, self.keep_qkv
+            return Keeping(True, self.keep_projection, self.keep_qkv)
         rows = hidden.numel() // max(hidden.shape[-1], 1)
-        if rows not in self.attention_kept and rows in self.attention_asked:
+        if rows not in self.kept and rows in self.attention_asked:
             self.attention_keeps_up(rows, hidden.shape[-1], hidden.device)
-        return self.projection_kept.get(rows, False), self.qkv_kept.get(rows, False)
+        return self.kept.get(rows, Keeping())
 
     def kept_bytes_at(self, rows: int) -> int:
         """Bytes a row that a keeping layer pages beside its input at `rows` rows (`MLPDeferral.kept_bytes`):
@@ -317,13 +314,11 @@ class Recompute:
         where a layer asked and nothing is decided yet (the extras yield to whole MLP rows)."""
         if self.keep_attention == "off":
             return 0
-        if self.keep_attention == "on":
-            return self.attention_bytes + self.projection_bytes + self.qkv_bytes
-        if rows in self.attention_kept:
-            return (self.attention_kept[rows] * self.attention_bytes
-                    + self.projection_kept.get(rows, False) * self.projection_bytes
-                    + self.qkv_kept.get(rows, False) * self.qkv_bytes)
-        return self.attention_bytes if rows in self.attention_asked else 0
+        if self.keep_attention == "on":  # an extra the run does not keep has no bytes
+            return self.kept_sizes.of(Keeping(True, True, True))
+        if rows in self.kept:
+            return self.kept_sizes.of(self.kept[rows])
+        return self.kept_sizes.attention if rows in self.attention_asked else 0
 
     def release(self) -> None:
         """Drop the run's CUDA graphs and give their memory back."""
@@ -339,12 +334,6 @@ class Recompute:
 
     def layers(self) -> list[nn.Module]:
         return list(self._layers)  # the decoder layers checkpointed through this run's recompute
-
-
-def _extras(projection: bool, qkv: bool) -> str:
-    """What a level of `Recompute.attention_keeps_up` keeps, for its report."""
-    return "the attention output" + (", the output projection's output" if projection else "") + (
-        ", Q, K and V" if qkv else "")
 
 
 def keep_qkv_mode(configured: str) -> str:
@@ -418,9 +407,9 @@ def set_gradient_checkpointing(
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
         if recompute.keep_attention != "off":
-            recompute.attention_bytes = kept_bytes_per_row(model.config)
-            recompute.projection_bytes = kept_bytes_per_row(model.config, recompute.keep_projection) - recompute.attention_bytes
-            recompute.qkv_bytes = kept_bytes_per_row(model.config, qkv=recompute.keep_qkv) - recompute.attention_bytes
+            sizes = KeptBytes.of_model(model.config)
+            recompute.kept_sizes = dataclasses.replace(sizes, projection=sizes.projection * recompute.keep_projection,
+                                                       qkv=sizes.qkv * recompute.keep_qkv)
             recompute.deferral.kept_bytes = recompute.kept_bytes_at
     for layer in layers:
         layer._gradient_checkpointing_func = recompute

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kestrel.model.kept_attention import KeptBytes, Keeping
+
 from kestrel.recompute.host_link import FirstPassTimes, HostLink, measure_link_rate
 
 GPU = torch.device("cuda", 0)  # the link only keys its rates by device
@@ -231,12 +233,12 @@ def _recompute(host_room: int | None, layers: int = 20, link: float = 50e9, proj
     deferral = MLPDeferral("memory", host_room=lambda: host_room, link_rate=lambda d: link)
     run = Recompute(True, None, GraphChooser("off"), deferral=deferral, keep_attention="auto",
                     keep_projection=projection > 0, keep_qkv=qkv > 0)
-    run.attention_bytes, run.projection_bytes, run.qkv_bytes = 1040, projection, qkv
+    run.kept_sizes = KeptBytes(1040, projection, qkv)
     deferral.kept_bytes = run.kept_bytes_at
-    kept = [torch.nn.Linear(1, 1) for _ in range(layers)]
-    for layer in kept:
+    stand_ins = [torch.nn.Linear(1, 1) for _ in range(layers)]
+    for layer in stand_ins:
         run._layers.add(layer)
-    run.kept = kept  # type: ignore[attr-defined]  # the weak set's members live as long as the run
+    run.stand_ins = stand_ins  # type: ignore[attr-defined]  # the weak set's members live as long as the run
     return run
 
 
@@ -308,15 +310,15 @@ def test_auto_keeps_the_extras_only_where_the_link_has_room_for_them_too() -> No
         run.on_attention = lambda r, k, why: heard.append((r, k, why))
         run.deferral.link.record(rows, rows * (room + 10) / 50e9)
         stand_in = torch.empty(1, rows, hidden, device="meta")
-        assert run.extras_at(stand_in) == (False, False)  # no layer asked at this row count: nothing kept
+        assert run.extras_at(stand_in) == Keeping()  # no layer asked at this row count: nothing kept
         assert run.attention_keeps_up(rows, hidden, GPU) is kept
-        assert run.extras_at(stand_in) == (projection, qkv)
+        assert run.extras_at(stand_in) == Keeping(kept, projection, qkv)
         assert run.kept_bytes_at(rows) == kept * 1040 + projection * 2048 + qkv * 3072
     assert heard[0][2].startswith("the attention output, the output projection's output, Q, K and V: ")
     assert heard[1][2].count("; ") == 1 and heard[2][2].count("; ") == 3  # every level tried is reported
     alone = _recompute(host_room=1 << 40, qkv=3072)  # Q, K and V without the projection's output
     alone.deferral.link.record(rows, rows * (2048 + 1040 + 3072 + 10) / 50e9)
-    assert alone.attention_keeps_up(rows, hidden, GPU) and alone.qkv_kept[rows] and not alone.projection_kept[rows]
+    assert alone.attention_keeps_up(rows, hidden, GPU) and alone.kept[rows] == Keeping(True, False, True)
 
 
 def test_a_layer_learns_the_extras_before_its_first_pass_where_the_link_is_timed() -> None:
@@ -326,9 +328,9 @@ def test_a_layer_learns_the_extras_before_its_first_pass_where_the_link_is_timed
     run = _recompute(host_room=1 << 40, projection=2048, qkv=3072)
     assert run.attention_keeps_up(rows, hidden, GPU) is False  # untimed: asked
     run.deferral.link.record(rows, 1.0)
-    assert rows not in run.attention_kept
-    assert run.extras_at(torch.empty(1, rows, hidden, device="meta")) == (True, True) and run.attention_kept[rows]
+    assert rows not in run.kept
+    assert run.extras_at(torch.empty(1, rows, hidden, device="meta")) == Keeping(True, True, True) == run.kept[rows]
     forced = _recompute(host_room=1 << 40, projection=2048)
     forced.keep_attention = "on"
-    assert forced.extras_at(torch.empty(1, 8, hidden, device="meta")) == (True, False)
+    assert forced.extras_at(torch.empty(1, 8, hidden, device="meta")) == Keeping(True, True, False)
     assert forced.kept_bytes_at(8) == 1040 + 2048

@@ -136,18 +136,23 @@ def test_kept_attention_pages_count_against_the_link() -> None:
     from kestrel.recompute.checkpoint import Recompute
     from kestrel.recompute.graph_choice import GraphChooser
 
-    for asked, decided, defers in ((set(), {}, False), ({8192}, {}, True), ({8192}, {8192: False}, False)):
+    from kestrel.model.kept_attention import KeptBytes, Keeping
+
+    for asked, decided, defers in ((set(), {}, False), ({8192}, {}, True), ({8192}, {8192: Keeping()}, False)):
         auto, _ = _policy("fit", device_room=64 * GIB, host_room=64 * GIB, paged=36, link=link, layer_s=PAGED / link)
         run = Recompute(True, None, GraphChooser("off"), deferral=auto, keep_attention="auto")
-        run.attention_bytes, run.attention_asked, run.attention_kept = 32 * (128 * 2 + 4), asked, decided
+        run.kept_sizes, run.attention_asked, run.kept = KeptBytes(32 * (128 * 2 + 4)), asked, decided
         auto.kept_bytes = run.kept_bytes_at
         assert auto.defers(8192, GATE, UP, GPU) is defers, (asked, decided)
 
 
-def test_kept_bytes_per_row_reads_heads_and_head_size() -> None:
+def test_kept_bytes_read_heads_and_head_size() -> None:
     from types import SimpleNamespace
 
-    from kestrel.model.kept_attention import kept_bytes_per_row
+    from kestrel.model.kept_attention import KeptBytes, Keeping
+
+    def kept_bytes_per_row(config, projection: bool = False, qkv: bool = False) -> int:
+        return KeptBytes.of_model(config).of(Keeping(True, projection, qkv))
 
     class Config(SimpleNamespace):
         def to_dict(self) -> dict:
