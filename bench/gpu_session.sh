@@ -249,7 +249,7 @@ for want in "$@"; do
                   for model in ${KEEP_MODELS//,/ }; do for run in ${KEEP_RUNS:-off:off off:on auto:off auto:auto}; do
                       IFS=: read -r graphs keep defer proj qkv <<<"$run"
                       sys=kestrel-$graphs; sys=${sys/-auto/}; name=${run//:/-}
-                      phase "keepattn-$model-$name" 240 env KESTREL_KEEP_ATTENTION="$keep" KESTREL_KEEP_PROJECTION="${proj:-on}" KESTREL_KEEP_QKV="${qkv:-off}" \
+                      phase "keepattn-$model-$name" 240 env KESTREL_KEEP_ATTENTION="$keep" KESTREL_KEEP_PROJECTION="${proj:-on}" KESTREL_KEEP_QKV="${qkv:-on}" \
                           KESTREL_DEFER_MLP="${defer:-${KESTREL_DEFER_MLP:-memory}}" python bench/matrix.py \
                           --models "$model" --methods qlora --layouts "${KEEP_LAYOUTS:-long}" --systems "$sys" --budget-s 180 \
                           --hard-s 230 --out "$OUT/keepattn-$name.jsonl"; done; done

@@ -182,8 +182,8 @@ class PerformanceSettings:
     keep_projection: str = "on"
     # Where a layer keeps its attention output, it pages its Q, K and V projections' outputs too ((Hq + 2 Hkv) x
     # head_dim x 2 bytes a row), so the recompute runs none of their products either (on | off); under keep_attention
-    # auto, only where the measured link carries them after the output projection's output. Off until measured.
-    keep_qkv: str = "off"
+    # auto, only where the measured link carries them after the output projection's output.
+    keep_qkv: str = "on"
     # How torch's CUDA caching allocator grows its segments: expandable (reserved memory follows what the run
     # holds) or fixed (torch's default); `kestrel.training.cuda_allocator`.
     cuda_allocator: str = "expandable"

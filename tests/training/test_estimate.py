@@ -272,11 +272,11 @@ def test_kept_attention_outputs_are_paged_too() -> None:
     shape = shape_from_config(LLAMA_8B)
     plain = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload")
     kept = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention="on",
-                                    keep_projection="off")
+                                    keep_projection="off", keep_qkv="off")
     assert kept.offload_host_ram - plain.offload_host_ram == 32 * 4096 * 32 * (128 * 2 + 4)
     assert kept.total_bytes == plain.total_bytes  # host memory only
     projection = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention="on",
-                                          keep_projection="on")
+                                          keep_projection="on", keep_qkv="off")
     assert projection.offload_host_ram - kept.offload_host_ram == 32 * 4096 * 4096 * 2  # o_proj's outputs
     qkv = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "offload", keep_attention="on",
                                    keep_projection="on", keep_qkv="on")
