@@ -10,7 +10,9 @@ one GPU or on several GPUs of one host at once, under a chunk's time budget; one
   when the disk has no room for it beside the current folder (`matrix_models.check_free_disk`);
   then it is built once this model is done and the folders before it are removed.
 - Each record says on which GPU it ran (`gpu`, a CUDA_VISIBLE_DEVICES entry) and the most processes
-  the host ran at once while it ran, itself and a folder being built included (`concurrent`).
+  the host ran at once while it ran, itself and a folder being built included (`concurrent`), and
+  how many drivers of the matrix ran on the host at its start or end (`drivers`: one a GPU when a
+  call runs a script per GPU, which `concurrent`, counting this driver's own processes, does not see).
 - Baselines run without flash-linear-attention where its backward refuses the GPU (`baseline_env`),
   the only way they train Qwen3.5 there; their records say so.
 - The chunk's clock: nothing starts once --budget-s has passed; a process still running at --hard-s
@@ -226,21 +228,60 @@ def _gpu_field(gpu: str | None) -> int | str | None:
     return int(gpu) if gpu is not None and gpu.isdigit() else gpu
 
 
+DRIVERS_FOLDER = Path("/tmp/kestrel-matrix-drivers")
+
+
+class HostDrivers:
+    """The matrix drivers running on this host: a file a driver, named by its process id, in `folder`
+    (the same for every driver of the host); a file whose process has gone is not counted."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = folder or DRIVERS_FOLDER
+        self.mine = self.folder / str(os.getpid())
+
+    def __enter__(self) -> "HostDrivers":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.mine.touch()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.mine.unlink(missing_ok=True)
+
+    def count(self) -> int:
+        return sum(1 for f in self.folder.glob("*") if f.name.isdigit() and _alive(int(f.name))) if self.folder.exists() else 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Runner:
     """One chunk of the matrix over `gpus` (CUDA_VISIBLE_DEVICES entries), a worker thread each.
     `launch` starts a process (`isolated`), `root` holds the model folders."""
 
     def __init__(self, args: argparse.Namespace, gpus: list[str], launch: Launch = isolated,
-                 clock: Clock | None = None, root: Path = MODEL_ROOT) -> None:
+                 clock: Clock | None = None, root: Path = MODEL_ROOT, drivers: HostDrivers | None = None) -> None:
         self.args, self.gpus, self.launch, self.root = args, gpus, launch, root
         self.clock = clock or Clock(args.budget_s, args.hard_s)
         self.lock = threading.Lock()  # guards what follows and the results file
         self.running: dict[Any, int] = {}  # what runs now (a pair's key, or ("build", model)) -> most at once so far
         self.stopped = False  # the chunk's end cut a process: start nothing more
         self.ahead: set[str] = set()  # models whose folder a worker took to build ahead
+        self.drivers = drivers or HostDrivers()
+        self.drivers_at_start: dict[Any, int] = {}  # a running pair's key -> drivers on the host when it started
 
     def run(self) -> None:
         """Every pending pair, model by model, until done, the budget is spent or the chunk's end cuts one."""
+        with self.drivers:
+            self._run()
+
+    def _run(self) -> None:
         todo = pending(self.args)
         models = list(dict.fromkeys(key[0] for key in todo))
         print(f"{len(todo)} (cell, system) pairs to run on GPU(s) {','.join(self.gpus)}", flush=True)
@@ -302,16 +343,18 @@ class Runner:
         for other in self.running:
             self.running[other] = max(self.running[other], at_once)
         self.running[job] = at_once
+        self.drivers_at_start[job] = self.drivers.count()
 
     def run_pair(self, key: Key, gpu: str) -> None:
         record = run_one(key, self.args, self.clock, self.launch, gpu)
         with self.lock:
             at_once = self.running.pop(key)
+            drivers = max(self.drivers_at_start.pop(key), self.drivers.count())
             if record is None:
                 self.stopped = True
                 print(f"{','.join(key)}: stopped at the chunk's end; left for the next chunk", flush=True)
                 return
-            self.write(record, gpu, at_once)
+            self.write({**record, "drivers": drivers}, gpu, at_once)
 
     def build_ahead(self, job: tuple[str, str], gpu: str) -> None:
         """The next model's folder while this model's last pairs run; a failure (no room on the disk
@@ -319,6 +362,7 @@ class Runner:
         failed = build(job[1], self.args, self.clock, self.launch, gpu)
         with self.lock:
             self.running.pop(job)
+            self.drivers_at_start.pop(job, None)
             if failed is not None:
                 print(f"building {job[1]} ahead did not finish; it is built in its turn: "
                       f"{str(failed.get('error', failed))[-300:]}", flush=True)

@@ -105,11 +105,11 @@ def _run_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], ord
             if growth > LEAK_MIB_PER_STEP:
                 lines.append(f"- {' '.join(cell)} {system}: the memory held between steps grew {growth:.0f} MiB a "
                              "step over the timed steps: a leak (steps keep tensors), so a long run needs more")
-    shared = [r for by in cells.values() for r in by.values() if r.get("concurrent", 1) > 1]
+    shared = [r for by in cells.values() for r in by.values() if max(r.get("concurrent", 1), r.get("drivers", 1)) > 1]
     if shared:
         lines.append(f"- {len(shared)} records ran beside other processes on the same host (up to "
-                     f"{max(r['concurrent'] for r in shared)} at once, one GPU each): they shared its cores "
-                     "and memory bandwidth (`gpu`, `concurrent` in each record)")
+                     f"{max(max(r.get('concurrent', 1), r.get('drivers', 1)) for r in shared)} at once, one GPU each): "
+                     "they shared its cores and memory bandwidth (`gpu`, `concurrent`, `drivers` in each record)")
     return lines
 
 

@@ -194,8 +194,8 @@ class Recompute:
             self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
             if self.graphed:
                 self._ran_graphed.add(tokens)
-            if self.holds_graphs and not self.chooser.any_graphed():
-                self.release()  # every layout runs eagerly: give the graphs' memory back
+            if self.holds_graphs and (not self.chooser.any_graphed() or self.chooser.eager_retime_alone(key)):
+                self.release()  # eager from here on, or until re-timed: give the graphs' memory back
             self.holds_graphs |= self.graphed
         timed = self._start_timing(hidden, linked) if first and self.offload else None
         wrapped = layer_graphs.wrap(run, hidden, args, self.graphs if self.graphed else None, linked)

@@ -131,7 +131,9 @@ class GraphChooser:
       layout at most log2(n / watch + 1) times. A re-timing costs `samples` forwards (after
       `warmup` ones, for graphs) of the other way, and it only starts where the two ways' times
       have come within `margin` of each other or crossed, so it is cheap exactly when the
-      evidence is weak, and it is how a wrong or stale choice is undone.
+      evidence is weak, and it is how a wrong or stale choice is undone. A graphed choice is timed
+      again with its graphs dropped (`eager_retime_alone`), so that here too the eager working set
+      and the graphs' pool are never reserved together.
 
     `on_decision(decision)` hears each choice as it is made (the run's log and metrics), re-timed
     ones included.
@@ -200,6 +202,18 @@ class GraphChooser:
 
     def decisions(self) -> list[Decision]:
         return [lay.decision for lay in self.layouts.values() if lay.decision is not None]
+
+    def eager_retime_alone(self, key: Hashable) -> bool:
+        """Whether the forward just begun for `key` runs eagerly to time a layout decided graphed again
+        (`_recheck`) while no other layout is decided graphed or probing graphed. The graphs then serve
+        nothing until this layout is decided, and its eager working set would stack on their pool (a
+        run's allocated peak above both ways'; bench/RESULTS.md, session 40), so the caller drops them:
+        they are captured again if graphed still wins."""
+        layout = self.layouts.get(key)
+        if self.mode != "auto" or layout is None or not layout.retiming or self._last:
+            return False
+        return not any(other.decision.graphed if other.decision is not None else other.graph_warm > 0
+                       for other in self.layouts.values() if other is not layout)
 
     def any_graphed(self) -> bool:
         """Whether graphs may still run (a layout decided or still probing graphed)."""

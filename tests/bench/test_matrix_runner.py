@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from bench.matrix import chooser_settled, parse_args, settle
-from bench.matrix_runner import Clock, Runner, load_records, pending, visible_gpus
+from bench import matrix_runner
+from bench.matrix_runner import Clock, HostDrivers, Runner, load_records, pending, visible_gpus
 from bench.matrix_table import render_table
 
 MODELS = "qwen3-0.6b,qwen3-1.7b"
@@ -72,6 +73,27 @@ class FakeHost:
                 self.problems.append(f"{key}: its model's folder is missing at its {when}")
 
 
+@pytest.fixture(autouse=True)
+def _own_drivers_folder(tmp_path, monkeypatch) -> None:
+    """Each test's drivers apart: tests running in parallel are not drivers of one host's matrix."""
+    monkeypatch.setattr(matrix_runner, "DRIVERS_FOLDER", tmp_path / "drivers")
+
+
+def test_drivers_of_one_host_count_each_other_and_not_the_gone(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "drivers"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with HostDrivers(folder) as mine:
+        assert mine.count() == 1
+        (folder / str(os.getppid())).touch()  # another driver, alive
+        (folder / gone.stdout.strip()).touch()  # a driver killed without leaving: not counted
+        assert mine.count() == 2
+    assert not (folder / str(os.getpid())).exists() and HostDrivers(folder).count() == 1
+
+
 def _args(tmp_path: Path, *extra: str) -> Any:
     return parse_args(["--models", MODELS, "--methods", "qlora", "--layouts", "padded,packed", "--systems", "kestrel,hf",
                        "--out", str(tmp_path / "m.jsonl"), "--anchors", "", *extra])
@@ -97,6 +119,7 @@ def test_workers_take_distinct_gpus_run_every_pair_once_and_models_one_at_a_time
     assert sorted((r["model"], r["method"], r["layout"], r["system"]) for r in records) == sorted(todo)
     assert {r["gpu"] for r in records} <= {0, 1, 2} and all(r["concurrent"] >= 1 for r in records)
     assert max(r["concurrent"] for r in records) == 3  # the first three ran together
+    assert {r["drivers"] for r in records} == {1}  # this driver alone on the host
     assert not pending(args)
     for key, _, _, child in host.pairs:  # only Kestrel is asked to settle its chooser
         assert ("--settle" in child) == key[3].startswith("kestrel")

@@ -326,3 +326,38 @@ def test_a_spoiled_forward_is_not_counted_and_the_next_starts_drained() -> None:
     decision = run.decisions[0]
     assert decision.eager_s == pytest.approx(0.05)  # three clean eager samples; the spoiled one is not among them
     assert run.ways[:5] == [False, False, False, False, False]  # one eager forward more to make up for it
+
+
+def test_a_graphed_choice_is_re_timed_eagerly_with_its_graphs_dropped_only_when_nothing_else_is_graphed() -> None:
+    """Graphed steps slow down past the eager time the choice beat: the eager way is timed again. Its
+    forwards are the ones a caller runs with the graphs dropped (`eager_retime_alone`), but only while
+    no other layout is decided or being probed graphed (those still replay their graphs)."""
+    slow = {"on": False}
+
+    def cost(tokens: int, graphed: bool) -> float:
+        return (0.2 if slow["on"] else 0.011) if graphed else 0.05
+
+    run = FakeRun(cost)
+    for _ in range(14):
+        run.forward("k", 1000)
+    assert run.chooser.decided_graphed("k") and not run.chooser.eager_retime_alone("k")
+    slow["on"] = True
+    alone = []
+    for _ in range(16):
+        run.forward("k", 1000)
+        alone.append(run.chooser.eager_retime_alone("k"))
+    assert alone.count(True) == 3  # the three eager samples of the re-timing...
+    assert all(not w for a, w in zip(alone, run.ways[-16:]) if a)  # ...each run eagerly
+    assert not run.chooser.decided_graphed("k")  # eager now: 0.05 against 0.2 s
+    assert not run.chooser.eager_retime_alone("never seen") and not GraphChooser("on").eager_retime_alone("k")
+
+    slow["on"] = False
+    both = FakeRun(cost)
+    for _ in range(14):
+        both.forward("k", 1000)
+        both.forward("other", 999)  # as many tokens bar one: inferred graphed from "k"
+    assert both.chooser.decided_graphed("other")
+    slow["on"] = True
+    for _ in range(16):
+        both.forward("k", 1000)
+        assert not both.chooser.eager_retime_alone("k")  # "other" still replays its graphs

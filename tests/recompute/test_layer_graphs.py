@@ -251,6 +251,49 @@ def test_auto_decides_each_layout_and_trains_as_the_forced_modes(tiny_model_dir,
     assert stats["failed"] == 0
 
 
+@pytest.mark.gpu
+def test_a_graphed_layout_timed_again_runs_eagerly_without_its_graphs(tiny_model_dir, monkeypatch) -> None:
+    """Once decided graphed, a layout whose graphed steps run slower than the eager time they beat is
+    timed eagerly again: those forwards drop the graphs first (the eager working set never stacks on
+    their pool), and if graphed still wins the layers capture again; losses stay those of eager steps."""
+    import dataclasses
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+
+    monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
+    model, _ = load(str(tiny_model_dir("llama")), 64, dtype="bf16", device="cuda")
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    run = set_gradient_checkpointing(model, "standard", "auto")
+    model.train()
+    ids = torch.randint(5, 200, (2, 40), device="cuda")
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item()
+
+    for _ in range(14):
+        step()
+    (layout,) = run.chooser.layouts.values()
+    assert run.chooser.graphs_kept() and run.holds_graphs and run.graphs.stats()["forward"] > 0
+    # The graphed way now reads slower than the eager time it won against: its next check re-times eager.
+    layout.decision = dataclasses.replace(layout.decision, eager_s=layout.decision.graphed_s / 10)
+    released = []
+    for _ in range(layout.watch + 4):
+        step()
+        released.append(not run.holds_graphs and run.graphs.stats()["forward"] == 0)
+    assert any(released), "the eager re-timing ran over the graphs' pool"
+    for _ in range(12):
+        last = step()
+    assert layout.decision is not None and abs(last - step()) < 1e-2
+    run.release()
+
+
 _POOL_REUSE = """
 import torch
 from kestrel.recompute.layer_graphs import GraphRegistry
