@@ -149,6 +149,36 @@ def test_lora_mlp_matches_peft(
     _check(_peft_block(dtype), MLP, ours, _peft_mlp(activation), _x(dtype))
 
 
+@pytest.mark.parametrize("discard", [False, True], ids=["first-pass", "recompute"])
+def test_a_16_bit_mlp_under_triton_adds_gate_and_up_adapters_inside_the_glu(discard: bool, monkeypatch) -> None:
+    """E and G are the base products alone, and the GLU adds s (X A^T) B^T as it reads them (forward, then the
+    in-place backward): the same values and gradients as PEFT, with no (M, I) expansion pass."""
+    from kestrel.kernels import glu_lowrank
+    from kestrel.kernels.lora import lora as lora_module
+
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    calls: list[str] = []
+    expands: list[bool] = []
+    real_expand, real_fwd, real_bwd = lora_module._expand, glu_lowrank.glu_lowrank, glu_lowrank.glu_lowrank_backward_
+
+    def expand(*args, adapter: bool = True, **kwargs):
+        expands.append(adapter)
+        return real_expand(*args, adapter=adapter, **kwargs)
+
+    monkeypatch.setattr(lora_module, "_expand", expand)
+    monkeypatch.setattr(glu_lowrank, "glu_lowrank", lambda *a, **k: calls.append("forward") or real_fwd(*a, **k))
+    monkeypatch.setattr(glu_lowrank, "glu_lowrank_backward_", lambda *a, **k: calls.append("backward") or real_bwd(*a, **k))
+    block = _peft_block(torch.float32)
+    params = _adapter_params(block, MLP)
+    got = _run(lambda x: lora_mlp(x, *_weights(block, MLP), discard_output=discard), _x(torch.float32), params)
+    truth = _run(_peft_mlp("swiglu")(block), _x(torch.float32), params)
+    assert calls.count("forward") >= 1 and calls.count("backward") == 1
+    assert expands[:2] == [False, False]  # gate's and up's products: the base alone
+    if not discard:
+        _close(got[0], truth[0], 1e-5)
+    _close(got[1], truth[1], 1e-5)
+
+
 def test_fp32_adapters_over_bf16_base() -> None:
     # PEFT's default keeps adapters in fp32 over a bf16 model; gradients come back in fp32.
     block = _peft_block(torch.bfloat16, adapter_dtype=torch.float32)
@@ -374,10 +404,12 @@ def test_deferring_pays_only_where_it_lowers_the_peak() -> None:
         assert mlp_module.lowers_peak(threshold + 1, gate, up)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_deferred_mlp_in_16_bit_matches_peft(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deferred_mlp_in_16_bit_matches_peft(dtype: torch.dtype, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel.kernels.lora import mlp as mlp_module
 
+    monkeypatch.setenv("KESTREL_KERNELS", backend)  # triton: the adapters' terms inside the GLU (glu_lowrank)
     monkeypatch.setattr(mlp_module, "DEFERRED_ROWS", 5)  # 14 tokens: deferred, in 3 chunks
     block = _peft_block(dtype)
     params = _adapter_params(block, MLP)

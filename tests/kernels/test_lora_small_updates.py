@@ -8,7 +8,8 @@ update's effect (bench/RESULTS.md, QLoRA "Session 13"). The fused path rounds on
 epilogue; for NF4: W' = W + s B A formed in fp32 and rounded once), so the change of the output is
 unbiased: over many elements, y(B) - y(0) regresses on the exact d with slope 1. A path that
 drops small updates shows slope 0. On CUDA only the NF4 path rounds once (cuBLAS rounds before its
-epilogue adds: see `kestrel.kernels.lora.lora`, "Rounding").
+epilogue adds: see `kestrel.kernels.lora.lora`, "Rounding"), except for a 16-bit MLP's gate and up, whose
+adapter terms the GLU adds in fp32 (`kestrel.kernels.glu_lowrank`).
 """
 
 from __future__ import annotations
@@ -112,3 +113,26 @@ _CUBLAS_ROUNDS_TWICE = pytest.mark.xfail(strict=True, reason="cuBLAS rounds X W^
 def test_cuda_small_adapter_update_moves_the_output(quantized: bool, grouped: bool) -> None:
     """At the 8B shapes, through cuBLAS and the Triton kernels."""
     _check("cuda", quantized, grouped)
+
+
+@pytest.mark.gpu
+def test_cuda_small_gate_and_up_updates_move_the_mlp_output() -> None:
+    """A 16-bit base on CUDA: gate's and up's adapter terms go inside the GLU, in fp32, so their small updates
+    reach the output (slope 1 on the first-order change through the GLU and down), where the base product's
+    epilogue would round them away (the xfail above)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    c = _CASES["cuda"]
+    x, bases, adapters = _setup("cuda", False, [c["inter"], c["inter"]], c["hidden"])
+    down = [_base(c["hidden"], c["inter"], False, "cuda")]
+    down_zero = _weights(down, [_adapter(c["hidden"], c["inter"], "cuda", 1e-4, seed=9)], True)
+    with torch.no_grad():
+        y0 = lora_mlp(x, *_weights(bases, adapters, True), *down_zero)
+        y1 = lora_mlp(x, *_weights(bases, adapters, False), *down_zero)
+    (wg, wu), wd = [w for _, _, w in bases], down[0][2]
+    e, g = x.double() @ wg.t(), x.double() @ wu.t()
+    de, dg = ((x.double() @ a.double().t()) @ b.double().t() for a, b in adapters)
+    s = torch.sigmoid(e)
+    dh = s * (1 + e * (1 - s)) * g * de + e * s * dg  # first order: silu'(E) G dE + silu(E) dG
+    slope = _slope(y1.double() - y0.double(), dh @ wd.t(), (e * s * g) @ wd.t())
+    assert 0.85 < slope < 1.15, f"gate/up: slope {slope:.3f}"

@@ -206,18 +206,20 @@ def _mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.
 def _expand(
     x: torch.Tensor, xa: torch.Tensor | None, w: LoRAWeights, dtype: torch.dtype, merged: bool,
     dense: torch.Tensor | None = None, a: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    adapter: bool = True,
 ) -> torch.Tensor:
     """y = x W^T + b + xa B^T (M, out) for x (M, in) and this projection's xa (M, r); merged: the
     adapter is inside W' (`_merged`, from A's cast rows `a` when given) and xa is not read.
     dense: W (W' when merged) already formed; otherwise it is dequantized (merged) here.
     out: where to write y (contiguous (M, out) in `dtype`), else a new tensor. Unmerged, the
     order of the two products is `_ADAPTER_FIRST_MIN`'s; the bias b (when the base has one) goes
-    with whichever comes first."""
+    with whichever comes first. adapter=False (unmerged): x W^T + b alone, the caller adding xa B^T
+    where it reads y (`kestrel.kernels.glu_lowrank`)."""
     bias = None if w.bias is None else cast(w.bias, dtype)
     if merged:
         return _mm(x, (_merged(w, dtype, a=a) if dense is None else dense).t(), bias, out)
     base = _base(w.weight, w.quant_state, dtype) if dense is None else dense
-    if w.adapter_off:
+    if w.adapter_off or not adapter:
         return _mm(x, base.t(), bias, out)
     b = cast(w.lora_B, dtype)
     if x.is_cuda and w.out_features * w.in_features < _ADAPTER_FIRST_MIN:

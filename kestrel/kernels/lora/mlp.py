@@ -12,6 +12,11 @@ in its forward: the whole MLP, forward and backward, runs inside the backward
 both the forward products and the input gradient. Its (rows, I) intermediates then no longer grow
 with the sequence (at 400K tokens of the Llama-8B shape, E, G and h alone are 33 GiB).
 
+Over a 16-bit base (adapters unmerged), where the Triton kernels run, gate's and up's expansions
+s (X A^T) B^T are added inside the GLU rather than into E and G (`kestrel.kernels.glu_lowrank`):
+E and G then hold the base products alone, and the GLU's forward and backward add the rank-r terms
+as they read them, so no (M, I) pass is spent on the expansions (`_rank_terms`).
+
 A checkpoint may also hand the MLP a `GateStore` (offloaded checkpointing, `kestrel.recompute.checkpoint`):
 the first pass gives it the gate product E, and the recompute takes E back instead of computing
 it, so the recompute skips the largest product it has left (the up product and the shrink
@@ -25,7 +30,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from kestrel.constants import DEFERRED_ROWS
-from kestrel.kernels import glu, nf4
+from kestrel.kernels import glu, glu_lowrank, nf4
 from kestrel.kernels.lora import lora as base
 from kestrel.kernels.dispatch import use_triton
 from kestrel.kernels.lora.lora import _FIELDS, LoRAWeights
@@ -88,18 +93,42 @@ def glu_backward_reference(
     return e.copy_(de), g.copy_(dg)
 
 
-def _glu_forward(e: torch.Tensor, g: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """h = act(e) * g (M, I) through kestrel.kernels.glu (Triton on CUDA, its reference elsewhere)."""
+# The adapters' terms of gate and up when the GLU adds them itself: ((U_e, U_g), (V_e, V_g)) (`_rank_terms`)
+RankTerms = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _glu_forward(e: torch.Tensor, g: torch.Tensor, activation: Activation, rank: RankTerms | None = None) -> torch.Tensor:
+    """h = act(e) * g (M, I) through kestrel.kernels.glu (Triton on CUDA, its reference elsewhere); with
+    `rank`, act(e + U_e V_e^T) * (g + U_g V_g^T) (`kestrel.kernels.glu_lowrank`)."""
+    if rank is not None:
+        return glu_lowrank.glu_lowrank(e, g, *rank, gelu=activation == "geglu")
     return glu.swiglu(e, g) if activation == "swiglu" else glu.geglu(e, g)
 
 
 def _glu_backward_(
-    e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
+    e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation, rank: RankTerms | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(de, dg) written over (e, g): kestrel.kernels.glu's in-place Triton backward, or the reference."""
+    """(de, dg) written over (e, g): kestrel.kernels.glu's in-place Triton backward, or the reference; with
+    `rank`, the gradients of e + U_e V_e^T and g + U_g V_g^T (`kestrel.kernels.glu_lowrank`)."""
+    if rank is not None:
+        return glu_lowrank.glu_lowrank_backward_(dh, e, g, *rank, gelu=activation == "geglu")
     if use_triton(e, g, dh):
         return glu.glu_backward(dh, e, g, gelu=activation == "geglu", inplace=True)
     return glu_backward_reference(e, g, dh, activation)
+
+
+def _rank_terms(
+    x: torch.Tensor, xa: torch.Tensor | None, gate: LoRAWeights, up: LoRAWeights, dtype: torch.dtype, merged: bool,
+) -> RankTerms | None:
+    """The terms for the GLU to add, where it adds them: gate's and up's adapters unmerged (a 16-bit base) and
+    on, their shrink product `xa` = [s_g x A_g^T | s_u x A_u^T] (M, 2r) formed, and the Triton kernels running.
+    Then E and G hold the base products alone and the expansions never make (M, I) passes of their own
+    (`kestrel.kernels.glu_lowrank`); elsewhere (None) E and G hold the whole projections. A layer's passes
+    (first, recompute, backward) answer alike, so a gate product kept by a `GateStore` means the same to each."""
+    if merged or xa is None or (gate.adapter_off and up.adapter_off) or not use_triton(x):
+        return None
+    sg, su = base._spans([gate, up])
+    return (xa[:, sg], xa[:, su]), (cast(gate.lora_B, dtype), cast(up.lora_B, dtype))
 
 
 class _LoRAMLP(torch.autograd.Function):
@@ -144,7 +173,7 @@ class _LoRAMLP(torch.autograd.Function):
         gate, up, down = base._unflatten(flat)
         dtype, lead = base._compute_dtype(x), x.shape[:-1]
         ctx.activation, ctx.dtype, ctx.x_dtype, ctx.x_shape = activation, dtype, x.dtype, x.shape
-        ctx.done, ctx.h = False, None
+        ctx.done, ctx.h, ctx.rank_in_glu = False, None, False
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (M, H)
             ctx.deferred = discard and grad and _defers(policy, x2.shape[0], gate, up, x.device)
@@ -215,15 +244,16 @@ def _forward(
     if base._needs_shrink(grad, merged_gu, (gate, up)):
         xa_gu = base._shrink(x2, [gate, up], a_gu)  # (M, 2r)
     xa_g, xa_u = (None, None) if xa_gu is None else (xa_gu[:, sg], xa_gu[:, su])
+    rank = _rank_terms(x2, xa_gu, gate, up, dtype, merged_gu)  # None: E and G carry their adapters
     e = store.take() if store is not None and grad else None
     if e is None:
         keep = store is not None and not grad and not _defers(policy, x2.shape[0], gate, up, x2.device)
         into = store.target((x2.shape[0], gate.out_features), dtype) if keep else None
-        e = base._expand(x2, xa_g, gate, dtype, merged_gu, a=a_gu[sg], out=into)  # (M, I)
+        e = base._expand(x2, xa_g, gate, dtype, merged_gu, a=a_gu[sg], out=into, adapter=rank is None)  # (M, I)
         if keep:
             store.keep(e)
-    g = base._expand(x2, xa_u, up, dtype, merged_gu, a=a_gu[su])
-    h = _glu_forward(e, g, activation)
+    g = base._expand(x2, xa_u, up, dtype, merged_gu, a=a_gu[su], adapter=rank is None)
+    h = _glu_forward(e, g, activation, rank)
     if base._needs_shrink(grad, merged_d or discard, (down,)):  # for backward, or for the down product
         a_d = cast(down.lora_A, dtype)  # (r, I)
         ha_d = base._shrink(h, [down], a_d)  # (M, r)
@@ -234,6 +264,7 @@ def _forward(
     if grad:
         base._save(ctx, (gate, up, down), x2, e, g, xa_gu, a_gu, ha_d, a_d)
         ctx.h = h if discard else None
+        ctx.rank_in_glu = rank is not None
     return y
 
 
@@ -242,14 +273,15 @@ def _backward(ctx: Any, dy: torch.Tensor, grads: list[torch.Tensor | None]) -> t
     x2, e, g, xa_gu, a_gu, ha_d, a_d, *tensors = ctx.saved_tensors
     gate, up, down = base._rebuild(tensors, ctx.meta)
     dtype = ctx.dtype
+    rank = _rank_terms(x2, xa_gu, gate, up, dtype, False) if ctx.rank_in_glu else None
     dyb = base._adapter_backward(ctx, _DOWN, [dy], None, ha_d, [down], dtype, grads)  # (M, r); dB_d
     if base._needs(ctx, _DOWN, 0)[0]:
-        h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation)
+        h = ctx.h if ctx.h is not None else _glu_forward(e, g, ctx.activation, rank)
         grads[_DOWN + 2] = mm_to(dyb.t(), h, down.lora_A.dtype)
         del h
     ctx.h = None
     dh = base._input_backward([dy], dyb, a_d, [down], dtype)
-    de, dg = _glu_backward_(e, g, dh, ctx.activation)
+    de, dg = _glu_backward_(e, g, dh, ctx.activation, rank)
     del dh
     return base._group_backward(ctx, _FIRST, [de, dg], x2, xa_gu, a_gu, [gate, up], dtype, grads)
 
@@ -301,13 +333,14 @@ def _chunk_backward(
     a_gu, a_d, w_d = parts
     dtype, (sg, su) = ctx.dtype, base._spans([gate, up])
     xa = base._shrink(x, [gate, up], a_gu)  # (m, 2r)
-    e = base._expand(x, xa[:, sg], gate, dtype, merged, dense[0])  # (m, I)
-    g = base._expand(x, xa[:, su], up, dtype, merged, dense[1])
-    h = _glu_forward(e, g, ctx.activation)
+    rank = _rank_terms(x, xa, gate, up, dtype, merged)  # None: E and G carry their adapters
+    e = base._expand(x, xa[:, sg], gate, dtype, merged, dense[0], adapter=rank is None)  # (m, I)
+    g = base._expand(x, xa[:, su], up, dtype, merged, dense[1], adapter=rank is None)
+    h = _glu_forward(e, g, ctx.activation, rank)
     dyb = base._adapter_backward(ctx, _DOWN, [dy], h, base._shrink(h, [down], a_d), [down], dtype, grads)
     del h
     dh = torch.mm(dyb, a_d).addmm_(dy, w_d)  # (m, I)
-    de, dg = _glu_backward_(e, g, dh, ctx.activation)
+    de, dg = _glu_backward_(e, g, dh, ctx.activation, rank)
     del dh
     base._group_backward(ctx, _FIRST, [de, dg], x, xa, a_gu, [gate, up], dtype, grads, dense, merged, out)
 

@@ -1,0 +1,198 @@
+"""The GLU of a LoRA MLP over a 16-bit base, with the adapters' rank-r terms added inside it.
+
+With E = X W_g^T and G = X W_u^T the base products (M, I), U_e = s_g X A_g^T and U_g = s_u X A_u^T
+the shrink products (M, r) and V_e = B_g, V_g = B_u (I, r), the MLP's gated unit is
+
+    E' = E + U_e V_e^T          G' = G + U_g V_g^T          (fp32, never stored)
+    h  = act(E') * G'           act(E') rounded to E's dtype first, as HF (`kestrel.kernels.glu`)
+
+and its backward, given dh (M, I), writes over E and G (nothing new the size of E):
+
+    dE = dh * G' * act'(E')     dG = dh * act(E')
+
+dE and dG are the gradients of E' and G' (so of the adapters' expansions too): the caller forms the
+adapter gradients and dX from them as before (`kestrel.kernels.lora.mlp`).
+
+Why: unmerged, each expansion U V^T is a pass of its own over an (M, I) output (written, then read
+again by the base product that accumulates onto it), 4 M I bytes for gate and as many for up in
+each of the first pass and the recompute, about 3% of a long 16-bit step, which a merged NF4
+base does not pay (bench/RESULTS.md, session 40). Here the expansions are rank-r dot products
+inside the pass the GLU makes anyway: their operands, an (M, r) and an (I, r) tile, are small
+against the (M, I) tiles it reads and writes. E' is added in fp32 and never rounded, one rounding
+less than the adapter-first product, whose output is rounded to 16 bits.
+
+Layout: E, G, dh (M, I) with any row stride and unit column stride (`as_rows`); U (M, r) and V (I, r)
+likewise (U may be a column slice of the group's (M, 2r) shrink product). Programs tile (rows,
+columns) in 64 x 128 blocks, 8,192 elements each as the row kernels' programs
+(`kestrel.kernels.glu`), and sum the rank in steps of at most 32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels._launch import launch
+from kestrel.kernels._utils import as_rows
+from kestrel.kernels.dispatch import use_triton
+from kestrel.kernels.glu import _act_and_grad
+
+_BM, _BN, _WARPS = 64, 128, 8
+_MAX_STEP = 32  # rank columns per dot: a (64 + 128) x 32 operand pair fits the registers
+
+
+@triton.jit
+def _expansion(U, u_stride, V, v_stride, rows, cols, row_mask, col_mask, rank,
+               RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The (BM, BN) fp32 tile U[rows] V[cols]^T of U (M, rank), V (N, rank); RANK: rank padded to
+    a multiple of STEP (a power of two of at least 16, tl.dot's least)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.static_range(0, RANK, STEP):
+        k = k0 + tl.arange(0, STEP)
+        in_rank = k[None, :] < rank
+        u = tl.load(U + rows[:, None] * u_stride + k[None, :], mask=row_mask[:, None] & in_rank, other=0.0)
+        v = tl.load(V + cols[:, None] * v_stride + k[None, :], mask=col_mask[:, None] & in_rank, other=0.0)
+        if IEEE:  # fp32 products, not TF32 (fp32 operands, or 16-bit ones under the interpreter)
+            acc += tl.dot(u.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(u, tl.trans(v))
+    return acc
+
+
+@triton.jit
+def _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
+            n_rows, n_cols, rank,
+            RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's tile: (E', G') in fp32, E + U_e V_e^T and G + U_g V_g^T, with its rows, columns and mask."""
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    e = tl.load(E + rows[:, None] * e_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows[:, None] * g_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    e += _expansion(UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank, RANK, STEP, IEEE, BM, BN)
+    g += _expansion(UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank, RANK, STEP, IEEE, BM, BN)
+    return e, g, rows, cols, mask
+
+
+@triton.jit
+def _fwd_kernel(
+    H, h_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
+    n_rows, n_cols, rank,
+    GELU: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    e, g, rows, cols, mask = _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG,
+                                     vg_stride, n_rows, n_cols, rank, RANK, STEP, IEEE, BM, BN)
+    act, _ = _act_and_grad(e, GELU)
+    act = act.to(E.dtype.element_ty).to(tl.float32)  # HF: act_fn(gate) is in gate's dtype
+    tl.store(H + rows[:, None] * h_stride + cols[None, :], (act * g).to(H.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(
+    DH, dh_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
+    n_rows, n_cols, rank,
+    GELU: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    # dE and dG go over E and G: every element is read before it is written, by the same program.
+    e, g, rows, cols, mask = _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG,
+                                     vg_stride, n_rows, n_cols, rank, RANK, STEP, IEEE, BM, BN)
+    dh = tl.load(DH + rows[:, None] * dh_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_and_grad(e, GELU)
+    dg = dh * act.to(E.dtype.element_ty).to(tl.float32)
+    de = dh * g * dact
+    tl.store(E + rows[:, None] * e_stride + cols[None, :], de.to(E.dtype.element_ty), mask=mask)
+    tl.store(G + rows[:, None] * g_stride + cols[None, :], dg.to(G.dtype.element_ty), mask=mask)
+
+
+def _rank_blocks(rank: int) -> tuple[int, int]:
+    """(RANK, STEP): the rank padded to a whole number of steps of a power of two in 16..32."""
+    step = min(_MAX_STEP, max(16, triton.next_power_of_2(rank)))
+    return triton.cdiv(rank, step) * step, step
+
+
+def _operands(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
+              vs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """E, G as rows; U_e, U_g, V_e, V_g as (rows, r) with unit column stride, V in U's dtype."""
+    if e.shape != g.shape:
+        raise ValueError(f"gate {tuple(e.shape)} and up {tuple(g.shape)} must have one shape")
+    ue, ug = (as_rows(u) for u in us)
+    ve, vg = (as_rows(v.to(ue.dtype)) for v in vs)
+    rows, cols = e.numel() // max(e.shape[-1], 1), e.shape[-1]
+    for name, t, first in (("U_e", ue, rows), ("U_g", ug, rows), ("V_e", ve, cols), ("V_g", vg, cols)):
+        if t.shape != (first, ue.shape[1]):
+            raise ValueError(f"{name} {tuple(t.shape)} is not ({first}, {ue.shape[1]})")
+    return as_rows(e), as_rows(g), ue, ug, ve, vg
+
+
+def _launch(kernel: object, first: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ue: torch.Tensor,
+            ug: torch.Tensor, ve: torch.Tensor, vg: torch.Tensor, gelu: bool) -> None:
+    n_rows, n_cols = e.shape
+    rank_pad, step = _rank_blocks(ue.shape[1])
+    grid = (triton.cdiv(n_rows, _BM), triton.cdiv(n_cols, _BN))
+    launch(kernel, grid, first, first.stride(0), e, e.stride(0), g, g.stride(0), ue, ue.stride(0), ug, ug.stride(0),
+           ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], gelu, rank_pad, step,
+           ue.dtype == torch.float32 or _interpreted(), _BM, _BN, num_warps=_WARPS)
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs its interpreter: its dot multiplies 16-bit floats wrongly (NumPy has no
+    bfloat16), so 16-bit operands go up to fp32 there (exact: a 16-bit product fits fp32)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def primed_reference(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
+                     vs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E', G') in fp32: E + U_e V_e^T, G + U_g V_g^T."""
+    return (e.float() + us[0].float() @ vs[0].float().t(), g.float() + us[1].float() @ vs[1].float().t())
+
+
+def _act_and_grad_reference(e: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(e), act'(e)) of fp32 e (`kestrel.kernels.glu._act_and_grad`'s math)."""
+    if gelu:
+        c = 0.7978845608028654
+        s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
+        return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
+    s = torch.sigmoid(e)
+    return e * s, s * (1.0 + e * (1.0 - s))
+
+
+def glu_lowrank(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
+                vs: tuple[torch.Tensor, torch.Tensor], gelu: bool) -> torch.Tensor:
+    """h = act(E + U_e V_e^T) * (G + U_g V_g^T) (M, I) in E's dtype (module docstring). e, g (M, I);
+    us = (U_e, U_g), each (M, r); vs = (V_e, V_g), each (I, r). No autograd: `glu_lowrank_backward_`."""
+    e2, g2, ue, ug, ve, vg = _operands(e, g, us, vs)
+    if not use_triton(e2, g2, ue):
+        ep, gp = primed_reference(e2, g2, (ue, ug), (ve, vg))
+        act = _act_and_grad_reference(ep, gelu)[0].to(e.dtype).float()
+        return (act * gp).to(e.dtype).view(e.shape)
+    h = torch.empty(e2.shape, dtype=e.dtype, device=e.device)
+    if h.numel() > 0:
+        _launch(_fwd_kernel, h, e2, g2, ue, ug, ve, vg, gelu)
+    return h.view(e.shape)
+
+
+def glu_lowrank_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
+                          vs: tuple[torch.Tensor, torch.Tensor], gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dE', dG') of h = act(E') * G' given dh (M, I), written over e and g and returned (module docstring)."""
+    e2, g2, ue, ug, ve, vg = _operands(e, g, us, vs)
+    dh2 = as_rows(dh)
+    if dh2.shape != e2.shape:
+        raise ValueError(f"dh {tuple(dh.shape)} is not E's {tuple(e.shape)}")
+    if not use_triton(e2, g2, ue):
+        ep, gp = primed_reference(e2, g2, (ue, ug), (ve, vg))
+        act, dact = _act_and_grad_reference(ep, gelu)
+        dhf = dh2.float()
+        e2.copy_(dhf * gp * dact)
+        g2.copy_(dhf * act.to(e.dtype).float())
+    elif e2.numel() > 0:
+        _launch(_bwd_kernel, dh2, e2, g2, ue, ug, ve, vg, gelu)
+    for t, rows in ((e, e2), (g, g2)):
+        if rows.data_ptr() != t.data_ptr():  # `as_rows` had to copy: the gradients go back where asked
+            t.copy_(rows.view(t.shape))
+    return e, g

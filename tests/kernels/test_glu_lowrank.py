@@ -1,0 +1,80 @@
+"""The GLU with the adapters' rank-r terms inside (`kestrel.kernels.glu_lowrank`) against the plain GLU of
+the summed products: E' = E + U_e V_e^T and G' = G + U_g V_g^T formed in fp64, then Hugging Face's activation
+times G'; and its in-place backward against autograd through that. Ranks below, at and above one dot step
+(16, 32), with strided U (a column slice of the group's shrink product) and shapes off the tile grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+
+from kestrel.kernels.glu_lowrank import glu_lowrank, glu_lowrank_backward_
+from tests.kernels.tolerance import assert_close
+
+SHAPES = [(14, 72, 8), (70, 130, 16), (3, 200, 40), (1, 1, 1)]
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def _inputs(m: int, i: int, r: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    e = (3.0 * torch.randn(m, i, generator=gen)).to(dtype)
+    g = torch.randn(m, i, generator=gen).to(dtype)
+    xa = (torch.randn(m, 2 * r, generator=gen) / r**0.5).to(dtype)  # [U_e | U_g], as the shrink product lays them out
+    ve, vg = ((torch.randn(i, r, generator=gen)).to(dtype) for _ in range(2))
+    dh = torch.randn(m, i, generator=gen).to(dtype)
+    return e, g, (xa[:, :r], xa[:, r:]), (ve, vg), dh
+
+
+def _truth(e, g, us, vs, dh, act_name: str):
+    """h and (dE', dG') through autograd over fp64 E', G' (the activation rounded to the input dtype, as HF)."""
+    ep = (e.double() + us[0].double() @ vs[0].double().t()).requires_grad_()
+    gp = (g.double() + us[1].double() @ vs[1].double().t()).requires_grad_()
+    act = ACT2FN[act_name](ep)
+    rounded = act + (act.to(e.dtype).double() - act).detach()  # HF's rounding, its gradient untouched
+    h = rounded * gp
+    de, dg = torch.autograd.grad(h, (ep, gp), dh.double())
+    return h.to(e.dtype), de.to(e.dtype), dg.to(e.dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])
+def test_forward_and_in_place_backward_match_the_summed_products(backend, poisoned, shape, dtype, gelu) -> None:
+    e, g, us, vs, dh = _inputs(*shape, dtype)
+    h_true, de_true, dg_true = _truth(e, g, us, vs, dh, "gelu_pytorch_tanh" if gelu else "silu")
+    h = glu_lowrank(e, g, us, vs, gelu)
+    assert h.dtype == dtype and torch.isfinite(h).all()
+    assert_close(h, h_true)
+    e_storage, g_storage = e.data_ptr(), g.data_ptr()
+    de, dg = glu_lowrank_backward_(dh, e, g, us, vs, gelu)
+    assert de.data_ptr() == e_storage and dg.data_ptr() == g_storage  # written over E and G
+    assert_close(de, de_true)
+    assert_close(dg, dg_true)
+
+
+def test_the_rank_terms_are_added_in_fp32_not_lost_to_a_16_bit_product(monkeypatch) -> None:
+    # An update under half a bf16 unit of G: rounded into G first it would vanish; here it moves h. The math of
+    # both implementations (the fp32 cases above hold the kernel to the reference at fp32 tolerance); checked on
+    # the reference, since the interpreter rounds fp32 to bf16 toward zero, where CUDA rounds to nearest.
+    monkeypatch.setenv("KESTREL_KERNELS", "torch")
+    e = torch.full((4, 32), 3.0, dtype=torch.bfloat16)
+    g = torch.full((4, 32), 1.0, dtype=torch.bfloat16)
+    u = torch.full((4, 16), 2e-4, dtype=torch.bfloat16)
+    v = torch.ones(32, 16, dtype=torch.bfloat16)
+    zero = torch.zeros_like(u)
+    with_update = glu_lowrank(e, g, (zero, u), (v, v), gelu=False)  # G' = 1 + 0.0032, E' = E
+    without = glu_lowrank(e, g, (zero, zero), (v, v), gelu=False)
+    assert torch.equal((g.float() + 0.0032).to(torch.bfloat16), g)  # rounded into G, the update is gone...
+    assert (with_update.float() > without.float()).all()  # ...added in fp32, silu(3) (1.0032) rounds a unit up
+
+
+def test_mismatched_operands_are_refused() -> None:
+    e, g, us, vs, _ = _inputs(6, 20, 4, torch.float32)
+    with pytest.raises(ValueError, match="must have one shape"):
+        glu_lowrank(e, g[:, :10], us, vs, False)
+    with pytest.raises(ValueError, match="V_e"):
+        glu_lowrank(e, g, us, (vs[0][:10], vs[1]), False)
+    with pytest.raises(ValueError, match="dh"):
+        glu_lowrank_backward_(e[:3], e, g, us, vs, False)
