@@ -17,7 +17,7 @@ SWITCHES = [  # field, default, the run's resolver, its variable, (configured: n
     ("defer_mlp", "memory", defer_mode, "KESTREL_DEFER_MLP", ("fit", "off", "off")),
     ("keep_attention", "auto", keep_attention_mode, "KESTREL_KEEP_ATTENTION", ("off", "on", "on")),
     ("keep_projection", "on", keep_projection_mode, "KESTREL_KEEP_PROJECTION", ("off", "on", "on")),
-    ("keep_qkv", "off", keep_qkv_mode, "KESTREL_KEEP_QKV", ("on", "off", "off")),
+    ("keep_qkv", "on", keep_qkv_mode, "KESTREL_KEEP_QKV", ("off", "on", "on")),
 ]
 
 
