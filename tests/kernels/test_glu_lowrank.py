@@ -78,3 +78,21 @@ def test_mismatched_operands_are_refused() -> None:
         glu_lowrank(e, g, us, (vs[0][:10], vs[1]), False)
     with pytest.raises(ValueError, match="dh"):
         glu_lowrank_backward_(e[:3], e, g, us, vs, False)
+
+
+def test_kernels_compile_for_sm90_with_tensor_core_dots_for_16_bit_operands() -> None:
+    """Forward and backward, 16-bit and fp32 operands, ranks under, at and over one dot step, through Triton and
+    ptxas for an H100/H200 (no GPU needed; its own process, uninterpreted: the interpreter runs what the compiler
+    refuses). 16-bit operands take tensor-core instructions; fp32 ones (exact products) none."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.support.sm90_compile", "glu_lowrank"], capture_output=True,
+                          text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mma = [int(c) for c in done.stdout.split()[-8:]]
+    for kernel in (mma[:4], mma[4:]):  # forward, backward: bf16 r16, bf16 r8 (GeGLU), fp16 r64, fp32 r16
+        assert kernel[0] > 0 and kernel[1] > 0 and kernel[2] > kernel[0] and kernel[3] == 0

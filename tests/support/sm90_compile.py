@@ -5,6 +5,7 @@ interpreter accepts what the compiler refuses, e.g. a plain global read inside a
     python -m tests.support.sm90_compile DTYPE BLOCK_M PREFETCH LOOKUP [PARTS STAGES GROUPS]
         # nf4_gemv: prints the PTX's prmt count and its cp.async count
     python -m tests.support.sm90_compile expert                          # expert_gemv: its variants' add.rn counts
+    python -m tests.support.sm90_compile glu_lowrank                     # its kernels' tensor-core (mma) counts
 """
 
 from __future__ import annotations
@@ -53,8 +54,37 @@ def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool, a
     return compiled.asm["ptx"]
 
 
+def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int) -> str:
+    """The PTX of `kestrel.kernels.glu_lowrank`'s forward or backward kernel for `dtype` operands and a rank of
+    `rank` (padded as the launcher pads it), its own tiles, compiled through ptxas for sm_90 (raises where
+    Triton or ptxas refuse it)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kestrel.kernels import glu_lowrank as kernels
+
+    names = ("DH" if backward else "H", "E", "G", "UE", "UG", "VE", "VG")
+    sig: dict[str, str] = {}
+    for name in names:
+        sig |= {name: f"*{dtype}", f"{name.lower()}_stride": "i32"}
+    sig |= dict.fromkeys(("n_rows", "n_cols", "rank"), "i32")
+    padded, step = kernels._rank_blocks(rank)
+    consts = dict(GELU=gelu, RANK=padded, STEP=step, IEEE=dtype == "fp32", BM=kernels._BM, BN=kernels._BN)
+    fn = kernels._bwd_kernel if backward else kernels._fwd_kernel
+    src = ASTSource(fn=fn, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernels._WARPS})
+    assert compiled.asm["cubin"], "no cubin"
+    return compiled.asm["ptx"]
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "expert":
+    if sys.argv[1] == "glu_lowrank":
+        variants = [(b, d, g, r) for b in (False, True) for d, g, r in (("bf16", False, 16), ("bf16", True, 8),
+                                                                          ("fp16", False, 64), ("fp32", False, 16))]
+        ptx = [compile_glu_lowrank(*v) for v in variants]
+        print(*(p.count("wgmma") + p.count("mma.sync") for p in ptx))
+    elif sys.argv[1] == "expert":
         variants = [("bf16", False, True, False), ("bf16", False, False, False), ("bf16", True, True, True),
                     ("bf16", True, False, True), ("fp16", True, False, False, False), ("fp32", True, True, False, False)]
         print(*(compile_expert_kernel(*v).count("add.rn.f32") for v in variants))
