@@ -9,6 +9,7 @@ from bench.model_shapes import MODELS, MOE_MODELS
 METHODS = ("qlora", "lora")
 FORCED_GRAPHS = {"kestrel-on": "on", "kestrel-off": "off"}  # Kestrel with its CUDA graphs forced
 FORCED_CHECKPOINTING = {"kestrel-std": "standard"}  # Kestrel with standard checkpointing, against auto's choice
+TARGET_RATIO = 1.2  # issue 24: Kestrel at least 1.2x Unsloth's tokens/s on every cell, at no more peak memory
 # Growth of the memory held between steps that the table calls a leak: far above what a new layout's
 # cached tables add, far below a step's activations (Gemma 4's leak, session 22: ~170 MiB a step)
 LEAK_MIB_PER_STEP = 1.0
@@ -113,6 +114,33 @@ def _run_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], ord
     return lines
 
 
+def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], layouts: list[str]) -> list[str]:
+    """Where the dense matrix (every model of MODELS but the mixtures of experts, x METHODS x `layouts`) stands
+    against issue 24's targets, read from the records alone: cells under TARGET_RATIO Unsloth's tokens/s, cells
+    whose reserved peak is over Unsloth's, Kestrel cells with no Unsloth run beside them, cells not measured."""
+    under, over, alone, missing = [], [], [], {}
+    for cell in [(m, me, lay) for m in MODELS if m not in MOE_MODELS for me in METHODS for lay in layouts]:
+        by = cells.get(cell, {})
+        k, u = by.get("kestrel"), by.get("unsloth")
+        if not _ok(k):
+            missing.setdefault(cell[0], []).append(f"{cell[1]} {cell[2]}")
+        elif not _ok(u):
+            alone.append(" ".join(cell) + (f" (Unsloth: {_failure(u)})" if u is not None else ""))
+        else:
+            ratio = k["tokens_per_s"] / u["tokens_per_s"]
+            if ratio < TARGET_RATIO:
+                under.append(f"{' '.join(cell)} ({ratio:.2f}x)")
+            if k["peak_reserved_gib"] > u["peak_reserved_gib"]:
+                over.append(f"{' '.join(cell)} (+{k['peak_reserved_gib'] - u['peak_reserved_gib']:.2f} GiB)")
+    lines = [f"- {title}: {'; '.join(items)}" for title, items in (
+        (f"Under {TARGET_RATIO}x Unsloth", under), ("Reserved peak over Unsloth's", over),
+        ("No Unsloth run beside Kestrel's", alone))
+        if items]
+    if missing:
+        lines.append("- Not measured: " + "; ".join(f"{m} ({', '.join(v)})" for m, v in missing.items()))
+    return lines
+
+
 def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
     """One markdown row per (model, method, layout): the latest record of each system."""
     cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
@@ -128,5 +156,5 @@ def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
         device = next((r["device"] for r in by.values() if r.get("device")), "")
         lines.append(f"| {' | '.join(cell)} | {_tps(k)} | {_tps(u)} | {_tps(h)} | {_ratio(k, u)} "
                      f"| {_auto_vs_forced(by)} | {_auto_vs_standard(by)} | {_mem(k)} | {_mem(u)} | {_mem(h)} | {_graphs(k)} | {device} |")
-    notes = _expert_notes(cells, order) + _run_notes(cells, order)
+    notes = _expert_notes(cells, order) + _run_notes(cells, order) + _target_notes(cells, layouts)
     return "\n".join(lines + (["", *notes] if notes else []))

@@ -108,3 +108,23 @@ def test_table_sets_kestrels_default_checkpointing_against_standard() -> None:
     assert "| auto / standard ckpt |" in table and "| 1.20x (offload) |" in table
     alone = render_table([dict(base, system="kestrel", tokens_per_s=12.0, checkpointing="offload")], ["packed"])
     assert "(offload)" not in alone
+
+
+def test_table_says_where_the_dense_matrix_misses_its_targets_and_what_is_not_measured() -> None:
+    base = dict(layout="packed", peak_alloc_gib=1.0, peak_reserved_gib=1.0)
+    records = [
+        dict(base, model="qwen3-4b", method="qlora", system="kestrel", tokens_per_s=11.0),
+        dict(base, model="qwen3-4b", method="qlora", system="unsloth", tokens_per_s=10.0),  # 1.10x: under
+        dict(base, model="qwen3-8b", method="qlora", system="kestrel", tokens_per_s=13.0, peak_reserved_gib=1.5),
+        dict(base, model="qwen3-8b", method="qlora", system="unsloth", tokens_per_s=10.0),  # 1.30x, 0.5 GiB over
+        dict(base, model="mistral-7b", method="qlora", system="kestrel", tokens_per_s=13.0),
+        dict(base, model="mistral-7b", method="qlora", system="unsloth", error="CUDA out of memory"),
+        dict(base, model="qwen3-30b-a3b", method="qlora", system="kestrel", tokens_per_s=1.0),  # experts: not listed
+    ]
+    table = render_table(records, ["packed"])
+    assert "- Under 1.2x Unsloth: qwen3-4b qlora packed (1.10x)\n" in table
+    assert "- Reserved peak over Unsloth's: qwen3-8b qlora packed (+0.50 GiB)\n" in table
+    assert "- No Unsloth run beside Kestrel's: mistral-7b qlora packed (Unsloth: OOM)\n" in table
+    missing = table.split("- Not measured: ")[1]
+    assert "qwen3-4b (lora packed)" in missing and "llama-3.2-1b (qlora packed, lora packed)" in missing
+    assert "qwen3-30b-a3b" not in missing and "qwen3-4b (qlora" not in missing
