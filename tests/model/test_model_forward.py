@@ -133,6 +133,14 @@ def test_logits_loss_and_lora_grads_match_hf(family: str, case: str, mode: str, 
     assert (counts["varlen"] > 0) == uses_varlen
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"], ids=["swiglu", "geglu"])
+def test_the_triton_kernels_match_hf_too(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same check through the Triton kernels (interpreted here): norms, RoPE, the loss, and the 16-bit MLP's
+    GLU with the adapters' rank terms inside it (`kestrel.kernels.glu_lowrank`)."""
+    monkeypatch.setenv("KESTREL_KERNELS", "triton")
+    test_logits_loss_and_lora_grads_match_hf(family, "plain", "off", monkeypatch)
+
+
 @pytest.mark.parametrize("family", [f for f in SUPPORTED if f not in PACKING_BLIND])
 def test_checkpointed_packed_training_matches_hf(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers called through __call__: HF checkpointing (our reentrant function) still recomputes
