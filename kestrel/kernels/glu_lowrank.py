@@ -64,7 +64,7 @@ def _expansion(U, u_stride, V, v_stride, rows, cols, row_mask, col_mask, rank,
 
 @triton.jit
 def _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
-            n_rows, n_cols, rank,
+            n_rows, n_cols, rank_e, rank_g,
             RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """This program's tile: (E', G') in fp32, E + U_e V_e^T and G + U_g V_g^T, with its rows, columns and mask."""
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
@@ -73,20 +73,20 @@ def _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_strid
     mask = row_mask[:, None] & col_mask[None, :]
     e = tl.load(E + rows[:, None] * e_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows[:, None] * g_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    e += _expansion(UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank, RANK, STEP, IEEE, BM, BN)
-    g += _expansion(UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank, RANK, STEP, IEEE, BM, BN)
+    e += _expansion(UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank_e, RANK, STEP, IEEE, BM, BN)
+    g += _expansion(UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank_g, RANK, STEP, IEEE, BM, BN)
     return e, g, rows, cols, mask
 
 
 @triton.jit
 def _fwd_kernel(
     H, h_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
-    n_rows, n_cols, rank,
+    n_rows, n_cols, rank_e, rank_g,
     GELU: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
     e, g, rows, cols, mask = _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG,
-                                     vg_stride, n_rows, n_cols, rank, RANK, STEP, IEEE, BM, BN)
+                                     vg_stride, n_rows, n_cols, rank_e, rank_g, RANK, STEP, IEEE, BM, BN)
     act, _ = _act_and_grad(e, GELU)
     act = act.to(E.dtype.element_ty).to(tl.float32)  # HF: act_fn(gate) is in gate's dtype
     tl.store(H + rows[:, None] * h_stride + cols[None, :], (act * g).to(H.dtype.element_ty), mask=mask)
@@ -95,13 +95,13 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_kernel(
     DH, dh_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
-    n_rows, n_cols, rank,
+    n_rows, n_cols, rank_e, rank_g,
     GELU: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
     # dE and dG go over E and G: every element is read before it is written, by the same program.
     e, g, rows, cols, mask = _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG,
-                                     vg_stride, n_rows, n_cols, rank, RANK, STEP, IEEE, BM, BN)
+                                     vg_stride, n_rows, n_cols, rank_e, rank_g, RANK, STEP, IEEE, BM, BN)
     dh = tl.load(DH + rows[:, None] * dh_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, dact = _act_and_grad(e, GELU)
     dg = dh * act.to(E.dtype.element_ty).to(tl.float32)
@@ -111,32 +111,34 @@ def _bwd_kernel(
 
 
 def _rank_blocks(rank: int) -> tuple[int, int]:
-    """(RANK, STEP): the rank padded to a whole number of steps of a power of two in 16..32."""
+    """(RANK, STEP): the (larger) rank padded to a whole number of steps of a power of two in 16..32."""
     step = min(_MAX_STEP, max(16, triton.next_power_of_2(rank)))
     return triton.cdiv(rank, step) * step, step
 
 
 def _operands(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
               vs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """E, G as rows; U_e, U_g, V_e, V_g as (rows, r) with unit column stride, V in U's dtype."""
+    """E, G as rows; U_e, U_g, V_e, V_g as (rows, r) with unit column stride, V in U's dtype (gate's rank r_e
+    and up's r_g may differ)."""
     if e.shape != g.shape:
         raise ValueError(f"gate {tuple(e.shape)} and up {tuple(g.shape)} must have one shape")
     ue, ug = (as_rows(u) for u in us)
     ve, vg = (as_rows(v.to(ue.dtype)) for v in vs)
     rows, cols = e.numel() // max(e.shape[-1], 1), e.shape[-1]
-    for name, t, first in (("U_e", ue, rows), ("U_g", ug, rows), ("V_e", ve, cols), ("V_g", vg, cols)):
-        if t.shape != (first, ue.shape[1]):
-            raise ValueError(f"{name} {tuple(t.shape)} is not ({first}, {ue.shape[1]})")
+    for name, t, shape in (("U_e", ue, (rows, ue.shape[1])), ("U_g", ug, (rows, ug.shape[1])),
+                           ("V_e", ve, (cols, ue.shape[1])), ("V_g", vg, (cols, ug.shape[1]))):
+        if t.shape != shape or ug.dtype != ue.dtype:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} is not {shape} {ue.dtype}")
     return as_rows(e), as_rows(g), ue, ug, ve, vg
 
 
 def _launch(kernel: object, first: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ue: torch.Tensor,
             ug: torch.Tensor, ve: torch.Tensor, vg: torch.Tensor, gelu: bool) -> None:
     n_rows, n_cols = e.shape
-    rank_pad, step = _rank_blocks(ue.shape[1])
+    rank_pad, step = _rank_blocks(max(ue.shape[1], ug.shape[1]))
     grid = (triton.cdiv(n_rows, _BM), triton.cdiv(n_cols, _BN))
     launch(kernel, grid, first, first.stride(0), e, e.stride(0), g, g.stride(0), ue, ue.stride(0), ug, ug.stride(0),
-           ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], gelu, rank_pad, step,
+           ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], ug.shape[1], gelu, rank_pad, step,
            ue.dtype == torch.float32 or _interpreted(), _BM, _BN, num_warps=_WARPS)
 
 

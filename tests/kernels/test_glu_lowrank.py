@@ -54,6 +54,18 @@ def test_forward_and_in_place_backward_match_the_summed_products(backend, poison
     assert_close(dg, dg_true)
 
 
+def test_gate_and_up_may_have_ranks_of_their_own(backend) -> None:
+    e, g, _, _, dh = _inputs(20, 150, 8, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    us = (torch.randn(20, 8, generator=gen), torch.randn(20, 40, generator=gen))  # r_e 8, r_g 40: two dot steps
+    vs = (torch.randn(150, 8, generator=gen), torch.randn(150, 40, generator=gen))
+    h_true, de_true, dg_true = _truth(e, g, us, vs, dh, "silu")
+    assert_close(glu_lowrank(e, g, us, vs, False), h_true)
+    de, dg = glu_lowrank_backward_(dh, e, g, us, vs, False)
+    assert_close(de, de_true)
+    assert_close(dg, dg_true)
+
+
 def test_the_rank_terms_are_added_in_fp32_not_lost_to_a_16_bit_product(monkeypatch) -> None:
     # An update under half a bf16 unit of G: rounded into G first it would vanish; here it moves h. The math of
     # both implementations (the fp32 cases above hold the kernel to the reference at fp32 tolerance); checked on
@@ -76,6 +88,8 @@ def test_mismatched_operands_are_refused() -> None:
         glu_lowrank(e, g[:, :10], us, vs, False)
     with pytest.raises(ValueError, match="V_e"):
         glu_lowrank(e, g, us, (vs[0][:10], vs[1]), False)
+    with pytest.raises(ValueError, match="V_g"):
+        glu_lowrank(e, g, us, (vs[0], vs[1][:, :3]), False)
     with pytest.raises(ValueError, match="dh"):
         glu_lowrank_backward_(e[:3], e, g, us, vs, False)
 

@@ -342,9 +342,12 @@ def test_cuda_bitsandbytes_peft_matches_fused(dtype: torch.dtype) -> None:
     _check(block, QKV, qkv, _peft_qkv, x, twin=twin)
 
 
-def test_group_with_different_ranks_and_scalings_matches_peft() -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_group_with_different_ranks_and_scalings_matches_peft(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # rank_pattern / alpha_pattern give one input's projections different ranks and scalings:
-    # the stacked shrink product and the one dA product must split them back exactly.
+    # the stacked shrink product and the one dA product must split them back exactly (triton: and the GLU's
+    # rank terms, gate's and up's of their own ranks).
+    monkeypatch.setenv("KESTREL_KERNELS", backend)
     block = _peft_block(rank_pattern={"k_proj": 4, "up_proj": 12}, alpha_pattern={"v_proj": 5, "gate_proj": 3})
     scalings = {n: getattr(block, n).scaling["default"] for n in (*QKV, *MLP)}
     assert len({scalings[n] for n in QKV}) == 3 and len({scalings[n] for n in MLP[:2]}) == 2

@@ -68,7 +68,7 @@ def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int) -> st
     sig: dict[str, str] = {}
     for name in names:
         sig |= {name: f"*{dtype}", f"{name.lower()}_stride": "i32"}
-    sig |= dict.fromkeys(("n_rows", "n_cols", "rank"), "i32")
+    sig |= dict.fromkeys(("n_rows", "n_cols", "rank_e", "rank_g"), "i32")
     padded, step = kernels._rank_blocks(rank)
     consts = dict(GELU=gelu, RANK=padded, STEP=step, IEEE=dtype == "fp32", BM=kernels._BM, BN=kernels._BN)
     fn = kernels._bwd_kernel if backward else kernels._fwd_kernel
