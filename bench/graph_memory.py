@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from typing import Any
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,20 +45,24 @@ def live_by_site(top: int = 30) -> list[str]:
 
 
 def reserved_by_pool(segments: list[dict]) -> list[str]:
-    """Reserved bytes by memory pool over the allocator's segments (`torch.cuda.memory_snapshot()`):
-    the default pool (0, 0), and each private pool (CUDA graphs), each split into allocated and
-    cached (free in a reserved segment). Largest first."""
-    pools: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # reserved, allocated, segments
+    """Reserved bytes by memory pool and stream over the allocator's segments (`torch.cuda.memory_snapshot()`):
+    the default pool (0, 0), and each private pool (CUDA graphs), each split into allocated and cached (free in
+    a reserved segment), with the largest free blocks: cache a stream other than the compute stream holds serves
+    only that stream, and large free blocks between live ones are fragmentation. Largest first."""
+    pools: dict[tuple, list[Any]] = defaultdict(lambda: [0, 0, 0, []])  # reserved, allocated, segments, free sizes
     for seg in segments:
-        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        pool = (tuple(seg.get("segment_pool_id") or (0, 0)), seg.get("stream", 0))
         pools[pool][0] += seg["total_size"]
         pools[pool][1] += seg.get("allocated_size", 0)
         pools[pool][2] += 1
+        pools[pool][3] += [b["size"] for b in seg.get("blocks", []) if b.get("state") == "inactive"]
     lines = []
-    for pool, (reserved, allocated, count) in sorted(pools.items(), key=lambda kv: -kv[1][0]):
+    for (pool, stream), (reserved, allocated, count, free) in sorted(pools.items(), key=lambda kv: -kv[1][0]):
         name = "default pool" if pool == (0, 0) else f"private pool {pool}"
+        largest = ", ".join(f"{size / 2**20:.0f}" for size in sorted(free, reverse=True)[:4])
         lines.append(f"{reserved / 2**30:8.3f} GiB reserved, {allocated / 2**30:.3f} allocated, "
-                     f"{(reserved - allocated) / 2**30:.3f} cached, {count:5d} segments  {name}")
+                     f"{(reserved - allocated) / 2**30:.3f} cached, {count:5d} segments  {name}, stream {stream:#x}"
+                     + (f"; largest free blocks {largest} MiB" if largest else ""))
     return lines
 
 

@@ -1,4 +1,4 @@
-"""bench/graph_memory.py's reserved-memory report: segments summed by pool (default, CUDA graphs)."""
+"""bench/graph_memory.py's reserved-memory report: segments summed by pool (default, CUDA graphs) and stream."""
 
 from __future__ import annotations
 
@@ -17,3 +17,16 @@ def test_reserved_memory_is_summed_by_pool_largest_first() -> None:
     assert len(lines) == 2
     assert lines[0].startswith("   4.000 GiB reserved, 0.500 allocated, 3.500 cached,     1 segments  private pool (7, 1)")
     assert lines[1].startswith("   3.000 GiB reserved, 1.000 allocated, 2.000 cached,     2 segments  default pool")
+
+
+def test_each_stream_apart_with_its_largest_free_blocks() -> None:
+    mib = 2**20
+    segments = [
+        {"total_size": GIB, "allocated_size": GIB // 2, "stream": 0,
+         "blocks": [{"size": GIB // 2, "state": "active_allocated"}, {"size": 300 * mib, "state": "inactive"},
+                    {"size": 212 * mib, "state": "inactive"}]},
+        {"total_size": GIB // 4, "allocated_size": 0, "stream": 0x55, "blocks": [{"size": GIB // 4, "state": "inactive"}]},
+    ]
+    lines = reserved_by_pool(segments)
+    assert lines[0].endswith("default pool, stream 0x0; largest free blocks 300, 212 MiB")
+    assert lines[1].endswith("0.250 cached,     1 segments  default pool, stream 0x55; largest free blocks 256 MiB")
