@@ -300,9 +300,11 @@ def claim_next(auto_devices: list[str], slots: int = 1, export_slots: int = 1) -
     busy GPUs free up instead of waiting behind single-GPU jobs forever. A later job may still
     start on a GPU the waiting job does not need (a GPU outside its id list).
     """
-    now = time.time()
     with session(immediate=True) as s:
         running = s.execute(select(Job.kind, Job.device).where(Job.status == RUNNING)).tuples().all()
+        # Read once the first statement holds the write lock: a job whose end (finished_at) freed the
+        # slot recorded it before, so the job started here never seems to start before that end.
+        now = time.time()
         busy = Counter(d for kind, group in running if kind != EXPORT for d in device_group(group))
         exporting = sum(1 for kind, _ in running if kind == EXPORT)
 
