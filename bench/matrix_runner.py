@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from bench.matrix_models import MODEL_ROOT, model_dir
 from bench.matrix_table import record_key
+from kestrel.jobs.runner import pid_exists
 
 SCRIPT = Path(__file__).with_name("matrix.py")  # what each pair's and each build's process runs
 Key = tuple[str, str, str, str]  # (model, method, layout, system)
@@ -248,17 +249,7 @@ class HostDrivers:
         self.mine.unlink(missing_ok=True)
 
     def count(self) -> int:
-        return sum(1 for f in self.folder.glob("*") if f.name.isdigit() and _alive(int(f.name))) if self.folder.exists() else 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return sum(1 for f in self.folder.glob("*") if f.name.isdigit() and pid_exists(int(f.name))) if self.folder.exists() else 1
 
 
 class Runner:

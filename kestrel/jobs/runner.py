@@ -341,6 +341,17 @@ def _wait_gone(pid: int | None, job_id: int, timeout: float) -> bool:
     return True
 
 
+def pid_exists(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts: it cannot be signalled, but it is there)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _worker_alive(pid: int | None, job_id: int) -> bool:
     """Whether `pid` is a live (not zombie) `kestrel.jobs.worker` process for this job.
 
@@ -354,13 +365,7 @@ def _worker_alive(pid: int | None, job_id: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     if not Path("/proc/self/stat").exists():  # no procfs (macOS): existence only
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_exists(pid)
     try:
         state = stat.read_text().rsplit(")", 1)[1].split()[0]
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

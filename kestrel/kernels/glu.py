@@ -153,6 +153,27 @@ class _GLUFunction(torch.autograd.Function):
         return da, db, None, None
 
 
+def act_and_grad_reference(e: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(e), act'(e)) in e's dtype (call with fp32), `_act_and_grad`'s math in PyTorch:
+    silu(e) = e s, s = sigmoid(e):                silu'(e) = s (1 + e (1 - s))
+    gelu_tanh(e) = e s, s = sigmoid(2z), z = sqrt(2/pi) (e + 0.044715 e^3):
+                                                  gelu_tanh'(e) = s + 2 e s (1 - s) dz/de"""
+    if not gelu:
+        s = torch.sigmoid(e)
+        return e * s, s * (1.0 + e * (1.0 - s))
+    c = 0.7978845608028654
+    s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
+    return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
+
+
+def glu_grads_reference(e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, gelu: bool,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """For h = act(e) * g, fp32 e, g, dh: (de, dg) = (dh * g * act'(e), dh * act(e)) in fp32, act(e) rounded to
+    `dtype` first, as HF (and the kernels) do."""
+    act, grad = act_and_grad_reference(e, gelu)
+    return dh * g * grad, dh * act.to(dtype).float()
+
+
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """HF's `ACT2FN["silu"](gate) * up` in plain PyTorch."""
     return torch.nn.functional.silu(gate) * up

@@ -38,7 +38,7 @@ import triton.language as tl
 from kestrel.kernels._launch import launch
 from kestrel.kernels._utils import as_rows
 from kestrel.kernels.dispatch import use_triton
-from kestrel.kernels.glu import _act_and_grad
+from kestrel.kernels.glu import _act_and_grad, act_and_grad_reference, glu_grads_reference
 
 _BM, _BN, _WARPS = 64, 128, 8
 _MAX_STEP = 32  # rank columns per dot: a (64 + 128) x 32 operand pair fits the registers
@@ -79,35 +79,24 @@ def _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_strid
 
 
 @triton.jit
-def _fwd_kernel(
-    H, h_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
+def _glu_kernel(
+    X, x_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
     n_rows, n_cols, rank_e, rank_g,
-    GELU: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
+    GELU: tl.constexpr, BACKWARD: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
+    """Forward: h = act(E') * G' into X. BACKWARD: dE', dG' from dh (read from X) over E and G: every element
+    is read before it is written, by the same program."""
     e, g, rows, cols, mask = _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG,
                                      vg_stride, n_rows, n_cols, rank_e, rank_g, RANK, STEP, IEEE, BM, BN)
-    act, _ = _act_and_grad(e, GELU)
-    act = act.to(E.dtype.element_ty).to(tl.float32)  # HF: act_fn(gate) is in gate's dtype
-    tl.store(H + rows[:, None] * h_stride + cols[None, :], (act * g).to(H.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _bwd_kernel(
-    DH, dh_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
-    n_rows, n_cols, rank_e, rank_g,
-    GELU: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
-):
-    # dE and dG go over E and G: every element is read before it is written, by the same program.
-    e, g, rows, cols, mask = _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG,
-                                     vg_stride, n_rows, n_cols, rank_e, rank_g, RANK, STEP, IEEE, BM, BN)
-    dh = tl.load(DH + rows[:, None] * dh_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, dact = _act_and_grad(e, GELU)
-    dg = dh * act.to(E.dtype.element_ty).to(tl.float32)
-    de = dh * g * dact
-    tl.store(E + rows[:, None] * e_stride + cols[None, :], de.to(E.dtype.element_ty), mask=mask)
-    tl.store(G + rows[:, None] * g_stride + cols[None, :], dg.to(G.dtype.element_ty), mask=mask)
+    act = act.to(E.dtype.element_ty).to(tl.float32)  # HF: act_fn(gate) is in gate's dtype
+    if BACKWARD:
+        dh = tl.load(X + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(E + rows[:, None] * e_stride + cols[None, :], (dh * g * dact).to(E.dtype.element_ty), mask=mask)
+        tl.store(G + rows[:, None] * g_stride + cols[None, :], (dh * act).to(G.dtype.element_ty), mask=mask)
+    else:
+        tl.store(X + rows[:, None] * x_stride + cols[None, :], (act * g).to(X.dtype.element_ty), mask=mask)
 
 
 def _rank_blocks(rank: int) -> tuple[int, int]:
@@ -132,13 +121,14 @@ def _operands(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Te
     return as_rows(e), as_rows(g), ue, ug, ve, vg
 
 
-def _launch(kernel: object, first: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ue: torch.Tensor,
+def _launch(backward: bool, first: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ue: torch.Tensor,
             ug: torch.Tensor, ve: torch.Tensor, vg: torch.Tensor, gelu: bool) -> None:
+    """`_glu_kernel` over E and G, `first` being h (forward) or dh (backward)."""
     n_rows, n_cols = e.shape
     rank_pad, step = _rank_blocks(max(ue.shape[1], ug.shape[1]))
     grid = (triton.cdiv(n_rows, _BM), triton.cdiv(n_cols, _BN))
-    launch(kernel, grid, first, first.stride(0), e, e.stride(0), g, g.stride(0), ue, ue.stride(0), ug, ug.stride(0),
-           ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], ug.shape[1], gelu, rank_pad, step,
+    launch(_glu_kernel, grid, first, first.stride(0), e, e.stride(0), g, g.stride(0), ue, ue.stride(0), ug, ug.stride(0),
+           ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], ug.shape[1], gelu, backward, rank_pad, step,
            ue.dtype == torch.float32 or _interpreted(), _BM, _BN, num_warps=_WARPS)
 
 
@@ -154,16 +144,6 @@ def primed_reference(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, t
     return (e.float() + us[0].float() @ vs[0].float().t(), g.float() + us[1].float() @ vs[1].float().t())
 
 
-def _act_and_grad_reference(e: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(e), act'(e)) of fp32 e (`kestrel.kernels.glu._act_and_grad`'s math)."""
-    if gelu:
-        c = 0.7978845608028654
-        s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
-        return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
-    s = torch.sigmoid(e)
-    return e * s, s * (1.0 + e * (1.0 - s))
-
-
 def glu_lowrank(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
                 vs: tuple[torch.Tensor, torch.Tensor], gelu: bool) -> torch.Tensor:
     """h = act(E + U_e V_e^T) * (G + U_g V_g^T) (M, I) in E's dtype (module docstring). e, g (M, I);
@@ -171,11 +151,11 @@ def glu_lowrank(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.
     e2, g2, ue, ug, ve, vg = _operands(e, g, us, vs)
     if not use_triton(e2, g2, ue):
         ep, gp = primed_reference(e2, g2, (ue, ug), (ve, vg))
-        act = _act_and_grad_reference(ep, gelu)[0].to(e.dtype).float()
+        act = act_and_grad_reference(ep, gelu)[0].to(e.dtype).float()
         return (act * gp).to(e.dtype).view(e.shape)
     h = torch.empty(e2.shape, dtype=e.dtype, device=e.device)
     if h.numel() > 0:
-        _launch(_fwd_kernel, h, e2, g2, ue, ug, ve, vg, gelu)
+        _launch(False, h, e2, g2, ue, ug, ve, vg, gelu)
     return h.view(e.shape)
 
 
@@ -187,13 +167,11 @@ def glu_lowrank_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, us
     if dh2.shape != e2.shape:
         raise ValueError(f"dh {tuple(dh.shape)} is not E's {tuple(e.shape)}")
     if not use_triton(e2, g2, ue):
-        ep, gp = primed_reference(e2, g2, (ue, ug), (ve, vg))
-        act, dact = _act_and_grad_reference(ep, gelu)
-        dhf = dh2.float()
-        e2.copy_(dhf * gp * dact)
-        g2.copy_(dhf * act.to(e.dtype).float())
+        de, dg = glu_grads_reference(*primed_reference(e2, g2, (ue, ug), (ve, vg)), dh2.float(), gelu, e.dtype)
+        e2.copy_(de)
+        g2.copy_(dg)
     elif e2.numel() > 0:
-        _launch(_bwd_kernel, dh2, e2, g2, ue, ug, ve, vg, gelu)
+        _launch(True, dh2, e2, g2, ue, ug, ve, vg, gelu)
     for t, rows in ((e, e2), (g, g2)):
         if rows.data_ptr() != t.data_ptr():  # `as_rows` had to copy: the gradients go back where asked
             t.copy_(rows.view(t.shape))

@@ -55,7 +55,7 @@ def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool, a
 
 
 def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int) -> str:
-    """The PTX of `kestrel.kernels.glu_lowrank`'s forward or backward kernel for `dtype` operands and a rank of
+    """The PTX of `kestrel.kernels.glu_lowrank`'s kernel, forward or backward, for `dtype` operands and a rank of
     `rank` (padded as the launcher pads it), its own tiles, compiled through ptxas for sm_90 (raises where
     Triton or ptxas refuse it)."""
     import triton
@@ -64,15 +64,15 @@ def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int) -> st
 
     from kestrel.kernels import glu_lowrank as kernels
 
-    names = ("DH" if backward else "H", "E", "G", "UE", "UG", "VE", "VG")
+    names = ("X", "E", "G", "UE", "UG", "VE", "VG")
     sig: dict[str, str] = {}
     for name in names:
         sig |= {name: f"*{dtype}", f"{name.lower()}_stride": "i32"}
     sig |= dict.fromkeys(("n_rows", "n_cols", "rank_e", "rank_g"), "i32")
     padded, step = kernels._rank_blocks(rank)
-    consts = dict(GELU=gelu, RANK=padded, STEP=step, IEEE=dtype == "fp32", BM=kernels._BM, BN=kernels._BN)
-    fn = kernels._bwd_kernel if backward else kernels._fwd_kernel
-    src = ASTSource(fn=fn, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
+    consts = dict(GELU=gelu, BACKWARD=backward, RANK=padded, STEP=step, IEEE=dtype == "fp32", BM=kernels._BM,
+                  BN=kernels._BN)
+    src = ASTSource(fn=kernels._glu_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernels._WARPS})
     assert compiled.asm["cubin"], "no cubin"
     return compiled.asm["ptx"]

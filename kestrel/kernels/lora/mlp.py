@@ -69,27 +69,12 @@ class GateStore(Protocol):
         when nothing was kept (the recompute then computes E)."""
 
 
-def _act_and_grad(e: torch.Tensor, activation: Activation) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(e), act'(e)) in e's dtype (call with fp32).
-    silu(e) = e s, s = sigmoid(e):                silu'(e) = s (1 + e (1 - s))
-    gelu_tanh(e) = e s, s = sigmoid(2z), z = sqrt(2/pi) (e + 0.044715 e^3):
-                                                  gelu_tanh'(e) = s + 2 e s (1 - s) dz/de"""
-    if activation == "swiglu":
-        s = torch.sigmoid(e)
-        return e * s, s * (1.0 + e * (1.0 - s))
-    c = 0.7978845608028654
-    s = torch.sigmoid(2.0 * c * (e + 0.044715 * e * e * e))
-    return e * s, s + 2.0 * e * s * (1.0 - s) * c * (1.0 + 3.0 * 0.044715 * e * e)
-
-
 def glu_backward_reference(
     e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, activation: Activation
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For h = act(e) * g: de = dh * g * act'(e), dg = dh * act(e), written over (e, g) and
     returned. fp32 math; act(e) rounded to e's dtype first, as HF (and kestrel.kernels.glu) do."""
-    ef, gf, dhf = e.float(), g.float(), dh.float()
-    act, grad = _act_and_grad(ef, activation)
-    de, dg = dhf * gf * grad, dhf * act.to(e.dtype).float()
+    de, dg = glu.glu_grads_reference(e.float(), g.float(), dh.float(), activation == "geglu", e.dtype)
     return e.copy_(de), g.copy_(dg)
 
 
