@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from bench.matrix_models import MODEL_ROOT, model_dir
 from bench.matrix_table import record_key
-from kestrel.jobs.runner import pid_exists
+from kestrel.processes import pid_exists
 
 SCRIPT = Path(__file__).with_name("matrix.py")  # what each pair's and each build's process runs
 Key = tuple[str, str, str, str]  # (model, method, layout, system)

@@ -45,6 +45,7 @@ from sqlalchemy import select, update
 
 from kestrel import env as kestrel_env
 from kestrel.constants import signal_name
+from kestrel.processes import pid_exists
 from kestrel.config import TrainConfig
 from kestrel.paths import kestrel_home
 from kestrel.jobs import preflight, queries, submission
@@ -338,17 +339,6 @@ def _wait_gone(pid: int | None, job_id: int, timeout: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
-    return True
-
-
-def pid_exists(pid: int) -> bool:
-    """Whether a process `pid` exists (one of another user's counts: it cannot be signalled, but it is there)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

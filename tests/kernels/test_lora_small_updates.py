@@ -24,9 +24,11 @@ from kestrel.kernels.lora.mlp import lora_mlp
 bnb = pytest.importorskip("bitsandbytes")
 
 
-def _base(out: int, inp: int, quantized: bool, device: str) -> tuple[torch.Tensor, object, torch.Tensor]:
-    """(weight, quant_state, exact W in fp64) of a random (out, inp) base."""
-    w = torch.randn(out, inp, generator=torch.Generator().manual_seed(out + 7 * inp)) / inp**0.5
+def _base(out: int, inp: int, quantized: bool, device: str, seed: int = 0) -> tuple[torch.Tensor, object, torch.Tensor]:
+    """(weight, quant_state, exact W in fp64) of a random (out, inp) base; `seed` tells apart bases of one shape
+    (gate and up must differ: with W_g = W_u, h = act(E) E rounds E's squares, whose low bits are not uniform,
+    and the rounding of h then loses a quarter of a small update through its bias, not through the kernel)."""
+    w = torch.randn(out, inp, generator=torch.Generator().manual_seed(out + 7 * inp + 1009 * seed)) / inp**0.5
     if not quantized:
         w = w.to(device, torch.bfloat16)
         return w, None, w.double()
@@ -57,7 +59,7 @@ _CASES = {"cpu": dict(rows=256, hidden=256, kv=128, inter=512), "cuda": dict(row
 def _setup(device: str, quantized: bool, outs: list[int], inp: int):
     rows = _CASES[device]["rows"]
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
-    bases = [_base(o, inp, quantized, device) for o in outs]
+    bases = [_base(o, inp, quantized, device, seed=k) for k, o in enumerate(outs)]
     adapters = [_adapter(o, inp, device, 1e-4, seed=k) for k, o in enumerate(outs)]
     return x, bases, adapters
 
