@@ -22,14 +22,17 @@ against the (M, I) tiles it reads and writes. E' is added in fp32 and never roun
 less than the adapter-first product, whose output is rounded to 16 bits.
 
 Layout: E, G, dh (M, I) with any row stride and unit column stride (`as_rows`); U (M, r) and V (I, r)
-likewise (U may be a column slice of the group's (M, 2r) shrink product). Programs tile (rows,
-columns) in 64 x 128 blocks, 8,192 elements each as the row kernels' programs
-(`kestrel.kernels.glu`), and sum the rank in steps of at most 32.
+likewise (U may be a column slice of the group's (M, 2r) shrink product). E and G are the rank dots'
+accumulators (the rank is summed in steps of at most 32). Programs tile (rows, columns) in 16 x 128
+blocks at 4 warps (`Tiles`): the fastest of 40 tilings in a sweep over three (M, I) shapes, 1.38x the
+plain GLU's forward-plus-backward time where the first 64 x 128 tiles at 8 warps took 1.92x
+(`bench/glu_lowrank_tiles.py`; bench/RESULTS.md, session 41).
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,25 +43,34 @@ from kestrel.kernels._utils import as_rows
 from kestrel.kernels.dispatch import use_triton
 from kestrel.kernels.glu import _act_and_grad, act_and_grad_reference, glu_grads_reference
 
-_BM, _BN, _WARPS = 64, 128, 8
+
+
+class Tiles(NamedTuple):
+    """A launch's tiling: (rows, columns) of a program's tile and its warps (module docstring: Layout)."""
+
+    rows: int = 16
+    cols: int = 128
+    warps: int = 4
+
+
+DEFAULT_TILES = Tiles()
 _MAX_STEP = 32  # rank columns per dot: a (64 + 128) x 32 operand pair fits the registers
 
 
 @triton.jit
-def _expansion(U, u_stride, V, v_stride, rows, cols, row_mask, col_mask, rank,
-               RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """The (BM, BN) fp32 tile U[rows] V[cols]^T of U (M, rank), V (N, rank); RANK: rank padded to
+def _expansion(acc, U, u_stride, V, v_stride, rows, cols, row_mask, col_mask, rank,
+               RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr):
+    """acc + U[rows] V[cols]^T, a (BM, BN) fp32 tile, of U (M, rank), V (N, rank); RANK: rank padded to
     a multiple of STEP (a power of two of at least 16, tl.dot's least)."""
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in tl.static_range(0, RANK, STEP):
         k = k0 + tl.arange(0, STEP)
         in_rank = k[None, :] < rank
         u = tl.load(U + rows[:, None] * u_stride + k[None, :], mask=row_mask[:, None] & in_rank, other=0.0)
         v = tl.load(V + cols[:, None] * v_stride + k[None, :], mask=col_mask[:, None] & in_rank, other=0.0)
         if IEEE:  # fp32 products, not TF32 (fp32 operands, or 16-bit ones under the interpreter)
-            acc += tl.dot(u.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
+            acc = tl.dot(u.to(tl.float32), tl.trans(v.to(tl.float32)), acc, input_precision="ieee")
         else:
-            acc += tl.dot(u, tl.trans(v))
+            acc = tl.dot(u, tl.trans(v), acc)
     return acc
 
 
@@ -73,8 +85,8 @@ def _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_strid
     mask = row_mask[:, None] & col_mask[None, :]
     e = tl.load(E + rows[:, None] * e_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows[:, None] * g_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    e += _expansion(UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank_e, RANK, STEP, IEEE, BM, BN)
-    g += _expansion(UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank_g, RANK, STEP, IEEE, BM, BN)
+    e = _expansion(e, UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank_e, RANK, STEP, IEEE)
+    g = _expansion(g, UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank_g, RANK, STEP, IEEE)
     return e, g, rows, cols, mask
 
 
@@ -122,14 +134,14 @@ def _operands(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Te
 
 
 def _launch(backward: bool, first: torch.Tensor, e: torch.Tensor, g: torch.Tensor, ue: torch.Tensor,
-            ug: torch.Tensor, ve: torch.Tensor, vg: torch.Tensor, gelu: bool) -> None:
+            ug: torch.Tensor, ve: torch.Tensor, vg: torch.Tensor, gelu: bool, tiles: Tiles) -> None:
     """`_glu_kernel` over E and G, `first` being h (forward) or dh (backward)."""
     n_rows, n_cols = e.shape
     rank_pad, step = _rank_blocks(max(ue.shape[1], ug.shape[1]))
-    grid = (triton.cdiv(n_rows, _BM), triton.cdiv(n_cols, _BN))
+    grid = (triton.cdiv(n_rows, tiles.rows), triton.cdiv(n_cols, tiles.cols))
     launch(_glu_kernel, grid, first, first.stride(0), e, e.stride(0), g, g.stride(0), ue, ue.stride(0), ug, ug.stride(0),
            ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], ug.shape[1], gelu, backward, rank_pad, step,
-           ue.dtype == torch.float32 or _interpreted(), _BM, _BN, num_warps=_WARPS)
+           ue.dtype == torch.float32 or _interpreted(), tiles.rows, tiles.cols, num_warps=tiles.warps)
 
 
 def _interpreted() -> bool:
@@ -145,7 +157,7 @@ def primed_reference(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, t
 
 
 def glu_lowrank(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
-                vs: tuple[torch.Tensor, torch.Tensor], gelu: bool) -> torch.Tensor:
+                vs: tuple[torch.Tensor, torch.Tensor], gelu: bool, tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
     """h = act(E + U_e V_e^T) * (G + U_g V_g^T) (M, I) in E's dtype (module docstring). e, g (M, I);
     us = (U_e, U_g), each (M, r); vs = (V_e, V_g), each (I, r). No autograd: `glu_lowrank_backward_`."""
     e2, g2, ue, ug, ve, vg = _operands(e, g, us, vs)
@@ -155,12 +167,13 @@ def glu_lowrank(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.
         return (act * gp).to(e.dtype).view(e.shape)
     h = torch.empty(e2.shape, dtype=e.dtype, device=e.device)
     if h.numel() > 0:
-        _launch(False, h, e2, g2, ue, ug, ve, vg, gelu)
+        _launch(False, h, e2, g2, ue, ug, ve, vg, gelu, tiles)
     return h.view(e.shape)
 
 
 def glu_lowrank_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
-                          vs: tuple[torch.Tensor, torch.Tensor], gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                          vs: tuple[torch.Tensor, torch.Tensor], gelu: bool,
+                          tiles: Tiles = DEFAULT_TILES) -> tuple[torch.Tensor, torch.Tensor]:
     """(dE', dG') of h = act(E') * G' given dh (M, I), written over e and g and returned (module docstring)."""
     e2, g2, ue, ug, ve, vg = _operands(e, g, us, vs)
     dh2 = as_rows(dh)
@@ -171,7 +184,7 @@ def glu_lowrank_backward_(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, us
         e2.copy_(de)
         g2.copy_(dg)
     elif e2.numel() > 0:
-        _launch(True, dh2, e2, g2, ue, ug, ve, vg, gelu)
+        _launch(True, dh2, e2, g2, ue, ug, ve, vg, gelu, tiles)
     for t, rows in ((e, e2), (g, g2)):
         if rows.data_ptr() != t.data_ptr():  # `as_rows` had to copy: the gradients go back where asked
             t.copy_(rows.view(t.shape))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from kestrel.kernels.glu_lowrank import glu_lowrank, glu_lowrank_backward_
+from kestrel.kernels.glu_lowrank import DEFAULT_TILES, Tiles, glu_lowrank, glu_lowrank_backward_
 from tests.kernels.tolerance import assert_close
 
 SHAPES = [(14, 72, 8), (70, 130, 16), (3, 200, 40), (1, 1, 1)]
@@ -38,17 +38,22 @@ def _truth(e, g, us, vs, dh, act_name: str):
     return h.to(e.dtype), de.to(e.dtype), dg.to(e.dtype)
 
 
+# The shipped tiles and a sweep's other candidates (`bench/glu_lowrank_tiles.py`)
+TILINGS = [DEFAULT_TILES, Tiles(64, 128, 8), Tiles(128, 64, 8), Tiles(16, 256, 4)]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])
-def test_forward_and_in_place_backward_match_the_summed_products(backend, poisoned, shape, dtype, gelu) -> None:
+@pytest.mark.parametrize("tiles", TILINGS, ids=lambda t: f"{t.rows}x{t.cols}w{t.warps}")
+def test_forward_and_in_place_backward_match_the_summed_products(backend, poisoned, shape, dtype, gelu, tiles) -> None:
     e, g, us, vs, dh = _inputs(*shape, dtype)
     h_true, de_true, dg_true = _truth(e, g, us, vs, dh, "gelu_pytorch_tanh" if gelu else "silu")
-    h = glu_lowrank(e, g, us, vs, gelu)
+    h = glu_lowrank(e, g, us, vs, gelu, tiles)
     assert h.dtype == dtype and torch.isfinite(h).all()
     assert_close(h, h_true)
     e_storage, g_storage = e.data_ptr(), g.data_ptr()
-    de, dg = glu_lowrank_backward_(dh, e, g, us, vs, gelu)
+    de, dg = glu_lowrank_backward_(dh, e, g, us, vs, gelu, tiles)
     assert de.data_ptr() == e_storage and dg.data_ptr() == g_storage  # written over E and G
     assert_close(de, de_true)
     assert_close(dg, dg_true)
@@ -95,7 +100,7 @@ def test_mismatched_operands_are_refused() -> None:
 
 
 def test_kernels_compile_for_sm90_with_tensor_core_dots_for_16_bit_operands() -> None:
-    """Forward and backward, 16-bit and fp32 operands, ranks under, at and over one dot step, through Triton and
+    """Forward and backward, on two tilings, 16-bit and fp32 operands, ranks under, at and over one dot step, through Triton and
     ptxas for an H100/H200 (no GPU needed; its own process, uninterpreted: the interpreter runs what the compiler
     refuses). 16-bit operands take tensor-core instructions; fp32 ones (exact products) none."""
     import os
@@ -107,6 +112,7 @@ def test_kernels_compile_for_sm90_with_tensor_core_dots_for_16_bit_operands() ->
     done = subprocess.run([sys.executable, "-m", "tests.support.sm90_compile", "glu_lowrank"], capture_output=True,
                           text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    mma = [int(c) for c in done.stdout.split()[-8:]]
-    for kernel in (mma[:4], mma[4:]):  # forward, backward: bf16 r16, bf16 r8 (GeGLU), fp16 r64, fp32 r16
+    mma = [int(c) for c in done.stdout.split()[-16:]]
+    for kernel in (mma[k:k + 4] for k in range(0, 16, 4)):  # (shipped tiles, 64 x 128) x (forward, backward):
+        # bf16 r16, bf16 r8 (GeGLU), fp16 r64, fp32 r16
         assert kernel[0] > 0 and kernel[1] > 0 and kernel[2] > kernel[0] and kernel[3] == 0

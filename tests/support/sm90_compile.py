@@ -54,9 +54,9 @@ def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool, a
     return compiled.asm["ptx"]
 
 
-def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int) -> str:
+def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int, tiles=None) -> str:
     """The PTX of `kestrel.kernels.glu_lowrank`'s kernel, forward or backward, for `dtype` operands and a rank of
-    `rank` (padded as the launcher pads it), its own tiles, compiled through ptxas for sm_90 (raises where
+    `rank` (padded as the launcher pads it), on `tiles` (default: its own), compiled through ptxas for sm_90 (raises where
     Triton or ptxas refuse it)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -70,18 +70,21 @@ def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int) -> st
         sig |= {name: f"*{dtype}", f"{name.lower()}_stride": "i32"}
     sig |= dict.fromkeys(("n_rows", "n_cols", "rank_e", "rank_g"), "i32")
     padded, step = kernels._rank_blocks(rank)
-    consts = dict(GELU=gelu, BACKWARD=backward, RANK=padded, STEP=step, IEEE=dtype == "fp32", BM=kernels._BM,
-                  BN=kernels._BN)
+    tiles = tiles or kernels.DEFAULT_TILES
+    consts = dict(GELU=gelu, BACKWARD=backward, RANK=padded, STEP=step, IEEE=dtype == "fp32", BM=tiles.rows,
+                  BN=tiles.cols)
     src = ASTSource(fn=kernels._glu_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernels._WARPS})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.warps})
     assert compiled.asm["cubin"], "no cubin"
     return compiled.asm["ptx"]
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "glu_lowrank":
-        variants = [(b, d, g, r) for b in (False, True) for d, g, r in (("bf16", False, 16), ("bf16", True, 8),
-                                                                          ("fp16", False, 64), ("fp32", False, 16))]
+        from kestrel.kernels.glu_lowrank import DEFAULT_TILES, Tiles
+
+        variants = [(b, d, g, r, t) for t in (DEFAULT_TILES, Tiles(64, 128, 8)) for b in (False, True)
+                    for d, g, r in (("bf16", False, 16), ("bf16", True, 8), ("fp16", False, 64), ("fp32", False, 16))]
         ptx = [compile_glu_lowrank(*v) for v in variants]
         print(*(p.count("wgmma") + p.count("mma.sync") for p in ptx))
     elif sys.argv[1] == "expert":
