@@ -91,9 +91,9 @@ def _geomean(values: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tune", default="8192x8192x16,8192x14336x16,2048x4864x16,8192x9728x64",
+    ap.add_argument("--tune", default="8192x8192x16,8192x14336x16,2048x4864x16",
                     help="M x I x r shapes the choice is made on")
-    ap.add_argument("--check", default="4096x11008x16,16384x5632x32,3072x13824x16",
+    ap.add_argument("--check", default="4096x11008x16,16384x5632x32",
                     help="shapes the chosen tiling is reported on, not chosen on")
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")

@@ -36,6 +36,11 @@
 #   reserved  what holds a padded cell's reserved memory (Llama-3.2-1B LoRA padded, auto graphs, 80 steps):
 #             reserved by pool (default, each CUDA-graph pool) after the step that set the run's reserved
 #             peak, and each step's allocated and reserved peaks (bench/graph_memory.py)
+#   poolfree  whether dropping the graphs gives their pool back at once (a re-timing drops them: Qwen3-14B packed
+#             kept 0.5 GiB of pool beside its eager steps, session 41): POOL_MODEL (qwen3-4b) QLoRA packed, graphs on,
+#             12 steps, released after step 8; the pools right after, and after a collection (bench/graph_memory.py)
+#   glutiles  the 16-bit MLP's GLU with the adapters' rank terms inside, its tilings swept against the plain GLU
+#             (bench/glu_lowrank_tiles.py: chosen on --tune shapes, reported on --check shapes)
 #   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the
 #             allocator to say which step set the run's memory peak, and where
 #   q35mem    what is alive at Qwen3.5-9B QLoRA's eager memory peak (graphs off: the peak the chooser's eager
@@ -204,6 +209,9 @@ for want in "$@"; do
                       --layers 0 --prompts 8 --prompt-len 512 --new 256 --compile --out $OUT/gencheck-compiled.txt" ;;
         reserved) phase reserved 400 python bench/graph_memory.py --model llama-3.2-1b --method lora --layout padded \
                       --graphs auto --steps 80 --out "$OUT/reserved.txt" ;;
+        poolfree) phase poolfree 300 python bench/graph_memory.py --model "${POOL_MODEL:-qwen3-4b}" --method qlora \
+                      --layout packed --graphs on --steps 12 --release-at 8 --out "$OUT/poolfree.txt" ;;
+        glutiles) phase glutiles "${LIMIT_glutiles:-500}" python bench/glu_lowrank_tiles.py --out "$OUT/glu_lowrank_tiles.json" ;;
         dpostd)   phase dpostd 300 bash -c "python bench/dpo.py --impls kestrel --checkpointing standard --steps 60 --warmup 3 \
                       --out $OUT/dpo-standard.json && python bench/dpo.py --impl kestrel --steps 8 \
                       --memory-history $OUT/dpo-peak.txt --out $OUT/dpo-history.json" ;;

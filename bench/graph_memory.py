@@ -16,6 +16,7 @@ step that set the run's reserved peak: what `nvidia-smi` shows beyond what is al
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from collections import defaultdict
 from typing import Any
@@ -66,6 +67,20 @@ def reserved_by_pool(segments: list[dict]) -> list[str]:
     return lines
 
 
+def _released(recompute) -> list[str]:
+    """The pools right after the run's graphs are dropped (`LayerCheckpoint.release`, as a re-timing drops
+    them), then after a garbage collection and an emptied cache: a private pool still there the first time
+    and gone the second was held by a reference cycle; still there both times, by a live reference."""
+    recompute.release()
+    torch.cuda.synchronize()
+    out = ["reserved by pool right after the graphs were released:"] + reserved_by_pool(torch.cuda.memory_snapshot())
+    gc.collect()
+    torch.cuda.empty_cache()
+    out += ["reserved by pool after gc.collect() and empty_cache():"] + reserved_by_pool(torch.cuda.memory_snapshot())
+    print("\n".join(out), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma4-e2b")
@@ -75,6 +90,9 @@ def main() -> None:
     ap.add_argument("--graphs", default="on", choices=["on", "off", "auto"])
     ap.add_argument("--trace-step", type=int, default=0,
                     help="the step whose allocated peak is traced by site; -1: the whole run's peak (every step recorded)")
+    ap.add_argument("--release-at", type=int, default=-1,
+                    help="after this step, drop the graphs as a re-timing does (`release`) and report the pools "
+                         "then, and again after a garbage collection: whether the graphs' pool goes back")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model, flat, recompute = kestrel_model(build_model_dir(args.model), args.method, LAYOUTS[args.layout], args.graphs)
@@ -109,6 +127,8 @@ def main() -> None:
                      f"{torch.cuda.max_memory_reserved() / 2**30:.2f}); graphs {recompute.graphs.stats()}")
         shapes.add(shape)
         print(lines[-1], flush=True)
+        if i == args.release_at:
+            lines += _released(recompute)
     if whole:
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
         lines.append("the whole run's allocated peak (blocks allocated since the first step):\n" + peak_report(trace))

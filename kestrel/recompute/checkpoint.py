@@ -29,6 +29,7 @@ and its recompute runs no attention forward (`kestrel.model.kept_attention`).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import weakref
 from typing import Any, Callable
@@ -321,10 +322,14 @@ class Recompute:
         return self.kept_sizes.attention if rows in self.attention_asked else 0
 
     def release(self) -> None:
-        """Drop the run's CUDA graphs and give their memory back."""
+        """Drop the run's CUDA graphs and give their memory back. A captured graph caught in a reference
+        cycle (a checkpoint's context, a linked call's ties) would hold the graphs' pool until the collector's
+        next pass, and the eager steps that follow would reserve their working set beside it: collected here
+        (a release is rare: an all-eager decision, a re-timing), then the emptied cache frees the pool."""
         self.graphs.release()
         self.holds_graphs = False
         if torch.cuda.is_available():
+            gc.collect()
             torch.cuda.empty_cache()
 
     def starts_forward(self, run: Callable[..., torch.Tensor]) -> bool:

@@ -294,6 +294,45 @@ def test_a_graphed_layout_timed_again_runs_eagerly_without_its_graphs(tiny_model
     run.release()
 
 
+def _private_pool_bytes() -> int:
+    """Bytes reserved in CUDA-graph private pools (segments whose pool id is not the default (0, 0))."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0))
+
+
+def test_released_graphs_give_their_pool_back_at_once(tiny_model_dir, monkeypatch) -> None:
+    """`release` (a re-timing's, an all-eager decision's) frees the graphs' private pool there and then, with
+    the automatic garbage collector off (a graph in a reference cycle would otherwise live, and hold its pool,
+    until the collector's next pass): the eager steps that follow never run over the pool (a Qwen3-14B
+    re-timing reserved the pool and the eager working set together; bench/RESULTS.md, session 41)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+
+    monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
+    model, _ = load(str(tiny_model_dir("llama")), 64, dtype="bf16", device="cuda")
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    run = set_gradient_checkpointing(model, "standard", "on")
+    model.train()
+    ids = torch.randint(5, 200, (2, 40), device="cuda")
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    graphs = [weakref.ref(g) for state in run.graphs.layers.values() for gs in state.graphs.values()
+              for g in (gs.forward, gs.backward) if g is not None]
+    assert graphs and _private_pool_bytes() > 0
+    gc.disable()
+    try:
+        run.release()
+        alive = sum(ref() is not None for ref in graphs)
+        pool = _private_pool_bytes()
+    finally:
+        gc.enable()
+    assert alive == 0 and pool == 0, f"{alive} graphs alive, {pool} bytes still in the graphs' pool after release"
+
+
 _POOL_REUSE = """
 import torch
 from kestrel.recompute.layer_graphs import GraphRegistry
