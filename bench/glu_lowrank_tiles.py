@@ -4,7 +4,8 @@ MLP makes anyway.
 
     python bench/glu_lowrank_tiles.py --out glu_lowrank_tiles.json
 
-Each candidate tiling (rows x columns of a program's tile, and warps) is timed forward and backward (`triton.testing.do_bench_cudagraph`) at every shape, its outputs
+Each candidate tiling (rows x columns of a program's tile, warps, and the row blocks a program takes in turn)
+is timed forward and backward (`triton.testing.do_bench_cudagraph`) at every shape, its outputs
 checked against the shipped tiling's. The choice is made on the --tune shapes (least geometric mean of the
 time over the plain GLU's, forward plus backward) and then reported on the --check shapes, which it was not
 chosen on. Shapes are M x I x r: M tokens, I the MLP's width, r the adapter rank. `--smoke` runs two
@@ -41,9 +42,10 @@ def _shapes(text: str) -> list[Shape]:
 def _candidates(smoke: bool) -> list[Tiles]:
     if smoke:
         return [DEFAULT_TILES, Tiles(32, 64, 4)]
-    # Session 41's sweep of 64-128 x 128 at 4-8 warps found 16 x 128 at 4 fastest: narrower tiles around it
-    near = [Tiles(r, c, w) for r, c, w in itertools.product((8, 16, 32), (64, 128, 256, 512), (2, 4, 8))
-            if 1024 <= r * c <= 8192]
+    # Session 41's sweep of 16-128 x 64-256 at 4-8 warps found 16 x 128 at 4 fastest: tiles around it, each
+    # program taking 1, 4 or 8 row blocks in turn (V's tiles read once for them all)
+    shapes = [(16, 128, 4), (8, 256, 4), (32, 128, 4), (16, 256, 4), (8, 128, 2), (16, 128, 2)]
+    near = [Tiles(r, c, w, s) for (r, c, w), s in itertools.product(shapes, (1, 4, 8))]
     return [*near, Tiles(64, 128, 8)]
 
 

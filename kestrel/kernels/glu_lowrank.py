@@ -24,7 +24,8 @@ less than the adapter-first product, whose output is rounded to 16 bits.
 Layout: E, G, dh (M, I) with any row stride and unit column stride (`as_rows`); U (M, r) and V (I, r)
 likewise (U may be a column slice of the group's (M, 2r) shrink product). E and G are the rank dots'
 accumulators (the rank is summed in steps of at most 32). Programs tile (rows, columns) in 16 x 128
-blocks at 4 warps (`Tiles`): the fastest of 40 tilings in a sweep over three (M, I) shapes, 1.38x the
+blocks at 4 warps, one row block a program (`Tiles`; a program may take several in turn, reading its V
+tiles once where the rank is one dot step: to be swept): the fastest of 40 tilings in a sweep over three (M, I) shapes, 1.38x the
 plain GLU's forward-plus-backward time where the first 64 x 128 tiles at 8 warps took 1.92x
 (`bench/glu_lowrank_tiles.py`; bench/RESULTS.md, session 41).
 """
@@ -46,15 +47,32 @@ from kestrel.kernels.glu import _act_and_grad, act_and_grad_reference, glu_grads
 
 
 class Tiles(NamedTuple):
-    """A launch's tiling: (rows, columns) of a program's tile and its warps (module docstring: Layout)."""
+    """A launch's tiling: (rows, columns) of a program's tile, its warps, and how many such row blocks one
+    program takes in turn under its column block (module docstring: Layout)."""
 
     rows: int = 16
     cols: int = 128
     warps: int = 4
+    row_steps: int = 1
 
 
 DEFAULT_TILES = Tiles()
 _MAX_STEP = 32  # rank columns per dot: a (64 + 128) x 32 operand pair fits the registers
+
+
+@triton.jit
+def _dot(acc, u, v, IEEE: tl.constexpr):
+    """acc + u v^T: u (BM, STEP), v (BN, STEP), acc (BM, BN) fp32."""
+    if IEEE:  # fp32 products, not TF32 (fp32 operands, or 16-bit ones under the interpreter)
+        return tl.dot(u.to(tl.float32), tl.trans(v.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(u, tl.trans(v), acc)
+
+
+@triton.jit
+def _rank_tile(T, t_stride, idx, idx_mask, k0, rank, STEP: tl.constexpr):
+    """T[idx, k0:k0 + STEP] of T (n, rank), zero past the rank and outside idx_mask."""
+    k = k0 + tl.arange(0, STEP)
+    return tl.load(T + idx[:, None] * t_stride + k[None, :], mask=idx_mask[:, None] & (k[None, :] < rank), other=0.0)
 
 
 @triton.jit
@@ -63,31 +81,9 @@ def _expansion(acc, U, u_stride, V, v_stride, rows, cols, row_mask, col_mask, ra
     """acc + U[rows] V[cols]^T, a (BM, BN) fp32 tile, of U (M, rank), V (N, rank); RANK: rank padded to
     a multiple of STEP (a power of two of at least 16, tl.dot's least)."""
     for k0 in tl.static_range(0, RANK, STEP):
-        k = k0 + tl.arange(0, STEP)
-        in_rank = k[None, :] < rank
-        u = tl.load(U + rows[:, None] * u_stride + k[None, :], mask=row_mask[:, None] & in_rank, other=0.0)
-        v = tl.load(V + cols[:, None] * v_stride + k[None, :], mask=col_mask[:, None] & in_rank, other=0.0)
-        if IEEE:  # fp32 products, not TF32 (fp32 operands, or 16-bit ones under the interpreter)
-            acc = tl.dot(u.to(tl.float32), tl.trans(v.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(u, tl.trans(v), acc)
+        u = _rank_tile(U, u_stride, rows, row_mask, k0, rank, STEP)
+        acc = _dot(acc, u, _rank_tile(V, v_stride, cols, col_mask, k0, rank, STEP), IEEE)
     return acc
-
-
-@triton.jit
-def _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
-            n_rows, n_cols, rank_e, rank_g,
-            RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's tile: (E', G') in fp32, E + U_e V_e^T and G + U_g V_g^T, with its rows, columns and mask."""
-    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    row_mask, col_mask = rows < n_rows, cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    e = tl.load(E + rows[:, None] * e_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + rows[:, None] * g_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    e = _expansion(e, UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank_e, RANK, STEP, IEEE)
-    g = _expansion(g, UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank_g, RANK, STEP, IEEE)
-    return e, g, rows, cols, mask
 
 
 @triton.jit
@@ -95,20 +91,36 @@ def _glu_kernel(
     X, x_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
     n_rows, n_cols, rank_e, rank_g,
     GELU: tl.constexpr, BACKWARD: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ROW_STEPS: tl.constexpr,
 ):
     """Forward: h = act(E') * G' into X. BACKWARD: dE', dG' from dh (read from X) over E and G: every element
-    is read before it is written, by the same program."""
-    e, g, rows, cols, mask = _primed(E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG,
-                                     vg_stride, n_rows, n_cols, rank_e, rank_g, RANK, STEP, IEEE, BM, BN)
-    act, dact = _act_and_grad(e, GELU)
-    act = act.to(E.dtype.element_ty).to(tl.float32)  # HF: act_fn(gate) is in gate's dtype
-    if BACKWARD:
-        dh = tl.load(X + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(E + rows[:, None] * e_stride + cols[None, :], (dh * g * dact).to(E.dtype.element_ty), mask=mask)
-        tl.store(G + rows[:, None] * g_stride + cols[None, :], (dh * act).to(G.dtype.element_ty), mask=mask)
-    else:
-        tl.store(X + rows[:, None] * x_stride + cols[None, :], (act * g).to(X.dtype.element_ty), mask=mask)
+    is read before it is written, by the same program. A program takes ROW_STEPS row blocks of BM rows under
+    one block of BN columns; where the rank is one dot step, it reads that block's V_e and V_g tiles once."""
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_mask = cols < n_cols
+    if RANK == STEP:
+        ve = _rank_tile(VE, ve_stride, cols, col_mask, 0, rank_e, STEP)
+        vg = _rank_tile(VG, vg_stride, cols, col_mask, 0, rank_g, STEP)
+    for step in range(ROW_STEPS):
+        rows = ((tl.program_id(0) * ROW_STEPS + step) * BM + tl.arange(0, BM)).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        e = tl.load(E + rows[:, None] * e_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + rows[:, None] * g_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if RANK == STEP:  # E' = E + U_e V_e^T, G' = G + U_g V_g^T, in fp32: E and G are the dots' accumulators
+            e = _dot(e, _rank_tile(UE, ue_stride, rows, row_mask, 0, rank_e, STEP), ve, IEEE)
+            g = _dot(g, _rank_tile(UG, ug_stride, rows, row_mask, 0, rank_g, STEP), vg, IEEE)
+        else:
+            e = _expansion(e, UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank_e, RANK, STEP, IEEE)
+            g = _expansion(g, UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank_g, RANK, STEP, IEEE)
+        act, dact = _act_and_grad(e, GELU)
+        act = act.to(E.dtype.element_ty).to(tl.float32)  # HF: act_fn(gate) is in gate's dtype
+        if BACKWARD:
+            dh = tl.load(X + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(E + rows[:, None] * e_stride + cols[None, :], (dh * g * dact).to(E.dtype.element_ty), mask=mask)
+            tl.store(G + rows[:, None] * g_stride + cols[None, :], (dh * act).to(G.dtype.element_ty), mask=mask)
+        else:
+            tl.store(X + rows[:, None] * x_stride + cols[None, :], (act * g).to(X.dtype.element_ty), mask=mask)
 
 
 def _rank_blocks(rank: int) -> tuple[int, int]:
@@ -138,10 +150,10 @@ def _launch(backward: bool, first: torch.Tensor, e: torch.Tensor, g: torch.Tenso
     """`_glu_kernel` over E and G, `first` being h (forward) or dh (backward)."""
     n_rows, n_cols = e.shape
     rank_pad, step = _rank_blocks(max(ue.shape[1], ug.shape[1]))
-    grid = (triton.cdiv(n_rows, tiles.rows), triton.cdiv(n_cols, tiles.cols))
+    grid = (triton.cdiv(n_rows, tiles.rows * tiles.row_steps), triton.cdiv(n_cols, tiles.cols))
     launch(_glu_kernel, grid, first, first.stride(0), e, e.stride(0), g, g.stride(0), ue, ue.stride(0), ug, ug.stride(0),
            ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], ug.shape[1], gelu, backward, rank_pad, step,
-           ue.dtype == torch.float32 or _interpreted(), tiles.rows, tiles.cols, num_warps=tiles.warps)
+           ue.dtype == torch.float32 or _interpreted(), tiles.rows, tiles.cols, tiles.row_steps, num_warps=tiles.warps)
 
 
 def _interpreted() -> bool:

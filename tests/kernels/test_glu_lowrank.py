@@ -39,13 +39,13 @@ def _truth(e, g, us, vs, dh, act_name: str):
 
 
 # The shipped tiles and a sweep's other candidates (`bench/glu_lowrank_tiles.py`)
-TILINGS = [DEFAULT_TILES, Tiles(64, 128, 8), Tiles(128, 64, 8), Tiles(16, 256, 4)]
+TILINGS = [DEFAULT_TILES, Tiles(64, 128, 8), Tiles(16, 64, 4, 3), Tiles(8, 256, 2, 8)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])
-@pytest.mark.parametrize("tiles", TILINGS, ids=lambda t: f"{t.rows}x{t.cols}w{t.warps}")
+@pytest.mark.parametrize("tiles", TILINGS, ids=lambda t: f"{t.rows}x{t.cols}w{t.warps}s{t.row_steps}")
 def test_forward_and_in_place_backward_match_the_summed_products(backend, poisoned, shape, dtype, gelu, tiles) -> None:
     e, g, us, vs, dh = _inputs(*shape, dtype)
     h_true, de_true, dg_true = _truth(e, g, us, vs, dh, "gelu_pytorch_tanh" if gelu else "silu")
@@ -113,6 +113,6 @@ def test_kernels_compile_for_sm90_with_tensor_core_dots_for_16_bit_operands() ->
                           text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     mma = [int(c) for c in done.stdout.split()[-16:]]
-    for kernel in (mma[k:k + 4] for k in range(0, 16, 4)):  # (shipped tiles, 64 x 128) x (forward, backward):
+    for kernel in (mma[k:k + 4] for k in range(0, 16, 4)):  # (shipped tiles, 32 x 128 x 4 steps) x (fwd, bwd):
         # bf16 r16, bf16 r8 (GeGLU), fp16 r64, fp32 r16
         assert kernel[0] > 0 and kernel[1] > 0 and kernel[2] > kernel[0] and kernel[3] == 0

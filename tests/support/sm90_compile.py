@@ -72,7 +72,7 @@ def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int, tiles
     padded, step = kernels._rank_blocks(rank)
     tiles = tiles or kernels.DEFAULT_TILES
     consts = dict(GELU=gelu, BACKWARD=backward, RANK=padded, STEP=step, IEEE=dtype == "fp32", BM=tiles.rows,
-                  BN=tiles.cols)
+                  BN=tiles.cols, ROW_STEPS=tiles.row_steps)
     src = ASTSource(fn=kernels._glu_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.warps})
     assert compiled.asm["cubin"], "no cubin"
@@ -83,7 +83,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "glu_lowrank":
         from kestrel.kernels.glu_lowrank import DEFAULT_TILES, Tiles
 
-        variants = [(b, d, g, r, t) for t in (DEFAULT_TILES, Tiles(64, 128, 8)) for b in (False, True)
+        variants = [(b, d, g, r, t) for t in (DEFAULT_TILES, Tiles(32, 128, 8, 4)) for b in (False, True)
                     for d, g, r in (("bf16", False, 16), ("bf16", True, 8), ("fp16", False, 64), ("fp32", False, 16))]
         ptx = [compile_glu_lowrank(*v) for v in variants]
         print(*(p.count("wgmma") + p.count("mma.sync") for p in ptx))
