@@ -30,6 +30,7 @@ from bench.matrix import LAYOUTS, kestrel_model, plan_batches  # noqa: E402
 from bench.matrix_models import build_model_dir  # noqa: E402
 from bench.memory_peak import _site, peak_report  # noqa: E402
 from bench.model_shapes import MODELS  # noqa: E402
+from kestrel.training.cuda_allocator import apply_cuda_allocator  # noqa: E402
 
 
 def live_by_site(top: int = 30) -> list[str]:
@@ -93,13 +94,16 @@ def main() -> None:
     ap.add_argument("--release-at", type=int, default=-1,
                     help="after this step, drop the graphs as a re-timing does (`release`) and report the pools "
                          "then, and again after a garbage collection: whether the graphs' pool goes back")
+    ap.add_argument("--allocator", default="expandable", choices=["expandable", "fixed"],
+                    help="torch's segments, as a run's performance.cuda_allocator sets them (a run's default: expandable)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    allocator = apply_cuda_allocator(args.allocator)  # before anything reserves CUDA memory, as a run does
     model, flat, recompute = kestrel_model(build_model_dir(args.model), args.method, LAYOUTS[args.layout], args.graphs)
     batches = [b.to(torch.device("cuda")) for b in plan_batches(args.layout, MODELS[args.model]["vocab_size"], flat, 16, 0)]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     model.train()  # checkpointing, and so its graphs, act in training only
-    lines, shapes = [], set()
+    lines, shapes = [f"cuda allocator: {allocator}"], set()
     top_reserved, top_step, pools = 0, -1, []  # the run's reserved peak, its step, the pools after it
     whole = args.trace_step < 0  # one event log over every step, warm-up and captures included
     torch.cuda.memory._record_memory_history(max_entries=20_000_000 if whole else 1)  # frames for live blocks
