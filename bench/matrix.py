@@ -388,6 +388,20 @@ def _names(raw: str, known: Any, what: str, ap: argparse.ArgumentParser) -> list
     return names
 
 
+def _cells(raw: str, ap: argparse.ArgumentParser) -> list[tuple[str, str, str]]:
+    """--cells "model:method:layout,...": each part checked against the known names."""
+    cells = []
+    for part in (p.strip() for p in raw.split(",") if p.strip()):
+        names = part.split(":")
+        if len(names) != 3:
+            ap.error(f"--cells takes model:method:layout, comma-separated; got {part!r}")
+        for name, known, what in zip(names, (MODELS, METHODS, LAYOUTS), ("model", "method", "layout")):
+            if name not in known:
+                ap.error(f"--cells {part!r}: unknown {what} {name!r} (known: {', '.join(known)})")
+        cells.append((names[0], names[1], names[2]))
+    return cells
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -395,6 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--methods", default="qlora", help="comma-separated or all: qlora, lora")
     ap.add_argument("--layouts", default="padded,packed,long", help="comma-separated or all: padded, packed, long")
     ap.add_argument("--systems", default="kestrel,unsloth,hf", help=f"comma-separated or all: {', '.join(SYSTEMS)}")
+    ap.add_argument("--cells", help="model:method:layout, comma-separated: these cells alone, in this order "
+                                    "(instead of --models x --methods x --layouts)")
     ap.add_argument("--out", help="results (JSON lines); with --cell/--prepare: the one result's file")
     ap.add_argument("--table", metavar="FILE", help="print the markdown table of a results file and exit")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no new work after this many seconds (0: none)")
@@ -421,6 +437,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.methods = _names(args.methods, METHODS, "methods", ap)
     args.layouts = _names(args.layouts, LAYOUTS, "layouts", ap)
     args.systems = _names(args.systems, SYSTEMS, "systems", ap)
+    args.cells = _cells(args.cells, ap) if args.cells else None
     if not args.table and not args.out:
         ap.error("--out is required (or --table FILE)")
     if args.gpus != "all" and not (args.gpus.isdigit() and int(args.gpus) >= 1):

@@ -4,6 +4,7 @@ a time; and bench/matrix.py's settle loop with a fake CUDA-graph chooser."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -319,3 +320,17 @@ def test_a_baseline_run_without_flash_linear_attention_says_so(tmp_path: Path, m
     assert seen[0]["PYTHONPATH"] == "/c" and "PYTHONPATH" not in seen[1]
     assert base is not None and base["flash_linear_attention"].startswith("left out")
     assert ours is not None and "flash_linear_attention" not in ours
+
+
+def test_cells_pick_cells_across_models_in_their_order_and_bad_ones_are_refused(tmp_path) -> None:
+    """--cells runs just the cells named (not the product of --models, --methods and --layouts), each for
+    every system, in the order given, less those already recorded; a malformed or unknown cell is an error."""
+    args = _args(tmp_path, "--cells", "qwen3-14b:qlora:packed, llama-3.2-1b:lora:long")
+    assert pending(args) == [("qwen3-14b", "qlora", "packed", "kestrel"), ("qwen3-14b", "qlora", "packed", "hf"),
+                             ("llama-3.2-1b", "lora", "long", "kestrel"), ("llama-3.2-1b", "lora", "long", "hf")]
+    (tmp_path / "m.jsonl").write_text(json.dumps({"model": "qwen3-14b", "method": "qlora", "layout": "packed",
+                                                  "system": "hf", "tokens_per_s": 1.0}) + "\n")
+    assert ("qwen3-14b", "qlora", "packed", "hf") not in pending(args) and len(pending(args)) == 3
+    for bad in ("qwen3-14b:qlora", "qwen3-14b:qlora:sideways", "nope:lora:long"):
+        with pytest.raises(SystemExit):
+            _args(tmp_path, "--cells", bad)
