@@ -251,24 +251,18 @@ def test_auto_decides_each_layout_and_trains_as_the_forced_modes(tiny_model_dir,
     assert stats["failed"] == 0
 
 
-@pytest.mark.gpu
-def test_a_graphed_layout_timed_again_runs_eagerly_without_its_graphs(tiny_model_dir, monkeypatch) -> None:
-    """Once decided graphed, a layout whose graphed steps run slower than the eager time they beat is
-    timed eagerly again: those forwards drop the graphs first (the eager working set never stacks on
-    their pool), and if graphed still wins the layers capture again; losses stay those of eager steps."""
-    import dataclasses
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+def _cuda_lora_llama(tiny_model_dir, monkeypatch, graphs: str):
+    """A tiny Llama with LoRA on CUDA under standard checkpointing with CUDA graphs `graphs` (auto / on), in
+    training: (the checkpointing, one step on a fixed (2, 40) batch returning its loss)."""
     from kestrel.config import LoraSettings
     from kestrel.model.loader import load
     from kestrel.model.lora import attach_lora
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
 
     monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
     model, _ = load(str(tiny_model_dir("llama")), 64, dtype="bf16", device="cuda")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
-    run = set_gradient_checkpointing(model, "standard", "auto")
+    run = set_gradient_checkpointing(model, "standard", graphs)
     model.train()
     ids = torch.randint(5, 200, (2, 40), device="cuda")
 
@@ -277,6 +271,17 @@ def test_a_graphed_layout_timed_again_runs_eagerly_without_its_graphs(tiny_model
         loss.backward()
         return loss.item()
 
+    return run, step
+
+
+@pytest.mark.gpu
+def test_a_graphed_layout_timed_again_runs_eagerly_without_its_graphs(tiny_model_dir, monkeypatch) -> None:
+    """Once decided graphed, a layout whose graphed steps run slower than the eager time they beat is
+    timed eagerly again: those forwards drop the graphs first (the eager working set never stacks on
+    their pool), and if graphed still wins the layers capture again; losses stay those of eager steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run, step = _cuda_lora_llama(tiny_model_dir, monkeypatch, "auto")
     for _ in range(14):
         step()
     (layout,) = run.chooser.layouts.values()
@@ -299,6 +304,7 @@ def _private_pool_bytes() -> int:
     return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0))
 
 
+@pytest.mark.gpu
 def test_released_graphs_give_their_pool_back_at_once(tiny_model_dir, monkeypatch) -> None:
     """`release` (a re-timing's, an all-eager decision's) frees the graphs' private pool there and then, with
     the automatic garbage collector off (a graph in a reference cycle would otherwise live, and hold its pool,
@@ -306,19 +312,9 @@ def test_released_graphs_give_their_pool_back_at_once(tiny_model_dir, monkeypatc
     re-timing reserved the pool and the eager working set together; bench/RESULTS.md, session 41)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from kestrel.config import LoraSettings
-    from kestrel.model.loader import load
-    from kestrel.model.lora import attach_lora
-    from kestrel.recompute.checkpoint import set_gradient_checkpointing
-
-    monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
-    model, _ = load(str(tiny_model_dir("llama")), 64, dtype="bf16", device="cuda")
-    model = attach_lora(model, LoraSettings(r=8, alpha=16))
-    run = set_gradient_checkpointing(model, "standard", "on")
-    model.train()
-    ids = torch.randint(5, 200, (2, 40), device="cuda")
+    run, step = _cuda_lora_llama(tiny_model_dir, monkeypatch, "on")
     for _ in range(3):
-        model(input_ids=ids, labels=ids).loss.backward()
+        step()
     torch.cuda.synchronize()
     graphs = [weakref.ref(g) for state in run.graphs.layers.values() for gs in state.graphs.values()
               for g in (gs.forward, gs.backward) if g is not None]
