@@ -247,7 +247,7 @@ for want in "$@"; do
         lorastep) for method in ${LORASTEP_METHODS:-lora qlora}; do  # where the 16-bit step's time goes, beside QLoRA's
                       phase "lorastep-$method" 200 env KESTREL_CUDA_GRAPHS=1 python bench/profile_train.py \
                           --shape "${LORASTEP_SHAPE:-llama-3.2-1b}" --method "$method" --batch 1 --seq 8192 \
-                          --checkpointing offload --out "$OUT/lorastep-$method.txt"; done ;;
+                          --checkpointing offload --warmup 16 --out "$OUT/lorastep-$method.txt"; done ;;
         gradprod) phase gradprod 120 python bench/lora_grad_products.py --shape "${GRAD_SHAPE:-qwen2.5-7b}" \
                       --out "$OUT/grad_products.json" ;;
         gate)     for model in ${GATE_MODELS//,/ }; do for g in $GATES; do

@@ -2,7 +2,7 @@
 
     python bench/profile_train.py --impl kestrel --method qlora --out prof.txt [--trace t.json]
 
-Runs three warm-up steps, then profiles two. Reports, per step:
+Runs --warmup steps (3), then profiles --steps (2). Reports, per step:
 - wall time, GPU busy time (union of kernel intervals) and the idle rest;
 - kernel time and launch count by kind (matrix products, NF4 dequantization, attention, loss,
   norms/RoPE/GLU, copies, other), from the kernels' names;
@@ -297,6 +297,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3, help="steps before the profiled ones (more let a run's "
+                    "measured choices settle: keep_attention auto, the CUDA-graph chooser)")
     ap.add_argument("--stack", action="store_true", help="record Python frames (slower host)")
     ap.add_argument("--trace", default="")
     ap.add_argument("--host", action="store_true", help="cProfile the host side instead (where Python time goes)")
@@ -304,7 +306,7 @@ def main() -> None:
     ap.add_argument("--clocks", action="store_true", help="host vs GPU time at each decoder layer")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    step = warmed_step(args, 3)
+    step = warmed_step(args, args.warmup)
     slack = host_slack(step, args.slack) if args.slack else ""
     if args.clocks:
         slack += phase_clocks(step.model, step, 2)
