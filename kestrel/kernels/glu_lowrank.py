@@ -69,20 +69,24 @@ def _dot(acc, u, v, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _rank_tile(T, t_stride, idx, idx_mask, k0, rank, STEP: tl.constexpr):
-    """T[idx, k0:k0 + STEP] of T (n, rank), zero past the rank and outside idx_mask."""
+def _rank_tile(T, t_stride, idx, idx_mask, k0, rank, STEP: tl.constexpr, EXACT: tl.constexpr):
+    """T[idx, k0:k0 + STEP] of T (n, rank), zero past the rank and outside idx_mask. EXACT: the rank is a whole
+    number of steps, so no column is masked and a row's STEP elements load as wide vectors (masked by column,
+    each element is its own 2-byte load: 36 of them a thread at 16 x 128, r=16, against 4 wide ones for E and G)."""
     k = k0 + tl.arange(0, STEP)
+    if EXACT:
+        return tl.load(T + idx[:, None] * t_stride + k[None, :], mask=idx_mask[:, None], other=0.0)
     return tl.load(T + idx[:, None] * t_stride + k[None, :], mask=idx_mask[:, None] & (k[None, :] < rank), other=0.0)
 
 
 @triton.jit
 def _expansion(acc, U, u_stride, V, v_stride, rows, cols, row_mask, col_mask, rank,
-               RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr):
+               RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr):
     """acc + U[rows] V[cols]^T, a (BM, BN) fp32 tile, of U (M, rank), V (N, rank); RANK: rank padded to
     a multiple of STEP (a power of two of at least 16, tl.dot's least)."""
     for k0 in tl.static_range(0, RANK, STEP):
-        u = _rank_tile(U, u_stride, rows, row_mask, k0, rank, STEP)
-        acc = _dot(acc, u, _rank_tile(V, v_stride, cols, col_mask, k0, rank, STEP), IEEE)
+        u = _rank_tile(U, u_stride, rows, row_mask, k0, rank, STEP, EXACT)
+        acc = _dot(acc, u, _rank_tile(V, v_stride, cols, col_mask, k0, rank, STEP, EXACT), IEEE)
     return acc
 
 
@@ -91,7 +95,7 @@ def _glu_kernel(
     X, x_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
     n_rows, n_cols, rank_e, rank_g,
     GELU: tl.constexpr, BACKWARD: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, ROW_STEPS: tl.constexpr,
+    EXACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ROW_STEPS: tl.constexpr,
 ):
     """Forward: h = act(E') * G' into X. BACKWARD: dE', dG' from dh (read from X) over E and G: every element
     is read before it is written, by the same program. A program takes ROW_STEPS row blocks of BM rows under
@@ -99,8 +103,8 @@ def _glu_kernel(
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_mask = cols < n_cols
     if RANK == STEP:
-        ve = _rank_tile(VE, ve_stride, cols, col_mask, 0, rank_e, STEP)
-        vg = _rank_tile(VG, vg_stride, cols, col_mask, 0, rank_g, STEP)
+        ve = _rank_tile(VE, ve_stride, cols, col_mask, 0, rank_e, STEP, EXACT)
+        vg = _rank_tile(VG, vg_stride, cols, col_mask, 0, rank_g, STEP, EXACT)
     for step in range(ROW_STEPS):
         rows = ((tl.program_id(0) * ROW_STEPS + step) * BM + tl.arange(0, BM)).to(tl.int64)
         row_mask = rows < n_rows
@@ -108,11 +112,13 @@ def _glu_kernel(
         e = tl.load(E + rows[:, None] * e_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + rows[:, None] * g_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if RANK == STEP:  # E' = E + U_e V_e^T, G' = G + U_g V_g^T, in fp32: E and G are the dots' accumulators
-            e = _dot(e, _rank_tile(UE, ue_stride, rows, row_mask, 0, rank_e, STEP), ve, IEEE)
-            g = _dot(g, _rank_tile(UG, ug_stride, rows, row_mask, 0, rank_g, STEP), vg, IEEE)
+            e = _dot(e, _rank_tile(UE, ue_stride, rows, row_mask, 0, rank_e, STEP, EXACT), ve, IEEE)
+            g = _dot(g, _rank_tile(UG, ug_stride, rows, row_mask, 0, rank_g, STEP, EXACT), vg, IEEE)
         else:
-            e = _expansion(e, UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank_e, RANK, STEP, IEEE)
-            g = _expansion(g, UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank_g, RANK, STEP, IEEE)
+            e = _expansion(e, UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank_e, RANK, STEP, IEEE,
+                           EXACT)
+            g = _expansion(g, UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank_g, RANK, STEP, IEEE,
+                           EXACT)
         act, dact = _act_and_grad(e, GELU)
         act = act.to(E.dtype.element_ty).to(tl.float32)  # HF: act_fn(gate) is in gate's dtype
         if BACKWARD:
@@ -153,7 +159,8 @@ def _launch(backward: bool, first: torch.Tensor, e: torch.Tensor, g: torch.Tenso
     grid = (triton.cdiv(n_rows, tiles.rows * tiles.row_steps), triton.cdiv(n_cols, tiles.cols))
     launch(_glu_kernel, grid, first, first.stride(0), e, e.stride(0), g, g.stride(0), ue, ue.stride(0), ug, ug.stride(0),
            ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], ug.shape[1], gelu, backward, rank_pad, step,
-           ue.dtype == torch.float32 or _interpreted(), tiles.rows, tiles.cols, tiles.row_steps, num_warps=tiles.warps)
+           ue.dtype == torch.float32 or _interpreted(), ue.shape[1] == ug.shape[1] == rank_pad, tiles.rows, tiles.cols,
+           tiles.row_steps, num_warps=tiles.warps)
 
 
 def _interpreted() -> bool:

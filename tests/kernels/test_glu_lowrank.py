@@ -12,7 +12,8 @@ from transformers.activations import ACT2FN
 from kestrel.kernels.glu_lowrank import DEFAULT_TILES, Tiles, glu_lowrank, glu_lowrank_backward_
 from tests.kernels.tolerance import assert_close
 
-SHAPES = [(14, 72, 8), (70, 130, 16), (3, 200, 40), (1, 1, 1)]
+# M, I, r: ranks under one dot step (8, 1), at one (16), over two with a masked rest (40), two whole steps (64)
+SHAPES = [(14, 72, 8), (70, 130, 16), (3, 200, 40), (33, 150, 64), (1, 1, 1)]
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -100,7 +101,7 @@ def test_mismatched_operands_are_refused() -> None:
 
 
 def test_kernels_compile_for_sm90_with_tensor_core_dots_for_16_bit_operands() -> None:
-    """Forward and backward, on two tilings, 16-bit and fp32 operands, ranks under, at and over one dot step, through Triton and
+    """Forward and backward, on two tilings, 16-bit and fp32 operands, whole-step ranks loading wide vectors, ranks under, at and over one dot step, through Triton and
     ptxas for an H100/H200 (no GPU needed; its own process, uninterpreted: the interpreter runs what the compiler
     refuses). 16-bit operands take tensor-core instructions; fp32 ones (exact products) none."""
     import os
@@ -112,7 +113,10 @@ def test_kernels_compile_for_sm90_with_tensor_core_dots_for_16_bit_operands() ->
     done = subprocess.run([sys.executable, "-m", "tests.support.sm90_compile", "glu_lowrank"], capture_output=True,
                           text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    mma = [int(c) for c in done.stdout.split()[-16:]]
-    for kernel in (mma[k:k + 4] for k in range(0, 16, 4)):  # (shipped tiles, 32 x 128 x 4 steps) x (fwd, bwd):
-        # bf16 r16, bf16 r8 (GeGLU), fp16 r64, fp32 r16
+    lines = done.stdout.strip().splitlines()
+    mma, narrow = ([int(c) for c in line.split()] for line in lines[-2:])
+    for k in range(0, 16, 4):  # (shipped tiles, 32 x 128 x 4 steps) x (fwd, bwd): bf16 r16, bf16 r8 (GeGLU), fp16 r64,
+        kernel = mma[k:k + 4]  # fp32 r16
         assert kernel[0] > 0 and kernel[1] > 0 and kernel[2] > kernel[0] and kernel[3] == 0
+        # a rank of whole dot steps (16, 64) loads U's and V's rows as wide vectors, never element by element
+        assert narrow[k] == 0 and narrow[k + 2] == 0, f"variant {k}: {narrow[k]}, {narrow[k + 2]} two-byte loads"

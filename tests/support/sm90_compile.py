@@ -71,9 +71,14 @@ def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int, tiles
     sig |= dict.fromkeys(("n_rows", "n_cols", "rank_e", "rank_g"), "i32")
     padded, step = kernels._rank_blocks(rank)
     tiles = tiles or kernels.DEFAULT_TILES
-    consts = dict(GELU=gelu, BACKWARD=backward, RANK=padded, STEP=step, IEEE=dtype == "fp32", BM=tiles.rows,
-                  BN=tiles.cols, ROW_STEPS=tiles.row_steps)
-    src = ASTSource(fn=kernels._glu_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
+    consts = dict(GELU=gelu, BACKWARD=backward, RANK=padded, STEP=step, IEEE=dtype == "fp32", EXACT=rank == padded,
+                  BM=tiles.rows, BN=tiles.cols, ROW_STEPS=tiles.row_steps)
+    # As a launch specializes them: 16-byte aligned pointers, and row strides and a width (an MLP's I) in multiples
+    # of 16 elements
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
+               if name.upper() in names or "stride" in name or name == "n_cols"}
+    src = ASTSource(fn=kernels._glu_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts,
+                    attrs=aligned)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles.warps})
     assert compiled.asm["cubin"], "no cubin"
     return compiled.asm["ptx"]
@@ -87,6 +92,7 @@ if __name__ == "__main__":
                     for d, g, r in (("bf16", False, 16), ("bf16", True, 8), ("fp16", False, 64), ("fp32", False, 16))]
         ptx = [compile_glu_lowrank(*v) for v in variants]
         print(*(p.count("wgmma") + p.count("mma.sync") for p in ptx))
+        print(*(p.count("ld.global.b16") + p.count("ld.global.nc.b16") for p in ptx))  # one 2-byte element a load
     elif sys.argv[1] == "expert":
         variants = [("bf16", False, True, False), ("bf16", False, False, False), ("bf16", True, True, True),
                     ("bf16", True, False, True), ("fp16", True, False, False, False), ("fp32", True, True, False, False)]
