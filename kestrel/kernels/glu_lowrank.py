@@ -69,56 +69,56 @@ def _dot(acc, u, v, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _rank_tile(T, t_stride, idx, idx_mask, k0, rank, STEP: tl.constexpr, EXACT: tl.constexpr):
-    """T[idx, k0:k0 + STEP] of T (n, rank), zero past the rank and outside idx_mask. EXACT: the rank is a whole
-    number of steps, so no column is masked and a row's STEP elements load as wide vectors (masked by column,
-    each element is its own 2-byte load: 36 of them a thread at 16 x 128, r=16, against 4 wide ones for E and G)."""
-    k = k0 + tl.arange(0, STEP)
-    if EXACT:
+def _rank_tile(T, t_stride, idx, idx_mask, K0: tl.constexpr, RANK_T: tl.constexpr, STEP: tl.constexpr):
+    """T[idx, K0:K0 + STEP] of T (n, RANK_T), zero past the rank and outside idx_mask. The rank is a compile-time
+    constant, so a step inside it is masked by row alone and one past it by a known column bound: either way a
+    row's elements load as wide vectors (with the rank a run-time value, its column mask made each element a
+    2-byte load of its own: 36 a thread at 16 x 128, r=16, beside 4 wide loads of E and G)."""
+    k = K0 + tl.arange(0, STEP)
+    if K0 + STEP <= RANK_T:
         return tl.load(T + idx[:, None] * t_stride + k[None, :], mask=idx_mask[:, None], other=0.0)
-    return tl.load(T + idx[:, None] * t_stride + k[None, :], mask=idx_mask[:, None] & (k[None, :] < rank), other=0.0)
+    return tl.load(T + idx[:, None] * t_stride + k[None, :], mask=idx_mask[:, None] & (k[None, :] < RANK_T), other=0.0)
 
 
 @triton.jit
-def _expansion(acc, U, u_stride, V, v_stride, rows, cols, row_mask, col_mask, rank,
-               RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr):
-    """acc + U[rows] V[cols]^T, a (BM, BN) fp32 tile, of U (M, rank), V (N, rank); RANK: rank padded to
-    a multiple of STEP (a power of two of at least 16, tl.dot's least)."""
-    for k0 in tl.static_range(0, RANK, STEP):
-        u = _rank_tile(U, u_stride, rows, row_mask, k0, rank, STEP, EXACT)
-        acc = _dot(acc, u, _rank_tile(V, v_stride, cols, col_mask, k0, rank, STEP, EXACT), IEEE)
+def _expansion(acc, U, u_stride, V, v_stride, rows, cols, row_mask, col_mask,
+               RANK_T: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr):
+    """acc + U[rows] V[cols]^T, a (BM, BN) fp32 tile, of U (M, RANK_T), V (N, RANK_T), summed in steps of STEP
+    (a power of two of at least 16, tl.dot's least)."""
+    for k0 in tl.static_range(0, RANK_T, STEP):
+        u = _rank_tile(U, u_stride, rows, row_mask, k0, RANK_T, STEP)
+        acc = _dot(acc, u, _rank_tile(V, v_stride, cols, col_mask, k0, RANK_T, STEP), IEEE)
     return acc
 
 
 @triton.jit
 def _glu_kernel(
     X, x_stride, E, e_stride, G, g_stride, UE, ue_stride, UG, ug_stride, VE, ve_stride, VG, vg_stride,
-    n_rows, n_cols, rank_e, rank_g,
-    GELU: tl.constexpr, BACKWARD: tl.constexpr, RANK: tl.constexpr, STEP: tl.constexpr, IEEE: tl.constexpr,
-    EXACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ROW_STEPS: tl.constexpr,
+    n_rows, n_cols,
+    GELU: tl.constexpr, BACKWARD: tl.constexpr, RANK_E: tl.constexpr, RANK_G: tl.constexpr, STEP: tl.constexpr,
+    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ROW_STEPS: tl.constexpr,
 ):
     """Forward: h = act(E') * G' into X. BACKWARD: dE', dG' from dh (read from X) over E and G: every element
     is read before it is written, by the same program. A program takes ROW_STEPS row blocks of BM rows under
-    one block of BN columns; where the rank is one dot step, it reads that block's V_e and V_g tiles once."""
+    one block of BN columns; where each rank is one dot step, it reads that block's V_e and V_g tiles once."""
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_mask = cols < n_cols
-    if RANK == STEP:
-        ve = _rank_tile(VE, ve_stride, cols, col_mask, 0, rank_e, STEP, EXACT)
-        vg = _rank_tile(VG, vg_stride, cols, col_mask, 0, rank_g, STEP, EXACT)
+    ONE_STEP: tl.constexpr = RANK_E <= STEP and RANK_G <= STEP
+    if ONE_STEP:
+        ve = _rank_tile(VE, ve_stride, cols, col_mask, 0, RANK_E, STEP)
+        vg = _rank_tile(VG, vg_stride, cols, col_mask, 0, RANK_G, STEP)
     for step in range(ROW_STEPS):
         rows = ((tl.program_id(0) * ROW_STEPS + step) * BM + tl.arange(0, BM)).to(tl.int64)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         e = tl.load(E + rows[:, None] * e_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + rows[:, None] * g_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if RANK == STEP:  # E' = E + U_e V_e^T, G' = G + U_g V_g^T, in fp32: E and G are the dots' accumulators
-            e = _dot(e, _rank_tile(UE, ue_stride, rows, row_mask, 0, rank_e, STEP, EXACT), ve, IEEE)
-            g = _dot(g, _rank_tile(UG, ug_stride, rows, row_mask, 0, rank_g, STEP, EXACT), vg, IEEE)
+        if ONE_STEP:  # E' = E + U_e V_e^T, G' = G + U_g V_g^T, in fp32: E and G are the dots' accumulators
+            e = _dot(e, _rank_tile(UE, ue_stride, rows, row_mask, 0, RANK_E, STEP), ve, IEEE)
+            g = _dot(g, _rank_tile(UG, ug_stride, rows, row_mask, 0, RANK_G, STEP), vg, IEEE)
         else:
-            e = _expansion(e, UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, rank_e, RANK, STEP, IEEE,
-                           EXACT)
-            g = _expansion(g, UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, rank_g, RANK, STEP, IEEE,
-                           EXACT)
+            e = _expansion(e, UE, ue_stride, VE, ve_stride, rows, cols, row_mask, col_mask, RANK_E, STEP, IEEE)
+            g = _expansion(g, UG, ug_stride, VG, vg_stride, rows, cols, row_mask, col_mask, RANK_G, STEP, IEEE)
         act, dact = _act_and_grad(e, GELU)
         act = act.to(E.dtype.element_ty).to(tl.float32)  # HF: act_fn(gate) is in gate's dtype
         if BACKWARD:
@@ -129,10 +129,10 @@ def _glu_kernel(
             tl.store(X + rows[:, None] * x_stride + cols[None, :], (act * g).to(X.dtype.element_ty), mask=mask)
 
 
-def _rank_blocks(rank: int) -> tuple[int, int]:
-    """(RANK, STEP): the (larger) rank padded to a whole number of steps of a power of two in 16..32."""
-    step = min(_MAX_STEP, max(16, triton.next_power_of_2(rank)))
-    return triton.cdiv(rank, step) * step, step
+def _rank_step(rank: int) -> int:
+    """Rank columns a dot takes: a power of two in 16..32 (tl.dot's least K is 16; at 32 a (64 + 128) x 32
+    operand pair still fits the registers), the rank's own when it is smaller."""
+    return min(_MAX_STEP, max(16, triton.next_power_of_2(rank)))
 
 
 def _operands(e: torch.Tensor, g: torch.Tensor, us: tuple[torch.Tensor, torch.Tensor],
@@ -155,12 +155,11 @@ def _launch(backward: bool, first: torch.Tensor, e: torch.Tensor, g: torch.Tenso
             ug: torch.Tensor, ve: torch.Tensor, vg: torch.Tensor, gelu: bool, tiles: Tiles) -> None:
     """`_glu_kernel` over E and G, `first` being h (forward) or dh (backward)."""
     n_rows, n_cols = e.shape
-    rank_pad, step = _rank_blocks(max(ue.shape[1], ug.shape[1]))
+    step = _rank_step(max(ue.shape[1], ug.shape[1]))
     grid = (triton.cdiv(n_rows, tiles.rows * tiles.row_steps), triton.cdiv(n_cols, tiles.cols))
     launch(_glu_kernel, grid, first, first.stride(0), e, e.stride(0), g, g.stride(0), ue, ue.stride(0), ug, ug.stride(0),
-           ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, ue.shape[1], ug.shape[1], gelu, backward, rank_pad, step,
-           ue.dtype == torch.float32 or _interpreted(), ue.shape[1] == ug.shape[1] == rank_pad, tiles.rows, tiles.cols,
-           tiles.row_steps, num_warps=tiles.warps)
+           ve, ve.stride(0), vg, vg.stride(0), n_rows, n_cols, gelu, backward, ue.shape[1], ug.shape[1], step,
+           ue.dtype == torch.float32 or _interpreted(), tiles.rows, tiles.cols, tiles.row_steps, num_warps=tiles.warps)
 
 
 def _interpreted() -> bool:

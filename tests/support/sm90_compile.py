@@ -56,7 +56,7 @@ def compile_expert_kernel(dtype: str, nf4: bool, k_contig: bool, nested: bool, a
 
 def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int, tiles=None) -> str:
     """The PTX of `kestrel.kernels.glu_lowrank`'s kernel, forward or backward, for `dtype` operands and a rank of
-    `rank` (padded as the launcher pads it), on `tiles` (default: its own), compiled through ptxas for sm_90 (raises where
+    `rank` (its dot step as the launcher picks it), on `tiles` (default: its own), compiled through ptxas for sm_90 (raises where
     Triton or ptxas refuse it)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -68,11 +68,10 @@ def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int, tiles
     sig: dict[str, str] = {}
     for name in names:
         sig |= {name: f"*{dtype}", f"{name.lower()}_stride": "i32"}
-    sig |= dict.fromkeys(("n_rows", "n_cols", "rank_e", "rank_g"), "i32")
-    padded, step = kernels._rank_blocks(rank)
+    sig |= dict.fromkeys(("n_rows", "n_cols"), "i32")
     tiles = tiles or kernels.DEFAULT_TILES
-    consts = dict(GELU=gelu, BACKWARD=backward, RANK=padded, STEP=step, IEEE=dtype == "fp32", EXACT=rank == padded,
-                  BM=tiles.rows, BN=tiles.cols, ROW_STEPS=tiles.row_steps)
+    consts = dict(GELU=gelu, BACKWARD=backward, RANK_E=rank, RANK_G=rank, STEP=kernels._rank_step(rank),
+                  IEEE=dtype == "fp32", BM=tiles.rows, BN=tiles.cols, ROW_STEPS=tiles.row_steps)
     # As a launch specializes them: 16-byte aligned pointers, and row strides and a width (an MLP's I) in multiples
     # of 16 elements
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
