@@ -23,11 +23,13 @@ less than the adapter-first product, whose output is rounded to 16 bits.
 
 Layout: E, G, dh (M, I) with any row stride and unit column stride (`as_rows`); U (M, r) and V (I, r)
 likewise (U may be a column slice of the group's (M, 2r) shrink product). E and G are the rank dots'
-accumulators (the rank is summed in steps of at most 32). Programs tile (rows, columns) in 16 x 128
-blocks at 4 warps, one row block a program (`Tiles`; a program may take several in turn, reading its V
-tiles once where the rank is one dot step: to be swept): the fastest of 40 tilings in a sweep over three (M, I) shapes, 1.38x the
-plain GLU's forward-plus-backward time where the first 64 x 128 tiles at 8 warps took 1.92x
-(`bench/glu_lowrank_tiles.py`; bench/RESULTS.md, session 41).
+accumulators (the rank is summed in steps of at most 32; the ranks are compile-time constants, so U's
+and V's rows load as wide vectors). Programs tile (rows, columns) in 16 x 128 blocks at 4 warps, one
+row block a program (`Tiles`; a program may take several in turn, reading its V tiles once where the
+rank is one dot step: to be swept). 16 x 128 was the fastest of 40 tilings swept over three (M, I)
+shapes, 1.38x the plain GLU's forward-plus-backward time where the first 64 x 128 tiles at 8 warps
+took 1.92x; that sweep ran before the rank loads were wide (`bench/glu_lowrank_tiles.py`;
+bench/RESULTS.md, session 41).
 """
 
 from __future__ import annotations
