@@ -38,7 +38,7 @@
 #             peak, and each step's allocated and reserved peaks (bench/graph_memory.py)
 #   poolfree  whether dropping the graphs gives their pool back at once (a re-timing drops them: Qwen3-14B packed
 #             kept 0.5 GiB of pool beside its eager steps, session 41): POOL_MODEL (qwen3-4b) QLoRA packed, graphs on,
-#             12 steps, released after step 8; the pools right after, and after a collection (bench/graph_memory.py)
+#             12 steps, released after step 8; the pools right after (bench/graph_memory.py)
 #   glutiles  the 16-bit MLP's GLU with the adapters' rank terms inside, its tilings swept against the plain GLU
 #             (bench/glu_lowrank_tiles.py: chosen on --tune shapes, reported on --check shapes)
 #   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the

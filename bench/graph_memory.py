@@ -16,7 +16,6 @@ step that set the run's reserved peak: what `nvidia-smi` shows beyond what is al
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections import defaultdict
 from typing import Any
@@ -69,15 +68,12 @@ def reserved_by_pool(segments: list[dict]) -> list[str]:
 
 
 def _released(recompute) -> list[str]:
-    """The pools right after the run's graphs are dropped (`LayerCheckpoint.release`, as a re-timing drops
-    them), then after a garbage collection and an emptied cache: a private pool still there the first time
-    and gone the second was held by a reference cycle; still there both times, by a live reference."""
+    """The pools right after the run's graphs are dropped (`Recompute.release`, as a re-timing drops them; it
+    collects cyclic garbage and empties the cache itself): a private pool still there is held by a live
+    reference to a captured graph."""
     recompute.release()
     torch.cuda.synchronize()
     out = ["reserved by pool right after the graphs were released:"] + reserved_by_pool(torch.cuda.memory_snapshot())
-    gc.collect()
-    torch.cuda.empty_cache()
-    out += ["reserved by pool after gc.collect() and empty_cache():"] + reserved_by_pool(torch.cuda.memory_snapshot())
     print("\n".join(out), flush=True)
     return out
 
@@ -93,7 +89,7 @@ def main() -> None:
                     help="the step whose allocated peak is traced by site; -1: the whole run's peak (every step recorded)")
     ap.add_argument("--release-at", type=int, default=-1,
                     help="after this step, drop the graphs as a re-timing does (`release`) and report the pools "
-                         "then, and again after a garbage collection: whether the graphs' pool goes back")
+                         "then: whether the graphs' pool goes back")
     ap.add_argument("--allocator", default="expandable", choices=["expandable", "fixed"],
                     help="torch's segments, as a run's performance.cuda_allocator sets them (a run's default: expandable)")
     ap.add_argument("--out", required=True)

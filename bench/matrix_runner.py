@@ -69,7 +69,7 @@ def append_record(path: Path, record: dict[str, Any], mirror: str | None) -> Non
 def pending(args: argparse.Namespace) -> list[Key]:
     """The (model, method, layout, system) pairs asked for and not yet in --out, in run order."""
     done = {record_key(r) for r in load_records(Path(args.out)) if not (args.retry_errors and "error" in r)}
-    cells = getattr(args, "cells", None) or [(m, me, lay) for m in args.models for me in args.methods for lay in args.layouts]
+    cells = args.cells or [(m, me, lay) for m in args.models for me in args.methods for lay in args.layouts]
     return [(*cell, s) for cell in cells for s in args.systems if (*cell, s) not in done]
 
 

@@ -74,8 +74,8 @@ def _dot(acc, u, v, IEEE: tl.constexpr):
 def _rank_tile(T, t_stride, idx, idx_mask, K0: tl.constexpr, RANK_T: tl.constexpr, STEP: tl.constexpr):
     """T[idx, K0:K0 + STEP] of T (n, RANK_T), zero past the rank and outside idx_mask. The rank is a compile-time
     constant, so a step inside it is masked by row alone and one past it by a known column bound: either way a
-    row's elements load as wide vectors (with the rank a run-time value, its column mask made each element a
-    2-byte load of its own: 36 a thread at 16 x 128, r=16, beside 4 wide loads of E and G)."""
+    row's elements load as wide vectors (a run-time rank's column mask made each element a 2-byte load of its
+    own; bench/RESULTS.md, session 41)."""
     k = K0 + tl.arange(0, STEP)
     if K0 + STEP <= RANK_T:
         return tl.load(T + idx[:, None] * t_stride + k[None, :], mask=idx_mask[:, None], other=0.0)
