@@ -39,6 +39,10 @@
 #   poolfree  whether dropping the graphs gives their pool back at once (a re-timing drops them: Qwen3-14B packed
 #             kept 0.5 GiB of pool beside its eager steps, session 41): POOL_MODEL (qwen3-4b) QLoRA packed, graphs on,
 #             12 steps, released after step 8; the pools right after (bench/graph_memory.py)
+#   capture   where the backward graphs are captured (`performance.backward_graph_capture`): CAPTURE_MODEL (qwen3-14b)
+#             QLoRA CAPTURE_LAYOUT (packed), graphs auto, 30 steps, once per mode (backward, then first_pass), each
+#             step's allocated and reserved peaks (bench/graph_memory.py); session 42 traced the run's reserved peak,
+#             0.46 GiB over Unsloth's, to the step that captured the backward graphs after an eager first pass
 #   glutiles  the 16-bit MLP's GLU with the adapters' rank terms inside, its tilings swept against the plain GLU
 #             (bench/glu_lowrank_tiles.py: chosen on --tune shapes, reported on --check shapes)
 #   dpostd    Kestrel's DPO with standard checkpointing, 60 steps; then one untimed run that records the
@@ -165,7 +169,7 @@ for path in sys.argv[1:]:
         r = json.loads(line)
         print(path.rsplit('/', 1)[-1], r['model'], r['layout'], r['system'], 'offload_gate', r.get('offload_gate'),
               'alloc_conf', repr(r.get('alloc_conf')), 'defer', r.get('defer_mlp'), r.get('mlp_deferral'), 'keep_attention',
-              r.get('keep_attention'), r.get('attention_kept'), 'projection', r.get('keep_projection'), r.get('projection_kept'), 'qkv', r.get('qkv_kept'), 'link', r.get('host_link'), r.get('cuda_graphs'),
+              r.get('keep_attention'), r.get('attention_kept'), 'projection', r.get('keep_projection'), r.get('projection_kept'), 'qkv', r.get('qkv_kept'), 'capture', r.get('backward_graph_capture'), 'link', r.get('host_link'), r.get('cuda_graphs'),
               round(r.get('tokens_per_s') or 0), 'tok/s, peak GiB alloc',
               r.get('peak_alloc_gib'), 'reserved', r.get('peak_reserved_gib'), r.get('error', '')[-200:])" "$@"
 }
@@ -213,6 +217,10 @@ for want in "$@"; do
                       --graphs auto --steps 80 --out "$OUT/reserved.txt" ;;
         poolfree) phase poolfree 300 python bench/graph_memory.py --model "${POOL_MODEL:-qwen3-4b}" --method qlora \
                       --layout packed --graphs on --steps 12 --release-at 8 --out "$OUT/poolfree.txt" ;;
+        capture)  for mode in backward first_pass; do
+                      phase "capture-$mode" 200 env KESTREL_BACKWARD_CAPTURE=$mode python bench/graph_memory.py \
+                          --model "${CAPTURE_MODEL:-qwen3-14b}" --method qlora --layout "${CAPTURE_LAYOUT:-packed}" \
+                          --graphs auto --steps 30 --out "$OUT/capture-$mode.txt"; done ;;
         glutiles) phase glutiles "${LIMIT_glutiles:-500}" python bench/glu_lowrank_tiles.py --out "$OUT/glu_lowrank_tiles.json" ;;
         dpostd)   phase dpostd 300 bash -c "python bench/dpo.py --impls kestrel --checkpointing standard --steps 60 --warmup 3 \
                       --out $OUT/dpo-standard.json && python bench/dpo.py --impl kestrel --steps 8 \

@@ -364,6 +364,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
                 "attention_kept": {str(rows): kept.attention for rows, kept in recompute.kept.items()},
                 "projection_kept": {str(rows): kept.projection for rows, kept in recompute.kept.items()},
                 "keep_qkv": recompute.keep_qkv, "qkv_kept": {str(rows): kept.qkv for rows, kept in recompute.kept.items()},
+                "backward_graph_capture": "first_pass" if recompute.graphs.capture_ahead else "backward",
                 "host_link": {"bytes_per_s": {str(d): r for d, r in recompute.deferral.link.rates.items()},
                               "layer_seconds": {str(rows): s for rows, s in recompute.deferral.link.layer_seconds.items()}},
                 } if kestrel else {}),

@@ -33,7 +33,9 @@ from kestrel.constants import DATASET_FORMATS, GRPO_LOSS_TYPES, PREFERENCE_METHO
 from kestrel.errors import ConfigError
 from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
-from kestrel.constants import CUDA_ALLOCATORS, DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES, KEEP_QKV_MODES
+from kestrel.constants import (
+    BACKWARD_CAPTURE_MODES, CUDA_ALLOCATORS, DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES, KEEP_QKV_MODES,
+)
 from kestrel.safe_yaml import parse_value, read_config_file
 
 METHODS = ("qlora", "lora", "full", "grpo", *PREFERENCE_METHODS)
@@ -187,6 +189,11 @@ class PerformanceSettings:
     # How torch's CUDA caching allocator grows its segments: expandable (reserved memory follows what the run
     # holds) or fixed (torch's default); `kestrel.training.cuda_allocator`.
     cuda_allocator: str = "expandable"
+    # When a CUDA-graphed layer's recompute-and-backward graph is captured, on its signature's second sighting:
+    # backward (in that step's backward, after an eager first pass) or first_pass (in that step's first pass,
+    # just before the first-pass graph, so the capture step runs no eager first pass beside the graphs' pool;
+    # `kestrel.recompute.layer_graphs`). Layers tied to others (`kestrel.recompute.linked`) capture in the backward.
+    backward_graph_capture: str = "backward"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,
@@ -200,6 +207,9 @@ class PerformanceSettings:
               f"performance.keep_qkv must be one of {', '.join(KEEP_QKV_MODES)}, got {self.keep_qkv!r}")
         check(self.cuda_allocator in CUDA_ALLOCATORS,
               f"performance.cuda_allocator must be one of {', '.join(CUDA_ALLOCATORS)}, got {self.cuda_allocator!r}")
+        check(self.backward_graph_capture in BACKWARD_CAPTURE_MODES,
+              "performance.backward_graph_capture must be one of "
+              f"{', '.join(BACKWARD_CAPTURE_MODES)}, got {self.backward_graph_capture!r}")
         check(self.defer_mlp in DEFER_MODES,
               f"performance.defer_mlp must be one of {', '.join(DEFER_MODES)}, got {self.defer_mlp!r}")
 

@@ -21,6 +21,8 @@ KEEP_ATTENTION_MODES = ("off", "auto", "on")
 KEEP_PROJECTION_MODES = ("off", "on")
 # `performance.keep_qkv`: whether a layer keeping its attention output keeps its Q/K/V projections' outputs too
 KEEP_QKV_MODES = ("off", "on")
+# `performance.backward_graph_capture`: when a graphed layer's recompute-and-backward graph is captured
+BACKWARD_CAPTURE_MODES = ("backward", "first_pass")
 # `performance.cuda_allocator`: how torch's CUDA caching allocator grows its segments
 CUDA_ALLOCATORS = ("expandable", "fixed")
 # Dataset formats the reader knows (`kestrel.data.formats.FORMATS`, plus auto-detection), named

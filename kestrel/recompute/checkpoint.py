@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from kestrel import env
 from kestrel.config import PerformanceSettings
-from kestrel.constants import KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES, KEEP_QKV_MODES
+from kestrel.constants import BACKWARD_CAPTURE_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES, KEEP_QKV_MODES
 import torch
 from torch import nn
 
@@ -85,7 +85,8 @@ class LayerCheckpoint(torch.autograd.Function):
         try:
             with torch.no_grad():
                 if isinstance(run, layer_graphs.GraphedLayer):
-                    return run(hidden, ctx.gate, kept=ctx.attention.keepers() if ctx.attention is not None else ())
+                    return run(hidden, ctx.gate, kept=ctx.attention.keepers() if ctx.attention is not None else (),
+                               recompute=owner.recompute)
                 if isinstance(run, LinkedCall):  # `links` are its inputs: (y, *what it wrote)
                     return run.first_pass(hidden)
                 return run(hidden)
@@ -138,7 +139,7 @@ class Recompute:
     def __init__(
         self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
         shared_state: str | None = None, deferral: MLPDeferral | None = None, keep_attention: str = "off",
-        keep_projection: bool = False, keep_qkv: bool = False,
+        keep_projection: bool = False, keep_qkv: bool = False, capture_ahead: bool = False,
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.deferral = deferral if deferral is not None else MLPDeferral()  # whether recomputed MLPs defer
@@ -147,7 +148,8 @@ class Recompute:
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the decoder layers calling it
         self.graphed = False  # this forward's choice
         self.no_grad_active, self.no_grad_graphed = False, False  # inside `no_grad_forwards`; its forward's choice
-        self.graphs = layer_graphs.GraphRegistry()
+        # capture_ahead: backward graphs captured in the first pass (`performance.backward_graph_capture`)
+        self.graphs = layer_graphs.GraphRegistry(capture_ahead)
         self.holds_graphs = False
         self.offloaded = OffloadState()
         # While a layer's checkpoint runs: True in its recompute for backward (its output's values
@@ -346,6 +348,11 @@ def keep_qkv_mode(configured: str) -> str:
     return env.override("KESTREL_KEEP_QKV", configured, KEEP_QKV_MODES)
 
 
+def backward_capture_mode(configured: str) -> str:
+    """The run's `backward_graph_capture`: KESTREL_BACKWARD_CAPTURE (backward | first_pass, a debugging override) wins."""
+    return env.override("KESTREL_BACKWARD_CAPTURE", configured, BACKWARD_CAPTURE_MODES)
+
+
 def keep_projection_mode(configured: str) -> str:
     """The run's `keep_projection`: KESTREL_KEEP_PROJECTION (off | on, a debugging override) wins."""
     return env.override("KESTREL_KEEP_PROJECTION", configured, KEEP_PROJECTION_MODES)
@@ -370,6 +377,7 @@ def set_gradient_checkpointing(
     on_attention: Callable[[int, bool, str], None] | None = None,
     keep_projection: str = PerformanceSettings.keep_projection,
     keep_qkv: str = PerformanceSettings.keep_qkv,
+    backward_capture: str = PerformanceSettings.backward_graph_capture,
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
@@ -379,7 +387,8 @@ def set_gradient_checkpointing(
     output out, so their recompute runs no attention forward (KESTREL_KEEP_ATTENTION overrides; `on_attention`
     hears `auto`'s answer for each row count, `Recompute.attention_keeps_up`); `keep_projection` (off | on):
     where they do, their output projection's output too (KESTREL_KEEP_PROJECTION overrides); `keep_qkv`
-    (off | on): and their Q, K and V projections' outputs (KESTREL_KEEP_QKV overrides).
+    (off | on): and their Q, K and V projections' outputs (KESTREL_KEEP_QKV overrides); `backward_capture`
+    (backward | first_pass): when a graphed layer's backward graph is captured (KESTREL_BACKWARD_CAPTURE overrides).
 
     Both modes checkpoint with our reentrant `LayerCheckpoint`. Hugging Face's
     `gradient_checkpointing_enable` is called with use_reentrant=False only to set HF's flags
@@ -407,7 +416,8 @@ def set_gradient_checkpointing(
                           deferral=deferral if deferral is not None else MLPDeferral(defer_mode(PerformanceSettings.defer_mlp)),
                           keep_attention=keep_attention_mode(keep_attention),
                           keep_projection=keep_projection_mode(keep_projection) == "on",
-                          keep_qkv=keep_qkv_mode(keep_qkv) == "on")
+                          keep_qkv=keep_qkv_mode(keep_qkv) == "on",
+                          capture_ahead=backward_capture_mode(backward_capture) == "first_pass")
     recompute.on_attention = on_attention
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)

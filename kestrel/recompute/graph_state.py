@@ -5,6 +5,7 @@ the static buffers they address; and the protocol of a tensor kept between a lay
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Any, Protocol
 
@@ -36,6 +37,11 @@ class GateKeeper(Protocol):
 
     def take(self) -> torch.Tensor | None:
         """Before the backward: E back in the buffer for the compute stream, or None."""
+
+    def as_held(self) -> contextlib.AbstractContextManager[None]:
+        """Meanwhile `take` returns the bound buffer as though a first pass had filled it: a backward graph
+        captured before this call's first pass (`performance.backward_graph_capture: first_pass`) records
+        the recompute that reads E, as one captured in the backward does."""
 
 
 @dataclasses.dataclass

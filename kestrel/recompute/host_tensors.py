@@ -5,10 +5,11 @@ gate product (`_KeptGate`) and, where the run keeps it, its attention output and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -245,6 +246,16 @@ class _KeptGate(_HostTensor):
             if got is not self.static:  # on the CPU the copy is a new tensor
                 self.static.copy_(got)
         return self.static if self.holds else None
+
+    @contextlib.contextmanager
+    def as_held(self) -> Iterator[None]:
+        """`graph_state.GateKeeper.as_held`: a bound buffer reads as holding E until the block ends."""
+        holds = self.holds
+        self.holds = holds or self.static is not None
+        try:
+            yield
+        finally:
+            self.holds = holds
 
     def _landing(self) -> torch.Tensor:
         return self.static if self.bound else super()._landing()

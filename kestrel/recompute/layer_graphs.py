@@ -12,7 +12,9 @@ A checkpointed layer is a pure function of its input, a few tensors made once pe
 
 How (`GraphedLayer`): a call's signature (`kestrel.recompute.graph_inputs`: shapes, dtypes and
 values, plus the layer's state) runs eagerly on its first sighting, which compiles kernels and
-sizes workspaces; the second captures the recompute-and-backward, the third the first pass.
+sizes workspaces; the second captures the recompute-and-backward, the third the first pass (with
+`capture_ahead`, the second captures both in its first pass, the backward first: that step then runs
+no eager first pass, whose freed blocks the default pool would hold beside the graphs' growing pool).
 Inputs are copied into static buffers shared by every layer, and each layer's output stays in its
 buffer as the next layer's input. The backward graph calls `torch.autograd.grad` and writes the
 parameter gradients into one flat buffer per dtype; after the replay one clone of each gives
@@ -27,6 +29,7 @@ takes its ties as further static inputs and outputs (`kestrel.recompute.linked_g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -54,9 +57,11 @@ MAX_CAPTURES = 4 * GRAPHS_PER_LAYER  # captures per layer before giving up on it
 class GraphRegistry:
     """One run's CUDA graphs: each layer's graphs and counters, and per device the static
     buffers, the graphs' memory pool and the capture stream. Dropping it (`release`, or the run
-    ending) gives their memory back."""
+    ending) gives their memory back. `capture_ahead`: a layer's recompute-and-backward graph is captured
+    in the first pass of its signature's second sighting, not in that step's backward (`GraphedLayer`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capture_ahead: bool = False) -> None:
+        self.capture_ahead = capture_ahead
         self.devices: dict[torch.device, _Device] = {}
         self.layers: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
         self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
@@ -250,13 +255,14 @@ class GraphedLayer:
 
     def __call__(
         self, hidden: torch.Tensor, gate: GateKeeper | None = None, alone: bool = False,
-        kept: tuple[GateKeeper, ...] = (),
+        kept: tuple[GateKeeper, ...] = (), recompute: Callable[[Callable, torch.Tensor], Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The first pass (under no_grad). `gate`: where offloaded checkpointing keeps this call's
         MLP gate product; the graphs keep it in a static buffer, which `gate` copies out; `kept`: the
         same for further tensors (a kept attention output and its logsumexp). `alone`:
         a no-grad forward that no backward follows (a reference pass): its first-pass graph is
-        captured once the layer holds a backward graph of another signature (the pool's order)."""
+        captured once the layer holds a backward graph of another signature (the pool's order).
+        `recompute`: the checkpoint's (as `backward` takes it), for a backward graph captured ahead."""
         self.gate, self.kept = gate, kept
         slots = (None if gate is None else gate.slot, tuple(k.slot for k in kept))
         self.seen = None if self.key is None else (self.key, *slots)
@@ -273,6 +279,8 @@ class GraphedLayer:
         # backward's larger working set, and the first pass fits into them (the other way round
         # the pool grows; bench/RESULTS.md, QLoRA "Session 12"). Until then it runs eagerly.
         first = g.forward is not None or (g.backward is not None if not alone else self._holds_backward())
+        if not first and not alone and recompute is not None and self.registry.capture_ahead and g.links is None:
+            first = self._capture_backward_ahead(g, hidden, recompute, (gate, *kept))
         out = self._first_pass(g, hidden) if first else self.eager(hidden)
         for keeper in (gate, *kept) if gate is not None else kept:
             keeper.copy_out()
@@ -309,6 +317,23 @@ class GraphedLayer:
         out = g.x.clone()
         bufs.hold(g.x, out)  # the next layer's input: already in the buffer
         return out if g.links is None else (out, *self.links.publish_replayed(g.links))
+
+    def _capture_backward_ahead(self, g: _Graphs, hidden: torch.Tensor, recompute: Callable,
+                                keepers: tuple[GateKeeper | None, ...]) -> bool:
+        """Capture the recompute-and-backward graph before this call's first pass (`capture_ahead`); True
+        when it captured. A capture records without running, so the buffers' contents do not matter yet;
+        the keepers read as holding their bound buffers meanwhile, so the recompute recorded reads what the
+        first pass will keep, as a capture in the backward does (where the first pass did not keep it after
+        all, `backward` finds the keeper empty and runs eagerly). The incoming gradient is shaped as the input."""
+        bufs = self.registry.device(hidden.device).buffers
+        if g.grad is None:
+            g.grad = bufs.like("grad", hidden)
+        with contextlib.ExitStack() as held:
+            for keeper in keepers:
+                if keeper is not None:
+                    held.enter_context(keeper.as_held())
+            g.backward = self._capture(g, self._backward_body(g, bufs, recompute))
+        return g.backward is not None
 
     def _holds_backward(self) -> bool:
         return any(g.backward is not None for g in self.registry.state(self.layer).graphs.values())

@@ -182,7 +182,8 @@ def prepare_model(
     recompute = set_gradient_checkpointing(
         model, mode, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
         graph_reporter(record, cb), config.performance.offload_gate, deferral, config.performance.keep_attention,
-        attention_reporter(record, cb), config.performance.keep_projection, config.performance.keep_qkv)
+        attention_reporter(record, cb), config.performance.keep_projection, config.performance.keep_qkv,
+        config.performance.backward_graph_capture)
     if world.distributed:
         if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)

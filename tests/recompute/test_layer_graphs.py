@@ -85,6 +85,37 @@ def test_off_cuda_the_checkpoint_runs_the_plain_call() -> None:
     assert torch.equal(fn(x), layer(x))
 
 
+def test_a_kept_tensor_reads_as_held_only_inside_the_block_and_only_when_bound() -> None:
+    """What a backward graph captured ahead of the first pass records (`backward_graph_capture: first_pass`):
+    the recompute takes the bound buffer, as it will once the first pass has kept E there."""
+    from kestrel.recompute.host_tensors import OffloadState, _KeptGate
+
+    kept = _KeptGate(OffloadState())
+    buf = torch.zeros(3, 4)
+    kept.bind(buf)
+    assert kept.take() is None  # nothing kept yet
+    with kept.as_held():
+        assert kept.take() is buf
+    assert kept.take() is None and not kept.holds
+    unbound = _KeptGate(OffloadState())
+    unbound.bind(None)  # the first sighting kept nothing: nothing to read, held or not
+    with unbound.as_held():
+        assert unbound.take() is None
+
+
+def test_the_runs_backward_capture_setting_reaches_its_graphs(tiny_model_dir, monkeypatch) -> None:
+    from kestrel.model.loader import load
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+
+    model, _ = load(str(tiny_model_dir("llama")), 64, dtype="fp32", device="cpu")
+    monkeypatch.delenv("KESTREL_BACKWARD_CAPTURE", raising=False)
+    assert not set_gradient_checkpointing(model, "standard", "off").graphs.capture_ahead  # the default: backward
+    assert set_gradient_checkpointing(model, "offload", "off", backward_capture="first_pass").graphs.capture_ahead
+    monkeypatch.setenv("KESTREL_BACKWARD_CAPTURE", "backward")  # the debugging override wins
+    assert not set_gradient_checkpointing(model, "offload", "off", backward_capture="first_pass").graphs.capture_ahead
+    set_gradient_checkpointing(model, "off")
+
+
 def test_buffers_of_one_slot_share_storage_across_shapes_and_never_mistake_one_for_another() -> None:
     bufs = StaticBuffers()
     big, small = torch.arange(12.0).view(3, 4), torch.arange(6.0).view(2, 3) + 100
@@ -135,22 +166,26 @@ def test_graphs_on_a_replaced_storage_are_dropped_so_it_is_freed() -> None:
 
 def _train(folder: Path, graphs: bool | None, monkeypatch, *, qlora: bool, mode: str, accumulate: int = 1,
            steps: int = 4, deferral=None, keep_attention: str = "off", keep_projection: str = "off",
-           keep_qkv: str = "off") -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
+           keep_qkv: str = "off", backward_capture: str = "backward",
+           ) -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
     """Train the tiny model `steps` steps with graphs on, off, or (None) as the environment says;
     `deferral`: the run's `kestrel.recompute.mlp_deferral.MLPDeferral` (None: the default); `keep_attention`:
     whether offloaded layers keep their attention output (off | auto | on, `kestrel.model.kept_attention`),
-    `keep_projection` (off | on) their output projection's output with it, `keep_qkv` (off | on) Q, K and V."""
+    `keep_projection` (off | on) their output projection's output with it, `keep_qkv` (off | on) Q, K and V;
+    `backward_capture`: when the backward graphs are captured (`performance.backward_graph_capture`)."""
     from kestrel.recompute.checkpoint import set_gradient_checkpointing
     from kestrel.config import LoraSettings
     from kestrel.model.loader import load
     from kestrel.model.lora import attach_lora
 
     monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("KESTREL_BACKWARD_CAPTURE", raising=False)
     torch.manual_seed(0)
     model, _ = load(str(folder), 64, load_in_4bit=qlora, dtype="bf16", device="cuda")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
     run = set_gradient_checkpointing(model, mode, {True: "on", False: "off", None: "auto"}[graphs], deferral=deferral,
-                                     keep_attention=keep_attention, keep_projection=keep_projection, keep_qkv=keep_qkv)
+                                     keep_attention=keep_attention, keep_projection=keep_projection, keep_qkv=keep_qkv,
+                                     backward_capture=backward_capture)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
@@ -197,6 +232,35 @@ def test_graphed_training_equals_eager_training(tiny_model_dir, monkeypatch, qlo
     # incoming gradient in the backward. The other layers' inputs and gradients are already in
     # their buffers (without that it would be 2 x 4 + 2 x 5 = 18).
     assert 0 < stats["last_step_copies"] <= (1 + 3 + layers + 1) * accumulate, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("qlora", "mode", "accumulate", "keep"), [
+    (False, "standard", 1, "off"), (True, "offload", 1, "off"), (True, "offload", 1, "on"), (True, "standard", 2, "off"),
+], ids=["lora", "qlora-offload", "qlora-offload-kept", "qlora-accumulate"])
+def test_backward_graphs_captured_in_the_first_pass_train_as_eager(tiny_model_dir, monkeypatch, qlora, mode,
+                                                                    accumulate, keep) -> None:
+    """`backward_graph_capture: first_pass`: the second sighting captures the backward graph, then the first
+    pass's, in its first pass, so it runs no eager first pass; the graphs recorded read what the first pass keeps
+    (the gate product, the attention output with its projections) and train as the eager layers do."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    folder = tiny_model_dir("llama")
+    kw = dict(qlora=qlora, mode=mode, accumulate=accumulate, keep_attention=keep, keep_projection=keep, keep_qkv=keep)
+    eager, eager_w, _ = _train(folder, False, monkeypatch, **kw)
+    graphed, graphed_w, stats = _train(folder, True, monkeypatch, backward_capture="first_pass", **kw)
+    layers = 2
+    assert stats["forward"] == stats["backward"] == layers and stats["failed"] == stats["eager_backwards"] == 0, stats
+    assert stats["gates"] == (layers if mode == "offload" else 0) and stats["kept"] == (layers if keep == "on" else 0)
+    for step, (a, b) in enumerate(zip(graphed, eager)):
+        assert abs(a - b) <= 1e-3 * abs(b), f"loss {step}: graphed {a} vs eager {b}"
+    for a, b in zip(graphed_w, eager_w):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-4)
+    # The capture step: its first pass already replays (captured), where the default captures the first pass
+    # a step later. One batch a step, so the second step is the second sighting.
+    for capture, forwards in (("first_pass", layers), ("backward", 0)):
+        *_, early = _train(folder, True, monkeypatch, qlora=qlora, mode=mode, steps=2, backward_capture=capture)
+        assert early["backward"] == layers and early["forward"] == forwards, (capture, early)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,9 @@ import pytest
 
 from kestrel.config import PerformanceSettings, config_from_dict
 from kestrel.errors import ConfigError
-from kestrel.recompute.checkpoint import graph_mode, keep_attention_mode, keep_projection_mode, keep_qkv_mode
+from kestrel.recompute.checkpoint import (
+    backward_capture_mode, graph_mode, keep_attention_mode, keep_projection_mode, keep_qkv_mode,
+)
 from kestrel.recompute.mlp_deferral import defer_mode
 
 SWITCHES = [  # field, default, the run's resolver, its variable, (configured: not the default, variable value, result)
@@ -18,6 +20,8 @@ SWITCHES = [  # field, default, the run's resolver, its variable, (configured: n
     ("keep_attention", "auto", keep_attention_mode, "KESTREL_KEEP_ATTENTION", ("off", "on", "on")),
     ("keep_projection", "on", keep_projection_mode, "KESTREL_KEEP_PROJECTION", ("off", "on", "on")),
     ("keep_qkv", "on", keep_qkv_mode, "KESTREL_KEEP_QKV", ("off", "on", "on")),
+    ("backward_graph_capture", "backward", backward_capture_mode, "KESTREL_BACKWARD_CAPTURE",
+     ("first_pass", "backward", "backward")),
 ]
 
 
