@@ -79,9 +79,11 @@
 #             wins over the run's setting), one process a cell (records say `alloc_conf` and `cuda_allocator`)
 #   gradprod  the adapters' fp32 weight-gradient products at GRAD_SHAPE's (qwen2.5-7b) shapes: cuBLAS with an fp32
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
-#   lorastep  where a long step's time goes under 16-bit LoRA and under QLoRA (LORASTEP_METHODS), one row of 8,192 on
-#             LORASTEP_SHAPE (llama-3.2-1b), graphs on, offloaded checkpointing: bench/profile_train.py's kernel kinds
-#             (the 16-bit LoRA long cells sit at 1.14-1.19x Unsloth while QLoRA's reach 1.21x; session 40)
+#   lorastep  where a long step's time goes under 16-bit LoRA and under QLoRA (LORASTEP_METHODS): LORASTEP_SHAPE's
+#             (llama-3.2-1b) matrix long cell as the matrix runs it (one row of 8,192 through the product's batch plan,
+#             checkpointing and allocator: bench/profile_train.py --layout long), graphs on: its kernel kinds
+#             (the 16-bit LoRA long cells sit at 1.14-1.19x Unsloth while QLoRA's reach 1.21x; session 40). Until
+#             session 42 the profile fed a plain (1, 8192) batch, which took the SDPA path, not the matrix's varlen one
 #   defer     the recomputed MLP deferred to its backward wherever that saves memory (KESTREL_DEFER_MLP=memory, the
 #             default) and only where whole rows would not fit (fit: whole rows, their gate product paged), then
 #             Unsloth, for each of DEFER_MODELS (llama-3.2-3b,gemma3-1b,qwen3-4b), QLoRA, DEFER_LAYOUTS (default long), one process each;
@@ -254,8 +256,8 @@ for want in "$@"; do
                   records "$OUT"/expand-*.jsonl ;;
         lorastep) for method in ${LORASTEP_METHODS:-lora qlora}; do  # where the 16-bit step's time goes, beside QLoRA's
                       phase "lorastep-$method" 200 env KESTREL_CUDA_GRAPHS=1 python bench/profile_train.py \
-                          --shape "${LORASTEP_SHAPE:-llama-3.2-1b}" --method "$method" --batch 1 --seq 8192 \
-                          --checkpointing offload --warmup 16 --out "$OUT/lorastep-$method.txt"; done ;;
+                          --shape "${LORASTEP_SHAPE:-llama-3.2-1b}" --method "$method" --layout long \
+                          --warmup 16 --out "$OUT/lorastep-$method.txt"; done ;;
         gradprod) phase gradprod 120 python bench/lora_grad_products.py --shape "${GRAD_SHAPE:-qwen2.5-7b}" \
                       --out "$OUT/grad_products.json" ;;
         gate)     for model in ${GATE_MODELS//,/ }; do for g in $GATES; do

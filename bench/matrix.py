@@ -200,6 +200,34 @@ def kestrel_model(folder: Path, method: str, layout: Layout, cuda_graphs: str,
     return model, flat, recompute
 
 
+def cell_step(name: str, method: str, layout: str, cuda_graphs: str = "auto", n_batches: int = 16,
+              seed: int = 0) -> Callable[[], None]:
+    """One Kestrel training step of a matrix cell as `run_case` sets it up (the run's CUDA allocator, the product's
+    checkpointing and batch plan), each call on the cell's next batch, for the step-analysis scripts (bench/train.py
+    --layout); `.model` holds the model."""
+    import torch
+
+    from bench.train import _import_first
+
+    _import_first("kestrel")
+    model, flat, _ = kestrel_model(build_model_dir(name), method, LAYOUTS[layout], cuda_graphs)
+    batches = [b.to(torch.device("cuda")) for b in plan_batches(layout, MODELS[name]["vocab_size"], flat, n_batches, seed)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    model.train()
+    stepped = [0]
+
+    def step() -> None:
+        b = batches[stepped[0] % len(batches)]
+        stepped[0] += 1
+        model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+              labels=b.labels, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step.model = model  # type: ignore[attr-defined]
+    return step
+
+
 def system_model(system: str, folder: Path, method: str, layout: Layout, cuda_graphs: str) -> tuple[Any, bool, Any]:
     """(model, flat, recompute) for `system`; baselines through bench/train.py's `build`."""
     if system.startswith("kestrel"):

@@ -319,7 +319,8 @@ def main() -> None:
         torch.cuda.synchronize()
     trace_path = args.trace or tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(trace_path)
-    report = f"{args.impl} {args.method} b{args.batch} x {args.seq} ckpt={args.checkpointing}\n" + slack
+    rows = f"the matrix's {args.layout} batches" if args.layout else f"b{args.batch} x {args.seq} ckpt={args.checkpointing}"
+    report = f"{args.impl} {args.method} {rows}\n" + slack
     if args.impl == "kestrel":
         from kestrel.recompute.checkpoint import recompute_of
 

@@ -128,11 +128,21 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--checkpointing", default="standard")
     ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES) + sorted(MODELS),
                     help="a Llama shape, or any model of bench/matrix.py (its random-init folder)")
+    ap.add_argument("--layout", default="", choices=["", "padded", "packed", "long"],
+                    help="Kestrel as a bench/matrix.py cell of this layout runs (its batches, checkpointing and CUDA "
+                         "allocator) instead of --batch x --seq rows of one batch: a matrix model's --shape")
 
 
 def training_step(args: argparse.Namespace, losses: list[torch.Tensor] | None = None) -> Callable[[], None]:
     """args.impl's model at args.shape and one training step on a fixed random batch: forward,
-    backward, fused AdamW, gradients cleared; each step's loss appended to `losses` if given."""
+    backward, fused AdamW, gradients cleared; each step's loss appended to `losses` if given.
+    With args.layout: a matrix cell's step instead (`bench.matrix.cell_step`; `losses` not kept)."""
+    if getattr(args, "layout", ""):
+        from bench.matrix import cell_step
+
+        if args.impl != "kestrel" or args.shape not in MODELS:
+            raise SystemExit("--layout runs Kestrel on a bench/matrix.py model (--impl kestrel, --shape one of its models)")
+        return cell_step(args.shape, args.method, args.layout)  # graphs auto, or as KESTREL_CUDA_GRAPHS forces them
     if args.shape in SHAPES:
         folder, vocab = shape_dir(args.shape), SHAPES[args.shape]["vocab_size"]
     else:  # a matrix model: its folder as bench/matrix.py builds it (routed experts left out, made on load)
