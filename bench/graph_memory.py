@@ -99,7 +99,8 @@ def main() -> None:
     batches = [b.to(torch.device("cuda")) for b in plan_batches(args.layout, MODELS[args.model]["vocab_size"], flat, 16, 0)]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     model.train()  # checkpointing, and so its graphs, act in training only
-    lines, shapes = [f"cuda allocator: {allocator}"], set()
+    capture = "first_pass" if recompute.graphs.capture_ahead else "backward"  # `performance.backward_graph_capture`
+    lines, shapes = [f"cuda allocator: {allocator}; backward graphs captured in the {capture}"], set()
     top_reserved, top_step, pools = 0, -1, []  # the run's reserved peak, its step, the pools after it
     whole = args.trace_step < 0  # one event log over every step, warm-up and captures included
     torch.cuda.memory._record_memory_history(max_entries=20_000_000 if whole else 1)  # frames for live blocks
