@@ -245,11 +245,27 @@ def test_backward_graphs_captured_in_the_first_pass_train_as_eager(tiny_model_di
     (the gate product, the attention output with its projections) and train as the eager layers do."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from kestrel.recompute.host_tensors import _KeptGate
+
     folder = tiny_model_dir("llama")
     kw = dict(qlora=qlora, mode=mode, accumulate=accumulate, keep_attention=keep, keep_projection=keep, keep_qkv=keep)
     eager, eager_w, _ = _train(folder, False, monkeypatch, **kw)
+    taken: list[bool] = []  # in a capture, for each bound buffer: whether the recompute recorded reading it
+    real_take = _KeptGate.take
+
+    def take(self):
+        got = real_take(self)
+        if torch.cuda.is_current_stream_capturing() and self.static is not None:
+            taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_KeptGate, "take", take)
     graphed, graphed_w, stats = _train(folder, True, monkeypatch, backward_capture="first_pass", **kw)
+    monkeypatch.setattr(_KeptGate, "take", real_take)
     layers = 2
+    # Values cannot show it (a recomputed E equals the kept one): the recorded recompute read every kept tensor
+    # (E; with kept attention also O and lse, at least) rather than recomputing it.
+    assert all(taken) and (len(taken) >= layers * (1 + 2 * (keep == "on")) if mode == "offload" else not taken), taken
     assert stats["forward"] == stats["backward"] == layers and stats["failed"] == stats["eager_backwards"] == 0, stats
     assert stats["gates"] == (layers if mode == "offload" else 0) and stats["kept"] == (layers if keep == "on" else 0)
     for step, (a, b) in enumerate(zip(graphed, eager)):
