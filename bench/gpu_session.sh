@@ -115,9 +115,9 @@
 # matrix model folders (a matrix run removes the other models' folders under its root):
 #   CUDA_VISIBLE_DEVICES=0 KESTREL_MATRIX_MODELS=/tmp/m0 OUT=$OUT/a bash bench/gpu_session.sh qwen35pair &
 #   CUDA_VISIBLE_DEVICES=1 KESTREL_MATRIX_MODELS=/tmp/m1 OUT=$OUT/b bash bench/gpu_session.sh matrix & wait
-# The device tool brings back a limited number of files (about eight): BUNDLE=1 packs everything this run
-# wrote under $OUT into $OUT/results.tar at the end (appending to one already there) and removes the loose files
-# (gpu-autotune.tar stays beside it).
+# The device tool brings back at most eight files a call (session 42 lost a sweep's results to that): by default
+# everything this run wrote under $OUT is packed into $OUT/results.tar at the end (appending to one already there)
+# and the loose files removed (gpu-autotune.tar stays beside it); BUNDLE=0 leaves them loose.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -141,9 +141,9 @@ save_autotune() {
     (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 | tar --null -cf "$OUT/gpu-autotune.tar" -T -)
     echo "$(tar -tf "$OUT/gpu-autotune.tar" | grep -c autotune.json) autotuning results in $OUT/gpu-autotune.tar"
 }
-bundle() {  # BUNDLE=1: one archive of everything under $OUT, the loose files removed; appended to, so a
+bundle() {  # one archive of everything under $OUT, the loose files removed (BUNDLE=0: not); appended to, so a
     # second run of this script in one call adds to the first's archive (it used to replace it: session 41)
-    [ "${BUNDLE:-0}" = 1 ] || return 0
+    [ "${BUNDLE:-1}" = 1 ] || return 0
     (cd "$OUT" && find . -type f ! -name results.tar ! -name gpu-autotune.tar -print0 | tar --null -rf results.tar -T - --remove-files)
     echo "results in $OUT/results.tar"
 }
