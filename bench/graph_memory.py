@@ -45,11 +45,16 @@ def live_by_site(top: int = 30) -> list[str]:
             for site, (size, count) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
+HOLE = 20 * 2**20  # torch's large-pool page under expandable segments: what `empty_cache` can unmap at the least
+
+
 def reserved_by_pool(segments: list[dict]) -> list[str]:
     """Reserved bytes by memory pool and stream over the allocator's segments (`torch.cuda.memory_snapshot()`):
     the default pool (0, 0), and each private pool (CUDA graphs), each split into allocated and cached (free in
     a reserved segment), with the largest free blocks: cache a stream other than the compute stream holds serves
-    only that stream, and large free blocks between live ones are fragmentation. Largest first."""
+    only that stream, and large free blocks between live ones are fragmentation. Largest first. Also the cache in
+    free blocks under `HOLE` bytes: under expandable segments `empty_cache` unmaps only whole pages (20 MiB in the
+    large pool), so a block smaller than one stays reserved until a neighbour is freed (session 42's lead)."""
     pools: dict[tuple, list[Any]] = defaultdict(lambda: [0, 0, 0, []])  # reserved, allocated, segments, free sizes
     for seg in segments:
         pool = (tuple(seg.get("segment_pool_id") or (0, 0)), seg.get("stream", 0))
@@ -61,9 +66,11 @@ def reserved_by_pool(segments: list[dict]) -> list[str]:
     for (pool, stream), (reserved, allocated, count, free) in sorted(pools.items(), key=lambda kv: -kv[1][0]):
         name = "default pool" if pool == (0, 0) else f"private pool {pool}"
         largest = ", ".join(f"{size / 2**20:.0f}" for size in sorted(free, reverse=True)[:4])
+        holes = sum(size for size in free if size < HOLE)
         lines.append(f"{reserved / 2**30:8.3f} GiB reserved, {allocated / 2**30:.3f} allocated, "
                      f"{(reserved - allocated) / 2**30:.3f} cached, {count:5d} segments  {name}, stream {stream:#x}"
-                     + (f"; largest free blocks {largest} MiB" if largest else ""))
+                     + (f"; largest free blocks {largest} MiB; {holes / 2**30:.3f} GiB in free blocks under "
+                        f"{HOLE // 2**20} MiB" if largest else ""))
     return lines
 
 
