@@ -3,7 +3,7 @@
 
     python bench/graph_memory.py --model gemma4-e2b --graphs auto --steps 40 --trace-step 7 --out mem.txt
 
-Builds Kestrel's matrix cell (`bench.matrix.kestrel_model`, CUDA graphs per --graphs) and steps
+Builds Kestrel's matrix cell (`bench.matrix.cell_step`, CUDA graphs per --graphs) and steps
 through the matrix's batches in turn. After each step it prints the batch's shape, whether that
 layout was new, memory allocated and reserved, the step's own allocated peak (a capture step's
 shows) and reserved peak, and the layer graphs' counts. For --trace-step it records the allocator's events and
@@ -25,11 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.matrix import LAYOUTS, kestrel_model, plan_batches  # noqa: E402
-from bench.matrix_models import build_model_dir  # noqa: E402
+from bench.matrix import cell_step  # noqa: E402
 from bench.memory_peak import _site, peak_report  # noqa: E402
-from bench.model_shapes import MODELS  # noqa: E402
-from kestrel.training.cuda_allocator import apply_cuda_allocator  # noqa: E402
 
 
 def live_by_site(top: int = 30) -> list[str]:
@@ -101,13 +98,9 @@ def main() -> None:
                     help="torch's segments, as a run's performance.cuda_allocator sets them (a run's default: expandable)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    allocator = apply_cuda_allocator(args.allocator)  # before anything reserves CUDA memory, as a run does
-    model, flat, recompute = kestrel_model(build_model_dir(args.model), args.method, LAYOUTS[args.layout], args.graphs)
-    batches = [b.to(torch.device("cuda")) for b in plan_batches(args.layout, MODELS[args.model]["vocab_size"], flat, 16, 0)]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    model.train()  # checkpointing, and so its graphs, act in training only
-    capture = "first_pass" if recompute.graphs.capture_ahead else "backward"  # `performance.backward_graph_capture`
-    lines, shapes = [f"cuda allocator: {allocator}; backward graphs captured in the {capture}"], set()
+    step = cell_step(args.model, args.method, args.layout, args.graphs, args.allocator)
+    recompute = step.recompute
+    lines, shapes = [f"cuda allocator: {step.allocator}; backward graphs captured in the {recompute.backward_capture}"], set()
     top_reserved, top_step, pools = 0, -1, []  # the run's reserved peak, its step, the pools after it
     whole = args.trace_step < 0  # one event log over every step, warm-up and captures included
     torch.cuda.memory._record_memory_history(max_entries=20_000_000 if whole else 1)  # frames for live blocks
@@ -115,12 +108,7 @@ def main() -> None:
         if i == args.trace_step:  # this step's events: the blocks alive at its peak
             torch.cuda.memory._record_memory_history(max_entries=2_000_000)
         torch.cuda.reset_peak_memory_stats()
-        b = batches[i % len(batches)]
-        shape = tuple(b.input_ids.shape)
-        model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-              labels=b.labels, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        shape = tuple(step().input_ids.shape)
         torch.cuda.synchronize()
         if i == args.trace_step:
             trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]

@@ -200,31 +200,39 @@ def kestrel_model(folder: Path, method: str, layout: Layout, cuda_graphs: str,
     return model, flat, recompute
 
 
-def cell_step(name: str, method: str, layout: str, cuda_graphs: str = "auto", n_batches: int = 16,
-              seed: int = 0) -> Callable[[], None]:
-    """One Kestrel training step of a matrix cell as `run_case` sets it up (the run's CUDA allocator, the product's
-    checkpointing and batch plan), each call on the cell's next batch, for the step-analysis scripts (bench/train.py
-    --layout); `.model` holds the model."""
+def batch_loss(model: Any, b: Any) -> Any:
+    """The training loss of one planned batch (`plan_batches`), as every system's step computes it."""
+    return model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                 labels=b.labels, use_cache=False).loss
+
+
+def cell_step(name: str, method: str, layout: str, cuda_graphs: str = "auto", allocator: str | None = None,
+              n_batches: int = 16, seed: int = 0) -> Callable[[], Any]:
+    """Kestrel's training step of a matrix cell as a measured cell runs it (the run's CUDA allocator, `allocator`
+    overriding it, set first; the product's checkpointing and batch plan), each call on the cell's next batch and
+    returning it; `.model`, `.recompute` and `.allocator` (the setting applied). For the step-analysis scripts
+    (bench/train.py --layout, bench/graph_memory.py)."""
     import torch
 
-    from bench.train import _import_first
+    from kestrel.config import PerformanceSettings
+    from kestrel.training.cuda_allocator import apply_cuda_allocator
 
-    _import_first("kestrel")
-    model, flat, _ = kestrel_model(build_model_dir(name), method, LAYOUTS[layout], cuda_graphs)
+    applied = apply_cuda_allocator(allocator or PerformanceSettings.cuda_allocator)  # before anything reserves memory
+    model, flat, recompute = kestrel_model(build_model_dir(name), method, LAYOUTS[layout], cuda_graphs)
     batches = [b.to(torch.device("cuda")) for b in plan_batches(layout, MODELS[name]["vocab_size"], flat, n_batches, seed)]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    model.train()
+    model.train()  # checkpointing, and so its graphs, act in training only
     stepped = [0]
 
-    def step() -> None:
+    def step() -> Any:
         b = batches[stepped[0] % len(batches)]
         stepped[0] += 1
-        model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-              labels=b.labels, use_cache=False).loss.backward()
+        batch_loss(model, b).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return b
 
-    step.model = model  # type: ignore[attr-defined]
+    step.model, step.recompute, step.allocator = model, recompute, applied  # type: ignore[attr-defined]
     return step
 
 
@@ -289,9 +297,7 @@ def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser
     losses: list[torch.Tensor] = []
 
     def step(i: int) -> None:
-        b = batches[i % len(batches)]
-        loss = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                     labels=b.labels, use_cache=False).loss
+        loss = batch_loss(model, batches[i % len(batches)])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -392,7 +398,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
                 "attention_kept": {str(rows): kept.attention for rows, kept in recompute.kept.items()},
                 "projection_kept": {str(rows): kept.projection for rows, kept in recompute.kept.items()},
                 "keep_qkv": recompute.keep_qkv, "qkv_kept": {str(rows): kept.qkv for rows, kept in recompute.kept.items()},
-                "backward_graph_capture": "first_pass" if recompute.graphs.capture_ahead else "backward",
+                "backward_graph_capture": recompute.backward_capture,
                 "host_link": {"bytes_per_s": {str(d): r for d, r in recompute.deferral.link.rates.items()},
                               "layer_seconds": {str(rows): s for rows, s in recompute.deferral.link.layer_seconds.items()}},
                 } if kestrel else {}),

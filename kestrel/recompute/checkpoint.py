@@ -139,7 +139,7 @@ class Recompute:
     def __init__(
         self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
         shared_state: str | None = None, deferral: MLPDeferral | None = None, keep_attention: str = "off",
-        keep_projection: bool = False, keep_qkv: bool = False, capture_ahead: bool = False,
+        keep_projection: bool = False, keep_qkv: bool = False, backward_capture: str = "backward",
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.deferral = deferral if deferral is not None else MLPDeferral()  # whether recomputed MLPs defer
@@ -148,8 +148,8 @@ class Recompute:
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the decoder layers calling it
         self.graphed = False  # this forward's choice
         self.no_grad_active, self.no_grad_graphed = False, False  # inside `no_grad_forwards`; its forward's choice
-        # capture_ahead: backward graphs captured in the first pass (`performance.backward_graph_capture`)
-        self.graphs = layer_graphs.GraphRegistry(capture_ahead)
+        self.backward_capture = backward_capture  # `performance.backward_graph_capture`: backward | first_pass
+        self.graphs = layer_graphs.GraphRegistry(capture_ahead=backward_capture == "first_pass")
         self.holds_graphs = False
         self.offloaded = OffloadState()
         # While a layer's checkpoint runs: True in its recompute for backward (its output's values
@@ -417,7 +417,7 @@ def set_gradient_checkpointing(
                           keep_attention=keep_attention_mode(keep_attention),
                           keep_projection=keep_projection_mode(keep_projection) == "on",
                           keep_qkv=keep_qkv_mode(keep_qkv) == "on",
-                          capture_ahead=backward_capture_mode(backward_capture) == "first_pass")
+                          backward_capture=backward_capture_mode(backward_capture))
     recompute.on_attention = on_attention
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
