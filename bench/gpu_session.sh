@@ -40,7 +40,7 @@
 #             kept 0.5 GiB of pool beside its eager steps, session 41): POOL_MODEL (qwen3-4b) QLoRA packed, graphs on,
 #             12 steps, released after step 8; the pools right after (bench/graph_memory.py)
 #   capture   where the backward graphs are captured (`performance.backward_graph_capture`): CAPTURE_MODEL (qwen3-14b)
-#             QLoRA CAPTURE_LAYOUT (packed), graphs auto, 30 steps, once per mode (backward, then first_pass), each
+#             QLoRA CAPTURE_LAYOUT (packed), graphs auto, CAPTURE_STEPS (30) steps, once per mode (backward, then first_pass), each
 #             step's allocated and reserved peaks (bench/graph_memory.py); session 42 traced the run's reserved peak,
 #             0.46 GiB over Unsloth's, to the step that captured the backward graphs after an eager first pass
 #   glutiles  the 16-bit MLP's GLU with the adapters' rank terms inside, its tilings swept against the plain GLU
@@ -222,7 +222,7 @@ for want in "$@"; do
         capture)  for mode in backward first_pass; do
                       phase "capture-$mode" 200 env KESTREL_BACKWARD_CAPTURE=$mode python bench/graph_memory.py \
                           --model "${CAPTURE_MODEL:-qwen3-14b}" --method qlora --layout "${CAPTURE_LAYOUT:-packed}" \
-                          --graphs auto --steps 30 --out "$OUT/capture-$mode.txt"; done ;;
+                          --graphs auto --steps "${CAPTURE_STEPS:-30}" --out "$OUT/capture-$mode.txt"; done ;;
         glutiles) phase glutiles "${LIMIT_glutiles:-500}" python bench/glu_lowrank_tiles.py --out "$OUT/glu_lowrank_tiles.json" ;;
         dpostd)   phase dpostd 300 bash -c "python bench/dpo.py --impls kestrel --checkpointing standard --steps 60 --warmup 3 \
                       --out $OUT/dpo-standard.json && python bench/dpo.py --impl kestrel --steps 8 \
