@@ -44,7 +44,6 @@ from kestrel.recompute.graph_inputs import graphable, NotGraphable, StaticBuffer
 from kestrel.recompute.linked import LinkedCall
 from kestrel.recompute.linked_graphs import GraphLinks, feed_dw, grad_lists, split_grads
 from kestrel.kernels import dispatch, nf4
-from kestrel.kernels.lora import casts as lora_casts
 
 log = logging.getLogger("kestrel")
 
@@ -427,7 +426,7 @@ class GraphedLayer:
             # stream's cuBLAS workspace is made, the eager cache and that workspace never peak together.
             torch.cuda.empty_cache()
             _warm_stream(dev.stream)
-            with lora_casts.uncached(), torch.cuda.graph(
+            with torch.cuda.graph(
                 graph, pool=dev.pool, stream=dev.stream, capture_error_mode="thread_local"
             ):
                 body()

@@ -96,14 +96,51 @@ def test_mm_to_on_cuda_writes_fp32_from_the_accumulator() -> None:
     assert torch.equal(transposed, out)
 
 
-def test_uncached_casts_afresh_and_keeps_nothing() -> None:
+def test_casts_during_a_capture_are_made_afresh_and_kept_nowhere(monkeypatch) -> None:
     w = torch.randn(4, 8)
     kept = cast(w, torch.bfloat16)
-    with lora_casts.uncached():
-        fresh, pair = cast(w, torch.bfloat16), stacked([w, w.clone()], torch.bfloat16)
-    assert fresh is not kept and torch.equal(fresh, kept) and pair.shape == (8, 8)
+    monkeypatch.setattr(lora_casts, "_capturing", lambda t: True)
+    fresh, pair = cast(w, torch.bfloat16), stacked([w, w.clone()], torch.bfloat16)
     other = torch.randn(4, 8)
-    with lora_casts.uncached():
-        cast(other, torch.bfloat16)
+    cast(other, torch.bfloat16)
+    monkeypatch.undo()
+    assert fresh is not kept and torch.equal(fresh, kept) and pair.shape == (8, 8)
     assert cast(w, torch.bfloat16) is kept  # the kept copy is still the one in use
-    assert lora_casts._CASTS.get(other) is None  # nothing was kept for the uncached call
+    assert lora_casts._CASTS.get(other) is None  # nothing was kept for the call in the capture
+
+
+class _CastsInBackward(torch.autograd.Function):
+    """y = x; its backward casts `w` and records the copy it got (as the LoRA Functions' backward does)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, got: list) -> torch.Tensor:
+        ctx.w, ctx.got = w, got
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        copy = cast(ctx.w, torch.bfloat16)
+        ctx.got.append(copy)
+        return grad * copy.float().sum(), None, None
+
+
+@pytest.mark.gpu
+def test_a_backward_run_from_a_capture_casts_afresh_on_autograds_device_thread() -> None:
+    """`torch.autograd.grad` called in a capture on the main thread runs CUDA backward nodes on autograd's
+    device thread: the cast there must see the capture too, and not bake in the copy kept eagerly (freed at
+    the next optimizer step, which left a graph captured in a first pass reading freed memory)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    w = torch.randn(4, 8, device="cuda")
+    kept = cast(w, torch.bfloat16)
+    x = torch.randn(16, device="cuda")
+    got: list[torch.Tensor] = []
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        h = x.detach().requires_grad_(True)
+        (dx,) = torch.autograd.grad(_CastsInBackward.apply(h, w, got), h, torch.ones_like(x))
+    assert len(got) == 1 and got[0] is not kept, "the backward in the capture used the eagerly kept copy"
+    assert cast(w, torch.bfloat16) is kept  # and it kept nothing of its own
+    graph.replay()
+    torch.testing.assert_close(dx, torch.full_like(x, float(kept.float().sum())))

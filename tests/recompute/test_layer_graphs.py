@@ -392,13 +392,15 @@ def test_released_graphs_give_their_pool_back_at_once(tiny_model_dir, monkeypatc
     re-timing reserved the pool and the eager working set together; bench/RESULTS.md, session 41)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    gc.collect()  # an earlier test's graphs in a reference cycle: their pool goes now, not in this test's count
+    before = _private_pool_bytes()
     run, step = _cuda_lora_llama(tiny_model_dir, monkeypatch, "on")
     for _ in range(3):
         step()
     torch.cuda.synchronize()
     graphs = [weakref.ref(g) for state in run.graphs.layers.values() for gs in state.graphs.values()
               for g in (gs.forward, gs.backward) if g is not None]
-    assert graphs and _private_pool_bytes() > 0
+    assert graphs and _private_pool_bytes() > before
     gc.disable()
     try:
         run.release()
@@ -406,7 +408,7 @@ def test_released_graphs_give_their_pool_back_at_once(tiny_model_dir, monkeypatc
         pool = _private_pool_bytes()
     finally:
         gc.enable()
-    assert alive == 0 and pool == 0, f"{alive} graphs alive, {pool} bytes still in the graphs' pool after release"
+    assert alive == 0 and pool == before, f"{alive} graphs alive, {pool - before} bytes still in the graphs' pool after release"
 
 
 _POOL_REUSE = """

@@ -13,18 +13,20 @@ and on that step the host, not the GPU, was the limit (bench/RESULTS.md, QLoRA "
 - and so is its data pointer (a `.data` swap).
 The cache is keyed weakly by the weight, so it goes with it; its cost is one 16-bit copy of the
 adapter (about 85 MB for the 8B shape at r = 16), from a step's first use to the optimizer step.
-Under `uncached()` (while a CUDA graph is captured: a replay runs no Python, so a kept copy would
-go stale in it) every call casts afresh and nothing is kept.
+While a CUDA graph is captured (a replay runs no Python, so a kept copy would go stale in it, and a
+copy made there would come from the graph's pool) every call casts afresh and nothing is kept. That
+is asked of the calling thread's current stream, not of a flag set around the capture: a backward
+run from a capture on the main thread (`torch.autograd.grad` in a layer's first pass,
+`kestrel.recompute.layer_graphs`) runs the LoRA Functions' backward on autograd's device thread,
+which does not see a context variable set on the main thread; its current stream is the capture
+stream, as in the forward it records. (A context variable there baked an eager micro-batch's kept
+copies into the backward graph, freed at the optimizer step: NaN gradients from the next step on.)
 
 `mm_to` gives a product in another dtype: the fp32 adapter gradients are written by cuBLAS in
 fp32 directly (`out_dtype`, CUDA) rather than rounded to bf16 and copied up.
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from typing import Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -35,20 +37,6 @@ _CASTS = WeakIdKeyDictionary()  # weight -> (stamp, copy)
 _STACKS = WeakIdKeyDictionary()  # first weight -> (stamp, copy)
 
 
-_UNCACHED = contextvars.ContextVar("kestrel_casts_uncached", default=False)
-
-
-@contextlib.contextmanager
-def uncached() -> Iterator[None]:
-    """Within: cast on every call and keep nothing (for CUDA graph capture, whose replays must
-    cast the weights' current values, and whose memory must not end up in the cache)."""
-    token = _UNCACHED.set(True)
-    try:
-        yield
-    finally:
-        _UNCACHED.reset(token)
-
-
 def _drop_all(*_: object) -> None:
     """After any optimizer's step: every kept copy may be stale."""
     _CASTS.clear()
@@ -56,6 +44,11 @@ def _drop_all(*_: object) -> None:
 
 
 register_optimizer_step_post_hook(_drop_all)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a cast of t now would be recorded into a CUDA graph being captured."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int, int]:
@@ -69,7 +62,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     autograd-aware: for use inside the LoRA autograd Functions, which do their own backward."""
     if t.dtype == dtype:
         return t
-    if _UNCACHED.get():
+    if _capturing(t):
         return t.detach().to(dtype)
     stamp = (_stamp(t), dtype)
     hit = _CASTS.get(t)
@@ -84,7 +77,7 @@ def stacked(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """[t_1; ...; t_n] (concatenated along dim 0) in `dtype`, kept while every t_k is unchanged."""
     if len(ts) == 1:
         return cast(ts[0], dtype)
-    if _UNCACHED.get():
+    if _capturing(ts[0]):
         return torch.cat([t.detach() for t in ts]).to(dtype)
     stamp = (tuple(_stamp(t) for t in ts), dtype)
     hit = _STACKS.get(ts[0])
