@@ -190,10 +190,11 @@ class PerformanceSettings:
     # holds) or fixed (torch's default); `kestrel.training.cuda_allocator`.
     cuda_allocator: str = "expandable"
     # When a CUDA-graphed layer's recompute-and-backward graph is captured, on its signature's second sighting:
-    # backward (in that step's backward, after an eager first pass) or first_pass (in that step's first pass,
-    # just before the first-pass graph, so the capture step runs no eager first pass beside the graphs' pool;
-    # `kestrel.recompute.layer_graphs`). Layers tied to others (`kestrel.recompute.linked`) capture in the backward.
-    backward_graph_capture: str = "backward"
+    # first_pass (in that step's first pass, just before the first-pass graph, so the capture step runs no eager
+    # first pass beside the graphs' pool) or backward (in that step's backward, after an eager first pass, whose
+    # freed blocks the default pool holds beside the growing graph pool); `kestrel.recompute.layer_graphs`.
+    # Layers tied to others (`kestrel.recompute.linked`) capture in the backward either way.
+    backward_graph_capture: str = "first_pass"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,

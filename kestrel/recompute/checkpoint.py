@@ -139,7 +139,8 @@ class Recompute:
     def __init__(
         self, offload: bool, first_layer: nn.Module | None, chooser: GraphChooser, gate_share: float = 1.0,
         shared_state: str | None = None, deferral: MLPDeferral | None = None, keep_attention: str = "off",
-        keep_projection: bool = False, keep_qkv: bool = False, backward_capture: str = "backward",
+        keep_projection: bool = False, keep_qkv: bool = False,
+        backward_capture: str = PerformanceSettings.backward_graph_capture,
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.deferral = deferral if deferral is not None else MLPDeferral()  # whether recomputed MLPs defer

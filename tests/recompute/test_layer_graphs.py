@@ -109,10 +109,10 @@ def test_the_runs_backward_capture_setting_reaches_its_graphs(tiny_model_dir, mo
 
     model, _ = load(str(tiny_model_dir("llama")), 64, dtype="fp32", device="cpu")
     monkeypatch.delenv("KESTREL_BACKWARD_CAPTURE", raising=False)
-    assert not set_gradient_checkpointing(model, "standard", "off").graphs.capture_ahead  # the default: backward
-    assert set_gradient_checkpointing(model, "offload", "off", backward_capture="first_pass").graphs.capture_ahead
-    monkeypatch.setenv("KESTREL_BACKWARD_CAPTURE", "backward")  # the debugging override wins
-    assert not set_gradient_checkpointing(model, "offload", "off", backward_capture="first_pass").graphs.capture_ahead
+    assert set_gradient_checkpointing(model, "standard", "off").graphs.capture_ahead  # the default: first_pass
+    assert not set_gradient_checkpointing(model, "offload", "off", backward_capture="backward").graphs.capture_ahead
+    monkeypatch.setenv("KESTREL_BACKWARD_CAPTURE", "first_pass")  # the debugging override wins
+    assert set_gradient_checkpointing(model, "offload", "off", backward_capture="backward").graphs.capture_ahead
     set_gradient_checkpointing(model, "off")
 
 

@@ -20,8 +20,8 @@ SWITCHES = [  # field, default, the run's resolver, its variable, (configured: n
     ("keep_attention", "auto", keep_attention_mode, "KESTREL_KEEP_ATTENTION", ("off", "on", "on")),
     ("keep_projection", "on", keep_projection_mode, "KESTREL_KEEP_PROJECTION", ("off", "on", "on")),
     ("keep_qkv", "on", keep_qkv_mode, "KESTREL_KEEP_QKV", ("off", "on", "on")),
-    ("backward_graph_capture", "backward", backward_capture_mode, "KESTREL_BACKWARD_CAPTURE",
-     ("first_pass", "backward", "backward")),
+    ("backward_graph_capture", "first_pass", backward_capture_mode, "KESTREL_BACKWARD_CAPTURE",
+     ("backward", "first_pass", "first_pass")),
 ]
 
 
