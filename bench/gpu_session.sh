@@ -40,7 +40,7 @@
 #             kept 0.5 GiB of pool beside its eager steps, session 41): POOL_MODEL (qwen3-4b) QLoRA packed, graphs on,
 #             12 steps, released after step 8; the pools right after (bench/graph_memory.py)
 #   capture   where the backward graphs are captured (`performance.backward_graph_capture`): CAPTURE_MODEL (qwen3-14b)
-#             QLoRA CAPTURE_LAYOUT (packed), graphs auto, CAPTURE_STEPS (30) steps, once per mode (backward, then first_pass), each
+#             QLoRA CAPTURE_LAYOUT (packed), graphs auto, CAPTURE_STEPS (30) steps, once per mode in CAPTURE_MODES (backward, then first_pass), each
 #             step's allocated and reserved peaks (bench/graph_memory.py); session 42 traced the run's reserved peak,
 #             0.46 GiB over Unsloth's, to the step that captured the backward graphs after an eager first pass
 #   glutiles  the 16-bit MLP's GLU with the adapters' rank terms inside, its tilings swept against the plain GLU
@@ -219,7 +219,7 @@ for want in "$@"; do
                       --graphs auto --steps 80 --out "$OUT/reserved.txt" ;;
         poolfree) phase poolfree 300 python bench/graph_memory.py --model "${POOL_MODEL:-qwen3-4b}" --method qlora \
                       --layout packed --graphs on --steps 12 --release-at 8 --out "$OUT/poolfree.txt" ;;
-        capture)  for mode in backward first_pass; do
+        capture)  for mode in ${CAPTURE_MODES:-backward first_pass}; do
                       phase "capture-$mode" 200 env KESTREL_BACKWARD_CAPTURE=$mode python bench/graph_memory.py \
                           --model "${CAPTURE_MODEL:-qwen3-14b}" --method qlora --layout "${CAPTURE_LAYOUT:-packed}" \
                           --graphs auto --steps "${CAPTURE_STEPS:-30}" --out "$OUT/capture-$mode.txt"; done ;;
