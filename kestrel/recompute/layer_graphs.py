@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kestrel.recompute.capture_stream import pool_keeper, warm_stream
 from kestrel.recompute.graph_grads import flat_slots, set_grads
 from kestrel.recompute.graph_state import _Device, _Graphs, _LayerState, GateKeeper
 from kestrel.recompute.graph_inputs import graphable, NotGraphable, StaticBuffers, signature, substitute
@@ -71,7 +72,7 @@ class GraphRegistry:
         if device not in self.devices:
             drop = _weak_call(self.drop_viewing)  # weak: the registry's memory goes when it does
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
-            self.devices[device] = _Device(StaticBuffers(drop), pool, stream, _pool_keeper(pool, stream))
+            self.devices[device] = _Device(StaticBuffers(drop), pool, stream, pool_keeper(pool, stream))
         return self.devices[device]
 
     def drop_viewing(self, old: torch.Tensor) -> None:
@@ -425,7 +426,7 @@ class GraphedLayer:
             # The capture empties the allocator's cache when it starts; emptied before the capture
             # stream's cuBLAS workspace is made, the eager cache and that workspace never peak together.
             torch.cuda.empty_cache()
-            _warm_stream(dev.stream)
+            warm_stream(dev.stream)
             with torch.cuda.graph(
                 graph, pool=dev.pool, stream=dev.stream, capture_error_mode="thread_local"
             ):
@@ -436,36 +437,6 @@ class GraphedLayer:
                        "it runs eagerly")
             return None
         return graph
-
-
-def _pool_keeper(pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
-    """A one-kernel graph captured into the graphs' shared `pool`, held as long as the device's entry, so
-    the pool always has a user. The caching allocator counts a private pool's graphs; once the last is
-    destroyed (static buffers outgrown: `drop_viewing`) a pool it has not yet freed, as under expandable
-    segments, makes the next capture into it fail an internal assert (`use_count > 0`), and every layer
-    would then run eagerly. None where it does not capture (that capture's own failure shows then)."""
-    if torch.cuda.is_current_stream_capturing():  # not from inside another capture: keep without a keeper
-        return None
-    flag = torch.zeros(1, device=stream.device)  # outside the pool: the graph allocates nothing
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            flag.zero_()
-    except RuntimeError:
-        return None
-    return graph
-
-
-def _warm_stream(stream: torch.cuda.Stream) -> None:
-    """Give this thread's cuBLAS handle its workspace on the capture stream before capturing
-    (made during a capture it would come from, and stay in, the graphs' pool)."""
-    current = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        a = torch.ones(16, 16, device=stream.device, dtype=torch.bfloat16)
-        torch.mm(a, a).addmm_(a, a)
-        torch.mm(a, a, out_dtype=torch.float32)
-    current.wait_stream(stream)
 
 
 def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple, linked: LinkedCall | None = None) -> Any:

@@ -306,10 +306,10 @@ def test_a_new_shape_runs_eagerly_then_gets_its_own_graphs(tiny_model_dir, monke
     assert run.graphs.stats()["forward"] == 4
     # A larger shape replaces the static buffers: the graphs on the old ones go (freeing them),
     # and a shape seen before captures again at its next sighting, on the new buffers.
-    stats = steps(48, 48)  # its second sighting captures the backward (the first pass: the third)
-    assert stats["dropped"] == 4 and stats["backward"] == 2 and stats["forward"] == 0, stats
-    stats = steps(48, 32)  # 32's next sighting captures at once (seen twice before), backward first
-    assert stats["dropped"] == 4 and stats["backward"] == 4 and stats["forward"] == 2, stats
+    stats = steps(48, 48)  # its second sighting captures both graphs (`backward_graph_capture: first_pass`)
+    assert stats["dropped"] == 4 and stats["backward"] == stats["forward"] == 2, stats
+    stats = steps(48, 32)  # 32's next sighting captures at once (seen twice before), both graphs
+    assert stats["dropped"] == 4 and stats["backward"] == stats["forward"] == 4, stats
     stats = steps(32)
     assert stats["forward"] == stats["backward"] == 4 and stats["dropped"] == 4 and stats["failed"] == 0, stats
     set_gradient_checkpointing(model, "off")
@@ -435,7 +435,7 @@ print("ok")
 def test_the_pool_outlives_its_graphs_so_captures_after_a_drop_work(alloc_conf: str) -> None:
     # Static buffers outgrown drop every graph on them (`drop_viewing`); the next capture shares the same pool.
     # Under expandable segments that failed torch's `use_count > 0` assert and left every layer eager (a
-    # padded Llama-3.2-1B run 4x slower) until the registry held the pool (`_pool_keeper`).
+    # padded Llama-3.2-1B run 4x slower) until the registry held the pool (`capture_stream.pool_keeper`).
     import os
     import subprocess
     import sys
