@@ -266,6 +266,8 @@ class Runner:
         self.ahead: set[str] = set()  # models whose folder a worker took to build ahead
         self.drivers = drivers or HostDrivers()
         self.drivers_at_start: dict[Any, int] = {}  # a running pair's key -> drivers on the host when it started
+        # This chunk's records carry its id: the table compares systems only within one chunk (side by side)
+        self.chunk = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
 
     def run(self) -> None:
         """Every pending pair, model by model, until done, the budget is spent or the chunk's end cuts one."""
@@ -360,7 +362,7 @@ class Runner:
 
     def write(self, record: dict[str, Any], gpu: str | None, at_once: int) -> None:
         """Append a record with where it ran (the caller holds the lock, or no worker runs)."""
-        record = {**record, "gpu": _gpu_field(gpu), "concurrent": at_once}
+        record = {**record, "gpu": _gpu_field(gpu), "concurrent": at_once, "chunk": self.chunk}
         append_record(Path(self.args.out), record, self.args.mirror)
         skip = ("losses", "step_s", "graph_decisions", "versions")
         print(json.dumps({k: v for k, v in record.items() if k not in skip})[:1500], flush=True)

@@ -141,11 +141,26 @@ def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], 
     return lines
 
 
-def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
-    """One markdown row per (model, method, layout): the latest record of each system."""
-    cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+def side_by_side(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One cell's records (in file order) -> the latest record of each system from one chunk (`chunk`: one run of
+    bench/matrix.py, whose pairs run side by side): the latest chunk holding Kestrel and a baseline, else the latest
+    chunk. Records from before chunks were recorded form one chunk of their own."""
+    chunks: dict[str | None, dict[str, dict[str, Any]]] = {}
     for r in records:
-        cells.setdefault(record_key(r)[:3], {})[r.get("system", "")] = r
+        by = chunks.pop(r.get("chunk"), {})  # re-inserted: the dict's order is the chunks' latest records' order
+        by[r.get("system", "")] = r
+        chunks[r.get("chunk")] = by
+    ordered = list(chunks.values())
+    paired = [by for by in ordered if "kestrel" in by and ("unsloth" in by or "hf" in by)]
+    return (paired or ordered)[-1]
+
+
+def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
+    """One markdown row per (model, method, layout): each system's record from one chunk (`side_by_side`)."""
+    grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        grouped.setdefault(record_key(r)[:3], []).append(r)
+    cells = {cell: side_by_side(rs) for cell, rs in grouped.items()}
     lines = ["| model | method | layout | kestrel tok/s | unsloth tok/s | hf tok/s | kestrel / unsloth "
              "| auto / best forced | auto / standard ckpt | kestrel GiB alloc / reserved | unsloth GiB | hf GiB "
              "| auto's CUDA graphs | device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]

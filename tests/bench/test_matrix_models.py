@@ -110,6 +110,20 @@ def test_table_sets_kestrels_default_checkpointing_against_standard() -> None:
     assert "(offload)" not in alone
 
 
+def test_table_compares_systems_only_within_one_chunk() -> None:
+    """A ratio is of records run side by side: a later Kestrel run without a baseline beside it leaves the cell on
+    the latest chunk that has both; a forced mode from another chunk is not compared with auto."""
+    base = dict(model="qwen3-4b", method="qlora", layout="padded", peak_alloc_gib=1.0, peak_reserved_gib=1.0)
+    records = [dict(base, system="kestrel", tokens_per_s=20.0), dict(base, system="kestrel-on", tokens_per_s=40.0),
+               dict(base, system="unsloth", tokens_per_s=10.0),  # legacy records: no chunk, one chunk of their own
+               dict(base, system="kestrel", tokens_per_s=30.0, chunk="b"), dict(base, system="unsloth", tokens_per_s=20.0, chunk="b"),
+               dict(base, system="kestrel", tokens_per_s=99.0, chunk="c")]  # alone in its chunk
+    row = render_table(records, ["padded"]).splitlines()[2]
+    assert "| 30 | 20 |  | 1.50x |  |" in row, row
+    assert "| 20 | 10 |  | 2.00x | 0.50x (vs on) |" in render_table(records[:3], ["padded"]).splitlines()[2]
+    assert "| 99 |  |" in render_table(records[-1:], ["padded"]).splitlines()[2]  # nothing paired: the latest chunk
+
+
 def test_table_says_where_the_dense_matrix_misses_its_targets_and_what_is_not_measured() -> None:
     base = dict(layout="packed", peak_alloc_gib=1.0, peak_reserved_gib=1.0)
     records = [

@@ -120,6 +120,7 @@ def test_workers_take_distinct_gpus_run_every_pair_once_and_models_one_at_a_time
     assert sorted((r["model"], r["method"], r["layout"], r["system"]) for r in records) == sorted(todo)
     assert {r["gpu"] for r in records} <= {0, 1, 2} and all(r["concurrent"] >= 1 for r in records)
     assert max(r["concurrent"] for r in records) == 3  # the first three ran together
+    assert len({r["chunk"] for r in records}) == 1  # one chunk: the table pairs its systems
     assert {r["drivers"] for r in records} == {1}  # this driver alone on the host
     assert not pending(args)
     for key, _, _, child in host.pairs:  # only Kestrel is asked to settle its chooser
