@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kestrel.config import config_from_dict
-from kestrel.model.registry import SUPPORTED
+from kestrel.model.registry import FAMILIES, SUPPORTED
 from tests.model.test_model_forward import PACKING_BLIND
 from tests.support.tiny import tiny_model
 from kestrel.training.run import run
@@ -48,6 +48,10 @@ def _losses(out: Path) -> list[float]:
 def test_patched_bf16_curve_matches_unpatched_on_cuda(family: str, packing: bool, tiny_model_dir, tmp_path: Path) -> None:
     if packing and family in PACKING_BLIND:
         pytest.skip("HF's own forward lets packed samples see each other here; ours keeps them apart")
+    if packing and FAMILIES[family].linear_attention_class:
+        pytest.skip("unpatched, its linear attention would carry state across packed samples, so the reference run "
+                    "trains unpacked, on other batches than the packed run's: no curve to compare. Packed rows are "
+                    "checked sample by sample against HF in tests/model/test_linear_attention_packing.py (CPU, CUDA)")
     if not _hf_trains(family):
         pytest.skip("unpatched HF binds flash-linear-attention, whose backward refuses this GPU: no reference here")
     model = str(tiny_model_dir(family))
