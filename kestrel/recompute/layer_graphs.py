@@ -12,9 +12,10 @@ A checkpointed layer is a pure function of its input, a few tensors made once pe
 
 How (`GraphedLayer`): a call's signature (`kestrel.recompute.graph_inputs`: shapes, dtypes and
 values, plus the layer's state) runs eagerly on its first sighting, which compiles kernels and
-sizes workspaces; the second captures the recompute-and-backward, the third the first pass (with
-`capture_ahead`, the second captures both in its first pass, the backward first: that step then runs
-no eager first pass, whose freed blocks the default pool would hold beside the graphs' growing pool).
+sizes workspaces. With `capture_ahead` (the run's default, `performance.backward_graph_capture: first_pass`)
+the second captures both in its first pass, the backward first: that step runs no eager first pass, whose
+freed blocks the default pool would hold beside the graphs' growing pool. Without, the second captures the
+recompute-and-backward in its backward, the third the first pass.
 Inputs are copied into static buffers shared by every layer, and each layer's output stays in its
 buffer as the next layer's input. The backward graph calls `torch.autograd.grad` and writes the
 parameter gradients into one flat buffer per dtype; after the replay one clone of each gives
