@@ -41,7 +41,8 @@
 #             12 steps, released after step 8; the pools right after (bench/graph_memory.py)
 #   capture   where the backward graphs are captured (`performance.backward_graph_capture`): CAPTURE_MODEL (qwen3-14b)
 #             QLoRA CAPTURE_LAYOUT (packed), graphs auto, CAPTURE_STEPS (30) steps, once per mode in CAPTURE_MODES (backward, then first_pass), each
-#             step's allocated and reserved peaks (bench/graph_memory.py); session 42 traced the run's reserved peak,
+#             step's allocated and reserved peaks (bench/graph_memory.py; CAPTURE_TRACE=-1 records the whole run and
+#             reports the moment of its reserved peak by stream and site); session 42 traced the run's reserved peak,
 #             0.46 GiB over Unsloth's, to the step that captured the backward graphs after an eager first pass
 #   glutiles  the 16-bit MLP's GLU with the adapters' rank terms inside, its tilings swept against the plain GLU
 #             (bench/glu_lowrank_tiles.py: chosen on --tune shapes, reported on --check shapes)
@@ -222,7 +223,8 @@ for want in "$@"; do
         capture)  for mode in ${CAPTURE_MODES:-backward first_pass}; do
                       phase "capture-$mode" 200 env KESTREL_BACKWARD_CAPTURE=$mode python bench/graph_memory.py \
                           --model "${CAPTURE_MODEL:-qwen3-14b}" --method qlora --layout "${CAPTURE_LAYOUT:-packed}" \
-                          --graphs auto --steps "${CAPTURE_STEPS:-30}" --out "$OUT/capture-$mode.txt"; done ;;
+                          --graphs auto --steps "${CAPTURE_STEPS:-30}" --trace-step "${CAPTURE_TRACE:-0}" \
+                          --out "$OUT/capture-$mode.txt"; done ;;
         glutiles) phase glutiles "${LIMIT_glutiles:-500}" python bench/glu_lowrank_tiles.py --out "$OUT/glu_lowrank_tiles.json" ;;
         dpostd)   phase dpostd 300 bash -c "python bench/dpo.py --impls kestrel --checkpointing standard --steps 60 --warmup 3 \
                       --out $OUT/dpo-standard.json && python bench/dpo.py --impl kestrel --steps 8 \

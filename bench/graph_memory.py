@@ -7,8 +7,9 @@ Builds Kestrel's matrix cell (`bench.matrix.cell_step`, CUDA graphs per --graphs
 through the matrix's batches in turn. After each step it prints the batch's shape, whether that
 layout was new, memory allocated and reserved, the step's own allocated peak (a capture step's
 shows) and reserved peak, and the layer graphs' counts. For --trace-step it records the allocator's events and
-reports the blocks alive at that step's peak (-1: the whole run's, warm-up captures included) by
-the site that allocated them; at the end, the live blocks by site (the innermost frame of ours),
+reports the blocks alive at that step's peak (-1: the whole run's, warm-up captures included, and
+also the moment of the run's reserved peak: reserved and allocated by stream, a graphs' capture
+stream holding its private pool, and the live blocks by site) by the site that allocated them; at the end, the live blocks by site (the innermost frame of ours),
 largest first; and the reserved memory by pool (the default pool, each CUDA-graph pool) after the
 step that set the run's reserved peak: what `nvidia-smi` shows beyond what is allocated.
 """
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.matrix import cell_step  # noqa: E402
-from bench.memory_peak import _site, peak_report  # noqa: E402
+from bench.memory_peak import _site, peak_report, reserved_report  # noqa: E402
 
 
 def live_by_site(top: int = 30) -> list[str]:
@@ -103,6 +104,7 @@ def main() -> None:
     lines, shapes = [f"cuda allocator: {step.allocator}; backward graphs captured in the {recompute.backward_capture}"], set()
     top_reserved, top_step, pools = 0, -1, []  # the run's reserved peak, its step, the pools after it
     whole = args.trace_step < 0  # one event log over every step, warm-up and captures included
+    before = torch.cuda.memory_reserved()
     torch.cuda.memory._record_memory_history(max_entries=20_000_000 if whole else 1)  # frames for live blocks
     for i in range(args.steps):
         if i == args.trace_step:  # this step's events: the blocks alive at its peak
@@ -128,6 +130,8 @@ def main() -> None:
     if whole:
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
         lines.append("the whole run's allocated peak (blocks allocated since the first step):\n" + peak_report(trace))
+        lines.append("the whole run's reserved peak, as it happened (not after its step):\n"
+                     + reserved_report(trace, base=before))
     lines += [f"reserved by pool after step {top_step}, which set the run's reserved peak "
               f"({top_reserved / 2**30:.2f} GiB):"] + pools
     lines += ["live blocks by site at the end:"] + live_by_site()

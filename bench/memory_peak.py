@@ -96,30 +96,58 @@ def peak_stacks(trace: list[dict], min_bytes: int, depth: int = 14) -> str:
     return "\n".join(lines)
 
 
-def reserved_report(trace: list[dict], start: int = 0, top: int = 25) -> str:
-    """Replays segment and block events (recorded from the start, so every segment is in them);
-    at the moment the reserved bytes peak: reserved and allocated by stream (a CUDA graph's
-    capture stream holds its private pool), the live blocks by site, and what asked for the
-    segment that made the peak. Peaks before event `start` (building the model) do not count."""
+def _reserved_peak(trace: list[dict], start: int) -> tuple[int, int, int]:
+    """(the reserved peak's bytes over the trace's own segments, the index of the segment event that made
+    it, the index of the next segment event: the window in which the reserved bytes stayed at the peak)."""
+    sizes: dict[int, int] = {}
+    reserved = peak = 0
+    peak_at, ends = -1, len(trace)
+    for i, ev in enumerate(trace):
+        action = ev["action"]
+        if action in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
+            if peak_at >= 0 and ends == len(trace) and i > peak_at:
+                ends = i
+            if action in ("segment_alloc", "segment_map"):
+                sizes[ev["addr"]] = ev["size"]
+                reserved += ev["size"]
+                if reserved > peak and i >= start:
+                    peak, peak_at, ends = reserved, i, len(trace)
+            else:
+                reserved -= sizes.pop(ev["addr"], ev["size"])
+    return peak, peak_at, ends
+
+
+def reserved_report(trace: list[dict], start: int = 0, top: int = 25, base: int = 0) -> str:
+    """Replays segment and block events; while the reserved bytes stand at their peak (from the segment event
+    that made it to the next segment event), at that window's most allocated moment: reserved and allocated by
+    stream (a CUDA graph's capture stream holds its private pool), the live blocks by site, and what asked for
+    the segment that made the peak. Peaks before event `start` (building the model) do not count.
+    `base`: the bytes reserved before the trace began (0 when it was recorded from the start): the peak
+    is found from the segments mapped and unmapped since, and reported with `base` added; the streams'
+    and sites' figures then count only what the trace saw."""
+    peak, peak_at, ends = _reserved_peak(trace, start)
     live: dict[int, tuple[int, str, int]] = {}
     segments: dict[int, tuple[int, int]] = {}
-    reserved = peak = 0
-    at_peak: tuple[dict, dict, str] = ({}, {}, "")
-    for i, ev in enumerate(trace):
+    allocated, best = 0, -1
+    at_peak: tuple[dict, dict] = ({}, {})
+    for i, ev in enumerate(trace[:ends]):
         action, stream = ev["action"], ev.get("stream", 0)
         if action == "alloc":
             live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])), stream)
+            allocated += ev["size"]
         elif action == "free_completed" and ev["addr"] in live:
-            live.pop(ev["addr"])
+            allocated -= live.pop(ev["addr"])[0]
         elif action in ("segment_alloc", "segment_map"):
             segments[ev["addr"]] = (ev["size"], stream)
-            reserved += ev["size"]
-            if reserved > peak and i >= start:
-                peak, at_peak = reserved, (dict(live), dict(segments), _site(ev.get("frames", [])))
         elif action in ("segment_free", "segment_unmap"):
-            reserved -= segments.pop(ev["addr"], (ev["size"], 0))[0]
-    blocks, segs, trigger = at_peak
-    lines = [f"reserved at its peak: {peak / 2**30:.3f} GiB; the segment that made it was asked for at {trigger}"]
+            segments.pop(ev["addr"], None)
+        if i >= peak_at >= 0 and allocated > best:
+            best, at_peak = allocated, (dict(live), dict(segments))
+    blocks, segs = at_peak
+    trigger = _site(trace[peak_at].get("frames", [])) if peak_at >= 0 else "?"
+    lines = [f"reserved at its peak: {(base + peak) / 2**30:.3f} GiB; the segment that made it was asked for at {trigger}"]
+    if base:
+        lines.append(f"  ({base / 2**30:.3f} GiB reserved before the trace began; what follows counts only the trace's)")
     by_stream: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     for size, stream in segs.values():
         by_stream[stream][0] += size
@@ -127,7 +155,7 @@ def reserved_report(trace: list[dict], start: int = 0, top: int = 25) -> str:
         by_stream[stream][1] += size
     for stream, (res, alloc) in sorted(by_stream.items()):
         lines.append(f"  stream {stream}: reserved {res / 2**30:.3f} GiB, allocated {alloc / 2**30:.3f}")
-    lines.append("live blocks then, by site:")
+    lines.append("live blocks then (the most allocated moment at that reserved peak), by site:")
     return "\n".join(lines + _by_site([(size, site) for size, site, _ in blocks.values()], top))
 
 
