@@ -148,6 +148,10 @@ class Recompute:
         self.first = weakref.ref(first_layer) if first_layer is not None else None
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the decoder layers calling it
         self.graphed = False  # this forward's choice
+        # This forward runs its layout's first sighting eagerly (`GraphChooser.first_sighting`): the layer graphs
+        # count it as theirs, so a later graphed forward of the layout captures at once instead of running one more
+        # eager forward beside the pool the graphs of other layouts hold (bench/RESULTS.md, session 43)
+        self.observing = False
         self.no_grad_active, self.no_grad_graphed = False, False  # inside `no_grad_forwards`; its forward's choice
         self.backward_capture = backward_capture  # `performance.backward_graph_capture`: backward | first_pass
         self.graphs = layer_graphs.GraphRegistry(capture_ahead=backward_capture == "first_pass")
@@ -196,13 +200,15 @@ class Recompute:
             key = layer_graphs.call_key(run, hidden, args, linked)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
             self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
+            self.observing = key is not None and not self.graphed and self.chooser.first_sighting(key)
             if self.graphed:
                 self._ran_graphed.add(tokens)
             if self.holds_graphs and (not self.chooser.any_graphed() or self.chooser.eager_retime_alone(key)):
                 self.release()  # eager from here on, or until re-timed: give the graphs' memory back
             self.holds_graphs |= self.graphed
         timed = self._start_timing(hidden, linked) if first and self.offload else None
-        wrapped = layer_graphs.wrap(run, hidden, args, self.graphs if self.graphed else None, linked)
+        registry = self.graphs if self.graphed or self.observing else None
+        wrapped = layer_graphs.wrap(run, hidden, args, registry, linked, observe=not self.graphed)
         if linked is not None:  # `LinkedCall` or a `GraphedLayer` of it: its ties are the checkpoint's too
             y, *written = LayerCheckpoint.apply(wrapped, self, hidden, *linked.inputs)
             linked.publish(tuple(written))

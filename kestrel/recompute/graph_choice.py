@@ -104,11 +104,13 @@ class GraphChooser:
     - A layout is the signature a graph replays for (the first decoder layer's input shape and its
       other arguments' shapes, `GraphChooser.begin`'s key).
     - A new layout first runs eagerly: one untimed forward (kernels compile, the allocator fills),
-      then `samples` timed ones; then graphed: `warmup` untimed forwards (the layer graphs need three
-      sightings: an eager one, the backward's capture, the first pass's capture), then `samples`
-      timed ones. The faster way's median wins; a tie within `margin` goes to eager (no graph pool
-      held). Eager first: a capture empties the allocator's cache, so the eager working set and the
-      graphs' pool are never reserved together.
+      then `samples` timed ones; then graphed: `warmup` untimed forwards (the layer graphs capture in the
+      first: they counted the layout's first forward as their eager sighting, `first_sighting`; captured
+      in the backward instead, `performance.backward_graph_capture: backward`, in the first two), then
+      `samples` timed ones. The faster way's median wins; a tie within `margin` goes to eager (no graph
+      pool held). Eager first: a capture empties the allocator's cache, so a layout's eager working set
+      and its graphs' pool are not reserved together (another layout's eager probes still run beside
+      the pool of the layouts already graphed: bench/RESULTS.md, session 43).
     - A forward's time is the time from its start to the next forward's start on the device's clock
       (CUDA events, read without a sync once they have passed), so it counts its backward, the
       optimizer step and any time the GPU sat waiting for the host. Where the way changes the
@@ -214,6 +216,14 @@ class GraphChooser:
             return False
         return not any(other.decision.graphed if other.decision is not None else other.graph_warm > 0
                        for other in self.layouts.values() if other is not layout)
+
+    def first_sighting(self, key: Hashable) -> bool:
+        """Whether the forward just begun for `key` is its layout's first, run eagerly and untimed (kernels
+        compile, workspaces are sized) with the layout undecided, in auto mode: the layer graphs count it as
+        their own first sighting (`layer_graphs.GraphedLayer`'s `observe`), so the layout's first graphed
+        forward captures rather than running eagerly once more beside the pool other layouts' graphs hold."""
+        layout = self.layouts.get(key)
+        return self.mode == "auto" and layout is not None and layout.sightings == 1 and layout.decision is None
 
     def any_graphed(self) -> bool:
         """Whether graphs may still run (a layout decided or still probing graphed)."""

@@ -100,8 +100,12 @@ class GraphRegistry:
             log.warning(message)
 
     def release(self) -> None:
-        """Drop every captured graph and static buffer."""
-        self.layers = weakref.WeakKeyDictionary()
+        """Drop every captured graph and static buffer. What the layers' signatures were seen doing (their
+        sightings, what their first passes kept or wrote) stays: a signature graphed again captures at its
+        next sighting, rather than running eagerly once more beside the graphs captured meanwhile."""
+        for state in self.layers.values():
+            state.graphs.clear()
+            state.captures, state.eager_backwards, state.off = 0, 0, False
         self.devices.clear()
         self.dropped = 0
 
@@ -168,9 +172,10 @@ class GraphedLayer:
 
     def __init__(
         self, run: functools.partial, hidden: torch.Tensor, args: tuple, registry: GraphRegistry,
-        linked: LinkedCall | None = None,
+        linked: LinkedCall | None = None, observe: bool = False,
     ) -> None:
         self.registry = registry
+        self.observe = observe  # an eager forward: count the sighting, remember what it keeps, capture nothing
         self.call, self.args, self.kwargs = run.func, args, run.keywords
         self.layer: nn.Module = run.func.__self__
         self.links = GraphLinks(linked, run.keywords) if linked is not None else None
@@ -199,13 +204,15 @@ class GraphedLayer:
         # Graphs read the NF4 workspace they saw, so its generation keys them; not the sightings,
         # or the layer whose first pass grew the workspace would take a step more to be graphed.
         key = (seen, nf4.WORKSPACE.generation)
-        graphs = state.graphs.get(key)
+        graphs = None if self.observe else state.graphs.get(key)
         if graphs is not None:
             state.graphs.move_to_end(key)
             return None if graphs.failed else graphs
         if len(state.seen) > 64:
             state.seen.clear()
         state.seen[seen] = state.seen.get(seen, 0) + 1
+        if self.observe:
+            return None
         like, written = state.gate_like.get(seen), state.wrote.get(seen)
         if state.seen[seen] < 2 or self.links is not None and written is None:
             return None
@@ -455,13 +462,14 @@ def call_key(run: functools.partial, hidden: torch.Tensor, args: tuple, linked: 
 
 def wrap(
     run: Callable[..., torch.Tensor], hidden: torch.Tensor, args: tuple, graphs: GraphRegistry | None,
-    linked: LinkedCall | None = None,
+    linked: LinkedCall | None = None, observe: bool = False,
 ) -> Callable[[torch.Tensor], torch.Tensor] | LinkedCall | GraphedLayer:
     """What a layer checkpoint runs for this call: a `GraphedLayer` of the run's `graphs` when
-    given (the run's choice for this forward) and the call can be graphed; else `linked` when the
-    call has ties (`kestrel.recompute.linked`), else `run` with `args`."""
+    given (the run's choice for this forward, or with `observe` an eager forward the graphs count as a
+    sighting) and the call can be graphed; else `linked` when the call has ties (`kestrel.recompute.linked`),
+    else `run` with `args`."""
     if graphs is not None and graphable(run, hidden):
-        return GraphedLayer(run, hidden, args, graphs, linked)
+        return GraphedLayer(run, hidden, args, graphs, linked, observe)
     if linked is not None:
         return linked
     return (lambda h: run(h, *args)) if args else run

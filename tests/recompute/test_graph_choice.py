@@ -361,3 +361,24 @@ def test_a_graphed_choice_is_re_timed_eagerly_with_its_graphs_dropped_only_when_
     for _ in range(16):
         both.forward("k", 1000)
         assert not both.chooser.eager_retime_alone("k")  # "other" still replays its graphs
+
+
+def test_only_an_undecided_layouts_first_forward_is_its_first_sighting() -> None:
+    """`first_sighting`: the forward just begun is a new layout's eager, untimed first (the layer graphs count
+    it as theirs); not its later forwards, not a layout the cost model decides at its first forward, and never
+    with graphs forced."""
+    run = FakeRun(host_bound)
+    run.forward("a", 2000)
+    assert run.chooser.first_sighting("a") and not run.ways[-1]
+    run.forward("a", 2000)
+    assert not run.chooser.first_sighting("a")
+    for _ in range(12):
+        run.forward("a", 2000)
+    assert run.decisions and run.decisions[0].graphed
+    run.forward("b", 1500)  # inferred graphed at its first forward: not an eager sighting
+    assert run.ways[-1] and not run.chooser.first_sighting("b")
+    assert not run.chooser.first_sighting("never seen")
+    for mode in ("on", "off"):
+        forced = GraphChooser(mode)
+        forced.begin("a", 2000)
+        assert not forced.first_sighting("a")

@@ -161,6 +161,35 @@ def test_graphs_on_a_replaced_storage_are_dropped_so_it_is_freed() -> None:
     assert bufs.replaced == 2
 
 
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.lin(hidden) * scale
+
+
+def test_an_observed_eager_call_counts_a_sighting_and_a_release_keeps_the_sightings() -> None:
+    """`observe`: an eager forward (a layout's first, `GraphChooser.first_sighting`) runs the layer as it is and
+    counts as the signature's sighting, so the layout's first graphed forward captures; a release drops the
+    graphs and their counters but keeps the sightings (a layout graphed again captures at its next forward)."""
+    registry, layer = layer_graphs.GraphRegistry(capture_ahead=True), _Scaled()
+    hidden = torch.randn(2, 3, 4)
+    run = functools.partial(layer.__call__, scale=2.0)
+    with torch.no_grad():
+        outs = [layer_graphs.GraphedLayer(run, hidden, (), registry, observe=True)(hidden) for _ in range(2)]
+        want = layer(hidden, scale=2.0)
+    assert all(torch.equal(out, want) for out in outs)
+    state = registry.state(layer)
+    assert list(state.seen.values()) == [2] and not state.graphs and not registry.devices
+    state.graphs["stale"] = layer_graphs._Graphs(torch.zeros(1), [])
+    state.captures, state.eager_backwards, state.off = 5, 1, True
+    registry.release()
+    assert not state.graphs and (state.captures, state.eager_backwards, state.off) == (0, 0, False)
+    assert list(state.seen.values()) == [2] and registry.stats()["forward"] == 0
+
+
 # --- CUDA ----------------------------------------------------------------------------------------
 
 
@@ -376,6 +405,24 @@ def test_a_graphed_layout_timed_again_runs_eagerly_without_its_graphs(tiny_model
     for _ in range(12):
         last = step()
     assert layout.decision is not None and abs(last - step()) < 1e-2
+    run.release()
+
+
+@pytest.mark.gpu
+def test_a_layouts_first_graphed_forward_captures_when_its_first_forward_ran_eagerly(tiny_model_dir, monkeypatch) -> None:
+    """Auto: a layout's first forward runs eagerly and the layer graphs count it as their first sighting, so the
+    first forward the chooser graphs captures and replays at once: no second eager forward beside the pool that
+    other layouts' graphs hold (bench/RESULTS.md, session 43). Its loss is the eager forward's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run, step = _cuda_lora_llama(tiny_model_dir, monkeypatch, "auto")
+    eager = step()
+    assert run.graphs.stats()["forward"] == 0 and not run.holds_graphs
+    monkeypatch.setattr(run.chooser, "begin", lambda key, tokens, name="": True)  # the chooser graphs it now
+    graphed = step()
+    stats = run.graphs.stats()
+    assert stats["forward"] == stats["backward"] == 2 and stats["failed"] == stats["eager_backwards"] == 0, stats
+    assert abs(graphed - eager) <= 1e-3 * abs(eager), (graphed, eager)
     run.release()
 
 
