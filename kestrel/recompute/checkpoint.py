@@ -40,6 +40,7 @@ from kestrel.constants import BACKWARD_CAPTURE_MODES, KEEP_ATTENTION_MODES, KEEP
 import torch
 from torch import nn
 
+from kestrel.kernels.lora.casts import cast_fresh
 from kestrel.model.kept_attention import KeptBytes, Keeping
 from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs, no_grad
@@ -406,6 +407,8 @@ def set_gradient_checkpointing(
     previous = recompute_of(model)
     if previous is not None:
         previous.release()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    cast_fresh(trainable, False)
     if mode == "off":
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()
@@ -426,6 +429,9 @@ def set_gradient_checkpointing(
                           keep_qkv=keep_qkv_mode(keep_qkv) == "on",
                           backward_capture=backward_capture_mode(backward_capture))
     recompute.on_attention = on_attention
+    # Timed graphs run a layer eagerly only where the GPU sets the pace: kept casts would cost memory there and save
+    # nothing (`kestrel.kernels.lora.casts`)
+    cast_fresh(trainable, chooser.mode == "auto")
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
         if recompute.keep_attention != "off":

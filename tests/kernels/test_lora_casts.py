@@ -144,3 +144,32 @@ def test_a_backward_run_from_a_capture_casts_afresh_on_autograds_device_thread()
     assert cast(w, torch.bfloat16) is kept  # and it kept nothing of its own
     graph.replay()
     torch.testing.assert_close(dx, torch.full_like(x, float(kept.float().sum())))
+
+
+def test_a_run_timing_its_graphs_keeps_no_casts_and_others_do(tiny_model_dir, monkeypatch) -> None:
+    """`cuda_graphs: auto` runs a layer eagerly only where the GPU sets the pace, so its adapters' casts are made
+    at each use and none stands at the step's memory peak; graphs forced off keep them as before, and turning
+    checkpointing off unmarks the adapters."""
+    from kestrel.config import LoraSettings
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+
+    monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
+    model, _ = load(str(tiny_model_dir("llama")), 64, dtype="bf16", device="cpu")
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    model.train()
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    ids = torch.randint(5, 200, (2, 24))
+
+    def kept_after_a_step(graphs: str) -> int:
+        set_gradient_checkpointing(model, "standard", graphs)
+        lora_casts.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return sum(lora_casts._CASTS.get(p) is not None or lora_casts._STACKS.get(p) is not None for p in adapters)
+
+    assert kept_after_a_step("auto") == 0
+    assert kept_after_a_step("off") > 0
+    set_gradient_checkpointing(model, "standard", "auto")
+    set_gradient_checkpointing(model, "off")
+    assert not any(lora_casts._FRESH in p.__dict__ for p in adapters)

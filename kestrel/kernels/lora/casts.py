@@ -12,7 +12,13 @@ and on that step the host, not the GPU, was the limit (bench/RESULTS.md, QLoRA "
 - the weight's version counter is unchanged (in-place updates: `load_state_dict`, `copy_`),
 - and so is its data pointer (a `.data` swap).
 The cache is keyed weakly by the weight, so it goes with it; its cost is one 16-bit copy of the
-adapter (about 85 MB for the 8B shape at r = 16), from a step's first use to the optimizer step.
+adapter (about 85 MB for the 8B shape at r = 16), from a step's first use to the optimizer step,
+so it stands at the step's memory peak. It pays only where the host sets a step's pace. A run
+whose CUDA graphs are chosen by timing (`cuda_graphs: auto`) runs a layer eagerly only where
+graphs, which take every cast off the host's path, did not win: there the GPU sets the pace and
+hides the launches the cache would save. Such a run marks its adapters (`cast_fresh`,
+`kestrel.recompute.checkpoint.set_gradient_checkpointing`), and their casts are made at each use
+and never kept.
 While a CUDA graph is captured (a replay runs no Python, so a kept copy would go stale in it, and a
 copy made there would come from the graph's pool) every call casts afresh and nothing is kept. That
 is asked of the calling thread's current stream, not of a flag set around the capture: a backward
@@ -27,6 +33,8 @@ fp32 directly (`out_dtype`, CUDA) rather than rounded to bf16 and copied up.
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -46,9 +54,26 @@ def _drop_all(*_: object) -> None:
 register_optimizer_step_post_hook(_drop_all)
 
 
+_FRESH = "_kestrel_cast_fresh"  # the attribute `cast_fresh` sets on a weight
+
+
+def cast_fresh(weights: Iterable[torch.Tensor], fresh: bool) -> None:
+    """Mark `weights` (fresh: their casts are made at each use and never kept) or unmark them."""
+    for w in weights:
+        if fresh:
+            setattr(w, _FRESH, True)
+        elif _FRESH in w.__dict__:
+            delattr(w, _FRESH)
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """Whether a cast of t now would be recorded into a CUDA graph being captured."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _keeps(t: torch.Tensor) -> bool:
+    """Whether t's cast copy is kept: not for a weight marked fresh, nor inside a capture."""
+    return not getattr(t, _FRESH, False) and not _capturing(t)
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int, int]:
@@ -62,7 +87,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     autograd-aware: for use inside the LoRA autograd Functions, which do their own backward."""
     if t.dtype == dtype:
         return t
-    if _capturing(t):
+    if not _keeps(t):
         return t.detach().to(dtype)
     stamp = (_stamp(t), dtype)
     hit = _CASTS.get(t)
@@ -77,7 +102,7 @@ def stacked(ts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """[t_1; ...; t_n] (concatenated along dim 0) in `dtype`, kept while every t_k is unchanged."""
     if len(ts) == 1:
         return cast(ts[0], dtype)
-    if _capturing(ts[0]):
+    if not _keeps(ts[0]):
         return torch.cat([t.detach() for t in ts]).to(dtype)
     stamp = (tuple(_stamp(t) for t in ts), dtype)
     hit = _STACKS.get(ts[0])
