@@ -166,9 +166,9 @@ def test_a_run_timing_its_graphs_keeps_no_casts_and_others_do(tiny_model_dir, mo
         set_gradient_checkpointing(model, "standard", graphs)
         lora_casts.clear()
         model(input_ids=ids, labels=ids).loss.backward()
-        return sum(lora_casts._CASTS.get(p) is not None or lora_casts._STACKS.get(p) is not None for p in adapters)
+        return len(lora_casts._CASTS) + len(lora_casts._STACKS)
 
-    assert kept_after_a_step("auto") == 0
+    assert kept_after_a_step("auto") == 0  # none, whatever object a backward's saved weight comes back as
     assert kept_after_a_step("off") > 0
     set_gradient_checkpointing(model, "standard", "auto")
     set_gradient_checkpointing(model, "off")
