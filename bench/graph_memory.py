@@ -3,7 +3,7 @@
 
     python bench/graph_memory.py --model gemma4-e2b --graphs auto --steps 40 --trace-step 7 --out mem.txt
 
-Builds Kestrel's matrix cell (`bench.matrix.cell_step`, CUDA graphs per --graphs) and steps
+Builds Kestrel's matrix cell (`bench.matrix_cell.cell_step`, CUDA graphs per --graphs) and steps
 through the matrix's batches in turn. After each step it prints the batch's shape, whether that
 layout was new, memory allocated and reserved, the step's own allocated peak (a capture step's
 shows) and reserved peak, and the layer graphs' counts. For --trace-step it records the allocator's events and
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.matrix import cell_step  # noqa: E402
+from bench.matrix_cell import cell_step  # noqa: E402
 from bench.memory_peak import _site, peak_report, reserved_report  # noqa: E402
 
 

@@ -206,36 +206,6 @@ def batch_loss(model: Any, b: Any) -> Any:
                  labels=b.labels, use_cache=False).loss
 
 
-def cell_step(name: str, method: str, layout: str, cuda_graphs: str = "auto", allocator: str | None = None,
-              n_batches: int = 16, seed: int = 0) -> Callable[[], Any]:
-    """Kestrel's training step of a matrix cell as a measured cell runs it (the run's CUDA allocator, `allocator`
-    overriding it, set first; the product's checkpointing and batch plan), each call on the cell's next batch and
-    returning it; `.model`, `.recompute` and `.allocator` (the setting applied). For the step-analysis scripts
-    (bench/train.py --layout, bench/graph_memory.py)."""
-    import torch
-
-    from kestrel.config import PerformanceSettings
-    from kestrel.training.cuda_allocator import apply_cuda_allocator
-
-    applied = apply_cuda_allocator(allocator or PerformanceSettings.cuda_allocator)  # before anything reserves memory
-    model, flat, recompute = kestrel_model(build_model_dir(name), method, LAYOUTS[layout], cuda_graphs)
-    batches = [b.to(torch.device("cuda")) for b in plan_batches(layout, MODELS[name]["vocab_size"], flat, n_batches, seed)]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    model.train()  # checkpointing, and so its graphs, act in training only
-    stepped = [0]
-
-    def step() -> Any:
-        b = batches[stepped[0] % len(batches)]
-        stepped[0] += 1
-        batch_loss(model, b).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return b
-
-    step.model, step.recompute, step.allocator = model, recompute, applied  # type: ignore[attr-defined]
-    return step
-
-
 def system_model(system: str, folder: Path, method: str, layout: Layout, cuda_graphs: str) -> tuple[Any, bool, Any]:
     """(model, flat, recompute) for `system`; baselines through bench/train.py's `build`."""
     if system.startswith("kestrel"):

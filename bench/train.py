@@ -136,9 +136,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 def training_step(args: argparse.Namespace, losses: list[torch.Tensor] | None = None) -> Callable[[], None]:
     """args.impl's model at args.shape and one training step on a fixed random batch: forward,
     backward, fused AdamW, gradients cleared; each step's loss appended to `losses` if given.
-    With args.layout: a matrix cell's step instead (`bench.matrix.cell_step`; `losses` not kept)."""
+    With args.layout: a matrix cell's step instead (`bench.matrix_cell.cell_step`; `losses` not kept)."""
     if getattr(args, "layout", ""):
-        from bench.matrix import cell_step
+        from bench.matrix_cell import cell_step
 
         if args.impl != "kestrel" or args.shape not in MODELS:
             raise SystemExit("--layout runs Kestrel on a bench/matrix.py model (--impl kestrel, --shape one of its models)")
