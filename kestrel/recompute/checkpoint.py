@@ -209,7 +209,7 @@ class Recompute:
             self.holds_graphs |= self.graphed
         timed = self._start_timing(hidden, linked) if first and self.offload else None
         registry = self.graphs if self.graphed or self.observing else None
-        wrapped = layer_graphs.wrap(run, hidden, args, registry, linked, observe=not self.graphed)
+        wrapped = layer_graphs.wrap(run, hidden, args, registry, linked, observe=self.observing)
         if linked is not None:  # `LinkedCall` or a `GraphedLayer` of it: its ties are the checkpoint's too
             y, *written = LayerCheckpoint.apply(wrapped, self, hidden, *linked.inputs)
             linked.publish(tuple(written))
@@ -408,8 +408,8 @@ def set_gradient_checkpointing(
     if previous is not None:
         previous.release()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    cast_fresh(trainable, False)
     if mode == "off":
+        cast_fresh(trainable, False)
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()
         return None
@@ -430,7 +430,7 @@ def set_gradient_checkpointing(
                           backward_capture=backward_capture_mode(backward_capture))
     recompute.on_attention = on_attention
     # Timed graphs run a layer eagerly only where the GPU sets the pace: kept casts would cost memory there and save
-    # nothing (`kestrel.kernels.lora.casts`)
+    # nothing (`kestrel.kernels.lora.casts`); any other mode unmarks what an earlier call marked
     cast_fresh(trainable, chooser.mode == "auto")
     if recompute.offload:  # what whole rows would page out (`kestrel.recompute.mlp_deferral`)
         recompute.deferral.paged_layers = paged_gate_layers(len(layers), recompute.gate_share)
