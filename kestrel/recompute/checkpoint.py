@@ -204,8 +204,9 @@ class Recompute:
             self.observing = key is not None and not self.graphed and self.chooser.first_sighting(key)
             if self.graphed:
                 self._ran_graphed.add(tokens)
-            if self.holds_graphs and (not self.chooser.any_graphed() or self.chooser.eager_retime_alone(key)):
-                self.release()  # eager from here on, or until re-timed: give the graphs' memory back
+            if self.holds_graphs and (not self.chooser.any_graphed() or self.chooser.runs_alone(key)):
+                self.release()  # eager from here on, or an undecided layout's eager forward: memory back first
+                self.chooser.restart()
             self.holds_graphs |= self.graphed
         timed = self._start_timing(hidden, linked) if first and self.offload else None
         registry = self.graphs if self.graphed or self.observing else None
@@ -338,6 +339,7 @@ class Recompute:
         (a release is rare: an all-eager decision, a re-timing), then the emptied cache frees the pool."""
         self.graphs.release()
         self.holds_graphs = False
+        self.chooser.dropped(1 if self.graphs.capture_ahead else 2)  # the forwards that capture them again
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()

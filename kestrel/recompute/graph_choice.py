@@ -96,6 +96,7 @@ class _Layout:
     watch: int = 0  # forwards of the decided way between checks (0: not watched)
     retimes: int = 0  # times this layout's decision was doubted and timed again
     retiming: bool = False  # timing the other way again now: nothing is inferred for it meanwhile
+    cold: int = 0  # graphed forwards still to capture the graphs dropped since this layout's last one
 
 
 class GraphChooser:
@@ -109,8 +110,10 @@ class GraphChooser:
       in the backward instead, `performance.backward_graph_capture: backward`, in the first two), then
       `samples` timed ones. The faster way's median wins; a tie within `margin` goes to eager (no graph
       pool held). Eager first: a capture empties the allocator's cache, so a layout's eager working set
-      and its graphs' pool are not reserved together (another layout's eager probes still run beside
-      the pool of the layouts already graphed: bench/RESULTS.md, session 43).
+      and its graphs' pool are not reserved together. Nor are another layout's: an undecided layout's
+      eager forwards run with every graph dropped (`runs_alone`), and the graphed forward after a drop,
+      which captures again, is not timed (`dropped`). A decided layout never drops graphs: where one is
+      decided eager beside graphed ones, its steps run beside their pool, the price of the speed chosen.
     - A forward's time is the time from its start to the next forward's start on the device's clock
       (CUDA events, read without a sync once they have passed), so it counts its backward, the
       optimizer step and any time the GPU sat waiting for the host. Where the way changes the
@@ -133,9 +136,8 @@ class GraphChooser:
       layout at most log2(n / watch + 1) times. A re-timing costs `samples` forwards (after
       `warmup` ones, for graphs) of the other way, and it only starts where the two ways' times
       have come within `margin` of each other or crossed, so it is cheap exactly when the
-      evidence is weak, and it is how a wrong or stale choice is undone. A graphed choice is timed
-      again with its graphs dropped (`eager_retime_alone`), so that here too the eager working set
-      and the graphs' pool are never reserved together.
+      evidence is weak, and it is how a wrong or stale choice is undone. A graphed choice's eager
+      re-timing is undecided too, so it runs with the graphs dropped.
 
     `on_decision(decision)` hears each choice as it is made (the run's log and metrics), re-timed
     ones included.
@@ -205,17 +207,26 @@ class GraphChooser:
     def decisions(self) -> list[Decision]:
         return [lay.decision for lay in self.layouts.values() if lay.decision is not None]
 
-    def eager_retime_alone(self, key: Hashable) -> bool:
-        """Whether the forward just begun for `key` runs eagerly to time a layout decided graphed again
-        (`_recheck`) while no other layout is decided graphed or probing graphed. The graphs then serve
-        nothing until this layout is decided, and its eager working set would stack on their pool (a
-        run's allocated peak above both ways'; bench/RESULTS.md, session 40), so the caller drops them:
-        they are captured again if graphed still wins."""
+    def runs_alone(self, key: Hashable) -> bool:
+        """Whether the forward just begun for `key` runs eagerly while its layout is undecided: its first
+        sighting, an eager timed probe, or a re-timing's eager forwards (auto mode). The caller drops any
+        graphs it holds first (`dropped`): this eager working set and their pool would otherwise be reserved
+        together, above what either way needs alone, and a padded run's new layouts set its reserved peak
+        just so (bench/RESULTS.md, session 44). At most 1 + `samples` such forwards a timing of a layout."""
         layout = self.layouts.get(key)
-        if self.mode != "auto" or layout is None or not layout.retiming or self._last:
-            return False
-        return not any(other.decision.graphed if other.decision is not None else other.graph_warm > 0
-                       for other in self.layouts.values() if other is not layout)
+        return self.mode == "auto" and layout is not None and layout.decision is None and self._last is False
+
+    def dropped(self, forwards: int) -> None:
+        """The caller dropped every layout's graphs: each layout's next `forwards` graphed forwards capture
+        them again, so they are not timed (a capture would count against the graphed way)."""
+        for layout in self.layouts.values():
+            layout.cold = forwards
+
+    def restart(self) -> None:
+        """The forward just begun starts now, if timed: the caller did work first that is not the forward's
+        (dropping graphs: a collection pass and the allocator's cache emptied)."""
+        if self._open is not None:
+            self._open = (self._open[0], self._open[1], self.clock.mark())
 
     def first_sighting(self, key: Hashable) -> bool:
         """Whether the forward just begun for `key` is its layout's first, run eagerly and untimed (kernels
@@ -233,7 +244,16 @@ class GraphChooser:
     # --- Inside -------------------------------------------------------------------------------
 
     def _way(self, layout: _Layout) -> tuple[bool, bool]:
-        """(graphed, timed) for this forward of `layout`."""
+        """(graphed, timed) for this forward of `layout`; a graphed forward that captures graphs dropped since
+        the layout's last one (`dropped`) is not timed."""
+        graphed, timed = self._planned(layout)
+        if graphed and layout.cold:
+            layout.cold -= 1
+            timed = False
+        return graphed, timed
+
+    def _planned(self, layout: _Layout) -> tuple[bool, bool]:
+        """(graphed, timed) for this forward of `layout` by its stage."""
         if layout.decision is None:
             self._infer(layout)
         if layout.decision is not None:

@@ -328,39 +328,106 @@ def test_a_spoiled_forward_is_not_counted_and_the_next_starts_drained() -> None:
     assert run.ways[:5] == [False, False, False, False, False]  # one eager forward more to make up for it
 
 
-def test_a_graphed_choice_is_re_timed_eagerly_with_its_graphs_dropped_only_when_nothing_else_is_graphed() -> None:
-    """Graphed steps slow down past the eager time the choice beat: the eager way is timed again. Its
-    forwards are the ones a caller runs with the graphs dropped (`eager_retime_alone`), but only while
-    no other layout is decided or being probed graphed (those still replay their graphs)."""
+class DroppingRun(FakeRun):
+    """A caller that drops its graphs before every forward `runs_alone` names, as `Recompute` does, and pays
+    `capture` seconds in each graphed forward that captures them again (what a real recapture costs)."""
+
+    def __init__(self, cost, capture: float = 1.0, **kwargs) -> None:
+        super().__init__(cost, **kwargs)
+        self.capture, self.held, self.drops = capture, set(), 0
+        self.alone: list[bool] = []
+
+    def forward(self, key, tokens: int) -> bool:
+        graphed = self.chooser.begin(key, tokens)
+        alone = self.chooser.runs_alone(key)
+        self.alone.append(alone)
+        if alone and self.held:
+            self.held.clear()
+            self.drops += 1
+            self.now += 0.5  # the collection pass and the emptied cache: not the forward's
+            self.chooser.dropped(1)
+            self.chooser.restart()
+        self.ways.append(graphed)
+        if graphed and key not in self.held:
+            self.held.add(key)
+            self.now += self.capture
+        self.now += self.cost(tokens, graphed)
+        return graphed
+
+
+def test_an_undecided_layouts_eager_forwards_run_alone_and_every_graph_dropped_for_them() -> None:
+    """`runs_alone`: a new layout's first sighting and eager probes, while another layout replays graphs; the
+    caller drops the graphs first, and neither the drop's cost nor the recaptures that follow count in either
+    way's times, so both layouts are decided as they would be alone."""
+    run = DroppingRun(host_bound)
+    for _ in range(14):
+        run.forward("small", 1000)
+    assert run.chooser.decided_graphed("small") and run.held == {"small"} and run.drops == 0
+    assert run.alone[:4] == [True] * 4 and not any(run.alone[4:])  # its eager forwards: nothing held yet
+    for _ in range(30):  # a new, larger layout taking turns with the graphed one
+        run.forward("new", 3000)
+        run.forward("small", 1000)
+    new_forwards = run.alone[14::2]
+    assert new_forwards[:4] == [True] * 4 and not any(new_forwards[4:])  # first sighting + 3 eager samples
+    assert run.drops == 4 and not any(run.alone[15::2])  # a decided layout's forwards never drop anything
+    decisions = {d.layout: d for d in run.decisions}
+    assert decisions["new"].graphed and decisions["new"].eager_s == pytest.approx(0.05)
+    assert decisions["new"].graphed_s == pytest.approx(host_bound(3000, True))  # no capture counted in it
+    assert decisions["small"].graphed_s == pytest.approx(host_bound(1000, True))
+    assert [d.layout for d in run.decisions] == ["small", "new"]  # the recaptures did not re-time "small"
+    for mode in ("on", "off"):
+        forced = GraphChooser(mode)
+        forced.begin("a", 1000)
+        assert not forced.runs_alone("a")
+    assert not run.chooser.runs_alone("never seen")
+
+
+def test_a_graphed_choice_is_re_timed_eagerly_with_its_graphs_dropped() -> None:
+    """Graphed steps slow down past the eager time the choice beat: the eager way is timed again, its three
+    forwards each with the graphs dropped (`runs_alone`), so its working set is never reserved beside them."""
     slow = {"on": False}
 
     def cost(tokens: int, graphed: bool) -> float:
         return (0.2 if slow["on"] else 0.011) if graphed else 0.05
 
-    run = FakeRun(cost)
+    run = DroppingRun(cost, capture=0.0)
     for _ in range(14):
         run.forward("k", 1000)
-    assert run.chooser.decided_graphed("k") and not run.chooser.eager_retime_alone("k")
+    assert run.chooser.decided_graphed("k") and not run.chooser.runs_alone("k")
     slow["on"] = True
-    alone = []
     for _ in range(16):
         run.forward("k", 1000)
-        alone.append(run.chooser.eager_retime_alone("k"))
+    alone = run.alone[-16:]
     assert alone.count(True) == 3  # the three eager samples of the re-timing...
     assert all(not w for a, w in zip(alone, run.ways[-16:]) if a)  # ...each run eagerly
+    assert run.drops == 1  # the first dropped them; nothing was captured again before the other two
     assert not run.chooser.decided_graphed("k")  # eager now: 0.05 against 0.2 s
-    assert not run.chooser.eager_retime_alone("never seen") and not GraphChooser("on").eager_retime_alone("k")
 
-    slow["on"] = False
-    both = FakeRun(cost)
+
+def test_a_dropped_graphs_recapture_is_not_timed_and_restart_marks_the_forward_anew() -> None:
+    """`dropped(n)`: each layout's next n graphed forwards capture again and are left out of its times;
+    `restart`: the forward just begun is timed from now, not from before the caller's drop."""
+    run = FakeRun(lambda tokens, graphed: 0.011 if graphed else 0.05, watch=4)
     for _ in range(14):
-        both.forward("k", 1000)
-        both.forward("other", 999)  # as many tokens bar one: inferred graphed from "k"
-    assert both.chooser.decided_graphed("other")
-    slow["on"] = True
-    for _ in range(16):
-        both.forward("k", 1000)
-        assert not both.chooser.eager_retime_alone("k")  # "other" still replays its graphs
+        run.forward("k", 1000)
+    decision = run.decisions[0]
+    run.chooser.dropped(2)
+    for _ in range(2):
+        run.forward("k", 1000)
+        run.now += 9.0  # the recapture: half of a watch's window, it would fail the check if it were timed
+    for _ in range(12):
+        run.forward("k", 1000)
+    assert run.decisions == [decision] and run.chooser.decided_graphed("k")
+    probe = FakeRun(lambda tokens, graphed: 0.011 if graphed else 0.05)
+    probe.chooser.begin("a", 10)
+    probe.now += 0.05
+    probe.chooser.begin("a", 10)  # timed: the first eager sample
+    probe.now += 7.0  # work the caller did that is not the forward's
+    probe.chooser.restart()
+    probe.now += 0.05
+    probe.chooser.begin("a", 10)
+    probe.chooser.begin("a", 10)  # timings are read at the next forward's start
+    assert probe.chooser.layouts["a"].times[False][0] == pytest.approx(0.05)
 
 
 def test_only_an_undecided_layouts_first_forward_is_its_first_sighting() -> None:
