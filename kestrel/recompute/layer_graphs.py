@@ -64,6 +64,10 @@ class GraphRegistry:
     def __init__(self, capture_ahead: bool = False) -> None:
         self.capture_ahead = capture_ahead
         self.devices: dict[torch.device, _Device] = {}
+        # Kept across `release`: cuBLAS keeps a workspace per handle and stream (32 MiB, two handles: this
+        # thread's and autograd's device thread's) and never frees it, so a new stream per release leaked
+        # 64 MiB of allocated memory each time (bench/RESULTS.md, session 44)
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.layers: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
         self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
         self.warned: set[str] = set()
@@ -72,7 +76,8 @@ class GraphRegistry:
     def device(self, device: torch.device) -> _Device:
         if device not in self.devices:
             drop = _weak_call(self.drop_viewing)  # weak: the registry's memory goes when it does
-            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+            stream = self.streams.setdefault(device, torch.cuda.Stream(device))
+            pool = torch.cuda.graph_pool_handle()
             self.devices[device] = _Device(StaticBuffers(drop), pool, stream, pool_keeper(pool, stream))
         return self.devices[device]
 

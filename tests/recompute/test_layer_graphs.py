@@ -458,6 +458,30 @@ def test_released_graphs_give_their_pool_back_at_once(tiny_model_dir, monkeypatc
     assert alive == 0 and pool == before, f"{alive} graphs alive, {pool - before} bytes still in the graphs' pool after release"
 
 
+@pytest.mark.gpu
+def test_graphs_released_and_captured_again_leave_no_memory_behind(tiny_model_dir, monkeypatch) -> None:
+    """Each release and recapture keeps the allocated memory where the first capture left it: an undecided layout's
+    eager forwards drop the graphs (`GraphChooser.runs_alone`), so a padded run releases many times, and a new
+    capture stream per release had left cuBLAS's workspaces for it behind (64 MiB each; bench/RESULTS.md,
+    session 44)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run, step = _cuda_lora_llama(tiny_model_dir, monkeypatch, "on")
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    captured = torch.cuda.memory_allocated()
+    streams = set(run.graphs.streams.values())
+    for _ in range(4):
+        run.release()
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    assert run.graphs.stats()["forward"] > 0 and set(run.graphs.streams.values()) == streams
+    grown = torch.cuda.memory_allocated() - captured
+    assert grown < 2**24, f"{grown / 2**20:.1f} MiB more allocated after four releases and recaptures"
+
+
 _POOL_REUSE = """
 import torch
 from kestrel.recompute.layer_graphs import GraphRegistry
