@@ -157,6 +157,7 @@ class Recompute:
         self.backward_capture = backward_capture  # `performance.backward_graph_capture`: backward | first_pass
         self.graphs = layer_graphs.GraphRegistry(capture_ahead=backward_capture == "first_pass")
         self.holds_graphs = False
+        self._captures_seen = 0  # `graphs.captured` at the last training forward's start
         self.offloaded = OffloadState()
         # While a layer's checkpoint runs: True in its recompute for backward (its output's values
         # are thrown away, only its graph is used, so the decoder layer tells its MLP to skip the
@@ -198,6 +199,7 @@ class Recompute:
         if first and self.offload:
             self._hand_over_times()
         if first and layer_graphs.graphable(run, hidden):
+            self.spoil_after_capture()
             key = layer_graphs.call_key(run, hidden, args, linked)
             tokens = hidden.numel() // max(hidden.shape[-1], 1)
             self.graphed = key is not None and self.chooser.begin(key, tokens, f"{tuple(hidden.shape[:-1])} tokens")
@@ -219,6 +221,15 @@ class Recompute:
         if timed is not None:
             self.first_pass.stop(timed)
         return y
+
+    def spoil_after_capture(self) -> None:
+        """At a training forward's start: where the forward that ends now captured layer graphs, its time is left
+        out of the graph choice's (`GraphChooser.spoil`). Captures follow every drop of the graphs and every
+        outgrown static buffer; timed, they made a padded run's graphed layouts look slower than eager
+        (bench/RESULTS.md, session 44)."""
+        if self.graphs.captured != self._captures_seen:
+            self.chooser.spoil()
+        self._captures_seen = self.graphs.captured
 
     def _hand_over_times(self) -> None:
         """At an offloaded forward's first layer, before anything is decided for this forward: hand the
@@ -339,7 +350,6 @@ class Recompute:
         (a release is rare: an all-eager decision, a re-timing), then the emptied cache frees the pool."""
         self.graphs.release()
         self.holds_graphs = False
-        self.chooser.dropped(1 if self.graphs.capture_ahead else 2)  # the forwards that capture them again
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()

@@ -96,7 +96,6 @@ class _Layout:
     watch: int = 0  # forwards of the decided way between checks (0: not watched)
     retimes: int = 0  # times this layout's decision was doubted and timed again
     retiming: bool = False  # timing the other way again now: nothing is inferred for it meanwhile
-    cold: int = 0  # graphed forwards still to capture the graphs dropped since this layout's last one
 
 
 class GraphChooser:
@@ -111,9 +110,10 @@ class GraphChooser:
       `samples` timed ones. The faster way's median wins; a tie within `margin` goes to eager (no graph
       pool held). Eager first: a capture empties the allocator's cache, so a layout's eager working set
       and its graphs' pool are not reserved together. Nor are another layout's: an undecided layout's
-      eager forwards run with every graph dropped (`runs_alone`), and the graphed forward after a drop,
-      which captures again, is not timed (`dropped`). A decided layout never drops graphs: where one is
-      decided eager beside graphed ones, its steps run beside their pool, the price of the speed chosen.
+      eager forwards run with every graph dropped (`runs_alone`). A forward that captured graphs (after
+      such a drop, or its static buffers outgrown) is left out of the times by its caller (`spoil`): a
+      capture is not a step's cost. A decided layout never drops graphs: where one is decided eager beside
+      graphed ones, its steps run beside their pool, the price of the speed chosen.
     - A forward's time is the time from its start to the next forward's start on the device's clock
       (CUDA events, read without a sync once they have passed), so it counts its backward, the
       optimizer step and any time the GPU sat waiting for the host. Where the way changes the
@@ -216,12 +216,6 @@ class GraphChooser:
         layout = self.layouts.get(key)
         return self.mode == "auto" and layout is not None and layout.decision is None and self._last is False
 
-    def dropped(self, forwards: int) -> None:
-        """The caller dropped every layout's graphs: each layout's next `forwards` graphed forwards capture
-        them again, so they are not timed (a capture would count against the graphed way)."""
-        for layout in self.layouts.values():
-            layout.cold = forwards
-
     def restart(self) -> None:
         """The forward just begun starts now, if timed: the caller did work first that is not the forward's
         (dropping graphs: a collection pass and the allocator's cache emptied)."""
@@ -244,16 +238,7 @@ class GraphChooser:
     # --- Inside -------------------------------------------------------------------------------
 
     def _way(self, layout: _Layout) -> tuple[bool, bool]:
-        """(graphed, timed) for this forward of `layout`; a graphed forward that captures graphs dropped since
-        the layout's last one (`dropped`) is not timed."""
-        graphed, timed = self._planned(layout)
-        if graphed and layout.cold:
-            layout.cold -= 1
-            timed = False
-        return graphed, timed
-
-    def _planned(self, layout: _Layout) -> tuple[bool, bool]:
-        """(graphed, timed) for this forward of `layout` by its stage."""
+        """(graphed, timed) for this forward of `layout`."""
         if layout.decision is None:
             self._infer(layout)
         if layout.decision is not None:

@@ -72,6 +72,7 @@ class GraphRegistry:
         self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
         self.warned: set[str] = set()
         self.dropped = 0  # graphs dropped with a replaced static storage (`drop_viewing`)
+        self.captured = 0  # signatures captured since the registry was made, releases included (never reset)
 
     def device(self, device: torch.device) -> _Device:
         if device not in self.devices:
@@ -237,6 +238,7 @@ class GraphedLayer:
             graphs.links = self.links.allocate(bufs, written, hidden.device)
         state.graphs[key] = graphs
         state.captures += 1
+        self.registry.captured += 1
         while len(state.graphs) > GRAPHS_PER_LAYER:
             state.graphs.popitem(last=False)
         return graphs

@@ -17,7 +17,7 @@ import torch
 from kestrel.recompute import checkpoint as checkpointing
 from kestrel.recompute import host_memory
 from kestrel.recompute.checkpoint import LayerCheckpoint, OffloadState, Recompute, _HostCopy, _KeptGate
-from kestrel.recompute.graph_choice import GraphChooser
+from kestrel.recompute.graph_choice import GraphChooser, WallClock
 from kestrel.recompute.host_memory import release_pinned_memory
 
 PAGE = mmap.PAGESIZE
@@ -279,3 +279,21 @@ def test_a_bad_offload_gate_share_says_what_is_valid(bad: str, monkeypatch: pyte
     monkeypatch.setenv("KESTREL_OFFLOAD_GATE", bad)
     with pytest.raises(ValueError, match="a share of the layers, 0 to 1"):
         checkpointing.gate_share()
+
+
+def test_a_forward_that_captured_graphs_is_left_out_of_the_choice_times() -> None:
+    """`spoil_after_capture`: at a training forward's start, the forward ending then is dropped from the graph
+    choice's times where layer graphs were captured since the last start (after a drop of the graphs, or a
+    static buffer outgrown), and only then."""
+    now = [0.0]
+    owner = Recompute(False, None, GraphChooser("auto", WallClock(lambda: now[0])))
+    for captured in (False, False, True, False):
+        owner.spoil_after_capture()
+        owner.chooser.begin("k", 10)
+        now[0] += 1.0
+        owner.graphs.captured += captured
+    owner.spoil_after_capture()
+    owner.chooser.begin("k", 10)
+    # The first forward is untimed; the second and third are timed, and the third, which captured, is left out
+    # (the fourth's time is read at the next start)
+    assert owner.chooser.layouts["k"].times[False] == [1.0]

@@ -329,15 +329,18 @@ def test_a_spoiled_forward_is_not_counted_and_the_next_starts_drained() -> None:
 
 
 class DroppingRun(FakeRun):
-    """A caller that drops its graphs before every forward `runs_alone` names, as `Recompute` does, and pays
-    `capture` seconds in each graphed forward that captures them again (what a real recapture costs)."""
+    """A caller as `Recompute` is: it drops its graphs before every forward `runs_alone` names, pays `capture`
+    seconds in each graphed forward that captures them again (what a real recapture costs), and leaves such a
+    forward's time out (`spoil`, at the next forward's start)."""
 
     def __init__(self, cost, capture: float = 1.0, **kwargs) -> None:
         super().__init__(cost, **kwargs)
-        self.capture, self.held, self.drops = capture, set(), 0
+        self.capture, self.held, self.drops, self.captured = capture, set(), 0, False
         self.alone: list[bool] = []
 
     def forward(self, key, tokens: int) -> bool:
+        if self.captured:
+            self.chooser.spoil()
         graphed = self.chooser.begin(key, tokens)
         alone = self.chooser.runs_alone(key)
         self.alone.append(alone)
@@ -345,10 +348,10 @@ class DroppingRun(FakeRun):
             self.held.clear()
             self.drops += 1
             self.now += 0.5  # the collection pass and the emptied cache: not the forward's
-            self.chooser.dropped(1)
             self.chooser.restart()
         self.ways.append(graphed)
-        if graphed and key not in self.held:
+        self.captured = graphed and key not in self.held
+        if self.captured:
             self.held.add(key)
             self.now += self.capture
         self.now += self.cost(tokens, graphed)
@@ -359,7 +362,7 @@ def test_an_undecided_layouts_eager_forwards_run_alone_and_every_graph_dropped_f
     """`runs_alone`: a new layout's first sighting and eager probes, while another layout replays graphs; the
     caller drops the graphs first, and neither the drop's cost nor the recaptures that follow count in either
     way's times, so both layouts are decided as they would be alone."""
-    run = DroppingRun(host_bound)
+    run = DroppingRun(host_bound, watch=4)  # a window the four recaptures would fill, were they timed
     for _ in range(14):
         run.forward("small", 1000)
     assert run.chooser.decided_graphed("small") and run.held == {"small"} and run.drops == 0
@@ -404,20 +407,9 @@ def test_a_graphed_choice_is_re_timed_eagerly_with_its_graphs_dropped() -> None:
     assert not run.chooser.decided_graphed("k")  # eager now: 0.05 against 0.2 s
 
 
-def test_a_dropped_graphs_recapture_is_not_timed_and_restart_marks_the_forward_anew() -> None:
-    """`dropped(n)`: each layout's next n graphed forwards capture again and are left out of its times;
-    `restart`: the forward just begun is timed from now, not from before the caller's drop."""
-    run = FakeRun(lambda tokens, graphed: 0.011 if graphed else 0.05, watch=4)
-    for _ in range(14):
-        run.forward("k", 1000)
-    decision = run.decisions[0]
-    run.chooser.dropped(2)
-    for _ in range(2):
-        run.forward("k", 1000)
-        run.now += 9.0  # the recapture: half of a watch's window, it would fail the check if it were timed
-    for _ in range(12):
-        run.forward("k", 1000)
-    assert run.decisions == [decision] and run.chooser.decided_graphed("k")
+def test_restart_times_the_forward_just_begun_from_now() -> None:
+    """`restart`: the forward just begun is timed from now, not from before the work its caller did first (a
+    drop of the graphs: a collection pass, the allocator's cache emptied)."""
     probe = FakeRun(lambda tokens, graphed: 0.011 if graphed else 0.05)
     probe.chooser.begin("a", 10)
     probe.now += 0.05
