@@ -70,10 +70,18 @@ class StaticBuffers:
     A storage that grows is replaced, and `on_replace(old)` is told: the graphs captured on the old
     one still hold it, so unless they are dropped (`GraphRegistry` drops them; their signatures
     capture again, on the new storage, at their next sighting) every size a run's layouts grew
-    through would stay allocated, the sum of them rather than the largest."""
+    through would stay allocated, the sum of them rather than the largest.
 
-    def __init__(self, on_replace: Callable[[torch.Tensor], None] | None = None) -> None:
+    `largest` ((slot, dtype, device) -> elements) is the largest each slot was asked for, by these buffers
+    and by those that came before them (their owner passes one dict on): a storage is made that large at
+    once, so buffers made again after the graphs were dropped do not grow through the run's sizes once
+    more, dropping the graphs captured meanwhile at each step."""
+
+    def __init__(
+        self, on_replace: Callable[[torch.Tensor], None] | None = None, largest: dict[tuple, int] | None = None,
+    ) -> None:
         self.storage: dict[tuple, torch.Tensor] = {}  # (slot, dtype, device) -> flat buffer
+        self.largest = largest if largest is not None else {}
         self.views: dict[tuple, torch.Tensor] = {}  # (slot, shape, dtype, device) -> view of it
         # data_ptr -> (tensor, version, shape, stride): a slot's views of one storage differ in shape or layout
         self.holds: dict[int, tuple[weakref.ref, int, tuple[int, ...], tuple[int, ...]]] = {}
@@ -93,7 +101,8 @@ class StaticBuffers:
         base = self.storage.get(base_key)
         if base is None or base.numel() < numel:
             old = base
-            base = self.storage[base_key] = torch.empty(numel, dtype=dtype, device=device)
+            self.largest[base_key] = max(numel, self.largest.get(base_key, 0))
+            base = self.storage[base_key] = torch.empty(self.largest[base_key], dtype=dtype, device=device)
             self.views = {k: v for k, v in self.views.items() if k[0] != slot or k[2] != dtype or k[3] != device}
             if old is not None:
                 self._replace(old)

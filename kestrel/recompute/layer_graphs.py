@@ -68,6 +68,7 @@ class GraphRegistry:
         # thread's and autograd's device thread's) and never frees it, so a new stream per release leaked
         # 64 MiB of allocated memory each time (bench/RESULTS.md, session 44)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.buffer_sizes: dict[tuple, int] = {}  # kept across `release` too: `StaticBuffers`' `largest`
         self.layers: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
         self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
         self.warned: set[str] = set()
@@ -79,7 +80,8 @@ class GraphRegistry:
             drop = _weak_call(self.drop_viewing)  # weak: the registry's memory goes when it does
             stream = self.streams.setdefault(device, torch.cuda.Stream(device))
             pool = torch.cuda.graph_pool_handle()
-            self.devices[device] = _Device(StaticBuffers(drop), pool, stream, pool_keeper(pool, stream))
+            buffers = StaticBuffers(drop, self.buffer_sizes)
+            self.devices[device] = _Device(buffers, pool, stream, pool_keeper(pool, stream))
         return self.devices[device]
 
     def drop_viewing(self, old: torch.Tensor) -> None:
