@@ -210,7 +210,7 @@ class GraphChooser:
     def runs_alone(self, key: Hashable) -> bool:
         """Whether the forward just begun for `key` runs eagerly while its layout is undecided: its first
         sighting, an eager timed probe, or a re-timing's eager forwards (auto mode). The caller drops any
-        graphs it holds first (`dropped`): this eager working set and their pool would otherwise be reserved
+        graphs it holds first (`Recompute.release`): this eager working set and their pool would otherwise be reserved
         together, above what either way needs alone, and a padded run's new layouts set its reserved peak
         just so (bench/RESULTS.md, session 44). At most 1 + `samples` such forwards a timing of a layout."""
         layout = self.layouts.get(key)

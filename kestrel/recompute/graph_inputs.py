@@ -72,16 +72,18 @@ class StaticBuffers:
     capture again, on the new storage, at their next sighting) every size a run's layouts grew
     through would stay allocated, the sum of them rather than the largest.
 
-    `largest` ((slot, dtype, device) -> elements) is the largest each slot was asked for, by these buffers
-    and by those that came before them (their owner passes one dict on): a storage is made that large at
-    once, so buffers made again after the graphs were dropped do not grow through the run's sizes once
-    more, dropping the graphs captured meanwhile at each step."""
+    `sizes` ((slot, dtype, device) -> elements): what the buffers before these were asked for (`asked`) before
+    their graphs were dropped (`GraphRegistry.release`). A slot's storage is made at least that large at once,
+    so the layouts graphed again do not grow it through their sizes once more, each growth dropping the graphs
+    captured meanwhile. Only what was asked since the drop before: a large layout since decided eager, and so
+    no longer captured, stops holding memory one drop later."""
 
     def __init__(
-        self, on_replace: Callable[[torch.Tensor], None] | None = None, largest: dict[tuple, int] | None = None,
+        self, on_replace: Callable[[torch.Tensor], None] | None = None, sizes: dict[tuple, int] | None = None,
     ) -> None:
         self.storage: dict[tuple, torch.Tensor] = {}  # (slot, dtype, device) -> flat buffer
-        self.largest = largest if largest is not None else {}
+        self.sizes = dict(sizes or {})
+        self.asked: dict[tuple, int] = {}  # (slot, dtype, device) -> the most elements `get` was asked for
         self.views: dict[tuple, torch.Tensor] = {}  # (slot, shape, dtype, device) -> view of it
         # data_ptr -> (tensor, version, shape, stride): a slot's views of one storage differ in shape or layout
         self.holds: dict[int, tuple[weakref.ref, int, tuple[int, ...], tuple[int, ...]]] = {}
@@ -98,11 +100,12 @@ class StaticBuffers:
         for n in shape:
             numel *= n
         base_key = (slot, dtype, device)
+        self.asked[base_key] = max(numel, self.asked.get(base_key, 0))
         base = self.storage.get(base_key)
         if base is None or base.numel() < numel:
             old = base
-            self.largest[base_key] = max(numel, self.largest.get(base_key, 0))
-            base = self.storage[base_key] = torch.empty(self.largest[base_key], dtype=dtype, device=device)
+            size = max(numel, self.sizes.pop(base_key, 0))
+            base = self.storage[base_key] = torch.empty(size, dtype=dtype, device=device)
             self.views = {k: v for k, v in self.views.items() if k[0] != slot or k[2] != dtype or k[3] != device}
             if old is not None:
                 self._replace(old)

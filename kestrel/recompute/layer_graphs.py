@@ -68,7 +68,7 @@ class GraphRegistry:
         # thread's and autograd's device thread's) and never frees it, so a new stream per release leaked
         # 64 MiB of allocated memory each time (bench/RESULTS.md, session 44)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.buffer_sizes: dict[tuple, int] = {}  # kept across `release` too: `StaticBuffers`' `largest`
+        self.buffer_sizes: dict[tuple, int] = {}  # what the static buffers were asked for before the last `release`
         self.layers: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
         self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
         self.warned: set[str] = set()
@@ -78,9 +78,10 @@ class GraphRegistry:
     def device(self, device: torch.device) -> _Device:
         if device not in self.devices:
             drop = _weak_call(self.drop_viewing)  # weak: the registry's memory goes when it does
-            stream = self.streams.setdefault(device, torch.cuda.Stream(device))
-            pool = torch.cuda.graph_pool_handle()
-            buffers = StaticBuffers(drop, self.buffer_sizes)
+            if device not in self.streams:
+                self.streams[device] = torch.cuda.Stream(device)
+            stream, pool = self.streams[device], torch.cuda.graph_pool_handle()
+            buffers = StaticBuffers(drop, {k: n for k, n in self.buffer_sizes.items() if k[2] == device})
             self.devices[device] = _Device(buffers, pool, stream, pool_keeper(pool, stream))
         return self.devices[device]
 
@@ -114,6 +115,7 @@ class GraphRegistry:
         for state in self.layers.values():
             state.graphs.clear()
             state.captures, state.eager_backwards, state.off = 0, 0, False
+        self.buffer_sizes = {key: n for dev in self.devices.values() for key, n in dev.buffers.asked.items()}
         self.devices.clear()
         self.dropped = 0
 

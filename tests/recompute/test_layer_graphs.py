@@ -133,22 +133,32 @@ def test_buffers_of_one_slot_share_storage_across_shapes_and_never_mistake_one_f
     assert bufs.like("grad", big).data_ptr() != b_huge.data_ptr()  # other slots: their own storage
 
 
-def test_buffers_made_again_start_at_the_largest_size_their_slot_was_asked_for() -> None:
-    """`largest`, shared by a registry's buffers across releases: buffers made after the graphs were dropped
-    make each slot's storage as large as it ever was at once, so the run's larger layouts, captured again,
-    replace no storage (and drop no graphs captured meanwhile); a slot never asked for is made to size."""
-    sizes: dict[tuple, int] = {}
-    first = StaticBuffers(largest=sizes)
-    first.get("x", (2, 3), torch.float32, torch.device("cpu"))
-    first.get("x", (4, 3), torch.float32, torch.device("cpu"))
-    assert first.replaced == 1 and sizes == {("x", torch.float32, torch.device("cpu")): 12}
-    again = StaticBuffers(largest=sizes)  # after a release
-    small = again.get("x", (2, 3), torch.float32, torch.device("cpu"))
-    assert again.storage[("x", torch.float32, torch.device("cpu"))].numel() == 12 and small.shape == (2, 3)
-    big = again.get("x", (4, 3), torch.float32, torch.device("cpu"))
+def test_buffers_made_again_after_a_release_start_at_what_was_asked_before_it() -> None:
+    """A release keeps what the static buffers were asked for (`GraphRegistry.buffer_sizes`) and the next
+    buffers start each slot's storage that large, so the layouts graphed again replace no storage (dropping no
+    graph captured meanwhile); a size asked before one release but not before the next is forgotten (a large
+    layout since decided eager holds nothing), and a slot never asked for is made to size."""
+    cpu = torch.device("cpu")
+    x = ("x", torch.float32, cpu)
+    registry = layer_graphs.GraphRegistry()
+    registry.devices[cpu] = layer_graphs._Device(StaticBuffers(), None, None)
+    first = registry.devices[cpu].buffers
+    first.get("x", (2, 3), torch.float32, cpu)
+    first.get("x", (4, 3), torch.float32, cpu)  # the large layout, probed graphed
+    assert first.replaced == 1
+    registry.release()
+    assert registry.buffer_sizes == {x: 12} and not registry.devices
+    again = StaticBuffers(sizes=registry.buffer_sizes)  # as `GraphRegistry.device` makes them
+    small = again.get("x", (2, 3), torch.float32, cpu)
+    assert again.storage[x].numel() == 12 and small.shape == (2, 3)
+    big = again.get("x", (4, 3), torch.float32, cpu)
     assert again.replaced == 0 and big.data_ptr() == small.data_ptr()
-    assert again.get("y", (1, 2), torch.float32, torch.device("cpu")).numel() == 2
-    assert again.get("x", (5, 3), torch.float32, torch.device("cpu")).numel() == 15 and sizes[("x", torch.float32, torch.device("cpu"))] == 15
+    assert again.get("y", (1, 2), torch.float32, cpu).numel() == 2
+    registry.devices[cpu] = layer_graphs._Device(StaticBuffers(sizes=registry.buffer_sizes), None, None)
+    registry.devices[cpu].buffers.get("x", (2, 3), torch.float32, cpu)  # the large layout not captured since
+    registry.release()
+    assert registry.buffer_sizes == {x: 6}
+    assert StaticBuffers(sizes=registry.buffer_sizes).get("x", (1, 3), torch.float32, cpu).untyped_storage().nbytes() == 24
 
 
 def test_graphs_on_a_replaced_storage_are_dropped_so_it_is_freed() -> None:
