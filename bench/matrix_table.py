@@ -114,11 +114,30 @@ def _run_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], ord
     return lines
 
 
+def settings_behind(r: dict[str, Any]) -> list[str]:
+    """The performance settings whose default today (`PerformanceSettings`) Kestrel record `r` was not measured
+    under: set otherwise, or missing (a record names a setting only from the session that made it)."""
+    from kestrel.config import PerformanceSettings
+
+    today = PerformanceSettings()
+    as_recorded = {  # how a record writes each default (`bench/matrix.py`'s record of the run's `Recompute`)
+        "backward_graph_capture": today.backward_graph_capture, "keep_attention": today.keep_attention,
+        "keep_projection": today.keep_projection == "on", "keep_qkv": today.keep_qkv == "on",
+        "defer_mlp": today.defer_mlp, "offload_gate": today.offload_gate,
+    }
+    behind = [name for name, value in as_recorded.items() if r.get(name) != value]
+    if not str(r.get("cuda_allocator", "")).startswith(f"{today.cuda_allocator} segments"):
+        behind.append("cuda_allocator")
+    return behind
+
+
 def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], layouts: list[str]) -> list[str]:
     """Where the dense matrix (every model of MODELS but the mixtures of experts, x METHODS x `layouts`) stands
     against issue 24's targets, read from the records alone: cells under TARGET_RATIO Unsloth's tokens/s, cells
-    whose reserved peak is over Unsloth's, Kestrel cells with no Unsloth run beside them, cells not measured."""
-    under, over, alone, missing = [], [], [], {}
+    whose reserved peak is over Unsloth's, Kestrel cells with no Unsloth run beside them, cells not measured, and
+    of the cells listed, those whose Kestrel record ran under other settings than today's defaults
+    (`settings_behind`: to be measured again before anything is read into them)."""
+    under, over, alone, missing, behind = [], [], [], {}, []
     for cell in [(m, me, lay) for m in MODELS if m not in MOE_MODELS for me in METHODS for lay in layouts]:
         by = cells.get(cell, {})
         k, u = by.get("kestrel"), by.get("unsloth")
@@ -128,13 +147,17 @@ def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], 
             alone.append(" ".join(cell) + (f" (Unsloth: {_failure(u)})" if u is not None else ""))
         else:
             ratio = k["tokens_per_s"] / u["tokens_per_s"]
+            short = ratio < TARGET_RATIO or k["peak_reserved_gib"] > u["peak_reserved_gib"]
             if ratio < TARGET_RATIO:
                 under.append(f"{' '.join(cell)} ({ratio:.2f}x)")
             if k["peak_reserved_gib"] > u["peak_reserved_gib"]:
                 over.append(f"{' '.join(cell)} (+{k['peak_reserved_gib'] - u['peak_reserved_gib']:.2f} GiB)")
+            if short and settings_behind(k):
+                behind.append(f"{' '.join(cell)} ({', '.join(settings_behind(k))})")
     lines = [f"- {title}: {'; '.join(items)}" for title, items in (
         (f"Under {TARGET_RATIO}x Unsloth", under), ("Reserved peak over Unsloth's", over),
-        ("No Unsloth run beside Kestrel's", alone))
+        ("No Unsloth run beside Kestrel's", alone),
+        ("Of those short of a target, Kestrel measured under other settings than today's defaults", behind))
         if items]
     if missing:
         lines.append("- Not measured: " + "; ".join(f"{m} ({', '.join(v)})" for m, v in missing.items()))

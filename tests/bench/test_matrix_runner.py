@@ -335,3 +335,29 @@ def test_cells_pick_cells_across_models_in_their_order_and_bad_ones_are_refused(
     for bad in ("qwen3-14b:qlora", "qwen3-14b:qlora:sideways", "nope:lora:long"):
         with pytest.raises(SystemExit):
             _args(tmp_path, "--cells", bad)
+
+
+def test_table_names_short_cells_measured_under_other_settings_than_todays_defaults() -> None:
+    """A cell short of a target whose Kestrel record misses a setting (recorded only from the session that made
+    it) or ran it otherwise than today's default is named with those settings; one under today's defaults, or not
+    short, is not."""
+    from bench.matrix_table import settings_behind
+    from kestrel.config import PerformanceSettings
+
+    today = PerformanceSettings()
+    current = dict(backward_graph_capture=today.backward_graph_capture, keep_attention=today.keep_attention,
+                   keep_projection=today.keep_projection == "on", keep_qkv=today.keep_qkv == "on",
+                   defer_mlp=today.defer_mlp, offload_gate=today.offload_gate,
+                   cuda_allocator=f"{today.cuda_allocator} segments (through PYTORCH_CUDA_ALLOC_CONF)")
+    assert settings_behind(current) == []
+    old = {k: v for k, v in current.items() if k not in ("backward_graph_capture", "cuda_allocator")}
+    assert settings_behind(old) == ["backward_graph_capture", "cuda_allocator"]
+    base = dict(model="qwen3-4b", method="qlora", layout="long", peak_alloc_gib=1.0, cuda_graphs="auto", settled=True)
+    unsloth = dict(base, system="unsloth", tokens_per_s=100.0, peak_reserved_gib=1.0)
+    note = "Kestrel measured under other settings than today's defaults"
+    over = render_table([dict(base, **old, system="kestrel", tokens_per_s=150.0, peak_reserved_gib=1.2), unsloth], ["long"])
+    assert f"{note}: qwen3-4b qlora long (backward_graph_capture, cuda_allocator)" in over
+    now = render_table([dict(base, **current, system="kestrel", tokens_per_s=150.0, peak_reserved_gib=1.2), unsloth],
+                       ["long"])
+    met = render_table([dict(base, **old, system="kestrel", tokens_per_s=150.0, peak_reserved_gib=0.9), unsloth], ["long"])
+    assert "Reserved peak over" in now and note not in now and note not in met
