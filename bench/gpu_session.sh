@@ -107,7 +107,10 @@
 #             matrix-all.jsonl) when the checkout has it, and writes $OUT/$MATRIX_FILE: after the call, copy
 #             it back from the reply's files_at (cp <files_at>/matrix-all.jsonl bench/results/) and commit,
 #             so the next call's checkout carries it and runs only the pairs still missing.
-#             MATRIX_ARGS adds options (e.g. MATRIX_ARGS="--models qwen3-4b,gemma3-4b").
+#             MATRIX_ARGS adds options (e.g. MATRIX_ARGS="--models qwen3-4b,gemma3-4b"). To measure again the cells short
+#             of a target whose Kestrel record predates today's default settings, into a file of their own (copied back
+#             into bench/results/ after each call, so the next call resumes it):
+#             MATRIX_FILE=again.jsonl MATRIX_ARGS="--cells $(python bench/matrix.py --behind bench/results/matrix-all.jsonl)"
 #
 # Needs .gpu-site (and .gpu-anchors for the baselines; .gpu-fla, flash-linear-attention, for Qwen3.5)
 # carried with the checkout; see bench/RESULTS.md for how they are built.

@@ -77,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.matrix_models import build_model_dir, model_dir  # noqa: E402
 from bench.matrix_runner import load_records, pending, run_matrix  # noqa: E402
-from bench.matrix_table import FORCED_CHECKPOINTING, FORCED_GRAPHS, METHODS, render_table  # noqa: E402
+from bench.matrix_table import FORCED_CHECKPOINTING, FORCED_GRAPHS, METHODS, cells_behind, render_table  # noqa: E402
 from bench.model_shapes import MODELS  # noqa: E402
 
 PAD_ID = 0  # padding id; sample tokens are drawn from 1..vocab-1 so padding is recognisable
@@ -418,6 +418,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                     "(instead of --models x --methods x --layouts)")
     ap.add_argument("--out", help="results (JSON lines); with --cell/--prepare: the one result's file")
     ap.add_argument("--table", metavar="FILE", help="print the markdown table of a results file and exit")
+    ap.add_argument("--behind", metavar="FILE", help="print, as a --cells value, the cells of a results file short "
+                    "of a target whose Kestrel record ran under other settings than today's defaults, and exit")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no new work after this many seconds (0: none)")
     ap.add_argument("--hard-s", type=float, default=None, help="stop a running case then (default: budget + 45)")
     ap.add_argument("--cell-timeout", type=float, default=420.0, help="seconds one case may take")
@@ -443,8 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.layouts = _names(args.layouts, LAYOUTS, "layouts", ap)
     args.systems = _names(args.systems, SYSTEMS, "systems", ap)
     args.cells = _cells(args.cells, ap) if args.cells else None
-    if not args.table and not args.out:
-        ap.error("--out is required (or --table FILE)")
+    if not args.table and not args.behind and not args.out:
+        ap.error("--out is required (or --table FILE, --behind FILE)")
     if args.gpus != "all" and not (args.gpus.isdigit() and int(args.gpus) >= 1):
         ap.error(f"--gpus takes a count of at least 1 or all, got {args.gpus!r}")
     if args.settle < 0:
@@ -456,6 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.table:
         print(render_table(load_records(Path(args.table)), list(LAYOUTS)))
+    elif args.behind:
+        print(",".join(cells_behind(load_records(Path(args.behind)), list(LAYOUTS))))
     elif args.prepare:
         folder = build_model_dir(args.prepare)
         Path(args.out).write_text(json.dumps({"folder": str(folder)}))

@@ -131,6 +131,22 @@ def settings_behind(r: dict[str, Any]) -> list[str]:
     return behind
 
 
+def _short(k: dict[str, Any], u: dict[str, Any]) -> bool:
+    """Whether Kestrel's record `k` misses a target against Unsloth's `u` (both measured): speed or reserved peak."""
+    return k["tokens_per_s"] < TARGET_RATIO * u["tokens_per_s"] or k["peak_reserved_gib"] > u["peak_reserved_gib"]
+
+
+def cells_behind(records: list[dict[str, Any]], layouts: list[str]) -> list[str]:
+    """model:method:layout of each dense cell short of a target whose Kestrel record ran under other settings than
+    today's defaults (`settings_behind`), in the table's order: `bench/matrix.py --cells`' value to measure them
+    again (`--behind`)."""
+    cells = _cells_of(records)
+    return [":".join(cell) for cell in sorted(cells, key=lambda c: _order(c, layouts))
+            if cell[0] not in MOE_MODELS and cell[1] in METHODS and cell[2] in layouts
+            and _ok(k := cells[cell].get("kestrel")) and _ok(u := cells[cell].get("unsloth"))
+            and _short(k, u) and settings_behind(k)]
+
+
 def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], layouts: list[str]) -> list[str]:
     """Where the dense matrix (every model of MODELS but the mixtures of experts, x METHODS x `layouts`) stands
     against issue 24's targets, read from the records alone: cells under TARGET_RATIO Unsloth's tokens/s, cells
@@ -147,12 +163,11 @@ def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], 
             alone.append(" ".join(cell) + (f" (Unsloth: {_failure(u)})" if u is not None else ""))
         else:
             ratio = k["tokens_per_s"] / u["tokens_per_s"]
-            short = ratio < TARGET_RATIO or k["peak_reserved_gib"] > u["peak_reserved_gib"]
             if ratio < TARGET_RATIO:
                 under.append(f"{' '.join(cell)} ({ratio:.2f}x)")
             if k["peak_reserved_gib"] > u["peak_reserved_gib"]:
                 over.append(f"{' '.join(cell)} (+{k['peak_reserved_gib'] - u['peak_reserved_gib']:.2f} GiB)")
-            if short and settings_behind(k):
+            if _short(k, u) and settings_behind(k):
                 behind.append(f"{' '.join(cell)} ({', '.join(settings_behind(k))})")
     lines = [f"- {title}: {'; '.join(items)}" for title, items in (
         (f"Under {TARGET_RATIO}x Unsloth", under), ("Reserved peak over Unsloth's", over),
@@ -178,12 +193,17 @@ def side_by_side(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return (paired or ordered)[-1]
 
 
-def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
-    """One markdown row per (model, method, layout): each system's record from one chunk (`side_by_side`)."""
+def _cells_of(records: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, dict[str, Any]]]:
+    """(model, method, layout) -> each system's record from one chunk (`side_by_side`)."""
     grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in records:
         grouped.setdefault(record_key(r)[:3], []).append(r)
-    cells = {cell: side_by_side(rs) for cell, rs in grouped.items()}
+    return {cell: side_by_side(rs) for cell, rs in grouped.items()}
+
+
+def render_table(records: list[dict[str, Any]], layouts: list[str]) -> str:
+    """One markdown row per (model, method, layout): each system's record from one chunk (`side_by_side`)."""
+    cells = _cells_of(records)
     lines = ["| model | method | layout | kestrel tok/s | unsloth tok/s | hf tok/s | kestrel / unsloth "
              "| auto / best forced | auto / standard ckpt | kestrel GiB alloc / reserved | unsloth GiB | hf GiB "
              "| auto's CUDA graphs | device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]

@@ -361,3 +361,24 @@ def test_table_names_short_cells_measured_under_other_settings_than_todays_defau
                        ["long"])
     met = render_table([dict(base, **old, system="kestrel", tokens_per_s=150.0, peak_reserved_gib=0.9), unsloth], ["long"])
     assert "Reserved peak over" in now and note not in now and note not in met
+
+
+def test_behind_lists_the_short_cells_under_other_settings_as_a_cells_value(tmp_path, capsys) -> None:
+    """`bench/matrix.py --behind FILE`: the cells `cells_behind` names, in the table's order, as `--cells` takes them;
+    a cell met, or short under today's defaults, is not among them."""
+    import json
+
+    from bench.matrix import main
+    from bench.matrix_table import settings_behind
+
+    base = dict(method="qlora", layout="long", peak_alloc_gib=1.0, cuda_graphs="auto", settled=True)
+    old = dict(base, system="kestrel", tokens_per_s=150.0, peak_reserved_gib=1.2)  # no settings recorded
+    assert settings_behind(old)
+    records = [dict(old, model="qwen3-4b"), dict(old, model="llama-3.2-1b"),
+               dict(old, model="qwen3-0.6b", peak_reserved_gib=0.9)]  # met: 1.5x at less memory
+    records += [dict(base, model=m, system="unsloth", tokens_per_s=100.0, peak_reserved_gib=1.0)
+                for m in ("qwen3-4b", "llama-3.2-1b", "qwen3-0.6b")]
+    results = tmp_path / "m.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    main(["--behind", str(results)])
+    assert capsys.readouterr().out.strip() == "llama-3.2-1b:qlora:long,qwen3-4b:qlora:long"
