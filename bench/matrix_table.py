@@ -167,8 +167,9 @@ def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], 
                 under.append(f"{' '.join(cell)} ({ratio:.2f}x)")
             if k["peak_reserved_gib"] > u["peak_reserved_gib"]:
                 over.append(f"{' '.join(cell)} (+{k['peak_reserved_gib'] - u['peak_reserved_gib']:.2f} GiB)")
-            if _short(k, u) and settings_behind(k):
-                behind.append(f"{' '.join(cell)} ({', '.join(settings_behind(k))})")
+            stale = settings_behind(k) if _short(k, u) else []
+            if stale:
+                behind.append(f"{' '.join(cell)} ({', '.join(stale)})")
     lines = [f"- {title}: {'; '.join(items)}" for title, items in (
         (f"Under {TARGET_RATIO}x Unsloth", under), ("Reserved peak over Unsloth's", over),
         ("No Unsloth run beside Kestrel's", alone),

@@ -81,8 +81,7 @@ class GraphRegistry:
             if device not in self.streams:
                 self.streams[device] = torch.cuda.Stream(device)
             stream, pool = self.streams[device], torch.cuda.graph_pool_handle()
-            buffers = StaticBuffers(drop, {k: n for k, n in self.buffer_sizes.items() if k[2] == device})
-            self.devices[device] = _Device(buffers, pool, stream, pool_keeper(pool, stream))
+            self.devices[device] = _Device(StaticBuffers(drop, self.buffer_sizes), pool, stream, pool_keeper(pool, stream))
         return self.devices[device]
 
     def drop_viewing(self, old: torch.Tensor) -> None:
