@@ -108,7 +108,11 @@ class GraphChooser:
       first: they counted the layout's first forward as their eager sighting, `first_sighting`; captured
       in the backward instead, `performance.backward_graph_capture: backward`, in the first two), then
       `samples` timed ones. The faster way's median wins; a tie within `margin` goes to eager (no graph
-      pool held). Eager first: a capture empties the allocator's cache, so a layout's eager working set
+      pool held). Where the two ways' samples lie `decisive` times apart or more (the slower way's
+      fastest sample against the faster way's slowest), the layout is decided from the samples it has:
+      step-to-step variation of that size has not been seen (an eager step varied by half on a busy
+      host, bench/RESULTS.md session 33), and a padded run's every layout is a probe of eager forwards
+      several times slower. Eager first: a capture empties the allocator's cache, so a layout's eager working set
       and its graphs' pool are not reserved together. Nor are another layout's: an undecided layout's
       eager forwards run with every graph dropped (`runs_alone`). A forward that captured graphs (after
       such a drop, or its static buffers outgrown) is left out of the times by its caller (`spoil`): a
@@ -124,8 +128,10 @@ class GraphChooser:
       every layout of at most n tokens is graphed, and once one of n is decided eager, every layout
       of at least n is eager, unless it is already being timed; a layout of exactly n tokens (the
       same batch with another number of samples in it) takes the decision even while being timed.
-      Layouts between the bounds are probed. A decision that contradicts the rule (graphed above an
-      eager one) ends the inferring by bounds.
+      Layouts between the bounds are probed. A bound from a decisive graphed decision (eager
+      `decisive` times slower) applies to smaller layouts already being timed too: a padded run times its
+      layouts interleaved, so without it each would be probed to the end. A decision that contradicts
+      the rule (graphed above an eager one) ends the inferring by bounds.
     - A timed decision is watched: its way's forwards stay timed (events, no sync), and every
       `watch` of them their median is held against the median the other way ran at when it lost.
       Where the chosen way now runs slower than that, the choice rested on samples that did not hold
@@ -146,11 +152,12 @@ class GraphChooser:
     def __init__(
         self, mode: GraphMode = "auto", clock: Clock | None = None, warmup: int = 3, samples: int = 3,
         margin: float = 0.01, on_decision: Callable[[Decision], None] | None = None, watch: int = 12,
+        decisive: float = 2.0,
     ) -> None:
         if mode not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
         self.mode, self.clock, self.warmup, self.samples, self.margin = mode, clock or WallClock(), warmup, samples, margin
-        self.watch = watch
+        self.watch, self.decisive = watch, decisive
         self.on_decision = on_decision
         self.layouts: dict[Hashable, _Layout] = {}
         self._open: tuple[_Layout, bool, Any] | None = None  # the forward running now, if timed: layout, way, start
@@ -267,13 +274,20 @@ class GraphChooser:
                 still.append((layout, graphed, start, end))
             elif layout.decision is None:
                 layout.times[graphed].append(seconds)
-                if min(len(t) for t in layout.times.values()) >= self.samples:
+                if min(len(t) for t in layout.times.values()) >= self.samples or self._apart(layout.times):
                     self._decide(layout)
             elif layout.watch and graphed == layout.decision.graphed:
                 layout.recent.append(seconds)
                 if len(layout.recent) >= layout.watch:
                     self._recheck(layout)
         self._pending = still
+
+    def _apart(self, times: dict[bool, list[float]]) -> bool:
+        """Whether each way has a sample and the slower way's fastest is `decisive` times the faster way's slowest
+        or more: more samples could not change the answer."""
+        graphed, eager = times[True], times[False]
+        return bool(graphed and eager) and (max(graphed) * self.decisive <= min(eager)
+                                            or max(eager) * self.decisive <= min(graphed))
 
     def _recheck(self, layout: _Layout) -> None:
         """A watched layout's check: time the other way again where the chosen way's recent
@@ -295,12 +309,15 @@ class GraphChooser:
         faster = "graphed" if graphed else "eager"
         ratio = max(graphed_s, eager_s) / max(min(graphed_s, eager_s), 1e-12)
         n_graphed, n_eager = len(layout.times[True]), len(layout.times[False])
-        timed = (f"timed {self.samples} forwards each way" if n_graphed == n_eager else
-                 f"re-timed ({layout.retimes}): the chosen way ran slower than the other had, so "
-                 f"{n_graphed} graphed and {n_eager} eager forwards")
+        counted = (f"{self.samples} forwards each way" if n_graphed == n_eager == self.samples else
+                   f"{n_graphed} graphed and {n_eager} eager forwards")
+        timed = (f"re-timed ({layout.retimes}): the chosen way ran slower than the other had, so {counted}"
+                 if layout.retiming else f"timed {counted}")
+        if min(n_graphed, n_eager) < self.samples:
+            timed += f", {self.decisive:g}x apart or more"
+        retimed, layout.retiming, layout.watch = layout.retiming, False, layout.watch or self.watch
         reason = (f"{timed}: graphed {graphed_s * 1e3:.1f} ms, eager {eager_s * 1e3:.1f} ms a step; {faster} " +
                   (f"is {ratio:.2f}x faster" if ratio > 1 + self.margin else "is level, and holds no graph pool"))
-        retimed, layout.retiming, layout.watch = layout.retiming, False, layout.watch or self.watch
         self._set(layout, Decision(layout.name, layout.tokens, graphed, graphed_s, eager_s, reason))
         if retimed:
             self._reinfer()
@@ -328,8 +345,11 @@ class GraphChooser:
     def _inferred(self, layout: _Layout, force: bool = False) -> Decision | None:
         """The cost model's answer, where a timed decision gives one: a layout of as many tokens
         takes its decision at any stage; a bound (fewer tokens than a graphed one, more than an
-        eager one) applies only before this layout's own timing has started (`force`: whatever its
-        stage, for a layout decided by inference before). A layout being re-timed has none."""
+        eager one) applies before this layout's own timing has started; after, only a graphed one whose
+        eager median is `decisive` times its graphed one: the host sets that layout's pace, and more so
+        a smaller one's (a decisive eager win is not the cost model's trade: graphs cost a few percent
+        where the GPU sets the pace, not half). `force`: whatever its stage and margin, for a layout
+        decided by inference before. A layout being re-timed has none."""
         if layout.retiming:
             return None
         timed = [lay.decision for lay in self.layouts.values() if lay.decision is not None and lay.decision.graphed_s is not None]
@@ -337,10 +357,12 @@ class GraphChooser:
         if same:
             return Decision(layout.name, layout.tokens, same[0].graphed, None, None,
                             f"as many tokens as {same[0].layout}, timed")
+        if any(g.graphed and not e.graphed and g.tokens >= e.tokens for g in timed for e in timed):
+            return None  # the rule does not hold on this run
+        if layout.sightings > 2 and not force:  # being timed already: only a host-bound layout's bound
+            timed = [d for d in timed if d.graphed and d.eager_s >= self.decisive * d.graphed_s]
         graphed_at = [d.tokens for d in timed if d.graphed]
         eager_at = [d.tokens for d in timed if not d.graphed]
-        if (layout.sightings > 2 and not force) or graphed_at and eager_at and max(graphed_at) >= min(eager_at):
-            return None  # being timed already, or the rule does not hold on this run
         if graphed_at and layout.tokens <= max(graphed_at):
             return Decision(layout.name, layout.tokens, True, None, None,
                             f"no more tokens than a layout timed faster graphed ({max(graphed_at)})")

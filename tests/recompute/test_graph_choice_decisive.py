@@ -1,0 +1,84 @@
+"""The CUDA-graph choice on decisive evidence (`GraphChooser.decisive`): a layout whose two ways' samples lie
+that far apart is decided without the rest of its samples, and a decisively graphed layout bounds smaller
+layouts already being timed, so a padded run's interleaved layouts are not each probed to the end. Timing is
+a fake clock (`FakeRun`); nothing is timed for real."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.recompute.test_graph_choice import FakeRun, host_bound
+
+
+def test_samples_far_apart_decide_a_layout_at_the_first_graphed_sample() -> None:
+    run = FakeRun(host_bound)  # 1,000 tokens: 50 ms eager, 11.2 ms graphed, 4.5x apart
+    for _ in range(9):  # an eager warm-up, 3 eager samples, 3 graphed warm-ups, 2 graphed samples
+        run.forward("small", 1000)
+    assert not run.decisions  # a forward's time is read two forwards' starts later
+    run.forward("small", 1000)
+    decision = run.decisions[0]
+    assert decision.graphed and decision.graphed_s == pytest.approx(0.0112)
+    times = run.chooser.layouts["small"].times
+    assert times[True] == pytest.approx([0.0112]) and times[False] == pytest.approx([0.05] * 3)
+    assert "1 graphed and 3 eager forwards, 2x apart or more" in decision.reason
+
+
+def test_samples_closer_than_decisive_are_all_taken() -> None:
+    """1.5x apart: within what a busy host's steps were seen to vary by, so the three samples each way are
+    taken, whichever way wins."""
+    for graphed_s, eager_s in ((0.1, 0.15), (0.15, 0.1)):
+        run = FakeRun(lambda tokens, graphed, g=graphed_s, e=eager_s: g if graphed else e)
+        for _ in range(9):
+            run.forward("k", 1000)
+        assert not run.decisions
+        for _ in range(4):
+            run.forward("k", 1000)
+        assert run.decisions[0].graphed == (graphed_s < eager_s)
+        assert "3 forwards each way" in run.decisions[0].reason and "apart" not in run.decisions[0].reason
+
+
+def test_a_noisy_first_sample_is_not_decisive_when_another_sample_overlaps() -> None:
+    """Decisive compares the slower way's fastest sample with the faster way's slowest, not their medians: one
+    slow eager step among fast ones keeps the layout probing."""
+    eager = iter([0.05, 0.012, 0.05] + [0.05] * 20)
+    run = FakeRun(lambda tokens, graphed: 0.011 if graphed else next(eager))
+    for _ in range(10):
+        run.forward("k", 1000)
+    assert not run.decisions  # 0.012 eager against 0.011 graphed: not 2x apart
+    for _ in range(3):
+        run.forward("k", 1000)
+    assert run.decisions and run.decisions[0].graphed
+
+
+def test_a_decisively_graphed_layout_decides_smaller_layouts_being_timed() -> None:
+    """Padded rows: four widths taking turns, all host-bound, the widest in every other batch. Once it is decided
+    graphed by a wide margin, the narrower ones still probing take its bound instead of finishing their own
+    probes; without the bound every layout is probed to the end."""
+    widths = [1200, 1600, 800, 1600, 400, 1600]  # the widest is not seen first
+
+    def probes(decisive: float) -> tuple[list[bool], dict[str, object]]:
+        run = FakeRun(host_bound, decisive=decisive)
+        for i in range(120):
+            run.forward(f"w{widths[i % 6]}", widths[i % 6])
+        return run.ways, {d.layout: d for d in run.decisions}
+
+    ways, decided = probes(2.0)
+    assert len(decided) == 4 and all(d.graphed for d in decided.values())
+    inferred = [d for d in decided.values() if d.graphed_s is None]
+    assert inferred and all("no more tokens than a layout timed faster graphed" in d.reason for d in inferred)
+    assert decided["w1600"].graphed_s is not None  # the widest is timed itself: nothing bounds it
+    slow_ways, slow_decided = probes(float("inf"))  # nothing is decisive: the old behaviour
+    assert all(d.graphed_s is not None for d in slow_decided.values())
+    assert ways.count(False) < slow_ways.count(False)  # fewer eager forwards, each several times slower
+
+
+def test_a_decisively_eager_layout_does_not_decide_larger_layouts_being_timed() -> None:
+    """Graphs twice as slow is not the cost model's trade (graphs cost a few percent where the GPU sets the pace):
+    a larger layout already being timed is timed to the end, and here graphs win on it."""
+    run = FakeRun(lambda tokens, graphed: (0.1 if graphed else 0.2) if tokens > 5000 else (0.2 if graphed else 0.1))
+    for _ in range(14):
+        run.forward("small", 1000)
+        run.forward("large", 10_000)
+    decided = {d.layout: d for d in run.decisions}
+    assert not decided["small"].graphed and "apart" in decided["small"].reason
+    assert decided["large"].graphed and decided["large"].graphed_s is not None
