@@ -104,20 +104,21 @@ class GraphChooser:
     - A layout is the signature a graph replays for (the first decoder layer's input shape and its
       other arguments' shapes, `GraphChooser.begin`'s key).
     - A new layout first runs eagerly: one untimed forward (kernels compile, the allocator fills),
-      then `samples` timed ones; then graphed: `warmup` untimed forwards (the layer graphs capture in the
-      first: they counted the layout's first forward as their eager sighting, `first_sighting`; captured
-      in the backward instead, `performance.backward_graph_capture: backward`, in the first two), then
-      `samples` timed ones. The faster way's median wins; a tie within `margin` goes to eager (no graph
-      pool held). Where the two ways' samples lie `decisive` times apart or more (the slower way's
-      fastest sample against the faster way's slowest), the layout is decided from the samples it has:
-      step-to-step variation of that size has not been seen (an eager step varied by half on a busy
-      host, bench/RESULTS.md session 33), and a padded run's every layout is a probe of eager forwards
-      several times slower. Eager first: a capture empties the allocator's cache, so a layout's eager working set
-      and its graphs' pool are not reserved together. Nor are another layout's: an undecided layout's
-      eager forwards run with every graph dropped (`runs_alone`). A forward that captured graphs (after
-      such a drop, or its static buffers outgrown) is left out of the times by its caller (`spoil`): a
-      capture is not a step's cost. A decided layout never drops graphs: where one is decided eager beside
-      graphed ones, its steps run beside their pool, the price of the speed chosen.
+      then `samples` timed ones; then graphed: `warmup` untimed forward (the layer graphs capture in it:
+      they counted the layout's first forward as their eager sighting, `first_sighting`), then `samples`
+      timed ones. The faster way's median wins; a tie within `margin` goes to eager (no graph pool held).
+      Where the two ways' samples lie `decisive` times apart or more (the slower way's fastest sample
+      against the faster way's slowest), the layout is decided from the samples it has: step-to-step
+      variation of that size has not been seen (an eager step varied by half on a busy host,
+      bench/RESULTS.md session 33), and each eager probe of a host-bound layout is several times slower
+      than its graphed steps. Eager first: a capture empties the allocator's cache, so a layout's eager
+      working set and its graphs' pool are not reserved together. Nor are another layout's: an undecided
+      layout's eager forwards run with every graph dropped (`runs_alone`). A forward that captured graphs
+      (the backward graph one forward after the first pass's under `performance.backward_graph_capture:
+      backward`, after such a drop, or its static buffers outgrown) is left out of the times by its caller
+      (`spoil`): a capture is not a step's cost, and so one untimed graphed forward is enough. A decided
+      layout never drops graphs: where one is decided eager beside graphed ones, its steps run beside
+      their pool, the price of the speed chosen.
     - A forward's time is the time from its start to the next forward's start on the device's clock
       (CUDA events, read without a sync once they have passed), so it counts its backward, the
       optimizer step and any time the GPU sat waiting for the host. Where the way changes the
@@ -150,7 +151,7 @@ class GraphChooser:
     """
 
     def __init__(
-        self, mode: GraphMode = "auto", clock: Clock | None = None, warmup: int = 3, samples: int = 3,
+        self, mode: GraphMode = "auto", clock: Clock | None = None, warmup: int = 1, samples: int = 3,
         margin: float = 0.01, on_decision: Callable[[Decision], None] | None = None, watch: int = 12,
         decisive: float = 2.0,
     ) -> None:

@@ -12,7 +12,7 @@ from tests.recompute.test_graph_choice import FakeRun, host_bound
 
 def test_samples_far_apart_decide_a_layout_at_the_first_graphed_sample() -> None:
     run = FakeRun(host_bound)  # 1,000 tokens: 50 ms eager, 11.2 ms graphed, 4.5x apart
-    for _ in range(9):  # an eager warm-up, 3 eager samples, 3 graphed warm-ups, 2 graphed samples
+    for _ in range(7):  # an eager warm-up, 3 eager samples, a graphed warm-up (the capture), 2 graphed samples
         run.forward("small", 1000)
     assert not run.decisions  # a forward's time is read two forwards' starts later
     run.forward("small", 1000)
@@ -31,7 +31,7 @@ def test_samples_closer_than_decisive_are_all_taken() -> None:
         for _ in range(9):
             run.forward("k", 1000)
         assert not run.decisions
-        for _ in range(4):
+        for _ in range(2):
             run.forward("k", 1000)
         assert run.decisions[0].graphed == (graphed_s < eager_s)
         assert "3 forwards each way" in run.decisions[0].reason and "apart" not in run.decisions[0].reason
@@ -42,7 +42,7 @@ def test_a_noisy_first_sample_is_not_decisive_when_another_sample_overlaps() -> 
     slow eager step among fast ones keeps the layout probing."""
     eager = iter([0.05, 0.012, 0.05] + [0.05] * 20)
     run = FakeRun(lambda tokens, graphed: 0.011 if graphed else next(eager))
-    for _ in range(10):
+    for _ in range(9):
         run.forward("k", 1000)
     assert not run.decisions  # 0.012 eager against 0.011 graphed: not 2x apart
     for _ in range(3):
@@ -75,7 +75,7 @@ def test_a_decisively_graphed_layout_decides_smaller_layouts_being_timed() -> No
 def test_a_decisively_eager_layout_does_not_decide_larger_layouts_being_timed() -> None:
     """Graphs twice as slow is not the cost model's trade (graphs cost a few percent where the GPU sets the pace):
     a larger layout already being timed is timed to the end, and here graphs win on it."""
-    run = FakeRun(lambda tokens, graphed: (0.1 if graphed else 0.2) if tokens > 5000 else (0.2 if graphed else 0.1))
+    run = FakeRun(lambda tokens, graphed: (0.1 if graphed else 0.2) if tokens > 5000 else (0.25 if graphed else 0.1))
     for _ in range(14):
         run.forward("small", 1000)
         run.forward("large", 10_000)
