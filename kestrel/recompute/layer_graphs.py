@@ -73,7 +73,9 @@ class GraphRegistry:
         self.loras: weakref.WeakKeyDictionary[nn.Module, list[nn.Module]] = weakref.WeakKeyDictionary()
         self.warned: set[str] = set()
         self.dropped = 0  # graphs dropped with a replaced static storage (`drop_viewing`)
-        self.captured = 0  # signatures captured since the registry was made, releases included (never reset)
+        # Graphs captured (first passes and backwards) since the registry was made, releases included (never reset):
+        # a training forward in which it grew is left out of the graph choice's times (`Recompute.spoil_after_capture`)
+        self.captured = 0
 
     def device(self, device: torch.device) -> _Device:
         if device not in self.devices:
@@ -241,7 +243,6 @@ class GraphedLayer:
             graphs.links = self.links.allocate(bufs, written, hidden.device)
         state.graphs[key] = graphs
         state.captures += 1
-        self.registry.captured += 1
         while len(state.graphs) > GRAPHS_PER_LAYER:
             state.graphs.popitem(last=False)
         return graphs
@@ -454,6 +455,7 @@ class GraphedLayer:
             self.registry.warn_once(f"a decoder layer did not capture as a CUDA graph ({type(exc).__name__}: {exc}); "
                        "it runs eagerly")
             return None
+        self.registry.captured += 1
         return graph
 
 

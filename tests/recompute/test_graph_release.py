@@ -15,7 +15,7 @@ import pytest
 import torch
 
 
-def _cuda_lora_llama(tiny_model_dir, monkeypatch, graphs: str):
+def _cuda_lora_llama(tiny_model_dir, monkeypatch, graphs: str, backward_capture: str = "first_pass"):
     """A tiny Llama with LoRA on CUDA under standard checkpointing with CUDA graphs `graphs` (auto / on), in
     training: (the checkpointing, one step on a fixed (2, 40) batch returning its loss)."""
     from kestrel.config import LoraSettings
@@ -26,7 +26,7 @@ def _cuda_lora_llama(tiny_model_dir, monkeypatch, graphs: str):
     monkeypatch.delenv("KESTREL_CUDA_GRAPHS", raising=False)
     model, _ = load(str(tiny_model_dir("llama")), 64, dtype="bf16", device="cuda")
     model = attach_lora(model, LoraSettings(r=8, alpha=16))
-    run = set_gradient_checkpointing(model, "standard", graphs)
+    run = set_gradient_checkpointing(model, "standard", graphs, backward_capture=backward_capture)
     model.train()
     ids = torch.randint(5, 200, (2, 40), device="cuda")
 
@@ -172,3 +172,26 @@ def test_the_pool_outlives_its_graphs_so_captures_after_a_drop_work(alloc_conf: 
     done = subprocess.run([sys.executable, "-c", _POOL_REUSE], env=env, capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capture", ["first_pass", "backward"])
+def test_every_step_that_captures_a_graph_shows_in_the_capture_count(tiny_model_dir, monkeypatch, capture) -> None:
+    """`GraphRegistry.captured` grows in each step that captures a graph, first passes and backwards alike, so the
+    graph choice leaves every such step out of its times (`Recompute.spoil_after_capture`) and needs only one
+    untimed graphed forward: under `backward` capture the backward graph is captured in one step and the first
+    pass's in the next, and a count of new signatures grew in the first of the two only."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run, step = _cuda_lora_llama(tiny_model_dir, monkeypatch, "on", backward_capture=capture)
+    counts = []
+    for _ in range(5):
+        step()
+        counts.append(run.graphs.captured)
+    layers = len(run.layers())
+    grew = [b - a for a, b in zip([0, *counts], counts)]
+    # first sighting eager; then first_pass captures both graphs in one step, backward in two steps
+    assert grew == ([0, 2 * layers, 0, 0, 0] if capture == "first_pass" else [0, layers, layers, 0, 0]), grew
+    stats = run.graphs.stats()
+    assert stats["forward"] == stats["backward"] == layers and stats["failed"] == 0, stats
+    run.release()
