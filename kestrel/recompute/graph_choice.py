@@ -129,6 +129,9 @@ class GraphChooser:
       every layout of at most n tokens is graphed, and once one of n is decided eager, every layout
       of at least n is eager, unless it is already being timed; a layout of exactly n tokens (the
       same batch with another number of samples in it) takes the decision even while being timed.
+      Upward, a graphed win of R at m tokens bounds the win at n > m tokens below by R (m / n)^2 (eager time does
+      not fall with more tokens; graphed time grows at most as their square), so where that is still `decisive`
+      the layout of n is graphed too (`_graphed_above`).
       Layouts between the bounds are probed. A bound from a decisive graphed decision (eager
       `decisive` times slower) applies to smaller layouts already being timed too: a padded run times its
       layouts interleaved, so without it each would be probed to the end. A decision that contradicts
@@ -360,16 +363,33 @@ class GraphChooser:
                             f"as many tokens as {same[0].layout}, timed")
         if any(g.graphed and not e.graphed and g.tokens >= e.tokens for g in timed for e in timed):
             return None  # the rule does not hold on this run
+        bounds = timed
         if layout.sightings > 2 and not force:  # being timed already: only a host-bound layout's bound
-            timed = [d for d in timed if d.graphed and d.eager_s >= self.decisive * d.graphed_s]
-        graphed_at = [d.tokens for d in timed if d.graphed]
-        eager_at = [d.tokens for d in timed if not d.graphed]
+            bounds = [d for d in timed if d.graphed and d.eager_s >= self.decisive * d.graphed_s]
+        graphed_at = [d.tokens for d in bounds if d.graphed]
+        eager_at = [d.tokens for d in bounds if not d.graphed]
         if graphed_at and layout.tokens <= max(graphed_at):
             return Decision(layout.name, layout.tokens, True, None, None,
                             f"no more tokens than a layout timed faster graphed ({max(graphed_at)})")
         if eager_at and layout.tokens >= min(eager_at):
             return Decision(layout.name, layout.tokens, False, None, None,
                             f"no fewer tokens than a layout timed faster eager ({min(eager_at)})")
+        return self._graphed_above(layout, timed)
+
+    def _graphed_above(self, layout: _Layout, timed: list[Decision]) -> Decision | None:
+        """Graphed, for a layout of n tokens above a timed graphed one of m, where graphs win there by so much that
+        they still win `decisive` times over at n: an eager forward takes no less time with more tokens (the same
+        launches from the host, more work on the GPU), and a graphed one at most (n / m)^2 times as long (its products
+        grow as the tokens, attention at most as their square), so at n graphs win at least R (m / n)^2 times over, R
+        their win at m. None where a layout of at most n tokens was timed faster eager (the rule would say eager)."""
+        if any(not d.graphed and d.tokens <= layout.tokens for d in timed):
+            return None
+        for d in sorted(timed, key=lambda d: -d.eager_s / d.graphed_s):
+            win = d.eager_s / d.graphed_s * (d.tokens / layout.tokens) ** 2
+            if d.graphed and d.tokens < layout.tokens and win >= self.decisive:
+                return Decision(layout.name, layout.tokens, True, None, None,
+                                f"graphed {d.eager_s / d.graphed_s:.1f}x faster at {d.tokens} tokens, so at least "
+                                f"{win:.1f}x at {layout.tokens} (graphed time grows at most as the tokens squared)")
         return None
 
     def _set(self, layout: _Layout, decision: Decision) -> None:

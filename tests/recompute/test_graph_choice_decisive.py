@@ -82,3 +82,36 @@ def test_a_decisively_eager_layout_does_not_decide_larger_layouts_being_timed() 
     decided = {d.layout: d for d in run.decisions}
     assert not decided["small"].graphed and "apart" in decided["small"].reason
     assert decided["large"].graphed and decided["large"].graphed_s is not None
+
+
+def test_a_large_graphed_win_decides_somewhat_larger_layouts_too() -> None:
+    """Graphs 4.5x faster at 1,000 tokens: at 1,400 they are still at least 4.5 (1000 / 1400)^2 = 2.3x faster (eager
+    time does not fall with tokens, graphed time grows at most as their square), so that layout is graphed at its
+    first forward, untimed; at 1,600 the bound (1.7x) is not decisive and the layout is probed."""
+    run = FakeRun(host_bound)
+    for _ in range(10):
+        run.forward("k1000", 1000)
+    assert run.decisions[0].graphed and run.decisions[0].eager_s / run.decisions[0].graphed_s == pytest.approx(4.46, 0.01)
+    assert run.forward("k1400", 1400)  # graphed at its first forward
+    inferred = run.decisions[-1]
+    assert inferred.layout == "k1400" and inferred.graphed and inferred.graphed_s is None
+    assert "at least 2.3x at 1400" in inferred.reason
+    assert not run.forward("k1600", 1600)  # eager: its first sighting, then probed
+    assert [d.layout for d in run.decisions] == ["k1000", "k1400"]
+
+
+def test_no_layout_is_graphed_from_below_past_a_layout_timed_faster_eager() -> None:
+    """Where a layout between was timed faster eager, the monotone rule says eager above it: no graphed inference
+    from below reaches past it, for a layout already being timed (no bound applies to it) as for a new one."""
+    run = FakeRun(lambda tokens, graphed: (0.01 if graphed else 0.1) if tokens < 1100 else (0.2 if graphed else 0.1))
+    for _ in range(3):
+        run.forward("k1200", 1200)  # its first sighting and two eager samples: being timed
+    for _ in range(12):
+        run.forward("k1000", 1000)
+        run.forward("k1100", 1100)
+    decided = {d.layout: d.graphed for d in run.decisions}
+    assert decided == {"k1000": True, "k1100": False}  # 10x graphed at 1,000 would reach 1,200 (6.9x) but for 1,100
+    run.forward("k1200", 1200)
+    assert "k1200" not in {d.layout for d in run.decisions}  # still timing itself
+    assert not run.forward("k1300", 1300)
+    assert run.decisions[-1].layout == "k1300" and "no fewer tokens than a layout timed faster eager" in run.decisions[-1].reason
