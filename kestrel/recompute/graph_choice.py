@@ -219,13 +219,16 @@ class GraphChooser:
         return [lay.decision for lay in self.layouts.values() if lay.decision is not None]
 
     def runs_alone(self, key: Hashable) -> bool:
-        """Whether the forward just begun for `key` runs eagerly while its layout is undecided: its first
-        sighting, an eager timed probe, or a re-timing's eager forwards (auto mode). The caller drops any
-        graphs it holds first (`Recompute.release`): this eager working set and their pool would otherwise be reserved
-        together, above what either way needs alone, and a padded run's new layouts set its reserved peak
-        just so (bench/RESULTS.md, session 44). At most 1 + `samples` such forwards a timing of a layout."""
+        """Whether the forward just begun for `key` runs eagerly, in auto mode, while its layout is undecided (an eager
+        timed probe, a re-timing's eager forwards) or is new: a layout's first sighting, also where the cost model
+        decided it graphed at once, since layer graphs capture a signature only at its second sighting (the first
+        sizes its workspaces). The caller drops any graphs it holds first (`Recompute.release`): this eager working
+        set and their pool would otherwise be reserved together, above what either way needs alone, and a padded
+        run's new layouts set its reserved peak just so (bench/RESULTS.md, session 44). At most 1 + `samples` such
+        forwards a timing of a layout."""
         layout = self.layouts.get(key)
-        return self.mode == "auto" and layout is not None and layout.decision is None and self._last is False
+        return self.mode == "auto" and layout is not None and (
+            layout.sightings == 1 or layout.decision is None and self._last is False)
 
     def restart(self) -> None:
         """The forward just begun starts now, if timed: the caller did work first that is not the forward's

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recompute.test_graph_choice import FakeRun, host_bound
+from tests.recompute.test_graph_choice import DroppingRun, FakeRun, host_bound
 
 
 def test_samples_far_apart_decide_a_layout_at_the_first_graphed_sample() -> None:
@@ -115,3 +115,20 @@ def test_no_layout_is_graphed_from_below_past_a_layout_timed_faster_eager() -> N
     assert "k1200" not in {d.layout for d in run.decisions}  # still timing itself
     assert not run.forward("k1300", 1300)
     assert run.decisions[-1].layout == "k1300" and "no fewer tokens than a layout timed faster eager" in run.decisions[-1].reason
+
+
+def test_a_new_layout_decided_graphed_at_once_runs_its_first_forward_alone() -> None:
+    """The cost model graphs a new layout at its first forward, but the layer graphs capture a signature only at its
+    second sighting: that first forward runs eagerly, so the caller drops the graphs first (`runs_alone`), as for an
+    undecided layout's eager forwards; its later forwards replay beside the others' graphs."""
+    run = DroppingRun(host_bound, capture=0.0)
+    for _ in range(10):
+        run.forward("k1000", 1000)
+    assert run.chooser.decided_graphed("k1000") and run.held == {"k1000"}
+    drops = run.drops
+    for tokens in (800, 1400):  # below (the bound) and above (the large win) the timed layout
+        assert run.forward(f"k{tokens}", tokens) and run.alone[-1]
+        assert run.drops == drops + 1
+        drops = run.drops
+        run.forward("k1000", 1000)
+        assert run.forward(f"k{tokens}", tokens) and not run.alone[-1] and run.drops == drops
