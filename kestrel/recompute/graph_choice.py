@@ -387,12 +387,13 @@ class GraphChooser:
         their win at m. None where a layout of at most n tokens was timed faster eager (the rule would say eager)."""
         if any(not d.graphed and d.tokens <= layout.tokens for d in timed):
             return None
-        for d in sorted(timed, key=lambda d: -d.eager_s / d.graphed_s):
-            win = d.eager_s / d.graphed_s * (d.tokens / layout.tokens) ** 2
-            if d.graphed and d.tokens < layout.tokens and win >= self.decisive:
+        below = [(d.eager_s / max(d.graphed_s, 1e-12), d) for d in timed if d.graphed and d.tokens < layout.tokens]
+        for ratio, d in sorted(below, key=lambda rd: -rd[0] * rd[1].tokens ** 2):
+            win = ratio * (d.tokens / layout.tokens) ** 2
+            if win >= self.decisive:
                 return Decision(layout.name, layout.tokens, True, None, None,
-                                f"graphed {d.eager_s / d.graphed_s:.1f}x faster at {d.tokens} tokens, so at least "
-                                f"{win:.1f}x at {layout.tokens} (graphed time grows at most as the tokens squared)")
+                                f"graphed {ratio:.1f}x faster at {d.tokens} tokens, so at least {win:.1f}x at "
+                                f"{layout.tokens} (graphed time grows at most as the tokens squared)")
         return None
 
     def _set(self, layout: _Layout, decision: Decision) -> None:
