@@ -136,15 +136,27 @@ def _short(k: dict[str, Any], u: dict[str, Any]) -> bool:
     return k["tokens_per_s"] < TARGET_RATIO * u["tokens_per_s"] or k["peak_reserved_gib"] > u["peak_reserved_gib"]
 
 
+def _dense_cells(layouts: list[str]) -> list[tuple[str, str, str]]:
+    """Every (model, method, layout) of the dense matrix (MODELS but the mixtures of experts, x METHODS x `layouts`)."""
+    return [(m, me, lay) for m in MODELS if m not in MOE_MODELS for me in METHODS for lay in layouts]
+
+
+def _stale_short(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]],
+                 layouts: list[str]) -> list[tuple[tuple[str, str, str], list[str]]]:
+    """(cell, the settings it is behind on) for each dense cell short of a target (`_short`) whose Kestrel record ran
+    under other settings than today's defaults (`settings_behind`), in the table's order."""
+    stale = []
+    for cell in _dense_cells(layouts):
+        k, u = cells.get(cell, {}).get("kestrel"), cells.get(cell, {}).get("unsloth")
+        if _ok(k) and _ok(u) and _short(k, u) and (behind := settings_behind(k)):
+            stale.append((cell, behind))
+    return stale
+
+
 def cells_behind(records: list[dict[str, Any]], layouts: list[str]) -> list[str]:
-    """model:method:layout of each dense cell short of a target whose Kestrel record ran under other settings than
-    today's defaults (`settings_behind`), in the table's order: `bench/matrix.py --cells`' value to measure them
-    again (`--behind`)."""
-    cells = _cells_of(records)
-    return [":".join(cell) for cell in sorted(cells, key=lambda c: _order(c, layouts))
-            if cell[0] not in MOE_MODELS and cell[1] in METHODS and cell[2] in layouts
-            and _ok(k := cells[cell].get("kestrel")) and _ok(u := cells[cell].get("unsloth"))
-            and _short(k, u) and settings_behind(k)]
+    """model:method:layout of each cell `_stale_short` names: `bench/matrix.py --cells`' value to measure them again
+    (`--behind`)."""
+    return [":".join(cell) for cell, _ in _stale_short(_cells_of(records), layouts)]
 
 
 def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], layouts: list[str]) -> list[str]:
@@ -153,8 +165,8 @@ def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], 
     whose reserved peak is over Unsloth's, Kestrel cells with no Unsloth run beside them, cells not measured, and
     of the cells listed, those whose Kestrel record ran under other settings than today's defaults
     (`settings_behind`: to be measured again before anything is read into them)."""
-    under, over, alone, missing, behind = [], [], [], {}, []
-    for cell in [(m, me, lay) for m in MODELS if m not in MOE_MODELS for me in METHODS for lay in layouts]:
+    under, over, alone, missing = [], [], [], {}
+    for cell in _dense_cells(layouts):
         by = cells.get(cell, {})
         k, u = by.get("kestrel"), by.get("unsloth")
         if not _ok(k):
@@ -167,9 +179,7 @@ def _target_notes(cells: dict[tuple[str, str, str], dict[str, dict[str, Any]]], 
                 under.append(f"{' '.join(cell)} ({ratio:.2f}x)")
             if k["peak_reserved_gib"] > u["peak_reserved_gib"]:
                 over.append(f"{' '.join(cell)} (+{k['peak_reserved_gib'] - u['peak_reserved_gib']:.2f} GiB)")
-            stale = settings_behind(k) if _short(k, u) else []
-            if stale:
-                behind.append(f"{' '.join(cell)} ({', '.join(stale)})")
+    behind = [f"{' '.join(cell)} ({', '.join(stale)})" for cell, stale in _stale_short(cells, layouts)]
     lines = [f"- {title}: {'; '.join(items)}" for title, items in (
         (f"Under {TARGET_RATIO}x Unsloth", under), ("Reserved peak over Unsloth's", over),
         ("No Unsloth run beside Kestrel's", alone),

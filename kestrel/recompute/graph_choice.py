@@ -388,13 +388,15 @@ class GraphChooser:
         if any(not d.graphed and d.tokens <= layout.tokens for d in timed):
             return None
         below = [(d.eager_s / max(d.graphed_s, 1e-12), d) for d in timed if d.graphed and d.tokens < layout.tokens]
-        for ratio, d in sorted(below, key=lambda rd: -rd[0] * rd[1].tokens ** 2):
-            win = ratio * (d.tokens / layout.tokens) ** 2
-            if win >= self.decisive:
-                return Decision(layout.name, layout.tokens, True, None, None,
-                                f"graphed {ratio:.1f}x faster at {d.tokens} tokens, so at least {win:.1f}x at "
-                                f"{layout.tokens} (graphed time grows at most as the tokens squared)")
-        return None
+        if not below:
+            return None
+        ratio, d = max(below, key=lambda rd: rd[0] * rd[1].tokens ** 2)  # the largest bound on the win at n
+        win = ratio * (d.tokens / layout.tokens) ** 2
+        if win < self.decisive:
+            return None
+        return Decision(layout.name, layout.tokens, True, None, None,
+                        f"graphed {ratio:.1f}x faster at {d.tokens} tokens, so at least {win:.1f}x at "
+                        f"{layout.tokens} (graphed time grows at most as the tokens squared)")
 
     def _set(self, layout: _Layout, decision: Decision) -> None:
         layout.decision = decision
