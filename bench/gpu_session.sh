@@ -82,9 +82,11 @@
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
 #   lorastep  where a long step's time goes under 16-bit LoRA and under QLoRA (LORASTEP_METHODS): LORASTEP_SHAPE's
 #             (llama-3.2-1b) matrix long cell as the matrix runs it (one row of 8,192 through the product's batch plan,
-#             checkpointing and allocator: bench/profile_train.py --layout long), graphs on: its kernel kinds
+#             checkpointing and allocator: bench/profile_train.py --layout long), graphs auto as the cell's, 30 warm-ups
+#             (forced on, a first pass is never timed, so keep_attention: auto keeps nothing: session 46): its kernel kinds
 #             (the 16-bit LoRA long cells sit at 1.14-1.19x Unsloth while QLoRA's reach 1.21x; session 40). Until
-#             session 42 the profile fed a plain (1, 8192) batch, which took the SDPA path, not the matrix's varlen one
+#             session 42 the profile fed a plain (1, 8192) batch, which took the SDPA path, not the matrix's varlen one;
+#             LORASTEP_UNSLOTH=1 profiles Unsloth's step on the same row after each, in its own process
 #   defer     the recomputed MLP deferred to its backward wherever that saves memory (KESTREL_DEFER_MLP=memory, the
 #             default) and only where whole rows would not fit (fit: whole rows, their gate product paged), then
 #             Unsloth, for each of DEFER_MODELS (llama-3.2-3b,gemma3-1b,qwen3-4b), QLoRA, DEFER_LAYOUTS (default long), one process each;
@@ -260,9 +262,15 @@ for want in "$@"; do
                           --budget-s 200 --hard-s 270 --out "$OUT/expand-$way.jsonl"; done
                   records "$OUT"/expand-*.jsonl ;;
         lorastep) for method in ${LORASTEP_METHODS:-lora qlora}; do  # where the 16-bit step's time goes, beside QLoRA's
-                      phase "lorastep-$method" 200 env KESTREL_CUDA_GRAPHS=1 python bench/profile_train.py \
+                      phase "lorastep-$method" 200 python bench/profile_train.py \
                           --shape "${LORASTEP_SHAPE:-llama-3.2-1b}" --method "$method" --layout long \
-                          --warmup 16 --out "$OUT/lorastep-$method.txt"; done ;;
+                          --warmup 30 --out "$OUT/lorastep-$method.txt"
+                      # LORASTEP_UNSLOTH=1: Unsloth's step on the same row (one row of 8,192, its own offloaded
+                      # checkpointing), in a process of its own, for the kernel-by-kernel comparison
+                      [ -n "${LORASTEP_UNSLOTH:-}" ] && phase "lorastep-$method-unsloth" 240 env \
+                          PYTHONPATH="$PWD/.gpu-anchors:$PYTHONPATH" python bench/profile_train.py --impl unsloth \
+                          --shape "${LORASTEP_SHAPE:-llama-3.2-1b}" --method "$method" --batch 1 --seq 8192 \
+                          --checkpointing offload --warmup 16 --out "$OUT/lorastep-$method-unsloth.txt"; done ;;
         gradprod) phase gradprod 120 python bench/lora_grad_products.py --shape "${GRAD_SHAPE:-qwen2.5-7b}" \
                       --out "$OUT/grad_products.json" ;;
         gate)     for model in ${GATE_MODELS//,/ }; do for g in $GATES; do
