@@ -326,6 +326,13 @@ def main() -> None:
 
         run = recompute_of(step.model)
         report += f"decoder-layer CUDA graphs: {run.graphs.stats() if run else None}\n"
+        if run is not None:  # what the run decided before the profiled steps: a profile reads differently with each
+            report += (f"kept by row count (attention, projection, Q/K/V): "
+                       f"{ {rows: (k.attention, k.projection, k.qkv) for rows, k in run.kept.items()} }; host link "
+                       f"{ {str(d): round(r / 1e9, 1) for d, r in run.deferral.link.rates.items() if r} } GB/s, first "
+                       f"pass ms { {rows: round(t * 1e3, 2) for rows, t in run.deferral.link.layer_seconds.items()} }\n")
+            report += "".join(f"graph choice {d.layout}: {'graphed' if d.graphed else 'eager'} ({d.reason})\n"
+                              for d in run.chooser.decisions())  # none where graphs are forced
     report += analyse(json.loads(Path(trace_path).read_text()), args.steps)
     Path(args.out).write_text(report)
     print(report, flush=True)
