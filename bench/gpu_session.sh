@@ -78,6 +78,10 @@
 #             expandable by default since session 39): Kestrel (auto) on EXPAND_MODELS (qwen3-0.6b,llama-3.2-1b) QLoRA,
 #             EXPAND_LAYOUTS (padded,packed), PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False then :True (the variable
 #             wins over the run's setting), one process a cell (records say `alloc_conf` and `cuda_allocator`)
+#   capstream the layer graphs captured on a side stream against the steps on a stream of their own with the graphs
+#             captured there (`performance.capture_stream`, KESTREL_CAPTURE_STREAM=side then steps), Kestrel (auto) on
+#             CAPSTREAM_CELLS (model:method:layout, comma-separated), one process a cell, ABBA (side, steps, steps, side:
+#             a drift over the call cancels); records say `capture_stream`. Its GPU test runs first
 #   gradprod  the adapters' fp32 weight-gradient products at GRAD_SHAPE's (qwen2.5-7b) shapes: cuBLAS with an fp32
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
 #   lorastep  where a long step's time goes under 16-bit LoRA and under QLoRA (LORASTEP_METHODS): LORASTEP_SHAPE's
@@ -261,6 +265,13 @@ for want in "$@"; do
                           --models "$EXPAND_MODELS" --methods qlora --layouts "${EXPAND_LAYOUTS:-padded,packed}" --systems kestrel --settle 160 \
                           --budget-s 200 --hard-s 270 --out "$OUT/expand-$way.jsonl"; done
                   records "$OUT"/expand-*.jsonl ;;
+        capstream) phase capstream-test 150 python -m pytest -q -n0 -p no:cacheprovider -rf tests/recompute/test_capture_stream.py
+                  n=0; for way in side steps steps side; do n=$((n + 1))
+                      phase "capstream-$n-$way" "${LIMIT_capstream:-150}" env KESTREL_CAPTURE_STREAM="$way" python bench/matrix.py \
+                          --cells "${CAPSTREAM_CELLS:-qwen3-0.6b:qlora:packed,qwen2.5-0.5b:qlora:padded}" --systems kestrel \
+                          --settle 160 --budget-s $((${LIMIT_capstream:-150} - 60)) --hard-s $((${LIMIT_capstream:-150} - 10)) \
+                          --out "$OUT/capstream-$n-$way.jsonl"; done
+                  records "$OUT"/capstream-*.jsonl ;;
         lorastep) for method in ${LORASTEP_METHODS:-lora qlora}; do  # where the 16-bit step's time goes, beside QLoRA's
                       phase "lorastep-$method" 200 python bench/profile_train.py \
                           --shape "${LORASTEP_SHAPE:-llama-3.2-1b}" --method "$method" --layout long \
@@ -295,7 +306,7 @@ for want in "$@"; do
                           --hard-s 230 --out "$OUT/keepattn-$name.jsonl"; done; done
                   records "$OUT"/keepattn-*.jsonl ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, gradprod, lorastep, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, capstream, gradprod, lorastep, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure

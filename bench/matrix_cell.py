@@ -22,6 +22,7 @@ def cell_step(name: str, method: str, layout: str, cuda_graphs: str = "auto", al
     import torch
 
     from kestrel.config import PerformanceSettings
+    from kestrel.recompute.capture_stream import steps_on, steps_stream
     from kestrel.training.cuda_allocator import apply_cuda_allocator
 
     applied = apply_cuda_allocator(allocator or PerformanceSettings.cuda_allocator)  # before anything reserves memory
@@ -30,13 +31,16 @@ def cell_step(name: str, method: str, layout: str, cuda_graphs: str = "auto", al
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     model.train()  # checkpointing, and so its graphs, act in training only
     stepped = [0]
+    # the steps' own stream under `performance.capture_stream: steps`, as the product's loop runs them
+    stream = steps_stream(torch.device("cuda"), recompute.capture_stream) if recompute is not None else None
 
     def step() -> Any:
         b = batches[stepped[0] % len(batches)]
         stepped[0] += 1
-        batch_loss(model, b).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with steps_on(stream):
+            batch_loss(model, b).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return b
 
     step.model, step.recompute, step.allocator = model, recompute, applied  # type: ignore[attr-defined]

@@ -123,9 +123,10 @@ def settings_behind(r: dict[str, Any]) -> list[str]:
     as_recorded = {  # how a record writes each default (`bench/matrix.py`'s record of the run's `Recompute`)
         "backward_graph_capture": today.backward_graph_capture, "keep_attention": today.keep_attention,
         "keep_projection": today.keep_projection == "on", "keep_qkv": today.keep_qkv == "on",
-        "defer_mlp": today.defer_mlp, "offload_gate": today.offload_gate,
+        "defer_mlp": today.defer_mlp, "offload_gate": today.offload_gate, "capture_stream": today.capture_stream,
     }
-    behind = [name for name, value in as_recorded.items() if r.get(name) != value]
+    before = {"capture_stream": "side"}  # what records made before a setting existed ran under
+    behind = [name for name, value in as_recorded.items() if r.get(name, before.get(name)) != value]
     if not str(r.get("cuda_allocator", "")).startswith(f"{today.cuda_allocator} segments"):
         behind.append("cuda_allocator")
     return behind

@@ -34,7 +34,8 @@ from kestrel.errors import ConfigError
 from kestrel.paths import expand_home
 from kestrel.recompute.graph_choice import GRAPH_MODES
 from kestrel.constants import (
-    BACKWARD_CAPTURE_MODES, CUDA_ALLOCATORS, DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES, KEEP_QKV_MODES,
+    BACKWARD_CAPTURE_MODES, CAPTURE_STREAMS, CUDA_ALLOCATORS, DEFER_MODES, KEEP_ATTENTION_MODES, KEEP_PROJECTION_MODES,
+    KEEP_QKV_MODES,
 )
 from kestrel.safe_yaml import parse_value, read_config_file
 
@@ -195,6 +196,10 @@ class PerformanceSettings:
     # freed blocks the default pool holds beside the growing graph pool); `kestrel.recompute.layer_graphs`.
     # Layers tied to others (`kestrel.recompute.linked`) capture in the backward either way.
     backward_graph_capture: str = "first_pass"
+    # Which stream the layer graphs are captured on: side (a stream of their own; the steps run on the default
+    # stream) or steps (the run's steps run on a stream of their own and the graphs capture on it, so cuBLAS keeps
+    # one workspace a handle instead of two and one stream's block cache serves both); `kestrel.recompute.capture_stream`.
+    capture_stream: str = "side"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,
@@ -211,6 +216,8 @@ class PerformanceSettings:
         check(self.backward_graph_capture in BACKWARD_CAPTURE_MODES,
               "performance.backward_graph_capture must be one of "
               f"{', '.join(BACKWARD_CAPTURE_MODES)}, got {self.backward_graph_capture!r}")
+        check(self.capture_stream in CAPTURE_STREAMS,
+              f"performance.capture_stream must be one of {', '.join(CAPTURE_STREAMS)}, got {self.capture_stream!r}")
         check(self.defer_mlp in DEFER_MODES,
               f"performance.defer_mlp must be one of {', '.join(DEFER_MODES)}, got {self.defer_mlp!r}")
 

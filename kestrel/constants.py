@@ -23,6 +23,8 @@ KEEP_PROJECTION_MODES = ("off", "on")
 KEEP_QKV_MODES = ("off", "on")
 # `performance.backward_graph_capture`: when a graphed layer's recompute-and-backward graph is captured
 BACKWARD_CAPTURE_MODES = ("backward", "first_pass")
+# `performance.capture_stream`: which stream the layer graphs are captured on (`kestrel.recompute.capture_stream`)
+CAPTURE_STREAMS = ("side", "steps")
 # `performance.cuda_allocator`: how torch's CUDA caching allocator grows its segments
 CUDA_ALLOCATORS = ("expandable", "fixed")
 # Dataset formats the reader knows (`kestrel.data.formats.FORMATS`, plus auto-detection), named

@@ -14,6 +14,7 @@ overrides for debugging; nothing else in the package reads the environment for t
 | KESTREL_KEEP_PROJECTION | off / on: override a run's `performance.keep_projection` (debugging) |
 | KESTREL_KEEP_QKV | off / on: override a run's `performance.keep_qkv` (debugging) |
 | KESTREL_BACKWARD_CAPTURE | backward / first_pass: override a run's `performance.backward_graph_capture` (debugging) |
+| KESTREL_CAPTURE_STREAM | side / steps: override a run's `performance.capture_stream` (debugging) |
 | KESTREL_KERNELS | triton / torch: force every fused op onto one implementation (debugging, tests) |
 | KESTREL_PDL | 0 turns off programmatic dependent launches in the decode step (Hopper and later) |
 | KESTREL_DEVICES | the devices jobs may use, "cpu" or "cuda:0,cuda:1" (default: every visible GPU) |
@@ -34,7 +35,8 @@ import os
 
 VARIABLES = (
     "KESTREL_HOME", "KESTREL_CUDA_GRAPHS", "KESTREL_OFFLOAD_GATE", "KESTREL_DEFER_MLP", "KESTREL_KEEP_ATTENTION",
-    "KESTREL_KEEP_PROJECTION", "KESTREL_KEEP_QKV", "KESTREL_BACKWARD_CAPTURE", "KESTREL_KERNELS", "KESTREL_PDL",
+    "KESTREL_KEEP_PROJECTION", "KESTREL_KEEP_QKV", "KESTREL_BACKWARD_CAPTURE", "KESTREL_CAPTURE_STREAM",
+    "KESTREL_KERNELS", "KESTREL_PDL",
     "KESTREL_DEVICES", "KESTREL_JOBS_PER_DEVICE", "KESTREL_EXPORT_SLOTS", "KESTREL_CANCEL_TIMEOUT_S",
     "KESTREL_KILL_GRACE_S", "KESTREL_ENGINE_ENTRY", "KESTREL_JOB_DEVICE", "KESTREL_HOST_GPUS",
 )

@@ -44,6 +44,7 @@ from kestrel.kernels.lora.casts import cast_fresh
 from kestrel.model.kept_attention import KeptBytes, Keeping
 from kestrel.model.registry import family_for
 from kestrel.recompute import layer_graphs, no_grad
+from kestrel.recompute.capture_stream import capture_stream_mode
 from kestrel.recompute.gate_share import gate_share, paged_gate_layers, pages_gate_out
 from kestrel.recompute.graph_choice import CudaClock, Decision, GraphChooser, GraphMode
 from kestrel.recompute.host_link import FirstPassTimes
@@ -142,6 +143,7 @@ class Recompute:
         shared_state: str | None = None, deferral: MLPDeferral | None = None, keep_attention: str = "off",
         keep_projection: bool = False, keep_qkv: bool = False,
         backward_capture: str = PerformanceSettings.backward_graph_capture,
+        capture_stream: str = PerformanceSettings.capture_stream,
     ) -> None:
         self.offload, self.chooser, self.gate_share = offload, chooser, gate_share
         self.deferral = deferral if deferral is not None else MLPDeferral()  # whether recomputed MLPs defer
@@ -155,7 +157,9 @@ class Recompute:
         self.observing = False
         self.no_grad_active, self.no_grad_graphed = False, False  # inside `no_grad_forwards`; its forward's choice
         self.backward_capture = backward_capture  # `performance.backward_graph_capture`: backward | first_pass
-        self.graphs = layer_graphs.GraphRegistry(capture_ahead=backward_capture == "first_pass")
+        self.capture_stream = capture_stream  # `performance.capture_stream`: side | steps (the loop enters `steps_stream`)
+        self.graphs = layer_graphs.GraphRegistry(capture_ahead=backward_capture == "first_pass",
+                                                 on_steps=capture_stream == "steps")
         self.holds_graphs = False
         self._captures_seen = 0  # `graphs.captured` at the last training forward's start
         self.offloaded = OffloadState()
@@ -398,6 +402,7 @@ def set_gradient_checkpointing(
     keep_projection: str = PerformanceSettings.keep_projection,
     keep_qkv: str = PerformanceSettings.keep_qkv,
     backward_capture: str = PerformanceSettings.backward_graph_capture,
+    capture_stream: str = PerformanceSettings.capture_stream,
 ) -> Recompute | None:
     """Turn checkpointing `off`, `standard` (recompute each layer) or `offload` on `model`; returns
     the run's `Recompute` (None when off). `cuda_graphs` and `on_decision`: `GraphChooser`'s;
@@ -408,7 +413,9 @@ def set_gradient_checkpointing(
     hears `auto`'s answer for each row count, `Recompute.attention_keeps_up`); `keep_projection` (off | on):
     where they do, their output projection's output too (KESTREL_KEEP_PROJECTION overrides); `keep_qkv`
     (off | on): and their Q, K and V projections' outputs (KESTREL_KEEP_QKV overrides); `backward_capture`
-    (backward | first_pass): when a graphed layer's backward graph is captured (KESTREL_BACKWARD_CAPTURE overrides).
+    (backward | first_pass): when a graphed layer's backward graph is captured (KESTREL_BACKWARD_CAPTURE overrides);
+    `capture_stream` (side | steps): which stream the graphs capture on, and so which the caller runs the steps on
+    (`Recompute.capture_stream`, `kestrel.recompute.capture_stream`; KESTREL_CAPTURE_STREAM overrides).
 
     Both modes checkpoint with our reentrant `LayerCheckpoint`. Hugging Face's
     `gradient_checkpointing_enable` is called with use_reentrant=False only to set HF's flags
@@ -439,7 +446,8 @@ def set_gradient_checkpointing(
                           keep_attention=keep_attention_mode(keep_attention),
                           keep_projection=keep_projection_mode(keep_projection) == "on",
                           keep_qkv=keep_qkv_mode(keep_qkv) == "on",
-                          backward_capture=backward_capture_mode(backward_capture))
+                          backward_capture=backward_capture_mode(backward_capture),
+                          capture_stream=capture_stream_mode(capture_stream))
     recompute.on_attention = on_attention
     # Timed graphs run a layer eagerly only where the GPU sets the pace: kept casts would cost memory there and save
     # nothing (`kestrel.kernels.lora.casts`); any other mode unmarks what an earlier call marked

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kestrel.recompute.capture_stream import pool_keeper, warm_stream
+from kestrel.recompute.capture_stream import capture_on, pool_keeper, warm_stream
 from kestrel.recompute.graph_grads import flat_slots, set_grads
 from kestrel.recompute.graph_state import _Device, _Graphs, _LayerState, GateKeeper
 from kestrel.recompute.graph_inputs import graphable, NotGraphable, StaticBuffers, signature, substitute
@@ -59,10 +59,12 @@ class GraphRegistry:
     """One run's CUDA graphs: each layer's graphs and counters, and per device the static
     buffers, the graphs' memory pool and the capture stream. Dropping it (`release`, or the run
     ending) gives their memory back. `capture_ahead`: a layer's recompute-and-backward graph is captured
-    in the first pass of its signature's second sighting, not in that step's backward (`GraphedLayer`)."""
+    in the first pass of its signature's second sighting, not in that step's backward (`GraphedLayer`).
+    `on_steps`: the graphs capture on the steps' own stream (`performance.capture_stream: steps`,
+    `kestrel.recompute.capture_stream`), the one current when a device's graphs are first made."""
 
-    def __init__(self, capture_ahead: bool = False) -> None:
-        self.capture_ahead = capture_ahead
+    def __init__(self, capture_ahead: bool = False, on_steps: bool = False) -> None:
+        self.capture_ahead, self.on_steps = capture_ahead, on_steps
         self.devices: dict[torch.device, _Device] = {}
         # Kept across `release`: cuBLAS keeps a workspace per handle and stream (32 MiB, two handles: this
         # thread's and autograd's device thread's) and never frees it, so a new stream per release leaked
@@ -80,11 +82,16 @@ class GraphRegistry:
     def device(self, device: torch.device) -> _Device:
         if device not in self.devices:
             drop = _weak_call(self.drop_viewing)  # weak: the registry's memory goes when it does
-            if device not in self.streams:
-                self.streams[device] = torch.cuda.Stream(device)
-            stream, pool = self.streams[device], torch.cuda.graph_pool_handle()
+            stream = capture_on(torch.cuda.current_stream(device), torch.cuda.default_stream(device),
+                                lambda: self._side_stream(device), self.on_steps)
+            pool = torch.cuda.graph_pool_handle()
             self.devices[device] = _Device(StaticBuffers(drop, self.buffer_sizes), pool, stream, pool_keeper(pool, stream))
         return self.devices[device]
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
 
     def drop_viewing(self, old: torch.Tensor) -> None:
         """Drop the graphs that address `old`, a static storage just replaced by a larger one, so

@@ -28,7 +28,8 @@ from kestrel.config import TrainConfig
 from kestrel.errors import TrainingDivergedError
 from kestrel.model.lora import attach_lora
 from kestrel.model.multimodal import freeze_outside_language_model
-from kestrel.recompute.checkpoint import Recompute, set_gradient_checkpointing
+from kestrel.recompute.capture_stream import steps_on, steps_stream
+from kestrel.recompute.checkpoint import Recompute, recompute_of, set_gradient_checkpointing
 from kestrel.recompute.graph_choice import Decision
 from kestrel.recompute.mlp_deferral import defer_mode, DeferDecision, MLPDeferral
 from kestrel.recompute.policy import choose_checkpointing
@@ -183,7 +184,7 @@ def prepare_model(
         model, mode, "off" if world.distributed and config.trains_all_weights else cuda_graphs,
         graph_reporter(record, cb), config.performance.offload_gate, deferral, config.performance.keep_attention,
         attention_reporter(record, cb), config.performance.keep_projection, config.performance.keep_qkv,
-        config.performance.backward_graph_capture)
+        config.performance.backward_graph_capture, config.performance.capture_stream)
     if world.distributed:
         if config.trains_all_weights:
             shard_full_model(model, decoder_layers(model), world)
@@ -406,7 +407,13 @@ def run_recipe(
     this; rank 0 alone writes (the collectives inside the saves need every rank)."""
     s = setup_fn(config, output_dir, cb, world or World())
     cb.on_start(RunInfo(str(output_dir), s.total_steps, s.start_step, str(s.device), config.method))
-    with steps_heap():  # no full garbage collection walks the libraries and the model between steps
+    recompute = recompute_of(s.model)
+    stream = steps_stream(s.device, recompute.capture_stream) if recompute is not None else None
+    if stream is not None:
+        cb.on_log("the steps run on a stream of their own, and the layer graphs capture on it "
+                  "(performance.capture_stream: steps)")
+    # no full garbage collection walks the libraries and the model between steps
+    with steps_heap(), steps_on(stream):
         status = loop_fn(s, cb) if s.start_step < s.total_steps else "completed"
     report_best(s, cb, wait=True)  # the last best weights are on disk before the run ends
     last = s.scheduler.last_epoch  # steps done: below total_steps when stopped (or stopped early)

@@ -350,6 +350,10 @@ def test_table_names_short_cells_measured_under_other_settings_than_todays_defau
                    defer_mlp=today.defer_mlp, offload_gate=today.offload_gate,
                    cuda_allocator=f"{today.cuda_allocator} segments (through PYTORCH_CUDA_ALLOC_CONF)")
     assert settings_behind(current) == []
+    # records made before `capture_stream` existed ran its first mode, side: behind only once the default moves
+    assert settings_behind(dict(current, capture_stream=today.capture_stream)) == []
+    other = next(m for m in ("side", "steps") if m != today.capture_stream)
+    assert settings_behind(dict(current, capture_stream=other)) == ["capture_stream"]
     old = {k: v for k, v in current.items() if k not in ("backward_graph_capture", "cuda_allocator")}
     assert settings_behind(old) == ["backward_graph_capture", "cuda_allocator"]
     base = dict(model="qwen3-4b", method="qlora", layout="long", peak_alloc_gib=1.0, cuda_graphs="auto", settled=True)

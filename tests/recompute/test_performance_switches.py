@@ -9,6 +9,7 @@ import pytest
 
 from kestrel.config import PerformanceSettings, config_from_dict
 from kestrel.errors import ConfigError
+from kestrel.recompute.capture_stream import capture_stream_mode
 from kestrel.recompute.checkpoint import (
     backward_capture_mode, graph_mode, keep_attention_mode, keep_projection_mode, keep_qkv_mode,
 )
@@ -22,6 +23,7 @@ SWITCHES = [  # field, default, the run's resolver, its variable, (configured: n
     ("keep_qkv", "on", keep_qkv_mode, "KESTREL_KEEP_QKV", ("off", "on", "on")),
     ("backward_graph_capture", "first_pass", backward_capture_mode, "KESTREL_BACKWARD_CAPTURE",
      ("backward", "first_pass", "first_pass")),
+    ("capture_stream", "side", capture_stream_mode, "KESTREL_CAPTURE_STREAM", ("steps", "side", "side")),
 ]
 
 
