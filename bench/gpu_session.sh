@@ -82,6 +82,9 @@
 #             captured there (`performance.capture_stream`, KESTREL_CAPTURE_STREAM=side then steps), Kestrel (auto) on
 #             CAPSTREAM_CELLS (model:method:layout, comma-separated), one process a cell, ABBA (side, steps, steps, side:
 #             a drift over the call cancels); records say `capture_stream`. Its GPU test runs first
+#   cefloor   the fused loss's chunk rows (128-768) against 512, the frozen head's floor, on every (hidden, vocabulary)
+#             of the matrix's models at 4,096 and 8,192 tokens: time and peak memory, and the chunk the device's ridge
+#             point names (bench/ce_floor.py; the 148 MiB chunk buffer sat at a small model's reserved peak, session 46)
 #   gradprod  the adapters' fp32 weight-gradient products at GRAD_SHAPE's (qwen2.5-7b) shapes: cuBLAS with an fp32
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
 #   lorastep  where a long step's time goes under 16-bit LoRA and under QLoRA (LORASTEP_METHODS): LORASTEP_SHAPE's
@@ -265,6 +268,7 @@ for want in "$@"; do
                           --models "$EXPAND_MODELS" --methods qlora --layouts "${EXPAND_LAYOUTS:-padded,packed}" --systems kestrel --settle 160 \
                           --budget-s 200 --hard-s 270 --out "$OUT/expand-$way.jsonl"; done
                   records "$OUT"/expand-*.jsonl ;;
+        cefloor)  phase cefloor "${LIMIT_cefloor:-180}" python bench/ce_floor.py --out "$OUT/ce_floor.json" ;;
         capstream) phase capstream-test 150 python -m pytest -q -n0 -p no:cacheprovider -rf tests/recompute/test_capture_stream.py
                   n=0; for way in side steps steps side; do n=$((n + 1))
                       phase "capstream-$n-$way" "${LIMIT_capstream:-150}" env KESTREL_CAPTURE_STREAM="$way" python bench/matrix.py \
@@ -306,7 +310,7 @@ for want in "$@"; do
                           --hard-s 230 --out "$OUT/keepattn-$name.jsonl"; done; done
                   records "$OUT"/keepattn-*.jsonl ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, capstream, gradprod, lorastep, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, capstream, cefloor, gradprod, lorastep, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure
