@@ -42,11 +42,10 @@ def ridge_rows(flops_per_s: float, bytes_per_s: float) -> int:
     return int(min(512, max(128, 128 * math.ceil(ridge / 128))))
 
 
-def one(n: int, h: int, v: int, rows: int) -> dict:
-    """The frozen-head loss, forward and backward, with chunks of `rows` rows: median seconds, peak extra bytes."""
-    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
-    labels = torch.randint(0, v, (n,), device="cuda")
+def one(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int) -> dict:
+    """The frozen-head loss of hidden (N, H) through weight (V, H), forward and backward, with chunks of `rows` rows:
+    median seconds, peak extra bytes."""
+    n, v = hidden.shape[0], weight.shape[0]
     original = ce._chunk_size
     ce._chunk_size = lambda n_, h_, v_, frozen=False: min(rows, n_)
     try:
@@ -78,7 +77,11 @@ def main() -> None:
     results, lines = [], []
     for n in (int(t) for t in args.tokens.split(",")):
         for h, v in shapes:
-            runs = {rows: one(n, h, v, rows) for rows in CHUNKS}
+            hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+            labels = torch.randint(0, v, (n,), device="cuda")
+            runs = {rows: one(hidden, weight, labels, rows) for rows in CHUNKS}
+            del hidden, weight, labels
             at512, chosen = runs[512], runs[model_rows]
             results.append({"tokens": n, "hidden": h, "vocab": v, "runs": list(runs.values()),
                             "model_rows": model_rows, "model_vs_512": chosen["seconds"] / at512["seconds"]})

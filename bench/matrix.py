@@ -256,18 +256,9 @@ def settle(step: Callable[[int], None], chooser: Any, start: int, most: int, n_b
 
 
 def timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser: Any = None,
-                settle_most: int = 0, probe: Callable[[], Any] | None = None, stream: Any = None) -> dict[str, Any]:
+                settle_most: int = 0, probe: Callable[[], Any] | None = None) -> dict[str, Any]:
     """`warmup` steps, up to `settle_most` more while Kestrel's `chooser` settles (`settle`), then
-    `steps` timed AdamW steps; step i on batches[i % len]; timings, memory, losses. `stream`: the steps'
-    own (`performance.capture_stream: steps`), as the product's loop runs them (`steps_on`)."""
-    from kestrel.recompute.capture_stream import steps_on
-
-    with steps_on(stream):
-        return _timed_steps(model, batches, warmup, steps, chooser, settle_most, probe)
-
-
-def _timed_steps(model: Any, batches: list[Any], warmup: int, steps: int, chooser: Any,
-                 settle_most: int, probe: Callable[[], Any] | None) -> dict[str, Any]:
+    `steps` timed AdamW steps; step i on batches[i % len]; timings, memory, losses."""
     import torch
 
     from bench.common import gib
@@ -360,11 +351,13 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
     # Every system steps each batch once before timing; Kestrel's chooser and graphs may take up to --settle.
     graphs = getattr(recompute, "graphs", None) if kestrel else None
     probe = (lambda: {k: v for k, v in graphs.stats().items() if k != "copies"}) if graphs is not None else None
-    from kestrel.recompute.capture_stream import steps_stream
+    from kestrel.recompute.capture_stream import steps_on, steps_stream
 
+    # the steps' own stream under `performance.capture_stream: steps`, as the product's loop runs them
     stream = steps_stream(torch.device("cuda"), recompute.capture_stream) if kestrel and recompute is not None else None
-    res = timed_steps(model, gpu, args.warmup, args.steps, chooser, max(args.settle if kestrel else 0, len(batches)), probe,
-                      stream)
+    with steps_on(stream):
+        res = timed_steps(model, gpu, args.warmup, args.steps, chooser, max(args.settle if kestrel else 0, len(batches)),
+                          probe)
     timed = [(args.warmup + res["settle_steps"] + j) % len(batches) for j in range(args.steps)]
     tokens = sum(batches[i].tokens for i in timed)
     slots = sum(batches[i].input_ids.numel() for i in timed)
