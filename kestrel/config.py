@@ -198,8 +198,9 @@ class PerformanceSettings:
     backward_graph_capture: str = "first_pass"
     # Which stream the layer graphs are captured on: side (a stream of their own; the steps run on the default
     # stream) or steps (the run's steps run on a stream of their own and the graphs capture on it, so cuBLAS keeps
-    # one workspace a handle instead of two and one stream's block cache serves both); `kestrel.recompute.capture_stream`.
-    capture_stream: str = "side"
+    # one workspace a handle instead of two and one stream's block cache serves both: the default since it measured
+    # 0.08 GiB less reserved at the same speed, bench/RESULTS.md session 47); `kestrel.recompute.capture_stream`.
+    capture_stream: str = "steps"
 
     def __post_init__(self) -> None:
         check(self.cuda_graphs in GRAPH_MODES,

@@ -15,6 +15,8 @@ from torch import nn
 from kestrel.recompute.graph_inputs import StaticBuffers
 from kestrel.recompute.linked_graphs import LinkBuffers, WrittenLike
 
+KeptLike = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]  # a kept tensor's shape, strides and dtype
+
 
 class GateKeeper(Protocol):
     """Where offloaded checkpointing keeps one layer call's MLP gate product E (M, I) between its
@@ -25,8 +27,9 @@ class GateKeeper(Protocol):
     slot: int  # which of two static buffers: consecutive layers alternate
 
     @property
-    def like(self) -> tuple[tuple[int, ...], torch.dtype] | None:
-        """E's shape and dtype once an eager first pass has kept it."""
+    def like(self) -> KeptLike | None:
+        """E's shape, strides and dtype once an eager first pass has kept it (its static buffer is laid
+        out so: `GraphBuffers.get_strided`)."""
 
     def bind(self, buf: torch.Tensor | None) -> None:
         """The MLP keeps E in `buf` and takes it from there (None: keeps nothing); the compute
@@ -84,8 +87,8 @@ class _Graphs:
 class _LayerState:
     def __init__(self) -> None:
         self.seen: dict[Any, int] = {}
-        self.gate_like: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}  # E kept by a first sighting
-        self.kept_like: dict[Any, list[tuple[tuple[int, ...], torch.dtype]]] = {}  # the other kept tensors
+        self.gate_like: dict[Any, KeptLike] = {}  # E kept by a first sighting
+        self.kept_like: dict[Any, list[KeptLike]] = {}  # the other kept tensors
         self.wrote: dict[Any, list[WrittenLike]] = {}  # what a linked call's first sighting wrote
         self.graphs: collections.OrderedDict[Any, _Graphs] = collections.OrderedDict()
         self.captures = 0

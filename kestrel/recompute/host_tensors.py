@@ -107,8 +107,8 @@ class _HostTensor:
         self._guard(current)
 
     def _landing(self) -> torch.Tensor:
-        """Where the copy back lands: a new block of the compute stream's pool."""
-        return torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        """Where the copy back lands: a new block of the compute stream's pool, laid out as the host copy."""
+        return torch.empty_strided(self.host.shape, self.host.stride(), dtype=self.host.dtype, device=self.device)
 
     def _guard(self, current: torch.cuda.Stream) -> None:
         """Should the copy back never be taken (a step abandoned mid-backward), the compute
@@ -194,9 +194,9 @@ class _KeptGate(_HostTensor):
         self.holds = False  # E was copied out of `static`
 
     @property
-    def like(self) -> tuple[tuple[int, ...], torch.dtype] | None:
-        """E's shape and dtype once a first pass has kept it (None before, or if it did not)."""
-        return None if self.host is None else (tuple(self.host.shape), self.host.dtype)
+    def like(self) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None:
+        """E's shape, strides and dtype once a first pass has kept it (None before, or if it did not)."""
+        return None if self.host is None else (tuple(self.host.shape), self.host.stride(), self.host.dtype)
 
     def bind(self, buf: torch.Tensor | None) -> None:
         """From now on E lives in `buf` on the device: `keep` copies it there (work on the current

@@ -241,10 +241,10 @@ class GraphedLayer:
         bufs = self.registry.device(hidden.device).buffers
         graphs = _Graphs(bufs.like("x", hidden), [bufs.like(("arg", i), t) for i, t in enumerate(self.leaves)])
         if like is not None:
-            graphs.gate = bufs.get(("gate", gate.slot), *like, hidden.device)
+            graphs.gate = bufs.get_strided(("gate", gate.slot), *like, hidden.device)
         kept_like = state.kept_like.get(seen)
         if kept_like is not None:
-            graphs.kept = [bufs.get(("kept", i, keeper.slot), *shape, hidden.device)
+            graphs.kept = [bufs.get_strided(("kept", i, keeper.slot), *shape, hidden.device)
                            for i, (keeper, shape) in enumerate(zip(self.kept, kept_like))]
         if self.links is not None:
             graphs.links = self.links.allocate(bufs, written, hidden.device)

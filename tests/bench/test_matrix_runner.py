@@ -348,12 +348,14 @@ def test_table_names_short_cells_measured_under_other_settings_than_todays_defau
     current = dict(backward_graph_capture=today.backward_graph_capture, keep_attention=today.keep_attention,
                    keep_projection=today.keep_projection == "on", keep_qkv=today.keep_qkv == "on",
                    defer_mlp=today.defer_mlp, offload_gate=today.offload_gate,
-                   cuda_allocator=f"{today.cuda_allocator} segments (through PYTORCH_CUDA_ALLOC_CONF)")
+                   cuda_allocator=f"{today.cuda_allocator} segments (through PYTORCH_CUDA_ALLOC_CONF)",
+                   capture_stream=today.capture_stream)
     assert settings_behind(current) == []
-    # records made before `capture_stream` existed ran its first mode, side: behind only once the default moves
-    assert settings_behind(dict(current, capture_stream=today.capture_stream)) == []
     other = next(m for m in ("side", "steps") if m != today.capture_stream)
     assert settings_behind(dict(current, capture_stream=other)) == ["capture_stream"]
+    # records made before `capture_stream` existed ran side, behind since the default moved to steps
+    assert settings_behind({k: v for k, v in current.items() if k != "capture_stream"}) == (
+        [] if today.capture_stream == "side" else ["capture_stream"])
     old = {k: v for k, v in current.items() if k not in ("backward_graph_capture", "cuda_allocator")}
     assert settings_behind(old) == ["backward_graph_capture", "cuda_allocator"]
     base = dict(model="qwen3-4b", method="qlora", layout="long", peak_alloc_gib=1.0, cuda_graphs="auto", settled=True)

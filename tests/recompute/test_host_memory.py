@@ -71,3 +71,37 @@ def test_a_failed_registration_says_what_to_lower(
     with pytest.raises(RuntimeError, match=r"3\.00 GiB.*max_seq_length.*gradient_checkpointing: standard"):
         _pool().acquire(3 << 30)
     assert isinstance(host_memory.HostMemoryError("x"), KestrelError)  # train.run reports it
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pinned-pool", "plain"])
+def test_a_host_copy_is_laid_out_as_the_tensor_it_copies_where_that_is_dense(
+    pooled: bool, request: pytest.FixtureRequest
+) -> None:
+    """Attention's output O (B, H, S, D) is a transposed view of (B, S, H, D) memory: its host copy (and so the
+    copy back, `_landing`, and a graphed layer's static buffer, from `like`) keeps that layout, so copying it out
+    is one flat copy and the backward does not lay it out again. A slice, not dense, is copied contiguously."""
+    if pooled:
+        request.getfixturevalue("fake_pinning")
+    owner = type("Owner", (), {})()
+    for batch in (2, 1):  # a leading dimension of one: its stride says nothing about the layout
+        o = torch.randn(batch, 5, 3, 4).transpose(1, 2)  # (B, H=3, S=5, D=4) over (B, S, H, D) memory
+        buf, _ = host_memory.host_buffer(owner, o)
+        assert buf.shape == o.shape and not buf.is_contiguous()
+        assert all(buf.stride(d) == o.stride(d) for d in range(4) if o.shape[d] > 1), (buf.stride(), o.stride())
+        buf.copy_(o)
+        assert torch.equal(buf, o)
+    sliced = torch.randn(6, 8)[:, :4]
+    buf, _ = host_memory.host_buffer(owner, sliced)
+    assert buf.shape == sliced.shape and buf.is_contiguous()
+
+
+def test_a_kept_attention_output_comes_back_in_its_own_layout() -> None:
+    """What the recompute takes back is laid out as what the first pass kept (on the CPU the host copy itself)."""
+    from kestrel.recompute.host_tensors import KeptAttentionOutput, OffloadState
+
+    kept = KeptAttentionOutput(OffloadState())
+    o, lse = torch.randn(2, 5, 3, 4).transpose(1, 2), torch.randn(2, 3, 5)
+    kept.keep(o, lse)
+    assert kept.out.like == (tuple(o.shape), o.stride(), o.dtype)
+    back, back_lse = kept.take()
+    assert back.stride() == o.stride() and torch.equal(back, o) and torch.equal(back_lse, lse)

@@ -141,6 +141,16 @@ def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, m
         return run
 
     monkeypatch.setattr(kept_module, "CUDNN_CAUSAL", kept_module.CausalKernels(counted("forward"), counted("backward")))
+    relaid, in_layout = [], kept_module._in_layout
+
+    def counted_layout(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+        out = in_layout(t, strides)
+        relaid.extend([tuple(t.shape)] if out is not t else [])
+        return out
+
+    # O and dO come back in the layout cuDNN's forward gave O (the host copy, the copy back and a graphed
+    # layer's static buffer keep it): the backward lays neither out again (a copy of each, every layer)
+    monkeypatch.setattr(kept_module, "_in_layout", counted_layout)
     kept, kept_w, stats = train_cuda(folder, graphs, monkeypatch, qlora=qlora, mode="offload", keep_attention="on",
                                      keep_projection=projection, keep_qkv=qkv)
     layers, steps = 2, 4  # the tiny llama's, `train_cuda`'s
@@ -148,6 +158,7 @@ def test_kept_attention_trains_as_recomputed_attention_on_cuda(tiny_model_dir, m
         assert calls == {"forward": layers * steps, "backward": layers * steps}, calls
     else:
         assert calls["forward"] > 0, calls
+    assert relaid == [], f"O or dO laid out again in the backward: {relaid}"
     if graphs:
         assert base_stats["kept"] == 0 and stats["kept"] == 2 and stats["eager_backwards"] == 0, stats
         assert stats["forward"] == stats["backward"] == 2 and stats["failed"] == 0, stats

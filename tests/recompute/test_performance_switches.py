@@ -23,7 +23,7 @@ SWITCHES = [  # field, default, the run's resolver, its variable, (configured: n
     ("keep_qkv", "on", keep_qkv_mode, "KESTREL_KEEP_QKV", ("off", "on", "on")),
     ("backward_graph_capture", "first_pass", backward_capture_mode, "KESTREL_BACKWARD_CAPTURE",
      ("backward", "first_pass", "first_pass")),
-    ("capture_stream", "side", capture_stream_mode, "KESTREL_CAPTURE_STREAM", ("steps", "side", "side")),
+    ("capture_stream", "steps", capture_stream_mode, "KESTREL_CAPTURE_STREAM", ("side", "steps", "steps")),
 ]
 
 
