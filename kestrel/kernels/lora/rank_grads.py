@@ -1,0 +1,108 @@
+"""The two rank-r products of one adapter's backward that read the output gradient, in one pass over it.
+
+For a projection y = x W^T + (x A^T s) B^T with output gradient dy (M, N) (N the projection's outputs,
+r its rank) and xa = s x A^T (M, r), kept from the forward, the backward needs
+
+    dyb = dy B          (M, r)     the adapter's path back towards x (and dA = (s dyb)^T x)
+    dB  = dy^T xa       (N, r)     B's gradient, accumulated in fp32
+
+Both read all of dy, the largest tensor either touches (M N elements against (M + N) r), and as two
+cuBLAS products each reads it once: two passes over dy, by products whose outputs are only r = 8-64
+columns wide, which cuBLAS ran several times slower than reading dy takes where N is a hidden size
+(bench/RESULTS.md, session 47: the 16-bit LoRA step's rank-r products). Here each program reads one
+(BM, BN) tile of dy at a time, once, and feeds it to both products.
+
+Program (g, j) owns columns j BN .. (j + 1) BN of dy and a group of rows, which it walks BM at a time:
+
+    part_j[rows] = dy[rows, cols_j] B[cols_j]        (BM, r): stored, one slab per column block j
+    acc_g       += dy[rows, cols_j]^T xa[rows]       (BN, r): in registers over the group's rows
+
+after which acc_g goes to its own slab. The slabs are summed on the host side of the kernel (a
+fixed order: the result is the same from run to run, as cuBLAS's is): dyb = sum_j part_j and
+dB = sum_g acc_g. The slabs cost 2 r / BN and 2 r / G (G the rows of a group) of dy's bytes to
+write, and again to read back; the grid is sized to fill the device twice over (`_grid`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels._launch import launch
+from kestrel.kernels._utils import cdiv, interpreted, next_pow2, round_up_coarse, sm_count
+from kestrel.kernels.dispatch import use_triton
+from kestrel.kernels.lora.casts import mm_to
+
+_BM, _BN = 32, 256  # rows of a step, columns of a program
+_WAVES = 2  # programs per streaming multiprocessor the grid aims at
+
+
+@triton.jit
+def _rank_grads_kernel(
+    dy_ptr, b_ptr, xa_ptr,  # dy (M, N), B (N, R), xa (M, R): any strides
+    part_ptr,  # (n_col_blocks, M, RP) fp32: dy B, one slab per column block
+    acc_ptr,  # (n_row_groups, N, RP) fp32: dy^T xa, one slab per row group
+    M, N, R,
+    s_dym, s_dyn, s_bn, s_br, s_xam, s_xar,
+    STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, IEEE: tl.constexpr,
+):
+    g, j = tl.program_id(0), tl.program_id(1)
+    cols = j * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    rk = tl.arange(0, RP)
+    rk_ok = rk < R
+    b = tl.load(b_ptr + cols[:, None] * s_bn + rk[None, :] * s_br, mask=col_ok[:, None] & rk_ok[None, :], other=0.0)
+    acc = tl.zeros((BN, RP), dtype=tl.float32)
+    first = g * (STEPS * BM)
+    for step in range(STEPS):  # a constant trip count: `_grid` rounds it to few distinct values
+        rows = first + step * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * s_dym + cols[None, :] * s_dyn,
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # (BM, BN)
+        xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * s_xam + rk[None, :] * s_xar,
+                     mask=row_ok[:, None] & rk_ok[None, :], other=0.0)  # (BM, RP)
+        if IEEE:  # fp32 operands (as cuBLAS multiplies them), or the interpreter (it gets 16-bit tl.dot wrong)
+            dy, xa = dy.to(tl.float32), xa.to(tl.float32)
+            part = tl.dot(dy, b.to(tl.float32), input_precision="ieee")  # (BM, RP)
+            acc = tl.dot(tl.trans(dy), xa, acc, input_precision="ieee")  # (BN, RP)
+        else:
+            part = tl.dot(dy, b)
+            acc = tl.dot(tl.trans(dy), xa, acc)
+        tl.store(part_ptr + (j * M + rows[:, None]).to(tl.int64) * RP + rk[None, :], part, mask=row_ok[:, None])
+    tl.store(acc_ptr + (g * N + cols[:, None]).to(tl.int64) * RP + rk[None, :], acc, mask=col_ok[:, None])
+
+
+def _grid(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
+    """(row groups, column blocks, steps of _BM rows a group): column blocks of _BN, then as many row groups as
+    bring the programs to _WAVES a multiprocessor, each group's steps rounded up to three significant bits (a
+    compile-time trip count, so few distinct values: `round_up_coarse`)."""
+    col_blocks = cdiv(n, _BN)
+    steps = cdiv(m, _BM)
+    groups = max(1, min(steps, cdiv(_WAVES * sm_count(device), col_blocks)))
+    per_group = round_up_coarse(cdiv(steps, groups))
+    return cdiv(steps, per_group), col_blocks, per_group
+
+
+def rank_grads_reference(dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dy B in dy's dtype, dy^T xa in fp32) by two products (the module docstring's math)."""
+    return torch.mm(dy, b), mm_to(dy.t(), xa, torch.float32)
+
+
+def rank_grads(dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dyb = dy B (M, r) in dy's dtype and dB = dy^T xa (N, r) in fp32, for dy (M, N), B (N, r) and xa (M, r)
+    of one dtype (any strides): one pass over dy on CUDA (the Triton kernel), two products elsewhere."""
+    m, n = dy.shape
+    r = b.shape[1]
+    if not use_triton(dy, b, xa) or m == 0 or n == 0:
+        return rank_grads_reference(dy, b, xa)
+    rp = max(16, next_pow2(r))  # tl.dot's smallest side
+    groups, col_blocks, steps = _grid(m, n, dy.device)
+    part = torch.empty((col_blocks, m, rp), dtype=torch.float32, device=dy.device)
+    acc = torch.empty((groups, n, rp), dtype=torch.float32, device=dy.device)
+    launch(_rank_grads_kernel, (groups, col_blocks), dy, b, xa, part, acc, m, n, r,
+           dy.stride(0), dy.stride(1), b.stride(0), b.stride(1), xa.stride(0), xa.stride(1),
+           steps, _BM, _BN, rp, dy.dtype == torch.float32 or interpreted(), num_warps=4, num_stages=3)
+    dyb = (part[0] if col_blocks == 1 else part.sum(0))[:, :r].to(dy.dtype)
+    db = (acc[0] if groups == 1 else acc.sum(0))[:, :r]
+    return dyb, db.contiguous()

@@ -1,0 +1,64 @@
+"""kestrel.kernels.lora.rank_grads: an adapter's dy B and dy^T xa in one pass over dy, against the two
+products in fp64, on shapes that leave partial tiles, several column blocks and row groups (or one of
+each), ranks that are not a power of two, and strided operands (xa a slice of a group's stacked products)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.kernels.lora.rank_grads import _grid, rank_grads
+from tests.kernels.tolerance import assert_close
+
+
+def _case(m: int, n: int, r: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    b = (torch.randn(n, r, generator=g) / 8).to(dtype)
+    stacked = torch.randn(m, 3 * r, generator=g).to(dtype)  # (M, 3r): this projection's xa is its middle block
+    return dy, b, stacked[:, r:2 * r]
+
+
+@pytest.mark.parametrize(("m", "n", "r"), [(70, 300, 8), (20, 96, 16), (130, 520, 24), (33, 256, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_gives_both_products(backend: str, poisoned: None, m: int, n: int, r: int, dtype: torch.dtype) -> None:
+    dy, b, xa = _case(m, n, r, dtype)
+    assert not xa.is_contiguous()
+    dyb, db = rank_grads(dy, b, xa)
+    assert dyb.dtype == dtype and db.dtype == torch.float32 and db.is_contiguous()
+    assert_close(dyb, (dy.double() @ b.double()).to(dtype), tight=dtype == torch.float32)
+    assert_close(db, (dy.double().t() @ xa.double()).float(), tight=dtype == torch.float32)
+
+
+def test_a_transposed_gradient_is_read_through_its_strides(backend: str) -> None:
+    dy, b, xa = _case(40, 300, 16, torch.float32, seed=1)
+    dyt = dy.t().contiguous().t()  # the same values, column-major
+    for got, want in zip(rank_grads(dyt, b, xa), rank_grads(dy, b, xa)):
+        assert_close(got, want)
+
+
+def test_the_grid_fills_the_device_and_covers_every_row() -> None:
+    """Row groups are whole steps, cover M, and bring the programs near two a multiprocessor (4 off CUDA)."""
+    for m, n in [(8192, 2048), (8192, 512), (8192, 8192), (100, 300), (1, 64), (65536, 14336), (12345, 3584)]:
+        groups, cols, steps = _grid(m, n, torch.device("cpu"))
+        rows = steps * 32
+        assert groups * rows >= m and (groups - 1) * rows < m
+        assert cols == -(-n // 256)
+        assert groups * cols >= min(8, -(-m // 32) * cols) * 0.8  # near as many as the rows allow, up to two waves
+    assert len({_grid(m, 2048, torch.device("cpu"))[2] for m in range(4096, 8193, 7)}) <= 5  # few trip counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n", "r"), [(4096, 512, 16), (8192, 2048, 16), (2048, 8192, 16), (4096, 3584, 64),
+                                           (1000, 896, 8)])
+def test_one_pass_gives_both_products_on_cuda(m: int, n: int, r: int) -> None:
+    """Compiled for the GPU at the shapes a step meets (a deferred MLP's 2,048-row chunks among them), bf16
+    operands as training has them: within bf16's rounding of dy B, and dB as close as cuBLAS's fp32 product."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dy, b, xa = (t.cuda() for t in _case(m, n, r, torch.bfloat16, seed=2))
+    dyb, db = rank_grads(dy, b, xa)
+    assert_close(dyb, (dy.double() @ b.double()).to(torch.bfloat16), tight=False)
+    exact = dy.double().t() @ xa.double()
+    cublas = torch.mm(dy.t(), xa, out_dtype=torch.float32)
+    assert (db.double() - exact).abs().max() <= 2 * (cublas.double() - exact).abs().max() + 1e-4 * exact.abs().max()
