@@ -109,9 +109,26 @@ def analyse(trace: dict, steps: int) -> str:
         gaps[where][1] += 1
     for k, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
+    lines += _gaps_in_step(busy, kernels, queries, cpu, start, (end - start) / steps)
     lines += _kernels_by_source(kernels, launches, cpu, steps, ("other", "copy"))
     lines += _products_by_shape(kernels, cpu, steps)
     return "\n".join(lines)
+
+
+def _gaps_in_step(busy: list[tuple[float, float]], kernels: list[dict], queries: list[tuple], cpu: list[dict],
+                  start: float, step_us: float, top: int = 12) -> list[str]:
+    """The longest idle gaps with where in its step each fell (ms from the step's start, the profiled steps taken
+    as equal spans from the first kernel) and what launched the kernel after it; and where each step's first
+    loss kernel ran, the turn from forward to backward (a wait for pages just after it is the top layer's)."""
+    gaps = [(s1 - e0, e0) for (_, e0), (s1, _) in zip(busy, busy[1:]) if s1 - e0 >= GAP_US]  # as `queries`, in order
+    named = [(gap, at, what) for (gap, at), what in zip(gaps, _frames_at(cpu, queries))]
+    loss = sorted({int((k["ts"] - start) // step_us): (k["ts"] - start) % step_us
+                   for k in reversed(kernels) if k["kind"] == "loss"}.items())
+    lines = ["\nlongest idle gaps (us, ms into the step, what launched the kernel after); the loss's first kernel at "
+             + ", ".join(f"{at / 1e3:.1f} ms" for _, at in loss) + " into each step:"]
+    for gap, at, what in sorted(named, key=lambda g: -g[0])[:top]:
+        lines.append(f"  {gap:8.0f} {((at - start) % step_us) / 1e3:8.1f}  {what}")
+    return lines
 
 
 def _kernels_by_source(kernels: list[dict], launches: dict, cpu: list[dict], steps: int,

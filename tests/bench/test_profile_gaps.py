@@ -74,3 +74,26 @@ def test_a_kernel_launched_through_the_driver_is_tritons_whatever_its_name() -> 
     head = next(i for i, line in enumerate(report) if line.startswith("other and copy kernels by"))
     table = [line for line in report[head + 1:] if line.startswith("  ")][:2]
     assert len(table) == 1 and "0.10" in table[0] and "aten::mul" in table[0]  # the Triton kernel is not here
+
+
+def test_the_longest_gaps_say_where_in_the_step_they_fell_beside_the_loss() -> None:
+    """Two steps of 1,000 us each: a 300 us gap right after each step's loss kernel (a backward waiting for the
+    top layer's pages) and a 50 us gap early on; the longest comes first, at its offset into its step."""
+    def kernel(ts: float, dur: float, corr: int, name: str = "nvjet_gemm") -> dict:
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = []
+    for step in range(2):
+        t0 = step * 1000
+        events += [kernel(t0, 100, 10 * step + 1), kernel(t0 + 150, 250, 10 * step + 2),  # a 50 us gap at 100
+                   kernel(t0 + 400, 100, 10 * step + 3, "_ce_chunk_kernel"),  # the loss at 400
+                   kernel(t0 + 800, 200, 10 * step + 4)]  # a 300 us gap at 500
+        events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t0 + 790, "dur": 2, "tid": 7,
+                       "args": {"correlation": 10 * step + 4}})
+        events.append({"cat": "cpu_op", "name": "aten::copy_", "ts": t0 + 785, "dur": 10, "tid": 7})
+    report = analyse({"traceEvents": events}, steps=2).splitlines()
+    head = next(i for i, line in enumerate(report) if line.startswith("longest idle gaps"))
+    assert "0.4 ms, 0.4 ms into each step" in report[head]
+    rows = [line.split() for line in report[head + 1:head + 5]]
+    assert rows[0][:2] == ["300", "0.5"] and "aten::copy_" in rows[0][2] and rows[1][:2] == ["300", "0.5"]
+    assert rows[2][:2] == ["50", "0.1"]
