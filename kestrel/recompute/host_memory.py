@@ -132,7 +132,7 @@ def laid_out_like(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     `_in_layout`)."""
     order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
     flat = flat[:t.numel()]
-    view = flat.view([t.shape[d] for d in order]).permute(*sorted(range(t.dim()), key=order.__getitem__))
+    view = flat.view([t.shape[d] for d in order]).permute(sorted(range(t.dim()), key=order.__getitem__))
     same = all(view.stride(d) == t.stride(d) for d in range(t.dim()) if t.shape[d] > 1)
     return view if same else flat.view(t.shape)
 

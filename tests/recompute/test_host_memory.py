@@ -90,9 +90,11 @@ def test_a_host_copy_is_laid_out_as_the_tensor_it_copies_where_that_is_dense(
         assert all(buf.stride(d) == o.stride(d) for d in range(4) if o.shape[d] > 1), (buf.stride(), o.stride())
         buf.copy_(o)
         assert torch.equal(buf, o)
-    sliced = torch.randn(6, 8)[:, :4]
-    buf, _ = host_memory.host_buffer(owner, sliced)
-    assert buf.shape == sliced.shape and buf.is_contiguous()
+    for other in (torch.randn(6, 8)[:, :4], torch.randn(3, 1).expand(3, 4), torch.tensor(2.0)):  # slice, broadcast, 0-d
+        buf, _ = host_memory.host_buffer(owner, other)
+        assert buf.shape == other.shape and buf.is_contiguous()
+        buf.copy_(other)
+        assert torch.equal(buf, other)
 
 
 def test_a_kept_attention_output_comes_back_in_its_own_layout() -> None:
