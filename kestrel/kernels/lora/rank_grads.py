@@ -20,7 +20,8 @@ Program (g, j) owns columns j BN .. (j + 1) BN of dy and a group of rows, which 
 after which acc_g goes to its own slab. The slabs are summed on the host side of the kernel (a
 fixed order: the result is the same from run to run, as cuBLAS's is): dyb = sum_j part_j and
 dB = sum_g acc_g. The slabs cost 2 r / BN and 2 r / G (G the rows of a group) of dy's bytes to
-write, and again to read back; the grid is sized to fill the device twice over (`_grid`).
+write, and again to read back, which is why ranks above 32 take the two products (`_one_pass_pays`);
+the grid is sized to fill the device twice over (`_grid`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def _grid(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
     return cdiv(steps, per_group), col_blocks, per_group
 
 
+def _one_pass_pays(rp: int) -> bool:
+    """Whether the one pass moves fewer bytes than cuBLAS's two, at rank columns `rp`: it saves one read of dy and
+    adds its dy B slabs, written and read back, 2 x (rp fp32 a row per _BN columns) = 4 rp / _BN of dy's 16-bit
+    bytes (the dB slabs are smaller by G / _BN). That is at most half the read it saves up to rp = _BN / 8 (32 at
+    256 columns); at rank 64 the two would be level, and cuBLAS's products are wider there."""
+    return 4 * rp <= _BN // 2
+
+
 def rank_grads_reference(dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dy B in dy's dtype, dy^T xa in fp32) by two products (the module docstring's math)."""
     return torch.mm(dy, b), mm_to(dy.t(), xa, torch.float32)
@@ -91,12 +100,13 @@ def rank_grads_reference(dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor) ->
 
 def rank_grads(dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dyb = dy B (M, r) in dy's dtype and dB = dy^T xa (N, r) in fp32, for dy (M, N), B (N, r) and xa (M, r)
-    of one dtype (any strides): one pass over dy on CUDA (the Triton kernel), two products elsewhere."""
+    of one dtype (any strides): one pass over dy on CUDA (the Triton kernel) where it moves fewer bytes than two
+    (`_one_pass_pays`), two products otherwise."""
     m, n = dy.shape
     r = b.shape[1]
-    if not use_triton(dy, b, xa) or m == 0 or n == 0:
-        return rank_grads_reference(dy, b, xa)
     rp = max(16, next_pow2(r))  # tl.dot's smallest side
+    if not (use_triton(dy, b, xa) and m and n and dy.dtype == b.dtype == xa.dtype and _one_pass_pays(rp)):
+        return rank_grads_reference(dy, b, xa)
     groups, col_blocks, steps = _grid(m, n, dy.device)
     part = torch.empty((col_blocks, m, rp), dtype=torch.float32, device=dy.device)
     acc = torch.empty((groups, n, rp), dtype=torch.float32, device=dy.device)
