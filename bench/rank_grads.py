@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, cuda_time  # noqa: E402
 from bench.model_shapes import MODELS  # noqa: E402
-from kestrel.kernels.lora.rank_grads import rank_grads, rank_grads_reference  # noqa: E402
+from kestrel.kernels.lora.rank_grads import _grid, rank_grads, rank_grads_reference  # noqa: E402
 
 
 def widths() -> list[int]:
@@ -53,7 +53,10 @@ def measure(m: int, n: int, r: int, bandwidth: float) -> dict:
     one = cuda_time(lambda: rank_grads(dy, b, xa), warmup=10, iters=50)
     two = cuda_time(lambda: rank_grads_reference(dy, b, xa), warmup=10, iters=50)
     bound = m * n * 2 / bandwidth  # reading dy once (the copy bandwidth counts a copy's read and write bytes)
-    return dict(m=m, n=n, r=r, one_pass_us=one * 1e6, cublas_us=two * 1e6, bound_us=bound * 1e6,
+    groups, col_blocks, _ = _grid(m, n, dy.device)
+    rp = max(16, r)
+    slabs = (col_blocks * m + groups * n) * rp * 4  # the one pass's fp32 partial sums, alive during the call
+    return dict(m=m, n=n, r=r, one_pass_us=one * 1e6, cublas_us=two * 1e6, bound_us=bound * 1e6, slab_mib=slabs / 2**20,
                 speedup=two / one, one_pass_error=errors[0], cublas_error=errors[1])
 
 
@@ -70,7 +73,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"M {m:5d} N {n:6d} r {r:3d}  one pass {row['one_pass_us']:7.1f} us  cuBLAS x2 "
                       f"{row['cublas_us']:7.1f} us  ({row['speedup']:.2f}x)  read-once bound {row['bound_us']:6.1f} us"
-                      f"  error {row['one_pass_error']:.1e} / {row['cublas_error']:.1e}", flush=True)
+                      f"  error {row['one_pass_error']:.1e} / {row['cublas_error']:.1e}  slabs {row['slab_mib']:.1f} MiB", flush=True)
     args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), bandwidth=bandwidth, rows=rows), indent=1))
 
 
