@@ -48,8 +48,8 @@ def _rank_grads_kernel(
     s_dym, s_dyn, s_bn, s_br, s_xam, s_xar,
     STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, IEEE: tl.constexpr,
 ):
-    g, j = tl.program_id(0), tl.program_id(1)
-    cols = j * BN + tl.arange(0, BN)
+    g, j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets: a transposed dy's
+    cols = j * BN + tl.arange(0, BN)  # column stride is M, and slab offsets pass 2^31 on long batches
     col_ok = cols < N
     rk = tl.arange(0, RP)
     rk_ok = rk < R
@@ -59,9 +59,9 @@ def _rank_grads_kernel(
     for step in range(STEPS):  # a constant trip count: `_grid` rounds it to few distinct values
         rows = first + step * BM + tl.arange(0, BM)
         row_ok = rows < M
-        dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * s_dym + cols[None, :] * s_dyn,
+        dy = tl.load(dy_ptr + rows[:, None] * s_dym + cols[None, :] * s_dyn,
                      mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # (BM, BN)
-        xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * s_xam + rk[None, :] * s_xar,
+        xa = tl.load(xa_ptr + rows[:, None] * s_xam + rk[None, :] * s_xar,
                      mask=row_ok[:, None] & rk_ok[None, :], other=0.0)  # (BM, RP)
         if IEEE:  # fp32 operands (as cuBLAS multiplies them), or the interpreter (it gets 16-bit tl.dot wrong)
             dy, xa = dy.to(tl.float32), xa.to(tl.float32)
@@ -70,8 +70,8 @@ def _rank_grads_kernel(
         else:
             part = tl.dot(dy, b)
             acc = tl.dot(tl.trans(dy), xa, acc)
-        tl.store(part_ptr + (j * M + rows[:, None]).to(tl.int64) * RP + rk[None, :], part, mask=row_ok[:, None])
-    tl.store(acc_ptr + (g * N + cols[:, None]).to(tl.int64) * RP + rk[None, :], acc, mask=col_ok[:, None])
+        tl.store(part_ptr + (j * M + rows[:, None]) * RP + rk[None, :], part, mask=row_ok[:, None])
+    tl.store(acc_ptr + (g * N + cols[:, None]) * RP + rk[None, :], acc, mask=col_ok[:, None])
 
 
 def _grid(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
