@@ -273,7 +273,7 @@ for want in "$@"; do
                   records "$OUT"/expand-*.jsonl ;;
         rankgrads) phase rankgrads-test 120 python -m pytest -q -n0 -p no:cacheprovider -rf tests/kernels/test_rank_grads.py \
                       tests/kernels/test_lora.py tests/kernels/test_mlp.py
-                  phase rankgrads "${LIMIT_rankgrads:-120}" python bench/rank_grads.py --out "$OUT/rank_grads.json"
+                  phase rankgrads "${LIMIT_rankgrads:-150}" python bench/rank_grads.py --sweep --out "$OUT/rank_grads.json"
                   tail -n 70 "$OUT/rankgrads.log" ;;
         cefloor)  phase cefloor "${LIMIT_cefloor:-180}" python bench/ce_floor.py --out "$OUT/ce_floor.json" ;;
         capstream) phase capstream-test 150 python -m pytest -q -n0 -p no:cacheprovider -rf tests/recompute/test_capture_stream.py

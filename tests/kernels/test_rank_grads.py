@@ -74,3 +74,23 @@ def test_high_ranks_take_the_two_products(monkeypatch: pytest.MonkeyPatch) -> No
     dy, b, xa = _case(40, 300, 64, torch.float32)
     module.rank_grads(dy, b, xa)
     assert ran == [] and module._one_pass_pays(32) and not module._one_pass_pays(64)
+
+
+def test_the_kernel_compiles_for_sm90_on_tensor_cores_without_spilling() -> None:
+    """The default tiles for 16-bit operands at ranks 16 and 32 and for fp32 (exact products), through Triton and
+    ptxas for an H100/H200 (no GPU needed; its own process, uninterpreted; unit strides and alignment specialized as
+    a launch has them): 16-bit operands take tensor-core instructions, fp32 none, the tiles of dy are copied ahead
+    into shared memory (cp.async: the loop is pipelined, which a memory-bound pass needs), and nothing spills."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.support.sm90_compile", "rank_grads"], capture_output=True,
+                          text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.strip().splitlines()[-4:]]
+    assert [(dtype, int(rp)) for dtype, rp, *_ in rows] == [("bf16", 16), ("bf16", 32), ("fp16", 16), ("fp32", 16)]
+    for dtype, _, mma, _, spilled, copied_ahead in rows:
+        assert (int(mma) > 0) == (dtype != "fp32") and int(spilled) == 0 and int(copied_ahead) > 0, rows

@@ -26,6 +26,8 @@ the grid is sized to fill the device twice over (`_grid`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -35,8 +37,21 @@ from kestrel.kernels._utils import cdiv, interpreted, next_pow2, round_up_coarse
 from kestrel.kernels.dispatch import use_triton
 from kestrel.kernels.lora.casts import mm_to
 
-_BM, _BN = 32, 256  # rows of a step, columns of a program
 _WAVES = 2  # programs per streaming multiprocessor the grid aims at
+
+
+class Tiles(NamedTuple):
+    """A launch's tiling: rows of a step, columns of a program, warps, pipelined stages (`tl.range`: tiles of dy
+    copied ahead into shared memory). The default is untimed (compiled for sm_90, pipelined and without spilling:
+    `tests/kernels/test_rank_grads.py`); `bench/rank_grads.py --sweep` times it against others."""
+
+    rows: int = 32
+    cols: int = 256
+    warps: int = 4
+    stages: int = 3
+
+
+DEFAULT_TILES = Tiles()
 
 
 @triton.jit
@@ -47,6 +62,7 @@ def _rank_grads_kernel(
     M, N, R,
     s_dym, s_dyn, s_bn, s_br, s_xam, s_xar,
     STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, IEEE: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     g, j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # int64 offsets: a transposed dy's
     cols = j * BN + tl.arange(0, BN)  # column stride is M, and slab offsets pass 2^31 on long batches
@@ -56,7 +72,7 @@ def _rank_grads_kernel(
     b = tl.load(b_ptr + cols[:, None] * s_bn + rk[None, :] * s_br, mask=col_ok[:, None] & rk_ok[None, :], other=0.0)
     acc = tl.zeros((BN, RP), dtype=tl.float32)
     first = g * (STEPS * BM)
-    for step in range(STEPS):  # a constant trip count: `_grid` rounds it to few distinct values
+    for step in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count: `_grid` rounds it to few values
         rows = first + step * BM + tl.arange(0, BM)
         row_ok = rows < M
         dy = tl.load(dy_ptr + rows[:, None] * s_dym + cols[None, :] * s_dyn,
@@ -74,23 +90,23 @@ def _rank_grads_kernel(
     tl.store(acc_ptr + (g * N + cols[:, None]) * RP + rk[None, :], acc, mask=col_ok[:, None])
 
 
-def _grid(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
-    """(row groups, column blocks, steps of _BM rows a group): column blocks of _BN, then as many row groups as
-    bring the programs to _WAVES a multiprocessor, each group's steps rounded up to three significant bits (a
-    compile-time trip count, so few distinct values: `round_up_coarse`)."""
-    col_blocks = cdiv(n, _BN)
-    steps = cdiv(m, _BM)
+def _grid(m: int, n: int, device: torch.device, tiles: Tiles = DEFAULT_TILES) -> tuple[int, int, int]:
+    """(row groups, column blocks, steps of `tiles.rows` rows a group): column blocks of `tiles.cols`, then as many
+    row groups as bring the programs to _WAVES a multiprocessor, each group's steps rounded up to three significant
+    bits (a compile-time trip count, so few distinct values: `round_up_coarse`)."""
+    col_blocks = cdiv(n, tiles.cols)
+    steps = cdiv(m, tiles.rows)
     groups = max(1, min(steps, cdiv(_WAVES * sm_count(device), col_blocks)))
     per_group = round_up_coarse(cdiv(steps, groups))
     return cdiv(steps, per_group), col_blocks, per_group
 
 
-def _one_pass_pays(rp: int) -> bool:
+def _one_pass_pays(rp: int, tiles: Tiles = DEFAULT_TILES) -> bool:
     """Whether the one pass moves fewer bytes than cuBLAS's two, at rank columns `rp`: it saves one read of dy and
-    adds its dy B slabs, written and read back, 2 x (rp fp32 a row per _BN columns) = 4 rp / _BN of dy's 16-bit
-    bytes (the dB slabs are smaller by G / _BN). That is at most half the read it saves up to rp = _BN / 8 (32 at
-    256 columns); at rank 64 the two would be level, and cuBLAS's products are wider there."""
-    return 4 * rp <= _BN // 2
+    adds its dy B slabs, written and read back, 2 x (rp fp32 a row per C columns) = 4 rp / C of dy's 16-bit bytes
+    (C = tiles.cols; the dB slabs are smaller by G / C). That is at most half the read it saves up to rp = C / 8
+    (32 at 256 columns); at rank 64 the two would be level, and cuBLAS's products are wider there."""
+    return 4 * rp <= tiles.cols // 2
 
 
 def rank_grads_reference(dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,21 +114,24 @@ def rank_grads_reference(dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor) ->
     return torch.mm(dy, b), mm_to(dy.t(), xa, torch.float32)
 
 
-def rank_grads(dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_grads(
+    dy: torch.Tensor, b: torch.Tensor, xa: torch.Tensor, tiles: Tiles = DEFAULT_TILES,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """dyb = dy B (M, r) in dy's dtype and dB = dy^T xa (N, r) in fp32, for dy (M, N), B (N, r) and xa (M, r)
     of one dtype (any strides): one pass over dy on CUDA (the Triton kernel) where it moves fewer bytes than two
     (`_one_pass_pays`), two products otherwise."""
     m, n = dy.shape
     r = b.shape[1]
     rp = max(16, next_pow2(r))  # tl.dot's smallest side
-    if not (use_triton(dy, b, xa) and m and n and dy.dtype == b.dtype == xa.dtype and _one_pass_pays(rp)):
+    if not (use_triton(dy, b, xa) and m and n and dy.dtype == b.dtype == xa.dtype and _one_pass_pays(rp, tiles)):
         return rank_grads_reference(dy, b, xa)
-    groups, col_blocks, steps = _grid(m, n, dy.device)
+    groups, col_blocks, steps = _grid(m, n, dy.device, tiles)
     part = torch.empty((col_blocks, m, rp), dtype=torch.float32, device=dy.device)
     acc = torch.empty((groups, n, rp), dtype=torch.float32, device=dy.device)
     launch(_rank_grads_kernel, (groups, col_blocks), dy, b, xa, part, acc, m, n, r,
            dy.stride(0), dy.stride(1), b.stride(0), b.stride(1), xa.stride(0), xa.stride(1),
-           steps, _BM, _BN, rp, dy.dtype == torch.float32 or interpreted(), num_warps=4, num_stages=3)
+           steps, tiles.rows, tiles.cols, rp, dy.dtype == torch.float32 or interpreted(), tiles.stages,
+           num_warps=tiles.warps)
     dyb = (part[0] if col_blocks == 1 else part.sum(0))[:, :r].to(dy.dtype)
     db = (acc[0] if groups == 1 else acc.sum(0))[:, :r]
     return dyb, db.contiguous()
