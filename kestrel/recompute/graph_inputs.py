@@ -132,7 +132,7 @@ class StaticBuffers:
         kernels reading it see what they see eagerly); contiguous otherwise (a slice)."""
         order = sorted(range(len(shape)), key=lambda d: stride[d], reverse=True)
         base = self.get(slot, tuple(shape[d] for d in order), dtype, device)
-        view = base.permute(*sorted(range(len(shape)), key=order.__getitem__))
+        view = base.permute(sorted(range(len(shape)), key=order.__getitem__))
         return view if view.stride() == tuple(stride) else self.get(slot, tuple(shape), dtype, device)
 
     def feed(self, buf: torch.Tensor, t: torch.Tensor) -> None:

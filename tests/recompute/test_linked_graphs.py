@@ -141,6 +141,7 @@ def test_strided_buffers_keep_a_transposed_layout_and_are_never_mistaken_for_ano
     assert bufs.copies == 2 and torch.equal(flat, kv)
     sliced = torch.randn(2, 5, 3, 4)[:, :, 1, :]  # a per-layer input: not dense, so contiguous
     assert bufs.get_strided("p", tuple(sliced.shape), sliced.stride(), sliced.dtype, sliced.device).is_contiguous()
+    assert bufs.get_strided("s", (), (), torch.float32, torch.device("cpu")).shape == ()  # a 0-d tensor kept
 
 
 # --- A whole Gemma 4 through GraphedLayer, graphs stood in for by their bodies (CPU) -------------
