@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import weakref
 from typing import Any, Callable
 
@@ -129,11 +130,8 @@ class StaticBuffers:
     ) -> torch.Tensor:
         """A buffer of `shape` laid out with `stride`'s order of dimensions when that order is a
         dense layout (a transposed K/V (B, H, T, D) view of (B, T, H, D) keeps its strides, so the
-        kernels reading it see what they see eagerly); contiguous otherwise (a slice)."""
-        order = sorted(range(len(shape)), key=lambda d: stride[d], reverse=True)
-        base = self.get(slot, tuple(shape[d] for d in order), dtype, device)
-        view = base.permute(sorted(range(len(shape)), key=order.__getitem__))
-        return view if view.stride() == tuple(stride) else self.get(slot, tuple(shape), dtype, device)
+        kernels reading it see what they see eagerly); contiguous otherwise (a slice): `dense_view`."""
+        return dense_view(self.get(slot, (math.prod(shape),), dtype, device), tuple(shape), tuple(stride))
 
     def feed(self, buf: torch.Tensor, t: torch.Tensor) -> None:
         held = self.holds.get(buf.data_ptr())
@@ -148,6 +146,19 @@ class StaticBuffers:
 
     def forget(self, buf: torch.Tensor) -> None:
         self.holds.pop(buf.data_ptr(), None)
+
+
+def dense_view(flat: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """`flat`'s first prod(shape) elements as a tensor of `shape` whose dimensions lie in memory in the order
+    `stride` gives them, where that is a dense layout (a permutation of a contiguous one, as attention's output
+    O (B, H, S, D) over (B, S, H, D) memory; a dimension of size one may differ in stride, which says nothing
+    about the layout); contiguous otherwise (a slice, a broadcast). A copy between two tensors of one dense
+    layout is one flat copy, and a kernel that wants that layout lays nothing out again."""
+    order = sorted(range(len(shape)), key=lambda d: stride[d], reverse=True)
+    flat = flat[:math.prod(shape)]
+    view = flat.view([shape[d] for d in order]).permute(sorted(range(len(shape)), key=order.__getitem__))
+    same = all(view.stride(d) == stride[d] for d in range(len(shape)) if shape[d] > 1)
+    return view if same else flat.view(shape)
 
 
 def graphable(run: Callable[..., torch.Tensor], hidden: torch.Tensor, training: bool = True) -> bool:

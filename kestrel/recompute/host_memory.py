@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from kestrel.errors import KestrelError
+from kestrel.recompute.graph_inputs import dense_view
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -123,32 +124,20 @@ def _pool_for(device: torch.device) -> _PinnedPool | None:
     return _POOLS[device]
 
 
-def laid_out_like(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """`flat` (at least t.numel() elements) viewed with t's shape and, where t is a permutation of a dense
-    layout (attention's output O (B, H, S, D), a transposed view of (B, S, H, D) memory), t's order of
-    dimensions in memory; contiguous otherwise. A copy between two tensors of one dense layout is one flat
-    copy: torch copies a tensor to or from host memory laid out otherwise by first making a contiguous copy of
-    it on the device, and a kernel that reads it in t's layout would lay it out again (`kept_attention`'s
-    `_in_layout`)."""
-    order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
-    flat = flat[:t.numel()]
-    view = flat.view([t.shape[d] for d in order]).permute(sorted(range(t.dim()), key=order.__getitem__))
-    same = all(view.stride(d) == t.stride(d) for d in range(t.dim()) if t.shape[d] > 1)
-    return view if same else flat.view(t.shape)
-
-
 def host_buffer(owner: object, hidden: torch.Tensor) -> tuple[torch.Tensor, weakref.finalize | None]:
-    """Host memory for `hidden`'s copy, laid out as `hidden` is where that is dense (`laid_out_like`), and
+    """Host memory for `hidden`'s copy, laid out as `hidden` is where that is dense (`dense_view`: torch copies a
+    tensor to or from host memory laid out otherwise through a contiguous copy on the device), and
     (when pooled) the call that gives it back: run by `owner.take()`, or by the collector when `owner` goes
     without a backward."""
     pool = _pool_for(hidden.device)
     if pool is None:
-        return laid_out_like(torch.empty(hidden.numel(), dtype=hidden.dtype, device="cpu"), hidden), None
+        flat = torch.empty(hidden.numel(), dtype=hidden.dtype, device="cpu")
+        return dense_view(flat, tuple(hidden.shape), hidden.stride()), None
     nbytes = hidden.numel() * hidden.element_size()
     buf = pool.acquire(nbytes)
     give_back = weakref.finalize(owner, pool.release, buf)
     give_back.atexit = False
-    return laid_out_like(buf[:nbytes].view(hidden.dtype), hidden), give_back
+    return dense_view(buf[:nbytes].view(hidden.dtype), tuple(hidden.shape), hidden.stride()), give_back
 
 
 def release_pinned_memory() -> int:
