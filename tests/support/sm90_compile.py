@@ -6,7 +6,6 @@ interpreter accepts what the compiler refuses, e.g. a plain global read inside a
         # nf4_gemv: prints the PTX's prmt count and its cp.async count
     python -m tests.support.sm90_compile expert                          # expert_gemv: its variants' add.rn counts
     python -m tests.support.sm90_compile glu_lowrank                     # its kernels' tensor-core (mma) counts
-    python -m tests.support.sm90_compile rank_grads                      # per variant: mma, registers, spills, cp.async
 """
 
 from __future__ import annotations
@@ -84,40 +83,6 @@ def compile_glu_lowrank(backward: bool, dtype: str, gelu: bool, rank: int, tiles
     return compiled.asm["ptx"]
 
 
-def compile_rank_grads(dtype: str, rp: int, tiles=None) -> tuple[str, dict[str, int]]:
-    """The PTX of `kestrel.kernels.lora.rank_grads`'s kernel for `dtype` operands and `rp` rank columns, with its
-    launch's tiles, steps and warps, and its cubin's resource use ({REG, LOCAL, ...}, by cuobjdump), compiled
-    through ptxas for sm_90 (raises where Triton or ptxas refuse it)."""
-    import tempfile
-    from pathlib import Path
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from bench.nf4_sass import disassemble
-    from kestrel.kernels.lora import rank_grads as module
-
-    sig = {"dy_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "xa_ptr": f"*{dtype}", "part_ptr": "*fp32", "acc_ptr": "*fp32"}
-    sig |= dict.fromkeys(("M", "N", "R", "s_dym", "s_dyn", "s_bn", "s_br", "s_xam", "s_xar"), "i32")
-    tiles = tiles or module.DEFAULT_TILES
-    # As a launch specializes them: unit strides become constants (Triton's value-1 specialization), and pointers,
-    # the width and the row strides are multiples of 16 (a contiguous dy of a hidden width, xa a slice of a stacked
-    # (M, 3r) product)
-    units = dict(s_dyn=1, s_br=1, s_xar=1)
-    consts = dict(STEPS=8, BM=tiles.rows, BN=tiles.cols, RP=rp, IEEE=dtype == "fp32", STAGES=tiles.stages) | units
-    sig = {k: ("constexpr" if k in units else v) for k, v in sig.items()}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
-               if name.endswith("_ptr") or name in ("N", "s_dym", "s_bn", "s_xam")}
-    src = ASTSource(fn=module._rank_grads_kernel, signature=sig | dict.fromkeys(consts, "constexpr"),
-                    constexprs=consts, attrs=aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tiles.warps})
-    with tempfile.TemporaryDirectory() as tmp:
-        _, usage = disassemble(compiled.asm["cubin"], Path(tmp))
-    return compiled.asm["ptx"], usage
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "glu_lowrank":
         from kestrel.kernels.glu_lowrank import DEFAULT_TILES, Tiles
@@ -127,11 +92,6 @@ if __name__ == "__main__":
         ptx = [compile_glu_lowrank(*v) for v in variants]
         print(*(p.count("wgmma") + p.count("mma.sync") for p in ptx))
         print(*(p.count("ld.global.b16") + p.count("ld.global.nc.b16") for p in ptx))  # one 2-byte element a load
-    elif sys.argv[1] == "rank_grads":
-        for variant in (("bf16", 16), ("bf16", 32), ("fp16", 16), ("fp32", 16)):
-            ptx, usage = compile_rank_grads(*variant)
-            print(*variant, ptx.count("wgmma") + ptx.count("mma.sync"), usage.get("REG", 0), usage.get("LOCAL", 0),
-                  ptx.count("cp.async.cg") + ptx.count("cp.async.ca"))
     elif sys.argv[1] == "expert":
         variants = [("bf16", False, True, False), ("bf16", False, False, False), ("bf16", True, True, True),
                     ("bf16", True, False, True), ("fp16", True, False, False, False), ("fp32", True, True, False, False)]

@@ -52,7 +52,6 @@ import torch
 from kestrel.kernels.lora import casts as lora_casts, peft as lora_peft, nf4_lora
 from kestrel.kernels import nf4
 from kestrel.kernels.lora.casts import cast, mm_to
-from kestrel.kernels.lora.rank_grads import rank_grads
 
 _FIELDS = 5  # tensors/values per projection in a flattened autograd argument list
 
@@ -239,24 +238,18 @@ def _adapter_backward(
         dyb  = [s_k dy_k B_k]_k                   (M, n r)
         dA   = dyb^T x                            (n r, in), one product for the group
         dB_k = dy_k^T xa_k                        (out_k, r)
-
-    dy_k B_k and dB_k both read all of dy_k: one pass over it does both (`rank_grads`)."""
+    """
     spans = _spans(ws)
-    parts = []
-    for k, (dy, w) in enumerate(zip(dys, ws)):
-        b = cast(w.lora_B, dtype)  # (out, r)
-        if _needs(ctx, first, k)[1]:
-            part, db = rank_grads(dy, b, xa[:, spans[k]])  # (M, r); (out, r) fp32
-            grads[first + _FIELDS * k + 3] = db.to(w.lora_B.dtype)
-        else:
-            part = torch.mm(dy, b)
-        parts.append(part)
+    parts = [torch.mm(dy, cast(w.lora_B, dtype)) for dy, w in zip(dys, ws)]  # (M, r) each
     dyb = _scale_columns_(parts[0] if len(parts) == 1 else torch.cat(parts, 1), ws)
     need_a = [_needs(ctx, first, k)[0] for k in range(len(ws))]
     if x is not None and any(need_a):
         da = mm_to(dyb.t(), x, ws[0].lora_A.dtype)  # (n r, in)
         for k in range(len(ws)):
             grads[first + _FIELDS * k + 2] = da[spans[k]] if need_a[k] else None
+    for k, (dy, w) in enumerate(zip(dys, ws)):
+        if _needs(ctx, first, k)[1]:
+            grads[first + _FIELDS * k + 3] = mm_to(dy.t(), xa[:, spans[k]], w.lora_B.dtype)
     return dyb
 
 
