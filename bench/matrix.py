@@ -203,7 +203,7 @@ def kestrel_model(folder: Path, method: str, layout: Layout, cuda_graphs: str,
 def batch_loss(model: Any, b: Any) -> Any:
     """The training loss of one planned batch (`plan_batches`), as every system's step computes it."""
     return model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                 labels=b.labels, use_cache=False).loss
+                 labels=b.labels, use_cache=False, **b.model_kwargs()).loss
 
 
 def system_model(system: str, folder: Path, method: str, layout: Layout, cuda_graphs: str) -> tuple[Any, bool, Any]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.data.tokenize import IGNORE, Sample
+from kestrel.model.attention import STARTS_KWARG, HostStarts, host_starts
 
 
 @dataclass
@@ -23,10 +24,23 @@ class Batch:
     attention_mask: torch.Tensor | None  # (B, T) for padded batches; None for packed ones
     position_ids: torch.Tensor | None  # (B, T) for packed batches
     tokens: int  # real (non-padding) tokens in the batch
+    # Where its samples start, read on the host before the batch moved (`with_starts`), for a model
+    # that runs variable-length attention: its forward then reads nothing back from the device.
+    starts: HostStarts | None = None
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask), move(self.position_ids), self.tokens)
+        return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask), move(self.position_ids),
+                     self.tokens, self.starts)
+
+    def with_starts(self) -> "Batch":
+        """This (host) batch with its `HostStarts`."""
+        starts = host_starts(self.attention_mask, self.position_ids, self.input_ids.shape[0])
+        return Batch(self.input_ids, self.labels, self.attention_mask, self.position_ids, self.tokens, starts)
+
+    def model_kwargs(self) -> dict[str, HostStarts]:
+        """The keywords the model forward takes beside the tensors: the host starts, when the batch has them."""
+        return {} if self.starts is None else {STARTS_KWARG: self.starts}
 
 
 def pad_batch(samples: list[Sample], pad_id: int) -> Batch:
@@ -94,7 +108,8 @@ class BatchPlan:
 
     `flat` (the model runs variable-length attention, `kestrel.model.patching.runs_varlen`): an
     unpacked batch becomes one padding-free row of its samples back to back instead of rows
-    padded to the longest (the same loss, without the padding's work). The width of every flat
+    padded to the longest (the same loss, without the padding's work), and every batch carries
+    its sample starts read on the host (`Batch.with_starts`), so the forward does not sync on them. The width of every flat
     or packed batch is rounded up by `bucket_width` (so its shapes repeat for CUDA graphs and
     their chooser), at most to the most a batch can hold: packed rows are nearly full, so that
     costs little. Padded batches keep the longest sample's width, since rounding would add up to
@@ -130,5 +145,7 @@ class BatchPlan:
             rows = chosen if self.packing else [[row[0] for row in chosen]]
             room = self.max_len * (1 if self.packing else self.batch_size)
             used = max(sum(len(s.input_ids) for s in row) for row in rows)
-            return packed_batch(rows, self.pad_id, max(used, min(bucket_width(used), room)))
-        return pad_batch([row[0] for row in chosen], self.pad_id)
+            batch = packed_batch(rows, self.pad_id, max(used, min(bucket_width(used), room)))
+        else:
+            batch = pad_batch([row[0] for row in chosen], self.pad_id)
+        return batch.with_starts() if self.flat else batch

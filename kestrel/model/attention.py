@@ -43,6 +43,7 @@ VarlenFn = Callable[..., torch.Tensor]
 VarlenMode = Literal["auto", "off", "reference"]
 VARLEN_KWARG = "kestrel_varlen"  # the keyword the model forward hands each patched attention layer
 FORK_KWARG = "kestrel_forked_samples"  # the keyword a caller hands the model forward (`ForkedSamples`)
+STARTS_KWARG = "kestrel_host_starts"  # the keyword a caller hands the model forward (`HostStarts`)
 Plan = Literal["varlen_samples", "varlen_rows", "hf_mask"]
 
 
@@ -143,6 +144,27 @@ def segment_starts(
     rises[:, 1:] = mask[:, 1:] & ~mask[:, :-1]  # a real token after a pad: a hole or left padding
     starts, rises = torch.stack([starts, rises]).cpu()
     return None if bool(rises.any()) else starts
+
+
+@dataclass(frozen=True)
+class HostStarts:
+    """`segment_starts` of a batch, computed by the caller from its host copy before the batch went to
+    the device, and handed to the model forward (keyword `STARTS_KWARG`) so that the forward need not
+    read the device copy back. That read is a host sync: it waits for the GPU to finish everything
+    queued before it (the previous step's backward and optimizer), and the GPU then idles while the
+    host launches the new step's first work. starts: (B, T) bool on the host, or None (HF's mask)."""
+
+    starts: torch.Tensor | None
+
+
+def host_starts(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int) -> HostStarts:
+    """`HostStarts` of a batch from its host tensors: what `segment_starts` would read from their device
+    copies (the same function, so the two cannot disagree), with no sync."""
+    for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"host_starts needs the batch's host {name} (got one on {t.device}): compute it "
+                             "before moving the batch to the device")
+    return HostStarts(segment_starts(attention_mask, position_ids, batch))
 
 
 def segment_capacity(count: int) -> int:

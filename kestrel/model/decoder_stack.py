@@ -9,9 +9,10 @@ The attention layout (`kestrel.model.attention`) is where this differs from HF: 
 on CUDA in 16-bit run the varlen kernel instead of a (B, 1, T, T) mask. Everything else uses the very
 masks HF builds. A caller may also hand it `ForkedSamples` (keyword `attn.FORK_KWARG`): groups that
 share a prefix, every layer then attends through the varlen kernel with keys of their own (no
-host sync at all: the caller built the layout). Any other call this forward does not handle (a cache, `use_cache`, attention or
-hidden-state outputs, a prepared 4-D mask, unknown keywords...) goes to the original class
-forward unchanged.
+host sync at all: the caller built the layout); or the batch's sample starts read from its host copy
+(`attn.HostStarts`, keyword `attn.STARTS_KWARG`), which spares the forward its one host sync.
+Any other call this forward does not handle (a cache, `use_cache`, attention or hidden-state
+outputs, a prepared 4-D mask, unknown keywords...) goes to the original class forward unchanged.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _hf_mask(model: nn.Module, window: int | None, embeds: torch.Tensor, attenti
 def attention_inputs(
     model: nn.Module, mode: attn.VarlenMode, windows: list[int | None], embeds: torch.Tensor,
     attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, *, sinks: bool = False,
-    forked: attn.ForkedSamples | None = None,
+    forked: attn.ForkedSamples | None = None, host: attn.HostStarts | None = None,
 ) -> dict[int | None, LayerInputs]:
     """The attention layout of one forward: for each window size in `windows`, what its layers get.
 
@@ -89,7 +90,8 @@ def attention_inputs(
     has sinks (`FamilySpec.attention_sinks`). At most one host sync: the sample starts, when the
     varlen path could run and the caller passed positions. `forked`: the caller's layout of
     groups sharing a prefix, which only the varlen kernel runs (a sliding window stays exact:
-    flash aligns it bottom-right, at each query's own position).
+    flash aligns it bottom-right, at each query's own position). `host`: the sample starts the caller
+    read from its host copy of the batch (then there is no sync at all).
     """
     b, t = embeds.shape[:2]
     dropout = model.training and getattr(model.config, "attention_dropout", 0.0) > 0
@@ -102,7 +104,7 @@ def attention_inputs(
         return {w: (None, attn.VarlenCall(forked.queries, attn.flash_window(w), fn, forked.keys))
                 for w in dict.fromkeys(windows)}
     padded, packed, samples, hf_positions = attention_mask is not None, False, None, position_ids
-    starts = attn.segment_starts(attention_mask, position_ids, b) if fn is not None else None  # the one host sync
+    starts = None if fn is None else _starts(host, attention_mask, position_ids, b, t)
     if starts is not None:
         packed = bool(starts[:, 1:].any())  # samples or runs of padding inside the rows
         padded = False  # padding, if any, is a segment of its own now
@@ -119,6 +121,17 @@ def attention_inputs(
             rows = samples if plan == "varlen_samples" else attn.row_samples(b, t, embeds.device)
             out[window] = (None, attn.VarlenCall(rows, attn.flash_window(window), fn))
     return out
+
+
+def _starts(host: attn.HostStarts | None, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+            b: int, t: int) -> torch.Tensor | None:
+    """The batch's (B, T) sample starts on the host: the caller's, else read from the device (the one sync)."""
+    if host is None:
+        return attn.segment_starts(attention_mask, position_ids, b)
+    if host.starts is not None and tuple(host.starts.shape) != (b, t):
+        raise ValueError(f"{attn.STARTS_KWARG}: sample starts of shape {tuple(host.starts.shape)} for a batch of "
+                         f"{b} x {t} tokens; compute them from this batch's own host tensors (attn.host_starts)")
+    return host.starts
 
 
 def _rotary(model: nn.Module, spec: FamilySpec, h: torch.Tensor, position_ids: torch.Tensor) -> list[Any]:
@@ -146,7 +159,7 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
-        forked = kwargs.get(attn.FORK_KWARG)
+        forked, host = kwargs.get(attn.FORK_KWARG), kwargs.pop(attn.STARTS_KWARG, None)  # starts: never on to HF
         if not handles(self, spec, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache, kwargs):
             if forked is not None:  # HF's forward has no such layout: it would score something else
                 raise ValueError(f"{spec.model_type}: this call goes to Hugging Face's forward, which cannot run "
@@ -162,7 +175,7 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
         n = self.config.num_hidden_layers
         windows = [attn.layer_window(spec, self.config, i) for i in range(n)]
         layouts = attention_inputs(self, mode, windows, h, attention_mask, given_positions,
-                                   sinks=spec.attention_sinks, forked=forked)
+                                   sinks=spec.attention_sinks, forked=forked, host=host)
         rotary = _rotary(self, spec, h, position_ids)
         passed = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH}
         stats = moe.router_stats_for(self.config, spec, attention_mask)

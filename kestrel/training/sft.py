@@ -132,7 +132,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     for b in batches:
         out = s.model(
             input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-            labels=b.labels, num_items_in_batch=num_items, use_cache=False,
+            labels=b.labels, num_items_in_batch=num_items, use_cache=False, **b.model_kwargs(),
         )
         (out.loss * world.loss_scale if world.loss_scale != 1.0 else out.loss).backward()
         total_loss += out.loss.detach()

@@ -45,7 +45,7 @@ def sft_measure(model: nn.Module, batch: Batch) -> EvalSums:
     b = batch.to(next(model.parameters()).device)
     count = (shift_labels(b.labels) != IGNORE).sum()
     out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                labels=b.labels, num_items_in_batch=1, use_cache=False)
+                labels=b.labels, num_items_in_batch=1, use_cache=False, **b.model_kwargs())
     return EvalSums({"loss": out.loss}, count, b.tokens)
 
 

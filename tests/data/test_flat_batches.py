@@ -73,11 +73,29 @@ def test_a_flat_batch_trains_as_the_padded_batch_through_hf(family: str, packing
     ref.train(), fast.train()
     ref_loss = ref(input_ids=padded.input_ids, labels=padded.labels, attention_mask=padded.attention_mask,
                    position_ids=padded.position_ids, use_cache=False).loss
-    fast_loss = fast(input_ids=flat.input_ids, labels=flat.labels, position_ids=flat.position_ids, use_cache=False).loss
+    fast_loss = fast(input_ids=flat.input_ids, labels=flat.labels, position_ids=flat.position_ids, use_cache=False,
+                     **flat.model_kwargs()).loss  # the sample starts read on the host, as training hands them
     torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-5)
     ref_loss.backward()
     fast_loss.backward()
     assert_same_trainable_grads(fast, ref)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_flat_batches_carry_their_host_starts(packing: bool) -> None:
+    """A flat plan's batches carry the starts the forward would read from the device (`attn.segment_starts` of
+    their own tensors), through `to`; a plan for a model without varlen attention hands the forward nothing."""
+    samples = _samples(7, seed=4)
+    flat = BatchPlan(samples, 3, packing, 32, 0, seed=2, flat=True)
+    for i in range(len(flat)):
+        b = flat.batch(0, i)
+        want = attn.segment_starts(b.attention_mask, b.position_ids, b.input_ids.shape[0])
+        assert b.starts is not None and torch.equal(b.starts.starts, want)
+        moved = b.to(torch.device("cpu"))
+        assert moved.model_kwargs() == {attn.STARTS_KWARG: b.starts}
+    assert all(b.starts is not None for b in flat.in_order())
+    plain = BatchPlan(samples, 3, packing, 32, 0, seed=2)
+    assert plain.batch(0, 0).model_kwargs() == {} and plain.batch(0, 0).to(torch.device("cpu")).starts is None
 
 
 def test_a_runs_batches_take_few_shapes() -> None:

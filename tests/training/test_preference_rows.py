@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kestrel.config import LoraSettings
+from kestrel.model.attention import STARTS_KWARG
 from kestrel.model.loader import load
 from kestrel.model.lora import attach_lora
 from kestrel.model.patching import PatchFlags
@@ -109,12 +110,19 @@ def test_only_a_forward_with_gradients_runs_the_rounded_width(tiny_model_dir, fl
              for p, a in [(10, 9), (7, 8)]]  # rows of 19 and 15 tokens: widths 20 (padded) and 36 (flat) rounded
     rows = answer_rows(pairs, tok.pad_token_id, torch.device("cpu"), flat)
     assert (rows.input_ids.shape[1], rows.used) == ((36, 34) if flat else (20, 19))
-    widths = []
+    widths, starts = [], []
     stack = model.get_base_model().model
-    hook = stack.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+
+    def seen(module: torch.nn.Module, args: tuple, kw: dict) -> None:
+        widths.append(kw["input_ids"].shape[1])
+        given = kw.get(STARTS_KWARG)  # flat rows hand the forward their host starts, cut to the call's columns
+        starts.append(None if given is None else given.starts.shape[1])
+
+    hook = stack.register_forward_pre_hook(seen, with_kwargs=True)
     with torch.no_grad():
         exact = answer_logprobs(model, rows)
     rounded = answer_logprobs(model, rows)
     hook.remove()
     assert widths == [rows.used, rows.input_ids.shape[1]]
+    assert starts == (widths if flat else [None, None])
     torch.testing.assert_close(exact, rounded.detach(), rtol=1e-5, atol=1e-5)

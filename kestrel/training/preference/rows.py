@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from kestrel import kernels
 from kestrel.data.collate import bucket_width
-from kestrel.model.attention import FORK_KWARG, ForkedSamples, fork_layout
+from kestrel.model.attention import FORK_KWARG, STARTS_KWARG, ForkedSamples, HostStarts, fork_layout, host_starts
 from kestrel.recompute.no_grad import replays_training_shapes
 from kestrel.training.grpo.logprobs import causal_lm
 
@@ -64,6 +65,8 @@ class AnswerRows:
     # Shared layout: the model forward's `ForkedSamples` for the rounded width (a forward with
     # gradients) and for the real columns (`used`, without); None for the other layouts.
     forks: tuple[ForkedSamples, ForkedSamples] | None = None
+    # Flat rows: where their samples start, read on the host (the forward then does not sync on it)
+    starts: HostStarts | None = None
 
 
 def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: torch.device, flat: bool) -> AnswerRows:
@@ -97,7 +100,7 @@ def answer_rows(pairs: list[tuple[list[int], list[int]]], pad_id: int, device: t
     move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     return AnswerRows(move(ids), move(positions), move(row_of), move(col_of), sum(lengths) if flat else max(lengths),
                       move(targets), move(slots), (rows, length), move(torch.tensor(answers, dtype=torch.long)),
-                      sum(lengths))
+                      sum(lengths), starts=None if positions is None else host_starts(None, positions, 1))
 
 
 def shared_widths(real: int, keys: int) -> tuple[int, int]:
@@ -178,12 +181,22 @@ def score_through_fsdp(model: nn.Module) -> None:
     register_fsdp_forward_method(lm, FSDP_SCORE)
 
 
+def _layout(rows: AnswerRows, rounded: bool, cols: int) -> dict[str, Any]:
+    """The forward's layout keyword for the first `cols` columns: the shared prompts' forks, else the flat
+    rows' host starts (a prefix of the columns starts where the whole row does)."""
+    if rows.forks is not None:
+        return {FORK_KWARG: rows.forks[0 if rounded else 1]}
+    if rows.starts is not None and rows.starts.starts is not None:
+        return {STARTS_KWARG: HostStarts(rows.starts.starts[:, :cols])}
+    return {}
+
+
 def _answer_logprobs(lm: nn.Module, rows: AnswerRows) -> torch.Tensor:
     rounded = torch.is_grad_enabled() or replays_training_shapes(lm)
     cols = rows.input_ids.shape[1] if rounded else rows.used  # no gradient: no padding columns (module docstring)
     positions = None if rows.position_ids is None else rows.position_ids[:, :cols]
-    fork = {} if rows.forks is None else {FORK_KWARG: rows.forks[0 if rounded else 1]}
-    hidden = lm.model(input_ids=rows.input_ids[:, :cols], position_ids=positions, use_cache=False, **fork).last_hidden_state
+    hidden = lm.model(input_ids=rows.input_ids[:, :cols], position_ids=positions, use_cache=False,
+                      **_layout(rows, rounded, cols)).last_hidden_state
     h = hidden[rows.row, rows.col]  # (N, H): the answer tokens' predicting states, no padding
     softcap = getattr(lm.config, "final_logit_softcapping", None)
     logp = kernels.chunked_token_logprobs(h, lm.lm_head.weight, rows.targets, softcap=softcap)  # (N,)
