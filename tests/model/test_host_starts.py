@@ -125,3 +125,49 @@ def test_a_cuda_step_with_given_starts_never_syncs(layout: str) -> None:
             model(**inputs).loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_an_offloaded_step_with_given_starts_never_syncs(tiny_model_dir, graphs: str) -> None:
+    """As the matrix's cells train (QLoRA, offloaded checkpointing keeping attention, the layer graphs replayed
+    once captured, fused AdamW): a warm step over a packed flat batch with its host starts syncs nowhere, so the
+    host runs a step ahead of the GPU."""
+    from kestrel.config import LoraSettings
+    from kestrel.data.collate import BatchPlan
+    from kestrel.data.tokenize import Sample
+    from kestrel.model.loader import load
+    from kestrel.model.lora import attach_lora
+    from kestrel.recompute.checkpoint import set_gradient_checkpointing
+
+    torch.manual_seed(0)
+    model, _ = load(str(tiny_model_dir("llama")), 64, load_in_4bit=True, dtype="bf16", device="cuda")
+    model = attach_lora(model, LoraSettings(r=8, alpha=16))
+    run = set_gradient_checkpointing(model, "offload", graphs, keep_attention="on")
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(2)
+    samples = [Sample(ids, ids) for ids in (torch.randint(5, 60, (int(n),), generator=g).tolist()
+                                            for n in torch.randint(8, 30, (16,), generator=g))]
+    b = BatchPlan(samples, 8, True, 48, 0, seed=0, flat=True).batch(0, 0).to(torch.device("cuda"))
+
+    def step() -> None:
+        model(input_ids=b.input_ids, position_ids=b.position_ids, labels=b.labels, use_cache=False,
+              **b.model_kwargs()).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        for _ in range(4):  # captures (graphs on), allocations, the pinned pool's buffers
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if graphs == "on":
+            assert run.graphs.stats()["forward"] > 0
+    finally:
+        run.release()
