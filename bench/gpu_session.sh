@@ -85,6 +85,9 @@
 #   cefloor   the fused loss's chunk rows (128-768) against 512, the frozen head's floor, on every (hidden, vocabulary)
 #             of the matrix's models at 4,096 and 8,192 tokens: time and peak memory, and the chunk the device's ridge
 #             point names (bench/ce_floor.py; the 148 MiB chunk buffer sat at a small model's reserved peak, session 46)
+#   productloop the product's own SFT loop (kestrel.training.run, as the studio runs it) with the host a step ahead of
+#             the GPU (the default on CUDA since session 48) against step by step, ABBA, one process a run, on
+#             LOOP_MODEL (llama-3.2-1b) LOOP_METHOD (lora), packed rows of 4,096 (bench/product_loop.py): wall-clock tokens/s
 #   gradprod  the adapters' fp32 weight-gradient products at GRAD_SHAPE's (qwen2.5-7b) shapes: cuBLAS with an fp32
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
 #   lorastep  where a long step's time goes under 16-bit LoRA and under QLoRA (LORASTEP_METHODS): LORASTEP_SHAPE's
@@ -268,6 +271,8 @@ for want in "$@"; do
                           --models "$EXPAND_MODELS" --methods qlora --layouts "${EXPAND_LAYOUTS:-padded,packed}" --systems kestrel --settle 160 \
                           --budget-s 200 --hard-s 270 --out "$OUT/expand-$way.jsonl"; done
                   records "$OUT"/expand-*.jsonl ;;
+        productloop) phase productloop "${LIMIT_productloop:-420}" python bench/product_loop.py --model "${LOOP_MODEL:-llama-3.2-1b}" \
+                      --method "${LOOP_METHOD:-lora}" --out "$OUT/product_loop.json" ;;
         cefloor)  phase cefloor "${LIMIT_cefloor:-180}" python bench/ce_floor.py --out "$OUT/ce_floor.json" ;;
         capstream) phase capstream-test 150 python -m pytest -q -n0 -p no:cacheprovider -rf tests/recompute/test_capture_stream.py
                   n=0; for way in side steps steps side; do n=$((n + 1))
@@ -310,7 +315,7 @@ for want in "$@"; do
                           --hard-s 230 --out "$OUT/keepattn-$name.jsonl"; done; done
                   records "$OUT"/keepattn-*.jsonl ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, capstream, cefloor, gradprod, lorastep, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, capstream, productloop, cefloor, gradprod, lorastep, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure

@@ -220,39 +220,69 @@ def optimizer_and_resume(
     return optimizer, scheduler, start
 
 
-def optimizer_step(s: RunState, loss: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+def optimizer_step(
+    s: RunState, loss: torch.Tensor | None = None, checked_later: bool = False,
+) -> tuple[torch.Tensor, float]:
     """Clip the accumulated gradients (max_grad_norm; 0 = no clipping), step the optimizer and the
     schedule, clear the gradients. Returns (grad norm before clipping, the lr this step used).
 
     Before the weights change, the step's `loss` and the gradient norm must be finite: the first
     NaN or inf stops the run with a TrainingDivergedError naming the step and what to change,
-    so it ends `failed` with the last checkpoint intact, never `completed` with a NaN model."""
+    so it ends `failed` with the last checkpoint intact, never `completed` with a NaN model.
+    By default the host reads both first (a sync). `checked_later` with a fused optimizer: the
+    guard stays on the device (`guarded_step`: a non-finite step updates nothing) and the caller
+    reads the values later and calls `raise_if_diverged`, so the host need not wait here."""
     params = [p for g in s.optimizer.param_groups for p in g["params"]]
     s.world.sync_gradients(p for p in params if not isinstance(p, DTensor))  # FSDP's are reduced already
     clip = s.config.max_grad_norm if s.config.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
-    check_finite(s, loss, grad_norm)
     lr = s.scheduler.get_last_lr()[0]
-    s.optimizer.step()
+    if checked_later and s.optimizer.defaults.get("fused"):
+        guarded_step(s.optimizer, loss, grad_norm)
+    else:
+        check_finite(s, loss, grad_norm)
+        s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr
 
 
-def check_finite(s: RunState, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
-    """Raise TrainingDivergedError when the loss or the gradient norm is NaN or infinite (one
-    host read of both)."""
+def _finite_values(loss: torch.Tensor | None, grad_norm: torch.Tensor) -> torch.Tensor:
     values = [grad_norm.detach().float().reshape(())]
     if loss is not None:
         values.append(loss.detach().float().reshape(()).to(values[0].device))
-    if bool(torch.isfinite(torch.stack(values)).all()):
+    return torch.stack(values)
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
+    """A fused optimizer's step that updates nothing (weights, moments, step counts) unless `loss` and
+    `grad_norm` are finite, decided on the device: torch's fused Adam/AdamW skip a step whose
+    `found_inf` (the attribute GradScaler sets) is non-zero."""
+    optimizer.found_inf = (~torch.isfinite(_finite_values(loss, grad_norm))).any().float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+def check_finite(s: RunState, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
+    """Raise TrainingDivergedError when the loss or the gradient norm is NaN or infinite (one
+    host read of both)."""
+    values = _finite_values(loss, grad_norm)
+    if bool(torch.isfinite(values).all()):
         return
     s.optimizer.zero_grad(set_to_none=True)
-    step = s.scheduler.last_epoch + 1
-    raise TrainingDivergedError(divergence_message(
-        s.config, step, float(values[1]) if loss is not None else None, float(values[0])))
+    raise_if_diverged(s, s.scheduler.last_epoch + 1, float(values[1]) if loss is not None else None, float(values[0]))
+
+
+def raise_if_diverged(s: RunState, step: int, loss: float | None, grad_norm: float) -> None:
+    """TrainingDivergedError for step `step` (1-based) when its loss or gradient norm, read on the host, is
+    not finite."""
+    if math.isfinite(grad_norm) and (loss is None or math.isfinite(loss)):
+        return
+    raise TrainingDivergedError(divergence_message(s.config, step, loss, grad_norm))
 
 
 def divergence_message(config: TrainConfig, step: int, loss: float | None, grad_norm: float) -> str:

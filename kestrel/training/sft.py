@@ -36,7 +36,8 @@ from kestrel.training.evaluation import Evaluator
 from kestrel.training.metrics import Callback
 from kestrel.training.sft_eval import held_out, sft_evaluator
 from kestrel.training.recipe import (
-    graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything, step_end,
+    graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, raise_if_diverged, report_step, run_recipe,
+    seed_everything,
 )
 
 
@@ -59,10 +60,6 @@ class Session:
     evaluator: Evaluator | None = None  # with an evaluation set (eval_dataset / eval_split)
 
 
-
-
-
-
 def prepare_data(
     config: TrainConfig, tokenizer: Any, cb: Callback, flat: bool = False, packing: bool | None = None
 ) -> tuple[BatchPlan, list[Conversation]]:
@@ -82,10 +79,6 @@ def prepare_data(
     packing = config.packing if packing is None else packing
     plan = BatchPlan(data.samples, config.batch_size, packing, config.max_seq_length, pad, config.seed, flat)
     return plan, eval_convs
-
-
-
-
 
 
 def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> Session:
@@ -110,12 +103,21 @@ def setup(config: TrainConfig, output_dir: Path, cb: Callback, world: World) -> 
                    recompute, world, evaluator)
 
 
+@dataclass
+class Queued:
+    """An SFT step whose work is queued on the device, up to and with its optimizer step and the copy of
+    its values to host memory; read (`settle`) once the next step's forward and backward are queued too."""
+
+    step: int  # 0-based
+    t0: float  # host time the step began
+    lr: float
+    values: torch.Tensor  # (3,) float64 on the host (pinned on CUDA): loss, grad norm, real tokens; + router loss
+    ended: torch.cuda.Event | None  # recorded after the copy (CUDA): once it is done, `values` hold
 
 
-
-
-def train_step(s: Session, step: int) -> dict[str, float]:
-    """One optimizer step over `grad_accum` micro-batches on each rank; returns its metrics.
+def accumulate(s: Session, step: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The forward and backward of step `step`'s `grad_accum` micro-batches on this rank; returns
+    (the window's summed loss, on the device; each micro-batch's router loss; its real tokens).
 
     A step's window is micro-batches step*W .. step*W + W-1 (W = grad_accum x ranks); rank r takes
     every size-th of them from r, so N ranks see what one device would with N times grad_accum."""
@@ -138,37 +140,83 @@ def train_step(s: Session, step: int) -> dict[str, float]:
         total_loss += out.loss.detach()
         if getattr(out, "aux_loss", None) is not None:
             aux.append(out.aux_loss.detach())
+    return total_loss, aux, sum(b.tokens for b in batches)
+
+
+def apply(s: Session, step: int, t0: float, window: tuple[torch.Tensor, list[torch.Tensor], int]) -> Queued:
+    """Queue the optimizer step over the accumulated gradients with its divergence guard on the device
+    (`optimizer_step(checked_later=True)`: `settle` reads it), then the step's values on their way to
+    host memory and the step's end: nothing here waits for the GPU."""
+    total_loss, aux, tokens = window
+    world = s.world
     world.sum(total_loss)
-    grad_norm, lr = optimizer_step(s, total_loss)
-    tokens = sum(b.tokens for b in batches)
+    grad_norm, lr = optimizer_step(s, total_loss, checked_later=True)
+    parts = [total_loss, grad_norm, torch.tensor(float(tokens), device=s.device)]
+    if aux:  # every rank runs the same model: all of them have a router loss, or none
+        parts.append(torch.stack(aux).mean() / world.size)
+    values = torch.stack([p.detach().double().reshape(()).to(s.device) for p in parts])
     if world.distributed:
-        tokens = int(world.sum(torch.tensor([float(tokens)], device=s.device)).item())
-    metrics = {"loss": float(total_loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
-               "epoch": (step + 1) * accum * world.size / len(s.plan)}
-    if aux:  # every rank runs the same model: all of them have it, or none
-        metrics["aux_loss"] = float(world.sum(torch.stack(aux).mean()) / world.size)
-    return metrics
+        values[2:] = world.sum(values[2:].clone())  # tokens and router losses over every rank
+    ended = None
+    if s.device.type == "cuda":
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        values = host.copy_(values, non_blocking=True)
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+    return Queued(step, t0, lr, values, ended)
+
+
+def settle(s: Session, cb: Callback, q: Queued, before: Queued | None, started: float) -> str | None:
+    """Read step `q` once its work is done (one wait on its end, not on what was queued after it),
+    stop the run if it diverged (its update was skipped on the device), and report it. Its time runs
+    from the end of the step `before` it on the device (the first: from its start on the host).
+    Returns the run's final status when it ends here."""
+    if q.ended is not None:
+        q.ended.synchronize()
+    now = time.perf_counter()
+    loss, grad_norm, tokens, *aux = q.values.tolist()
+    raise_if_diverged(s, q.step + 1, loss, grad_norm)
+    took = (before.ended.elapsed_time(q.ended) / 1000 if before is not None and before.ended is not None
+            and q.ended is not None else now - q.t0)
+    metrics = {"epoch": (q.step + 1) * s.config.grad_accum * s.world.size / len(s.plan), "loss": loss, "lr": q.lr,
+               "grad_norm": grad_norm, **graph_metrics(s.recompute), **({"aux_loss": aux[0]} if aux else {})}
+    return report_step(s, cb, q.step, metrics, int(tokens), started, now - took, now)
+
+
+def runs_ahead(device: torch.device) -> bool:
+    """Whether the host runs a step ahead of `device`: where work is queued asynchronously (CUDA)."""
+    return device.type == "cuda"
 
 
 def train_loop(s: Session, cb: Callback) -> str:
-    """Steps until done or asked to stop; returns the final status."""
+    """Steps until done or asked to stop; returns the final status.
+
+    On CUDA the host runs a step ahead: step n is read and reported (`settle`) after step n+1's
+    forward and backward are queued and before its optimizer step, so the GPU goes from one step's
+    work to the next without waiting for the host, and a step that diverged or ends the run is
+    still the last one whose update lands. Elsewhere each step is read as soon as it is queued."""
     started = time.perf_counter()
+    ahead = runs_ahead(s.device)
+    behind: Queued | None = None  # queued, not yet read
+    last: Queued | None = None  # the last step read
     for step in range(s.start_step, s.total_steps):
         t0 = time.perf_counter()
-        raw = train_step(s, step)
-        now = step_end(s.device)
-        metrics = {"epoch": raw["epoch"], "loss": raw["loss"], "lr": raw["lr"], "grad_norm": raw["grad_norm"],
-                   **graph_metrics(s.recompute), **({"aux_loss": raw["aux_loss"]} if "aux_loss" in raw else {})}
-        stop = report_step(s, cb, step, metrics, raw["tokens"], started, t0, now)
+        window = accumulate(s, step)
+        if behind is not None:
+            stop = settle(s, cb, behind, last, started)
+            if stop:
+                s.optimizer.zero_grad(set_to_none=True)  # step `step`'s gradients, never applied
+                return stop
+            last, behind = behind, None
+        queued = apply(s, step, t0, window)
+        if ahead:
+            behind = queued
+            continue
+        stop = settle(s, cb, queued, last, started)
         if stop:
             return stop
-    return "completed"
-
-
-
-
-
-
+        last = queued
+    return (settle(s, cb, behind, last, started) if behind is not None else None) or "completed"
 
 
 def run_sft(config: TrainConfig, output_dir: Path, cb: Callback, world: World | None = None) -> tuple[str, int]:

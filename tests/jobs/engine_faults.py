@@ -25,17 +25,17 @@ from kestrel.training.run import TrainResult, run
 
 def _run_with_step_hook(hook: Any, config: Any, callbacks: list[Any] | None) -> TrainResult:
     """`run` with `hook(step)` called before every SFT step (`step` counts from 0)."""
-    real_step = sft.train_step
+    real_step = sft.accumulate
 
-    def train_step(s: Any, step: int) -> dict[str, float]:
+    def accumulate(s: Any, step: int) -> Any:
         hook(step)
         return real_step(s, step)
 
-    sft.train_step = train_step
+    sft.accumulate = accumulate
     try:
         return run(config, callbacks)
     finally:
-        sft.train_step = real_step
+        sft.accumulate = real_step
 
 
 def run_oom(config: Any, callbacks: list[Any] | None = None) -> TrainResult:
