@@ -104,3 +104,19 @@ def test_ahead_a_pause_resumes_to_the_same_curve(tiny_model_dir, tmp_path: Path,
     steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 10))
     assert _losses(tmp_path / "resumed") == pytest.approx(_losses(tmp_path / "straight"), rel=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["guard-on-device", "guard-on-host"])
+def test_a_preference_divergence_stops_at_its_step(tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   fused: bool) -> None:
+    """DPO reads its guard with the step's metrics (fused AdamW: the update skipped on the device), or
+    before the update (otherwise): either way the run fails at the step whose loss is not finite."""
+    if fused:
+        monkeypatch.setattr(torch.optim, "AdamW", _FusedAdamW)
+    cfg = config_from_dict(dict(model=str(tiny_model_dir("llama")), method="dpo", dataset="arithmetic_preferences",
+                                output_dir=str(tmp_path / "run"), max_seq_length=64, batch_size=2, max_steps=4,
+                                save_steps=1, seed=0, gradient_checkpointing="off", dtype="fp32"))
+    cfg.weight_decay = math.inf
+    result = run(cfg)
+    assert result.status == "failed" and "training stopped at step 2" in result.error, result
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000001"]

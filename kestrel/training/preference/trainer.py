@@ -69,7 +69,8 @@ from kestrel.training.preference.rows import score_through_fsdp
 from kestrel.training.preference.ahead import Ahead, ahead_for
 from kestrel.training.preference.score import RowSet, StepStats, micro_loss, stage_metrics
 from kestrel.training.recipe import (
-    graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, report_step, run_recipe, seed_everything,
+    graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, raise_if_diverged, report_step, run_recipe,
+    seed_everything,
 )
 
 
@@ -196,7 +197,8 @@ def train_step(s: PreferenceSession, step: int) -> tuple[StepStats, torch.Tensor
         loss = micro_loss(s, s.train_rows, idx, stats) / (accum * world.size)
         (loss * world.loss_scale if world.loss_scale != 1.0 else loss).backward()
         stats.loss += loss.detach()
-    grad_norm, lr = optimizer_step(s, world.sum(stats.loss.clone()))
+    # The divergence guard stays on the device: `train_loop` reads the loss and norm with the metrics
+    grad_norm, lr = optimizer_step(s, world.sum(stats.loss.clone()), checked_later=True)
     return stats, grad_norm, lr
 
 
@@ -215,6 +217,7 @@ def train_loop(s: PreferenceSession, cb: Callback) -> str:
         if s.ahead is not None and step + 1 < s.total_steps:
             s.ahead.queue(s, step + 1)
         values = staged.read()
+        raise_if_diverged(s, step + 1, values["loss"], values["grad_norm"])  # its update was skipped on the device
         t0, done = done, time.perf_counter()
         tokens = int(values.pop("tokens"))
         epoch = (step + 1) * s.config.grad_accum * s.world.size / per_epoch(len(s.samples), s.config.batch_size)
