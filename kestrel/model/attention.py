@@ -193,11 +193,12 @@ def samples_from_starts(starts: torch.Tensor, device: torch.device) -> Samples:
     room = segment_capacity(begin.numel() + 1)
     cu = torch.full((room,), flat.numel(), dtype=torch.int32)  # (room,): the S+1 bounds, then empty samples
     cu[: begin.numel()] = begin
-    return Samples(_to_device(cu, device), starts.shape[-1])
+    return Samples(to_device_async(cu, device), starts.shape[-1])
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; through pinned memory on CUDA, so the copy does not wait for the GPU."""
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; through pinned memory on CUDA, so the copy does not wait for the GPU (a plain
+    `torch.tensor(..., device=...)` or `.to(device)` from the host waits for the stream's queued work)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
@@ -244,8 +245,9 @@ def fork_layout(
     room = segment_capacity(len(q_bounds))
     cu_q, cu_k = torch.full((room,), width, dtype=torch.int32), torch.full((room,), key_width, dtype=torch.int32)
     cu_q[: len(q_bounds)], cu_k[: len(k_bounds)] = torch.tensor(q_bounds), torch.tensor(k_bounds)
-    keys = KeyLayout(_to_device(torch.tensor(index, dtype=torch.long), device), Samples(_to_device(cu_k, device), key_width))
-    return ForkedSamples(Samples(_to_device(cu_q, device), width), keys)
+    keys = KeyLayout(to_device_async(torch.tensor(index, dtype=torch.long), device),
+                     Samples(to_device_async(cu_k, device), key_width))
+    return ForkedSamples(Samples(to_device_async(cu_q, device), width), keys)
 
 
 def row_samples(batch: int, seq_len: int, device: torch.device) -> Samples:

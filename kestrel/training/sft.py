@@ -151,7 +151,7 @@ def apply(s: Session, step: int, t0: float, window: tuple[torch.Tensor, list[tor
     world = s.world
     world.sum(total_loss)
     grad_norm, lr = optimizer_step(s, total_loss, checked_later=True)
-    parts = [total_loss, grad_norm, torch.tensor(float(tokens), device=s.device)]
+    parts = [total_loss, grad_norm, torch.full((), float(tokens), dtype=torch.float64, device=s.device)]  # no copy
     if aux:  # every rank runs the same model: all of them have a router loss, or none
         parts.append(torch.stack(aux).mean() / world.size)
     values = torch.stack([p.detach().double().reshape(()).to(s.device) for p in parts])

@@ -120,3 +120,31 @@ def test_a_preference_divergence_stops_at_its_step(tiny_model_dir, tmp_path: Pat
     result = run(cfg)
     assert result.status == "failed" and "training stopped at step 2" in result.error, result
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000001"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_queuing_a_steps_update_never_waits_for_the_gpu(tiny_model_dir, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default on CUDA: `apply` (the clip, the guarded fused step, the values' copy to the host) runs under
+    torch's sync check from the third step on and raises nothing, and the run completes with every step read."""
+    real = sft.apply
+    checked: list[int] = []
+
+    def watched(s, step, t0, window):  # type: ignore[no-untyped-def]
+        if step < 2:
+            return real(s, step, t0, window)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(s, step, t0, window)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(step)
+
+    monkeypatch.setattr(sft, "apply", watched)
+    result = run(config_from_dict(_cfg(str(tiny_model_dir("llama")), tmp_path / "run", max_steps=6, dtype="bf16",
+                                       gradient_checkpointing="offload")))
+    assert result.status == "completed", result
+    assert checked == [2, 3, 4, 5] and sft.runs_ahead(torch.device("cuda"))
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, 7))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kestrel.data.preference_tokens import PreferenceSample
+from kestrel.model.attention import to_device_async
 from kestrel.training.distributed import World
 from kestrel.training.preference import loss as L
 from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, as_reference, sequence_logps
@@ -95,7 +96,7 @@ def micro_loss(s: Any, data: RowSet, idx: list[int], stats: StepStats) -> torch.
     seq, tokens = logp.sum(-1), rows.tokens.to(logp.dtype)  # (R,)
     stats.tokens += rows.real_tokens
     if method == "kto":
-        labels = torch.tensor([bool(x.label) for x in chosen], device=s.device)
+        labels = to_device_async(torch.tensor([bool(x.label) for x in chosen]), s.device)
         out = L.kto_loss(seq, ref, labels, kl, p.beta, p.desirable_weight, p.undesirable_weight)
         stats.chosen.append(out.rewards[labels])
         stats.rejected.append(out.rewards[~labels])
@@ -174,7 +175,7 @@ def stage_metrics(stats: StepStats, paired: bool, world: World | None = None,
         parts["rewards/accuracies"] = (chosen > rejected).double()
     names = list(parts)  # the same on every rank: the method decides them
     sums = torch.stack([stats.loss.double().reshape(()), *(v for n in names for v in (parts[n].sum(),
-                        torch.tensor(float(parts[n].numel()), dtype=torch.float64, device=device))),
+                        torch.full((), float(parts[n].numel()), dtype=torch.float64, device=device))),
                         *(x.detach().double().reshape(()).to(device) for x in extras.values())])
     sums = world.sum(sums)
     if device.type != "cuda":

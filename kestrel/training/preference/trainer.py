@@ -212,7 +212,7 @@ def train_loop(s: PreferenceSession, cb: Callback) -> str:
     s.ahead = ahead_for(s)
     for step in range(s.start_step, s.total_steps):
         stats, grad_norm, lr = train_step(s, step)
-        tokens = torch.tensor(float(stats.tokens), device=s.device)
+        tokens = torch.full((), float(stats.tokens), device=s.device)  # a fill: a host copy would wait for the GPU
         staged = stage_metrics(stats, s.paired, s.world, summed={"tokens": tokens}, shared={"grad_norm": grad_norm})
         if s.ahead is not None and step + 1 < s.total_steps:
             s.ahead.queue(s, step + 1)
