@@ -375,6 +375,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
                 "projection_kept": {str(rows): kept.projection for rows, kept in recompute.kept.items()},
                 "keep_qkv": recompute.keep_qkv, "qkv_kept": {str(rows): kept.qkv for rows, kept in recompute.kept.items()},
                 "backward_graph_capture": recompute.backward_capture, "capture_stream": recompute.capture_stream,
+                "host_starts": all(b.starts is not None for b in batches),  # the forward read no starts back
                 "host_link": {"bytes_per_s": {str(d): r for d, r in recompute.deferral.link.rates.items()},
                               "layer_seconds": {str(rows): s for rows, s in recompute.deferral.link.layer_seconds.items()}},
                 } if kestrel else {}),

@@ -129,6 +129,8 @@ def settings_behind(r: dict[str, Any]) -> list[str]:
     behind = [name for name, value in as_recorded.items() if r.get(name, before.get(name)) != value]
     if not str(r.get("cuda_allocator", "")).startswith(f"{today.cuda_allocator} segments"):
         behind.append("cuda_allocator")
+    if r.get("flat") and not r.get("host_starts"):  # before session 48 the forward read its batch's starts back
+        behind.append("host_starts")
     return behind
 
 

@@ -358,6 +358,9 @@ def test_table_names_short_cells_measured_under_other_settings_than_todays_defau
         [] if today.capture_stream == "side" else ["capture_stream"])
     old = {k: v for k, v in current.items() if k not in ("backward_graph_capture", "cuda_allocator")}
     assert settings_behind(old) == ["backward_graph_capture", "cuda_allocator"]
+    # flat batches (Kestrel's varlen rows) measured before their starts were read on the host
+    assert settings_behind(dict(current, flat=True)) == ["host_starts"]
+    assert settings_behind(dict(current, flat=True, host_starts=True)) == settings_behind(dict(current, flat=False)) == []
     base = dict(model="qwen3-4b", method="qlora", layout="long", peak_alloc_gib=1.0, cuda_graphs="auto", settled=True)
     unsloth = dict(base, system="unsloth", tokens_per_s=100.0, peak_reserved_gib=1.0)
     note = "Kestrel measured under other settings than today's defaults"
