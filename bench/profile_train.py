@@ -110,9 +110,29 @@ def analyse(trace: dict, steps: int) -> str:
     for k, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
     lines += _gaps_in_step(busy, kernels, queries, cpu, start, (end - start) / steps)
+    lines += _host_waits(events, cpu, steps)
     lines += _kernels_by_source(kernels, launches, cpu, steps, ("other", "copy"))
     lines += _products_by_shape(kernels, cpu, steps)
     return "\n".join(lines)
+
+
+# CUDA runtime calls in which the host waits for the GPU: after one, the GPU idles while the host launches again
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _host_waits(events: list[dict], cpu: list[dict], steps: int) -> list[str]:
+    """The host's waits for the GPU (`WAITS`: a synchronize, a blocking copy) by the op and our frames that made them:
+    time and count a step. A step that waits nowhere keeps the host ahead, and the GPU never idles for its launches."""
+    waits = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in WAITS and "dur" in e]
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for where, e in zip(_frames_at(cpu, [(e["ts"], e.get("tid"), e["dur"]) for e in waits]), waits):
+        rows[f"{e['name']}: {where}"][0] += e["dur"]
+        rows[f"{e['name']}: {where}"][1] += 1
+    lines = ["\nhost waits for the GPU by call, op and our frames (ms/step, count/step)"
+             + ("; none" if not rows else ":")]
+    for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:20]:
+        lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
+    return lines
 
 
 def _gaps_in_step(busy: list[tuple[float, float]], kernels: list[dict], queries: list[tuple], cpu: list[dict],

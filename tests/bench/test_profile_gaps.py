@@ -97,3 +97,21 @@ def test_the_longest_gaps_say_where_in_the_step_they_fell_beside_the_loss() -> N
     rows = [line.split() for line in report[head + 1:head + 5]]
     assert rows[0][:2] == ["300", "0.5"] and "aten::copy_" in rows[0][2] and rows[1][:2] == ["300", "0.5"]
     assert rows[2][:2] == ["50", "0.1"]
+
+
+def test_the_hosts_waits_are_told_by_the_call_and_the_frames_that_made_them() -> None:
+    """A stream synchronize under `.cpu()` in a line of ours is reported with its time; an asynchronous copy is not."""
+    events = [
+        {"cat": "kernel", "name": "nvjet_gemm", "ts": 0, "dur": 100, "args": {"correlation": 1}},
+        {"cat": "python_function", "name": "/x/kestrel/model/attention.py(140): segment_starts", "ts": 10, "dur": 400,
+         "tid": 7},
+        {"cat": "cpu_op", "name": "aten::_to_copy", "ts": 20, "dur": 300, "tid": 7},
+        {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 30, "dur": 5, "tid": 7, "args": {"correlation": 9}},
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 40, "dur": 250, "tid": 7, "args": {}},
+    ]
+    report = analyse({"traceEvents": events}, steps=1)
+    waits = report[report.index("host waits for the GPU"):].split("\n\n")[0].splitlines()
+    assert len(waits) == 2  # the heading and the one wait
+    assert "0.25" in waits[1] and "cudaStreamSynchronize: aten::_to_copy in model/attention.py(140): segment_starts" in waits[1]
+    quiet = analyse({"traceEvents": events[:1]}, steps=1)
+    assert "host waits for the GPU by call, op and our frames (ms/step, count/step); none" in quiet
