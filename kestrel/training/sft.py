@@ -113,6 +113,7 @@ class Queued:
     lr: float
     values: torch.Tensor  # (3,) float64 on the host (pinned on CUDA): loss, grad norm, real tokens; + router loss
     ended: torch.cuda.Event | None  # recorded after the copy (CUDA): once it is done, `values` hold
+    graphs: dict[str, float]  # `graph_metrics` of its own forward (read later, the next step's would show)
 
 
 def accumulate(s: Session, step: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
@@ -163,7 +164,7 @@ def apply(s: Session, step: int, t0: float, window: tuple[torch.Tensor, list[tor
         values = host.copy_(values, non_blocking=True)
         ended = torch.cuda.Event(enable_timing=True)
         ended.record()
-    return Queued(step, t0, lr, values, ended)
+    return Queued(step, t0, lr, values, ended, graph_metrics(s.recompute))
 
 
 def settle(s: Session, cb: Callback, q: Queued, before: Queued | None, started: float) -> str | None:
@@ -179,7 +180,7 @@ def settle(s: Session, cb: Callback, q: Queued, before: Queued | None, started: 
     took = (before.ended.elapsed_time(q.ended) / 1000 if before is not None and before.ended is not None
             and q.ended is not None else now - q.t0)
     metrics = {"epoch": (q.step + 1) * s.config.grad_accum * s.world.size / len(s.plan), "loss": loss, "lr": q.lr,
-               "grad_norm": grad_norm, **graph_metrics(s.recompute), **({"aux_loss": aux[0]} if aux else {})}
+               "grad_norm": grad_norm, **q.graphs, **({"aux_loss": aux[0]} if aux else {})}
     return report_step(s, cb, q.step, metrics, int(tokens), started, now - took, now)
 
 
