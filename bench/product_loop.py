@@ -1,6 +1,8 @@
 """The product's own SFT loop (`kestrel.training.run.run`, as the studio and the CLI run it) with the host a
 step ahead of the GPU (`sft.runs_ahead`, the default on CUDA) against step by step (each step read and
-reported before the next is queued, as before session 48), on a matrix model's real shape.
+reported before the next is queued), on a matrix model's real shape. Step by step waits once a step, at its
+end; before session 48 the loop also waited before each update (the divergence check, now on the device), so the
+ratio understates what the session's loop gained.
 
     python bench/product_loop.py --model llama-3.2-1b --method lora --out product_loop.json
     options: --seq 4096 --batch 2 --steps 60 --warmup 20 --order off,on,on,off
