@@ -121,3 +121,20 @@ def test_a_training_run_on_an_image_text_folder(kind: str, image_text_dir, tmp_p
     assert all("language_model" in name for name in adapter["target_modules"])
     experts = family_of(IMAGE_TEXT[kind][0]).moe is not None  # LoRA on the experts: PEFT's parameter targets
     assert bool(adapter.get("target_parameters")) == experts, adapter.get("target_parameters")
+
+
+@pytest.mark.parametrize("kind", IMAGE_TEXT)
+def test_the_image_text_forward_takes_a_batchs_host_starts(kind: str, image_text_dir) -> None:
+    """Training hands a flat batch's sample starts to the forward (`attn.STARTS_KWARG`): the image-text class's
+    own forward passes the keyword down to its language model (or its HF stack drops it), and the loss is the one
+    without it."""
+    from kestrel.model import attention as attn
+
+    model, tokenizer = load(str(image_text_dir(kind)), 64, device="cpu")
+    ids = torch.randint(0, len(tokenizer), (1, 14), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(9), torch.arange(5)])[None]  # two samples in one row
+    batch = {"input_ids": ids, "position_ids": positions, "labels": ids}
+    starts = {attn.STARTS_KWARG: attn.host_starts(None, positions, 1)}
+    with torch.no_grad():
+        plain, given = (model(**batch, use_cache=False, **extra).loss for extra in ({}, starts))
+    torch.testing.assert_close(given, plain, rtol=0, atol=0)
