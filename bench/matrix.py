@@ -351,11 +351,15 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
     # Every system steps each batch once before timing; Kestrel's chooser and graphs may take up to --settle.
     graphs = getattr(recompute, "graphs", None) if kestrel else None
     probe = (lambda: {k: v for k, v in graphs.stats().items() if k != "copies"}) if graphs is not None else None
-    from kestrel.recompute.capture_stream import steps_on, steps_stream
+    from contextlib import nullcontext
 
-    # the steps' own stream under `performance.capture_stream: steps`, as the product's loop runs them
+    from kestrel.recompute.capture_stream import steps_on, steps_stream
+    from kestrel.training.heap import steps_heap
+
+    # the steps' own stream under `performance.capture_stream: steps`, and the heap frozen after the first steps (no
+    # full collection walks the model and its graphs mid-step), as the product's loop runs them
     stream = steps_stream(torch.device("cuda"), recompute.capture_stream) if kestrel and recompute is not None else None
-    with steps_on(stream):
+    with steps_heap() if kestrel else nullcontext(), steps_on(stream):
         res = timed_steps(model, gpu, args.warmup, args.steps, chooser, max(args.settle if kestrel else 0, len(batches)),
                           probe)
     timed = [(args.warmup + res["settle_steps"] + j) % len(batches) for j in range(args.steps)]
@@ -376,6 +380,7 @@ def measure_cell(args: argparse.Namespace) -> dict[str, Any]:
                 "keep_qkv": recompute.keep_qkv, "qkv_kept": {str(rows): kept.qkv for rows, kept in recompute.kept.items()},
                 "backward_graph_capture": recompute.backward_capture, "capture_stream": recompute.capture_stream,
                 "host_starts": all(b.starts is not None for b in batches),  # the forward read no starts back
+                "steps_heap": True,  # its timed steps ran as the product's loop runs them: the heap frozen
                 "host_link": {"bytes_per_s": {str(d): r for d, r in recompute.deferral.link.rates.items()},
                               "layer_seconds": {str(rows): s for rows, s in recompute.deferral.link.layer_seconds.items()}},
                 } if kestrel else {}),
