@@ -88,7 +88,7 @@ def attention_inputs(
     embeds (B, T, H); attention_mask (B, T) or None; position_ids (B or 1, T) as the caller gave
     them, None when defaulted (then there is nothing to detect); sinks: the family's attention
     has sinks (`FamilySpec.attention_sinks`). At most one host sync: the sample starts, when the
-    varlen path could run and the caller passed positions. `forked`: the caller's layout of
+    varlen path could run, the caller passed positions and not `host`. `forked`: the caller's layout of
     groups sharing a prefix, which only the varlen kernel runs (a sliding window stays exact:
     flash aligns it bottom-right, at each query's own position). `host`: the sample starts the caller
     read from its host copy of the batch (then there is no sync at all).
