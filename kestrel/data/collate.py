@@ -8,6 +8,7 @@ learns to predict across a sample boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -30,13 +31,13 @@ class Batch:
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask), move(self.position_ids),
-                     self.tokens, self.starts)
+        return dataclasses.replace(self, input_ids=move(self.input_ids), labels=move(self.labels),
+                                   attention_mask=move(self.attention_mask), position_ids=move(self.position_ids))
 
     def with_starts(self) -> "Batch":
         """This (host) batch with its `HostStarts`."""
-        starts = host_starts(self.attention_mask, self.position_ids, self.input_ids.shape[0])
-        return Batch(self.input_ids, self.labels, self.attention_mask, self.position_ids, self.tokens, starts)
+        return dataclasses.replace(
+            self, starts=host_starts(self.attention_mask, self.position_ids, self.input_ids.shape[0]))
 
     def model_kwargs(self) -> dict[str, HostStarts]:
         """The keywords the model forward takes beside the tensors: the host starts, when the batch has them."""

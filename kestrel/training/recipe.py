@@ -249,6 +249,19 @@ def optimizer_step(
     return grad_norm, lr
 
 
+def stage_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`values` on their way to host memory without waiting: on CUDA a pinned copy queued on the current
+    stream behind everything before it, and an event (timed) recorded after it, whose `synchronize` waits
+    for that work only, not for work queued later; elsewhere `values` themselves and no event."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done = torch.cuda.Event(enable_timing=True)
+    done.record()
+    return host, done
+
+
 def _finite_values(loss: torch.Tensor | None, grad_norm: torch.Tensor) -> torch.Tensor:
     values = [grad_norm.detach().float().reshape(())]
     if loss is not None:

@@ -37,7 +37,7 @@ from kestrel.training.metrics import Callback
 from kestrel.training.sft_eval import held_out, sft_evaluator
 from kestrel.training.recipe import (
     graph_metrics, optimizer_and_resume, optimizer_step, prepare_model, raise_if_diverged, report_step, run_recipe,
-    seed_everything,
+    seed_everything, stage_to_host,
 )
 
 
@@ -155,16 +155,10 @@ def apply(s: Session, step: int, t0: float, window: tuple[torch.Tensor, list[tor
     parts = [total_loss, grad_norm, torch.full((), float(tokens), dtype=torch.float64, device=s.device)]  # no copy
     if aux:  # every rank runs the same model: all of them have a router loss, or none
         parts.append(torch.stack(aux).mean() / world.size)
-    values = torch.stack([p.detach().double().reshape(()).to(s.device) for p in parts])
+    values = torch.stack([p.detach().double().reshape(()) for p in parts])
     if world.distributed:
         values[2:] = world.sum(values[2:].clone())  # tokens and router losses over every rank
-    ended = None
-    if s.device.type == "cuda":
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        values = host.copy_(values, non_blocking=True)
-        ended = torch.cuda.Event(enable_timing=True)
-        ended.record()
-    return Queued(step, t0, lr, values, ended, graph_metrics(s.recompute))
+    return Queued(step, t0, lr, *stage_to_host(values), graph_metrics(s.recompute))
 
 
 def settle(s: Session, cb: Callback, q: Queued, before: Queued | None, started: float) -> str | None:

@@ -19,6 +19,7 @@ import torch
 from kestrel.data.preference_tokens import PreferenceSample
 from kestrel.model.attention import to_device_async
 from kestrel.training.distributed import World
+from kestrel.training.recipe import stage_to_host
 from kestrel.training.preference import loss as L
 from kestrel.training.preference.reference import NEEDS_REFERENCE, RefTable, as_reference, sequence_logps
 from kestrel.training.preference.rows import AnswerRows, answer_logprobs, answer_rows, shared_answer_rows
@@ -177,11 +178,4 @@ def stage_metrics(stats: StepStats, paired: bool, world: World | None = None,
     sums = torch.stack([stats.loss.double().reshape(()), *(v for n in names for v in (parts[n].sum(),
                         torch.full((), float(parts[n].numel()), dtype=torch.float64, device=device))),
                         *(x.detach().double().reshape(()).to(device) for x in extras.values())])
-    sums = world.sum(sums)
-    if device.type != "cuda":
-        return StagedMetrics(names, sums, None, paired, list(extras), ranks)
-    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-    host.copy_(sums, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return StagedMetrics(names, host, done, paired, list(extras), ranks)
+    return StagedMetrics(names, *stage_to_host(world.sum(sums)), paired, list(extras), ranks)
