@@ -220,7 +220,20 @@ def _residual_add(residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     return residual + update
 
 
+def _linear_mixer(layer: nn.Module, spec: FamilySpec) -> nn.Module | None:
+    """The layer's linear-attention token mixer (`FamilySpec.linear_attention_class`, at
+    `linear_attention_attr`) in place of attention, or None for an attention layer."""
+    if spec.linear_attention_class is None:
+        return None
+    mixer = getattr(layer, spec.linear_attention_attr, None)
+    return mixer if type(mixer).__name__ == spec.linear_attention_class else None
+
+
 def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
+    """A decoder layer: norm, token mixer (attention, or a family's linear attention), residual,
+    norm, MLP (dense, or a sparse block), residual; Gemma's sandwich norms around each sublayer.
+    The residual sums are written in place where safe (`_residual_add`), and a checkpoint's
+    recompute skips what its thrown-away output needs (`_mlp_args`)."""
     def forward(
         self: nn.Module,
         hidden_states: torch.Tensor,
@@ -235,17 +248,22 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         residual = hidden_states
         h = self.input_layernorm(hidden_states)
         scope = checkpointing.scope_of(self)
-        if scope is not None and scope.attention is not None and getattr(self.self_attn.forward, "takes_kept_attention", False):
-            kwargs[KEPT_KWARG] = scope.attention
-        h, _ = self.self_attn(
-            hidden_states=h,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+        mixer = _linear_mixer(self, spec)
+        if mixer is not None:  # a recurrent layer (Qwen3.5): its mask is the 2-D padding mask or None
+            h = mixer(hidden_states=h, cache_params=past_key_values, attention_mask=attention_mask, **kwargs)
+        else:
+            store = scope.attention if scope is not None else None
+            if store is not None and getattr(self.self_attn.forward, "takes_kept_attention", False):
+                kwargs[KEPT_KWARG] = store
+            h, _ = self.self_attn(
+                hidden_states=h,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
         if spec.sandwich_norm:
             h = self.post_attention_layernorm(h)
         h = _residual_add(residual, h)

@@ -65,6 +65,7 @@ class FamilySpec:
     # more than attention + MLP, e.g. Qwen3.5's linear attention or Gemma 4's per-layer inputs).
     levels: frozenset[str] = ALL_LEVELS
     linear_attention_class: str | None = None  # gated-delta-rule layers (Qwen3.5), `kestrel.model.linear_attention`
+    linear_attention_attr: str = "linear_attn"  # where a decoder layer holds it (in place of `self_attn`)
     # Linears beyond attention + MLP that "every linear" LoRA also covers (linear attention's projections).
     extra_lora_targets: tuple[str, ...] = ()
     attn_output_gate: bool = False  # q_proj yields (query, gate) per head; output * sigmoid(gate) (Qwen3.5)
@@ -117,7 +118,7 @@ _QWEN3_5 = FamilySpec(
     attn_output_gate=True,
     linear_attention_class="Qwen3_5GatedDeltaNet",
     extra_lora_targets=("in_proj_qkv", "in_proj_z", "out_proj"),
-    levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "causal_lm")),
+    levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "decoder_layer", "causal_lm")),
     decode=False,
     gguf_arch="qwen35",
 )

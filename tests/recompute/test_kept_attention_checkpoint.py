@@ -67,10 +67,12 @@ def _train(folder, keep: bool, monkeypatch: pytest.MonkeyPatch, family_rows: int
     return losses, grads, calls
 
 
-# The tiny models whose layers are all plain causal attention with no mask (keeping applies to those alone:
-# windowed, masked, sink and varlen attention always recompute). Gemma 3's two tiny layers are both windowed;
-# Gemma 4's and Qwen3.5's full-attention layers get a mask from HF; gpt-oss has sinks.
-ALL_PLAIN = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+# How many of each tiny model's 2 layers run plain causal attention with no mask (keeping applies to those
+# alone: windowed, masked, sink and varlen attention always recompute, and a linear-attention layer has none).
+# Gemma 3's two tiny layers are both windowed; Gemma 4's full-attention layers get a mask from HF; gpt-oss has
+# sinks; Qwen3.5's are one linear-attention layer and one full-attention layer that HF gives no mask.
+PLAIN_LAYERS = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 2, "qwen3_moe": 2, "qwen3_5_text": 1,
+                "qwen3_5_moe_text": 1}
 
 
 @pytest.mark.parametrize(("projection", "qkv"), [(False, False), (True, False), (True, True), (False, True)],
@@ -82,7 +84,7 @@ def test_kept_attention_trains_as_recomputed_attention(family: str, projection: 
     base, base_grads, base_calls = _train(folder, False, monkeypatch)
     kept, kept_grads, calls = _train(folder, True, monkeypatch, projection=projection, qkv=qkv)
     assert base_calls == {"forward": 0, "backward": 0, "known": 0, "known_qkv": 0}  # off: SDPA in both passes
-    steps = 3 * 2 if family in ALL_PLAIN else 0  # 3 steps x the tiny models' 2 layers
+    steps = 3 * PLAIN_LAYERS.get(family, 0)  # 3 steps x the layers that keep
     # On: one forward a layer a step (the first pass), none in the recompute; one backward a layer a step;
     # with the projection (Q, K and V) kept, each recompute takes its output instead of forming it.
     assert calls == {"forward": steps, "backward": steps, "known": steps if projection else 0,
