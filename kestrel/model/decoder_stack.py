@@ -11,6 +11,8 @@ masks HF builds. A caller may also hand it `ForkedSamples` (keyword `attn.FORK_K
 share a prefix, every layer then attends through the varlen kernel with keys of their own (no
 host sync at all: the caller built the layout); or the batch's sample starts read from its host copy
 (`attn.HostStarts`, keyword `attn.STARTS_KWARG`), which spares the forward its one host sync.
+A family's linear-attention layers (Qwen3.5) get the padding mask and each token's offset in its sample
+instead of an attention layout.
 Any other call this forward does not handle (a cache, `use_cache`, attention or hidden-state
 outputs, a prepared 4-D mask, unknown keywords...) goes to the original class forward unchanged.
 """
@@ -25,6 +27,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kestrel.model import attention as attn
+from kestrel.model import linear_attention as linear
 from kestrel.model import moe
 from kestrel.model.registry import FamilySpec
 
@@ -46,10 +49,13 @@ def _use_cache(model: nn.Module, use_cache: bool | None) -> bool:
 def handles(
     model: nn.Module, spec: FamilySpec, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     attention_mask: Any, past_key_values: Any, use_cache: bool | None, kwargs: dict[str, Any],
+    position_ids: torch.Tensor | None = None,
 ) -> bool:
     """True when this forward computes the call exactly; False sends it to HF's own forward."""
     config = model.config
     if (input_ids is None) == (inputs_embeds is None):  # HF raises its own error
+        return False
+    if position_ids is not None and position_ids.dim() != 2:  # an image-text model's per-axis positions
         return False
     if past_key_values is not None or _use_cache(model, use_cache):
         return False
@@ -137,6 +143,8 @@ def _starts(host: attn.HostStarts | None, attention_mask: torch.Tensor | None, p
 def _rotary(model: nn.Module, spec: FamilySpec, h: torch.Tensor, position_ids: torch.Tensor) -> list[Any]:
     """(cos, sin) for each layer, each (B or 1, T, D), computed once per table."""
     layers = range(model.config.num_hidden_layers)
+    if spec.mrope:  # text: the same positions on each axis, as HF's stack lays them out for text
+        position_ids = position_ids[None].expand(3, *position_ids.shape)
     if not spec.rope_per_layer_type:
         table = model.rotary_emb(h, position_ids)
         return [table for _ in layers]
@@ -144,6 +152,32 @@ def _rotary(model: nn.Module, spec: FamilySpec, h: torch.Tensor, position_ids: t
     types = model.config.layer_types
     tables = {kind: model.rotary_emb(h, position_ids, kind) for kind in dict.fromkeys(types)}
     return [tables[types[i]] for i in layers]
+
+
+def _layer_inputs(
+    model: nn.Module, spec: FamilySpec, layers: Any, mode: attn.VarlenMode, embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None, given_positions: torch.Tensor | None,
+    forked: attn.ForkedSamples | None, host: attn.HostStarts | None,
+) -> list[tuple[Any, dict[str, Any]]]:
+    """Each layer's (attention_mask, extra keywords) for one forward. Attention layers: the layout of
+    their window (`attention_inputs`: HF's mask, or a varlen call). Linear-attention layers (Qwen3.5):
+    the (B, T) padding mask as given (zeroing padded inputs) and, with position_ids, each token's offset
+    in its sample (`linear_attention.segments`), so a packed sample starts from an empty state."""
+    recurrent = [linear.linear_mixer(layer, spec) is not None for layer in layers]
+    windows = [attn.layer_window(spec, model.config, i) for i in range(len(layers))]
+    layouts = {}
+    if not all(recurrent):
+        layouts = attention_inputs(model, mode, [w for w, r in zip(windows, recurrent) if not r], embeds,
+                                   attention_mask, given_positions, sinks=spec.attention_sinks, forked=forked, host=host)
+    segments = linear.segments(given_positions, None) if any(recurrent) else {}
+    out: list[tuple[Any, dict[str, Any]]] = []
+    for window, is_recurrent in zip(windows, recurrent):
+        if is_recurrent:
+            out.append((attention_mask, dict(segments)))
+            continue
+        mask, varlen = layouts[window]
+        out.append((mask, {attn.VARLEN_KWARG: varlen} if varlen is not None else {}))
+    return out
 
 
 def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Callable[..., BaseModelOutputWithPast]:
@@ -160,10 +194,13 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
         forked, host = kwargs.get(attn.FORK_KWARG), kwargs.pop(attn.STARTS_KWARG, None)  # starts: never on to HF
-        if not handles(self, spec, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache, kwargs):
+        if not handles(self, spec, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache, kwargs,
+                       position_ids):
             if forked is not None:  # HF's forward has no such layout: it would score something else
                 raise ValueError(f"{spec.model_type}: this call goes to Hugging Face's forward, which cannot run "
                                  "forked samples (a shared prompt); score the answers as separate sequences")
+            if spec.linear_attention_class:  # packed samples' bounds, to its linear-attention layers
+                kwargs.update(linear.segments(position_ids, past_key_values))
             return type(self).forward(
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
@@ -172,16 +209,13 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
         given_positions = position_ids
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
-        n = self.config.num_hidden_layers
-        windows = [attn.layer_window(spec, self.config, i) for i in range(n)]
-        layouts = attention_inputs(self, mode, windows, h, attention_mask, given_positions,
-                                   sinks=spec.attention_sinks, forked=forked, host=host)
+        layers = self.layers[: self.config.num_hidden_layers]
+        inputs = _layer_inputs(self, spec, layers, mode, h, attention_mask, given_positions, forked, host)
         rotary = _rotary(self, spec, h, position_ids)
         passed = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH}
         stats = moe.router_stats_for(self.config, spec, attention_mask)
-        for i, layer in enumerate(self.layers[:n]):
-            mask, varlen = layouts[windows[i]]
-            extra = {attn.VARLEN_KWARG: varlen} if varlen is not None else {}
+        for i, layer in enumerate(layers):
+            mask, extra = inputs[i]
             if stats is not None and "forward" in layer.__dict__:  # a patched layer hands it to its block
                 extra[moe.ROUTER_STATS_KWARG] = stats
             # hidden states go positionally: HF's checkpointing hands only *args to the checkpoint function.

@@ -21,7 +21,7 @@ from kestrel.recompute import checkpoint as checkpointing
 from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
 from kestrel.model.kept_attention import KEPT_KWARG, stored_causal_attention, stored_projection, stored_qkv
 from kestrel.model.fused_lora import fused_lora_weights
-from kestrel.model.linear_attention import SEGMENTS_KWARG
+from kestrel.model.linear_attention import SEGMENTS_KWARG, linear_mixer
 from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
 from kestrel.model.registry import FamilySpec
 
@@ -220,15 +220,6 @@ def _residual_add(residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     return residual + update
 
 
-def _linear_mixer(layer: nn.Module, spec: FamilySpec) -> nn.Module | None:
-    """The layer's linear-attention token mixer (`FamilySpec.linear_attention_class`, at
-    `linear_attention_attr`) in place of attention, or None for an attention layer."""
-    if spec.linear_attention_class is None:
-        return None
-    mixer = getattr(layer, spec.linear_attention_attr, None)
-    return mixer if type(mixer).__name__ == spec.linear_attention_class else None
-
-
 def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
     """A decoder layer: norm, token mixer (attention, or a family's linear attention), residual,
     norm, MLP (dense, or a sparse block), residual; Gemma's sandwich norms around each sublayer.
@@ -248,7 +239,7 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         residual = hidden_states
         h = self.input_layernorm(hidden_states)
         scope = checkpointing.scope_of(self)
-        mixer = _linear_mixer(self, spec)
+        mixer = linear_mixer(self, spec)
         if mixer is not None:  # a recurrent layer (Qwen3.5): its mask is the 2-D padding mask or None
             h = mixer(hidden_states=h, cache_params=past_key_values, attention_mask=attention_mask, **kwargs)
         else:

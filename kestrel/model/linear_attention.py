@@ -294,13 +294,28 @@ def make_segmented_stack_forward(inner: Callable[..., Any]) -> Callable[..., Any
         return args[at] if at < len(args) else kwargs.get(name)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        position_ids = passed("position_ids", args, kwargs)
-        if position_ids is not None and passed("past_key_values", args, kwargs) is None:
-            text = position_ids if position_ids.ndim == 2 else position_ids[0]
-            kwargs[SEGMENTS_KWARG] = segment_offsets(text)
+        kwargs.update(segments(passed("position_ids", args, kwargs), passed("past_key_values", args, kwargs)))
         return inner(*args, **kwargs)
 
     return forward
+
+
+def segments(position_ids: torch.Tensor | None, past_key_values: Any) -> dict[str, torch.Tensor]:
+    """What a stack hands its linear-attention layers for a pass: {SEGMENTS_KWARG: offsets (B, T)} when
+    the pass brings position_ids (B, T), or (k, B, T) whose first row is the text's, and no cache; else
+    nothing (decoding carries its own states; a row without positions is one sample)."""
+    if position_ids is None or past_key_values is not None:
+        return {}
+    return {SEGMENTS_KWARG: segment_offsets(position_ids if position_ids.ndim == 2 else position_ids[0])}
+
+
+def linear_mixer(layer: nn.Module, spec: Any) -> nn.Module | None:
+    """A decoder layer's linear-attention token mixer (`FamilySpec.linear_attention_class`, held at
+    `linear_attention_attr` in place of attention), or None for an attention layer."""
+    if spec.linear_attention_class is None:
+        return None
+    mixer = getattr(layer, spec.linear_attention_attr, None)
+    return mixer if type(mixer).__name__ == spec.linear_attention_class else None
 
 
 def _mix(self: nn.Module, mixed: torch.Tensor, cache: Any, cached: bool,

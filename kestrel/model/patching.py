@@ -113,8 +113,9 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
     if "linear_attention" in on and spec.linear_attention_class:
         for mixer in _modules_named(model, spec.linear_attention_class):
             handle.rebind(mixer, linear_attention_forward)
-        for stack in _modules_named(model, spec.model_class):  # packed samples' bounds, to those layers
-            handle.rebind(stack, make_segmented_stack_forward(stack.forward))
+        if "model" not in on:  # packed samples' bounds, to those layers (Kestrel's stack hands them itself)
+            for stack in _modules_named(model, spec.model_class):
+                handle.rebind(stack, make_segmented_stack_forward(stack.forward))
     if "mlp" in on and spec.moe is not None:
         for block in _modules_named(model, spec.moe.block_class):
             handle.rebind(block, make_moe_forward(spec))

@@ -54,6 +54,7 @@ class FamilySpec:
     # those config.layer_types marks "sliding_attention" (Qwen2/3, Gemma 3).
     sliding_layers: Literal["none", "all", "by_layer_type"] = "none"
     rope_per_layer_type: bool = False  # separate rotary tables for sliding and full layers (Gemma 3)
+    mrope: bool = False  # the rotary embedding takes (3, B, T) positions, one row an axis; text repeats its own
     attn_softcap_attr: str | None = None  # config attribute of an attention-logit softcap, if any
     # --- mixture of experts and gpt-oss's attention (issue 26, item 2) ---
     moe: MoeSpec | None = None  # the sparse MLP, for mixture-of-experts families
@@ -118,7 +119,8 @@ _QWEN3_5 = FamilySpec(
     attn_output_gate=True,
     linear_attention_class="Qwen3_5GatedDeltaNet",
     extra_lora_targets=("in_proj_qkv", "in_proj_z", "out_proj"),
-    levels=frozenset(("rms_norm", "attention", "linear_attention", "mlp", "decoder_layer", "causal_lm")),
+    mrope=True,
+    levels=ALL_LEVELS | {"linear_attention"},
     decode=False,
     gguf_arch="qwen35",
 )
@@ -252,8 +254,8 @@ _MOE_FAMILIES = (
     ),
     # Qwen3.5-MoE: Qwen3.5's layers (linear and gated full attention, on the same forwards) with
     # Qwen3-MoE's router and experts in every layer's MLP, plus a shared expert behind a sigmoid
-    # gate (its MLP, `mlp_class`, on the dense MLP forward). HF's decoder stack runs (as Qwen3.5's)
-    # and records the routers' logits for the load-balancing loss.
+    # gate (its MLP, `mlp_class`, on the dense MLP forward). HF's decoder stack runs and records the
+    # routers' logits for the load-balancing loss.
     replace(
         _QWEN3_5,
         model_type="qwen3_5_moe_text",
@@ -265,6 +267,9 @@ _MOE_FAMILIES = (
         norm_class="Qwen3_5MoeRMSNorm",
         linear_attention_class="Qwen3_5MoeGatedDeltaNet",
         moe=replace(_QWEN3_MOE_BLOCK, block_class="Qwen3_5MoeSparseMoeBlock", shared_expert=True),
+        # HF's stack: the image-text model wraps the stack's output in its own class, which has no field
+        # for Kestrel's router sums, so the routers' logits reach the loss HF's way
+        levels=_QWEN3_5.levels - {"model"},
         gguf_arch="qwen35moe",  # Qwen3.5's layout with Qwen3-MoE's experts and a shared expert
     ),
 )

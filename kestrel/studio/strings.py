@@ -104,6 +104,8 @@ FAMILY_TITLES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen
                  "qwen3_5_text": "Qwen3.5", "gemma4_text": "Gemma 4", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss",
                  "qwen3_5_moe_text": "Qwen3.5-MoE"}
 PATH_FULL = "**{family}**: on Kestrel's fast path (its kernels, padding-free packing, fast decode)."
+PATH_TRAINS_FAST = ("**{family}**: trains on Kestrel's fast path (its kernels, padding-free packing); chat and GRPO "
+                    "rollouts decode through Hugging Face's forward.")
 PATH_PARTIAL = ("**{family}**: partly on Kestrel's fast path ({levels}); its other modules run Hugging Face's "
                 "code{decode}.")
 PATH_HF_DECODE = ", and chat and GRPO rollouts decode through Hugging Face's forward"

@@ -14,6 +14,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
 
 from kestrel.kernels.gated_delta import relative_errors
+from kestrel.model import attention as attn
 from kestrel.model import linear_attention as la
 from kestrel.model.patching import PatchFlags, packing_refusal, patch_model, unpatch_model
 from tests.support.tiny import tiny_model
@@ -74,13 +75,16 @@ def _worst_gradient(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(relative_errors(*zip(*pairs)))
 
 
-@pytest.mark.parametrize(("family", "kernels"), [("qwen3_5_text", "torch"), ("qwen3_5_text", "triton"),
-                                                 ("qwen3_5_moe_text", "torch")])
-def test_packed_rows_give_each_sample_what_it_gets_alone(family: str, kernels: str,
+@pytest.mark.parametrize(("family", "kernels", "varlen"), [
+    ("qwen3_5_text", "torch", "off"), ("qwen3_5_text", "torch", "reference"), ("qwen3_5_text", "triton", "off"),
+    ("qwen3_5_moe_text", "torch", "off")])
+def test_packed_rows_give_each_sample_what_it_gets_alone(family: str, kernels: str, varlen: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Logits and every parameter's gradient of the patched model, on Kestrel's PyTorch references
     and on its Triton kernels (the interpreter here); HF's own layers, which carry the state and
-    convolution from one sample into the next, do not (the check has teeth)."""
+    convolution from one sample into the next, do not (the check has teeth). With `varlen` "reference",
+    Qwen3.5's full-attention layers run the variable-length path (Kestrel's stack; its SDPA-loop
+    reference here) beside the linear-attention layers' sample offsets."""
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs CPU tensors only in its interpreter (a GPU host runs the CUDA test below)")
     monkeypatch.setenv("KESTREL_KERNELS", kernels)
@@ -92,8 +96,12 @@ def test_packed_rows_give_each_sample_what_it_gets_alone(family: str, kernels: s
     packed, alone, got, want = _alone_and_packed(model, ROWS)
     assert (packed - alone).abs().max() > 1e-3  # HF: the next sample starts from the last one's state
     assert _worst_gradient(got, want) > 5e-2
-    patch_model(model)
+    calls = []
+    reference = attn.reference_varlen_attn
+    monkeypatch.setattr(attn, "reference_varlen_attn", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    patch_model(model, PatchFlags(varlen=varlen))  # type: ignore[arg-type]
     packed, alone, got, want = _alone_and_packed(model, ROWS)
+    assert bool(calls) == (varlen == "reference" and family == "qwen3_5_text")  # the MoE family runs HF's stack
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
     # fp32 sums in another order; the gate's parameters (A_log, dt_bias) sum per-token terms that
     # mostly cancel, so theirs are the largest, near 2e-3, against HF's leak's 5e-2 and more

@@ -300,9 +300,9 @@ def test_the_estimate_says_how_much_of_the_model_the_fast_path_covers(kestrel_ho
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     extra, values = form(model_source="local", model=str(tmp_path / "qwen35"))
     text = train.preview(extra, *values)["vram"]
-    assert ("**Qwen3.5**: partly on Kestrel's fast path (attention, chunked loss, linear attention, MLP, norms); "
-            "its other modules run Hugging Face's code, and chat and GRPO rollouts decode through Hugging Face's "
-            "forward. An image-text model: its language model trains on text, the vision tower stays frozen.") in text
+    assert ("**Qwen3.5**: trains on Kestrel's fast path (its kernels, padding-free packing); chat and GRPO rollouts "
+            "decode through Hugging Face's forward. An image-text model: its language model trains on text, the "
+            "vision tower stays frozen.") in text
     assert "GiB" in text  # the estimate itself is there too
     extra, values = form(model_source="local", model=str(tmp_path / "gpt2"))
     text = train.preview(extra, *values)["vram"]
@@ -313,7 +313,9 @@ def test_the_fast_path_line_names_qwen3_5_moe() -> None:
     """A Qwen3.5-MoE checkpoint (image-text, as Qwen ships it): named, with what runs on the fast path."""
     config = {"model_type": "qwen3_5_moe", "vision_config": {"depth": 2}, "text_config": {"model_type": "qwen3_5_moe_text"}}
     assert train.fast_path_text(config).startswith(
-        "**Qwen3.5-MoE**: partly on Kestrel's fast path (attention, chunked loss, linear attention, MLP, norms)")
+        "**Qwen3.5-MoE**: partly on Kestrel's fast path (attention, chunked loss, layers, linear attention, MLP, "
+        "norms); its other modules run Hugging Face's code, and chat and GRPO rollouts decode through Hugging "
+        "Face's forward.")
 
 
 @pytest.mark.parametrize("changes, words", [

@@ -263,8 +263,8 @@ def fast_path_text(config: dict[str, Any]) -> str:
     if spec is None:
         return S.PATH_NONE.format(model_type=config.get("model_type", "?")) + image_text
     title = S.FAMILY_TITLES.get(spec.model_type, spec.model_type)
-    if ALL_LEVELS <= spec.levels and spec.decode:
-        return S.PATH_FULL.format(family=title) + image_text
+    if ALL_LEVELS <= spec.levels:
+        return (S.PATH_FULL if spec.decode else S.PATH_TRAINS_FAST).format(family=title) + image_text
     levels = ", ".join(S.PATH_LEVELS[level] for level in sorted(spec.levels))
     decode = "" if spec.decode else S.PATH_HF_DECODE
     return S.PATH_PARTIAL.format(family=title, levels=levels, decode=decode) + image_text
