@@ -18,7 +18,7 @@ import torch.nn.attention.varlen as torch_varlen
 
 from kestrel.model.patching import patch_lora_layers, patch_model
 from kestrel.model.registry import FULL_PATH_FAMILIES as SUPPORTED, family_of
-from tests.model.test_model_forward import OVERRIDES, _base
+from tests.model.test_model_forward import OVERRIDES, PACKING_BLIND, _base
 from tests.model.test_patching import _lora
 from tests.support.bf16_runs import packed_batch, padded_batch, pin_to_truth, rel_err, run_with_grads
 
@@ -31,6 +31,8 @@ pytestmark = pytest.mark.gpu
 def test_varlen_matches_hf_in_bf16(family: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if layout == "long-row" and family not in OVERRIDES:
         pytest.skip("no sliding layers: an unpacked row takes SDPA's is_causal path")
+    if layout == "packed" and family in PACKING_BLIND:
+        pytest.skip("HF's own layers mix packed samples (checked against each sample alone elsewhere)")
     calls = []
     real = torch_varlen.varlen_attn
 
