@@ -23,7 +23,8 @@ from kestrel.model.kept_attention import KEPT_KWARG, stored_causal_attention, st
 from kestrel.model.fused_lora import fused_lora_weights
 from kestrel.model.linear_attention import SEGMENTS_KWARG, linear_mixer
 from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
-from kestrel.model.registry import FamilySpec
+from kestrel.model.multimodal import media_inputs
+from kestrel.model.registry import FamilySpec, text_config
 
 # --- RMSNorm ---------------------------------------------------------------------------------
 
@@ -282,6 +283,11 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
 
 
 def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWithPast]:
+    """The head: the stack's hidden states (B, T, H), then with labels (or shift_labels) the chunked
+    loss (`kernels.fused_linear_cross_entropy`: no (B*T, V) logits held), else the logits kept. Also
+    serves an image-text model's text calls (`make_image_text_forward`): its `model` runs the language
+    model, and the language model's config (`text_config`) holds the cap and the routers' sizes."""
+
     def forward(
         self: nn.Module,
         input_ids: torch.Tensor | None = None,
@@ -294,10 +300,11 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
+        config = text_config(self.config)
         num_items = kwargs.pop("num_items_in_batch", None)
         targets = kwargs.pop("shift_labels", None)
         add_aux = kwargs.pop("output_router_logits", None)
-        add_aux = getattr(self.config, "output_router_logits", False) if add_aux is None else add_aux
+        add_aux = getattr(config, "output_router_logits", False) if add_aux is None else add_aux
         if spec.moe is not None and "model" not in spec.levels and (add_aux or labels is not None or targets is not None):
             kwargs["output_router_logits"] = True  # HF's stack records the routers' logits for the aux loss
         outputs = self.model(
@@ -305,7 +312,7 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, T, H)
-        softcap = getattr(self.config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+        softcap = getattr(config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
         loss, logits = None, None
         if labels is not None or targets is not None:
             targets = shift_labels(labels) if targets is None else targets
@@ -327,13 +334,28 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
                 hidden_states=outputs.hidden_states, attentions=outputs.attentions,
             )
         stats = getattr(outputs, "router_stats", None) or router_stats_from_logits(
-            self.config, spec, attention_mask, getattr(outputs, "router_logits", None))
+            config, spec, attention_mask, getattr(outputs, "router_logits", None))
         aux = stats.loss() if stats is not None else None
         if aux is not None and loss is not None and add_aux:  # as HF: only with output_router_logits
-            loss = loss + self.config.router_aux_loss_coef * aux.to(loss.device)
+            loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
         return MoeCausalLMOutputWithPast(
             loss=loss, aux_loss=aux, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
+
+    return forward
+
+
+def make_image_text_forward(spec: FamilySpec) -> Callable[..., Any]:
+    """An image-text model's forward (`...ForConditionalGeneration`: its `model` holds the vision tower
+    and the language model, its `lm_head` the head): a call with text alone takes the causal-LM head
+    above (the chunked loss, not HF's (B, T, V) logits and their fp32 copy in its loss); a call
+    carrying images, video or audio (`media_inputs`), or positional arguments, goes to HF's own forward."""
+    text = make_causal_lm_forward(spec)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if args or media_inputs(kwargs):
+            return type(self).forward(self, *args, **kwargs)
+        return text(self, **kwargs)
 
     return forward

@@ -82,3 +82,15 @@ def lora_targets(model: nn.Module, targets: list[str]) -> list[str]:
         name for name, _ in model.named_modules()
         if name.rsplit(".", 1)[-1] in wanted and name.startswith(stack_name + ".")
     ]
+
+
+# Keyword names of a call's images, video or audio (HF's image-text forwards: pixel_values,
+# pixel_values_videos, image_grid_thw, input_features, image_position_ids...).
+_MEDIA_WORDS = ("pixel", "image", "video", "audio", "input_features")
+
+
+def media_inputs(kwargs: dict[str, Any]) -> list[str]:
+    """The keywords of a forward call that carry images, video or audio (not None): a call with any
+    is for HF's own image-text forward; one with none is text."""
+    return [name for name, value in kwargs.items()
+            if value is not None and any(word in name for word in _MEDIA_WORDS)]

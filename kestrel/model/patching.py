@@ -30,7 +30,7 @@ from kestrel.model.attention import VarlenMode, varlen_backend
 from kestrel.model.decoder_stack import make_model_forward
 from kestrel.model.linear_attention import linear_attention_forward, make_segmented_stack_forward
 from kestrel.model.moe import make_moe_forward
-from kestrel.model.registry import ALL_LEVELS, FamilySpec, family_for
+from kestrel.model.registry import ALL_LEVELS, FamilySpec, family_for, is_image_text
 
 log = logging.getLogger("kestrel")
 
@@ -136,6 +136,8 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
     if "causal_lm" in on:
         for head in _modules_named(model, spec.causal_lm_class):
             handle.rebind(head, ff.make_causal_lm_forward(spec))
+        if is_image_text(model.config) and isinstance(getattr(model, "lm_head", None), nn.Linear):
+            handle.rebind(model, ff.make_image_text_forward(spec))  # its text calls take the chunked loss
     model.kestrel_patch = handle
     return handle
 
