@@ -90,6 +90,9 @@
 #             LOOP_MODEL (llama-3.2-1b) LOOP_METHOD (lora), packed rows of 4,096 (bench/product_loop.py): wall-clock tokens/s
 #   gradprod  the adapters' fp32 weight-gradient products at GRAD_SHAPE's (qwen2.5-7b) shapes: cuBLAS with an fp32
 #             output, upcast with TF32, upcast fp32, with their errors and kernel names (bench/lora_grad_products.py)
+#   imagehead an image-text checkpoint trained on text: Kestrel's head (the chunked loss) against HF's image-text
+#             forward, HEAD_MODEL's (gemma3-4b) language model in its image-text class, HEAD_METHOD (qlora),
+#             HEAD_LAYOUT (packed), ABBA, one process a run (bench/image_text_head.py)
 #   lorastep  where a long step's time goes under 16-bit LoRA and under QLoRA (LORASTEP_METHODS): LORASTEP_SHAPE's
 #             (llama-3.2-1b) matrix long cell as the matrix runs it (one row of 8,192 through the product's batch plan,
 #             checkpointing and allocator: bench/profile_train.py --layout long), graphs auto as the cell's, 30 warm-ups
@@ -273,6 +276,8 @@ for want in "$@"; do
                   records "$OUT"/expand-*.jsonl ;;
         productloop) phase productloop "${LIMIT_productloop:-420}" python bench/product_loop.py --model "${LOOP_MODEL:-llama-3.2-1b}" \
                       --method "${LOOP_METHOD:-lora}" --out "$OUT/product_loop.json" ;;
+        imagehead) phase imagehead "${LIMIT_imagehead:-420}" python bench/image_text_head.py --model "${HEAD_MODEL:-gemma3-4b}" \
+                      --method "${HEAD_METHOD:-qlora}" --layout "${HEAD_LAYOUT:-packed}" --out "$OUT/image_text_head.json" ;;
         cefloor)  phase cefloor "${LIMIT_cefloor:-180}" python bench/ce_floor.py --out "$OUT/ce_floor.json" ;;
         capstream) phase capstream-test 150 python -m pytest -q -n0 -p no:cacheprovider -rf tests/recompute/test_capture_stream.py
                   n=0; for way in side steps steps side; do n=$((n + 1))
@@ -315,7 +320,7 @@ for want in "$@"; do
                           --hard-s 230 --out "$OUT/keepattn-$name.jsonl"; done; done
                   records "$OUT"/keepattn-*.jsonl ;;
         matrix)   matrix ;;
-        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, capstream, productloop, cefloor, gradprod, lorastep, matrix)" >&2; exit 2 ;;
+        *)        echo "unknown phase: $want (tests, traintests, families, qwen35pair, lintests, moe, train, decode, dpo, dpoeval, gencheck, reserved, dpostd, gemma4peak, q35mem, nf4, nf4decode, gated, qwen35, packing, conv, moedecode, gate, expand, capstream, productloop, imagehead, cefloor, gradprod, lorastep, matrix)" >&2; exit 2 ;;
     esac
 done
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/traintests.log" 2>/dev/null | tail -2 || true  # no test phase: not a failure
