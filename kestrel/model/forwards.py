@@ -61,6 +61,20 @@ def _admits_qkv(store: Any, hidden_states: torch.Tensor) -> bool:
     return store.admits(seq, batch * seq, hidden, hidden_states.device)
 
 
+def _hf_attention(module: nn.Module, spec: FamilySpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  attention_mask: Any, window: int | None, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    """HF's attention function for the model's `_attn_implementation` (its eager one by default) on
+    q (B, h, T, d) and k, v (B, kv, S, d): (output (B, T, h, d), weights or None)."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager)
+    if window is not None:  # flash / flex read the window from here (Mistral's included)
+        kwargs["sliding_window"] = window
+    if spec.attention_sinks:  # gpt-oss off the varlen path: HF's eager, flash and flex kernels take them as s_aux
+        kwargs["s_aux"] = module.sinks
+    return interface(module, q, k, v, attention_mask, dropout=module.attention_dropout if module.training else 0.0,
+                     scaling=module.scaling, **kwargs)
+
+
 def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor, Any]]:
     """Attention with QK-norm, in-place RoPE and fused LoRA QKV; varlen when the model forward says so.
 
@@ -108,18 +122,7 @@ def make_attention_forward(spec: FamilySpec) -> Callable[..., tuple[torch.Tensor
                 return stored_projection(self.o_proj, out if gate is None else out * torch.sigmoid(gate), store), None
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        eager = sys.modules[type(self).__module__].eager_attention_forward
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-        if window is not None:  # flash / flex read the window from here (Mistral's included)
-            kwargs["sliding_window"] = window
-        if spec.attention_sinks:  # gpt-oss off the varlen path: HF's eager, flash and flex kernels take them as s_aux
-            kwargs["s_aux"] = self.sinks
-        out, weights = interface(
-            self, q, k, v, attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        out, weights = _hf_attention(self, spec, q, k, v, attention_mask, window, kwargs)
         out = out.reshape(*input_shape, -1).contiguous()
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -333,17 +336,22 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
                 loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                 hidden_states=outputs.hidden_states, attentions=outputs.attentions,
             )
-        stats = getattr(outputs, "router_stats", None) or router_stats_from_logits(
-            config, spec, attention_mask, getattr(outputs, "router_logits", None))
-        aux = stats.loss() if stats is not None else None
-        if aux is not None and loss is not None and add_aux:  # as HF: only with output_router_logits
-            loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
-        return MoeCausalLMOutputWithPast(
-            loss=loss, aux_loss=aux, logits=logits, past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-        )
+        return _moe_output(spec, config, outputs, attention_mask, loss, logits, add_aux)
 
     return forward
+
+
+def _moe_output(spec: FamilySpec, config: Any, outputs: Any, attention_mask: torch.Tensor | None,
+                loss: torch.Tensor | None, logits: torch.Tensor | None, add_aux: bool) -> MoeCausalLMOutputWithPast:
+    """A MoE head's output: the routers' load-balancing term from Kestrel's stack sums or from the logits
+    HF's stack recorded, added to the loss (scaled by `router_aux_loss_coef`) where `add_aux` asks, as HF does."""
+    stats = getattr(outputs, "router_stats", None) or router_stats_from_logits(
+        config, spec, attention_mask, getattr(outputs, "router_logits", None))
+    aux = stats.loss() if stats is not None else None
+    if aux is not None and loss is not None and add_aux:
+        loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, past_key_values=outputs.past_key_values,
+                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 def make_image_text_forward(spec: FamilySpec) -> Callable[..., Any]:
