@@ -76,17 +76,18 @@ def test_qlora_patched_curve_matches_unpatched_on_cuda(tiny_model_dir, tmp_path:
         assert abs(x - y) <= 0.03 * abs(y), f"step {step}: patched {x} vs unpatched {y}"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
 @pytest.mark.parametrize("graphs", ["0", "1"], ids=["eager", "graphed"])
 def test_qlora_offload_pages_gate_products_out_and_keeps_the_curve(
-    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: str
+    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graphs: str, family: str
 ) -> None:
     """Every layer of every step pages its gate product out and takes it back, eagerly or
     through its graphs' static buffers (for the batch shapes seen before), with the curve of
-    standard checkpointing."""
+    standard checkpointing; Qwen3.5's too, after a linear-attention or a full-attention mixer."""
     from kestrel.recompute import checkpoint as checkpointing
 
     monkeypatch.setenv("KESTREL_CUDA_GRAPHS", graphs)
-    model = str(tiny_model_dir("llama"))
+    model = str(tiny_model_dir(family))
     taken: list[bool] = []
     statics: list[bool] = []
     real_take, real_copy_out = checkpointing._KeptGate.take, checkpointing._KeptGate.copy_out
