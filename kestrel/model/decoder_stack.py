@@ -194,6 +194,7 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
         forked, host = kwargs.get(attn.FORK_KWARG), kwargs.pop(attn.STARTS_KWARG, None)  # starts: never on to HF
+        given = kwargs.pop(moe.ROUTER_STATS_KWARG, None)  # the head's, which then reads them itself
         if not handles(self, spec, input_ids, inputs_embeds, attention_mask, past_key_values, use_cache, kwargs,
                        position_ids):
             if forked is not None:  # HF's forward has no such layout: it would score something else
@@ -213,7 +214,7 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
         inputs = _layer_inputs(self, spec, layers, mode, h, attention_mask, given_positions, forked, host)
         rotary = _rotary(self, spec, h, position_ids)
         passed = {k: v for k, v in kwargs.items() if k in _PASSTHROUGH}
-        stats = moe.router_stats_for(self.config, spec, attention_mask)
+        stats = given if given is not None else moe.router_stats_for(self.config, spec, attention_mask)
         for i, layer in enumerate(layers):
             mask, extra = inputs[i]
             if stats is not None and "forward" in layer.__dict__:  # a patched layer hands it to its block
@@ -222,7 +223,7 @@ def make_model_forward(spec: FamilySpec, mode: attn.VarlenMode = "auto") -> Call
             h = layer(
                 h, attention_mask=mask, position_embeddings=rotary[i], position_ids=position_ids, **passed, **extra
             )
-        if stats is not None:
+        if stats is not None and given is None:  # a caller of the stack alone gets the sums with the output
             return moe.MoeStackOutput(last_hidden_state=self.norm(h), past_key_values=None, router_stats=stats)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=None)
 

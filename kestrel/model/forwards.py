@@ -22,7 +22,7 @@ from kestrel.model.attention import VARLEN_KWARG, layer_window, varlen_attention
 from kestrel.model.kept_attention import KEPT_KWARG, stored_causal_attention, stored_projection, stored_qkv
 from kestrel.model.fused_lora import fused_lora_weights
 from kestrel.model.linear_attention import SEGMENTS_KWARG, linear_mixer
-from kestrel.model.moe import ROUTER_STATS_KWARG, router_stats_from_logits
+from kestrel.model.moe import ROUTER_STATS_KWARG, RouterStats, router_stats_for, router_stats_from_logits
 from kestrel.model.multimodal import media_inputs
 from kestrel.model.registry import FamilySpec, text_config
 
@@ -308,7 +308,10 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
         targets = kwargs.pop("shift_labels", None)
         add_aux = kwargs.pop("output_router_logits", None)
         add_aux = getattr(config, "output_router_logits", False) if add_aux is None else add_aux
-        if spec.moe is not None and "model" not in spec.levels and (add_aux or labels is not None or targets is not None):
+        stats = None
+        if spec.moe is not None and "model" in spec.levels:  # Kestrel's stack sums the routers into the head's stats
+            stats = kwargs[ROUTER_STATS_KWARG] = router_stats_for(config, spec, attention_mask)
+        elif spec.moe is not None and (add_aux or labels is not None or targets is not None):
             kwargs["output_router_logits"] = True  # HF's stack records the routers' logits for the aux loss
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -336,17 +339,20 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
                 loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                 hidden_states=outputs.hidden_states, attentions=outputs.attentions,
             )
-        return _moe_output(spec, config, outputs, attention_mask, loss, logits, add_aux)
+        return _moe_output(spec, config, outputs, attention_mask, loss, logits, add_aux, stats)
 
     return forward
 
 
 def _moe_output(spec: FamilySpec, config: Any, outputs: Any, attention_mask: torch.Tensor | None,
-                loss: torch.Tensor | None, logits: torch.Tensor | None, add_aux: bool) -> MoeCausalLMOutputWithPast:
-    """A MoE head's output: the routers' load-balancing term from Kestrel's stack sums or from the logits
-    HF's stack recorded, added to the loss (scaled by `router_aux_loss_coef`) where `add_aux` asks, as HF does."""
-    stats = getattr(outputs, "router_stats", None) or router_stats_from_logits(
-        config, spec, attention_mask, getattr(outputs, "router_logits", None))
+                loss: torch.Tensor | None, logits: torch.Tensor | None, add_aux: bool,
+                stats: RouterStats | None) -> MoeCausalLMOutputWithPast:
+    """A MoE head's output: the routers' load-balancing term from the sums Kestrel's stack added to `stats`
+    or from the logits HF's stack recorded, added to the loss (scaled by `router_aux_loss_coef`) where
+    `add_aux` asks, as HF does."""
+    if stats is None or stats.empty:
+        stats = getattr(outputs, "router_stats", None) or router_stats_from_logits(
+            config, spec, attention_mask, getattr(outputs, "router_logits", None))
     aux = stats.loss() if stats is not None else None
     if aux is not None and loss is not None and add_aux:
         loss = loss + config.router_aux_loss_coef * aux.to(loss.device)

@@ -35,7 +35,8 @@ from kestrel.kernels.moe import ExpertProjection, moe_experts
 from kestrel.model.expert_quant import packed_experts
 from kestrel.model.registry import FamilySpec, MoeSpec
 
-ROUTER_STATS_KWARG = "kestrel_router_stats"  # how the decoder stack hands a layer its `RouterStats`
+# How the head hands the decoder stack, and the stack each layer, the forward's `RouterStats`
+ROUTER_STATS_KWARG = "kestrel_router_stats"
 
 
 class RouterStats:
@@ -62,6 +63,11 @@ class RouterStats:
         self.chosen = chosen if self.chosen is None else self.chosen + chosen
         self.probs = summed if self.probs is None else self.probs + summed
         self.rows = self.rows + rows
+
+    @property
+    def empty(self) -> bool:
+        """No layer has added its router's sums (the forward ran no patched sparse block)."""
+        return self.chosen is None
 
     def loss(self) -> torch.Tensor | None:
         """The auxiliary loss over the layers added so far (None before any)."""

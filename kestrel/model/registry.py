@@ -254,8 +254,7 @@ _MOE_FAMILIES = (
     ),
     # Qwen3.5-MoE: Qwen3.5's layers (linear and gated full attention, on the same forwards) with
     # Qwen3-MoE's router and experts in every layer's MLP, plus a shared expert behind a sigmoid
-    # gate (its MLP, `mlp_class`, on the dense MLP forward). HF's decoder stack runs and records the
-    # routers' logits for the load-balancing loss.
+    # gate (its MLP, `mlp_class`, on the dense MLP forward).
     replace(
         _QWEN3_5,
         model_type="qwen3_5_moe_text",
@@ -267,9 +266,6 @@ _MOE_FAMILIES = (
         norm_class="Qwen3_5MoeRMSNorm",
         linear_attention_class="Qwen3_5MoeGatedDeltaNet",
         moe=replace(_QWEN3_MOE_BLOCK, block_class="Qwen3_5MoeSparseMoeBlock", shared_expert=True),
-        # HF's stack: the image-text model wraps the stack's output in its own class, which has no field
-        # for Kestrel's router sums, so the routers' logits reach the loss HF's way
-        levels=_QWEN3_5.levels - {"model"},
         gguf_arch="qwen35moe",  # Qwen3.5's layout with Qwen3-MoE's experts and a shared expert
     ),
 )

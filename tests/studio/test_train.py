@@ -313,9 +313,8 @@ def test_the_fast_path_line_names_qwen3_5_moe() -> None:
     """A Qwen3.5-MoE checkpoint (image-text, as Qwen ships it): named, with what runs on the fast path."""
     config = {"model_type": "qwen3_5_moe", "vision_config": {"depth": 2}, "text_config": {"model_type": "qwen3_5_moe_text"}}
     assert train.fast_path_text(config).startswith(
-        "**Qwen3.5-MoE**: partly on Kestrel's fast path (attention, chunked loss, layers, linear attention, MLP, "
-        "norms); its other modules run Hugging Face's code, and chat and GRPO rollouts decode through Hugging "
-        "Face's forward.")
+        "**Qwen3.5-MoE**: trains on Kestrel's fast path (its kernels, padding-free packing); chat and GRPO rollouts "
+        "decode through Hugging Face's forward.")
 
 
 @pytest.mark.parametrize("changes, words", [
