@@ -110,10 +110,50 @@ def analyse(trace: dict, steps: int) -> str:
     for k, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {t / steps / 1e3:8.2f} {n / steps:6.1f}  {k}")
     lines += _gaps_in_step(busy, kernels, queries, cpu, start, (end - start) / steps)
+    lines += _copy_only(kernels, launches, cpu, start, (end - start) / steps, steps)
     lines += _host_waits(events, cpu, steps)
     lines += _kernels_by_source(kernels, launches, cpu, steps, ("other", "copy"))
     lines += _products_by_shape(kernels, cpu, steps)
     return "\n".join(lines)
+
+
+def _host_copy(kernel: dict) -> bool:
+    """A copy between host and device memory (offloaded checkpointing's pages), which the side stream runs."""
+    return kernel.get("cat") == "gpu_memcpy" and ("HtoD" in kernel["name"] or "DtoH" in kernel["name"])
+
+
+def _copy_only(kernels: list[dict], launches: dict, cpu: list[dict], start: float, step_us: float, steps: int,
+               top: int = 12) -> list[str]:
+    """Time in which host copies run and no other kernel does: the GPU's compute waiting for pages (a layer's
+    copy back not in yet, or the compute stream told to wait for a copy out). The "busy" figure counts it as
+    busy. Summed, then the longest such intervals with where in the step each fell and what launched the
+    compute kernel after it."""
+    compute = merge([(k["ts"], k["ts"] + k["dur"]) for k in kernels if not _host_copy(k)])
+    copies = merge([(k["ts"], k["ts"] + k["dur"]) for k in kernels if _host_copy(k)])
+    alone: list[tuple[float, float]] = []  # copies minus compute
+    i = 0
+    for s, e in copies:
+        while i < len(compute) and compute[i][1] <= s:
+            i += 1
+        j, at = i, s
+        while j < len(compute) and compute[j][0] < e:
+            if compute[j][0] > at:
+                alone.append((at, compute[j][0]))
+            at = max(at, compute[j][1])
+            j += 1
+        if at < e:
+            alone.append((at, e))
+    total = sum(e - s for s, e in alone)
+    lines = [f"\ncompute idle while only host copies run: {total / steps / 1e3:.2f} ms a step (counted busy above)"
+             + (":" if alone else "")]
+    computing = [k for k in kernels if not _host_copy(k)]
+    starts = [k["ts"] for k in computing]
+    longest = sorted(alone, key=lambda iv: iv[0] - iv[1])[:top]
+    after = [computing[min(bisect.bisect_left(starts, e), len(computing) - 1)] for _, e in longest] if computing else []
+    queries = [_launched(k, launches, e - s) for k, (s, e) in zip(after, longest)]
+    for (s, e), what in zip(longest, _frames_at(cpu, queries)):
+        lines.append(f"  {e - s:8.0f} {((s - start) % step_us) / 1e3:8.1f}  {what}")
+    return lines
 
 
 # CUDA runtime calls in which the host waits for the GPU: after one, the GPU idles while the host launches again

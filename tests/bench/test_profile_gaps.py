@@ -115,3 +115,26 @@ def test_the_hosts_waits_are_told_by_the_call_and_the_frames_that_made_them() ->
     assert "0.25" in waits[1] and "cudaStreamSynchronize: aten::_to_copy in model/attention.py(140): segment_starts" in waits[1]
     quiet = analyse({"traceEvents": events[:1]}, steps=1)
     assert "host waits for the GPU by call, op and our frames (ms/step, count/step); none" in quiet
+
+
+def test_time_with_only_host_copies_running_is_told_apart_from_busy_time() -> None:
+    """A copy back the compute stream waits for (100-250 us, nothing else running) counts as busy in the
+    union but as compute idle here, told by what launched the kernel after it; a copy out that compute
+    overlaps (500-600 us) counts nowhere."""
+    def kernel(ts: float, dur: float, corr: int, name: str = "nvjet_gemm", cat: str = "kernel") -> dict:
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [
+        kernel(0, 100, 1), kernel(100, 200, 2, "Memcpy HtoD (Pinned -> Device)", "gpu_memcpy"), kernel(250, 150, 3),
+        kernel(450, 200, 4), kernel(500, 100, 5, "Memcpy DtoH (Device -> Pinned)", "gpu_memcpy"),
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 90, "dur": 5, "tid": 7, "args": {"correlation": 3}},
+        {"cat": "python_function", "name": "/x/kestrel/recompute/checkpoint.py(316): backward", "ts": 80,
+         "dur": 40, "tid": 7},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 88, "dur": 10, "tid": 7},
+    ]
+    report = analyse({"traceEvents": events}, steps=1).splitlines()
+    head = next(i for i, line in enumerate(report) if line.startswith("compute idle while only host copies run"))
+    assert "0.15 ms a step" in report[head]
+    assert report[head + 1].split()[:2] == ["150", "0.1"]  # 150 us, starting 0.1 ms into the step
+    assert "aten::mm in recompute/checkpoint.py(316): backward" in report[head + 1]
+    assert report[head + 2] == ""  # one interval: the overlapped copy out is not one
