@@ -50,7 +50,7 @@ from kestrel.decode.projections import ProjGroup, base_module, make_group
 from kestrel.errors import KestrelError
 from kestrel.model.multimodal import language_stack
 from kestrel.model.attention import sink_softmax_attention
-from kestrel.model.registry import FamilySpec, family_for, text_config
+from kestrel.model.registry import FamilySpec, family_for, logit_softcap, text_config
 from kestrel.kernels.decode import nf4_gemv
 from kestrel.kernels.decode.attention import decode_attention
 from kestrel.kernels.dispatch import use_triton
@@ -126,7 +126,7 @@ class DecodeModel:
         self.max_seq_len = max_seq_len
         self.final_norm = _norm(stack.norm)
         self.lm_head = make_group(lm.lm_head)
-        self.softcap = getattr(config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+        self.softcap = logit_softcap(lm.config)
         self.attn_softcap = getattr(config, "attn_logit_softcapping", None)
         self._rope_per_type = hasattr(stack.rotary_emb, "layer_types")  # Gemma 3: local + global RoPE
         attn0 = stack.layers[0].self_attn

@@ -24,7 +24,7 @@ from kestrel.model.fused_lora import fused_lora_weights
 from kestrel.model.linear_attention import SEGMENTS_KWARG, linear_mixer
 from kestrel.model.moe import ROUTER_STATS_KWARG, RouterStats, router_stats_for, router_stats_from_logits
 from kestrel.model.multimodal import media_inputs
-from kestrel.model.registry import FamilySpec, text_config
+from kestrel.model.registry import FamilySpec, logit_softcap, text_config
 
 # --- RMSNorm ---------------------------------------------------------------------------------
 
@@ -318,7 +318,7 @@ def make_causal_lm_forward(spec: FamilySpec) -> Callable[..., CausalLMOutputWith
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, T, H)
-        softcap = getattr(config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+        softcap = logit_softcap(self.config)
         loss, logits = None, None
         if labels is not None or targets is not None:
             targets = shift_labels(labels) if targets is None else targets

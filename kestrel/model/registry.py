@@ -306,6 +306,16 @@ def family_for(config: Any) -> FamilySpec | None:
     return family_of(_field(config, "model_type") or "") or family_of(_field(text_config(config), "model_type") or "")
 
 
+def logit_softcap(config: Any) -> float | None:
+    """The final logit cap of a model's language model (config object or config.json dict; an image-text
+    model's `text_config` holds it): its family's `logit_softcap_attr`, HF's `final_logit_softcapping` for a
+    family Kestrel does not know, None where there is none. Logits are then softcap * tanh(logits / softcap)."""
+    spec = family_for(config)
+    attr = "final_logit_softcapping" if spec is None else spec.logit_softcap_attr
+    value = _field(text_config(config), attr) if attr else None
+    return float(value) if value else None
+
+
 def hf_attention(config: Any, asked: str = "sdpa") -> str:
     """The attention implementation to ask Hugging Face for: `asked`, except eager in place of SDPA
     for a family with attention sinks (HF runs sinks in eager, flash or flex attention, not SDPA)."""

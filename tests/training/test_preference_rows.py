@@ -126,3 +126,35 @@ def test_only_a_forward_with_gradients_runs_the_rounded_width(tiny_model_dir, fl
     assert widths == [rows.used, rows.input_ids.shape[1]]
     assert starts == (widths if flat else [None, None])
     torch.testing.assert_close(exact, rounded.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gemma4", "gemma3"])
+def test_an_image_text_models_answers_take_its_language_models_logit_cap(kind: str, demo_tokenizer, tmp_path) -> None:
+    """Gemma's final logit cap lives in an image-text checkpoint's text_config: the answers' log-probs cap their
+    logits as the model's own head does (Gemma 4's image-text class and Kestrel's head both apply it)."""
+    from kestrel.model.registry import logit_softcap
+    from tests.support.tiny_image_text import tiny_image_text_model
+
+    tiny_image_text_model(kind, len(demo_tokenizer), seed=1).save_pretrained(tmp_path)
+    demo_tokenizer.save_pretrained(tmp_path)
+    model, tok = _model(str(tmp_path), lora=True)
+    assert logit_softcap(model.config) == 30.0 and getattr(model.config, "final_logit_softcapping", None) is None
+    with torch.no_grad():  # logits of the cap's size, where it changes them (a tiny model's are below 1)
+        model.get_output_embeddings().weight.mul_(60.0)
+    pairs = _pairs(len(tok))
+    rows = answer_rows(pairs, tok.pad_token_id, torch.device("cpu"), False)
+    with torch.no_grad():
+        seq = answer_logprobs(model, rows).sum(-1)
+        expected = torch.stack([_full_sequence_logp(model, p, a) for p, a in pairs])
+    torch.testing.assert_close(seq, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_logit_cap_is_read_where_each_config_holds_it() -> None:
+    from kestrel.model.registry import logit_softcap
+
+    assert logit_softcap({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}) == 30.0
+    assert logit_softcap({"model_type": "gemma3", "vision_config": {},
+                          "text_config": {"model_type": "gemma3_text", "final_logit_softcapping": 50.0}}) == 50.0
+    assert logit_softcap({"model_type": "gemma3_text", "final_logit_softcapping": None}) is None
+    assert logit_softcap({"model_type": "llama", "final_logit_softcapping": 30.0}) is None  # Llama has no cap
+    assert logit_softcap({"model_type": "gemma2", "final_logit_softcapping": 30.0}) == 30.0  # HF's name, unknown family

@@ -22,7 +22,7 @@ from torch import nn
 from kestrel import kernels
 from kestrel.errors import ConfigError
 from kestrel.model.multimodal import language_stack
-from kestrel.model.registry import is_image_text, text_config
+from kestrel.model.registry import is_image_text, logit_softcap
 
 PAD = -100  # a target that is not a completion token: log-prob 0, no gradient
 
@@ -61,7 +61,7 @@ def completion_logprobs(
     cols = starts[:, None] - 1 + torch.arange(length, device=starts.device)[None]  # (R, L)
     cols = cols.clamp(max=hidden.shape[1] - 1)  # past a row's end: any column, its target is PAD
     h = hidden.gather(1, cols[..., None].expand(rows, length, hidden.shape[-1]))  # (R, L, H)
-    softcap = getattr(text_config(lm.config), "final_logit_softcapping", None)
+    softcap = logit_softcap(lm.config)
     return kernels.chunked_token_logprobs(h, lm.lm_head.weight, targets, temperature=temperature, softcap=softcap)
 
 

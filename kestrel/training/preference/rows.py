@@ -45,6 +45,7 @@ from torch import nn
 from kestrel import kernels
 from kestrel.data.collate import bucket_width
 from kestrel.model.attention import FORK_KWARG, STARTS_KWARG, ForkedSamples, HostStarts, fork_layout, host_starts
+from kestrel.model.registry import logit_softcap
 from kestrel.recompute.no_grad import replays_training_shapes
 from kestrel.training.grpo.logprobs import causal_lm
 
@@ -198,7 +199,7 @@ def _answer_logprobs(lm: nn.Module, rows: AnswerRows) -> torch.Tensor:
     hidden = lm.model(input_ids=rows.input_ids[:, :cols], position_ids=positions, use_cache=False,
                       **_layout(rows, rounded, cols)).last_hidden_state
     h = hidden[rows.row, rows.col]  # (N, H): the answer tokens' predicting states, no padding
-    softcap = getattr(lm.config, "final_logit_softcapping", None)
+    softcap = logit_softcap(lm.config)  # an image-text model's is its language model's
     logp = kernels.chunked_token_logprobs(h, lm.lm_head.weight, rows.targets, softcap=softcap)  # (N,)
     r, length = rows.shape
     return logp.new_zeros(r * length).index_put((rows.slots,), logp).view(r, length)  # (R, L), 0 past each end
