@@ -30,7 +30,7 @@ from kestrel.model.attention import VarlenMode, varlen_backend
 from kestrel.model.decoder_stack import make_model_forward
 from kestrel.model.linear_attention import linear_attention_forward, make_segmented_stack_forward
 from kestrel.model.moe import make_moe_forward
-from kestrel.model.registry import ALL_LEVELS, FamilySpec, family_for, is_image_text
+from kestrel.model.registry import ALL_LEVELS, FamilySpec, family_for, is_image_text, text_config
 
 log = logging.getLogger("kestrel")
 
@@ -180,7 +180,7 @@ def runs_varlen(model: nn.Module) -> bool:
     if not {"attention", "model"} <= handle.family.levels:  # HF's stack: its own mask per row
         return False
     embeddings = model.get_input_embeddings().weight
-    dropout = getattr(model.config, "attention_dropout", 0.0) > 0
+    dropout = getattr(text_config(model.config), "attention_dropout", 0.0) > 0  # an image-text model: its LM's
     sinks = handle.family.attention_sinks
     return varlen_backend(handle.flags.varlen, embeddings.device, embeddings.dtype, dropout, sinks=sinks) is not None
 
@@ -196,7 +196,7 @@ def prompt_sharing_refusal(model: nn.Module) -> str | None:
         return f"{spec.model_type}'s layers share K/V across layers ({spec.layer_shared_state}), which the fork does not follow"
     if spec is not None and spec.attention_sinks:
         return f"{spec.model_type}'s attention sinks have no variable-length attention kernel"
-    if spec is not None and spec.attn_softcap_attr and getattr(model.config, spec.attn_softcap_attr, None):
+    if spec is not None and spec.attn_softcap_attr and getattr(text_config(model.config), spec.attn_softcap_attr, None):
         return f"{spec.model_type} caps its attention logits ({spec.attn_softcap_attr}), which the varlen kernel does not"
     if not runs_varlen(model):
         return ("no variable-length attention kernel runs this model here (it needs CUDA in fp16/bf16 and Kestrel's "

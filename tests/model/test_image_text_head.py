@@ -111,3 +111,18 @@ def test_calls_with_images_video_or_audio_go_to_hfs_forward() -> None:
     finally:
         type(model).forward = hf
     assert calls == [["input_ids", "pixel_values", "use_cache"]]
+
+
+def test_an_image_text_models_attention_settings_are_read_from_its_language_model() -> None:
+    """Attention dropout and an attention-logit cap live in `text_config`: with either, the varlen path and the
+    shared-prompt fork are refused, as for the text-only class."""
+    from kestrel.model.patching import PatchFlags, prompt_sharing_refusal, runs_varlen
+
+    model = tiny_image_text_model("gemma3", VOCAB, seed=1)
+    patch_model(model, PatchFlags(varlen="reference"))
+    assert runs_varlen(model) and prompt_sharing_refusal(model) is None
+    model.config.text_config.attention_dropout = 0.1
+    assert not runs_varlen(model)
+    model.config.text_config.attention_dropout = 0.0
+    model.config.text_config.attn_logit_softcapping = 50.0
+    assert "caps its attention logits" in prompt_sharing_refusal(model)
