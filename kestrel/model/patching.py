@@ -135,9 +135,9 @@ def patch_model(model: nn.Module, flags: PatchFlags | None = None) -> PatchHandl
             handle.rebind(stack, forward)
     if "causal_lm" in on:
         for head in _modules_named(model, spec.causal_lm_class):
-            handle.rebind(head, ff.make_causal_lm_forward(spec))
+            handle.rebind(head, ff.make_causal_lm_forward(spec, "model" in on))
         if is_image_text(model.config) and isinstance(getattr(model, "lm_head", None), nn.Linear):
-            handle.rebind(model, ff.make_image_text_forward(spec))  # its text calls take the chunked loss
+            handle.rebind(model, ff.make_image_text_forward(spec, "model" in on))  # text calls: the chunked loss
     model.kestrel_patch = handle
     return handle
 

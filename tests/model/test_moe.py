@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from kestrel.model.moe import expert_projections
-from kestrel.model.patching import patch_lora_layers, patch_model
+from kestrel.model.patching import PatchFlags, patch_lora_layers, patch_model
 from kestrel.model.registry import family_of
 from tests.support.compare import assert_same_trainable_grads
 from tests.support.tiny import tiny_model
@@ -47,12 +47,15 @@ def _lora(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return peft_model
 
 
+@pytest.mark.parametrize("stack", ["kestrel", "hf"])
 @pytest.mark.parametrize("family", MOE)
-def test_moe_logits_loss_and_aux_match_hf(family: str) -> None:
+def test_moe_logits_loss_and_aux_match_hf(family: str, stack: str) -> None:
+    """The routers' sums for the aux loss: Kestrel's stack adds them into the stats the head hands it; with
+    the stack left to HF (`PatchFlags(model=False)`), HF's stack records the routers' logits instead."""
     ref = tiny_model(family, VOCAB, seed=1, **MIXED.get(family, {}))
     ref.config.output_router_logits = True  # HF then adds coef * aux to the loss
     fast = copy.deepcopy(ref)
-    patch_model(fast)
+    patch_model(fast, PatchFlags(model=stack == "kestrel"))
     ids, labels, mask = _batch()
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask, labels=labels)
