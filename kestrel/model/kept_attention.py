@@ -36,7 +36,7 @@ from torch import nn
 
 from kestrel.kernels.lora.lora import lora_linear_known, lora_projections_known
 from kestrel.model.fused_lora import fused_lora_weights, project_together
-from kestrel.model.registry import text_config
+from kestrel.model.registry import family_for, text_config
 
 KEPT_KWARG = "kestrel_kept_attention"  # the keyword a checkpointed decoder layer hands its attention (`AttentionStore`)
 
@@ -257,7 +257,9 @@ class KeptBytes:
         kv_heads = int(text.get("num_key_value_heads") or heads)
         base = int(text.get("head_dim") or text["hidden_size"] // heads)
         size = max([base, *(int(layer.get("head_dim") or base) for layer in (text.get("per_layer_config") or {}).values())])
-        return cls(heads * (size * 2 + 4), 2 * int(text["hidden_size"]), (heads + 2 * kv_heads) * size * 2)
+        spec = family_for(config)
+        queries = 2 * heads if spec is not None and spec.attn_output_gate else heads  # q_proj's gate half rides along
+        return cls(heads * (size * 2 + 4), 2 * int(text["hidden_size"]), (queries + 2 * kv_heads) * size * 2)
 
 
 def worth_keeping(seq: int, hidden: int) -> bool:

@@ -172,6 +172,10 @@ def test_kept_bytes_read_heads_and_head_size() -> None:
     per_layer = Config(num_attention_heads=8, head_dim=256, hidden_size=1536,
                        per_layer_config={"4": {"head_dim": 512}, "9": {"sliding_window": 512}})
     assert kept_bytes_per_row(per_layer) == 8 * (512 * 2 + 4)
+    # Qwen3.5's q_proj yields each head's query and output gate: Q's pages are twice the heads'
+    gated = Config(model_type="qwen3_5_text", num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                   hidden_size=4096)
+    assert kept_bytes_per_row(gated, qkv=True) == 16 * (256 * 2 + 4) + (2 * 16 + 2 * 4) * 256 * 2
 
 
 def test_the_link_is_measured_once_a_device_and_an_unmeasured_one_defers() -> None:
