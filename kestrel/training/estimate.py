@@ -368,8 +368,9 @@ def estimate_training_memory(
             host += sum(n * tokens * shape.heads * (head_dim * 2 + 4) for n, head_dim, _ in shape.attention_kinds())
             if keep_projection == "on":  # and the output projections' outputs
                 host += shape.attention_layers * tokens * shape.hidden * 2
-            if keep_qkv == "on":  # and Q, K and V
-                host += sum(n * tokens * (shape.heads + 2 * kv) * head_dim * 2 for n, head_dim, kv in shape.attention_kinds())
+            if keep_qkv == "on":  # and Q (with Qwen3.5's gate half), K and V
+                queries = shape.heads * (2 if shape.attn_output_gate else 1)
+                host += sum(n * tokens * (queries + 2 * kv) * head_dim * 2 for n, head_dim, kv in shape.attention_kinds())
     return MemoryEstimate(weights, trainable, optimizer, activations, extra, overhead, host, communication, devices)
 
 

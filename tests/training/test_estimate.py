@@ -283,6 +283,16 @@ def test_kept_attention_outputs_are_paged_too() -> None:
     assert qkv.offload_host_ram - projection.offload_host_ram == 32 * 4096 * (32 + 2 * 8) * 128 * 2  # Q, K, V
     standard = estimate_training_memory(shape, "qlora", 16, None, 2, 2048, "standard", keep_attention="on")
     assert standard.offload_host_ram == 0
+    # Qwen3.5: the full-attention quarter of the layers keeps them, Q with each head's output gate
+    from transformers import CONFIG_MAPPING
+
+    hybrid = shape_from_config(json.loads(CONFIG_MAPPING["qwen3_5_text"]().to_json_string()))
+    assert hybrid.attn_output_gate
+    args = (hybrid, "qlora", 16, None, 2, 2048, "offload")
+    held = [estimate_training_memory(*args, keep_attention="on", keep_projection="on", keep_qkv=qkv).offload_host_ram
+            for qkv in ("off", "on")]
+    (n, head_dim, kv), = hybrid.attention_kinds()
+    assert n == hybrid.layers // 4 and held[1] - held[0] == n * 4096 * (2 * hybrid.heads + 2 * kv) * head_dim * 2
     # auto (the default) keeps them only where the host has room to spare: never counted as needed, so
     # the longest contexts still choose offloading on the host memory their inputs need
     long_off = estimate_training_memory(shape, "qlora", 16, None, 1, 409_600, "offload", keep_attention="off")
