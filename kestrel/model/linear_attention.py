@@ -23,7 +23,8 @@ gradients there; else HF's reference functions. Passes without gradients (decode
 prefill, a checkpoint's first pass) keep the kernels. Each choice is logged once. Passes without
 a cache take Kestrel's short convolution (`kestrel.kernels.short_conv`) and, on CUDA,
 flash-linear-attention's gated norm (`norm_kernel`). Packed rows (several samples in a row) train
-each sample as if alone: see `make_segmented_stack_forward`.
+each sample as if alone: Kestrel's decoder stack hands these layers each token's offset in its sample
+(`segments`), and HF's stack gets them the same way when Kestrel's is off (`make_segmented_stack_forward`).
 """
 
 from __future__ import annotations
