@@ -63,7 +63,7 @@ class FamilySpec:
     gguf_arch: str = "llama"  # llama.cpp's architecture name
     gguf_permute_qk: bool = False  # Llama-style Q/K row permutation for llama.cpp's RoPE
     # Levels with a Kestrel forward; the others keep Hugging Face's (a family whose layers hold
-    # more than attention + MLP, e.g. Qwen3.5's linear attention or Gemma 4's per-layer inputs).
+    # more than attention or linear attention + MLP, e.g. Gemma 4's per-layer inputs).
     levels: frozenset[str] = ALL_LEVELS
     linear_attention_class: str | None = None  # gated-delta-rule layers (Qwen3.5), `kestrel.model.linear_attention`
     linear_attention_attr: str = "linear_attn"  # where a decoder layer holds it (in place of `self_attn`)
@@ -100,7 +100,7 @@ _GEMMA3 = FamilySpec(
     gguf_arch="gemma3",
 )
 
-# --- families added for issue 26 (dense, on part of the fast path) ---------------------------
+# --- families added for issue 26 (dense; Gemma 4 on part of the fast path) -------------------
 # Qwen3.5: 3 of 4 layers gated-delta-rule linear attention (flash-linear-attention's
 # kernels on CUDA, HF's reference elsewhere), the others gated full attention
 # with partial RoPE; zero-centred (1 + w) norms cast after the scale. Qwen3.5-MoE (below) is
