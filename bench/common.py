@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -242,3 +243,22 @@ def run_isolated(script: str, args: list[str], extra_path: str | None = None, ti
     if proc.returncode != 0 or not out.exists():
         return {"error": (proc.stderr or proc.stdout)[-2000:], "wall_s": time.time() - started}
     return json.loads(out.read_text())
+
+
+def runs_in_order(script: str, args: list[str], order: str, key: str, timeout: int = 900) -> list[dict[str, Any]]:
+    """`script --one <mode>` for each mode of `order` (comma-separated: "a,b,b,a" runs ABBA, so a drift over
+    the call cancels), each in its own process (`run_isolated`): the results in order, each tagged
+    {key: mode}; a failed run's holds its error, which is printed."""
+    runs = []
+    for mode in order.split(","):
+        got = run_isolated(script, [*args, "--one", mode], timeout=timeout)
+        if "error" in got:
+            print(f"{mode}: failed: {got['error'][-600:]}", flush=True)
+        runs.append({key: mode, **got})
+    return runs
+
+
+def mean_by(runs: list[dict[str, Any]], key: str, value: str) -> dict[str, float]:
+    """The mean `value` of the runs of each `key` (`runs_in_order`'s tags), over the runs that have it."""
+    modes = dict.fromkeys(r[key] for r in runs if value in r)
+    return {m: statistics.mean(r[value] for r in runs if r[key] == m and value in r) for m in modes}

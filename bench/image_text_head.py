@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import run_isolated  # noqa: E402
+from bench.common import mean_by, runs_in_order  # noqa: E402
 
 ROOT = Path("/tmp/kestrel-bench/image-text")
 
@@ -41,33 +40,17 @@ def image_text_type(text_type: str) -> str:
 
 def build_folder(name: str) -> Path:
     """The random-init bf16 image-text folder for matrix shape `name` (built on the GPU once)."""
-    import shutil
-
-    import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from bench.common import _save_tokenizer
-    from bench.matrix_models import matrix_config
+    from bench.matrix_models import matrix_config, write_model_dir
     from tests.support.tiny_image_text import IMAGE_TEXT
 
-    folder = ROOT / name
-    if (folder / "config.json").exists():
-        return folder
     text = matrix_config(name).to_dict()
     kind = image_text_type(text["model_type"])
     _, vision, extra = IMAGE_TEXT[kind]
     cfg = AutoConfig.for_model(kind, text_config=text, vision_config=vision,
                                tie_word_embeddings=text.get("tie_word_embeddings", False), **extra)
-    with torch.device("cuda"):
-        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    _save_tokenizer(tmp)
-    del model
-    torch.cuda.empty_cache()
-    tmp.rename(folder)
-    return folder
+    return write_model_dir(cfg, ROOT / name, "cuda", name, AutoModelForImageTextToText)  # kept once built
 
 
 def one(args: argparse.Namespace) -> dict[str, Any]:
@@ -113,16 +96,13 @@ def main() -> None:
     if args.one:
         args.out.write_text(json.dumps(one(args)))
         return
-    runs = []
-    for head in args.heads.split(","):
-        passed = ["--model", args.model, "--method", args.method, "--layout", args.layout, "--steps", str(args.steps),
-                  "--warmup", str(args.warmup), "--batches", str(args.batches), "--one", head]
-        got = run_isolated(__file__, passed, timeout=900)
-        runs.append({"head": head, **got})
-        print(json.dumps(runs[-1])[:600], flush=True)
-    means = {h: statistics.mean(r["tokens_per_s"] for r in runs if r["head"] == h and "tokens_per_s" in r)
-             for h in ("kestrel", "hf") if any(r["head"] == h and "tokens_per_s" in r for r in runs)}
-    if len(means) == 2:
+    passed = ["--model", args.model, "--method", args.method, "--layout", args.layout, "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--batches", str(args.batches)]
+    runs = runs_in_order(__file__, passed, args.heads, "head")
+    for got in runs:
+        print(json.dumps(got)[:600], flush=True)
+    means = mean_by(runs, "head", "tokens_per_s")
+    if {"kestrel", "hf"} <= means.keys():
         print(f"Kestrel's head / HF's: {means['kestrel'] / means['hf']:.3f}x tokens/s", flush=True)
     args.out.write_text(json.dumps(dict(model=args.model, method=args.method, layout=args.layout, runs=runs,
                                         means=means), indent=1))

@@ -76,23 +76,26 @@ def build_model_dir(name: str, root: Path = MODEL_ROOT, device: str = "cuda") ->
     return write_model_dir(matrix_config(name), model_dir(name, root), device, name)
 
 
-def write_model_dir(cfg: Any, folder: Path, device: str, name: str) -> Path:
+def write_model_dir(cfg: Any, folder: Path, device: str, name: str, auto: Any = None) -> Path:
     """`cfg`'s random-init bf16 model saved at `folder` without its routed experts' weights (kept
     when it holds config.json): sized on the meta device first, so a short disk fails before the
-    build; written to a sibling and renamed, so a cut-off build leaves no half folder."""
+    build; written to a sibling and renamed, so a cut-off build leaves no half folder. `auto`: the
+    auto class that builds it (AutoModelForCausalLM; an image-text model's AutoModelForImageTextToText)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    auto = auto or AutoModelForCausalLM
 
     from bench.common import _save_tokenizer
 
     if (folder / "config.json").exists():
         return folder
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        skeleton = auto.from_config(cfg, dtype=torch.bfloat16)
     check_free_disk(folder, saved_bytes(skeleton), name)
     del skeleton
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = auto.from_config(cfg, dtype=torch.bfloat16)
     skip = expert_weight_names(model)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

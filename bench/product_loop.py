@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import run_isolated  # noqa: E402
+from bench.common import mean_by, runs_in_order  # noqa: E402
 
 
 def steady(rows: list[dict], tokens: dict[int, int], warmup: int) -> dict[str, float]:
@@ -92,22 +92,17 @@ def main() -> None:
     if args.one:
         args.out.write_text(json.dumps(one(args)))
         return
-    runs = []
-    for mode in args.order.split(","):
-        passed = ["--model", args.model, "--method", args.method, "--seq", str(args.seq), "--batch", str(args.batch),
-                  "--steps", str(args.steps), "--one", mode]
-        got = run_isolated(__file__, passed, timeout=900)
+    passed = ["--model", args.model, "--method", args.method, "--seq", str(args.seq), "--batch", str(args.batch),
+              "--steps", str(args.steps)]
+    runs = runs_in_order(__file__, passed, args.order, "ahead")
+    for got in runs:
         if "error" in got:
-            print(f"{mode}: failed: {got['error'][-600:]}", flush=True)
-            runs.append({"ahead": mode, "error": got["error"]})
             continue
         got.update(steady(got.pop("rows"), {int(k): v for k, v in got.pop("tokens").items()}, args.warmup))
-        runs.append(got)
-        print(f"{mode}: {got['tokens_per_s']:,.0f} tokens/s by the wall clock over {got['steps']} steps "
+        print(f"{got['ahead']}: {got['tokens_per_s']:,.0f} tokens/s by the wall clock over {got['steps']} steps "
               f"(the steps' own median {got['reported_tokens_per_s']:,.0f})", flush=True)
-    mean = {m: statistics.mean(r["tokens_per_s"] for r in runs if r["ahead"] == m and "tokens_per_s" in r)
-            for m in ("on", "off") if any(r["ahead"] == m and "tokens_per_s" in r for r in runs)}
-    if len(mean) == 2:
+    mean = mean_by(runs, "ahead", "tokens_per_s")
+    if {"on", "off"} <= mean.keys():
         print(f"ahead / step by step: {mean['on'] / mean['off']:.3f}x", flush=True)
     args.out.write_text(json.dumps(dict(model=args.model, method=args.method, seq=args.seq, batch=args.batch,
                                         runs=runs, mean=mean), indent=1))

@@ -285,14 +285,13 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
 
 
-def make_causal_lm_forward(spec: FamilySpec, kestrel_stack: bool | None = None) -> Callable[..., CausalLMOutputWithPast]:
+def make_causal_lm_forward(spec: FamilySpec, kestrel_stack: bool) -> Callable[..., CausalLMOutputWithPast]:
     """The head: the stack's hidden states (B, T, H), then with labels (or shift_labels) the chunked
     loss (`kernels.fused_linear_cross_entropy`: no (B*T, V) logits held), else the logits kept. Also
     serves an image-text model's text calls (`make_image_text_forward`): its `model` runs the language
     model, and the language model's config (`text_config`) holds the cap and the routers' sizes.
-    `kestrel_stack`: whether the decoder stack runs Kestrel's forward (default: the family has that level),
-    which sums a MoE's routers into the stats the head hands it; else HF's stack records their logits."""
-    ours = "model" in spec.levels if kestrel_stack is None else kestrel_stack
+    `kestrel_stack`: whether the decoder stack runs Kestrel's forward (patched at the `model` level), which
+    sums a MoE's routers into the stats the head hands it; else HF's stack records their logits."""
 
     def forward(
         self: nn.Module,
@@ -312,7 +311,7 @@ def make_causal_lm_forward(spec: FamilySpec, kestrel_stack: bool | None = None) 
         add_aux = kwargs.pop("output_router_logits", None)
         add_aux = getattr(config, "output_router_logits", False) if add_aux is None else add_aux
         stats = None
-        if spec.moe is not None and ours:  # Kestrel's stack sums the routers into the head's stats
+        if spec.moe is not None and kestrel_stack:  # Kestrel's stack sums the routers into the head's stats
             stats = kwargs[ROUTER_STATS_KWARG] = router_stats_for(config, spec, attention_mask)
         elif spec.moe is not None and (add_aux or labels is not None or targets is not None):
             kwargs["output_router_logits"] = True  # HF's stack records the routers' logits for the aux loss
@@ -363,7 +362,7 @@ def _moe_output(spec: FamilySpec, config: Any, outputs: Any, attention_mask: tor
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-def make_image_text_forward(spec: FamilySpec, kestrel_stack: bool | None = None) -> Callable[..., Any]:
+def make_image_text_forward(spec: FamilySpec, kestrel_stack: bool) -> Callable[..., Any]:
     """An image-text model's forward (`...ForConditionalGeneration`: its `model` holds the vision tower
     and the language model, its `lm_head` the head): a call with text alone takes the causal-LM head
     above (the chunked loss, not HF's (B, T, V) logits and their fp32 copy in its loss); a call

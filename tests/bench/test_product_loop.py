@@ -32,3 +32,21 @@ def test_one_run_reports_every_step_with_its_tokens(tiny_model_dir, monkeypatch,
     steps = [r["step"] for r in got["rows"] if "tokens_per_s" in r]
     assert steps == [1, 2, 3, 4, 5] and sorted(got["tokens"]) == steps and min(got["tokens"].values()) > 0
     assert product_loop.steady(got["rows"], got["tokens"], warmup=1)["tokens_per_s"] > 0
+
+
+def test_runs_go_in_the_given_order_each_tagged_and_averaged_by_mode(monkeypatch, capsys) -> None:
+    from bench import common
+
+    calls = []
+
+    def isolated(script: str, args: list[str], timeout: int = 900) -> dict:
+        calls.append(args)
+        mode = args[-1]
+        return {"error": "boom"} if len(calls) == 3 else {"tokens_per_s": {"off": 10.0, "on": 12.0}[mode]}
+
+    monkeypatch.setattr(common, "run_isolated", isolated)
+    runs = common.runs_in_order("x.py", ["--model", "m"], "off,on,on,off", "ahead")
+    assert calls == [["--model", "m", "--one", m] for m in ("off", "on", "on", "off")]
+    assert [r["ahead"] for r in runs] == ["off", "on", "on", "off"] and runs[2] == {"ahead": "on", "error": "boom"}
+    assert "on: failed: boom" in capsys.readouterr().out
+    assert common.mean_by(runs, "ahead", "tokens_per_s") == {"off": 10.0, "on": 12.0}  # the failed run left out

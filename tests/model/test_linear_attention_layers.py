@@ -8,18 +8,17 @@ family and on Qwen3.5-MoE (whose sparse block runs through the same layer forwar
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
 
-from kestrel import kernels
 from kestrel.model.patching import patch_lora_layers, patch_model, unpatch_model
 from kestrel.model.registry import family_of
 from kestrel.recompute.checkpoint import set_gradient_checkpointing
 from tests.model.test_linear_attention_packing import _packed
+from tests.model.test_model_forward import mlp_discards
 from tests.model.test_patching import VOCAB, _lora
-from tests.support.compare import assert_same_trainable_grads
+from tests.support.compare import assert_same_loss_and_grads
 from tests.support.tiny import tiny_model
 
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text"]
@@ -37,19 +36,6 @@ def _batch(padded: bool) -> dict[str, torch.Tensor]:
         labels[1, 13:] = -100
         batch["attention_mask"] = mask
     return batch
-
-
-def _mlp_discards(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Each dense LoRA MLP call's `discard_output`, in call order."""
-    seen: list[bool] = []
-    real = kernels.lora_mlp
-
-    def spy(*args: Any, discard_output: bool = False, **kwargs: Any) -> torch.Tensor:
-        seen.append(discard_output)
-        return real(*args, discard_output=discard_output, **kwargs)
-
-    monkeypatch.setattr(kernels, "lora_mlp", spy)
-    return seen
 
 
 def test_every_decoder_layer_runs_kestrels_forward_and_undo_restores_hfs() -> None:
@@ -70,7 +56,7 @@ def test_every_decoder_layer_runs_kestrels_forward_and_undo_restores_hfs() -> No
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
 def test_checkpointed_layers_give_hfs_loss_and_lora_gradients(family: str, mode: str, padded: bool,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    discards = _mlp_discards(monkeypatch)
+    discards = mlp_discards(monkeypatch)
     base = tiny_model(family, VOCAB, seed=3)
     ref = _lora(copy.deepcopy(base), seed=4)
     patch_model(base)
@@ -79,12 +65,7 @@ def test_checkpointed_layers_give_hfs_loss_and_lora_gradients(family: str, mode:
     set_gradient_checkpointing(fast, mode, "off")
     ref.train(), fast.train()
     batch = _batch(padded)
-    ref_loss = ref(**batch, use_cache=False).loss
-    fast_loss = fast(**batch, use_cache=False).loss
-    torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-5)
-    ref_loss.backward()
-    fast_loss.backward()
-    assert_same_trainable_grads(fast, ref)
+    assert_same_loss_and_grads(fast, ref, batch)
     dense = sum(hasattr(getattr(m, "gate_proj", None), "lora_A") for m in fast.modules())
     if family == "qwen3_5_moe_text":
         return  # its MLP is the sparse block (the shared expert carries no adapters: PEFT's names miss it)

@@ -19,7 +19,7 @@ from kestrel.model import decoder_stack as model_forward
 from kestrel.recompute.checkpoint import set_gradient_checkpointing
 from kestrel.model.patching import PatchFlags, patch_lora_layers, patch_model
 from kestrel.model.registry import FULL_PATH_FAMILIES as SUPPORTED
-from tests.support.compare import assert_same_trainable_grads
+from tests.support.compare import assert_same_loss_and_grads, assert_same_trainable_grads
 from tests.support.tiny import tiny_model
 from tests.model.test_patching import VOCAB, _lora
 
@@ -68,6 +68,21 @@ def _batch(case: str) -> dict[str, torch.Tensor]:
         for row, (_, c) in enumerate(cuts):
             labels[row, c] = -100
     return batch
+
+
+def mlp_discards(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each LoRA MLP call's `discard_output` (a checkpoint's recompute skipping the down product), in call order."""
+    from kestrel import kernels
+
+    seen: list[bool] = []
+    real = kernels.lora_mlp
+
+    def spy(*args: Any, discard_output: bool = False, **kwargs: Any) -> torch.Tensor:
+        seen.append(discard_output)
+        return real(*args, discard_output=discard_output, **kwargs)
+
+    monkeypatch.setattr(kernels, "lora_mlp", spy)
+    return seen
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -122,12 +137,7 @@ def test_logits_loss_and_lora_grads_match_hf(family: str, case: str, mode: str, 
     keep = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()  # pad rows are HF's business
     torch.testing.assert_close(fast_logits[keep], ref_logits[keep], rtol=1e-4, atol=1e-4)
     ref.train(), fast.train()
-    ref_loss = ref(**batch, use_cache=False).loss
-    fast_loss = fast(**batch, use_cache=False).loss
-    torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-5)
-    ref_loss.backward()
-    fast_loss.backward()
-    assert_same_trainable_grads(fast, ref)
+    assert_same_loss_and_grads(fast, ref, batch)
     assert counts["model"] == 2  # the logits and the loss forward, neither delegated
     # Right-padded rows run as segments (real tokens, then padding) through varlen; left padding
     # and a mask with a hole take HF's mask.
@@ -148,16 +158,7 @@ def test_checkpointed_packed_training_matches_hf(family: str, monkeypatch: pytes
     """Layers called through __call__: HF checkpointing (our reentrant function) still recomputes
     them. In the recompute the fused MLP skips its down product where the MLP output goes
     straight into the residual sum (every family but Gemma's sandwich norms)."""
-    from kestrel import kernels
-
-    discards: list[bool] = []
-    real = kernels.lora_mlp
-
-    def spy(*args: Any, discard_output: bool = False, **kwargs: Any) -> torch.Tensor:
-        discards.append(discard_output)
-        return real(*args, discard_output=discard_output, **kwargs)
-
-    monkeypatch.setattr(kernels, "lora_mlp", spy)
+    discards = mlp_discards(monkeypatch)
     base = _base(family, seed=9)
     ref = _lora(copy.deepcopy(base), seed=10)
     patch_model(base, PatchFlags(varlen="reference"))

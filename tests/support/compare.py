@@ -13,3 +13,13 @@ def assert_same_trainable_grads(fast: torch.nn.Module, ref: torch.nn.Module, rto
     for name, grad in ref_grads.items():
         assert fast_grads[name] is not None, name
         torch.testing.assert_close(fast_grads[name], grad, rtol=rtol, atol=atol, msg=name)
+
+
+def assert_same_loss_and_grads(fast: torch.nn.Module, ref: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    """`fast`'s training loss on `batch` (with its labels) is `ref`'s, and so are the trainable gradients of it."""
+    ref_loss = ref(**batch, use_cache=False).loss
+    fast_loss = fast(**batch, use_cache=False).loss
+    torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-5)
+    ref_loss.backward()
+    fast_loss.backward()
+    assert_same_trainable_grads(fast, ref)
